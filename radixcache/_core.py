@@ -1,0 +1,47 @@
+"""The chooser: the compiled tree core unless RADIXCACHE_NO_EXTENSIONS is set or it is missing."""
+
+from __future__ import annotations
+
+import os
+from abc import ABC
+from types import ModuleType
+
+from . import _core_py
+
+try:
+    from . import _core_c
+except ImportError:  # not built (no compiler at install time): pure Python, silently
+    _core_c = None
+
+NO_EXTENSIONS = bool(os.environ.get("RADIXCACHE_NO_EXTENSIONS"))
+
+CORES: dict[str, ModuleType] = {"python": _core_py}
+if _core_c is not None:
+    CORES["c"] = _core_c
+
+core: ModuleType = _core_py if NO_EXTENSIONS or _core_c is None else _core_c
+
+
+class RadixTreeNode(ABC):
+    """A node of a RadixCache tree (either core's node class is an instance of this)."""
+
+
+for _module in CORES.values():
+    RadixTreeNode.register(_module.Node)
+
+
+def core_name() -> str:
+    """Which tree core new caches use by default: ``"c"`` (compiled) or ``"python"``."""
+    return core.CORE_NAME
+
+
+def get_core(name: str | None) -> ModuleType:
+    """The core module called ``name`` (``None``: the default one)."""
+    if name is None:
+        return core
+    try:
+        return CORES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown core {name!r}; available: {', '.join(sorted(CORES))}"
+        ) from None

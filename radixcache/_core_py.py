@@ -1,0 +1,428 @@
+"""Pure-Python radix tree core: the reference, the fallback and the benchmark baseline.
+
+The compiled core (``_core_c.pyx``) implements exactly this interface; ``cache.py`` talks to
+whichever one ``_core.py`` chose and never walks the tree itself.
+
+Interface shared by both cores
+------------------------------
+``Node`` -- one tree node. Public, read-only properties: ``key`` (read-only 1-D int64 numpy
+array of the node's tokens), ``num_tokens``, ``stored_value`` (the index tensor given at
+insert, or None when the key doubles as the indices or the node was evicted), ``parent``,
+``children`` (tuple of nodes), ``num_children``, ``lock_ref``, ``last_access_time``,
+``created_time``, ``priority``, ``hit_count``, ``extra_key``, ``id``, ``evicted``,
+``terminal``. ``value`` (the index tensor, materialised from the key when none was stored)
+is added by ``_tensors.node_value``.
+
+``Tree(page_size)`` -- attributes ``root``, ``page_size``, ``clock`` (logical time, +1 per
+touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writable counter).
+
+- ``match(tokens, extra_key) -> (path, length)``: ``path`` lists the matched nodes below the
+  root (the last one split so the match ends on its boundary); ``length`` is page aligned.
+  Length 0 touches nothing; otherwise one clock tick stamps the root and every path node.
+- ``insert(tokens, extra_key, priority) -> (prefix_len, last_node, new_leaf)``: walks, splits
+  where the key diverges inside a node, adds the uncached remainder as one new leaf (``None``
+  if nothing was new), stamps the path, raises priorities to ``priority``, counts one hit per
+  path node (a new leaf starts at 1), marks ``last_node`` terminal when the whole sequence was
+  page aligned.
+- ``exists(tokens, extra_key) -> bool``: read-only exact-sequence test (terminal mark).
+- ``set_value(node, value)``: stores the index tensor of a freshly inserted leaf.
+- ``lock(node, delta) -> int``: ``delta`` is +1 or -1; walks node -> root (root excluded),
+  returns how many tokens crossed between unlocked and locked. Raises ``TypeError`` for a
+  non-node, ``ValueError`` for an evicted node, a node of another tree, or an unlock below 0,
+  changing nothing.
+- ``remove_leaf(node) -> parent``: detaches an unlocked leaf, marks it evicted, clears its
+  stored value.
+- ``reset()``: drops every node (marking each evicted) without recursion.
+- ``iter_nodes() -> iterator of (node, depth)``: pre-order, root first at depth 0.
+
+``tokens`` is a list or tuple of ints, or any object exposing a C-contiguous int64 buffer
+(``numpy.int64`` arrays, ``array('q')``); the core converts it once per call. Bad tokens
+raise ``TypeError``/``OverflowError`` before anything changes.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Iterator
+
+import numpy as np
+
+from ._tensors import indices_from_key
+
+__all__ = ["Node", "Tree", "CORE_NAME"]
+
+CORE_NAME = "python"
+
+_TOKEN_BYTES = 8
+_next_id = 0
+
+
+def _new_id() -> int:
+    global _next_id
+    _next_id += 1
+    return _next_id
+
+
+def _as_bytes(tokens: Any) -> bytes:
+    """The caller's tokens as one native int64 byte string (one conversion per call)."""
+    if isinstance(tokens, (list, tuple)):
+        try:
+            return struct.pack(f"{len(tokens)}q", *tokens)
+        except struct.error as exc:
+            # struct reports both wrong types and out-of-range values as struct.error.
+            for tok in tokens:
+                if not isinstance(tok, int) and not hasattr(tok, "__index__"):
+                    raise TypeError(
+                        f"token ids must be integers, got {type(tok).__name__}"
+                    ) from None
+                if not -(2**63) <= tok.__index__() < 2**63:
+                    raise OverflowError(
+                        f"token id {tok} does not fit in int64"
+                    ) from None
+            raise TypeError(f"bad token ids: {exc}") from None
+    view = memoryview(tokens)
+    if view.format not in ("q", "l", "<q", "=q") or view.itemsize != 8 or view.ndim != 1:
+        raise TypeError("token buffer must be 1-D int64")
+    return view.tobytes()
+
+
+def _first_mismatch(a: bytes, b: bytes) -> int:
+    """Index of the first differing token of two equal-length byte strings (len if none)."""
+    diff = int.from_bytes(a, "little") ^ int.from_bytes(b, "little")
+    if diff == 0:
+        return len(a) // _TOKEN_BYTES
+    # The lowest set bit sits in the first differing byte, so in the first differing token.
+    return ((diff & -diff).bit_length() - 1) // (8 * _TOKEN_BYTES)
+
+
+class Node:
+    """A radix tree node of the pure-Python core."""
+
+    __slots__ = (
+        "_key", "_value", "_parent", "_children", "_lock_ref", "_last_access_time",
+        "_created_time", "_priority", "_hit_count", "_extra_key", "_id", "_evicted",
+        "_terminal", "__weakref__",
+    )
+
+    def __init__(self, key: bytes, parent: "Node | None", extra_key: Any, now: int,
+                 priority: int = 0) -> None:
+        self._key = key
+        self._value = None
+        self._parent = parent
+        self._children: dict = {}
+        self._lock_ref = 0
+        self._last_access_time = now
+        self._created_time = now
+        self._priority = priority
+        self._hit_count = 0
+        self._extra_key = extra_key
+        self._id = _new_id()
+        self._evicted = False
+        self._terminal = False
+
+    # -- read-only public view -------------------------------------------------------
+    @property
+    def key(self) -> np.ndarray:
+        return np.frombuffer(self._key, dtype=np.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._key) // _TOKEN_BYTES
+
+    @property
+    def stored_value(self):
+        return self._value
+
+    @property
+    def value(self):
+        if self._value is not None or self._evicted:
+            return self._value
+        return indices_from_key(self.key)
+
+    @property
+    def parent(self) -> "Node | None":
+        return self._parent
+
+    @property
+    def children(self) -> tuple:
+        return tuple(self._children.values())
+
+    @property
+    def num_children(self) -> int:
+        return len(self._children)
+
+    @property
+    def lock_ref(self) -> int:
+        return self._lock_ref
+
+    @property
+    def last_access_time(self) -> int:
+        return self._last_access_time
+
+    @property
+    def created_time(self) -> int:
+        return self._created_time
+
+    @property
+    def priority(self) -> int:
+        return self._priority
+
+    @property
+    def hit_count(self) -> int:
+        return self._hit_count
+
+    @property
+    def extra_key(self) -> Any:
+        return self._extra_key
+
+    @property
+    def id(self) -> int:
+        return self._id
+
+    @property
+    def evicted(self) -> bool:
+        return self._evicted
+
+    @property
+    def terminal(self) -> bool:
+        return self._terminal
+
+    def __repr__(self) -> str:
+        return (f"<RadixTreeNode id={self._id} len={self.num_tokens} "
+                f"lock_ref={self._lock_ref}{' evicted' if self._evicted else ''}>")
+
+
+class Tree:
+    """The pure-Python radix tree: walks, splits, locks; no tensors, no heap."""
+
+    __slots__ = ("page_size", "root", "clock", "node_count", "num_splits", "_page_bytes")
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._page_bytes = page_size * _TOKEN_BYTES
+        self.clock = 0
+        self.node_count = 0
+        self.num_splits = 0
+        self.root = Node(b"", None, None, 0)
+
+    # -- helpers ---------------------------------------------------------------------
+    def _child_key(self, parent: Node, extra_key: Any, first_page: bytes):
+        # Namespaces only need separating at the root: a subtree never mixes extra_keys.
+        if parent is self.root and extra_key is not None:
+            return (extra_key, first_page)
+        return first_page
+
+    def _aligned_end(self, buf: bytes) -> int:
+        end = len(buf)
+        return end - end % self._page_bytes
+
+    def _common_bytes(self, key: bytes, buf: bytes, pos: int, end: int) -> int:
+        """Page-aligned byte length of the common prefix of key and buf[pos:end]."""
+        span = min(len(key), end - pos)
+        if key[:span] == buf[pos:pos + span]:
+            same = span
+        else:
+            same = _first_mismatch(key[:span], buf[pos:pos + span]) * _TOKEN_BYTES
+        return same - same % self._page_bytes
+
+    def _split(self, node: Node, at: int) -> Node:
+        """Split ``node`` ``at`` bytes in: a new upper node takes over its place."""
+        parent = node._parent
+        upper = Node(node._key[:at], parent, node._extra_key, node._last_access_time,
+                     node._priority)
+        upper._lock_ref = node._lock_ref
+        upper._hit_count = node._hit_count
+        upper._created_time = node._created_time
+        if node._value is not None:
+            upper._value = node._value[: at // _TOKEN_BYTES]
+            node._value = node._value[at // _TOKEN_BYTES:]
+        ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
+        node._key = node._key[at:]
+        parent._children[ckey] = upper
+        upper._children[node._key[: self._page_bytes]] = node
+        node._parent = upper
+        self.node_count += 1
+        self.num_splits += 1
+        return upper
+
+    # -- walks -----------------------------------------------------------------------
+    def match(self, tokens: Any, extra_key: Any = None) -> tuple[list, int]:
+        buf = _as_bytes(tokens)
+        end = self._aligned_end(buf)
+        if end == 0:
+            return [], 0
+        self.clock += 1
+        now = self.clock
+        node = self.root
+        node._last_access_time = now
+        page_bytes = self._page_bytes
+        path = []
+        pos = 0
+        while pos < end:
+            first = buf[pos:pos + page_bytes]
+            if node is self.root and extra_key is not None:
+                child = node._children.get((extra_key, first))
+            else:
+                child = node._children.get(first)
+            if child is None:
+                break
+            key = child._key
+            klen = len(key)
+            if klen <= end - pos and buf[pos:pos + klen] == key:
+                pos += klen
+            else:
+                common = self._common_bytes(key, buf, pos, end)
+                if common < klen:
+                    child = self._split(child, common)
+                pos += common
+                child._last_access_time = now
+                path.append(child)
+                break
+            child._last_access_time = now
+            path.append(child)
+            node = child
+        return path, pos // _TOKEN_BYTES
+
+    def insert(self, tokens: Any, extra_key: Any = None, priority: int = 0):
+        buf = _as_bytes(tokens)
+        end = self._aligned_end(buf)
+        whole = end == len(buf)
+        root = self.root
+        if end == 0:
+            if whole:
+                root._terminal = True
+            return 0, root, None
+        self.clock += 1
+        now = self.clock
+        root._last_access_time = now
+        page_bytes = self._page_bytes
+        node = root
+        pos = 0
+        while pos < end:
+            first = buf[pos:pos + page_bytes]
+            if node is root and extra_key is not None:
+                child = node._children.get((extra_key, first))
+            else:
+                child = node._children.get(first)
+            if child is None:
+                break
+            key = child._key
+            klen = len(key)
+            full = klen <= end - pos and buf[pos:pos + klen] == key
+            if not full:
+                common = self._common_bytes(key, buf, pos, end)
+                child = self._split(child, common)
+                klen = common
+            child._last_access_time = now
+            child._hit_count += 1
+            if priority > child._priority:
+                child._priority = priority
+            pos += klen
+            node = child
+            if not full:
+                break
+        prefix_len = pos // _TOKEN_BYTES
+        new_leaf = None
+        if pos < end:
+            new_leaf = Node(buf[pos:end], node, extra_key, now, priority)
+            new_leaf._hit_count = 1
+            node._children[self._child_key(node, extra_key, buf[pos:pos + page_bytes])] = new_leaf
+            self.node_count += 1
+            node = new_leaf
+        if whole:
+            node._terminal = True
+        return prefix_len, node, new_leaf
+
+    def exists(self, tokens: Any, extra_key: Any = None) -> bool:
+        buf = _as_bytes(tokens)
+        end = len(buf)
+        if end % self._page_bytes:
+            return False
+        node = self.root
+        page_bytes = self._page_bytes
+        pos = 0
+        while pos < end:
+            first = buf[pos:pos + page_bytes]
+            if node is self.root and extra_key is not None:
+                child = node._children.get((extra_key, first))
+            else:
+                child = node._children.get(first)
+            if child is None:
+                return False
+            key = child._key
+            klen = len(key)
+            if klen > end - pos or buf[pos:pos + klen] != key:
+                return False
+            pos += klen
+            node = child
+        return node._terminal
+
+    # -- node bookkeeping ------------------------------------------------------------
+    def _check_member(self, node: Any) -> None:
+        if not isinstance(node, Node):
+            from ._core import RadixTreeNode  # noqa: PLC0415 -- avoid an import cycle
+
+            if isinstance(node, RadixTreeNode):
+                raise ValueError("node belongs to another cache (a different tree core)")
+            raise TypeError(f"expected a RadixTreeNode, got {type(node).__name__}")
+        if node._evicted:
+            raise ValueError(f"node {node._id} was evicted")
+        top = node
+        while top._parent is not None:
+            top = top._parent
+        if top is not self.root:
+            raise ValueError(f"node {node._id} belongs to another cache")
+
+    def set_value(self, node: Node, value: Any) -> None:
+        node._value = value
+
+    def lock(self, node: Any, delta: int) -> int:
+        if node is None or node is self.root:
+            return 0
+        self._check_member(node)
+        if delta < 0 and node._lock_ref <= 0:
+            raise ValueError(f"dec_lock_ref on node {node._id} whose lock_ref is already 0")
+        root = self.root
+        moved = 0
+        while node is not root:
+            if delta > 0:
+                if node._lock_ref == 0:
+                    moved += len(node._key)
+                node._lock_ref += 1
+            else:
+                node._lock_ref -= 1
+                if node._lock_ref == 0:
+                    moved += len(node._key)
+            node = node._parent
+        return moved // _TOKEN_BYTES
+
+    def remove_leaf(self, node: Node) -> Node:
+        parent = node._parent
+        ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
+        del parent._children[ckey]
+        node._parent = None
+        node._evicted = True
+        node._value = None
+        self.node_count -= 1
+        return parent
+
+    def reset(self) -> None:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node._children.values())
+            node._children = {}
+            node._parent = None
+            node._evicted = True
+            node._value = None
+        self.root = Node(b"", None, None, 0)
+        self.clock = 0
+        self.node_count = 0
+        self.num_splits = 0
+
+    def iter_nodes(self) -> Iterator[tuple[Node, int]]:
+        stack = [(self.root, 0)]
+        while stack:
+            node, depth = stack.pop()
+            yield node, depth
+            stack.extend((child, depth + 1) for child in reversed(node._children.values()))

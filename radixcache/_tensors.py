@@ -1,0 +1,14 @@
+"""Torch helpers shared by both tree cores and the cache layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
+
+
+def indices_from_key(key: np.ndarray) -> torch.Tensor:
+    """The index tensor of a node inserted without kv_indices: its tokens serve as indices."""
+    # A copy: the key buffer is read-only and must never be written through a tensor.
+    return torch.from_numpy(np.array(key, dtype=np.int64))
