@@ -1,0 +1,56 @@
+# cython: language_level=3
+"""Declarations of the compiled tree core (implemented in _core_c.pyx)."""
+
+from cpython.ref cimport PyObject
+from libc.stdint cimport int64_t, uint64_t
+
+
+cdef struct ChildSlot:
+    uint64_t hash      # hash of (namespace id, first page); the table is probed by it
+    PyObject* node     # owned reference; NULL marks an empty slot
+
+
+cdef class Node:
+    # Tokens live in key_owner (a bytes object); split halves share it at different offsets.
+    cdef object key_owner
+    cdef const int64_t* key_ptr
+    cdef Py_ssize_t key_len
+    cdef object stored
+    # Borrowed: an attached child never outlives its parent's reference to it.
+    cdef PyObject* parent_ptr
+    # Open-addressing hash table of children (linear probing, power-of-two capacity).
+    cdef ChildSlot* slots
+    cdef Py_ssize_t slot_mask
+    cdef Py_ssize_t n_children
+    cdef int64_t ns
+    cdef readonly Py_ssize_t lock_ref
+    cdef readonly int64_t last_access_time
+    cdef readonly int64_t created_time
+    cdef readonly int64_t priority
+    cdef readonly int64_t hit_count
+    cdef readonly int64_t id
+    cdef readonly object extra_key
+    cdef readonly bint evicted
+    cdef readonly bint terminal
+
+    cdef Node find_child(self, const int64_t* page, Py_ssize_t page_size, uint64_t h)
+    cdef int add_child(self, Node child, uint64_t h) except -1
+    cdef Py_ssize_t slot_of(self, Node child, uint64_t h) noexcept
+    cdef void remove_slot(self, Py_ssize_t i) noexcept
+    cdef int grow(self) except -1
+    cdef void release_children(self) noexcept
+
+
+cdef class Tree:
+    cdef readonly Py_ssize_t page_size
+    cdef readonly Node root
+    cdef readonly int64_t clock
+    cdef readonly Py_ssize_t node_count
+    cdef public Py_ssize_t num_splits
+    cdef dict namespaces
+
+    cdef uint64_t page_hash(self, const int64_t* page, int64_t ns) noexcept nogil
+    cdef int64_t namespace_of(self, object extra_key, bint create) except -2
+    cdef Node split(self, Node child, Py_ssize_t at)
+    cdef Node new_node(self, Node parent, int64_t now)
+    cdef void teardown(self) noexcept

@@ -1,0 +1,551 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
+# cython: cdivision=True
+"""Compiled radix tree core: the same interface as ``_core_py`` (see its docstring).
+
+Keys are int64 runs inside bytes objects (split halves share one at different offsets);
+children sit in a per-node open-addressing table keyed by a hash of (namespace, first page),
+so a walk step boxes no Python int. The caller's tokens become one int64 buffer per call.
+"""
+
+cimport cython
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.long cimport PyLong_AsLongLong
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.number cimport PyNumber_Index
+from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
+from libc.stdint cimport int64_t, uint64_t
+from libc.string cimport memcmp, memset
+
+import numpy as np
+
+from ._tensors import indices_from_key
+
+CORE_NAME = "c"
+
+cdef int64_t _next_id = 0
+cdef Py_ssize_t _MIN_SLOTS = 4
+# Grow the first memcmp block by doubling up to this many tokens: early mismatches stay
+# cheap, long matches run at memcmp speed.
+cdef Py_ssize_t _MAX_BLOCK = 4096
+
+
+cdef inline int64_t _new_id() noexcept:
+    global _next_id
+    _next_id += 1
+    return _next_id
+
+
+cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
+    # splitmix64 finaliser: spreads token ids over the table's low bits.
+    x ^= x >> 30
+    x *= 0xbf58476d1ce4e5b9ULL
+    x ^= x >> 27
+    x *= 0x94d049bb133111ebULL
+    x ^= x >> 31
+    return x
+
+
+cdef inline Py_ssize_t common_prefix(const int64_t* a, const int64_t* b,
+                                     Py_ssize_t n) noexcept nogil:
+    """Length of the common prefix of a[:n] and b[:n]."""
+    cdef Py_ssize_t i = 0
+    cdef Py_ssize_t block = 16
+    while i + block <= n:
+        if memcmp(a + i, b + i, <size_t>block * sizeof(int64_t)) != 0:
+            break
+        i += block
+        if block < _MAX_BLOCK:
+            block *= 2
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+cdef extern from "Python.h":
+    # Borrowed-pointer spellings: the conversion loop never touches reference counts.
+    PyObject** PySequence_Fast_ITEMS(object)
+    bint long_check_exact "PyLong_CheckExact"(PyObject*) noexcept
+    long long long_value "PyLong_AsLongLong"(PyObject*) except? -1
+
+
+cdef inline int64_t token_value(PyObject* item) except? -1:
+    # Exact ints take the fast path; anything else must have __index__ (a float never
+    # truncates silently). Errors get their message in token_error(), off the hot path.
+    if long_check_exact(item):
+        return long_value(item)
+    return PyLong_AsLongLong(PyNumber_Index(<object>item))
+
+
+cdef object token_error(object tokens):
+    """Re-raise a failed conversion with a message naming the bad token."""
+    for item in tokens:
+        try:
+            value = PyNumber_Index(item)
+        except TypeError:
+            return TypeError(f"token ids must be integers, got {type(item).__name__}")
+        if not -(2**63) <= value < 2**63:
+            return OverflowError(f"token id {value} does not fit in int64")
+    return TypeError("bad token ids")
+
+
+cdef object as_tokens(object tokens, const int64_t** out, Py_ssize_t* out_len):
+    """Point ``out`` at the tokens as one int64 buffer; the returned object keeps it alive."""
+    cdef Py_ssize_t i, length
+    cdef int64_t* buf
+    cdef PyObject** items
+    cdef const int64_t[::1] view
+    cdef object owner
+    if type(tokens) is list or type(tokens) is tuple:
+        length = len(tokens)
+        items = PySequence_Fast_ITEMS(tokens)
+        owner = PyBytes_FromStringAndSize(NULL, length * sizeof(int64_t))
+        buf = <int64_t*>PyBytes_AS_STRING(owner)
+        try:
+            for i in range(length):
+                buf[i] = token_value(items[i])
+        except (TypeError, OverflowError):
+            raise token_error(tokens) from None
+    else:
+        # Zero-copy for numpy int64 arrays and array('q'): one buffer acquisition per call.
+        try:
+            view = tokens
+        except (ValueError, BufferError) as exc:
+            raise TypeError(f"token buffer must be 1-D contiguous int64: {exc}") from None
+        out_len[0] = view.shape[0]
+        out[0] = &view[0] if view.shape[0] else NULL
+        return view
+    out[0] = <const int64_t*>buf
+    out_len[0] = length
+    return owner
+
+
+@cython.final
+@cython.no_gc
+cdef class Node:
+    """A radix tree node of the compiled core."""
+
+    def __cinit__(self):
+        self.slots = NULL
+        self.slot_mask = -1
+        self.n_children = 0
+        self.parent_ptr = NULL
+        self.key_ptr = NULL
+        self.key_len = 0
+
+    def __dealloc__(self):
+        self.release_children()
+
+    cdef void release_children(self) noexcept:
+        cdef Py_ssize_t i
+        cdef PyObject* child
+        if self.slots == NULL:
+            return
+        for i in range(self.slot_mask + 1):
+            child = self.slots[i].node
+            if child != NULL:
+                (<Node>child).parent_ptr = NULL
+                self.slots[i].node = NULL
+                Py_DECREF(<object>child)
+        PyMem_Free(self.slots)
+        self.slots = NULL
+        self.slot_mask = -1
+        self.n_children = 0
+
+    cdef Node find_child(self, const int64_t* page, Py_ssize_t page_size, uint64_t h):
+        cdef Py_ssize_t i
+        cdef PyObject* cand
+        if self.n_children == 0:
+            return None
+        i = <Py_ssize_t>(h & <uint64_t>self.slot_mask)
+        while True:
+            cand = self.slots[i].node
+            if cand == NULL:
+                return None
+            if self.slots[i].hash == h and memcmp((<Node>cand).key_ptr, page,
+                                                   <size_t>page_size * sizeof(int64_t)) == 0:
+                return <Node>cand
+            i = (i + 1) & self.slot_mask
+
+    cdef int grow(self) except -1:
+        cdef Py_ssize_t old_cap = self.slot_mask + 1
+        cdef Py_ssize_t new_cap = _MIN_SLOTS if old_cap == 0 else old_cap * 2
+        cdef ChildSlot* old = self.slots
+        cdef ChildSlot* fresh = <ChildSlot*>PyMem_Malloc(new_cap * sizeof(ChildSlot))
+        cdef Py_ssize_t i, j
+        if fresh == NULL:
+            raise MemoryError()
+        memset(fresh, 0, new_cap * sizeof(ChildSlot))
+        for i in range(old_cap):
+            if old[i].node != NULL:
+                j = <Py_ssize_t>(old[i].hash & <uint64_t>(new_cap - 1))
+                while fresh[j].node != NULL:
+                    j = (j + 1) & (new_cap - 1)
+                fresh[j] = old[i]
+        PyMem_Free(old)
+        self.slots = fresh
+        self.slot_mask = new_cap - 1
+        return 0
+
+    cdef int add_child(self, Node child, uint64_t h) except -1:
+        """Adds ``child`` taking a new reference (the table's own)."""
+        cdef Py_ssize_t i
+        if (self.n_children + 1) * 2 > self.slot_mask + 1:
+            self.grow()
+        i = <Py_ssize_t>(h & <uint64_t>self.slot_mask)
+        while self.slots[i].node != NULL:
+            i = (i + 1) & self.slot_mask
+        Py_INCREF(child)
+        self.slots[i].node = <PyObject*>child
+        self.slots[i].hash = h
+        self.n_children += 1
+        child.parent_ptr = <PyObject*>self
+        return 0
+
+    cdef Py_ssize_t slot_of(self, Node child, uint64_t h) noexcept:
+        cdef Py_ssize_t i = <Py_ssize_t>(h & <uint64_t>self.slot_mask)
+        while self.slots[i].node != <PyObject*>child:
+            i = (i + 1) & self.slot_mask
+        return i
+
+    cdef void remove_slot(self, Py_ssize_t i) noexcept:
+        """Empties slot ``i`` (the caller owns the reference it held), backward-shifting."""
+        cdef Py_ssize_t j = i
+        cdef Py_ssize_t home
+        cdef Py_ssize_t mask = self.slot_mask
+        while True:
+            j = (j + 1) & mask
+            if self.slots[j].node == NULL:
+                break
+            home = <Py_ssize_t>(self.slots[j].hash & <uint64_t>mask)
+            # Keep entry j where it is if its home lies cyclically in (i, j].
+            if (i <= j and i < home <= j) or (i > j and (home > i or home <= j)):
+                continue
+            self.slots[i] = self.slots[j]
+            i = j
+        self.slots[i].node = NULL
+        self.n_children -= 1
+
+    # -- read-only public view -------------------------------------------------------
+    @property
+    def key(self):
+        base = <const int64_t*>PyBytes_AS_STRING(self.key_owner)
+        return np.frombuffer(self.key_owner, dtype=np.int64, count=self.key_len,
+                             offset=(self.key_ptr - base) * sizeof(int64_t))
+
+    @property
+    def num_tokens(self):
+        return self.key_len
+
+    @property
+    def stored_value(self):
+        return self.stored
+
+    @property
+    def value(self):
+        if self.stored is not None or self.evicted:
+            return self.stored
+        return indices_from_key(self.key)
+
+    @property
+    def parent(self):
+        if self.parent_ptr == NULL:
+            return None
+        return <Node>self.parent_ptr
+
+    @property
+    def children(self):
+        cdef Py_ssize_t i
+        out = []
+        for i in range(self.slot_mask + 1):
+            if self.slots[i].node != NULL:
+                out.append(<Node>self.slots[i].node)
+        return tuple(out)
+
+    @property
+    def num_children(self):
+        return self.n_children
+
+    def __repr__(self):
+        return (f"<RadixTreeNode id={self.id} len={self.key_len} "
+                f"lock_ref={self.lock_ref}{' evicted' if self.evicted else ''}>")
+
+
+cdef class Tree:
+    """The compiled radix tree: walks, splits, locks; no tensors, no heap."""
+
+    def __cinit__(self, Py_ssize_t page_size):
+        self.page_size = page_size
+        self.namespaces = {None: 0}
+        self.root = self.new_node(None, 0)
+        self.root.key_owner = b""
+        self.root.key_ptr = <const int64_t*>PyBytes_AS_STRING(self.root.key_owner)
+
+    def __dealloc__(self):
+        # Iterative teardown: dropping a deep chain by refcount would recurse per level.
+        self.teardown()
+
+    cdef Node new_node(self, Node parent, int64_t now):
+        cdef Node node = Node.__new__(Node)
+        node.id = _new_id()
+        node.last_access_time = now
+        node.created_time = now
+        if parent is not None:
+            node.ns = parent.ns
+            node.extra_key = parent.extra_key
+        return node
+
+    cdef uint64_t page_hash(self, const int64_t* page, int64_t ns) noexcept nogil:
+        cdef uint64_t h = _mix(<uint64_t>ns + 0x9e3779b97f4a7c15ULL)
+        cdef Py_ssize_t i
+        for i in range(self.page_size):
+            h = _mix(h ^ <uint64_t>page[i])
+        return h
+
+    cdef int64_t namespace_of(self, object extra_key, bint create) except -2:
+        """The namespace id of ``extra_key``; -1 when unknown and not created."""
+        if extra_key is None:
+            return 0
+        ns = self.namespaces.get(extra_key)
+        if ns is None:
+            if not create:
+                return -1
+            ns = len(self.namespaces)
+            self.namespaces[extra_key] = ns
+        return <int64_t>ns
+
+    cdef Node split(self, Node child, Py_ssize_t at):
+        """Split ``child`` ``at`` tokens in: a new upper node takes over its place."""
+        cdef Node parent = <Node>child.parent_ptr
+        cdef uint64_t h = self.page_hash(child.key_ptr, child.ns)
+        cdef Py_ssize_t i = parent.slot_of(child, h)
+        cdef Node upper = self.new_node(parent, child.last_access_time)
+        upper.key_owner = child.key_owner
+        upper.key_ptr = child.key_ptr
+        upper.key_len = at
+        upper.lock_ref = child.lock_ref
+        upper.priority = child.priority
+        upper.hit_count = child.hit_count
+        upper.created_time = child.created_time
+        upper.ns = child.ns
+        upper.extra_key = child.extra_key
+        if child.stored is not None:
+            upper.stored = child.stored[:at]
+            child.stored = child.stored[at:]
+        # Upper takes child's slot in the parent (same first page, same hash): the slot's
+        # reference to child moves into upper's table below.
+        Py_INCREF(upper)
+        parent.slots[i].node = <PyObject*>upper
+        upper.parent_ptr = <PyObject*>parent
+        child.key_ptr = child.key_ptr + at
+        child.key_len -= at
+        upper.add_child(child, self.page_hash(child.key_ptr, child.ns))
+        Py_DECREF(child)  # add_child took a new reference; drop the one the slot held
+        self.node_count += 1
+        self.num_splits += 1
+        return upper
+
+    # -- walks -----------------------------------------------------------------------
+    def match(self, tokens, extra_key=None):
+        cdef const int64_t* buf
+        cdef Py_ssize_t n, end, pos = 0, klen, common, remaining
+        cdef Py_ssize_t page_size = self.page_size
+        cdef int64_t now, ns
+        cdef Node node, child
+        keep = as_tokens(tokens, &buf, &n)
+        end = n - n % page_size
+        if end == 0:
+            return [], 0
+        ns = self.namespace_of(extra_key, False)
+        self.clock += 1
+        now = self.clock
+        node = self.root
+        node.last_access_time = now
+        path = []
+        if ns < 0:
+            return path, 0
+        while pos < end:
+            child = node.find_child(buf + pos, page_size, self.page_hash(buf + pos, ns))
+            if child is None:
+                break
+            klen = child.key_len
+            remaining = end - pos
+            common = common_prefix(child.key_ptr, buf + pos, klen if klen < remaining else remaining)
+            if common < klen:
+                common -= common % page_size
+                child = self.split(child, common)
+                child.last_access_time = now
+                path.append(child)
+                pos += common
+                break
+            child.last_access_time = now
+            path.append(child)
+            pos += klen
+            node = child
+        return path, pos
+
+    def insert(self, tokens, extra_key=None, int64_t priority=0):
+        cdef const int64_t* buf
+        cdef Py_ssize_t n, end, pos = 0, klen, common, remaining
+        cdef Py_ssize_t page_size = self.page_size
+        cdef int64_t now, ns
+        cdef bint whole
+        cdef Node node, child, leaf
+        keep = as_tokens(tokens, &buf, &n)
+        end = n - n % page_size
+        whole = end == n
+        node = self.root
+        if end == 0:
+            if whole:
+                node.terminal = True
+            return 0, node, None
+        ns = self.namespace_of(extra_key, True)
+        self.clock += 1
+        now = self.clock
+        node.last_access_time = now
+        while pos < end:
+            child = node.find_child(buf + pos, page_size, self.page_hash(buf + pos, ns))
+            if child is None:
+                break
+            klen = child.key_len
+            remaining = end - pos
+            common = common_prefix(child.key_ptr, buf + pos, klen if klen < remaining else remaining)
+            if common < klen:
+                common -= common % page_size
+                child = self.split(child, common)
+            child.last_access_time = now
+            child.hit_count += 1
+            if priority > child.priority:
+                child.priority = priority
+            pos += common
+            node = child
+            if common < klen:
+                break
+        prefix_len = pos
+        leaf = None
+        if pos < end:
+            leaf = self.new_node(node, now)
+            leaf.key_owner = PyBytes_FromStringAndSize(<const char*>(buf + pos),
+                                                       (end - pos) * sizeof(int64_t))
+            leaf.key_ptr = <const int64_t*>PyBytes_AS_STRING(leaf.key_owner)
+            leaf.key_len = end - pos
+            leaf.priority = priority
+            leaf.hit_count = 1
+            leaf.ns = ns
+            leaf.extra_key = extra_key
+            node.add_child(leaf, self.page_hash(leaf.key_ptr, ns))
+            self.node_count += 1
+            node = leaf
+        if whole:
+            node.terminal = True
+        return prefix_len, node, leaf
+
+    def exists(self, tokens, extra_key=None):
+        cdef const int64_t* buf
+        cdef Py_ssize_t n, pos = 0, klen
+        cdef Py_ssize_t page_size = self.page_size
+        cdef int64_t ns
+        cdef Node node, child
+        keep = as_tokens(tokens, &buf, &n)
+        if n % page_size:
+            return False
+        node = self.root
+        if n == 0:
+            return node.terminal
+        ns = self.namespace_of(extra_key, False)
+        if ns < 0:
+            return False
+        while pos < n:
+            child = node.find_child(buf + pos, page_size, self.page_hash(buf + pos, ns))
+            if child is None:
+                return False
+            klen = child.key_len
+            if klen > n - pos or memcmp(child.key_ptr, buf + pos, klen * sizeof(int64_t)) != 0:
+                return False
+            pos += klen
+            node = child
+        return node.terminal
+
+    # -- node bookkeeping ------------------------------------------------------------
+    def _check_member(self, node):
+        cdef Node top
+        if not isinstance(node, Node):
+            from ._core import RadixTreeNode
+
+            if isinstance(node, RadixTreeNode):
+                raise ValueError("node belongs to another cache (a different tree core)")
+            raise TypeError(f"expected a RadixTreeNode, got {type(node).__name__}")
+        top = <Node>node
+        if top.evicted:
+            raise ValueError(f"node {top.id} was evicted")
+        while top.parent_ptr != NULL:
+            top = <Node>top.parent_ptr
+        if top is not self.root:
+            raise ValueError(f"node {(<Node>node).id} belongs to another cache")
+
+    def set_value(self, Node node, value):
+        node.stored = value
+
+    def lock(self, node, int delta):
+        cdef Node cur
+        cdef Py_ssize_t moved = 0
+        if node is None or node is self.root:
+            return 0
+        self._check_member(node)
+        cur = <Node>node
+        if delta < 0 and cur.lock_ref <= 0:
+            raise ValueError(f"dec_lock_ref on node {cur.id} whose lock_ref is already 0")
+        while cur is not self.root:
+            if delta > 0:
+                if cur.lock_ref == 0:
+                    moved += cur.key_len
+                cur.lock_ref += 1
+            else:
+                cur.lock_ref -= 1
+                if cur.lock_ref == 0:
+                    moved += cur.key_len
+            cur = <Node>cur.parent_ptr
+        return moved
+
+    def remove_leaf(self, Node node):
+        cdef Node parent = <Node>node.parent_ptr
+        cdef Py_ssize_t i = parent.slot_of(node, self.page_hash(node.key_ptr, node.ns))
+        parent.remove_slot(i)
+        node.parent_ptr = NULL
+        node.evicted = True
+        node.stored = None
+        self.node_count -= 1
+        Py_DECREF(node)  # the table's reference; the caller still holds one
+        return parent
+
+    cdef void teardown(self) noexcept:
+        cdef Node node
+        cdef Py_ssize_t i
+        if self.root is None:
+            return
+        stack = [self.root]
+        while stack:
+            node = <Node>stack.pop()
+            for i in range(node.slot_mask + 1):
+                if node.slots[i].node != NULL:
+                    stack.append(<Node>node.slots[i].node)
+            node.release_children()
+            node.evicted = True
+            node.stored = None
+
+    def reset(self):
+        self.teardown()
+        self.namespaces = {None: 0}
+        self.root = self.new_node(None, 0)
+        self.root.key_owner = b""
+        self.root.key_ptr = <const int64_t*>PyBytes_AS_STRING(self.root.key_owner)
+        self.clock = 0
+        self.node_count = 0
+        self.num_splits = 0
+
+    def iter_nodes(self):
+        cdef Node node
+        stack = [(self.root, 0)]
+        while stack:
+            node, depth = stack.pop()
+            yield node, depth
+            stack.extend((child, depth + 1) for child in reversed(node.children))
