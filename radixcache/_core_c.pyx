@@ -67,11 +67,35 @@ cdef extern from "Python.h":
     bint long_check_exact "PyLong_CheckExact"(PyObject*) noexcept
     long long long_value "PyLong_AsLongLong"(PyObject*) except? -1
 
+cdef extern from *:
+    """
+    /* Reads a one-digit int without a call: token ids are nearly always that small. */
+    static inline int rc_small_int(PyObject* o, int64_t* out) {
+    #if PY_VERSION_HEX >= 0x030C0000
+        if (PyUnstable_Long_IsCompact((PyLongObject*)o)) {
+            *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject*)o);
+            return 1;
+        }
+        return 0;
+    #else
+        Py_ssize_t size = Py_SIZE(o);
+        if (size == 1) { *out = (int64_t)((PyLongObject*)o)->ob_digit[0]; return 1; }
+        if (size == 0) { *out = 0; return 1; }
+        if (size == -1) { *out = -(int64_t)((PyLongObject*)o)->ob_digit[0]; return 1; }
+        return 0;
+    #endif
+    }
+    """
+    bint rc_small_int(PyObject* o, int64_t* out) noexcept
+
 
 cdef inline int64_t token_value(PyObject* item) except? -1:
     # Exact ints take the fast path; anything else must have __index__ (a float never
     # truncates silently). Errors get their message in token_error(), off the hot path.
+    cdef int64_t value
     if long_check_exact(item):
+        if rc_small_int(item, &value):
+            return value
         return long_value(item)
     return PyLong_AsLongLong(PyNumber_Index(<object>item))
 

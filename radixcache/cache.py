@@ -276,7 +276,8 @@ class RadixCache:
     def match_prefix(self, token_ids: Any, extra_key: Any = None) -> MatchResult:
         """The longest cached prefix (page aligned); a match ending inside a node splits it."""
         tokens = self._tokens(token_ids)
-        _check_extra_key(extra_key)
+        if extra_key is not None:
+            _check_extra_key(extra_key)
         path, length = self._tree.match(tokens, extra_key)
         counters = self._counters
         counters.lookups += 1
@@ -297,8 +298,10 @@ class RadixCache:
                priority: int = 0) -> InsertResult:
         """Cache ``token_ids``; returns how many leading tokens were cached already."""
         tokens = self._tokens(token_ids)
-        _check_extra_key(extra_key)
-        priority = _check_int("priority", priority)
+        if extra_key is not None:
+            _check_extra_key(extra_key)
+        if type(priority) is not int:
+            priority = _check_int("priority", priority)
         kv = None
         if kv_indices is not None:
             kv = self._kv_tensor(kv_indices, self._aligned(len(tokens)))
@@ -323,7 +326,8 @@ class RadixCache:
     def exists(self, token_ids: Any, extra_key: Any = None) -> bool:
         """True only for a sequence inserted exactly (and not evicted since)."""
         tokens = self._tokens(token_ids)
-        _check_extra_key(extra_key)
+        if extra_key is not None:
+            _check_extra_key(extra_key)
         return self._tree.exists(tokens, extra_key)
 
     def __contains__(self, token_ids: Any) -> bool:
