@@ -300,6 +300,8 @@ class RadixCache:
         tokens = self._tokens(token_ids)
         if extra_key is not None:
             _check_extra_key(extra_key)
+            if self._events is not None:
+                self._events.check_extra_key(extra_key)  # fail before the tree changes
         if type(priority) is not int:
             priority = _check_int("priority", priority)
         kv = None

@@ -1,0 +1,741 @@
+"""KV-cache events: what a cache-aware router needs to mirror which pages a cache holds.
+
+With ``RadixCache(..., enable_events=True)`` the cache records, per full page of
+``page_size`` tokens (the block a router sees):
+
+- ``BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium)``
+  when tokens enter the tree: one event per new leaf, covering its pages in order;
+  ``parent_block_hash`` is the hash of the page before the first one (``None`` at the root);
+- ``BlockRemoved(block_hashes, medium)`` when an evicted leaf leaves the tree;
+- ``AllBlocksCleared()`` on ``reset()``.
+
+``cache.take_events()`` returns them in order and empties the queue. A split emits nothing:
+it moves a node boundary, never a page, and a page's hash does not depend on node boundaries.
+
+Block hash
+----------
+A page's hash is a signed 64-bit integer chained from its parent page::
+
+    block_hash(parent, tokens, ns) = int.from_bytes(SHA-256(P + N + T)[:8], "big", signed=True)
+
+    P = b"\\x00"                                  when parent is None (first page of a sequence)
+        b"\\x01" + parent as 8 bytes, big endian, two's complement   otherwise
+    N = the namespace (the cache's ``extra_key``), self-delimiting:
+        None  -> b"N"
+        str   -> b"S" + len(utf8) as 8 bytes big endian + utf8 (lone surrogates passed through)
+        bytes -> b"B" + len(data) as 8 bytes big endian + data
+        int   -> b"I" + len(d) as 8 bytes big endian + d, d = ASCII decimal (b"-12");
+                 bool and numpy integers count as the int they equal (as dict keys do)
+        any other type raises TypeError naming it
+    T = the page's token ids, each as 8 bytes little endian, two's complement
+
+The same tokens in the same namespace after the same prefix always get the same hash, in
+every process (nothing depends on ``hash()`` or ``PYTHONHASHSEED``) and on either tree core.
+``block_hashes(token_ids, page_size, extra_key)`` computes a prompt's chain the same way.
+
+Cost: a cache with events off never imports this module's recorder and never hashes. With
+events on, the recorder keeps one int per node (the hash of the node's last page, keyed by
+node id) and computes missing ones lazily and iteratively from the nearest known ancestor,
+so deep trees never recurse.
+
+Transport (optional: ``pip install radixcache[events]`` for pyzmq and msgspec)
+------------------------------------------------------------------------------
+``ZmqEventPublisher`` sends each ``publish(events)`` as three frames on a PUB socket: the topic,
+an 8-byte big-endian sequence number and the msgpack array ``[ts, [event, ...], dp_rank]``,
+each event a tagged positional array (vLLM's ``KVEventBatch`` layout)::
+
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+    ["BlockRemoved", block_hashes, medium]
+    ["AllBlocksCleared"]
+
+A replay ROUTER socket answers ``(identity, b"", start_seq)`` with every buffered batch from
+``start_seq`` on, as ``(identity, b"", seq, payload)``, then ``(identity, b"", -1, b"")``.
+``ZmqEventSubscriber`` receives batches in order and fills sequence gaps through replay.
+"""
+
+from __future__ import annotations
+
+import collections
+import numbers
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from hashlib import sha256
+from typing import Any, Iterable, Iterator, Optional, Tuple, Union
+
+import numpy as np
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventRecorder",
+    "KVEvent",
+    "ReceivedBatch",
+    "ZmqEventPublisher",
+    "ZmqEventSubscriber",
+    "block_hash",
+    "block_hashes",
+    "decode_batch",
+    "encode_namespace",
+]
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+_END_SEQ = -1
+_EXTRA_HINT = "pip install radixcache[events]"
+
+
+# -- events -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Pages that entered the cache: one event per new leaf, its pages in order."""
+
+    block_hashes: Tuple[int, ...]
+    parent_block_hash: Optional[int]
+    token_ids: Tuple[int, ...]
+    block_size: int
+    lora_id: Optional[int] = None
+    medium: Optional[str] = None
+
+    def to_wire(self) -> list:
+        return ["BlockStored", list(self.block_hashes), self.parent_block_hash,
+                list(self.token_ids), self.block_size, self.lora_id, self.medium]
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Pages that left the cache (an evicted leaf)."""
+
+    block_hashes: Tuple[int, ...]
+    medium: Optional[str] = None
+
+    def to_wire(self) -> list:
+        return ["BlockRemoved", list(self.block_hashes), self.medium]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every page left the cache (``reset()``)."""
+
+    def to_wire(self) -> list:
+        return ["AllBlocksCleared"]
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+_EVENT_TYPES = (BlockStored, BlockRemoved, AllBlocksCleared)
+
+
+# -- hashing ----------------------------------------------------------------------------
+
+def encode_namespace(extra_key: Any) -> bytes:
+    """The namespace field of the block hash for ``extra_key`` (see the module docstring)."""
+    if extra_key is None:
+        return b"N"
+    if isinstance(extra_key, str):
+        # surrogatepass: every str the tree accepts must encode, lone surrogates included.
+        data = extra_key.encode("utf-8", "surrogatepass")
+        return b"S" + len(data).to_bytes(8, "big") + data
+    if isinstance(extra_key, bytes):
+        return b"B" + len(extra_key).to_bytes(8, "big") + extra_key
+    if isinstance(extra_key, numbers.Integral):
+        # bool and numpy integers hash like the int they equal, so they share its namespace.
+        data = str(int(extra_key)).encode("ascii")
+        return b"I" + len(data).to_bytes(8, "big") + data
+    raise TypeError(
+        "KV events can only hash an extra_key that is None, str, bytes or int, got "
+        f"{type(extra_key).__name__}"
+    )
+
+
+def _hash_page(parent_hash: Optional[int], namespace: bytes, page: bytes) -> int:
+    """The chained hash of one page; ``page`` holds its tokens as int64 little endian."""
+    if parent_hash is None:
+        head = b"\x00"
+    else:
+        head = b"\x01" + parent_hash.to_bytes(8, "big", signed=True)
+    return int.from_bytes(sha256(head + namespace + page).digest()[:8], "big", signed=True)
+
+
+def _tokens_le_bytes(token_ids: Any) -> bytes:
+    try:
+        arr = np.asarray(token_ids)
+    except (OverflowError, ValueError) as exc:
+        raise OverflowError(f"token ids do not fit in int64: {exc}") from None
+    if arr.ndim != 1:
+        if arr.ndim == 0 or arr.size:
+            raise TypeError("token_ids must be a 1-D sequence of ints")
+        arr = arr.reshape(0)
+    if arr.size == 0:
+        return b""
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"token_ids must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.max() > _INT64_MAX:
+        raise OverflowError("token ids do not fit in int64")
+    return arr.astype("<i8", copy=False).tobytes()
+
+
+def _check_parent(parent_block_hash: Any) -> Optional[int]:
+    if parent_block_hash is None:
+        return None
+    if isinstance(parent_block_hash, bool) or not isinstance(parent_block_hash, numbers.Integral):
+        raise TypeError(
+            f"parent_block_hash must be an int or None, got {type(parent_block_hash).__name__}"
+        )
+    value = int(parent_block_hash)
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise OverflowError(f"parent_block_hash {value} does not fit in int64")
+    return value
+
+
+def block_hash(parent_block_hash: Optional[int], token_ids: Any, extra_key: Any = None) -> int:
+    """The hash of one page of ``token_ids`` after the page hashed ``parent_block_hash``."""
+    parent = _check_parent(parent_block_hash)
+    return _hash_page(parent, encode_namespace(extra_key), _tokens_le_bytes(token_ids))
+
+
+def block_hashes(token_ids: Any, page_size: int, extra_key: Any = None,
+                 parent_block_hash: Optional[int] = None) -> list:
+    """The hashes of the full pages of ``token_ids`` (a trailing partial page is ignored)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral):
+        raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    parent = _check_parent(parent_block_hash)
+    namespace = encode_namespace(extra_key)
+    data = _tokens_le_bytes(token_ids)
+    return _chain(parent, namespace, data, int(page_size) * 8)
+
+
+def _chain(parent_hash: Optional[int], namespace: bytes, data: bytes, page_bytes: int) -> list:
+    hash_page = _hash_page  # looked up per call so tests can count calls by patching it
+    hashes = []
+    last = parent_hash
+    for start in range(0, len(data) - page_bytes + 1, page_bytes):
+        last = hash_page(last, namespace, data[start:start + page_bytes])
+        hashes.append(last)
+    return hashes
+
+
+# -- recorder ---------------------------------------------------------------------------
+
+class EventRecorder:
+    """Turns the cache's node hooks into page events; ``RadixCache`` owns one when events are on.
+
+    Hooks: ``stored(leaf)`` after a new leaf got its value, ``removed(leaf)`` just before an
+    evicted leaf is detached, ``cleared()`` on reset; ``take()`` drains the queue. Events pile
+    up until taken.
+    """
+
+    __slots__ = ("page_size", "lora_id", "medium", "_page_bytes", "_last_hash", "_events")
+
+    def __init__(self, page_size: int, *, lora_id: Optional[int] = None,
+                 medium: Optional[str] = None) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral):
+            raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = int(page_size)
+        self.lora_id = lora_id
+        self.medium = medium
+        self._page_bytes = self.page_size * 8
+        # node id -> hash of that node's last page. A split keeps the lower half's node (and
+        # id) so its entry stays right; the new upper node is filled in lazily.
+        self._last_hash: dict = {}
+        self._events: list = []
+
+    @staticmethod
+    def check_extra_key(extra_key: Any) -> None:
+        """Raise TypeError (naming the type) for a namespace the block hash cannot encode."""
+        encode_namespace(extra_key)
+
+    # -- hooks -------------------------------------------------------------------------
+    def stored(self, node: Any) -> None:
+        namespace = encode_namespace(node.extra_key)
+        parent_hash = self._hash_through(node.parent)
+        key = node.key
+        hashes = _chain(parent_hash, namespace, _key_bytes(key), self._page_bytes)
+        if not hashes:
+            return
+        self._last_hash[node.id] = hashes[-1]
+        self._events.append(BlockStored(
+            tuple(hashes), parent_hash, tuple(key.tolist()), self.page_size,
+            self.lora_id, self.medium,
+        ))
+
+    def removed(self, node: Any) -> None:
+        try:
+            namespace = encode_namespace(node.extra_key)
+        except TypeError:
+            # stored() refused this namespace, so its pages were never announced.
+            self._last_hash.pop(node.id, None)
+            return
+        hashes = _chain(self._hash_through(node.parent), namespace, _key_bytes(node.key),
+                        self._page_bytes)
+        self._last_hash.pop(node.id, None)
+        if hashes:
+            self._events.append(BlockRemoved(tuple(hashes), self.medium))
+
+    def cleared(self) -> None:
+        self._last_hash.clear()
+        self._events.append(AllBlocksCleared())
+
+    def take(self) -> list:
+        """The events recorded since the last call, in order; the queue starts empty again."""
+        events = self._events
+        self._events = []
+        return events
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    @property
+    def tracked_nodes(self) -> int:
+        """How many nodes have their last-page hash cached (evicted ones never stay)."""
+        return len(self._last_hash)
+
+    # -- hashes of tree nodes ------------------------------------------------------------
+    def node_block_hashes(self, node: Any) -> list:
+        """The hashes of ``node``'s pages (the root has none)."""
+        if node.parent is None:
+            return []
+        return _chain(self._hash_through(node.parent), encode_namespace(node.extra_key),
+                      _key_bytes(node.key), self._page_bytes)
+
+    def _hash_through(self, node: Any) -> Optional[int]:
+        """Hash of the last page on the path root..node (None for the root), cached per node."""
+        known = self._last_hash
+        missing = []
+        last = None
+        # Walk up to the root or the nearest node whose hash is known; no recursion.
+        while node.parent is not None:
+            last = known.get(node.id)
+            if last is not None:
+                break
+            missing.append(node)
+            node = node.parent
+        for node in reversed(missing):
+            hashes = _chain(last, encode_namespace(node.extra_key), _key_bytes(node.key),
+                            self._page_bytes)
+            if hashes:
+                last = hashes[-1]
+                known[node.id] = last
+        return last
+
+
+def _key_bytes(key: Any) -> bytes:
+    # Node keys are int64 arrays; the hash fixes little endian whatever the machine.
+    return np.asarray(key, dtype="<i8").tobytes()
+
+
+# -- wire format --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReceivedBatch:
+    """One batch as a subscriber received it: sequence number, timestamp, events, DP rank."""
+
+    seq: int
+    ts: float
+    events: list
+    data_parallel_rank: Optional[int]
+    payload: bytes = field(default=b"", repr=False, compare=False)
+
+
+def _wire_int_list(value: Any, what: str) -> Tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"malformed {what}: expected an array of ints")
+    return tuple(value)
+
+
+def _wire_optional(value: Any, kind: type, what: str) -> Any:
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        raise ValueError(f"malformed {what}: expected {kind.__name__} or nil")
+    return value
+
+
+def _event_from_wire(item: Any) -> KVEvent:
+    # Trailing fields beyond the documented ones are ignored, as newer vLLM versions add some.
+    if not isinstance(item, (list, tuple)) or not item or not isinstance(item[0], str):
+        raise ValueError("malformed event: expected a tagged array")
+    tag = item[0]
+    if tag == "BlockStored" and len(item) >= 7:
+        block_size = item[4]
+        if not isinstance(block_size, int) or isinstance(block_size, bool):
+            raise ValueError("malformed BlockStored: block_size must be an int")
+        return BlockStored(
+            _wire_int_list(item[1], "BlockStored.block_hashes"),
+            _wire_optional(item[2], int, "BlockStored.parent_block_hash"),
+            _wire_int_list(item[3], "BlockStored.token_ids"),
+            block_size,
+            _wire_optional(item[5], int, "BlockStored.lora_id"),
+            _wire_optional(item[6], str, "BlockStored.medium"),
+        )
+    if tag == "BlockRemoved" and len(item) >= 3:
+        return BlockRemoved(_wire_int_list(item[1], "BlockRemoved.block_hashes"),
+                            _wire_optional(item[2], str, "BlockRemoved.medium"))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise ValueError(f"malformed event: unknown tag {tag!r} or too few fields ({len(item)})")
+
+
+def decode_batch(payload: bytes, seq: int = -1) -> ReceivedBatch:
+    """Decode one msgpack batch payload ``[ts, [events...], dp_rank]`` (needs msgspec)."""
+    _, msgspec = _transport("decode_batch")
+    try:
+        batch = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"malformed event batch {seq}: {exc}") from None
+    if not isinstance(batch, list) or len(batch) not in (2, 3):
+        raise ValueError(f"malformed event batch {seq}: expected [ts, events, dp_rank]")
+    ts, events = batch[0], batch[1]
+    rank = batch[2] if len(batch) == 3 else None
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not isinstance(events, list):
+        raise ValueError(f"malformed event batch {seq}: bad ts or events")
+    rank = _wire_optional(rank, int, f"event batch {seq} data_parallel_rank")
+    return ReceivedBatch(seq, float(ts), [_event_from_wire(e) for e in events], rank, payload)
+
+
+def _transport(what: str):
+    try:
+        import msgspec
+        import msgspec.msgpack
+        import zmq
+    except ImportError as exc:
+        raise ImportError(
+            f"{what} needs the optional dependencies pyzmq and msgspec: {_EXTRA_HINT}"
+        ) from exc
+    return zmq, msgspec
+
+
+# -- publisher ----------------------------------------------------------------------------
+
+class ZmqEventPublisher:
+    """Publishes event batches on a ZeroMQ PUB socket from a background thread.
+
+    ``publish(events)`` never blocks on the network: it stamps the batch with the next
+    sequence number and the time, and hands it to a queue of ``max_queue_size`` batches; when
+    the queue is full the batch is dropped and counted (``dropped``), leaving a gap in the
+    sequence numbers that subscribers see. The last ``buffer_steps`` sent batches are kept for
+    the replay socket (``replay_endpoint``, a ROUTER). Both endpoints are bound; ``endpoint``
+    and ``replay_endpoint`` hold the resolved addresses (``tcp://127.0.0.1:*`` picks a port).
+    """
+
+    _IDLE_WAIT_S = 0.1
+    _REPLAY_POLL_S = 0.005
+    _CLOSE_TIMEOUT_S = 10.0
+
+    def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: Optional[str] = None,
+                 topic: str = "", buffer_steps: int = 10_000, *,
+                 max_queue_size: int = 100_000, data_parallel_rank: Optional[int] = 0,
+                 hwm: int = 100_000) -> None:
+        zmq, msgspec = _transport("ZmqEventPublisher")
+        if not isinstance(endpoint, str):
+            raise TypeError(f"endpoint must be a str, got {type(endpoint).__name__}")
+        if replay_endpoint is not None and not isinstance(replay_endpoint, str):
+            raise TypeError(
+                f"replay_endpoint must be a str or None, got {type(replay_endpoint).__name__}"
+            )
+        if not isinstance(topic, str):
+            raise TypeError(f"topic must be a str, got {type(topic).__name__}")
+        for name, value, low in (("buffer_steps", buffer_steps, 0),
+                                 ("max_queue_size", max_queue_size, 1), ("hwm", hwm, 0)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        if data_parallel_rank is not None and (
+                isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int)):
+            raise TypeError("data_parallel_rank must be an int or None")
+        self._zmq = zmq
+        self._msgspec = msgspec
+        self.topic = topic
+        self.data_parallel_rank = data_parallel_rank
+        self._topic_bytes = topic.encode("utf-8")
+        self._ctx = zmq.Context()
+        self._pub = None
+        self._replay = None
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.bind(endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.replay_endpoint = None
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                # Room for one full replay per client without silently dropping its tail.
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                self._replay.bind(replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except Exception:
+            self._close_sockets(linger=0)
+            raise
+        self._queue: queue.Queue = queue.Queue(max_queue_size)
+        self._buffer: collections.deque = collections.deque(maxlen=buffer_steps)
+        self._lock = threading.Lock()
+        self._done = threading.Condition()
+        self._next_seq = 0
+        self._queued = 0
+        self._handled = 0
+        self.dropped = 0
+        self.sent = 0
+        self.errors = 0
+        self.last_error: Optional[BaseException] = None
+        self._closing = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="radixcache-kv-events",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- caller side -------------------------------------------------------------------
+    def publish(self, events: Iterable[KVEvent]) -> Optional[int]:
+        """Queue one batch; returns its sequence number, or None if it was dropped or empty."""
+        batch = tuple(events)
+        for event in batch:
+            if not isinstance(event, _EVENT_TYPES):
+                raise TypeError(f"expected KV events, got {type(event).__name__}")
+        if not batch:
+            return None
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("publish() on a closed ZmqEventPublisher")
+            seq = self._next_seq
+            self._next_seq += 1
+            try:
+                self._queue.put_nowait((seq, time.time(), batch))
+            except queue.Full:
+                self.dropped += 1
+                return None
+            self._queued += 1
+        return seq
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued batch went out; False if ``timeout`` seconds passed first."""
+        with self._done:
+            return self._done.wait_for(lambda: self._handled >= self._queued, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (for up to ``timeout`` seconds), stop the thread, close sockets."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self.flush(timeout)
+        self._closed = True
+        self._thread.join(self._CLOSE_TIMEOUT_S)
+        if self._thread.is_alive():  # never close sockets another thread still uses
+            return
+        self._close_sockets(linger=int(timeout * 1000))
+
+    def _close_sockets(self, linger: int) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=linger)
+        self._ctx.term()
+
+    def __enter__(self) -> "ZmqEventPublisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ZmqEventPublisher(endpoint={self.endpoint!r}, replay_endpoint="
+                f"{self.replay_endpoint!r}, sent={self.sent}, dropped={self.dropped})")
+
+    # -- background thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        encoder = self._msgspec.msgpack.Encoder()
+        wait = self._REPLAY_POLL_S if self._replay is not None else self._IDLE_WAIT_S
+        while True:
+            if self._replay is not None:
+                self._serve_replays()
+            try:
+                seq, ts, batch = self._queue.get(timeout=wait)
+            except queue.Empty:
+                if self._closed:
+                    return
+                continue
+            try:
+                payload = encoder.encode(
+                    [ts, [event.to_wire() for event in batch], self.data_parallel_rank]
+                )
+                self._pub.send_multipart(
+                    (self._topic_bytes, seq.to_bytes(8, "big", signed=True), payload),
+                    copy=False,
+                )
+                self._buffer.append((seq, payload))
+                self.sent += 1
+            except Exception as exc:  # keep serving; the subscriber sees a gap
+                self.errors += 1
+                self.last_error = exc
+            with self._done:
+                self._handled += 1
+                self._done.notify_all()
+
+    def _serve_replays(self) -> None:
+        zmq = self._zmq
+        replay = self._replay
+        while replay.poll(0):
+            frames = replay.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                self.errors += 1
+                continue
+            identity = frames[0]
+            start = int.from_bytes(frames[2], "big", signed=True)
+            try:
+                for seq, payload in list(self._buffer):
+                    if seq >= start:
+                        replay.send_multipart(
+                            (identity, b"", seq.to_bytes(8, "big", signed=True), payload),
+                            flags=zmq.NOBLOCK)
+                replay.send_multipart(
+                    (identity, b"", _END_SEQ.to_bytes(8, "big", signed=True), b""),
+                    flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                self.errors += 1
+                self.last_error = exc
+
+
+# -- subscriber ---------------------------------------------------------------------------
+
+class ZmqEventSubscriber:
+    """Receives event batches in sequence order, filling gaps from the replay socket.
+
+    ``receive(timeout)`` returns the next :class:`ReceivedBatch` or None after ``timeout``
+    seconds without one; iterating yields batches until one does not come within
+    ``timeout`` (None: forever). With ``start_seq`` and ``replay_endpoint`` the subscriber
+    first asks for every buffered batch from ``start_seq`` on, so one that joins late
+    recovers the earlier batches. A batch that neither the stream nor the replay delivers
+    (dropped by the publisher, or gone from its buffer) is skipped and listed in ``gaps`` as
+    an inclusive ``(first_seq, last_seq)`` range. ``replayed`` counts batches that came through
+    replay, ``malformed`` frames that were ignored; ``hwm`` is the SUB socket's receive
+    high-water mark. A replay that ends without its end marker for ``replay_timeout`` seconds
+    is abandoned (what it missed becomes a gap when the stream moves on).
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, *,
+                 topic: str = "", start_seq: Optional[int] = None,
+                 timeout: Optional[float] = None, replay_timeout: float = 2.0,
+                 hwm: int = 100_000) -> None:
+        zmq, _ = _transport("ZmqEventSubscriber")
+        if not isinstance(endpoint, str):
+            raise TypeError(f"endpoint must be a str, got {type(endpoint).__name__}")
+        if replay_endpoint is not None and not isinstance(replay_endpoint, str):
+            raise TypeError("replay_endpoint must be a str or None")
+        if not isinstance(topic, str):
+            raise TypeError(f"topic must be a str, got {type(topic).__name__}")
+        if start_seq is not None and (isinstance(start_seq, bool)
+                                      or not isinstance(start_seq, int) or start_seq < 0):
+            raise ValueError(f"start_seq must be a non-negative int or None, got {start_seq!r}")
+        self._zmq = zmq
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.timeout = timeout
+        self.replay_timeout = replay_timeout
+        self._ctx = zmq.Context()
+        self._sub = None
+        self._replay = None
+        try:
+            self._sub = self._ctx.socket(zmq.SUB)
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.RCVHWM, hwm)
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+            self._sub.connect(endpoint)
+            if replay_endpoint is not None:
+                self._replay = self._new_replay_socket()
+        except Exception:
+            self.close()
+            raise
+        self._expected = start_seq
+        self._initial_replay = start_seq is not None and self._replay is not None
+        self._pending: collections.deque = collections.deque()
+        self.gaps: list = []
+        self.replayed = 0
+        self.malformed = 0
+
+    def _new_replay_socket(self):
+        # DEALER, not REQ: one request is answered by many messages.
+        sock = self._ctx.socket(self._zmq.DEALER)
+        sock.setsockopt(self._zmq.LINGER, 0)
+        sock.connect(self.replay_endpoint)
+        return sock
+
+    @property
+    def next_seq(self) -> Optional[int]:
+        """The sequence number expected next (None before the first batch)."""
+        return self._expected
+
+    def receive(self, timeout: Optional[float] = None) -> Optional[ReceivedBatch]:
+        """The next batch in order, or None when none arrived within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._initial_replay:
+            self._initial_replay = False
+            self._fill_from_replay(self._expected)
+        while not self._pending:
+            wait_ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._sub.poll(wait_ms):
+                return None
+            frames = self._sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.malformed += 1
+                continue
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            if self._expected is not None and seq > self._expected and self._replay is not None:
+                self._fill_from_replay(self._expected)
+            self._accept(seq, frames[2])
+        seq, payload = self._pending.popleft()
+        return decode_batch(payload, seq)
+
+    def _accept(self, seq: int, payload: bytes) -> bool:
+        """Queue batch ``seq`` unless already delivered; record any gap it reveals."""
+        if self._expected is None:
+            self._expected = seq
+        if seq < self._expected:
+            return False  # already delivered (replay and stream overlap)
+        if seq > self._expected:
+            self.gaps.append((self._expected, seq - 1))
+        self._pending.append((seq, payload))
+        self._expected = seq + 1
+        return True
+
+    def _fill_from_replay(self, start: int) -> None:
+        """Ask for every buffered batch from ``start`` on and queue the ones not yet seen."""
+        self._replay.send_multipart((b"", start.to_bytes(8, "big", signed=True)))
+        while True:
+            if not self._replay.poll(int(self.replay_timeout * 1000)):
+                # No end marker: drop the socket so late replies cannot confuse the next ask.
+                self._replay.close(linger=0)
+                self._replay = self._new_replay_socket()
+                return
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
+                self.malformed += 1
+                continue
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            if seq == _END_SEQ:
+                return
+            if self._accept(seq, frames[2]):
+                self.replayed += 1
+
+    def __iter__(self) -> Iterator[ReceivedBatch]:
+        while True:
+            batch = self.receive(self.timeout)
+            if batch is None:
+                return
+            yield batch
+
+    def close(self) -> None:
+        for sock in (self._sub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> "ZmqEventSubscriber":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,774 @@
+"""KV-cache events: exact event content, stable block hashes, and the ZeroMQ transport.
+
+The expected hashes come from ``ref_hash``, written here from the definition in the
+``radixcache.events`` docstring (struct + hashlib), not from the module's own functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, List, Optional, Union
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import radixcache.events as ev
+from radixcache import RadixCache
+from radixcache._core import CORES
+
+try:
+    import msgspec
+    import zmq
+except ImportError:  # the transport is optional; its tests skip
+    msgspec = zmq = None
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+needs_transport = pytest.mark.skipif(msgspec is None, reason="pyzmq/msgspec not installed")
+CORE_NAMES = sorted(CORES)
+SOCKET_WAIT_S = 10.0  # upper bound on any one wait for a socket; tests finish far sooner
+
+
+# -- the block hash, re-implemented from its documented definition ---------------------------
+
+def ref_namespace(extra_key: Any) -> bytes:
+    if extra_key is None:
+        return b"N"
+    if isinstance(extra_key, str):
+        data = extra_key.encode("utf-8")
+        return b"S" + struct.pack(">Q", len(data)) + data
+    if isinstance(extra_key, bytes):
+        return b"B" + struct.pack(">Q", len(extra_key)) + extra_key
+    data = b"%d" % int(extra_key)
+    return b"I" + struct.pack(">Q", len(data)) + data
+
+
+def ref_hash(parent: Optional[int], tokens: List[int], extra_key: Any = None) -> int:
+    head = b"\x00" if parent is None else b"\x01" + struct.pack(">q", parent)
+    body = struct.pack(f"<{len(tokens)}q", *tokens)
+    digest = hashlib.sha256(head + ref_namespace(extra_key) + body).digest()
+    return struct.unpack(">q", digest[:8])[0]
+
+
+def ref_chain(parent: Optional[int], tokens: List[int], extra_key: Any, page: int) -> list:
+    hashes = []
+    for start in range(0, len(tokens) - len(tokens) % page, page):
+        parent = ref_hash(parent, list(tokens[start:start + page]), extra_key)
+        hashes.append(parent)
+    return hashes
+
+
+def stored(parent: Optional[int], tokens: List[int], extra_key: Any, page: int):
+    return ev.BlockStored(tuple(ref_chain(parent, tokens, extra_key, page)), parent,
+                          tuple(tokens), page, None, None)
+
+
+def tree_pages(cache: RadixCache) -> set:
+    """The hashes of every full page in the tree, from a walk of its nodes."""
+    last_hash = {}
+    pages = set()
+    for node, depth in cache._tree.iter_nodes():
+        if depth == 0:
+            last_hash[node.id] = None
+            continue
+        chain = ref_chain(last_hash[node.parent.id], node.key.tolist(), node.extra_key,
+                          cache.page_size)
+        assert chain, "a node without a full page"
+        last_hash[node.id] = chain[-1]
+        pages.update(chain)
+    return pages
+
+
+def replay_into(pages: set, events: list, page_size: int) -> None:
+    """Apply events to a set of block hashes, checking each is consistent with the set."""
+    for event in events:
+        if isinstance(event, ev.BlockStored):
+            assert len(event.token_ids) == page_size * len(event.block_hashes)
+            assert event.block_size == page_size
+            assert event.parent_block_hash is None or event.parent_block_hash in pages
+            for h in event.block_hashes:
+                assert h not in pages, "page stored twice"
+                pages.add(h)
+        elif isinstance(event, ev.BlockRemoved):
+            for h in event.block_hashes:
+                assert h in pages, "page removed that was never stored"
+                pages.remove(h)
+        else:
+            assert isinstance(event, ev.AllBlocksCleared)
+            pages.clear()
+
+
+# -- hashing ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra_key", [None, "", "tenant", "ü", b"", b"tenant", 0, 7, -12,
+                                       2**70])
+@pytest.mark.parametrize("parent", [None, 0, -1, 2**63 - 1, -(2**63)])
+def test_block_hash_matches_its_definition(extra_key, parent):
+    tokens = [0, 1, -5, 2**63 - 1, -(2**63), 32000]
+    assert ev.block_hash(parent, tokens, extra_key) == ref_hash(parent, tokens, extra_key)
+    assert ev.block_hash(parent, np.array(tokens, dtype=np.int64), extra_key) == \
+        ref_hash(parent, tokens, extra_key)
+
+
+def test_namespaces_are_distinct_and_equal_keys_share_one():
+    tokens = [1, 2, 3, 4]
+    keys = [None, "1", b"1", 1, "", b""]
+    hashes = [ev.block_hash(None, tokens, k) for k in keys]
+    assert len(set(hashes)) == len(keys)
+    # Keys the tree treats as one namespace (equal and equal-hashing) hash alike.
+    assert ev.block_hash(None, tokens, True) == ev.block_hash(None, tokens, 1)
+    assert ev.block_hash(None, tokens, np.int64(1)) == ev.block_hash(None, tokens, 1)
+
+
+def test_block_hashes_chains_full_pages_only():
+    tokens = list(range(10))
+    assert ev.block_hashes(tokens, 4, "ns") == ref_chain(None, tokens, "ns", 4)
+    assert len(ev.block_hashes(tokens, 4)) == 2
+    parent = ref_hash(None, [9, 9], None)
+    assert ev.block_hashes(tokens, 3, None, parent) == ref_chain(parent, tokens, None, 3)
+    assert ev.block_hashes([], 2) == []
+
+
+@pytest.mark.parametrize("bad, name", [(1.5, "float"), ((1, 2), "tuple"),
+                                       (frozenset(), "frozenset")])
+def test_unhashable_namespace_type_raises_type_error_naming_it(bad, name):
+    with pytest.raises(TypeError, match=name):
+        ev.block_hash(None, [1], bad)
+    with pytest.raises(TypeError, match=name):
+        ev.EventRecorder.check_extra_key(bad)
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(TypeError):
+        ev.block_hash("x", [1])
+    with pytest.raises(OverflowError):
+        ev.block_hash(2**63, [1])
+    with pytest.raises(TypeError):
+        ev.block_hash(None, [1.5])
+    with pytest.raises(ValueError):
+        ev.block_hashes([1, 2], 0)
+    with pytest.raises(ValueError):
+        ev.EventRecorder(0)
+    with pytest.raises(TypeError):
+        ev.EventRecorder(True)
+
+
+# -- event content ---------------------------------------------------------------------------
+
+A = [1, 2, 3, 4, 5, 6]
+B = [1, 2, 3, 4, 7, 8, 9]  # diverges from A after two pages; the 9 is a partial page
+
+
+def run_script(core: str) -> list:
+    """A scripted session; returns the events taken after each step."""
+    cache = RadixCache(page_size=2, enable_events=True, core=core)
+    steps = []
+    cache.insert(A)
+    steps.append(cache.take_events())
+    cache.insert(B)  # splits A's node after [1, 2, 3, 4]
+    steps.append(cache.take_events())
+    assert cache.stats().splits == 1
+    assert cache.match_prefix([1, 2, 9]).length == 2  # splits [1, 2, 3, 4] again
+    assert cache.stats().splits == 2
+    steps.append(cache.take_events())
+    cache.insert(A, extra_key="tenant")
+    cache.insert(A + [10, 11], extra_key="tenant")
+    steps.append(cache.take_events())
+    locked = cache.match_prefix(A + [10, 11], extra_key="tenant").last_node
+    cache.inc_lock_ref(locked)
+    assert cache.evict(2) == 2  # LRU: [5, 6] is the oldest leaf
+    steps.append(cache.take_events())
+    assert cache.evict(100) == 6  # [7, 8], then [3, 4], then [1, 2]; the tenant's are locked
+    steps.append(cache.take_events())
+    cache.dec_lock_ref(locked)
+    cache.insert(A)
+    steps.append(cache.take_events())
+    assert cache._events.tracked_nodes == cache.node_count() == 3  # evicted ones dropped
+    cache.reset()
+    assert cache._events.tracked_nodes == 0
+    cache.insert(B)
+    steps.append(cache.take_events())
+    steps.append(cache.take_events())  # taking empties the queue
+    return steps
+
+
+def expected_script() -> list:
+    h12, h34, h56 = ref_chain(None, A, None, 2)
+    t = ref_chain(None, A, "tenant", 2)
+    h78 = ref_hash(h34, [7, 8])
+    return [
+        [stored(None, A, None, 2)],
+        [ev.BlockStored((h78,), h34, (7, 8), 2, None, None)],
+        [],  # a split emits nothing
+        [stored(None, A, "tenant", 2), stored(t[-1], [10, 11], "tenant", 2)],
+        [ev.BlockRemoved((h56,), None)],
+        [ev.BlockRemoved((h78,), None), ev.BlockRemoved((h34,), None),
+         ev.BlockRemoved((h12,), None)],
+        [stored(None, A, None, 2)],
+        [ev.AllBlocksCleared(), stored(None, [1, 2, 3, 4, 7, 8], None, 2)],
+        [],
+    ]
+
+
+@pytest.mark.parametrize("core", CORE_NAMES)
+def test_scripted_session_gives_exact_events(core):
+    steps = run_script(core)
+    assert steps == expected_script()
+    # Same tokens after the same prefix: the same hashes, before and after a reset.
+    first, again, after_reset = steps[0][0], steps[6][0], steps[7][1]
+    assert again.block_hashes == first.block_hashes
+    assert after_reset.block_hashes[:2] == first.block_hashes[:2]
+    assert after_reset.block_hashes[2] == steps[1][0].block_hashes[0]
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="only one tree core is available")
+def test_both_cores_emit_identical_events():
+    results = {core: run_script(core) for core in CORE_NAMES}
+    first = results[CORE_NAMES[0]]
+    for core in CORE_NAMES[1:]:
+        assert results[core] == first, core
+
+
+# Runs in this process and in fresh interpreters with different hash seeds.
+PROCESS_SCRIPT = r"""
+import json, sys
+from radixcache import RadixCache
+out = []
+for core in sys.argv[1].split(","):
+    cache = RadixCache(page_size=3, enable_events=True, core=core)
+    for ns in (None, "tenant", b"tenant", 5, -5):
+        cache.insert(list(range(20)), extra_key=ns)
+        cache.insert(list(range(9)) + [99, 98, 97, 96], extra_key=ns)
+    cache.evict(10**6)
+    out.append([e.to_wire() for e in cache.take_events()])
+print(json.dumps(out))
+"""
+
+
+def test_hashes_equal_across_processes_and_cores():
+    cores = ",".join(CORE_NAMES)
+    # Another interpreter with another str/bytes hash seed than this one.
+    seed = "17" if os.environ.get("PYTHONHASHSEED") == "4242" else "4242"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONHASHSEED=seed)
+    proc = subprocess.run([sys.executable, "-c", PROCESS_SCRIPT, cores], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    there = json.loads(proc.stdout)
+    here = []
+    for core in CORE_NAMES:
+        cache = RadixCache(page_size=3, enable_events=True, core=core)
+        for ns in (None, "tenant", b"tenant", 5, -5):
+            cache.insert(list(range(20)), extra_key=ns)
+            cache.insert(list(range(9)) + [99, 98, 97, 96], extra_key=ns)
+        cache.evict(10**6)
+        here.append(json.loads(json.dumps([e.to_wire() for e in cache.take_events()])))
+    assert there == here
+    stored_events = [e for e in here[0] if e[0] == "BlockStored"]
+    assert len(stored_events) == 10
+    # Independent check of one chain per namespace against the reference.
+    for ns, event in zip((None, "tenant", b"tenant", 5, -5), stored_events[::2]):
+        assert event[1] == ref_chain(None, list(range(20)), ns, 3)
+    for core_events in here[1:]:
+        assert core_events == here[0]
+
+
+def _workload(cache: RadixCache) -> None:
+    rng = random.Random(3)
+    for _ in range(50):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        cache.insert(tokens, extra_key=rng.choice([None, "b"]))
+        cache.match_prefix(tokens[:5])
+        if cache.total_size() > 30:
+            cache.evict(10)
+    cache.reset()
+
+
+@pytest.mark.parametrize("core", CORE_NAMES)
+def test_events_off_records_nothing_and_never_hashes(core, monkeypatch):
+    calls = []
+    real = ev._hash_page
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(ev, "_hash_page", counting)
+    cache = RadixCache(page_size=2, core=core)
+    _workload(cache)
+    assert cache.take_events() == []
+    assert calls == []
+    # The counter does see the hashing when events are on.
+    on = RadixCache(page_size=2, enable_events=True, core=core)
+    _workload(on)
+    assert len(calls) > 0
+    assert on.take_events()
+
+
+@pytest.mark.parametrize("core", CORE_NAMES)
+def test_bad_namespace_raises_and_never_corrupts_the_event_stream(core):
+    cache = RadixCache(page_size=1, enable_events=True, core=core)
+    cache.insert([1, 2, 3])
+    with pytest.raises(TypeError, match="tuple"):
+        cache.insert([4, 5], extra_key=("a", 1))
+    cache.insert([1, 2, 7])
+    # Whatever the tree kept of the refused insert was never announced, so it is never
+    # removed either; every announced page comes and goes consistently.
+    pages: set = set()
+    replay_into(pages, cache.take_events(), 1)
+    assert cache.evict(100) >= 4
+    replay_into(pages, cache.take_events(), 1)
+    assert pages == set()
+
+
+@pytest.mark.parametrize("core", CORE_NAMES)
+def test_split_upper_node_hash_is_computed_once_then_reused(core, monkeypatch):
+    calls = []
+    real = ev._hash_page
+
+    def counting(*args):
+        calls.append(args[2])
+        return real(*args)
+
+    monkeypatch.setattr(ev, "_hash_page", counting)
+    cache = RadixCache(page_size=2, enable_events=True, core=core)
+    cache.insert([1, 1, 2, 2, 3, 3, 4, 4])
+    assert len(calls) == 4  # one per page of the new leaf
+    cache.take_events()
+    upper = ref_chain(None, [1, 1, 2, 2, 3, 3], None, 2)[-1]
+    calls.clear()
+    cache.insert([1, 1, 2, 2, 3, 3, 9, 9])  # splits after three pages; new leaf [9, 9]
+    # The new upper node [1 1 2 2 3 3] is hashed lazily (3 pages), then the leaf (1 page).
+    assert len(calls) == 4
+    assert cache.take_events() == [ev.BlockStored((ref_hash(upper, [9, 9]),), upper, (9, 9), 2)]
+    calls.clear()
+    cache.insert([1, 1, 2, 2, 3, 3, 8, 8])  # another child of the upper node: reuses its hash
+    assert len(calls) == 1
+    assert cache.take_events() == [ev.BlockStored((ref_hash(upper, [8, 8]),), upper, (8, 8), 2)]
+    calls.clear()
+    assert cache.evict(100) == 12
+    pages: set = set(ref_chain(None, [1, 1, 2, 2, 3, 3, 4, 4], None, 2))
+    pages |= {ref_hash(upper, [9, 9]), ref_hash(upper, [8, 8])}
+    replay_into(pages, cache.take_events(), 2)
+    assert pages == set()
+    # Removal hashes each evicted leaf's own pages; parents' hashes come from the cache.
+    assert len(calls) == 1 + 1 + 1 + 3
+
+
+def test_deep_tree_hashes_without_recursion():
+    depth = 1500  # beyond the default recursion limit
+    cache = RadixCache(page_size=1, core="python")
+    for n in range(1, depth + 1):
+        cache.insert(np.arange(n, dtype=np.int64))
+    deepest = cache.match_prefix(np.arange(depth, dtype=np.int64)).last_node
+    # A recorder that never saw these nodes computes the whole chain lazily.
+    recorder = ev.EventRecorder(1)
+    hashes = recorder.node_block_hashes(deepest)
+    assert hashes == [ref_chain(None, list(range(depth)), None, 1)[-1]]
+    assert recorder.node_block_hashes(cache.root_node) == []
+
+
+# -- property: the events always describe the tree -------------------------------------------
+
+TOKENS = st.lists(st.integers(0, 3), max_size=12)
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("insert"), TOKENS, st.integers(0, 1)),
+    st.tuples(st.just("match"), TOKENS, st.integers(0, 1)),
+    st.tuples(st.just("evict"), st.integers(0, 12)),
+    st.tuples(st.just("lock"), st.integers(0, 20)),
+    st.tuples(st.just("unlock"), st.integers(0, 20)),
+    st.tuples(st.just("reset")),
+), max_size=40)
+NAMESPACES = (None, "tenant")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(page_size=st.sampled_from([1, 4]), core=st.sampled_from(CORE_NAMES), ops=OPS)
+def test_replayed_events_equal_pages_in_tree(page_size, core, ops):
+    cache = RadixCache(page_size=page_size, enable_events=True, core=core)
+    handles: list = []
+    locked: list = []
+    pages: set = set()
+    for op in ops:
+        kind = op[0]
+        if kind == "insert":
+            handles.append(cache.insert(op[1], extra_key=NAMESPACES[op[2]]).last_node)
+        elif kind == "match":
+            handles.append(cache.match_prefix(op[1], extra_key=NAMESPACES[op[2]]).last_node)
+        elif kind == "evict":
+            cache.evict(op[1])
+        elif kind == "lock" and handles:
+            node = handles[op[1] % len(handles)]
+            if not node.evicted:
+                cache.inc_lock_ref(node)
+                locked.append(node)
+        elif kind == "unlock" and locked:
+            cache.dec_lock_ref(locked.pop(op[1] % len(locked)))
+        elif kind == "reset":
+            cache.reset()
+            handles.clear()
+            locked.clear()
+        replay_into(pages, cache.take_events(), page_size)
+        assert pages == tree_pages(cache)
+    cache.evict(10**6)
+    if not locked:  # every node left; the recorder keeps nothing for evicted nodes
+        assert cache.node_count() == 0
+        assert cache._events.tracked_nodes == 0
+
+
+# -- transport -------------------------------------------------------------------------------
+
+if msgspec is not None:
+    # The documented wire layout, written independently of radixcache.events.
+    class _WireEvent(msgspec.Struct, array_like=True, tag=True):
+        pass
+
+    class BlockStored(_WireEvent):
+        block_hashes: List[int]
+        parent_block_hash: Optional[int]
+        token_ids: List[int]
+        block_size: int
+        lora_id: Optional[int]
+        medium: Optional[str]
+
+    class BlockRemoved(_WireEvent):
+        block_hashes: List[int]
+        medium: Optional[str]
+
+    class AllBlocksCleared(_WireEvent):
+        pass
+
+    class KVEventBatch(msgspec.Struct, array_like=True):
+        ts: float
+        events: List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+        data_parallel_rank: Optional[int]
+
+    WIRE_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def wire_fields(event: Any) -> tuple:
+    """An event (ours or a wire struct) as (tag, field values...), lists as tuples."""
+    names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                             "lora_id", "medium"),
+             "BlockRemoved": ("block_hashes", "medium"),
+             "AllBlocksCleared": ()}[type(event).__name__]
+    values = []
+    for name in names:
+        value = getattr(event, name)
+        values.append(tuple(value) if isinstance(value, (list, tuple)) else value)
+    return (type(event).__name__, *values)
+
+
+def serve_requests(cache: RadixCache, count: int, seed: int, publish) -> None:
+    """A small serving loop: match, lock, insert prompt+output, unlock, evict to capacity."""
+    rng = random.Random(seed)
+    system_prompts = [[rng.randrange(500) for _ in range(rng.randrange(8, 40))]
+                      for _ in range(5)]
+    capacity = 400
+    for _ in range(count):
+        namespace = rng.choice([None, "tenant-b"])
+        prompt = rng.choice(system_prompts) + [rng.randrange(500)
+                                               for _ in range(rng.randrange(0, 24))]
+        match = cache.match_prefix(prompt, extra_key=namespace)
+        cache.inc_lock_ref(match.last_node)
+        if cache.total_size() > capacity:
+            cache.evict(cache.total_size() - capacity)
+        output = [rng.randrange(500, 1000) for _ in range(rng.randrange(1, 16))]
+        result = cache.insert(prompt + output, extra_key=namespace)
+        cache.inc_lock_ref(result.last_node)
+        cache.dec_lock_ref(match.last_node)
+        cache.dec_lock_ref(result.last_node)
+        publish(cache.take_events())
+
+
+def connect_raw_sub(endpoint: str):
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(endpoint)
+    return ctx, sub
+
+
+@needs_transport
+def test_serving_loop_batches_arrive_in_order_and_decode_to_the_documented_layout():
+    cache = RadixCache(page_size=4, enable_events=True)
+    pub = ev.ZmqEventPublisher("tcp://127.0.0.1:*", topic="kv", data_parallel_rank=3)
+    ctx, sub = connect_raw_sub(pub.endpoint)
+    try:
+        assert pub.endpoint.startswith("tcp://127.0.0.1:") and not pub.endpoint.endswith("*")
+        published: dict = {}
+
+        def publish(events):
+            seq = pub.publish(events)
+            if events:
+                assert seq is not None
+                published[seq] = events
+
+        # Slow joiner: publish resets until the subscription is live; later ones are all seen.
+        received: list = []
+        deadline = time.monotonic() + SOCKET_WAIT_S
+        while not received:
+            assert time.monotonic() < deadline, "subscriber never connected"
+            cache.reset()
+            publish(cache.take_events())
+            if sub.poll(50):
+                received.append(sub.recv_multipart())
+        serve_requests(cache, 300, seed=11, publish=publish)
+        assert pub.flush(SOCKET_WAIT_S)
+        last_seq = max(published)
+        while int.from_bytes(received[-1][1], "big") < last_seq:
+            assert sub.poll(int(SOCKET_WAIT_S * 1000)), "batches missing"
+            received.append(sub.recv_multipart())
+
+        seqs = [int.from_bytes(frames[1], "big") for frames in received]
+        assert seqs == list(range(seqs[0], last_seq + 1))  # in order, no gap
+        pages: set = set()
+        for topic, seq_bytes, payload in received:
+            assert topic == b"kv" and len(seq_bytes) == 8
+            batch = WIRE_DECODER.decode(payload)
+            assert batch.data_parallel_rank == 3
+            assert batch.ts > 0
+            ours = published[int.from_bytes(seq_bytes, "big")]
+            assert [wire_fields(e) for e in batch.events] == [wire_fields(e) for e in ours]
+            replay_into(pages, ours, 4)
+        assert pages == tree_pages(cache)
+        assert len(received) > 250 and pub.dropped == 0 and pub.errors == 0
+    finally:
+        sub.close()
+        ctx.term()
+        pub.close()
+
+
+@needs_transport
+def test_late_subscriber_recovers_earlier_batches_through_replay():
+    cache = RadixCache(page_size=4, enable_events=True)
+    pub = ev.ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    published: dict = {}
+
+    def publish(events):
+        seq = pub.publish(events)
+        if events:
+            published[seq] = events
+
+    sub = None
+    try:
+        serve_requests(cache, 60, seed=5, publish=publish)  # nobody listening yet
+        assert pub.flush(SOCKET_WAIT_S)
+        early = len(published)
+        sub = ev.ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0)
+        received: list = []
+        rng_seed = 100
+        deadline = time.monotonic() + 4 * SOCKET_WAIT_S
+        while not received or received[-1].seq < max(published):
+            assert time.monotonic() < deadline, "never caught up"
+            batch = sub.receive(timeout=0.5)
+            if batch is None:
+                # Nothing live yet (slow joiner): keep serving so the stream moves on.
+                serve_requests(cache, 5, seed=rng_seed, publish=publish)
+                rng_seed += 1
+                continue
+            received.append(batch)
+        assert [b.seq for b in received] == list(range(max(published) + 1))
+        for batch in received:
+            assert batch.events == published[batch.seq]
+            assert [wire_fields(e) for e in WIRE_DECODER.decode(batch.payload).events] == \
+                [wire_fields(e) for e in batch.events]
+        assert sub.replayed >= early
+        assert sub.gaps == []
+    finally:
+        if sub is not None:
+            sub.close()
+        pub.close()
+
+
+@needs_transport
+def test_batches_lost_in_transit_are_recovered_mid_stream():
+    # High-water marks of one message make the PUB socket discard batches the subscriber is
+    # too slow for; they were sent (and buffered), so the gap is filled through replay.
+    pub = ev.ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
+                               hwm=1)
+    sub = ev.ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, hwm=1)
+    try:
+        published: dict = {}
+        deadline = time.monotonic() + SOCKET_WAIT_S
+        while sub.receive(timeout=0.05) is None:  # wait for the subscription to be live
+            assert time.monotonic() < deadline, "subscriber never connected"
+            published[pub.publish([ev.AllBlocksCleared()])] = [ev.AllBlocksCleared()]
+        received = [sub.next_seq - 1]
+        rounds = 0
+        while sub.replayed == 0 and rounds < 10:  # bursts until the transport lost some
+            rounds += 1
+            for i in range(300):
+                big = [ev.BlockStored((i, rounds), None, tuple(range(i, i + 2000)), 2000)]
+                published[pub.publish(big)] = big
+            assert pub.flush(SOCKET_WAIT_S)
+            while received[-1] < max(published):
+                batch = sub.receive(timeout=SOCKET_WAIT_S)
+                assert batch is not None, "batches missing"
+                assert batch.events == published[batch.seq]
+                received.append(batch.seq)
+        assert sub.replayed > 0, "the transport never lost a batch"
+        assert received == list(range(received[0], max(published) + 1))
+        assert sub.gaps == [] and pub.dropped == 0
+    finally:
+        sub.close()
+        pub.close()
+
+
+@needs_transport
+def test_replay_socket_protocol_and_bounded_buffer():
+    pub = ev.ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
+                               buffer_steps=3)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    sub = None
+    try:
+        batches = [[ev.BlockRemoved((i, -i), None)] for i in range(6)]
+        assert [pub.publish(b) for b in batches] == list(range(6))
+        assert pub.flush(SOCKET_WAIT_S)
+        dealer.connect(pub.replay_endpoint)
+        # The request a REQ socket sends, (b"", start_seq) after the ROUTER's identity frame.
+        dealer.send_multipart([b"", (4).to_bytes(8, "big")])
+        replies = []
+        while True:
+            assert dealer.poll(int(SOCKET_WAIT_S * 1000)), "no end marker"
+            frames = dealer.recv_multipart()
+            replies.append(frames)
+            if int.from_bytes(frames[1], "big", signed=True) == -1:
+                break
+        assert [f[0] for f in replies] == [b""] * 3
+        assert [int.from_bytes(f[1], "big", signed=True) for f in replies] == [4, 5, -1]
+        assert replies[-1][2] == b""
+        decoded = [WIRE_DECODER.decode(f[2]) for f in replies[:-1]]
+        assert [wire_fields(b.events[0]) for b in decoded] == \
+            [("BlockRemoved", (4, -4), None), ("BlockRemoved", (5, -5), None)]
+        # Only the last three batches are buffered: a late joiner sees 0..2 as a gap.
+        sub = ev.ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0)
+        got = [sub.receive(timeout=SOCKET_WAIT_S) for _ in range(3)]
+        assert [b.seq for b in got] == [3, 4, 5]
+        assert [b.events for b in got] == batches[3:]
+        assert sub.gaps == [(0, 2)]
+    finally:
+        dealer.close()
+        ctx.term()
+        if sub is not None:
+            sub.close()
+        pub.close()
+
+
+@needs_transport
+@pytest.mark.parametrize("with_replay", [False, True])
+def test_a_dropped_batch_shows_as_a_gap(with_replay):
+    replay = "tcp://127.0.0.1:*" if with_replay else None
+    pub = ev.ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint=replay, max_queue_size=1)
+    sub = ev.ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, replay_timeout=2.0)
+    try:
+        batch = [ev.AllBlocksCleared()]
+        seq = 0
+        deadline = time.monotonic() + SOCKET_WAIT_S
+        first = None
+        while first is None:  # wait for the subscription to be live
+            assert time.monotonic() < deadline, "subscriber never connected"
+            assert pub.publish(batch) == seq
+            seq += 1
+            assert pub.flush(SOCKET_WAIT_S)
+            first = sub.receive(timeout=0.05)
+        while True:  # drain what the warm-up left
+            got = sub.receive(timeout=0.2)
+            if got is None:
+                break
+        sent_before_burst = seq
+        # A burst into a one-batch queue: the sending thread cannot keep up.
+        dropped = []
+        while len(dropped) < 3 and seq < sent_before_burst + 100_000:
+            if pub.publish(batch) is None:
+                dropped.append(seq)
+            seq += 1
+        assert dropped, "nothing was dropped"
+        assert pub.dropped == len(dropped)
+        assert pub.flush(SOCKET_WAIT_S)
+        final = seq
+        assert pub.publish(batch) == final  # the queue has room again
+        seqs = []
+        while not seqs or seqs[-1] < final:
+            got = sub.receive(timeout=SOCKET_WAIT_S)
+            assert got is not None, "batches missing"
+            seqs.append(got.seq)
+        delivered = set(range(sent_before_burst, final + 1)) - set(dropped)
+        assert seqs == sorted(delivered)
+        missing = {s for first_seq, last_seq in sub.gaps for s in range(first_seq, last_seq + 1)}
+        assert missing == set(dropped)
+    finally:
+        sub.close()
+        pub.close()
+
+
+@needs_transport
+def test_publish_validates_and_skips_empty_batches():
+    with ev.ZmqEventPublisher("tcp://127.0.0.1:*") as pub:
+        assert pub.publish([]) is None
+        with pytest.raises(TypeError, match="str"):
+            pub.publish(["BlockStored"])
+        assert pub.publish([ev.AllBlocksCleared()]) == 0  # nothing above used a number
+    with pytest.raises(RuntimeError):
+        pub.publish([ev.AllBlocksCleared()])
+    with pytest.raises(ValueError):
+        ev.ZmqEventPublisher("tcp://127.0.0.1:*", max_queue_size=0)
+
+
+@needs_transport
+def test_decode_batch_rejects_malformed_payloads():
+    good = msgspec.msgpack.encode([1.5, [["BlockRemoved", [1, 2], None]], 0])
+    assert ev.decode_batch(good, 7) == ev.ReceivedBatch(7, 1.5, [ev.BlockRemoved((1, 2))], 0)
+    for bad in ([1.5], [1.5, [["Nope"]], 0], [1.5, [["BlockRemoved", ["x"], None]], 0]):
+        with pytest.raises(ValueError):
+            ev.decode_batch(msgspec.msgpack.encode(bad))
+    with pytest.raises(ValueError):
+        ev.decode_batch(b"\xc1")
+
+
+BLOCKED_IMPORT_SCRIPT = r"""
+import sys
+
+class BlockOptional:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("zmq", "msgspec"):
+            raise ImportError(f"blocked {name}")
+        return None
+
+sys.meta_path.insert(0, BlockOptional())
+import radixcache
+import radixcache.events as ev
+cache = radixcache.RadixCache(page_size=2, enable_events=True)
+cache.insert([1, 2, 3, 4])
+events = cache.take_events()
+assert len(events) == 1 and isinstance(events[0], ev.BlockStored), events
+for make in (lambda: ev.ZmqEventPublisher("tcp://127.0.0.1:*"),
+             lambda: ev.ZmqEventSubscriber("tcp://127.0.0.1:5557")):
+    try:
+        make()
+    except ImportError as exc:
+        assert "pip install radixcache[events]" in str(exc), str(exc)
+    else:
+        raise SystemExit("no ImportError")
+print("ok")
+"""
+
+
+def test_recorder_works_and_transport_names_the_extra_without_optional_deps():
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
