@@ -18,7 +18,7 @@ from libc.string cimport memcmp, memset
 
 import numpy as np
 
-from ._tensors import indices_from_key
+from ._shared import display_order, indices_from_key
 
 CORE_NAME = "c"
 
@@ -572,4 +572,5 @@ cdef class Tree:
         while stack:
             node, depth = stack.pop()
             yield node, depth
-            stack.extend((child, depth + 1) for child in reversed(node.children))
+            children = sorted(node.children, key=display_order, reverse=True)
+            stack.extend((child, depth + 1) for child in children)

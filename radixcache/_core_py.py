@@ -10,8 +10,8 @@ array of the node's tokens), ``num_tokens``, ``stored_value`` (the index tensor 
 insert, or None when the key doubles as the indices or the node was evicted), ``parent``,
 ``children`` (tuple of nodes), ``num_children``, ``lock_ref``, ``last_access_time``,
 ``created_time``, ``priority``, ``hit_count``, ``extra_key``, ``id``, ``evicted``,
-``terminal``. ``value`` (the index tensor, materialised from the key when none was stored)
-is added by ``_tensors.node_value``.
+``terminal``, and ``value`` (the index tensor, materialised from the key when none was
+stored, None once evicted).
 
 ``Tree(page_size)`` -- attributes ``root``, ``page_size``, ``clock`` (logical time, +1 per
 touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writable counter).
@@ -33,7 +33,8 @@ touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writa
 - ``remove_leaf(node) -> parent``: detaches an unlocked leaf, marks it evicted, clears its
   stored value.
 - ``reset()``: drops every node (marking each evicted) without recursion.
-- ``iter_nodes() -> iterator of (node, depth)``: pre-order, root first at depth 0.
+- ``iter_nodes() -> iterator of (node, depth)``: pre-order, root first at depth 0, siblings in
+  ``display_order`` (so both cores list a tree identically).
 
 ``tokens`` is a list or tuple of ints, or any object exposing a C-contiguous int64 buffer
 (``numpy.int64`` arrays, ``array('q')``); the core converts it once per call. Bad tokens
@@ -47,7 +48,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ._tensors import indices_from_key
+from ._shared import display_order, indices_from_key
 
 __all__ = ["Node", "Tree", "CORE_NAME"]
 
@@ -425,4 +426,5 @@ class Tree:
         while stack:
             node, depth = stack.pop()
             yield node, depth
-            stack.extend((child, depth + 1) for child in reversed(node._children.values()))
+            children = sorted(node._children.values(), key=display_order, reverse=True)
+            stack.extend((child, depth + 1) for child in children)

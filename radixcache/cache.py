@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import _core
-from ._tensors import EMPTY_INDICES
+from ._shared import EMPTY_INDICES
 
 __all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "EVICTION_POLICIES"]
 

@@ -1,4 +1,4 @@
-"""Torch helpers shared by both tree cores and the cache layer."""
+"""Helpers shared by both tree cores and the cache layer."""
 
 from __future__ import annotations
 
@@ -12,3 +12,9 @@ def indices_from_key(key: np.ndarray) -> torch.Tensor:
     """The index tensor of a node inserted without kv_indices: its tokens serve as indices."""
     # A copy: the key buffer is read-only and must never be written through a tensor.
     return torch.from_numpy(np.array(key, dtype=np.int64))
+
+
+def display_order(node) -> tuple:
+    """Sort key for listing siblings: namespace, then tokens (the same on both cores)."""
+    extra_key = node.extra_key
+    return (extra_key is not None, repr(extra_key), node.key[:16].tolist())

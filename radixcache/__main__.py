@@ -1,0 +1,7 @@
+"""``python -m radixcache``: the ``radixcache`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,425 @@
+"""The ``radixcache`` command: ``simulate`` replays a trace through the serving loop, ``bench``
+times the tree cores side by side.
+
+Exit codes: 0 success, 1 unreadable or malformed trace (or failed output), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+from . import _core
+from .cache import EVICTION_POLICIES, RadixCache
+from .traces import TraceError, read_trace
+from .workloads import Request, ServeResult, exercise_ops, serve, synthetic_chat
+
+__all__ = ["main", "JSON_KEYS"]
+
+#: Keys of every object ``simulate --json`` writes, in order.
+JSON_KEYS = ("capacity", "policy", "page_size", "requests", "prompt_tokens", "cached_tokens",
+             "hit_rate", "evicted_tokens", "peak_tokens", "seconds")
+
+EMBEDDED_NAME = "synthetic chat (embedded)"
+DEFAULT_CAPACITIES = "32768,131072,524288"
+
+# Plot size in inches at PLOT_DPI: the PNG is 800 x 500 pixels.
+PLOT_SIZE = (8, 5)
+PLOT_DPI = 100
+
+
+class _UsageError(Exception):
+    """A bad argument found after parsing (exit code 2)."""
+
+
+# -- argument parsing --------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _capacity_list(text: str) -> list[int]:
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            values.append(_positive_int(part))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"capacity {part!r}: {exc}") from None
+    return sorted(set(values))
+
+
+def _policy_list(text: str) -> list[str]:
+    if text.strip() == "all":
+        return list(EVICTION_POLICIES)
+    names = []
+    for part in text.split(","):
+        name = part.strip()
+        if name not in EVICTION_POLICIES:
+            raise argparse.ArgumentTypeError(
+                f"unknown policy {name!r}; valid: {', '.join(EVICTION_POLICIES)} or 'all'"
+            )
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixcache",
+        description="Replay LLM request traces through a radix-tree KV prefix cache.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    cores = sorted(_core.CORES)
+
+    sim = sub.add_parser(
+        "simulate", help="replay a trace through the serving loop and report hit rates",
+        description="Replay TRACE (Mooncake or token-id JSONL; without it, an embedded "
+                    "synthetic chat workload) through the serving loop against a KV pool of "
+                    "each capacity with each eviction policy.",
+    )
+    sim.add_argument("trace", nargs="?", metavar="TRACE",
+                     help="JSONL trace file (default: the embedded synthetic chat workload)")
+    sim.add_argument("--capacity", type=_capacity_list, default=_capacity_list(DEFAULT_CAPACITIES),
+                     metavar="N[,N...]",
+                     help=f"KV pool size(s) in token slots (default {DEFAULT_CAPACITIES})")
+    sim.add_argument("--page-size", type=_positive_int, default=1, metavar="P",
+                     help="tokens per KV page (default 1)")
+    sim.add_argument("--policy", type=_policy_list, default=["lru"], metavar="NAME[,NAME...]",
+                     help=f"eviction policies: {', '.join(EVICTION_POLICIES)} or 'all' "
+                          "(default lru)")
+    sim.add_argument("--limit", type=_positive_int, metavar="K",
+                     help="replay only the first K requests")
+    sim.add_argument("--block-size", type=_positive_int, default=512, metavar="B",
+                     help="tokens per hash id in Mooncake traces (default 512)")
+    sim.add_argument("--seed", type=int, default=0,
+                     help="seed of the embedded synthetic workload (default 0)")
+    sim.add_argument("--core", choices=cores, default=None,
+                     help=f"tree core (default: {_core.core_name()})")
+    sim.add_argument("--plot", metavar="OUT.png", help="write a hit-rate-vs-capacity PNG")
+    sim.add_argument("--json", metavar="OUT.json", help="write the result rows as JSON")
+    sim.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    bench = sub.add_parser(
+        "bench", help="time the tree cores side by side",
+        description="Time every available tree core on the embedded chat workload (serving "
+                    "loop, cache calls only) and on an insert/exists exercise workload.",
+    )
+    bench.add_argument("--quick", action="store_true", help="smaller workloads, one repeat")
+    bench.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
+                       help="runs per measurement, the best is kept (default 3, 1 with --quick)")
+    return parser
+
+
+# -- output helpers ----------------------------------------------------------------------------
+def _atomic_write(path: str, write: Callable[[str], None]) -> None:
+    """Call ``write(temp_path)`` then move the file onto ``path``: never a half-written file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temp_path = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.",
+                                     suffix=".tmp")
+    os.close(fd)
+    try:
+        write(temp_path)
+        os.replace(temp_path, path)
+    except BaseException:
+        try:
+            os.unlink(temp_path)
+        except OSError:
+            pass
+        raise
+
+
+def _check_output_path(path: str | None, option: str) -> None:
+    """Fail before a long replay when an output file could never be written."""
+    if path is None:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise _UsageError(f"{option}: directory {directory!r} does not exist")
+    if os.path.isdir(path):
+        raise _UsageError(f"{option}: {path!r} is a directory")
+    if not os.access(directory, os.W_OK):
+        raise _UsageError(f"{option}: directory {directory!r} is not writable")
+
+
+def _format_table(headers: Sequence[str], rows: Sequence[Sequence[str]],
+                  left: Sequence[int] = ()) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    out.extend(line(r) for r in rows)
+    return "\n".join(out)
+
+
+def _progress_bar(total: int, label: str, quiet: bool):
+    """A tqdm bar on stderr, or None when quiet, not a terminal, or tqdm is missing."""
+    if quiet or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm  # noqa: PLC0415 -- only needed on a terminal
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=False)
+
+
+# -- simulate ------------------------------------------------------------------------------------
+def _write_json(path: str, rows: list[dict]) -> None:
+    def write(temp_path: str) -> None:
+        with open(temp_path, "w", encoding="utf-8") as out:
+            json.dump(rows, out, indent=2)
+            out.write("\n")
+
+    _atomic_write(path, write)
+
+
+def _short_count(n: int) -> str:
+    """1536 -> '1.5k', 4194304 -> '4.19M' (powers of 1000, up to 3 significant digits)."""
+    for factor, unit in ((10**9, "G"), (10**6, "M"), (10**3, "k")):
+        if n >= factor:
+            return f"{n / factor:.3g}{unit}"
+    return str(n)
+
+
+def _write_plot(path: str, rows: list[dict], trace_name: str, page_size: int) -> None:
+    # Figure without pyplot renders PNG through the Agg canvas: no GUI backend involved.
+    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.ticker import NullLocator  # noqa: PLC0415
+
+    fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
+    ax = fig.add_subplot()
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    for policy in policies:
+        points = sorted((r["capacity"], r["hit_rate"]) for r in rows if r["policy"] == policy)
+        ax.plot([c for c, _ in points], [100 * h for _, h in points], marker="o", label=policy)
+    capacities = sorted({r["capacity"] for r in rows})
+    if capacities[-1] >= 10 * capacities[0]:
+        ax.set_xscale("log")
+    # Ticks at the measured capacities only, in readable units.
+    ax.set_xticks(capacities, [_short_count(c) for c in capacities])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("KV pool capacity (token slots)")
+    ax.set_ylabel("prefix cache hit rate (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"Prefix cache hit rate vs capacity: {trace_name} (page size {page_size})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(title="eviction policy")
+    fig.tight_layout()
+    _atomic_write(path, lambda temp_path: fig.savefig(temp_path, format="png", dpi=PLOT_DPI))
+
+
+def _result_row(capacity: int, policy: str, page_size: int, result: ServeResult) -> dict:
+    return {
+        "capacity": capacity,
+        "policy": policy,
+        "page_size": page_size,
+        "requests": result.requests,
+        "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens,
+        "hit_rate": result.hit_rate,
+        "evicted_tokens": result.evicted_tokens,
+        "peak_tokens": result.peak_tokens,
+        "seconds": result.seconds,
+    }
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    _check_output_path(args.json, "--json")
+    _check_output_path(args.plot, "--plot")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401, PLC0415 -- fail now, not after the replay
+        except ImportError:
+            raise _UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+
+    # Parse once; every (capacity, policy) replays the same requests.
+    if args.trace is None:
+        trace_name = EMBEDDED_NAME
+        requests: list[Request] = synthetic_chat(seed=args.seed)
+        if args.limit is not None:
+            requests = requests[: args.limit]
+    else:
+        trace_name = os.path.basename(args.trace)
+        try:
+            requests = read_trace(args.trace, block_size=args.block_size, limit=args.limit)
+        except TraceError as exc:
+            print(f"radixcache: error: {exc}", file=sys.stderr)
+            return 1
+        except OSError as exc:
+            print(f"radixcache: error: cannot read trace {args.trace!r}: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return 1
+
+    core = _core.get_core(args.core).CORE_NAME
+    prompt_total = sum(len(r.prompt) for r in requests)
+    largest_need = max((len(r.prompt) + r.output_len for r in requests), default=0)
+    print(f"trace: {trace_name}: {len(requests):,} requests, {prompt_total:,} prompt tokens; "
+          f"page size {args.page_size}; core {core}")
+
+    rows: list[dict] = []
+    table: list[list[str]] = []
+    notes: list[str] = []
+    for capacity in args.capacity:
+        for policy in args.policy:
+            cache = RadixCache(page_size=args.page_size, eviction_policy=policy, core=core)
+            bar = _progress_bar(len(requests), f"{policy} @ {capacity:,}", args.quiet)
+            try:
+                result = serve(cache, requests, capacity,
+                               progress=bar.update if bar is not None else None)
+            finally:
+                if bar is not None:
+                    bar.close()
+            rows.append(_result_row(capacity, policy, args.page_size, result))
+            table.append([
+                f"{capacity:,}", policy, f"{result.requests:,}", f"{result.rejected:,}",
+                f"{result.prompt_tokens:,}", f"{result.cached_tokens:,}",
+                f"{100 * result.hit_rate:.2f}%", f"{result.evicted_tokens:,}",
+                f"{result.peak_tokens:,}", f"{result.seconds:.3f}",
+                f"{result.requests_per_second:,.0f}",
+            ])
+            if result.rejected:
+                notes.append(
+                    f"rejected: capacity {capacity:,} ({policy}): {result.rejected:,} of "
+                    f"{result.requests:,} requests did not fit in the pool even after "
+                    f"evicting every unlocked entry (the largest request needs "
+                    f"{largest_need:,} slots)"
+                )
+    print(_format_table(
+        ["capacity", "policy", "requests", "rejected", "prompt tokens", "cached tokens",
+         "hit rate", "evicted tokens", "peak tokens", "cache s", "req/s"],
+        table, left=(1,),
+    ))
+    for note in notes:
+        print(note)
+
+    try:
+        if args.json:
+            _write_json(args.json, rows)
+        if args.plot:
+            _write_plot(args.plot, rows, trace_name, args.page_size)
+    except OSError as exc:
+        print(f"radixcache: error: cannot write output: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- bench ---------------------------------------------------------------------------------------
+def _bench_chat(core: str, requests: list[Request], capacity: int,
+                repeat: int) -> tuple[float, ServeResult]:
+    best = math.inf
+    result = None
+    for _ in range(repeat):
+        result = serve(RadixCache(eviction_policy="lru", core=core), requests, capacity)
+        best = min(best, result.seconds)
+    return best, result
+
+
+def _bench_exercise(core: str, ops: list[tuple[str, list[int]]],
+                    repeat: int) -> tuple[float, int]:
+    best = math.inf
+    found = 0
+    for _ in range(repeat):
+        cache = RadixCache(core=core)
+        insert, exists = cache.insert, cache.exists
+        found = 0
+        start = time.perf_counter()
+        for kind, tokens in ops:
+            if kind == "insert":
+                insert(tokens)
+            elif exists(tokens):
+                found += 1
+        best = min(best, time.perf_counter() - start)
+    return best, found
+
+
+def _bench(args: argparse.Namespace) -> int:
+    repeat = args.repeat or (1 if args.quick else 3)
+    cores = [name for name in ("python", "c") if name in _core.CORES]
+    cores += sorted(set(_core.CORES) - set(cores))
+    if args.quick:
+        requests = synthetic_chat(num_conversations=60)
+        ops = exercise_ops(num_ops=10_000)
+    else:
+        requests = synthetic_chat()
+        ops = exercise_ops()
+    capacity = 65536
+    chat_label = f"chat: {len(requests):,} requests, capacity {capacity:,}, lru"
+    ops_label = f"exercise: {len(ops):,} insert/exists calls"
+    print(f"radixcache bench: best of {repeat} run(s); cores: {', '.join(cores)}")
+
+    table = []
+    chat_seconds: dict[str, float] = {}
+    ops_seconds: dict[str, float] = {}
+    answers: dict[str, tuple] = {}
+    for core in cores:
+        seconds, result = _bench_chat(core, requests, capacity, repeat)
+        chat_seconds[core] = seconds
+        table.append([chat_label, core, f"{seconds:.4f}",
+                      f"{len(requests) / seconds:,.0f} req/s" if seconds > 0 else "-"])
+        found_seconds, found = _bench_exercise(core, ops, repeat)
+        ops_seconds[core] = found_seconds
+        table.append([ops_label, core, f"{found_seconds:.4f}",
+                      f"{len(ops) / found_seconds:,.0f} calls/s" if found_seconds > 0 else "-"])
+        answers[core] = (result.cached_tokens, result.evicted_tokens, found)
+    table.sort(key=lambda row: row[0] != chat_label)
+    print(_format_table(["workload", "core", "seconds", "throughput"], table, left=(0, 1)))
+
+    if len(cores) < 2:
+        print(f"only the {cores[0]!r} core is available (the compiled core is not built), "
+              "so there is no ratio to print")
+    else:
+        base = cores[0]
+        for other in cores[1:]:
+            print(f"speedup of {other!r} over {base!r}: "
+                  f"chat {_ratio(chat_seconds[base], chat_seconds[other])}, "
+                  f"exercise {_ratio(ops_seconds[base], ops_seconds[other])}")
+        if len(set(answers.values())) > 1:
+            print(f"radixcache: error: the cores disagree on the results: {answers}",
+                  file=sys.stderr)
+            return 1
+    return 0
+
+
+def _ratio(slow: float, fast: float) -> str:
+    return f"{slow / fast:.1f}x" if fast > 0 else "-"
+
+
+# -- entry point ---------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on bad arguments, 0 after --help
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        if args.command == "simulate":
+            return _simulate(args)
+        return _bench(args)
+    except _UsageError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"radixcache: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("radixcache: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,377 @@
+"""Workloads and the serving loop shared by the ``radixcache`` command and the benchmarks.
+
+- ``Request``: one prompt and its output (given tokens, or a length the loop fills with fresh ids).
+- ``synthetic_chat``: a deterministic multi-turn chat workload (shared system prompts).
+- ``exercise_ops``: a stream of insert/exists calls with long shared prefixes.
+- ``KVPool`` and ``serve``: a KV pool of token slots and the serving loop that replays requests
+  against a cache the way an inference server does (match, lock, evict, insert, unlock).
+
+Token ids of prompts must lie in ``[0, FRESH_TOKEN_BASE)``: ``serve`` numbers the fresh output
+tokens it generates from ``FRESH_TOKEN_BASE`` up, so they never equal a prompt token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+
+__all__ = [
+    "FRESH_TOKEN_BASE",
+    "KVPool",
+    "Request",
+    "ServeResult",
+    "exercise_ops",
+    "serve",
+    "synthetic_chat",
+]
+
+#: First id of the output tokens ``serve`` generates; prompt tokens stay below it.
+FRESH_TOKEN_BASE = 1 << 62
+
+#: Vocabulary of the synthetic workloads (a Llama-sized tokenizer).
+_VOCAB = 32000
+
+
+def _token_array(tokens: Any, what: str) -> np.ndarray:
+    """``tokens`` as a 1-D int64 numpy array (no copy when it already is one)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got {arr.ndim}-D")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must hold integers, got dtype {arr.dtype}")
+    if arr.min() < 0 or arr.max() >= FRESH_TOKEN_BASE:
+        raise ValueError(f"{what} token ids must lie in [0, 2**62)")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: numpy fields make field-wise == ambiguous
+class Request:
+    """One request: ``prompt`` tokens, then ``output_len`` generated tokens.
+
+    ``output`` fixes the generated tokens (a chat's next turn quotes them); when it is None the
+    serving loop generates ``output_len`` fresh tokens that match nothing else.
+    """
+
+    prompt: np.ndarray
+    output_len: int
+    output: np.ndarray | None = None
+    extra_key: object = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt", _token_array(self.prompt, "prompt"))
+        if isinstance(self.output_len, bool) or not isinstance(self.output_len, (int, np.integer)):
+            raise TypeError(f"output_len must be an int, got {type(self.output_len).__name__}")
+        if self.output_len < 0:
+            raise ValueError(f"output_len must be >= 0, got {self.output_len}")
+        object.__setattr__(self, "output_len", int(self.output_len))
+        if self.output is not None:
+            output = _token_array(self.output, "output")
+            if len(output) != self.output_len:
+                raise ValueError(
+                    f"output has {len(output)} tokens but output_len is {self.output_len}"
+                )
+            object.__setattr__(self, "output", output)
+
+
+def _between(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
+    """A uniform int in the inclusive range ``bounds``."""
+    low, high = bounds
+    return int(rng.integers(low, high + 1))
+
+
+def _random_tokens(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, _VOCAB, size=n, dtype=np.int64)
+
+
+def synthetic_chat(num_conversations: int = 300, num_system_prompts: int = 16,
+                   turns: tuple[int, int] = (2, 6), seed: int = 0,
+                   system_prompt_len: tuple[int, int] = (800, 2000),
+                   user_len: tuple[int, int] = (20, 200),
+                   output_len: tuple[int, int] = (20, 300)) -> list[Request]:
+    """A multi-turn chat workload: conversations over a few shared system prompts.
+
+    Turn k's prompt is the system prompt, every earlier user message and answer, then the new
+    user message; its answer (``Request.output``) is fixed in advance so that turn k+1 quotes it.
+    Conversations interleave in a random order while each keeps its turns in order. All ranges
+    are inclusive; the same arguments always give the same requests.
+    """
+    if num_conversations < 0 or num_system_prompts < 1:
+        raise ValueError("need num_conversations >= 0 and num_system_prompts >= 1")
+    for name, bounds in (("turns", turns), ("system_prompt_len", system_prompt_len),
+                         ("user_len", user_len), ("output_len", output_len)):
+        if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1]:
+            raise ValueError(f"{name} must be a (low, high) pair with 0 <= low <= high")
+    rng = np.random.default_rng(seed)
+    system_prompts = [_random_tokens(rng, _between(rng, system_prompt_len))
+                      for _ in range(num_system_prompts)]
+
+    conversations: list[list[Request]] = []
+    for _ in range(num_conversations):
+        history = [system_prompts[int(rng.integers(num_system_prompts))]]
+        conversation = []
+        for _turn in range(_between(rng, turns)):
+            history.append(_random_tokens(rng, _between(rng, user_len)))
+            answer = _random_tokens(rng, _between(rng, output_len))
+            conversation.append(Request(np.concatenate(history), len(answer), answer))
+            history.append(answer)
+        conversations.append(conversation)
+
+    # One slot per turn, shuffled: conversation c's n-th slot serves its n-th turn.
+    slots = np.repeat(np.arange(num_conversations), [len(c) for c in conversations])
+    rng.shuffle(slots)
+    next_turn = [0] * num_conversations
+    requests = []
+    for conv in slots.tolist():
+        requests.append(conversations[conv][next_turn[conv]])
+        next_turn[conv] += 1
+    return requests
+
+
+def exercise_ops(num_ops: int = 100_000, seed: int = 0, base_len: tuple[int, int] = (100, 2000),
+                 num_bases: int = 50, tail_len: tuple[int, int] = (1, 20),
+                 ) -> list[tuple[str, list[int]]]:
+    """A stream of ``("insert" | "exists", tokens)`` calls over long shared prefixes.
+
+    Every sequence is one of ``num_bases`` long base prefixes (``base_len`` tokens) plus a short
+    tail (``tail_len``). About half the calls are inserts, drawn from a pool of distinct
+    sequences (so later inserts often repeat earlier ones, as a server re-inserting a prompt
+    does); the exists queries are split between sequences inserted before, bare prefixes of a
+    base (cached but usually not inserted as such) and sequences never inserted. Token lists are
+    shared between calls to keep memory bounded; callers must not modify them.
+    """
+    if num_ops < 0 or num_bases < 1:
+        raise ValueError("need num_ops >= 0 and num_bases >= 1")
+    for name, bounds in (("base_len", base_len), ("tail_len", tail_len)):
+        if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1]:
+            raise ValueError(f"{name} must be a (low, high) pair with 0 <= low <= high")
+    rng = np.random.default_rng(seed)
+    bases = [_random_tokens(rng, _between(rng, base_len)).tolist() for _ in range(num_bases)]
+
+    def with_tails(count: int, low: int) -> list[list[int]]:
+        # Tails of inserted sequences use ids below _VOCAB, never-inserted ones ids above it.
+        base_ids = rng.integers(num_bases, size=count).tolist()
+        lengths = rng.integers(tail_len[0], tail_len[1] + 1, size=count)
+        tails = rng.integers(low, low + _VOCAB, size=int(lengths.sum()), dtype=np.int64).tolist()
+        ends = np.cumsum(lengths).tolist()
+        starts = [0] + ends[:-1]
+        return [bases[b] + tails[s:e] for b, s, e in zip(base_ids, starts, ends)]
+
+    is_insert = rng.random(num_ops) < 0.5
+    num_inserts = int(is_insert.sum())
+    num_exists = num_ops - num_inserts
+    # Distinct sequences: about five calls per sequence on average.
+    insert_pool = with_tails(max(1, num_inserts // 5), 0)
+    prefix_pool = []
+    for base_id in rng.integers(num_bases, size=max(1, num_exists // 10)).tolist():
+        base = bases[base_id]
+        prefix_pool.append(base[: int(rng.integers(1, len(base) + 1))] if base else [])
+    unseen_pool = with_tails(max(1, num_exists // 10), _VOCAB)
+
+    insert_choice = rng.integers(len(insert_pool), size=num_ops).tolist()
+    exists_kind = rng.integers(3, size=num_ops).tolist()
+    exists_choice = rng.random(num_ops).tolist()
+    ops: list[tuple[str, list[int]]] = []
+    inserted: list[int] = []  # insert_pool indices in first-insert order
+    seen = set()
+    for i, insert in enumerate(is_insert.tolist()):
+        if insert:
+            choice = insert_choice[i]
+            if choice not in seen:
+                seen.add(choice)
+                inserted.append(choice)
+            ops.append(("insert", insert_pool[choice]))
+            continue
+        kind = exists_kind[i]
+        if kind == 0 and inserted:
+            tokens = insert_pool[inserted[int(exists_choice[i] * len(inserted))]]
+        elif kind == 1:
+            tokens = prefix_pool[int(exists_choice[i] * len(prefix_pool))]
+        else:
+            tokens = unseen_pool[int(exists_choice[i] * len(unseen_pool))]
+        ops.append(("exists", tokens))
+    return ops
+
+
+class KVPool:
+    """A KV pool of ``capacity`` token slots: a free list of slot ids (int64)."""
+
+    __slots__ = ("capacity", "_free", "_top")
+
+    def __init__(self, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+            raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = int(capacity)
+        # A stack whose top is the end: slot 0 is handed out first.
+        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)
+        self._top = self.capacity
+
+    @property
+    def available(self) -> int:
+        """Free slots."""
+        return self._top
+
+    @property
+    def used(self) -> int:
+        """Allocated slots."""
+        return self.capacity - self._top
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` free slot ids as an int64 tensor, or None (nothing taken) if fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} slots")
+        if n > self._top:
+            return None
+        self._top -= n
+        return torch.from_numpy(self._free[self._top:self._top + n].copy())
+
+    def free(self, slots: Any) -> None:
+        """Return slot ids (a tensor or array) to the pool."""
+        arr = slots.numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+        n = len(arr)
+        if n == 0:
+            return
+        if self._top + n > self.capacity:
+            raise ValueError(f"freeing {n} slots overfills the pool ({self.used} in use)")
+        if int(arr.min()) < 0 or int(arr.max()) >= self.capacity:
+            raise ValueError(f"slot ids outside [0, {self.capacity})")
+        self._free[self._top:self._top + n] = arr
+        self._top += n
+
+    def free_slots(self) -> np.ndarray:
+        """A copy of the free slot ids (for consistency checks)."""
+        return self._free[: self._top].copy()
+
+    def __repr__(self) -> str:
+        return f"KVPool(capacity={self.capacity}, used={self.used})"
+
+
+@dataclass(frozen=True)
+class ServeResult:
+    """What one replay did. ``hit_rate`` is ``cached_tokens / prompt_tokens``; ``seconds``
+    counts only the time spent inside cache calls; ``stats`` is ``cache.stats()`` at the end.
+
+    Rejected requests (too big for the pool even after evicting everything unlocked) are
+    counted in ``requests``, ``prompt_tokens`` and ``cached_tokens`` too: their lookup was made.
+    """
+
+    requests: int
+    rejected: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    evicted_tokens: int
+    peak_tokens: int
+    seconds: float
+    stats: Any
+
+    @property
+    def requests_per_second(self) -> float:
+        """Requests per second of cache time (0.0 when no time was measured)."""
+        return self.requests / self.seconds if self.seconds > 0 else 0.0
+
+
+def serve(cache: Any, requests: Iterable[Request], capacity: int,
+          progress: Callable[[int], Any] | None = None, *,
+          pool: KVPool | None = None) -> ServeResult:
+    """Replay ``requests`` through ``cache`` over a ``KVPool(capacity)``, as a server would.
+
+    Per request: match the prompt, lock the match, evict when the pool is short, allocate slots
+    for the uncached prompt tokens and the output, insert prompt + output, free the slots the
+    tree already had (and the unaligned tail it does not cache), unlock. A request that would
+    not fit even after evicting every unlocked entry is rejected without evicting anything.
+    ``progress(1)`` is called after each request (``tqdm.update`` fits). ``pool`` lets a
+    caller watch the pool (its capacity must equal ``capacity``). The cache must start empty:
+    every slot it holds has to come from the pool.
+    """
+    if pool is None:
+        pool = KVPool(capacity)
+    elif pool.capacity != capacity or pool.used:
+        raise ValueError("pool must be an unused KVPool of the given capacity")
+    if cache.total_size():
+        raise ValueError("serve needs an empty cache (its slots must come from the pool)")
+    page_size = cache.page_size
+    clock = time.perf_counter
+    next_fresh = FRESH_TOKEN_BASE
+    seconds = 0.0
+    num_requests = rejected = prompt_tokens = cached_tokens = evicted_tokens = peak_tokens = 0
+
+    for request in requests:
+        num_requests += 1
+        prompt = request.prompt
+        extra_key = request.extra_key
+        start = clock()
+        match = cache.match_prefix(prompt, extra_key)
+        cache.inc_lock_ref(match.last_node)
+        seconds += clock() - start
+        cached = match.length
+        prompt_tokens += len(prompt)
+        cached_tokens += cached
+
+        need = len(prompt) - cached + request.output_len
+        short = need - pool.available
+        # Evict only when that can make room: a request bigger than the pool could ever
+        # free must not wipe the cache on its way to rejection.
+        if 0 < short <= cache.evictable_size():
+            start = clock()
+            evicted_tokens += cache.evict(short, pool.free)
+            seconds += clock() - start
+        new_slots = pool.alloc(need)
+        if new_slots is None:
+            rejected += 1
+            start = clock()
+            cache.dec_lock_ref(match.last_node)
+            seconds += clock() - start
+            if progress is not None:
+                progress(1)
+            continue
+
+        output = request.output
+        if output is None:
+            output = np.arange(next_fresh, next_fresh + request.output_len, dtype=np.int64)
+            next_fresh += request.output_len
+        full = np.concatenate((prompt, output))
+        if cached:
+            # numpy concatenation: large fresh torch allocations are much slower on some hosts.
+            kv = torch.from_numpy(np.concatenate((match.indices.numpy(), new_slots.numpy())))
+        else:
+            kv = new_slots
+        start = clock()
+        inserted = cache.insert(full, kv, extra_key)
+        seconds += clock() - start
+
+        # Slots of tokens the tree already held (a longer match than the prompt's) are spare.
+        if inserted.prefix_len > cached:
+            pool.free(kv[cached:inserted.prefix_len])
+        # The tail past the last full page is not cached: its slots go back too.
+        aligned_len = len(full) - len(full) % page_size
+        if aligned_len < len(full):
+            pool.free(kv[aligned_len:])
+
+        start = clock()
+        cache.dec_lock_ref(match.last_node)
+        seconds += clock() - start
+        total = cache.total_size()
+        if total > peak_tokens:
+            peak_tokens = total
+        if progress is not None:
+            progress(1)
+
+    return ServeResult(
+        requests=num_requests,
+        rejected=rejected,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+        evicted_tokens=evicted_tokens,
+        peak_tokens=peak_tokens,
+        seconds=seconds,
+        stats=cache.stats(),
+    )
