@@ -15,7 +15,10 @@ cdef class Node:
     cdef object key_owner
     cdef const int64_t* key_ptr
     cdef Py_ssize_t key_len
-    cdef object stored
+    # Index values: an int64 buffer (bytes, CPU values, shared across splits like keys) that
+    # value_ptr points into, a device tensor (value_ptr NULL), or None: the key is the values.
+    cdef object value_owner
+    cdef const int64_t* value_ptr
     # Borrowed: an attached child never outlives its parent's reference to it.
     cdef PyObject* parent_ptr
     # Open-addressing hash table of children (linear probing, power-of-two capacity).

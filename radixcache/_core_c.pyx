@@ -8,17 +8,23 @@ so a walk step boxes no Python int. The caller's tokens become one int64 buffer 
 """
 
 cimport cython
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.number cimport PyNumber_Index
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport int64_t, uint64_t
-from libc.string cimport memcmp, memset
+from libc.string cimport memcmp, memcpy, memset
 
 import numpy as np
+import torch
 
+from ._shared import cat_values as _cat_values
 from ._shared import display_order, indices_from_key
+
+_frombuffer = torch.frombuffer
+_int64 = torch.int64
 
 CORE_NAME = "c"
 
@@ -155,6 +161,7 @@ cdef class Node:
         self.parent_ptr = NULL
         self.key_ptr = NULL
         self.key_len = 0
+        self.value_ptr = NULL
 
     def __dealloc__(self):
         self.release_children()
@@ -262,12 +269,21 @@ cdef class Node:
 
     @property
     def stored_value(self):
-        return self.stored
+        if self.value_owner is None:
+            return None
+        return self.value
 
     @property
     def value(self):
-        if self.stored is not None or self.evicted:
-            return self.stored
+        if self.evicted:
+            return None
+        if self.value_ptr != NULL:
+            base = <const int64_t*>PyBytes_AS_STRING(self.value_owner)
+            return indices_from_key(np.frombuffer(
+                self.value_owner, dtype=np.int64, count=self.key_len,
+                offset=(self.value_ptr - base) * sizeof(int64_t)))
+        if self.value_owner is not None:
+            return self.value_owner
         return indices_from_key(self.key)
 
     @property
@@ -352,9 +368,13 @@ cdef class Tree:
         upper.created_time = child.created_time
         upper.ns = child.ns
         upper.extra_key = child.extra_key
-        if child.stored is not None:
-            upper.stored = child.stored[:at]
-            child.stored = child.stored[at:]
+        if child.value_ptr != NULL:
+            upper.value_owner = child.value_owner
+            upper.value_ptr = child.value_ptr
+            child.value_ptr = child.value_ptr + at
+        elif child.value_owner is not None:
+            upper.value_owner = child.value_owner[:at]
+            child.value_owner = child.value_owner[at:]
         # Upper takes child's slot in the parent (same first page, same hash): the slot's
         # reference to child moves into upper's table below.
         Py_INCREF(upper)
@@ -506,18 +526,55 @@ cdef class Tree:
         if top is not self.root:
             raise ValueError(f"node {(<Node>node).id} belongs to another cache")
 
-    def set_value(self, Node node, value):
-        node.stored = value
+    def set_value(self, Node node, values):
+        """Store a leaf's indices: a CPU int64 array is copied in, a device tensor kept."""
+        cdef const int64_t[::1] view
+        if isinstance(values, np.ndarray):
+            view = values
+            if view.shape[0] != node.key_len:
+                raise ValueError(f"{view.shape[0]} values for a node of {node.key_len} tokens")
+            node.value_owner = PyBytes_FromStringAndSize(
+                <const char*>&view[0], node.key_len * sizeof(int64_t))
+            node.value_ptr = <const int64_t*>PyBytes_AS_STRING(node.value_owner)
+        else:
+            node.value_owner = values
+            node.value_ptr = NULL
+
+    def gather(self, list path):
+        """The path's index values concatenated into one new int64 tensor."""
+        cdef Py_ssize_t total = 0, pos = 0
+        cdef Node node
+        cdef char* out
+        for node in path:
+            if node.value_ptr == NULL and node.value_owner is not None:
+                return _cat_values(path)  # device tensors: torch concatenates
+            total += node.key_len
+        buf = PyByteArray_FromStringAndSize(NULL, total * sizeof(int64_t))
+        out = PyByteArray_AS_STRING(buf)
+        for node in path:
+            memcpy(out + pos, node.value_ptr if node.value_ptr != NULL else node.key_ptr,
+                   node.key_len * sizeof(int64_t))
+            pos += node.key_len * sizeof(int64_t)
+        return _frombuffer(buf, dtype=_int64)
 
     def lock(self, node, int delta):
         cdef Node cur
-        cdef Py_ssize_t moved = 0
+        cdef Py_ssize_t moved = 0, own, i
         if node is None or node is self.root:
             return 0
         self._check_member(node)
         cur = <Node>node
-        if delta < 0 and cur.lock_ref <= 0:
-            raise ValueError(f"dec_lock_ref on node {cur.id} whose lock_ref is already 0")
+        if delta < 0:
+            # Locks taken on descendants show in this node's count too; only its own may go.
+            own = cur.lock_ref
+            for i in range(cur.slot_mask + 1):
+                if cur.slots[i].node != NULL:
+                    own -= (<Node>cur.slots[i].node).lock_ref
+            if own <= 0:
+                raise ValueError(
+                    f"dec_lock_ref on node {cur.id}: no lock_ref was taken on it "
+                    f"(lock_ref {cur.lock_ref} comes from its descendants)"
+                )
         while cur is not self.root:
             if delta > 0:
                 if cur.lock_ref == 0:
@@ -531,12 +588,17 @@ cdef class Tree:
         return moved
 
     def remove_leaf(self, Node node):
-        cdef Node parent = <Node>node.parent_ptr
-        cdef Py_ssize_t i = parent.slot_of(node, self.page_hash(node.key_ptr, node.ns))
+        cdef Node parent
+        cdef Py_ssize_t i
+        if node.parent_ptr == NULL or node.n_children:
+            raise ValueError(f"node {node.id} is not an attached leaf")
+        parent = <Node>node.parent_ptr
+        i = parent.slot_of(node, self.page_hash(node.key_ptr, node.ns))
         parent.remove_slot(i)
         node.parent_ptr = NULL
         node.evicted = True
-        node.stored = None
+        node.value_owner = None
+        node.value_ptr = NULL
         self.node_count -= 1
         Py_DECREF(node)  # the table's reference; the caller still holds one
         return parent
@@ -554,7 +616,8 @@ cdef class Tree:
                     stack.append(<Node>node.slots[i].node)
             node.release_children()
             node.evicted = True
-            node.stored = None
+            node.value_owner = None
+            node.value_ptr = NULL
 
     def reset(self):
         self.teardown()

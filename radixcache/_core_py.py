@@ -25,7 +25,9 @@ touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writa
   path node (a new leaf starts at 1), marks ``last_node`` terminal when the whole sequence was
   page aligned.
 - ``exists(tokens, extra_key) -> bool``: read-only exact-sequence test (terminal mark).
-- ``set_value(node, value)``: stores the index tensor of a freshly inserted leaf.
+- ``set_value(node, values)``: stores a fresh leaf's indices: a CPU int64 numpy array is
+  copied into the core's own buffer, a device tensor is kept as given.
+- ``gather(path) -> torch.Tensor``: the path's indices concatenated into a new int64 tensor.
 - ``lock(node, delta) -> int``: ``delta`` is +1 or -1; walks node -> root (root excluded),
   returns how many tokens crossed between unlocked and locked. Raises ``TypeError`` for a
   non-node, ``ValueError`` for an evicted node, a node of another tree, or an unlock below 0,
@@ -47,8 +49,9 @@ import struct
 from typing import Any, Iterator
 
 import numpy as np
+import torch
 
-from ._shared import display_order, indices_from_key
+from ._shared import cat_values, display_order, indices_from_key
 
 __all__ = ["Node", "Tree", "CORE_NAME"]
 
@@ -132,13 +135,20 @@ class Node:
 
     @property
     def stored_value(self):
-        return self._value
+        if self._value is None:
+            return None
+        return self.value
 
     @property
     def value(self):
-        if self._value is not None or self._evicted:
-            return self._value
-        return indices_from_key(self.key)
+        if self._evicted:
+            return None
+        value = self._value
+        if value is None:
+            return indices_from_key(self.key)
+        if type(value) is bytes:
+            return indices_from_key(np.frombuffer(value, dtype=np.int64))
+        return value
 
     @property
     def parent(self) -> "Node | None":
@@ -234,9 +244,11 @@ class Tree:
         upper._lock_ref = node._lock_ref
         upper._hit_count = node._hit_count
         upper._created_time = node._created_time
-        if node._value is not None:
-            upper._value = node._value[: at // _TOKEN_BYTES]
-            node._value = node._value[at // _TOKEN_BYTES:]
+        value = node._value
+        if value is not None:
+            cut = at if type(value) is bytes else at // _TOKEN_BYTES
+            upper._value = value[:cut]
+            node._value = value[cut:]
         ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
         node._key = node._key[at:]
         parent._children[ckey] = upper
@@ -374,15 +386,40 @@ class Tree:
         if top is not self.root:
             raise ValueError(f"node {node._id} belongs to another cache")
 
-    def set_value(self, node: Node, value: Any) -> None:
-        node._value = value
+    def set_value(self, node: Node, values: Any) -> None:
+        """Store a leaf's indices: a CPU int64 array is copied in, a device tensor kept."""
+        if isinstance(values, np.ndarray):
+            if len(values) != node.num_tokens:
+                raise ValueError(f"{len(values)} values for a node of {node.num_tokens} tokens")
+            node._value = values.tobytes()
+        else:
+            node._value = values
+
+    def gather(self, path: list):
+        """The path's index values concatenated into one new int64 tensor."""
+        parts = []
+        for node in path:
+            value = node._value
+            if value is None:
+                parts.append(node._key)
+            elif type(value) is bytes:
+                parts.append(value)
+            else:
+                return cat_values(path)  # device tensors: torch concatenates
+        return torch.frombuffer(bytearray().join(parts), dtype=torch.int64)
 
     def lock(self, node: Any, delta: int) -> int:
         if node is None or node is self.root:
             return 0
         self._check_member(node)
-        if delta < 0 and node._lock_ref <= 0:
-            raise ValueError(f"dec_lock_ref on node {node._id} whose lock_ref is already 0")
+        if delta < 0:
+            # Locks taken on descendants show in this node's count too; only its own may go.
+            own = node._lock_ref - sum(child._lock_ref for child in node._children.values())
+            if own <= 0:
+                raise ValueError(
+                    f"dec_lock_ref on node {node._id}: no lock_ref was taken on it "
+                    f"(lock_ref {node._lock_ref} comes from its descendants)"
+                )
         root = self.root
         moved = 0
         while node is not root:
@@ -399,6 +436,8 @@ class Tree:
 
     def remove_leaf(self, node: Node) -> Node:
         parent = node._parent
+        if parent is None or node._children:
+            raise ValueError(f"node {node._id} is not an attached leaf")
         ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
         del parent._children[ckey]
         node._parent = None

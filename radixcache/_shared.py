@@ -18,3 +18,10 @@ def display_order(node) -> tuple:
     """Sort key for listing siblings: namespace, then tokens (the same on both cores)."""
     extra_key = node.extra_key
     return (extra_key is not None, repr(extra_key), node.key[:16].tolist())
+
+
+def cat_values(path: list) -> torch.Tensor:
+    """Concatenate the path's index tensors when some live on a device (CPU ones follow)."""
+    values = [node.value for node in path]
+    device = next(v.device for v in values if v.device.type != "cpu")
+    return torch.cat([v.to(device) for v in values])

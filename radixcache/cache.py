@@ -241,15 +241,21 @@ class RadixCache:
             ) from None
 
     @staticmethod
-    def _kv_tensor(kv_indices: Any, needed: int) -> torch.Tensor:
-        """Validate kv_indices (any device) as a 1-D integer tensor of at least ``needed``."""
+    def _kv_values(kv_indices: Any, needed: int) -> Any:
+        """Validate kv_indices as 1-D integers, at least ``needed`` of them.
+
+        Returns a contiguous int64 numpy array for CPU values (the core copies slices of it)
+        or the tensor itself for values on another device.
+        """
         if isinstance(kv_indices, torch.Tensor):
             if kv_indices.dim() != 1:
                 raise ValueError(f"kv_indices must be 1-D, got {kv_indices.dim()}-D")
             if (kv_indices.dtype.is_floating_point or kv_indices.dtype.is_complex
                     or kv_indices.dtype == torch.bool):
                 raise TypeError(f"kv_indices must hold integers, got {kv_indices.dtype}")
-            tensor = kv_indices
+            values = kv_indices
+            if kv_indices.device.type == "cpu":
+                values = _int64_array(kv_indices.detach().numpy(), "kv_indices")
         else:
             if isinstance(kv_indices, (str, bytes)):
                 raise TypeError("kv_indices must be a sequence of ints, got str/bytes")
@@ -261,13 +267,13 @@ class RadixCache:
                 raise OverflowError("kv_indices hold values that do not fit in int64")
             if arr.ndim == 1 and arr.size == 0:
                 arr = arr.astype(np.int64)
-            tensor = torch.from_numpy(_int64_array(arr, "kv_indices"))
-        if tensor.shape[0] < needed:
+            values = _int64_array(arr, "kv_indices")
+        if values.shape[0] < needed:
             raise ValueError(
-                f"kv_indices has {tensor.shape[0]} entries, fewer than the {needed} "
+                f"kv_indices has {values.shape[0]} entries, fewer than the {needed} "
                 "page-aligned tokens"
             )
-        return tensor
+        return values
 
     def _aligned(self, n: int) -> int:
         return n - n % self.page_size
@@ -288,11 +294,7 @@ class RadixCache:
         last = path[-1]
         if self._push_on_access:
             self._push_if_evictable(last)
-        if len(path) == 1:
-            indices = last.value.clone()
-        else:
-            indices = torch.cat([node.value for node in path])
-        return MatchResult(indices, last, length)
+        return MatchResult(self._tree.gather(path), last, length)
 
     def insert(self, token_ids: Any, kv_indices: Any = None, extra_key: Any = None,
                priority: int = 0) -> InsertResult:
@@ -306,16 +308,18 @@ class RadixCache:
             priority = _check_int("priority", priority)
         kv = None
         if kv_indices is not None:
-            kv = self._kv_tensor(kv_indices, self._aligned(len(tokens)))
+            kv = self._kv_values(kv_indices, self._aligned(len(tokens)))
         prefix_len, last, new_leaf = self._tree.insert(tokens, extra_key, priority)
         counters = self._counters
         counters.inserts += 1
         if new_leaf is not None:
             added = new_leaf.num_tokens
             if kv is not None:
-                # A copy on the caller's device: the cache never aliases the caller's tensor.
-                value = kv[prefix_len:prefix_len + added].to(torch.int64, copy=True)
-                self._tree.set_value(new_leaf, value)
+                piece = kv[prefix_len:prefix_len + added]
+                if isinstance(piece, torch.Tensor):
+                    # A copy on the caller's device: the cache never aliases their tensor.
+                    piece = piece.to(torch.int64, copy=True)
+                self._tree.set_value(new_leaf, piece)  # a numpy slice is copied by the core
             self._evictable += added
             counters.inserted_tokens += added
             self._push(new_leaf)
@@ -370,7 +374,7 @@ class RadixCache:
                 if current > stored:  # touched since pushed: wait for its turn
                     heapq.heappush(heap, (current, node))
                 continue  # a fall in key always came with a fresh push
-            value = node.value
+            value = node.value if free_callback is not None else None
             size = node.num_tokens
             if self._events is not None:
                 self._events.removed(node)
@@ -393,7 +397,8 @@ class RadixCache:
             self._compact_heap()
 
     def _push_if_evictable(self, node: Any) -> None:
-        if not node.num_children and not node.lock_ref and not node.evicted:
+        if (not node.num_children and not node.lock_ref and not node.evicted
+                and node is not self._tree.root):
             self._push(node)
 
     def _compact_heap(self) -> None:

@@ -13,7 +13,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from . import _core
 from .cache import EVICTION_POLICIES, RadixCache
@@ -132,6 +132,10 @@ def _atomic_write(path: str, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(temp_path)
+        # mkstemp makes the file private (0600); give it the mode a plain open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temp_path, 0o666 & ~umask)
         os.replace(temp_path, path)
     except BaseException:
         try:
@@ -205,9 +209,13 @@ def _write_plot(path: str, rows: list[dict], trace_name: str, page_size: int) ->
     fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
     ax = fig.add_subplot()
     policies = list(dict.fromkeys(r["policy"] for r in rows))
-    for policy in policies:
+    markers, styles = "os^Dvx*", ("-", "--", "-.", ":")
+    for i, policy in enumerate(policies):
         points = sorted((r["capacity"], r["hit_rate"]) for r in rows if r["policy"] == policy)
-        ax.plot([c for c, _ in points], [100 * h for _, h in points], marker="o", label=policy)
+        # Policies often tie: shrinking markers and varied dashes keep every line visible.
+        ax.plot([c for c, _ in points], [100 * h for _, h in points], label=policy,
+                marker=markers[i % len(markers)], linestyle=styles[i % len(styles)],
+                markersize=max(3, 10 - 1.5 * i), fillstyle="none" if i % 2 else "full")
     capacities = sorted({r["capacity"] for r in rows})
     if capacities[-1] >= 10 * capacities[0]:
         ax.set_xscale("log")

@@ -1,0 +1,374 @@
+"""Workloads, the KV pool, the serving loop and trace reading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from radixcache import RadixCache
+from radixcache._core import CORES
+from radixcache.traces import TraceError, read_trace
+from radixcache.workloads import (
+    FRESH_TOKEN_BASE,
+    KVPool,
+    Request,
+    exercise_ops,
+    serve,
+    synthetic_chat,
+)
+
+MOONCAKE = (Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+            / "mooncake_synthetic_trace.jsonl")
+
+
+@pytest.fixture(params=sorted(CORES))
+def core(request):
+    return request.param
+
+
+def small_chat(seed=0):
+    return synthetic_chat(num_conversations=40, num_system_prompts=4, seed=seed,
+                          system_prompt_len=(100, 300), user_len=(5, 40), output_len=(5, 60))
+
+
+def tree_slots(cache):
+    """Every slot id the tree holds, walking the nodes without recursion."""
+    slots = []
+    stack = list(cache.root_node.children)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        assert node.stored_value is not None
+        slots.append(node.stored_value.numpy())
+    return np.concatenate(slots) if slots else np.empty(0, dtype=np.int64)
+
+
+def checking_serve(cache, requests, capacity):
+    """serve() while checking after every request that pool and tree account for every slot."""
+    pool = KVPool(capacity)
+    done = [0]
+
+    def check(n):
+        done[0] += n
+        assert pool.used == cache.total_size()
+        assert cache.protected_size() == 0  # every lock was released
+        if done[0] % 7 == 0 or done[0] == len(requests):
+            held = np.concatenate([tree_slots(cache), pool.free_slots()])
+            assert np.array_equal(np.sort(held), np.arange(capacity))  # no leak, no double use
+
+    result = serve(cache, requests, capacity, progress=check, pool=pool)
+    assert done[0] == len(requests)
+    return result, pool
+
+
+def arrays_equal(a, b):
+    return (a is None and b is None) or (a is not None and b is not None
+                                         and np.array_equal(a, b))
+
+
+def same_requests(xs, ys):
+    return len(xs) == len(ys) and all(
+        np.array_equal(x.prompt, y.prompt) and x.output_len == y.output_len
+        and arrays_equal(x.output, y.output) and x.extra_key == y.extra_key
+        for x, y in zip(xs, ys))
+
+
+# -- Request -----------------------------------------------------------------------------------
+def test_request_validates_and_converts():
+    req = Request([1, 2, 3], 2, [7, 8])
+    assert req.prompt.dtype == np.int64 and req.output.dtype == np.int64
+    assert Request(np.array([], dtype=np.int64), 0).prompt.shape == (0,)
+    with pytest.raises(ValueError, match="output has 1 tokens"):
+        Request([1, 2], 2, [5])
+    with pytest.raises(ValueError, match="output_len"):
+        Request([1], -1)
+    with pytest.raises(TypeError):
+        Request([1.5, 2.0], 1)
+    with pytest.raises(ValueError, match="2\\*\\*62"):
+        Request([FRESH_TOKEN_BASE], 1)
+    with pytest.raises(ValueError, match="2\\*\\*62"):
+        Request([-1, 3], 1)
+
+
+# -- synthetic_chat ----------------------------------------------------------------------------
+def test_synthetic_chat_is_deterministic():
+    assert same_requests(small_chat(seed=3), small_chat(seed=3))
+    assert not same_requests(small_chat(seed=3), small_chat(seed=4))
+
+
+def test_synthetic_chat_structure():
+    num_conversations, num_system_prompts = 40, 4
+    requests = small_chat()
+    # Rebuild the conversations: a follow-up turn starts with an earlier turn's prompt + answer.
+    open_turns = {}  # prompt+answer bytes of each conversation's latest turn -> conversation
+    conversation_of = []
+    firsts = []
+    for req in requests:
+        assert req.output is not None and len(req.output) == req.output_len
+        assert 5 <= req.output_len <= 60
+        owner = None
+        for key, conv in list(open_turns.items()):
+            n = len(key) // 8
+            if len(req.prompt) > n and req.prompt[:n].tobytes() == key:
+                assert owner is None  # exactly one earlier turn continues here
+                owner = conv
+                del open_turns[key]
+                assert 5 <= len(req.prompt) - n <= 40  # just the new user message
+        if owner is None:
+            owner = len(firsts)
+            firsts.append(req.prompt)
+            assert 100 + 5 <= len(req.prompt) <= 300 + 40
+        conversation_of.append(owner)
+        open_turns[np.concatenate([req.prompt, req.output]).tobytes()] = owner
+
+    assert len(firsts) == num_conversations
+    turns = np.bincount(conversation_of)
+    assert turns.min() >= 2 and turns.max() <= 6
+    # Conversations interleave: some conversation's turns are not back to back.
+    positions = [[i for i, c in enumerate(conversation_of) if c == conv]
+                 for conv in range(num_conversations)]
+    assert any(idx[-1] - idx[0] + 1 > len(idx) for idx in positions)
+    # First turns share a few system prompts: count distinct 100-token openings.
+    openings = {first[:100].tobytes() for first in firsts}
+    assert 1 < len(openings) <= num_system_prompts
+
+
+# -- exercise_ops ------------------------------------------------------------------------------
+def test_exercise_ops_shape_and_determinism():
+    ops = exercise_ops(num_ops=4000, seed=1, base_len=(50, 200), num_bases=10)
+    again = exercise_ops(num_ops=4000, seed=1, base_len=(50, 200), num_bases=10)
+    assert ops == again
+    assert ops != exercise_ops(num_ops=4000, seed=2, base_len=(50, 200), num_bases=10)
+    kinds = [kind for kind, _ in ops]
+    assert set(kinds) == {"insert", "exists"}
+    assert 0.4 < kinds.count("exists") / len(ops) < 0.6
+    assert all(isinstance(t, int) for _, tokens in ops[:50] for t in tokens)
+
+
+def test_exercise_ops_against_a_set_model(core):
+    """exists() answers exactly "was this sequence inserted", with hits and misses both common."""
+    ops = exercise_ops(num_ops=3000, seed=5, base_len=(30, 120), num_bases=8)
+    cache = RadixCache(core=core)
+    inserted = set()
+    answers = {True: 0, False: 0}
+    prefix_misses = 0
+    for kind, tokens in ops:
+        key = tuple(tokens)
+        if kind == "insert":
+            cache.insert(tokens)
+            inserted.add(key)
+        else:
+            expected = key in inserted
+            assert cache.exists(tokens) is expected
+            answers[expected] += 1
+            if not expected and cache.match_prefix(tokens).length == len(tokens):
+                prefix_misses += 1  # cached as a prefix, never inserted as such
+    assert answers[True] > 100 and answers[False] > 100
+    assert prefix_misses > 10
+
+
+# -- KVPool ------------------------------------------------------------------------------------
+def test_kv_pool_alloc_and_free():
+    pool = KVPool(10)
+    first = pool.alloc(4)
+    assert first.dtype == torch.int64 and sorted(first.tolist()) == [0, 1, 2, 3]
+    assert pool.used == 4 and pool.available == 6
+    assert pool.alloc(7) is None and pool.used == 4  # short: nothing taken
+    rest = pool.alloc(6)
+    assert sorted(torch.cat([first, rest]).tolist()) == list(range(10))
+    pool.free(first[1:3])
+    assert pool.available == 2
+    assert sorted(pool.free_slots().tolist()) == [1, 2]
+    with pytest.raises(ValueError, match="outside"):
+        pool.free(torch.tensor([10]))
+    pool.free(torch.cat([first[:1], first[3:], rest]))
+    with pytest.raises(ValueError, match="overfills"):
+        pool.free(torch.tensor([0]))
+    assert pool.available == 10
+
+
+# -- serve -------------------------------------------------------------------------------------
+def test_serve_same_prompt_ten_times(core):
+    prompt = np.arange(100, 400, dtype=np.int64)
+    requests = [Request(prompt, 20) for _ in range(10)]
+    cache = RadixCache(core=core)
+    result, pool = checking_serve(cache, requests, 10_000)
+    assert result.prompt_tokens == 3000 and result.cached_tokens == 2700
+    assert result.hit_rate == pytest.approx(0.9)
+    assert result.rejected == 0 and result.evicted_tokens == 0
+    # Fresh outputs never match: the tree holds the prompt and ten distinct answers.
+    assert cache.total_size() == result.peak_tokens == 300 + 10 * 20 == pool.used
+    assert result.stats.hit_rate == result.hit_rate
+
+
+def test_serve_page_alignment(core):
+    page = 4
+    prompt = np.arange(10, dtype=np.int64)  # 10 tokens: 8 cacheable
+    requests = [Request(prompt, 3), Request(prompt, 3)]
+    cache = RadixCache(page_size=page, core=core)
+    result, pool = checking_serve(cache, requests, 100)
+    # Request 1 caches 12 of its 13 tokens; request 2 matches the 8 aligned prompt tokens.
+    assert result.cached_tokens == 8
+    assert cache.total_size() == 12 + 4 == pool.used  # 2nd: 8 shared + 4 (2 prompt + 2 output)
+
+
+def test_serve_reinserting_a_cached_output_frees_duplicate_slots(core):
+    prompt = np.arange(50, dtype=np.int64)
+    output = np.arange(1000, 1010, dtype=np.int64)
+    requests = [Request(prompt, 10, output) for _ in range(3)]
+    cache = RadixCache(core=core)
+    result, pool = checking_serve(cache, requests, 200)
+    assert cache.total_size() == 60 == pool.used
+    assert result.cached_tokens == 100
+
+
+def test_serve_rejects_requests_larger_than_the_pool(core):
+    requests = [Request(np.arange(40, dtype=np.int64), 20), Request(np.arange(10), 5),
+                Request(np.arange(100, 200), 10)]
+    cache = RadixCache(core=core)
+    result, pool = checking_serve(cache, requests, 50)
+    assert result.rejected == 2 and result.requests == 3
+    # The hopeless third request evicted nothing: the second one's entry is still cached.
+    assert cache.total_size() == 15 == pool.used and result.evicted_tokens == 0
+    assert result.stats.lookups == 3
+
+
+def test_serve_evicts_under_pressure(core):
+    requests = small_chat()
+    capacity = 2000
+    cache = RadixCache(core=core)
+    result, pool = checking_serve(cache, requests, capacity)
+    assert result.evicted_tokens > 0 and result.rejected == 0
+    assert result.peak_tokens <= capacity
+    ample = serve(RadixCache(core=core), requests, 10**6)
+    assert ample.evicted_tokens == 0 and ample.hit_rate > result.hit_rate
+    assert result.evicted_tokens == result.stats.evicted_tokens
+    assert result.cached_tokens == result.stats.matched_tokens
+    assert result.prompt_tokens == result.stats.queried_tokens
+    assert result.seconds > 0
+
+
+def test_serve_extra_keys_separate_namespaces(core):
+    prompt = np.arange(64, dtype=np.int64)
+    requests = [Request(prompt, 4, extra_key="a"), Request(prompt, 4, extra_key="b"),
+                Request(prompt, 4, extra_key="a")]
+    result, _ = checking_serve(RadixCache(core=core), requests, 1000)
+    assert result.cached_tokens == 64
+
+
+def test_serve_needs_an_empty_cache():
+    cache = RadixCache()
+    cache.insert([1, 2, 3])
+    with pytest.raises(ValueError, match="empty cache"):
+        serve(cache, [], 10)
+    with pytest.raises(ValueError, match="pool"):
+        serve(RadixCache(), [], 10, pool=KVPool(11))
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="only one tree core is available")
+def test_serve_results_agree_across_cores():
+    requests = small_chat(seed=2)
+    results = [serve(RadixCache(eviction_policy=policy, core=core), requests, 3000)
+               for policy in ("lru", "lfu") for core in sorted(CORES)]
+    fields = [(r.cached_tokens, r.evicted_tokens, r.peak_tokens, r.rejected) for r in results]
+    assert fields[0] == fields[1] and fields[2] == fields[3]
+
+
+# -- traces ------------------------------------------------------------------------------------
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("extra_id", [3, 10**6])  # small ids share one arange; huge ones not
+def test_read_mooncake_blocks(tmp_path, extra_id):
+    trace = write_lines(tmp_path / "mc.jsonl", [
+        json.dumps({"timestamp": 0, "input_length": 10, "output_length": 3,
+                    "hash_ids": [0, 1, 2]}),
+        "",
+        json.dumps({"timestamp": 5, "input_length": 7, "output_length": 0, "hash_ids": [0, 5]}),
+        json.dumps({"input_length": 8, "output_length": 1, "hash_ids": [6, 7]}),
+        json.dumps({"input_length": 10, "output_length": 2, "hash_ids": [1, 2, 3]}),
+        json.dumps({"input_length": 3, "output_length": 2, "hash_ids": [extra_id, 0]}),
+    ])
+    first, second, third, fourth, fifth = read_trace(trace, block_size=4)
+    assert first.prompt.tolist() == list(range(10)) and first.output_len == 3
+    assert first.output is None
+    assert second.prompt.tolist() == [0, 1, 2, 3, 20, 21, 22] and second.output_len == 0
+    assert third.prompt.tolist() == list(range(24, 32))
+    assert fourth.prompt.tolist() == list(range(4, 14))
+    assert fifth.prompt.tolist() == [4 * extra_id, 4 * extra_id + 1, 4 * extra_id + 2]
+    assert len(read_trace(trace, block_size=4, limit=2)) == 2
+    with pytest.raises(TraceError,
+                       match=r"mc\.jsonl:1: input_length 10 needs 5 blocks of 2 tokens but "
+                             r"hash_ids has 3"):
+        read_trace(trace, block_size=2)
+
+
+def test_read_token_trace(tmp_path):
+    trace = write_lines(tmp_path / "tok.jsonl", [
+        json.dumps({"prompt": [5, 6, 7], "output": [8, 9]}),
+        json.dumps({"prompt": [5, 6], "output_length": 4, "extra_key": "lora-1"}),
+        json.dumps({"prompt": [], "output": [1], "output_length": 1}),
+    ])
+    a, b, c = read_trace(trace)
+    assert a.prompt.tolist() == [5, 6, 7] and a.output.tolist() == [8, 9] and a.output_len == 2
+    assert b.output is None and b.output_len == 4 and b.extra_key == "lora-1"
+    assert c.prompt.tolist() == [] and c.output_len == 1
+
+
+@pytest.mark.parametrize("lines, problem", [
+    (['{"prompt": [1, 2], "output_length": 1}', '{"prompt": [1, 2], "output_length": 1',
+      '{"prompt": [3]}'], r":2: not valid JSON"),
+    (['{"prompt": [1], "output_length": 1}', "[1, 2]"], r":2: expected a JSON object"),
+    (['{"prompt": [1], "output_length": 1}', '{"prompt": [1]}'],
+     r":2: missing field 'output' or 'output_length'"),
+    (['{"prompt": [1, 2.5], "output_length": 1}'], r":1: 'prompt' holds 2.5"),
+    (['{"prompt": [1, true], "output_length": 1}'], r":1: 'prompt' holds True"),
+    (['{"prompt": [-3], "output_length": 1}'], r":1: 'prompt' holds -3"),
+    (['{"prompt": [1], "output": [2], "output_length": 3}'], r":1: 'output_length' is 3"),
+    (['{"prompt": [1], "output_length": -1}'], r":1: 'output_length' must be a non-negative"),
+    (['{"prompt": "abc", "output_length": 1}'], r":1: 'prompt' must be a list"),
+    (['{"prompt": [1], "output_length": 1, "extra_key": [1]}'], r":1: 'extra_key'"),
+    (['', '{"hello": 1}'], r":2: unknown trace format"),
+    (['{"hash_ids": [0], "input_length": 3, "output_length": 1}',
+      '{"prompt": [1], "output_length": 1}'], r":2: missing field 'hash_ids'"),
+    (['{"hash_ids": [0], "input_length": 3}'], r":1: missing field 'output_length'"),
+    (['{"hash_ids": [0, -1], "input_length": 3, "output_length": 1}'],
+     r":1: 'hash_ids' holds -1"),
+    (['{"hash_ids": [0], "input_length": "3", "output_length": 1}'],
+     r":1: 'input_length' must be a non-negative integer"),
+    ([], r": no requests"),
+    (['', '   '], r": no requests"),
+])
+def test_read_trace_errors_name_file_and_line(tmp_path, lines, problem):
+    trace = write_lines(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(TraceError, match=r"bad\.jsonl" + problem):
+        read_trace(trace)
+
+
+def test_read_trace_rejects_bad_bytes_and_arguments(tmp_path):
+    trace = tmp_path / "bytes.jsonl"
+    trace.write_bytes(b'{"prompt": [1], "output_length": 1}\n{"prompt": "\xff\xfe"}\n')
+    with pytest.raises(TraceError, match=r"bytes\.jsonl:2: not valid JSON"):
+        read_trace(trace)
+    with pytest.raises(ValueError, match="block_size"):
+        read_trace(trace, block_size=0)
+    with pytest.raises(FileNotFoundError):
+        read_trace(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="Mooncake trace not present")
+def test_read_real_mooncake_lines():
+    requests = read_trace(MOONCAKE, limit=30)
+    assert len(requests) == 30
+    raw = [json.loads(line) for line in MOONCAKE.read_text().splitlines()[:30]]
+    for req, row in zip(requests, raw):
+        assert len(req.prompt) == row["input_length"] and req.output_len == row["output_length"]
+        blocks = -(-row["input_length"] // 512)
+        expected = (np.array(row["hash_ids"][:blocks])[:, None] * 512 + np.arange(512)).ravel()
+        assert np.array_equal(req.prompt, expected[: row["input_length"]])
