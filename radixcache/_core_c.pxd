@@ -51,6 +51,8 @@ cdef class Tree:
     cdef readonly Py_ssize_t node_count
     cdef public Py_ssize_t num_splits
     cdef dict namespaces
+    # Namespaces in which the empty sequence was inserted (it has no node to mark).
+    cdef set empty_inserted
 
     cdef uint64_t page_hash(self, const int64_t* page, int64_t ns) noexcept nogil
     cdef int64_t namespace_of(self, object extra_key, bint create) except -2

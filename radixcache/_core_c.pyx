@@ -316,6 +316,7 @@ cdef class Tree:
     def __cinit__(self, Py_ssize_t page_size):
         self.page_size = page_size
         self.namespaces = {None: 0}
+        self.empty_inserted = set()
         self.root = self.new_node(None, 0)
         self.root.key_owner = b""
         self.root.key_ptr = <const int64_t*>PyBytes_AS_STRING(self.root.key_owner)
@@ -440,7 +441,7 @@ cdef class Tree:
         node = self.root
         if end == 0:
             if whole:
-                node.terminal = True
+                self.empty_inserted.add(extra_key)
             return 0, node, None
         ns = self.namespace_of(extra_key, True)
         self.clock += 1
@@ -494,7 +495,7 @@ cdef class Tree:
             return False
         node = self.root
         if n == 0:
-            return node.terminal
+            return extra_key in self.empty_inserted
         ns = self.namespace_of(extra_key, False)
         if ns < 0:
             return False
@@ -622,6 +623,7 @@ cdef class Tree:
     def reset(self):
         self.teardown()
         self.namespaces = {None: 0}
+        self.empty_inserted = set()
         self.root = self.new_node(None, 0)
         self.root.key_owner = b""
         self.root.key_ptr = <const int64_t*>PyBytes_AS_STRING(self.root.key_owner)

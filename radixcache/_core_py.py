@@ -206,7 +206,8 @@ class Node:
 class Tree:
     """The pure-Python radix tree: walks, splits, locks; no tensors, no heap."""
 
-    __slots__ = ("page_size", "root", "clock", "node_count", "num_splits", "_page_bytes")
+    __slots__ = ("page_size", "root", "clock", "node_count", "num_splits", "_page_bytes",
+                 "_empty_inserted")
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
@@ -215,6 +216,8 @@ class Tree:
         self.node_count = 0
         self.num_splits = 0
         self.root = Node(b"", None, None, 0)
+        # Namespaces in which the empty sequence was inserted (it has no node to mark).
+        self._empty_inserted: set = set()
 
     # -- helpers ---------------------------------------------------------------------
     def _child_key(self, parent: Node, extra_key: Any, first_page: bytes):
@@ -303,7 +306,7 @@ class Tree:
         root = self.root
         if end == 0:
             if whole:
-                root._terminal = True
+                self._empty_inserted.add(extra_key)
             return 0, root, None
         self.clock += 1
         now = self.clock
@@ -351,6 +354,8 @@ class Tree:
         end = len(buf)
         if end % self._page_bytes:
             return False
+        if end == 0:
+            return extra_key in self._empty_inserted
         node = self.root
         page_bytes = self._page_bytes
         pos = 0
@@ -456,6 +461,7 @@ class Tree:
             node._evicted = True
             node._value = None
         self.root = Node(b"", None, None, 0)
+        self._empty_inserted = set()
         self.clock = 0
         self.node_count = 0
         self.num_splits = 0
