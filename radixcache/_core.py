@@ -8,12 +8,14 @@ from types import ModuleType
 
 from . import _core_py
 
-try:
-    from . import _core_c
-except ImportError:  # not built (no compiler at install time): pure Python, silently
-    _core_c = None
-
 NO_EXTENSIONS = bool(os.environ.get("RADIXCACHE_NO_EXTENSIONS"))
+
+_core_c: ModuleType | None = None
+if not NO_EXTENSIONS:  # forced pure Python never even loads the extension
+    try:
+        from . import _core_c
+    except ImportError:  # not built (no compiler at install time): pure Python, silently
+        _core_c = None
 
 CORES: dict[str, ModuleType] = {"python": _core_py}
 if _core_c is not None:

@@ -1,0 +1,263 @@
+"""Workloads shared by the pytest benchmarks (bench_*.py) and ``report.py``.
+
+Each case builds its input untimed and exposes the one call that is timed, so both runners
+measure exactly the same work. Sizes live here too: ``FULL`` for the real run, ``QUICK`` for a
+smoke run of ``report.py --quick``.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import tracemalloc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from radixcache import RadixCache  # noqa: E402
+from radixcache._core import CORES  # noqa: E402
+from radixcache.traces import read_trace  # noqa: E402
+from radixcache.workloads import exercise_ops as make_exercise_ops  # noqa: E402
+from radixcache.workloads import synthetic_chat  # noqa: E402
+
+#: The Mooncake-style trace; in CI the shared folder sits next to the repository root.
+TRACE_PATH = REPO_ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+VOCAB_SIZE = 32_000
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each case is. The KV pools are small enough that eviction runs all along
+    (chat: ~0.77M of 2.6M tokens evicted at full size) and hold the longest request."""
+
+    chat_conversations: int      # serving loop: synthetic conversations
+    chat_system_prompts: int     # serving loop: distinct shared system prompts
+    chat_capacity: int           # serving loop: KV pool size in tokens
+    trace_capacity: int          # trace replay: KV pool size in tokens
+    trace_limit: int | None      # trace replay: first N requests (None: all)
+    exercise_ops: int            # exercise: insert/exists operations
+    match_tokens: int            # long-prompt match: cached prompt length
+    eviction_leaves: tuple       # eviction: cache sizes in leaves
+    eviction_nodes: int          # eviction: nodes evicted per timed round
+
+
+FULL = Sizes(
+    chat_conversations=300,
+    chat_system_prompts=16,
+    chat_capacity=1 << 16,
+    trace_capacity=1 << 22,
+    trace_limit=2000,
+    exercise_ops=100_000,
+    match_tokens=10_000,
+    eviction_leaves=(10**3, 10**4, 10**5, 10**6),
+    eviction_nodes=200,
+)
+
+QUICK = Sizes(
+    chat_conversations=40,
+    chat_system_prompts=16,
+    chat_capacity=1 << 14,
+    trace_capacity=1 << 20,
+    trace_limit=200,
+    exercise_ops=10_000,
+    match_tokens=10_000,
+    eviction_leaves=(10**3, 10**4, 10**5),
+    eviction_nodes=200,
+)
+
+
+def benchmark_min_seconds(benchmark) -> float | None:
+    """A pytest-benchmark fixture's best round; None when timing is off (--benchmark-disable)."""
+    stats = getattr(benchmark, "stats", None)
+    return stats.stats.min if stats is not None else None
+
+
+def core_names() -> list[str]:
+    """The tree cores of this build, pure Python first."""
+    return list(CORES)
+
+
+# -- 1 and 2: the serving loop ---------------------------------------------------------------
+SERVE_PAGE_SIZES = (1, 16)
+
+
+def chat_requests(sizes: Sizes = FULL) -> list:
+    return synthetic_chat(num_conversations=sizes.chat_conversations,
+                          num_system_prompts=sizes.chat_system_prompts, seed=0)
+
+
+def trace_requests(limit: int | None, path: Path = TRACE_PATH) -> list:
+    return read_trace(path, block_size=512, limit=limit)
+
+
+# -- 3: the exercise ---------------------------------------------------------------------------
+def exercise_ops(num_ops: int) -> list:
+    return make_exercise_ops(num_ops=num_ops, seed=0)
+
+
+def run_exercise_cache(ops: list, core: str) -> RadixCache:
+    """The ops on a fresh RadixCache (the public API); returns the built cache."""
+    cache = RadixCache(core=core)
+    insert = cache.insert
+    exists = cache.exists
+    for op, tokens in ops:
+        if op == "insert":
+            insert(tokens)
+        else:
+            exists(tokens)
+    return cache
+
+
+def run_exercise_tree(ops: list, core: str) -> Any:
+    """The ops on a bare tree core (no cache layer): what the core alone costs."""
+    tree = CORES[core].Tree(1)
+    insert = tree.insert
+    exists = tree.exists
+    for op, tokens in ops:
+        if op == "insert":
+            insert(tokens, None, 0)
+        else:
+            exists(tokens, None)
+    return tree
+
+
+def run_exercise_set(ops: list) -> set:
+    """The yardstick: the same ops on a plain ``set`` of token tuples."""
+    seen: set = set()
+    add = seen.add
+    for op, tokens in ops:
+        if op == "insert":
+            add(tuple(tokens))
+        else:
+            tuple(tokens) in seen  # noqa: B015 -- the lookup is the work being timed
+    return seen
+
+
+def exercise_runner(contender: str, core: str | None) -> Callable[[list], Any]:
+    if contender == "set":
+        return run_exercise_set
+    if contender == "cache":
+        return lambda ops: run_exercise_cache(ops, core)
+    if contender == "tree":
+        return lambda ops: run_exercise_tree(ops, core)
+    raise ValueError(f"unknown exercise contender {contender!r}")
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    current: int   # bytes still held by the built structure (tracemalloc)
+    peak: int      # bytes at the peak while building it (tracemalloc)
+
+
+def measure_memory(build: Callable[[], Any]) -> MemoryUse:
+    """Memory of what ``build()`` returns, the inputs excluded (they exist before tracing)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        built = build()
+        gc.collect()
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    del built
+    return MemoryUse(current=current - base, peak=peak - base)
+
+
+# -- 4: matching one long cached prompt --------------------------------------------------------
+@dataclass
+class LongPrompt:
+    cache: RadixCache
+    prompt: np.ndarray    # what was cached
+    query: np.ndarray     # an equal copy: what is matched (a fresh buffer, as a request has)
+
+    def match(self):
+        return self.cache.match_prefix(self.query)
+
+    def tree_match(self):
+        # The core walk alone, no index tensor built: the part that competes with memcmp.
+        return self.cache._tree.match(self.query, None)
+
+    def array_equal(self) -> bool:
+        return np.array_equal(self.prompt, self.query)
+
+
+def long_prompt(core: str, num_tokens: int, seed: int = 0) -> LongPrompt:
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, VOCAB_SIZE, size=num_tokens, dtype=np.int64)
+    cache = RadixCache(core=core)
+    # Slot indices stored as in serving, so the match returns a stored tensor.
+    cache.insert(prompt, np.arange(num_tokens, dtype=np.int64))
+    lp = LongPrompt(cache=cache, prompt=prompt, query=prompt.copy())
+    if lp.match().length != num_tokens:  # sanity: the whole prompt must hit
+        raise AssertionError("long prompt not fully matched")
+    return lp
+
+
+# -- 5: eviction at scale ----------------------------------------------------------------------
+EVICTION_SEQ_LEN = 8
+
+
+class EvictionScenario:
+    """A cache of ``num_leaves`` distinct random 8-token sequences (32k vocabulary).
+
+    A timed round evicts about ``nodes_per_round`` nodes (LRU); between rounds, untimed, as
+    many fresh sequences are inserted, so every round sees a cache of the same size.
+    Sequences are inserted without kv indices (their tokens double as indices), to keep the
+    10^6-leaf build affordable on the pure core.
+    """
+
+    def __init__(self, core: str, num_leaves: int, nodes_per_round: int, seed: int = 0) -> None:
+        self.core = core
+        self.num_leaves = num_leaves
+        self.nodes_per_round = nodes_per_round
+        self.rng = np.random.default_rng(seed)
+        self.cache = RadixCache(core=core)
+        self.insert_fresh(num_leaves)
+        self.evicted_per_round: list[int] = []
+        self._evictions_before: int | None = None
+
+    def insert_fresh(self, count: int) -> None:
+        insert = self.cache.insert
+        for seq in self.rng.integers(0, VOCAB_SIZE, size=(count, EVICTION_SEQ_LEN)).tolist():
+            insert(seq)
+
+    def _evictions(self) -> int:
+        return self.cache.stats().evictions
+
+    def prepare(self) -> None:
+        """Untimed, before each round: note what the last round evicted and put as much back."""
+        self.finish()
+        self._evictions_before = self._evictions()
+
+    def finish(self) -> None:
+        """Untimed, after the last round: note what it evicted."""
+        before = self._evictions_before
+        if before is None:
+            return
+        nodes = self._evictions() - before
+        self.evicted_per_round.append(nodes)
+        self._evictions_before = None
+        self.insert_fresh(nodes)
+
+    def evict_round(self) -> int:
+        """The timed call: one ``evict`` freeing about ``nodes_per_round`` leaves."""
+        return self.cache.evict(self.nodes_per_round * EVICTION_SEQ_LEN)
+
+    def timed_round(self, timer: Callable[[], float]) -> tuple[float, int]:
+        """(seconds, nodes evicted) of one round timed with ``timer``, refill included untimed."""
+        self.prepare()
+        start = timer()
+        self.evict_round()
+        elapsed = timer() - start
+        self.finish()
+        return elapsed, self.evicted_per_round[-1]

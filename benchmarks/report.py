@@ -1,0 +1,401 @@
+"""Run the benchmark workloads with time.perf_counter (best of N) and print Markdown tables.
+
+    python benchmarks/report.py [--quick] [--repeat N] [--cases serve,trace,exercise,match,evict]
+                                [--trace-limit N] [--json PATH]
+
+Same workloads as the pytest-benchmark files (``benchmarks/_cases.py``), every core of this
+build side by side ("python" always, "c" once compiled), then the ratios against the targets
+of issue 3. Times are the best of N runs; rounds of different cores are interleaved so that
+load from other processes hits them alike. The README's Performance section is generated
+from this output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+import _cases as cases  # noqa: E402
+
+CASE_NAMES = ("serve", "trace", "exercise", "match", "evict")
+clock = time.perf_counter
+
+
+# -- timing helpers ----------------------------------------------------------------------------
+def best_of(repeat: int, run: Callable[[], Any], setup: Callable[[], Any] | None = None) -> float:
+    """Best wall time of ``run(*setup())`` over ``repeat`` runs; setup is untimed."""
+    best = float("inf")
+    for _ in range(repeat):
+        args = setup() if setup is not None else ()
+        start = clock()
+        run(*args)
+        best = min(best, clock() - start)
+    return best
+
+
+def per_call(repeat: int, call: Callable[[], Any], min_time: float = 0.05) -> float:
+    """Best time of one short call: ``repeat`` batches of enough loops to last ``min_time``."""
+    loops = 1
+    while True:
+        start = clock()
+        for _ in range(loops):
+            call()
+        if clock() - start >= min_time:
+            break
+        loops *= 2
+    best = float("inf")
+    for _ in range(repeat):
+        start = clock()
+        for _ in range(loops):
+            call()
+        best = min(best, (clock() - start) / loops)
+    return best
+
+
+def fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    if seconds >= 1e-6:
+        return f"{seconds * 1e6:.1f} µs"
+    return f"{seconds * 1e9:.0f} ns"
+
+
+def fmt_bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def fmt_ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def progress(msg: str) -> None:
+    print(f"[report] {msg}", file=sys.stderr, flush=True)
+
+
+# -- the cases ---------------------------------------------------------------------------------
+def run_serving(requests: list, capacity: int, cores: list[str], repeat: int,
+                label: str) -> dict:
+    """{page_size: {core: {"whole": s, "cache": s, "hit_rate": .., "evicted": ..}}}."""
+    from radixcache import RadixCache  # noqa: PLC0415
+    from radixcache.workloads import serve  # noqa: PLC0415
+
+    out: dict = {}
+    for page_size in cases.SERVE_PAGE_SIZES:
+        per_core = {core: {"whole": float("inf"), "cache": float("inf")} for core in cores}
+        for rep in range(repeat):
+            for core in cores:  # interleaved: background load hits both cores alike
+                progress(f"{label}: page_size={page_size} core={core} run {rep + 1}/{repeat}")
+                cache = RadixCache(page_size=page_size, core=core)
+                start = clock()
+                result = serve(cache, requests, capacity)
+                whole = clock() - start
+                entry = per_core[core]
+                entry["whole"] = min(entry["whole"], whole)
+                entry["cache"] = min(entry["cache"], result.seconds)
+                entry.update(hit_rate=result.hit_rate, evicted=result.evicted_tokens,
+                             rejected=result.rejected, requests=result.requests)
+                del cache
+                gc.collect()
+        out[page_size] = per_core
+    return out
+
+
+def run_exercise(sizes: cases.Sizes, cores: list[str], repeat: int) -> dict:
+    """{contender: {"time": s, "mem": MemoryUse}} for set, cache:<core>, tree:<core>."""
+    ops = cases.exercise_ops(sizes.exercise_ops)
+    contenders = [("set", None)] + [(kind, core) for kind in ("cache", "tree") for core in cores]
+    names = ["set" if kind == "set" else f"{kind}:{core}" for kind, core in contenders]
+    out: dict = {name: {"time": float("inf")} for name in names}
+    for rep in range(repeat):
+        for name, (kind, core) in zip(names, contenders):
+            progress(f"exercise: {name} run {rep + 1}/{repeat}")
+            run = cases.exercise_runner(kind, core)
+            gc.collect()
+            start = clock()
+            built = run(ops)
+            out[name]["time"] = min(out[name]["time"], clock() - start)
+            del built
+    for name, (kind, core) in zip(names, contenders):
+        progress(f"exercise: memory of {name}")
+        run = cases.exercise_runner(kind, core)
+        out[name]["mem"] = cases.measure_memory(lambda run=run: run(ops))
+    return out
+
+
+def run_match(sizes: cases.Sizes, cores: list[str], repeat: int) -> dict:
+    out: dict = {}
+    for core in cores:
+        progress(f"match: core={core}")
+        lp = cases.long_prompt(core, sizes.match_tokens)
+        out.setdefault("array_equal", per_call(repeat, lp.array_equal))
+        out[f"match_prefix:{core}"] = per_call(repeat, lp.match)
+        out[f"tree_walk:{core}"] = per_call(repeat, lp.tree_match)
+    return out
+
+
+def run_eviction(sizes: cases.Sizes, cores: list[str], rounds: int) -> dict:
+    """{core: {leaves: ns per evicted node (best round)}}."""
+    out: dict = {core: {} for core in cores}
+    for num_leaves in sizes.eviction_leaves:
+        for core in cores:
+            progress(f"evict: building {num_leaves} leaves on core={core}")
+            scenario = cases.EvictionScenario(core, num_leaves, sizes.eviction_nodes)
+            scenario.timed_round(clock)  # warm-up round
+            best = float("inf")
+            for _ in range(rounds):
+                elapsed, nodes = scenario.timed_round(clock)
+                if nodes:
+                    best = min(best, elapsed / nodes)
+            out[core][num_leaves] = best
+            del scenario
+            gc.collect()
+    return out
+
+
+# -- the report --------------------------------------------------------------------------------
+class Targets:
+    """Rows of the target table: what, measured ratio, goal, met?"""
+
+    def __init__(self) -> None:
+        self.rows: list[list[str]] = []
+
+    def add(self, what: str, value: float | None, goal: str,
+            met: Callable[[float], bool] | None,
+            missing: str = "n/a (compiled core not built)") -> None:
+        """``met`` None: an informative row without a target."""
+        if value is None:
+            self.rows.append([what, "-", goal, missing if met is not None else "-"])
+        elif met is None:
+            self.rows.append([what, f"{value:.2f}x", goal, "-"])
+        else:
+            self.rows.append([what, f"{value:.2f}x", goal, "yes" if met(value) else "**no**"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes and best of 2: a smoke run of a minute or so")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="best of N for every case (default: 5 chat, 2 trace, 3 exercise, "
+                             "7 match batches, 10 eviction rounds; 2 with --quick)")
+    parser.add_argument("--cases", default=",".join(CASE_NAMES),
+                        help=f"comma-separated subset of {','.join(CASE_NAMES)}")
+    parser.add_argument("--trace-limit", type=int, default=None,
+                        help="replay the first N trace requests (0: all; default 2000, "
+                             "200 with --quick)")
+    parser.add_argument("--json", type=Path, default=None, help="also write raw numbers here")
+    parser.add_argument("--timer", choices=("perf_counter", "process_time"),
+                        default="perf_counter",
+                        help="clock for this script's timings; process_time (CPU time) is "
+                             "steadier on a loaded machine. serve()'s cache-call seconds "
+                             "always use perf_counter")
+    args = parser.parse_args(argv)
+    global clock
+    clock = getattr(time, args.timer)
+
+    sizes = cases.QUICK if args.quick else cases.FULL
+    wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = set(wanted) - set(CASE_NAMES)
+    if unknown:
+        parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
+
+    def reps(default: int) -> int:
+        if args.repeat is not None:
+            return max(1, args.repeat)
+        return 2 if args.quick else default
+
+    trace_limit = sizes.trace_limit if args.trace_limit is None else (args.trace_limit or None)
+    cores = cases.core_names()
+    compiled = "c" in cores
+    raw: dict = {"cores": cores, "sizes": sizes.__dict__, "quick": args.quick}
+    out: list[str] = []
+    targets = Targets()
+    started = time.perf_counter()
+
+    out.append("## Benchmark results\n")
+    out.append(
+        f"`python benchmarks/report.py{' --quick' if args.quick else ''}` on "
+        f"{platform.python_implementation()} {platform.python_version()}, "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, numpy {np.__version__}; "
+        f"cores: {', '.join(cores)}"
+        + ("" if compiled else " (compiled core not built: pure Python only)")
+        + f"; timer time.{args.timer}; load average at start {os.getloadavg()[0]:.1f}.\n"
+    )
+
+    if "serve" in wanted:
+        requests = cases.chat_requests(sizes)
+        res = run_serving(requests, sizes.chat_capacity, cores, reps(5), "chat")
+        raw["serve"] = res
+        out.append(f"### 1. Serving loop: synthetic chat\n\n{len(requests)} requests "
+                   f"({sizes.chat_conversations} conversations over "
+                   f"{sizes.chat_system_prompts} system prompts of 800-2000 tokens), KV pool "
+                   f"of {sizes.chat_capacity} tokens. *cache calls* = time inside cache calls "
+                   "only (`ServeResult.seconds`, always wall time); *whole* = the whole "
+                   f"`serve()` call (time.{args.timer}).\n")
+        out.append(_serving_table(res, cores))
+        for page_size, per_core in res.items():
+            if compiled:
+                speedup = ratio(per_core["python"]["cache"], per_core["c"]["cache"])
+            else:
+                speedup = None
+            targets.add(f"serving loop (chat, page_size={page_size}): c vs python, cache calls",
+                        speedup, ">= 10x", lambda v: v >= 10)
+
+    if "trace" in wanted:
+        if not cases.TRACE_PATH.is_file():
+            out.append(f"### 2. Trace replay\n\nskipped: {cases.TRACE_PATH} not found.\n")
+        else:
+            requests = cases.trace_requests(trace_limit)
+            res = run_serving(requests, sizes.trace_capacity, cores, reps(2), "trace")
+            raw["trace"] = res
+            which = "all" if trace_limit is None else f"the first {len(requests)}"
+            out.append(f"### 2. Trace replay: {cases.TRACE_PATH.name}\n\n{which} requests "
+                       f"(each hash id = 512 tokens), KV pool of {sizes.trace_capacity} "
+                       "tokens; columns as above.\n")
+            out.append(_serving_table(res, cores))
+            for page_size, per_core in res.items():
+                speedup = (ratio(per_core["python"]["cache"], per_core["c"]["cache"])
+                           if compiled else None)
+                targets.add(f"trace replay (page_size={page_size}): c vs python, cache calls",
+                            speedup, "(none)", None)
+
+    if "exercise" in wanted:
+        res = run_exercise(sizes, cores, reps(3))
+        raw["exercise"] = {k: {"time": v["time"], **v["mem"].__dict__} for k, v in res.items()}
+        rows = []
+        set_time = res["set"]["time"]
+        set_mem = res["set"]["mem"].current
+        for name, entry in res.items():
+            mem = entry["mem"]
+            rows.append([_contender_label(name), fmt_time(entry["time"]),
+                         fmt_ratio(ratio(set_time, entry["time"])), fmt_bytes(mem.current),
+                         fmt_bytes(mem.peak), fmt_ratio(ratio(mem.current, set_mem))])
+        out.append(f"### 3. Exercise: {sizes.exercise_ops} insert/exists calls from lists\n\n"
+                   "Long shared prefixes (50 bases of 100-2000 tokens, tails of 1-20). Memory "
+                   "of the built structure: tracemalloc current (what it keeps) and peak "
+                   "(while building). Both cores allocate through Python's allocators (bytes "
+                   "keys; the compiled core's child tables with PyMem_*), so tracemalloc "
+                   "sees them whole; no tensors are stored here (torch's allocations would "
+                   "be invisible to it). The set's "
+                   "tuples share the int objects of the input lists, so it is charged only "
+                   "8 bytes per token plus the tuple and table overhead.\n")
+        out.append(table(["structure", "time", "speed vs set", "memory (tracemalloc)",
+                          "peak", "memory vs set"], rows) + "\n")
+        c_time = res["cache:c"]["time"] if compiled else None
+        targets.add("exercise: c vs python (RadixCache)",
+                    ratio(res["cache:python"]["time"], c_time), ">= 20x", lambda v: v >= 20)
+        targets.add("exercise: c vs python (bare tree core, no cache layer)",
+                    ratio(res["tree:python"]["time"], res["tree:c"]["time"] if compiled else None),
+                    "(none)", None)
+        targets.add("exercise: c (RadixCache) vs set of tuples, speed",
+                    ratio(set_time, c_time), ">= 2x", lambda v: v >= 2)
+        targets.add("exercise: c (RadixCache) memory / set memory (tracemalloc)",
+                    ratio(res["cache:c"]["mem"].current, set_mem) if compiled else None,
+                    "<= 0.20x", lambda v: v <= 0.2)
+
+    if "match" in wanted:
+        res = run_match(sizes, cores, reps(7))
+        raw["match"] = res
+        base = res["array_equal"]
+        rows = [["`numpy.array_equal` (same arrays)", fmt_time(base), "1.00x"]]
+        for core in cores:
+            for kind, label in (("match_prefix", "`RadixCache.match_prefix`"),
+                                ("tree_walk", "core walk `Tree.match`")):
+                t = res[f"{kind}:{core}"]
+                rows.append([f"{label}, core={core}", fmt_time(t), fmt_ratio(ratio(t, base))])
+        out.append(f"### 4. Match of one cached prompt of {sizes.match_tokens} tokens\n\n"
+                   "Query: a fresh numpy int64 copy of the cached prompt. `match_prefix` "
+                   "includes building the returned index tensor; the core walk does not.\n")
+        out.append(table(["call", "time per call", "vs array_equal"], rows) + "\n")
+        targets.add("long-prompt match: c `match_prefix` / `numpy.array_equal`",
+                    ratio(res.get("match_prefix:c"), base), "<= 3x", lambda v: v <= 3)
+        targets.add("long-prompt match: c core walk / `numpy.array_equal`",
+                    ratio(res.get("tree_walk:c"), base), "(none)", None)
+
+    if "evict" in wanted:
+        res = run_eviction(sizes, cores, reps(10))
+        raw["evict"] = res
+        leaves = list(sizes.eviction_leaves)
+        rows = [[f"{n:,}"] + [fmt_time(res[core][n]) for core in cores] for n in leaves]
+        rows.append([f"{leaves[-1]:,} / {leaves[0]:,}"]
+                    + [fmt_ratio(ratio(res[core][leaves[-1]], res[core][leaves[0]]))
+                       for core in cores])
+        out.append(f"### 5. Eviction: time per evicted node\n\nCaches of distinct random "
+                   f"8-token sequences; each timed round is one `evict` call freeing about "
+                   f"{sizes.eviction_nodes} leaves (LRU), refilled untimed between rounds.\n")
+        out.append(table(["leaves in cache"] + [f"{core} per node" for core in cores], rows)
+                   + "\n")
+        for core in cores:
+            targets.add(f"eviction per node, {leaves[-1]:,} vs {leaves[0]:,} leaves, "
+                        f"core={core}", ratio(res[core][leaves[-1]], res[core][leaves[0]]),
+                        "<= 2x", lambda v: v <= 2)
+
+    out.append("### Targets\n")
+    out.append(table(["ratio", "measured", "target", "met"], targets.rows) + "\n")
+    out.append(f"Total run time {time.perf_counter() - started:.0f} s (wall).")
+    print("\n".join(out))
+    if args.json is not None:
+        args.json.write_text(json.dumps(raw, indent=2, default=str))
+    return 0
+
+
+def _contender_label(name: str) -> str:
+    if name == "set":
+        return "`set` of tuples"
+    kind, core = name.split(":")
+    return f"RadixCache, core={core}" if kind == "cache" else f"bare tree core, core={core}"
+
+
+def _serving_table(res: dict, cores: list[str]) -> str:
+    header = ["page size"]
+    for core in cores:
+        header += [f"{core}: cache calls", f"{core}: whole"]
+    if "c" in cores and "python" in cores:
+        header += ["c speedup (cache calls)", "c speedup (whole)"]
+    header += ["hit rate", "evicted tokens"]
+    rows = []
+    for page_size, per_core in res.items():
+        row = [str(page_size)]
+        for core in cores:
+            row += [fmt_time(per_core[core]["cache"]), fmt_time(per_core[core]["whole"])]
+        if "c" in cores and "python" in cores:
+            row += [fmt_ratio(ratio(per_core["python"]["cache"], per_core["c"]["cache"])),
+                    fmt_ratio(ratio(per_core["python"]["whole"], per_core["c"]["whole"]))]
+        first = per_core[cores[0]]
+        outcomes = {(e["hit_rate"], e["evicted"], e["rejected"]) for e in per_core.values()}
+        # Both cores implement one interface: the same requests must give the same outcome.
+        same = "" if len(outcomes) == 1 else " (**cores differ!**)"
+        row += [f"{first['hit_rate']:.3f}{same}", f"{first['evicted']:,}"]
+        rows.append(row)
+    return table(header, rows) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Shared fixtures: every cache test runs once per available tree core.
+
+``check_invariants`` reads cache.py's private state on purpose: it is the one place that
+knows what a consistent cache looks like, so every other test can call it after each step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+
+import pytest
+import torch
+
+from radixcache import RadixCache
+from radixcache._core import CORES
+
+
+@pytest.fixture(params=list(CORES), ids=list(CORES))
+def core_name(request) -> str:
+    """The name of one available tree core ("python", and "c" once it is built)."""
+    return request.param
+
+
+@pytest.fixture
+def make_cache(core_name):
+    """``RadixCache`` bound to the current core: ``make_cache(page_size=..., ...)``."""
+    return functools.partial(RadixCache, core=core_name)
+
+
+def _first_page(node, page_size: int) -> tuple:
+    return tuple(int(t) for t in node.key[:page_size])
+
+
+def check_invariants(cache: RadixCache) -> None:
+    """Assert every structural and bookkeeping invariant of ``cache``; iterative, any depth."""
+    tree = cache._tree
+    root = tree.root
+    page_size = cache.page_size
+    assert not root.evicted
+    assert root.parent is None
+    assert root.num_tokens == 0
+
+    seen: set[int] = set()
+    depth_of: dict[int, int] = {}
+    evictable_leaves = []
+    node_count = 0
+    total_tokens = 0
+    locked_tokens = 0
+    for node, depth in tree.iter_nodes():
+        node_key = id(node)
+        assert node_key not in seen, f"node {node.id} visited twice"
+        seen.add(node_key)
+        depth_of[node_key] = depth
+
+        children = node.children
+        assert node.num_children == len(children)
+        child_lock_sum = 0
+        first_pages = set()
+        for child in children:
+            assert child.parent is node, f"child {child.id} does not point back to {node.id}"
+            child_lock_sum += child.lock_ref
+            # Radix property: siblings differ in their first page (per namespace at the root).
+            page = (child.extra_key if node is root else None, _first_page(child, page_size))
+            assert page not in first_pages, f"two children of {node.id} start with {page}"
+            first_pages.add(page)
+
+        if node is root:
+            assert depth == 0
+            continue
+        assert node.parent is not None
+        parent_key = id(node.parent)
+        assert parent_key in seen, f"node {node.id} reached before its parent (or detached)"
+        assert depth == depth_of[parent_key] + 1
+        assert not node.evicted, f"evicted node {node.id} still in the tree"
+
+        num_tokens = node.num_tokens
+        assert num_tokens > 0, f"node {node.id} has an empty key"
+        assert len(node.key) == num_tokens
+        assert num_tokens % page_size == 0, f"node {node.id} key length {num_tokens} unaligned"
+        value = node.value
+        assert isinstance(value, torch.Tensor) and value.dim() == 1
+        assert value.dtype == torch.int64
+        assert value.shape[0] == num_tokens, f"node {node.id} value/key length mismatch"
+        if node.parent is not root:
+            # A subtree never mixes namespaces.
+            assert node.extra_key == node.parent.extra_key
+
+        assert node.lock_ref >= 0
+        # lock_ref counts the node's own locks plus every lock below it.
+        assert node.lock_ref >= child_lock_sum, (
+            f"node {node.id} lock_ref {node.lock_ref} < its children's {child_lock_sum}"
+        )
+        node_count += 1
+        total_tokens += num_tokens
+        if node.lock_ref > 0:
+            locked_tokens += num_tokens
+        elif not children:
+            evictable_leaves.append(node)
+
+    assert cache.node_count() == node_count == tree.node_count
+    assert cache.total_size() == total_tokens
+    assert cache.protected_size() == locked_tokens == cache._protected
+    assert cache.evictable_size() == total_tokens - locked_tokens == cache._evictable
+
+    # The lazy heap: every evictable leaf needs an entry whose stored key is not above its
+    # current key (an entry above it is discarded as stale, which would strand the leaf).
+    heap = cache._heap
+    for i in range(1, len(heap)):
+        assert not heap[i] < heap[(i - 1) // 2], f"heap order broken at {i}"
+    stored_keys = defaultdict(list)
+    heap_nodes = getattr(cache, "_heap_nodes", None)
+    if heap_nodes is None:  # entries are (key, node) pairs
+        for stored, node in heap:
+            stored_keys[id(node)].append(stored)
+    else:  # entries are bare keys; _heap_nodes maps each live key to its node
+        in_heap = set(heap)
+        for stored, node in heap_nodes.items():
+            assert stored in in_heap, f"key of node {node.id} mapped but not in the heap"
+            stored_keys[id(node)].append(stored)
+    sort_key = cache._sort_key
+    for leaf in evictable_leaves:
+        current = sort_key(leaf)
+        assert any(stored <= current for stored in stored_keys.get(id(leaf), ())), (
+            f"evictable leaf {leaf.id} has no usable heap entry (current key {current}, "
+            f"stored {stored_keys.get(id(leaf))})"
+        )
+
+
+def node_tokens(node) -> list[int]:
+    """The full token sequence from the root down to ``node`` (iterative)."""
+    parts = []
+    while node is not None and node.parent is not None:
+        parts.append(node.key)
+        node = node.parent
+    return [int(t) for part in reversed(parts) for t in part]

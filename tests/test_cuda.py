@@ -1,0 +1,93 @@
+"""kv_indices on a CUDA device: the cache keeps them there, copies them, and hands them back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import check_invariants
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cuda_tensor(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device="cuda")
+
+
+def test_match_returns_indices_on_the_device(make_cache):
+    cache = make_cache()
+    cache.insert([1, 2, 3, 4], kv_indices=cuda_tensor([10, 11, 12, 13]))
+    cache.insert([1, 2, 7], kv_indices=cuda_tensor([20, 21, 22]))
+    whole = cache.match_prefix([1, 2, 3, 4])
+    assert whole.indices.device.type == "cuda"
+    assert whole.indices.dtype == torch.int64
+    assert whole.indices.tolist() == [10, 11, 12, 13]
+    # A path of several nodes is concatenated on the device too.
+    branch = cache.match_prefix([1, 2, 7, 9])
+    assert branch.length == 3
+    assert branch.indices.device.type == "cuda"
+    assert branch.indices.tolist() == [10, 11, 22]
+    # A match ending inside a node splits the device tensor as well.
+    split = cache.match_prefix([1, 2, 3])
+    assert split.indices.device.type == "cuda"
+    assert split.indices.tolist() == [10, 11, 12]
+    check_invariants(cache)
+
+
+def test_path_mixing_cpu_and_device_nodes_comes_back_on_the_device(make_cache):
+    cache = make_cache()
+    cache.insert([1, 2, 3])  # no kv_indices: the tokens, on the CPU
+    cache.insert([1, 2, 3, 4, 5], kv_indices=cuda_tensor([0, 0, 0, 60, 61]))
+    result = cache.match_prefix([1, 2, 3, 4, 5])
+    assert result.indices.device.type == "cuda"
+    assert result.indices.tolist() == [1, 2, 3, 60, 61]
+
+
+def test_insert_copies_the_device_tensor(make_cache):
+    cache = make_cache()
+    kv = cuda_tensor([30, 31, 32])
+    cache.insert([5, 6, 7], kv_indices=kv)
+    kv.fill_(-1)
+    result = cache.match_prefix([5, 6, 7])
+    assert result.indices.tolist() == [30, 31, 32]
+    result.indices.fill_(-2)  # nor may the returned tensor alias the cache's copy
+    assert cache.match_prefix([5, 6, 7]).indices.tolist() == [30, 31, 32]
+
+
+def test_int32_device_indices_are_stored_as_int64(make_cache):
+    cache = make_cache()
+    cache.insert([1, 2], kv_indices=torch.tensor([8, 9], dtype=torch.int32, device="cuda"))
+    result = cache.match_prefix([1, 2])
+    assert result.indices.dtype == torch.int64
+    assert result.indices.device.type == "cuda"
+    assert result.indices.tolist() == [8, 9]
+
+
+def test_evict_callback_gets_device_tensors(make_cache):
+    cache = make_cache()
+    cache.insert([1, 2, 3], kv_indices=cuda_tensor([40, 41, 42]))
+    cache.insert([1, 2, 9], kv_indices=cuda_tensor([50, 51, 52]))
+    got = []
+    assert cache.evict(4, got.append) == 4
+    assert all(t.device.type == "cuda" and t.dtype == torch.int64 for t in got)
+    assert sorted(t.tolist() for t in got) == [[40, 41], [42], [52]]
+    assert cache.total_size() == 0
+    check_invariants(cache)
+
+
+def test_bad_device_kv_indices_change_nothing(make_cache):
+    cache = make_cache()
+    cache.insert([1, 2, 3], kv_indices=cuda_tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="kv_indices"):
+        cache.insert([1, 2, 3, 4], kv_indices=cuda_tensor([1, 2]))
+    with pytest.raises(TypeError, match="integer"):
+        cache.insert([1, 2, 9], kv_indices=torch.ones(3, device="cuda"))
+    assert cache.node_count() == 1 and cache.total_size() == 3
+    check_invariants(cache)
+
+
+def test_cuda_token_ids_are_rejected(make_cache):
+    cache = make_cache()
+    with pytest.raises(ValueError, match="CPU"):
+        cache.insert(cuda_tensor([1, 2, 3]))
+    assert cache.node_count() == 0
