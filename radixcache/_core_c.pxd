@@ -10,6 +10,15 @@ cdef struct ChildSlot:
     PyObject* node     # owned reference; NULL marks an empty slot
 
 
+cdef struct HeapEntry:
+    # Sort key, most significant word first; ties are impossible (the node id is a field).
+    uint64_t k0
+    uint64_t k1
+    uint64_t k2
+    uint64_t k3
+    PyObject* node     # owned reference
+
+
 cdef class Node:
     # Tokens live in key_owner (a bytes object); split halves share it at different offsets.
     cdef object key_owner
@@ -59,3 +68,17 @@ cdef class Tree:
     cdef Node split(self, Node child, Py_ssize_t at)
     cdef Node new_node(self, Node parent, int64_t now)
     cdef void teardown(self) noexcept
+
+
+cdef class EvictionHeap:
+    cdef HeapEntry* items
+    cdef Py_ssize_t size
+    cdef Py_ssize_t capacity
+    cdef Py_ssize_t limit
+    cdef int policy
+
+    cdef void release(self) noexcept
+    cdef void fill_key(self, Node n, HeapEntry* e) noexcept
+    cdef int add(self, const HeapEntry* entry) except -1
+    cdef void sift_down(self, Py_ssize_t i) noexcept
+    cdef int compact(self) except -1

@@ -11,7 +11,7 @@ cimport cython
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLong
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.number cimport PyNumber_Index
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport int64_t, uint64_t
@@ -639,3 +639,194 @@ cdef class Tree:
             yield node, depth
             children = sorted(node.children, key=display_order, reverse=True)
             stack.extend((child, depth + 1) for child in children)
+
+
+# -- eviction heap -------------------------------------------------------------------------
+# Keys are four unsigned words compared in order, stored inline in one array with the node
+# pointer: a pop on a heap of 10^6 leaves touches one cache line per level instead of
+# chasing pointers to Python key objects. Fields as in the pure core's packed ints.
+cdef uint64_t _BIAS = 1ULL << 63
+cdef uint64_t _MAX = 0xFFFFFFFFFFFFFFFFULL
+_POLICY_IDS = {"lru": 0, "priority": 0, "lfu": 1, "fifo": 2, "mru": 3, "filo": 4, "slru": 5}
+
+
+cdef inline bint entry_less(const HeapEntry* a, const HeapEntry* b) noexcept nogil:
+    if a.k0 != b.k0:
+        return a.k0 < b.k0
+    if a.k1 != b.k1:
+        return a.k1 < b.k1
+    if a.k2 != b.k2:
+        return a.k2 < b.k2
+    return a.k3 < b.k3
+
+
+cdef inline bint entry_same_key(const HeapEntry* a, const HeapEntry* b) noexcept nogil:
+    return a.k0 == b.k0 and a.k1 == b.k1 and a.k2 == b.k2 and a.k3 == b.k3
+
+
+@cython.final
+cdef class EvictionHeap:
+    """Lazy min-heap of evictable leaves in policy order (see the pure core's class)."""
+
+    def __cinit__(self, str policy):
+        self.policy = _POLICY_IDS[policy]
+        self.items = NULL
+        self.size = 0
+        self.capacity = 0
+        self.limit = 1024
+
+    def __dealloc__(self):
+        self.release()
+
+    cdef void release(self) noexcept:
+        cdef Py_ssize_t i
+        for i in range(self.size):
+            Py_DECREF(<object>self.items[i].node)
+        PyMem_Free(self.items)
+        self.items = NULL
+        self.size = 0
+        self.capacity = 0
+
+    cdef void fill_key(self, Node n, HeapEntry* e) noexcept:
+        cdef uint64_t priority = <uint64_t>n.priority + _BIAS
+        cdef uint64_t access = <uint64_t>n.last_access_time
+        cdef uint64_t created = <uint64_t>n.created_time
+        cdef uint64_t node_id = <uint64_t>n.id
+        e.k0 = priority
+        e.k3 = 0
+        if self.policy == 0:    # lru, priority
+            e.k1 = access
+            e.k2 = node_id
+        elif self.policy == 1:  # lfu
+            e.k1 = <uint64_t>n.hit_count
+            e.k2 = access
+            e.k3 = node_id
+        elif self.policy == 2:  # fifo
+            e.k1 = created
+            e.k2 = node_id
+        elif self.policy == 3:  # mru
+            e.k1 = _MAX - access
+            e.k2 = _MAX - node_id
+        elif self.policy == 4:  # filo
+            e.k1 = _MAX - created
+            e.k2 = _MAX - node_id
+        else:                   # slru: probationary (< 2 hits) segment first
+            e.k1 = 1 if n.hit_count >= 2 else 0
+            e.k2 = access
+            e.k3 = node_id
+
+    cdef int add(self, const HeapEntry* entry) except -1:
+        """Push ``entry``, taking a new reference to its node."""
+        cdef Py_ssize_t i, parent
+        cdef HeapEntry* grown
+        if self.size == self.capacity:
+            grown = <HeapEntry*>PyMem_Realloc(
+                self.items, (self.capacity * 2 + 64) * sizeof(HeapEntry))
+            if grown == NULL:
+                raise MemoryError()
+            self.items = grown
+            self.capacity = self.capacity * 2 + 64
+        Py_INCREF(<object>entry.node)
+        i = self.size
+        self.size += 1
+        while i > 0:
+            parent = (i - 1) >> 1
+            if not entry_less(entry, &self.items[parent]):
+                break
+            self.items[i] = self.items[parent]
+            i = parent
+        self.items[i] = entry[0]
+        return 0
+
+    cdef void sift_down(self, Py_ssize_t i) noexcept:
+        cdef HeapEntry moving = self.items[i]
+        cdef Py_ssize_t child
+        while True:
+            child = 2 * i + 1
+            if child >= self.size:
+                break
+            if child + 1 < self.size and entry_less(&self.items[child + 1],
+                                                    &self.items[child]):
+                child += 1
+            if not entry_less(&self.items[child], &moving):
+                break
+            self.items[i] = self.items[child]
+            i = child
+        self.items[i] = moving
+
+    def __len__(self):
+        return self.size
+
+    def clear(self):
+        self.release()
+        self.limit = 1024
+
+    def key_of(self, Node node):
+        cdef HeapEntry e
+        self.fill_key(node, &e)
+        return (e.k0, e.k1, e.k2, e.k3)
+
+    def entries(self):
+        """(stored key, node) of every entry (for consistency checks)."""
+        cdef Py_ssize_t i
+        return [((self.items[i].k0, self.items[i].k1, self.items[i].k2,
+                  self.items[i].k3), <Node>self.items[i].node) for i in range(self.size)]
+
+    def push(self, Node node):
+        cdef HeapEntry e
+        self.fill_key(node, &e)
+        e.node = <PyObject*>node
+        self.add(&e)
+        if self.size > self.limit:
+            self.compact()
+
+    def pop_victim(self):
+        cdef HeapEntry top, current
+        cdef Node node
+        while self.size > 0:
+            top = self.items[0]
+            self.size -= 1
+            if self.size > 0:
+                self.items[0] = self.items[self.size]
+                self.sift_down(0)
+            node = <Node>top.node
+            Py_DECREF(node)  # the heap's reference; ``node`` holds its own
+            if node.evicted or node.n_children or node.lock_ref:
+                continue  # pushed again if it becomes an evictable leaf
+            self.fill_key(node, &current)
+            if entry_same_key(&current, &top):
+                return node
+            if entry_less(&top, &current):  # touched since pushed: wait for its turn
+                current.node = <PyObject*>node
+                self.add(&current)
+            # else: a fall in key always came with a fresh push
+        return None
+
+    cdef int compact(self) except -1:
+        """Keep one usable entry per evictable leaf; amortised O(1) per push."""
+        cdef Py_ssize_t i, kept = 0
+        cdef HeapEntry current
+        cdef Node node
+        best = {}  # node id -> index of its smallest usable entry
+        for i in range(self.size):
+            node = <Node>self.items[i].node
+            if node.evicted or node.n_children or node.lock_ref:
+                continue
+            self.fill_key(node, &current)
+            if entry_less(&current, &self.items[i]):
+                continue  # stored above current: discarded when popped anyway
+            j = best.get(node.id)
+            if j is None or entry_less(&self.items[i], &self.items[<Py_ssize_t>j]):
+                best[node.id] = i
+        keep = set(best.values())
+        for i in range(self.size):  # in place: kept <= i throughout
+            if i in keep:
+                self.items[kept] = self.items[i]
+                kept += 1
+            else:
+                Py_DECREF(<object>self.items[i].node)
+        self.size = kept
+        for i in range(kept // 2 - 1, -1, -1):
+            self.sift_down(i)
+        self.limit = max(1024, 2 * kept)
+        return 0

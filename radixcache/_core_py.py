@@ -41,10 +41,15 @@ touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writa
 ``tokens`` is a list or tuple of ints, or any object exposing a C-contiguous int64 buffer
 (``numpy.int64`` arrays, ``array('q')``); the core converts it once per call. Bad tokens
 raise ``TypeError``/``OverflowError`` before anything changes.
+
+``EvictionHeap(policy)`` -- the lazy eviction heap (policy names as in ``EVICTION_POLICIES``):
+``push(node)``, ``pop_victim() -> node | None``, ``len()``, ``clear()``, ``key_of(node)`` and
+``entries()`` (list of (stored key, node)); see the class docstring.
 """
 
 from __future__ import annotations
 
+import heapq
 import struct
 from typing import Any, Iterator
 
@@ -53,7 +58,7 @@ import torch
 
 from ._shared import cat_values, display_order, indices_from_key
 
-__all__ = ["Node", "Tree", "CORE_NAME"]
+__all__ = ["Node", "Tree", "EvictionHeap", "CORE_NAME"]
 
 CORE_NAME = "python"
 
@@ -473,3 +478,116 @@ class Tree:
             yield node, depth
             children = sorted(node._children.values(), key=display_order, reverse=True)
             stack.extend((child, depth + 1) for child in children)
+
+
+# -- eviction heap -------------------------------------------------------------------------
+# Sort keys are single ints, fields packed most significant first (a heap of 10^6 leaves
+# compares ints far faster than tuples). Every field fits 64 bits (priority is int64, times
+# and ids are counters); the lowest field is the node id, so two nodes never tie.
+_BIAS = 1 << 63      # int64 priority -> unsigned
+_MAX = (1 << 64) - 1  # for "largest first" fields
+
+
+def _lru_key(n: Node) -> int:
+    return ((n._priority + _BIAS) << 128) | (n._last_access_time << 64) | n._id
+
+
+def _lfu_key(n: Node) -> int:
+    return (((n._priority + _BIAS) << 192) | (n._hit_count << 128)
+            | (n._last_access_time << 64) | n._id)
+
+
+def _fifo_key(n: Node) -> int:
+    return ((n._priority + _BIAS) << 128) | (n._created_time << 64) | n._id
+
+
+def _mru_key(n: Node) -> int:
+    return ((n._priority + _BIAS) << 128) | ((_MAX - n._last_access_time) << 64) | (_MAX - n._id)
+
+
+def _filo_key(n: Node) -> int:
+    return ((n._priority + _BIAS) << 128) | ((_MAX - n._created_time) << 64) | (_MAX - n._id)
+
+
+def _slru_key(n: Node) -> int:
+    # Probationary segment (hit < 2 times) before the protected one; LRU inside each.
+    return (((n._priority + _BIAS) << 129) | ((n._hit_count >= 2) << 128)
+            | (n._last_access_time << 64) | n._id)
+
+
+_POLICY_KEYS = {
+    "lru": _lru_key, "lfu": _lfu_key, "fifo": _fifo_key, "mru": _mru_key,
+    "filo": _filo_key, "slru": _slru_key, "priority": _lru_key,
+}
+
+
+class EvictionHeap:
+    """Lazy min-heap of evictable leaves in ``policy`` order, kept across evict calls.
+
+    ``push(node)`` when a node becomes an evictable leaf (or, for policies whose key can fall,
+    when it is touched). ``pop_victim()`` returns the next evictable leaf whose key is still
+    the one it was pushed with: entries of nodes that stopped being evictable leaves are
+    dropped, entries whose key rose since are pushed again. The heap compacts itself when
+    stale entries pile up, so it stays within twice the live entries (amortised O(1)).
+    """
+
+    __slots__ = ("_key", "_heap", "_nodes", "_limit")
+
+    def __init__(self, policy: str) -> None:
+        self._key = _POLICY_KEYS[policy]
+        self.clear()
+
+    def clear(self) -> None:
+        self._heap: list = []
+        self._nodes: dict = {}  # key -> node; the heap itself holds bare int keys
+        self._limit = 1024
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def key_of(self, node: Node) -> int:
+        return self._key(node)
+
+    def entries(self) -> list:
+        """(stored key, node) of every live entry (for consistency checks)."""
+        return list(self._nodes.items())
+
+    def push(self, node: Node) -> None:
+        key = self._key(node)
+        heapq.heappush(self._heap, key)
+        self._nodes[key] = node
+        if len(self._heap) > self._limit:
+            self._compact()
+
+    def pop_victim(self) -> Node | None:
+        heap = self._heap
+        nodes = self._nodes
+        sort_key = self._key
+        while heap:
+            stored = heapq.heappop(heap)
+            node = nodes.pop(stored, None)
+            if node is None:
+                continue  # a duplicate of an entry already handled
+            if node._evicted or node._children or node._lock_ref:
+                continue  # pushed again if it becomes an evictable leaf
+            current = sort_key(node)
+            if current == stored:
+                return node
+            if current > stored:  # touched since pushed: wait for its turn
+                heapq.heappush(heap, current)
+                nodes[current] = node
+            # else: a fall in key always came with a fresh push
+        return None
+
+    def _compact(self) -> None:
+        sort_key = self._key
+        best: dict = {}
+        for stored, node in self._nodes.items():
+            if node._evicted or node._children or node._lock_ref:
+                continue
+            if stored <= sort_key(node) and (node._id not in best or stored < best[node._id][0]):
+                best[node._id] = (stored, node)
+        self._nodes = dict(best.values())
+        self._heap = list(self._nodes)
+        heapq.heapify(self._heap)
+        self._limit = max(1024, 2 * len(self._heap))

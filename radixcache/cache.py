@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import array
-import heapq
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
@@ -12,60 +11,13 @@ import numpy as np
 import torch
 
 from . import _core
-from ._shared import EMPTY_INDICES
+from ._shared import EMPTY_INDICES, EVICTION_POLICIES, KEY_FALLS_ON_ACCESS
 
 __all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "EVICTION_POLICIES"]
 
 _INT64_MAX = 2**63 - 1
+_INT64_MIN = -(2**63)
 _INT_TYPECODES = frozenset("bBhHiIlLqQ")
-
-
-# Sort keys are single ints, fields packed most significant first: a heap of 10^6 leaves
-# compares ints far faster than tuples. Every field fits 64 bits (priority is int64, times
-# and ids are counters); the low field is the node id, so keys never tie.
-_BIAS = 1 << 63      # int64 priority -> unsigned
-_MAX = (1 << 64) - 1  # for "largest first" fields
-
-
-def _lru_key(n):
-    return ((n.priority + _BIAS) << 128) | (n.last_access_time << 64) | n.id
-
-
-def _lfu_key(n):
-    return ((n.priority + _BIAS) << 192) | (n.hit_count << 128) | (n.last_access_time << 64) | n.id
-
-
-def _fifo_key(n):
-    return ((n.priority + _BIAS) << 128) | (n.created_time << 64) | n.id
-
-
-def _mru_key(n):
-    return ((n.priority + _BIAS) << 128) | ((_MAX - n.last_access_time) << 64) | (_MAX - n.id)
-
-
-def _filo_key(n):
-    return ((n.priority + _BIAS) << 128) | ((_MAX - n.created_time) << 64) | (_MAX - n.id)
-
-
-def _slru_key(n):
-    # Probationary segment (hit < 2 times) goes before the protected one; LRU inside each.
-    return (((n.priority + _BIAS) << 129) | ((n.hit_count >= 2) << 128)
-            | (n.last_access_time << 64) | n.id)
-
-
-#: Eviction order per policy: the leaf with the smallest key goes first.
-EVICTION_POLICIES: dict[str, Callable[[Any], int]] = {
-    "lru": _lru_key,
-    "lfu": _lfu_key,
-    "fifo": _fifo_key,
-    "mru": _mru_key,
-    "filo": _filo_key,
-    "slru": _slru_key,
-    "priority": _lru_key,  # lower priority first, then LRU: what every policy's key starts with
-}
-
-# Policies whose key can fall when a leaf is touched: the touched leaf is pushed anew.
-_KEY_FALLS_ON_ACCESS = frozenset({"mru"})
 
 
 @dataclass(frozen=True)
@@ -144,7 +96,7 @@ def _check_int(name: str, value: Any) -> int:
 
 def _check_priority(priority: Any) -> int:
     priority = _check_int("priority", priority)
-    if not -_BIAS <= priority < _BIAS:
+    if not _INT64_MIN <= priority <= _INT64_MAX:
         raise OverflowError(f"priority {priority} does not fit in int64")
     return priority
 
@@ -194,8 +146,7 @@ class RadixCache:
             )
         self.page_size = page_size
         self.eviction_policy = eviction_policy
-        self._sort_key = EVICTION_POLICIES[eviction_policy]
-        self._push_on_access = eviction_policy in _KEY_FALLS_ON_ACCESS
+        self._push_on_access = eviction_policy in KEY_FALLS_ON_ACCESS
         self._core = _core.get_core(core)
         self._events = None
         if enable_events:
@@ -206,11 +157,7 @@ class RadixCache:
 
     def _init_state(self) -> None:
         self._tree = self._core.Tree(self.page_size)
-        # Lazy eviction heap of int sort keys; _heap_nodes maps each key to its node (keys
-        # embed the node id, so they are unique per node; the heap compares bare ints).
-        self._heap: list = []
-        self._heap_nodes: dict = {}
-        self._heap_limit = 1024
+        self._heap = self._core.EvictionHeap(self.eviction_policy)
         self._evictable = 0
         self._protected = 0
         self._counters = _Counters()
@@ -322,7 +269,7 @@ class RadixCache:
             _check_extra_key(extra_key)
             if self._events is not None:
                 self._events.check_extra_key(extra_key)  # fail before the tree changes
-        if type(priority) is not int or not -_BIAS <= priority < _BIAS:
+        if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
             priority = _check_priority(priority)
         kv = None
         if kv_indices is not None:
@@ -340,7 +287,7 @@ class RadixCache:
                 self._tree.set_value(new_leaf, piece)  # a numpy slice is copied by the core
             self._evictable += added
             counters.inserted_tokens += added
-            self._push(new_leaf)
+            self._heap.push(new_leaf)
             if self._events is not None:
                 self._events.stored(new_leaf)
         elif self._push_on_access:
@@ -378,25 +325,14 @@ class RadixCache:
               free_callback: Callable[[torch.Tensor], Any] | None = None) -> int:
         """Evict unlocked leaves in policy order until ``num_tokens`` are freed; returns freed."""
         num_tokens = _check_int("num_tokens", num_tokens)
-        heap = self._heap
-        entries = self._heap_nodes
-        sort_key = self._sort_key
+        pop_victim = self._heap.pop_victim
         tree = self._tree
         counters = self._counters
         freed = 0
-        while freed < num_tokens and heap:
-            stored = heapq.heappop(heap)
-            node = entries.pop(stored, None)
+        while freed < num_tokens:
+            node = pop_victim()
             if node is None:
-                continue  # a duplicate entry, already handled
-            if node.evicted or node.num_children or node.lock_ref:
-                continue  # stale: it is pushed again if it becomes an evictable leaf
-            current = sort_key(node)
-            if current != stored:
-                if current > stored:  # touched since pushed: wait for its turn
-                    heapq.heappush(heap, current)
-                    entries[current] = node
-                continue  # a fall in key always came with a fresh push
+                break
             value = node.value if free_callback is not None else None
             size = node.num_tokens
             if self._events is not None:
@@ -413,32 +349,10 @@ class RadixCache:
         return freed
 
     # -- eviction heap ---------------------------------------------------------------
-    def _push(self, node: Any) -> None:
-        heap = self._heap
-        key = self._sort_key(node)
-        heapq.heappush(heap, key)
-        self._heap_nodes[key] = node
-        if len(heap) > self._heap_limit:
-            self._compact_heap()
-
     def _push_if_evictable(self, node: Any) -> None:
         if (not node.num_children and not node.lock_ref and not node.evicted
                 and node is not self._tree.root):
-            self._push(node)
-
-    def _compact_heap(self) -> None:
-        """Drop stale and duplicate entries; amortised O(1) per push."""
-        sort_key = self._sort_key
-        best: dict = {}
-        for stored, node in self._heap_nodes.items():
-            if node.evicted or node.num_children or node.lock_ref:
-                continue
-            if stored <= sort_key(node) and (node.id not in best or stored < best[node.id]):
-                best[node.id] = stored
-        self._heap_nodes = {stored: self._heap_nodes[stored] for stored in best.values()}
-        self._heap = list(self._heap_nodes)
-        heapq.heapify(self._heap)
-        self._heap_limit = max(1024, 2 * len(self._heap))
+            self._heap.push(node)
 
     # -- sizes, stats, printing ------------------------------------------------------
     def evictable_size(self) -> int:
@@ -480,9 +394,7 @@ class RadixCache:
     def reset(self) -> None:
         """Drop every node (handles become evicted) and zero the counters."""
         self._tree.reset()
-        self._heap = []
-        self._heap_nodes = {}
-        self._heap_limit = 1024
+        self._heap.clear()
         self._evictable = 0
         self._protected = 0
         self._counters = _Counters()

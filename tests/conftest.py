@@ -106,21 +106,11 @@ def check_invariants(cache: RadixCache) -> None:
     # The lazy heap: every evictable leaf needs an entry whose stored key is not above its
     # current key (an entry above it is discarded as stale, which would strand the leaf).
     heap = cache._heap
-    for i in range(1, len(heap)):
-        assert not heap[i] < heap[(i - 1) // 2], f"heap order broken at {i}"
     stored_keys = defaultdict(list)
-    heap_nodes = getattr(cache, "_heap_nodes", None)
-    if heap_nodes is None:  # entries are (key, node) pairs
-        for stored, node in heap:
-            stored_keys[id(node)].append(stored)
-    else:  # entries are bare keys; _heap_nodes maps each live key to its node
-        in_heap = set(heap)
-        for stored, node in heap_nodes.items():
-            assert stored in in_heap, f"key of node {node.id} mapped but not in the heap"
-            stored_keys[id(node)].append(stored)
-    sort_key = cache._sort_key
+    for stored, node in heap.entries():
+        stored_keys[id(node)].append(stored)
     for leaf in evictable_leaves:
-        current = sort_key(leaf)
+        current = heap.key_of(leaf)
         assert any(stored <= current for stored in stored_keys.get(id(leaf), ())), (
             f"evictable leaf {leaf.id} has no usable heap entry (current key {current}, "
             f"stored {stored_keys.get(id(leaf))})"

@@ -1,6 +1,6 @@
 """Eviction policies: exact hand-built orders per policy, and a Hypothesis property that every
 eviction takes a minimum of the policy's order (computed here from the issue's definitions, not
-from ``cache._sort_key``) among the evictable leaves present just before it."""
+from the heap's own key) among the evictable leaves present just before it."""
 
 from __future__ import annotations
 
