@@ -66,6 +66,8 @@ cdef class Tree:
     cdef uint64_t page_hash(self, const int64_t* page, int64_t ns) noexcept nogil
     cdef int64_t namespace_of(self, object extra_key, bint create) except -2
     cdef Node split(self, Node child, Py_ssize_t at)
+    cdef Node descend(self, Node node, const int64_t* tokens, Py_ssize_t remaining,
+                      int64_t ns, Py_ssize_t* matched)
     cdef Node new_node(self, Node parent, int64_t now)
     cdef void teardown(self) noexcept
 

@@ -390,14 +390,33 @@ cdef class Tree:
         return upper
 
     # -- walks -----------------------------------------------------------------------
+    cdef Node descend(self, Node node, const int64_t* tokens, Py_ssize_t remaining,
+                      int64_t ns, Py_ssize_t* matched):
+        """The child of ``node`` that ``tokens`` enter, split so that the match ends on its
+        boundary (``matched`` tokens); None if no child starts with their first page.
+
+        After a split the walk's next lookup finds nothing (the lower half starts with the
+        page that differed), so callers simply keep descending."""
+        cdef Node child = node.find_child(tokens, self.page_size,
+                                          self.page_hash(tokens, ns))
+        cdef Py_ssize_t klen, common
+        if child is None:
+            return None
+        klen = child.key_len
+        common = common_prefix(child.key_ptr, tokens, klen if klen < remaining else remaining)
+        if common < klen:
+            common -= common % self.page_size
+            child = self.split(child, common)
+        matched[0] = common
+        return child
+
     def match(self, tokens, extra_key=None):
         cdef const int64_t* buf
-        cdef Py_ssize_t n, end, pos = 0, klen, common, remaining
-        cdef Py_ssize_t page_size = self.page_size
+        cdef Py_ssize_t n, end, pos = 0, common
         cdef int64_t now, ns
         cdef Node node, child
         keep = as_tokens(tokens, &buf, &n)
-        end = n - n % page_size
+        end = n - n % self.page_size
         if end == 0:
             return [], 0
         ns = self.namespace_of(extra_key, False)
@@ -409,34 +428,23 @@ cdef class Tree:
         if ns < 0:
             return path, 0
         while pos < end:
-            child = node.find_child(buf + pos, page_size, self.page_hash(buf + pos, ns))
+            child = self.descend(node, buf + pos, end - pos, ns, &common)
             if child is None:
-                break
-            klen = child.key_len
-            remaining = end - pos
-            common = common_prefix(child.key_ptr, buf + pos, klen if klen < remaining else remaining)
-            if common < klen:
-                common -= common % page_size
-                child = self.split(child, common)
-                child.last_access_time = now
-                path.append(child)
-                pos += common
                 break
             child.last_access_time = now
             path.append(child)
-            pos += klen
+            pos += common
             node = child
         return path, pos
 
     def insert(self, tokens, extra_key=None, int64_t priority=0):
         cdef const int64_t* buf
-        cdef Py_ssize_t n, end, pos = 0, klen, common, remaining
-        cdef Py_ssize_t page_size = self.page_size
+        cdef Py_ssize_t n, end, pos = 0, common
         cdef int64_t now, ns
         cdef bint whole
         cdef Node node, child, leaf
         keep = as_tokens(tokens, &buf, &n)
-        end = n - n % page_size
+        end = n - n % self.page_size
         whole = end == n
         node = self.root
         if end == 0:
@@ -448,23 +456,15 @@ cdef class Tree:
         now = self.clock
         node.last_access_time = now
         while pos < end:
-            child = node.find_child(buf + pos, page_size, self.page_hash(buf + pos, ns))
+            child = self.descend(node, buf + pos, end - pos, ns, &common)
             if child is None:
                 break
-            klen = child.key_len
-            remaining = end - pos
-            common = common_prefix(child.key_ptr, buf + pos, klen if klen < remaining else remaining)
-            if common < klen:
-                common -= common % page_size
-                child = self.split(child, common)
             child.last_access_time = now
             child.hit_count += 1
             if priority > child.priority:
                 child.priority = priority
             pos += common
             node = child
-            if common < klen:
-                break
         prefix_len = pos
         leaf = None
         if pos < end:

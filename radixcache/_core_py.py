@@ -267,6 +267,28 @@ class Tree:
         return upper
 
     # -- walks -----------------------------------------------------------------------
+    def _find_child(self, node: Node, buf: bytes, pos: int, extra_key: Any) -> Node | None:
+        first = buf[pos:pos + self._page_bytes]
+        if node is self.root and extra_key is not None:
+            return node._children.get((extra_key, first))
+        return node._children.get(first)
+
+    def _descend(self, node: Node, buf: bytes, pos: int, end: int, extra_key: Any):
+        """(child, matched bytes): the child of ``node`` that buf[pos:end] enters, split so the
+        match ends on its boundary; (None, 0) if no child starts with that page.
+
+        After a split the walk's next lookup finds nothing (the lower half starts with the
+        page that differed), so callers simply keep descending."""
+        child = self._find_child(node, buf, pos, extra_key)
+        if child is None:
+            return None, 0
+        key = child._key
+        klen = len(key)
+        if klen <= end - pos and buf[pos:pos + klen] == key:
+            return child, klen
+        common = self._common_bytes(key, buf, pos, end)
+        return self._split(child, common), common
+
     def match(self, tokens: Any, extra_key: Any = None) -> tuple[list, int]:
         buf = _as_bytes(tokens)
         end = self._aligned_end(buf)
@@ -276,31 +298,15 @@ class Tree:
         now = self.clock
         node = self.root
         node._last_access_time = now
-        page_bytes = self._page_bytes
         path = []
         pos = 0
         while pos < end:
-            first = buf[pos:pos + page_bytes]
-            if node is self.root and extra_key is not None:
-                child = node._children.get((extra_key, first))
-            else:
-                child = node._children.get(first)
+            child, common = self._descend(node, buf, pos, end, extra_key)
             if child is None:
-                break
-            key = child._key
-            klen = len(key)
-            if klen <= end - pos and buf[pos:pos + klen] == key:
-                pos += klen
-            else:
-                common = self._common_bytes(key, buf, pos, end)
-                if common < klen:
-                    child = self._split(child, common)
-                pos += common
-                child._last_access_time = now
-                path.append(child)
                 break
             child._last_access_time = now
             path.append(child)
+            pos += common
             node = child
         return path, pos // _TOKEN_BYTES
 
@@ -308,46 +314,32 @@ class Tree:
         buf = _as_bytes(tokens)
         end = self._aligned_end(buf)
         whole = end == len(buf)
-        root = self.root
+        node = self.root
         if end == 0:
             if whole:
                 self._empty_inserted.add(extra_key)
-            return 0, root, None
+            return 0, node, None
         self.clock += 1
         now = self.clock
-        root._last_access_time = now
-        page_bytes = self._page_bytes
-        node = root
+        node._last_access_time = now
         pos = 0
         while pos < end:
-            first = buf[pos:pos + page_bytes]
-            if node is root and extra_key is not None:
-                child = node._children.get((extra_key, first))
-            else:
-                child = node._children.get(first)
+            child, common = self._descend(node, buf, pos, end, extra_key)
             if child is None:
                 break
-            key = child._key
-            klen = len(key)
-            full = klen <= end - pos and buf[pos:pos + klen] == key
-            if not full:
-                common = self._common_bytes(key, buf, pos, end)
-                child = self._split(child, common)
-                klen = common
             child._last_access_time = now
             child._hit_count += 1
             if priority > child._priority:
                 child._priority = priority
-            pos += klen
+            pos += common
             node = child
-            if not full:
-                break
         prefix_len = pos // _TOKEN_BYTES
         new_leaf = None
         if pos < end:
             new_leaf = Node(buf[pos:end], node, extra_key, now, priority)
             new_leaf._hit_count = 1
-            node._children[self._child_key(node, extra_key, buf[pos:pos + page_bytes])] = new_leaf
+            first = buf[pos:pos + self._page_bytes]
+            node._children[self._child_key(node, extra_key, first)] = new_leaf
             self.node_count += 1
             node = new_leaf
         if whole:
@@ -362,14 +354,9 @@ class Tree:
         if end == 0:
             return extra_key in self._empty_inserted
         node = self.root
-        page_bytes = self._page_bytes
         pos = 0
         while pos < end:
-            first = buf[pos:pos + page_bytes]
-            if node is self.root and extra_key is not None:
-                child = node._children.get((extra_key, first))
-            else:
-                child = node._children.get(first)
+            child = self._find_child(node, buf, pos, extra_key)
             if child is None:
                 return False
             key = child._key

@@ -507,7 +507,9 @@ def test_pretty_print_defaults_to_stdout(make_cache, capsys):
     cache = make_cache()
     cache.insert([4, 2])
     cache.pretty_print()
-    assert capsys.readouterr().out == "[len=0 key=[] lock_ref=0]\n  [len=2 key=[4, 2] lock_ref=0]\n#tokens: 2\n"
+    assert capsys.readouterr().out == (
+        "[len=0 key=[] lock_ref=0]\n  [len=2 key=[4, 2] lock_ref=0]\n#tokens: 2\n"
+    )
 
 
 def test_smile_aliases(make_cache):

@@ -1,12 +1,13 @@
 """RadixCache against a reference model, driven by Hypothesis through random call sequences.
 
 The model keeps, per namespace, every cached page-aligned token prefix (a prefix-closed set
-of tuples) with the KV values stored for its last page when that page was first inserted.
-(Per page, not per token: with page_size > 1, sibling nodes may share a partial page.) Matches, inserts and
-locks are fully predicted. Eviction order is the implementation's choice under its policy,
-so for evict the model learns what vanished (the callback's tensors and the evicted node
-handles) and checks only what must hold: nothing locked went, the callback saw exactly the
-vanished nodes' values, enough was freed or nothing evictable is left.
+of tuples) with the KV values stored for its last page when that page was first inserted
+(per page, not per token: with page_size > 1, sibling nodes may share a partial page).
+Matches, inserts and locks are fully predicted. Eviction order is the implementation's
+choice under its policy, so for evict the model learns what vanished (the callback's
+tensors and the evicted node handles) and checks only what must hold: nothing locked went,
+the callback saw exactly the vanished nodes' values, enough was freed or nothing evictable
+is left.
 """
 
 from __future__ import annotations
