@@ -124,3 +124,18 @@ def node_tokens(node) -> list[int]:
         parts.append(node.key)
         node = node.parent
     return [int(t) for part in reversed(parts) for t in part]
+
+
+def page_sequences(page_size: int):
+    """Hypothesis strategy: token lists over few distinct pages (so prefixes are shared; with
+    page size 4, pages 0 and 1 share three tokens), plus an unaligned tail."""
+    from hypothesis import strategies as st
+
+    if page_size == 1:
+        pages = [[0], [1], [2]]
+    else:
+        pages = [[0, 0, 0, 0], [0, 0, 0, 1], [1, 1, 1, 1]]
+    body = st.lists(st.sampled_from(pages), max_size=4).map(
+        lambda chosen: [tok for page in chosen for tok in page])
+    tail = st.lists(st.sampled_from([0, 1]), max_size=page_size - 1)
+    return st.tuples(body, tail).map(lambda parts: parts[0] + parts[1])

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import check_invariants
+from conftest import check_invariants, page_sequences
 
 POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "slru", "priority")
 
@@ -307,22 +307,10 @@ def test_heap_stays_bounded_under_many_accesses_without_eviction(make_cache, pol
 
 
 # -- the property ---------------------------------------------------------------------------
-def _sequences(page_size: int):
-    # Few distinct pages so prefixes are shared; page-4 pages 0 and 1 share three tokens.
-    if page_size == 1:
-        pages = [[0], [1], [2]]
-    else:
-        pages = [[0, 0, 0, 0], [0, 0, 0, 1], [1, 1, 1, 1]]
-    body = st.lists(st.sampled_from(pages), max_size=4).map(
-        lambda chosen: [tok for page in chosen for tok in page])
-    tail = st.lists(st.sampled_from([0, 1]), max_size=page_size - 1)
-    return st.tuples(body, tail).map(lambda parts: parts[0] + parts[1])
-
-
 def _operations(page_size: int):
     """A small pool of sequences and operations naming them by index: repeats are common, so
     leaves with 1, 2 and 3+ hits and fresh and stale touches sit side by side."""
-    pool = st.lists(_sequences(page_size), min_size=1, max_size=6)
+    pool = st.lists(page_sequences(page_size), min_size=1, max_size=6)
     seq_index = st.integers(0, 5)
     extra_keys = st.sampled_from([None, None, None, "ns"])
     insert = st.tuples(st.just("insert"), seq_index, extra_keys,
