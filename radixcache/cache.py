@@ -121,10 +121,9 @@ def _int64_array(arr: np.ndarray, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _tensor_as_numpy(tensor: torch.Tensor, what: str) -> np.ndarray:
+def _check_tensor_dtype(tensor: torch.Tensor, what: str) -> None:
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
         raise TypeError(f"{what} must hold integers, got {tensor.dtype}")
-    return tensor.detach().numpy()
 
 
 class RadixCache:
@@ -183,7 +182,8 @@ class RadixCache:
                 raise ValueError(
                     f"token_ids must be a CPU tensor, got one on {token_ids.device}"
                 )
-            return _int64_array(_tensor_as_numpy(token_ids, "token_ids"), "token_ids")
+            _check_tensor_dtype(token_ids, "token_ids")
+            return _int64_array(token_ids.detach().numpy(), "token_ids")
         if isinstance(token_ids, np.ndarray):
             return _int64_array(token_ids, "token_ids")
         if isinstance(token_ids, array.array):
@@ -215,9 +215,7 @@ class RadixCache:
         if isinstance(kv_indices, torch.Tensor):
             if kv_indices.dim() != 1:
                 raise ValueError(f"kv_indices must be 1-D, got {kv_indices.dim()}-D")
-            if (kv_indices.dtype.is_floating_point or kv_indices.dtype.is_complex
-                    or kv_indices.dtype == torch.bool):
-                raise TypeError(f"kv_indices must hold integers, got {kv_indices.dtype}")
+            _check_tensor_dtype(kv_indices, "kv_indices")
             values = kv_indices
             if kv_indices.device.type == "cpu":
                 values = _int64_array(kv_indices.detach().numpy(), "kv_indices")
