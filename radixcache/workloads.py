@@ -56,6 +56,8 @@ def _token_array(tokens: Any, what: str) -> np.ndarray:
 class Request:
     """One request: ``prompt`` tokens, then ``output_len`` generated tokens.
 
+    ``timestamp`` (ms, optional) is when it arrives; only the fleet simulation uses it.
+
     ``output`` fixes the generated tokens (a chat's next turn quotes them); when it is None the
     serving loop generates ``output_len`` fresh tokens that match nothing else.
     """
@@ -64,6 +66,7 @@ class Request:
     output_len: int
     output: np.ndarray | None = None
     extra_key: object = None
+    timestamp: float | None = None  # arrival time in ms (traces that carry one)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", _token_array(self.prompt, "prompt"))
@@ -79,6 +82,13 @@ class Request:
                     f"output has {len(output)} tokens but output_len is {self.output_len}"
                 )
             object.__setattr__(self, "output", output)
+        if self.timestamp is not None:
+            if isinstance(self.timestamp, bool) or not isinstance(
+                    self.timestamp, (int, float, np.integer, np.floating)):
+                raise TypeError(f"timestamp must be a number, got {type(self.timestamp).__name__}")
+            if not 0 <= self.timestamp < float("inf"):
+                raise ValueError(f"timestamp must be >= 0 and finite, got {self.timestamp}")
+            object.__setattr__(self, "timestamp", float(self.timestamp))
 
 
 def _between(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
