@@ -162,7 +162,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--block-size", type=_positive_int, default=512, metavar="B",
                      help="tokens per hash id in Mooncake traces (default 512)")
     sim.add_argument("--seed", type=int, default=0,
-                     help="seed of the embedded synthetic workload (default 0)")
+                     help="seed of the embedded synthetic workload and of the 'random' router "
+                          "(default 0)")
     sim.add_argument("--core", choices=cores, default=None,
                      help=f"tree core (default: {_core.core_name()})")
     sim.add_argument("--plot", metavar="OUT.png", help="write a hit-rate-vs-capacity PNG")

@@ -1,7 +1,8 @@
 """Fleet simulation: a trace replayed over N workers behind a ``Router``, against one pooled cache.
 
-Each worker is a ``RadixCache(enable_events=True)`` over its own KV pool of ``capacity`` slots,
-running the serving loop of ``radixcache.workloads`` (``ServingLoop``) one step at a time.
+Each worker is a ``RadixCache(enable_events=True)`` over its own KV pool of ``capacity`` slots
+(events off for policies that never read them: they change nothing but the time), running
+the serving loop of ``radixcache.workloads`` (``ServingLoop``) one step at a time.
 The router learns what the workers hold ONLY from their KV events, delivered after a lag
 (``EventLag``: a number of routing decisions, or milliseconds of simulated time); it never
 looks into a worker's tree.
@@ -214,9 +215,8 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             capacity: int, router: Optional[Router], router_name: str, *, page_size: int,
             eviction_policy: str, core: Optional[str], time_model: TimeModel,
             prefill_tps: float, event_lag: EventLag, progress: Optional[Callable[[int], Any]],
-            channels: Optional[list]) -> FleetResult:
+            channels: Optional[list], with_events: bool) -> FleetResult:
     wall_start = time.perf_counter()
-    with_events = router is not None
     caches = [RadixCache(page_size=page_size, eviction_policy=eviction_policy,
                          enable_events=with_events, core=core) for _ in range(num_workers)]
     loops = [ServingLoop(cache, capacity) for cache in caches]
@@ -290,13 +290,14 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             if router is None:
                 worker = 0
             else:
-                if event_lag.ms:
-                    max_time, max_step = now - lag_s, math.inf
-                else:
-                    max_time, max_step = math.inf, steps - event_lag.requests
-                for w in range(num_workers):
-                    for events in channels[w].take(max_time, max_step):
-                        router.indexer.apply(w, events)
+                if with_events:
+                    if event_lag.ms:
+                        max_time, max_step = now - lag_s, math.inf
+                    else:
+                        max_time, max_step = math.inf, steps - event_lag.requests
+                    for w in range(num_workers):
+                        for events in channels[w].take(max_time, max_step):
+                            router.indexer.apply(w, events)
                 worker = router.route(request.prompt, request.extra_key)
                 router.add_load(worker, len(request.prompt) + request.output_len)
             steps += 1
@@ -340,7 +341,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
         wall_seconds=time.perf_counter() - wall_start,
         worker_prefill_tokens=tuple(worker_prefill),
         decisions=tuple(decisions),
-        indexer_stats=router.indexer.stats.as_dict() if router is not None else None,
+        indexer_stats=router.indexer.stats.as_dict() if with_events else None,
     )
 
 
@@ -372,7 +373,8 @@ def simulate_fleet(requests: Sequence[Request], num_workers: int, capacity: int,
                    time_model: TimeModel = TimeModel(), event_lag: EventLag = EventLag(),
                    router_options: Optional[dict] = None,
                    progress: Optional[Callable[[int], Any]] = None,
-                   channels: Optional[list] = None) -> FleetResult:
+                   channels: Optional[list] = None,
+                   publish_events: Optional[bool] = None) -> FleetResult:
     """Replay ``requests`` over ``num_workers`` workers of ``capacity`` slots behind a router.
 
     ``router`` is a policy name (``radixcache.router.ROUTING_POLICIES``; ``router_options``
@@ -381,7 +383,11 @@ def simulate_fleet(requests: Sequence[Request], num_workers: int, capacity: int,
     ``arrival_times(requests, interval_ms)``. ``channels``, one per worker, carry the
     workers' events to the router (default ``InProcessChannel``); each needs
     ``publish(events, time_s, step)``, ``take(max_time, max_step)`` and ``close()``.
-    ``progress(1)`` is called per request routed. See the module docstring for the model.
+    ``progress(1)`` is called per request routed. ``publish_events``: whether the workers
+    record and send KV events; by default only when the router reads them
+    (``Router.uses_events``, i.e. ``cache-aware``) or ``channels`` are given: the other
+    policies keep no cache state, and events never change what a cache does, so skipping
+    them only saves the hashing. See the module docstring for the model.
     """
     arrivals = _check_common(requests, num_workers, capacity, arrivals, interval_ms)
     if not isinstance(time_model, TimeModel):
@@ -399,10 +405,13 @@ def simulate_fleet(requests: Sequence[Request], num_workers: int, capacity: int,
         router = Router(num_workers, router, block_size=page_size, **(router_options or {}))
     if channels is not None and len(channels) != num_workers:
         raise ValueError(f"need one channel per worker ({num_workers}), got {len(channels)}")
+    if publish_events is None:
+        publish_events = router.uses_events or channels is not None
     return _replay(requests, arrivals, int(num_workers), int(capacity), router, name,
                    page_size=page_size, eviction_policy=eviction_policy, core=core,
                    time_model=time_model, prefill_tps=time_model.prefill_tokens_per_s,
-                   event_lag=event_lag, progress=progress, channels=channels)
+                   event_lag=event_lag, progress=progress, channels=channels,
+                   with_events=bool(publish_events))
 
 
 def simulate_pooled(requests: Sequence[Request], num_workers: int, capacity: int, *,
@@ -420,7 +429,8 @@ def simulate_pooled(requests: Sequence[Request], num_workers: int, capacity: int
                      page_size=page_size, eviction_policy=eviction_policy, core=core,
                      time_model=time_model,
                      prefill_tps=time_model.prefill_tokens_per_s * num_workers,
-                     event_lag=EventLag(), progress=progress, channels=None)
+                     event_lag=EventLag(), progress=progress, channels=None,
+                     with_events=False)
     return _with(result, workers=int(num_workers), capacity=int(capacity))
 
 

@@ -30,7 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import operator
 import random
+import sys
+from array import array
 from bisect import bisect_right
 from dataclasses import dataclass, fields
 from typing import Any, Hashable, Iterable, Optional
@@ -40,6 +43,8 @@ import numpy as np
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_namespace
 
 __all__ = ["DEFAULT_LOAD_WEIGHT", "ROUTING_POLICIES", "IndexerStats", "KvIndexer", "Router"]
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 #: ``Router``'s default weight of a worker's load (tokens queued or running) against the
 #: prefill tokens a request would need there: 10 tokens of queued work weigh as much as one
@@ -101,6 +106,14 @@ def _token_bytes(tokens: Any) -> bytes:
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) >= 2**63:
         raise OverflowError("token ids do not fit in int64")
     return arr.astype("<i8", copy=False).tobytes()
+
+
+def _event_token_bytes(token_ids: Any) -> bytes:
+    """An event's token ids as int64 little-endian bytes; a tuple or list (what events hold)
+    goes through ``array('q')``, cheaper than numpy for Python ints."""
+    if _LITTLE_ENDIAN and type(token_ids) in (tuple, list):
+        return array("q", token_ids).tobytes()  # TypeError/OverflowError for non-int64 items
+    return _token_bytes(token_ids)
 
 
 def _root_key(namespace: bytes) -> int:
@@ -253,7 +266,7 @@ class KvIndexer:
             stats.wrong_block_size += 1
             return
         try:
-            data = _token_bytes(token_ids)
+            data = _event_token_bytes(token_ids)
             if len(data) != len(hashes) * self._page_bytes:
                 raise ValueError("token_ids do not fill the blocks")
             published = self._published[slot]
@@ -267,17 +280,20 @@ class KvIndexer:
                 if key is None:
                     stats.unknown_parent += 1
                     return
-            keys = []
             page_bytes = self._page_bytes
-            for i in range(len(hashes)):
-                key = hash((key, data[i * page_bytes:(i + 1) * page_bytes]))
-                keys.append(key)
-            pairs = [(int(h), k) for h, k in zip(hashes, keys)]
+            pairs = []
+            for start, block_hash in zip(range(0, len(data), page_bytes), hashes):
+                if type(block_hash) is not int:
+                    block_hash = operator.index(block_hash)
+                key = hash((key, data[start:start + page_bytes]))
+                pairs.append((block_hash, key))
         except (TypeError, ValueError, OverflowError):
             stats.malformed_events += 1
             return
         holders = self._holders
+        holders_get = holders.get
         bit = 1 << slot
+        stored = 0
         for block_hash, key in pairs:
             known = published.get(block_hash)
             if known is not None:
@@ -287,8 +303,9 @@ class KvIndexer:
                 # The publisher reused a hash for other content: the newer block wins.
                 self._drop(slot, block_hash, known)
             published[block_hash] = key
-            holders[key] = holders.get(key, 0) | bit
-            stats.stored_blocks += 1
+            holders[key] = holders_get(key, 0) | bit
+            stored += 1
+        stats.stored_blocks += stored
 
     def _drop(self, slot: int, block_hash: int, key: int) -> None:
         del self._published[slot][block_hash]
@@ -302,17 +319,25 @@ class KvIndexer:
         stats = self.stats
         published = self._published[slot]
         try:
-            hashes = [int(h) for h in event.block_hashes]
-        except (TypeError, ValueError):
+            hashes = [h if type(h) is int else operator.index(h) for h in event.block_hashes]
+        except TypeError:
             stats.malformed_events += 1
             return
+        holders = self._holders
+        keep = ~(1 << slot)
+        removed = 0
         for block_hash in hashes:
-            key = published.get(block_hash)
+            key = published.pop(block_hash, None)
             if key is None:
                 stats.unknown_removals += 1
                 continue
-            self._drop(slot, block_hash, key)
-            stats.removed_blocks += 1
+            mask = holders.get(key, 0) & keep
+            if mask:
+                holders[key] = mask
+            else:
+                holders.pop(key, None)
+            removed += 1
+        stats.removed_blocks += removed
 
     # -- queries -----------------------------------------------------------------------
     def block_keys(self, tokens: Any, extra_key: Any = None) -> list:
@@ -449,6 +474,11 @@ class Router:
             self._ring_workers = [w for _, w in points]
         #: overlap (in blocks) per worker of the last ``cache-aware`` decision
         self.last_overlap: dict = {}
+
+    @property
+    def uses_events(self) -> bool:
+        """Whether the policy reads the indexer (only ``cache-aware`` does)."""
+        return self.policy == "cache-aware"
 
     # -- load ----------------------------------------------------------------------------
     def _check_worker(self, worker: Any) -> int:

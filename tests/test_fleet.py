@@ -107,6 +107,12 @@ def test_hand_checked_three_conversations_two_workers(core_name):
     assert rr.load_imbalance == pytest.approx(max(rr.worker_prefill_tokens)
                                               / (rr.prefill_tokens / 2))
     assert aware.indexer_stats["stored_blocks"] > 0 and aware.indexer_stats["unknown_parent"] == 0
+    # Round-robin reads no events, so none are recorded; recording them changes nothing.
+    assert rr.indexer_stats is None
+    rr_events = simulate_fleet(requests, 2, 1000, "round-robin", publish_events=True, **common)
+    assert rr_events.indexer_stats["stored_blocks"] > 0
+    assert (rr_events.decisions, rr_events.cached_tokens, rr_events.ttft_p99) == (
+        rr.decisions, rr.cached_tokens, rr.ttft_p99)
 
 
 def test_pooled_equals_the_single_cache_serving_loop(core_name):
