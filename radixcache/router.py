@@ -101,6 +101,13 @@ def _token_bytes(tokens: Any) -> bytes:
         return b""
     if arr.size == 0:
         return b""
+    if arr.dtype.kind == "O":  # Python ints beyond 64 bits, or mixed objects
+        try:
+            arr = np.array(arr.tolist(), dtype=np.int64)
+        except OverflowError:
+            raise OverflowError("token ids do not fit in int64") from None
+        except (TypeError, ValueError):
+            raise TypeError("tokens must hold integers") from None
     if arr.dtype.kind not in "iu":
         raise TypeError(f"tokens must hold integers, got dtype {arr.dtype}")
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) >= 2**63:
@@ -357,8 +364,10 @@ class KvIndexer:
         ``tokens``: a 1-D integer sequence (list, tuple, numpy array, CPU tensor);
         ``extra_key``: the namespace (None, str, bytes or int). Only full blocks count.
         """
-        data = _token_bytes(tokens)
-        key = _root_key(encode_namespace(extra_key))
+        return self._overlap(_token_bytes(tokens), encode_namespace(extra_key))
+
+    def _overlap(self, data: bytes, namespace: bytes) -> dict:
+        key = _root_key(namespace)
         holders = self._holders
         page_bytes = self._page_bytes
         counts: dict = {}
@@ -527,7 +536,13 @@ class Router:
 
     # -- routing -------------------------------------------------------------------------
     def route(self, tokens: Any, extra_key: Any = None) -> int:
-        """The worker for a request of ``tokens`` (its prompt) in namespace ``extra_key``."""
+        """The worker for a request of ``tokens`` (its prompt) in namespace ``extra_key``.
+
+        ``tokens``: a 1-D integer sequence; ``extra_key``: None, str, bytes or int. Checked
+        under every policy (TypeError/OverflowError), before anything changes.
+        """
+        data = _token_bytes(tokens)
+        namespace = encode_namespace(extra_key)
         policy = self.policy
         if policy == "round-robin":
             worker = self._next
@@ -538,21 +553,21 @@ class Router:
             loads, routed = self._loads, self._routed
             worker = min(range(self.num_workers), key=lambda w: (loads[w], routed[w], w))
         elif policy == "prefix-hash":
-            worker = self._prefix_worker(tokens, extra_key)
+            worker = self._prefix_worker(data, namespace)
         else:
-            worker = self._cache_aware(tokens, extra_key)
+            worker = self._cache_aware(data, namespace)
         self._routed[worker] += 1
         return worker
 
-    def _prefix_worker(self, tokens: Any, extra_key: Any) -> int:
-        data = _token_bytes(tokens)[: self.prefix_blocks * self.block_size * 8]
-        point = _stable_hash(b"prefix", encode_namespace(extra_key), data)
+    def _prefix_worker(self, data: bytes, namespace: bytes) -> int:
+        point = _stable_hash(b"prefix", namespace,
+                             data[: self.prefix_blocks * self.block_size * 8])
         i = bisect_right(self._ring, point)
         return self._ring_workers[i % len(self._ring_workers)]
 
-    def _cache_aware(self, tokens: Any, extra_key: Any) -> int:
-        data_len = len(_token_bytes(tokens)) // 8
-        overlap = self.indexer.overlap(tokens, extra_key)
+    def _cache_aware(self, data: bytes, namespace: bytes) -> int:
+        data_len = len(data) // 8
+        overlap = self.indexer._overlap(data, namespace)
         self.last_overlap = overlap
         loads, routed = self._loads, self._routed
         block_size = self.block_size

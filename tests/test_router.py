@@ -11,7 +11,12 @@ import pytest
 from radixcache.events import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
 from radixcache.router import ROUTING_POLICIES, KvIndexer, Router
 
-msgspec = pytest.importorskip("msgspec")
+try:
+    import msgspec
+except ImportError:  # only the wire tests need it
+    msgspec = None
+
+needs_msgspec = pytest.mark.skipif(msgspec is None, reason="msgspec not installed")
 
 
 # -- a model of what each worker holds, without any hashing ---------------------------------
@@ -132,6 +137,7 @@ def test_indexer_matches_model_under_random_streams(make_cache, page_size, lag, 
     assert len(indexer) == 0 and all(indexer.blocks_held(w) == 0 for w in range(3))
 
 
+@needs_msgspec
 def test_indexer_overlap_equals_workers_match_prefix_through_the_wire(make_cache):
     """Events recorded from radixcache workers, sent in the wire layout and decoded with
     decode_batch, give overlaps equal to each worker's own match_prefix length."""
@@ -211,15 +217,21 @@ def test_indexer_counts_bad_and_out_of_order_events_and_never_raises():
     assert stats.duplicate_blocks == 1 and stats.stored_blocks == 1
     assert stats.events == 10 and stats.skipped == 8
     assert indexer.overlap([5, 6]) == {0: 1}
+    indexer.apply(0, 12345)  # not even iterable
+    assert indexer.stats.malformed_batches == 1
+    assert indexer.stats.as_dict()["unknown_parent"] == 1
+
+
+@needs_msgspec
+def test_indexer_counts_undecodable_payloads():
+    indexer = KvIndexer(2)
+    indexer.apply(0, [BlockStored((1,), None, (5, 6), 2)])
     # Wire payloads that do not decode are counted, the index is untouched.
     for payload in (b"\xc1garbage", msgspec.msgpack.encode([1.0, [["Nope", 1]], 0]),
                     msgspec.msgpack.encode({"a": 1})):
         assert indexer.apply_payload(0, payload) is False
     assert indexer.stats.malformed_batches == 3
-    indexer.apply(0, 12345)  # not even iterable
-    assert indexer.stats.malformed_batches == 4
     assert indexer.overlap([5, 6]) == {0: 1}
-    assert indexer.stats.as_dict()["unknown_parent"] == 1
 
 
 def test_indexer_argument_errors():
@@ -362,8 +374,15 @@ def test_router_load_errors_leave_load_unchanged():
     assert router.loads == (0, 10)
 
 
-def test_every_policy_routes_into_range():
+def test_every_policy_routes_into_range_and_checks_its_input():
     for policy in ROUTING_POLICIES:
         router = Router(3, policy, block_size=2)
         workers = {router.route(np.arange(i, i + 6)) for i in range(30)}
         assert workers <= {0, 1, 2} and workers
+        routed = router.routed
+        for tokens, extra_key, error in [([1.5], None, TypeError), ([[1], [2]], None, TypeError),
+                                         ([2**64], None, OverflowError),
+                                         ([1, 2], 2.5, TypeError)]:
+            with pytest.raises(error):
+                router.route(tokens, extra_key)
+        assert router.routed == routed  # a refused request changes nothing
