@@ -24,8 +24,10 @@ Time model (simulated seconds; arrivals from the trace's ``timestamp`` in ms, or
   request adds prompt + output tokens when routed, its prompt tokens leave when its prefill
   ends and its output tokens when it finishes.
 
-A request that does not fit in its worker's pool when admitted (even after evicting every
-unlocked entry) is rejected, as ``serve`` does; it gets no TTFT. The pooled bound is one
+A request that does not fit in its worker's pool when its turn comes (even after evicting
+every unlocked entry) waits, at the head of the queue, until a running request on that worker
+finishes and releases its locks and slots; with nothing running it is rejected, as ``serve``
+rejects it, and gets no TTFT. The pooled bound is one
 worker with ``num_workers x capacity`` slots and ``num_workers x`` the prefill throughput.
 """
 
@@ -225,6 +227,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
     decode_tps = time_model.decode_tokens_per_s
     queues = [deque() for _ in range(num_workers)]
     busy = [False] * num_workers
+    running = [0] * num_workers  # admitted, not finished (holding locks and slots)
     worker_prefill = [0] * num_workers
     ttfts: list = []
     decisions: list = []
@@ -246,12 +249,19 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
         while queue:
             index = queue.popleft()
             request = requests[index]
-            admission = loop.admit(request)
+            # While requests run, their locked prefixes and slots may be what is missing:
+            # wait for one to finish rather than reject.
+            wait = running[worker] > 0
+            admission = loop.admit(request, wait=wait)
             publish(worker, now)  # evictions made room
             if admission is None:
+                if wait:
+                    queue.appendleft(index)
+                    break
                 if router is not None:
                     router.remove_load(worker, len(request.prompt) + request.output_len)
                 continue
+            running[worker] += 1
             compute = len(request.prompt) - admission.cached
             worker_prefill[worker] += compute
             busy[worker] = True
@@ -278,8 +288,11 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
         else:
             loops[worker].finish(admission)
             publish(worker, now)
+            running[worker] -= 1
             if router is not None:
                 router.remove_load(worker, request.output_len)
+            if not busy[worker]:
+                start_next(worker, now)  # a request may have waited for room
 
     try:
         for index in range(len(requests)):

@@ -334,18 +334,19 @@ class ServingLoop:
         self.requests = self.rejected = self.prompt_tokens = self.cached_tokens = 0
         self.evicted_tokens = self.peak_tokens = 0
 
-    def admit(self, request: Request) -> Admission | None:
-        """Match, lock, evict if short, allocate; None (and counted) when it cannot fit."""
+    def admit(self, request: Request, *, wait: bool = False) -> Admission | None:
+        """Match, lock, evict if short, allocate; None when it cannot fit now.
+
+        A request that cannot fit is counted as rejected, unless ``wait`` is true: then
+        nothing is counted (the caller retries once running requests released their locks).
+        """
         cache, pool, clock = self.cache, self.pool, time.perf_counter
-        self.requests += 1
         prompt = request.prompt
         start = clock()
         match = cache.match_prefix(prompt, request.extra_key)
         cache.inc_lock_ref(match.last_node)
         self.seconds += clock() - start
         cached = match.length
-        self.prompt_tokens += len(prompt)
-        self.cached_tokens += cached
 
         need = len(prompt) - cached + request.output_len
         short = need - pool.available
@@ -357,11 +358,14 @@ class ServingLoop:
             self.seconds += clock() - start
         new_slots = pool.alloc(need)
         if new_slots is None:
-            self.rejected += 1
             start = clock()
             cache.dec_lock_ref(match.last_node)
             self.seconds += clock() - start
+            if not wait:
+                self._count(request, cached)
+                self.rejected += 1
             return None
+        self._count(request, cached)
 
         output = request.output
         if output is None:
@@ -375,6 +379,11 @@ class ServingLoop:
         else:
             kv = new_slots
         return Admission(request, cached, full, kv, match.last_node, cached)
+
+    def _count(self, request: Request, cached: int) -> None:
+        self.requests += 1
+        self.prompt_tokens += len(request.prompt)
+        self.cached_tokens += cached
 
     def cache_prompt(self, admission: Admission) -> None:
         """Insert the prompt (its prefill is done) and move the request's lock onto it."""

@@ -139,25 +139,31 @@ def test_queueing_prefill_and_decode_times(core_name):
     assert result.ttft_p50 == pytest.approx(0.15)
     assert result.ttft_p99 == pytest.approx(0.2)
     assert result.prefill_tokens == 400 and result.load_imbalance == 1.0
-    # Slots stay held while decoding: a pool too small for two running requests rejects.
+    # Slots stay held while decoding: in a pool too small for two running requests, the
+    # second waits for the first to finish (0.1 s prefill + 5 s decode), then prefills.
     tight = simulate_fleet(requests, 2, 160, "round-robin", page_size=1, core=core_name,
                            time_model=model)
-    assert tight.rejected == 2 and tight.ttft_p50 == pytest.approx(0.1)
+    assert tight.rejected == 0
+    assert tight.ttft_p50 == pytest.approx((0.1 + 5.2) / 2)
+    assert tight.ttft_p99 == pytest.approx(5.2)
+    # A request bigger than the whole pool is rejected, not kept waiting.
+    huge = requests + [Request(np.arange(300) + 9000, 1, timestamp=0)]
+    result = simulate_fleet(huge, 2, 160, "round-robin", page_size=1, core=core_name,
+                            time_model=model)
+    assert result.rejected == 1 and result.requests == 5
 
 
 def test_running_request_keeps_its_prefix_locked(core_name):
-    # Worker capacity fits one long request plus little else; a request decoding for a long
-    # time keeps its prompt locked, so the next one cannot evict it and is rejected.
+    # Worker capacity fits one request; the first decodes for 10 s and keeps its prompt
+    # locked, so the second (arriving at 1 s) cannot evict it: it waits until 10 s.
     model = TimeModel(prefill_tokens_per_s=1e6, decode_tokens_per_s=1.0)
     requests = [Request(np.arange(80), 10, timestamp=0),
                 Request(np.arange(500, 580), 10, timestamp=1000)]
     result = simulate_fleet(requests, 1, 100, "round-robin", page_size=1, core=core_name,
                             time_model=model)
-    assert result.rejected == 1
-    later = [requests[0], Request(np.arange(500, 580), 10, timestamp=20_000)]
-    result = simulate_fleet(later, 1, 100, "round-robin", page_size=1, core=core_name,
-                            time_model=model)
-    assert result.rejected == 0 and result.evicted_tokens > 0
+    assert result.rejected == 0 and result.evicted_tokens == 90
+    ttfts = [0.00008, 10.00008 + 0.00008 - 1]  # prefills of 80 tokens at 1e6 tokens/s
+    assert result.ttft_p99 == pytest.approx(float(np.percentile(ttfts, 99)))
 
 
 def test_event_lag_hides_recent_blocks_from_the_router(core_name):
@@ -410,3 +416,31 @@ def test_mooncake_fleet_rows_match_the_library(tmp_path, capsys):
     assert rows["cache-aware"]["ttft_p99"] == aware.ttft_p99
     assert aware.indexer_stats["unknown_parent"] == aware.indexer_stats["unknown_removals"] == 0
     assert rows["pooled"]["hit_rate"] >= rows["round-robin"]["hit_rate"]
+
+
+# -- the serving loop's steps ------------------------------------------------------------------
+def test_serving_loop_steps_account_for_every_slot(make_cache):
+    from radixcache.workloads import ServingLoop
+
+    cache = make_cache(page_size=4)
+    loop = ServingLoop(cache, 100)
+    first = loop.admit(Request(np.arange(30), 10))
+    assert first is not None and loop.pool.used == 40
+    loop.cache_prompt(first)  # the prompt's 28 aligned tokens are visible now, still locked
+    assert cache.match_prefix(np.arange(30)).length == 28
+    assert cache.protected_size() == 28 and cache.evictable_size() == 0
+    # A second request reuses the prompt while the first still runs.
+    second = loop.admit(Request(np.arange(32), 4))
+    assert second.cached == 28 and loop.pool.used == 40 + 8
+    # No room for a third while both run: with wait=True nothing is counted or evicted.
+    counters = (loop.requests, loop.rejected, loop.prompt_tokens, loop.cached_tokens)
+    assert loop.admit(Request(np.arange(500, 560), 10), wait=True) is None
+    assert (loop.requests, loop.rejected, loop.prompt_tokens, loop.cached_tokens) == counters
+    loop.finish(first)
+    loop.finish(second)
+    assert cache.protected_size() == 0
+    assert loop.pool.used == cache.total_size()  # every slot is in the tree or free
+    assert loop.admit(Request(np.arange(500, 600), 10)) is None  # bigger than the pool
+    result = loop.result()
+    assert (result.requests, result.rejected) == (3, 1)
+    assert result.cached_tokens == 28 and result.prompt_tokens == 30 + 32 + 100
