@@ -40,7 +40,14 @@ from typing import Any, Hashable, Iterable, Optional
 
 import numpy as np
 
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_namespace
+from .events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ReceivedBatch,
+    decode_batch,
+    encode_namespace,
+)
 
 __all__ = ["DEFAULT_LOAD_WEIGHT", "ROUTING_POLICIES", "IndexerStats", "KvIndexer", "Router"]
 
@@ -233,10 +240,13 @@ class KvIndexer:
 
     # -- events ------------------------------------------------------------------------
     def apply(self, worker: Hashable, events: Iterable[Any]) -> None:
-        """Apply one batch of ``worker``'s events, in order. Never raises for bad events."""
+        """Apply one batch of ``worker``'s events (a list, or a subscriber's
+        ``ReceivedBatch``), in order. Never raises for bad events."""
         slot = self._slot(worker)
         stats = self.stats
         stats.batches += 1
+        if isinstance(events, ReceivedBatch):
+            events = events.events
         try:
             events = list(events)
         except TypeError:

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from radixcache.events import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
+from radixcache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    block_hashes,
+    decode_batch,
+)
 from radixcache.router import ROUTING_POLICIES, KvIndexer, Router
 
 try:
@@ -146,8 +152,10 @@ def test_indexer_overlap_equals_workers_match_prefix_through_the_wire(make_cache
     caches, sequences, steps = random_cache_steps(make_cache, rng, page_size, 3, 200)
     indexer = KvIndexer(page_size)
     for seq, (worker, events) in enumerate(steps):
-        if events:
+        if events and seq % 2:
             assert indexer.apply_payload(worker, wire_payload(events), seq)
+        elif events:  # as a subscriber hands it over
+            indexer.apply(worker, decode_batch(wire_payload(events), seq))
     assert indexer.stats.skipped == 0
     checked = 0
     for query in sequences + [[1, 2, 3, 0] * 5]:
