@@ -394,3 +394,18 @@ def test_every_policy_routes_into_range_and_checks_its_input():
             with pytest.raises(error):
                 router.route(tokens, extra_key)
         assert router.routed == routed  # a refused request changes nothing
+
+
+@pytest.mark.skipif("extra_keys" not in BlockStored.__dataclass_fields__,
+                    reason="this publisher sends no namespace (extra_keys) yet")
+def test_indexer_namespaces_from_a_real_cache_match_match_prefix(make_cache):
+    cache = make_cache(page_size=2, enable_events=True)
+    tokens = list(range(8))
+    for namespace in ("lora-a", 7, None):
+        cache.insert(tokens[: 4 + 2 * (namespace is None)], extra_key=namespace)
+    indexer = KvIndexer(2)
+    indexer.apply(0, cache.take_events())
+    for namespace in ("lora-a", 7, None, "other"):
+        expected = cache.match_prefix(tokens, namespace).length // 2
+        assert indexer.overlap(tokens, namespace).get(0, 0) == expected
+    assert indexer.overlap(tokens, "lora-a") == {0: 2} and indexer.overlap(tokens) == {0: 3}
