@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import numpy as np
 import pytest
@@ -68,8 +68,11 @@ def ref_chain(parent: Optional[int], tokens: List[int], extra_key: Any, page: in
 
 
 def stored(parent: Optional[int], tokens: List[int], extra_key: Any, page: int):
-    return ev.BlockStored(tuple(ref_chain(parent, tokens, extra_key, page)), parent,
-                          tuple(tokens), page, None, None)
+    """The BlockStored the recorder emits by default: medium "GPU", the namespace per block."""
+    hashes = tuple(ref_chain(parent, tokens, extra_key, page))
+    entry = None if extra_key is None else (extra_key,)
+    return ev.BlockStored(hashes, parent, tuple(tokens), page, None, "GPU", None,
+                          (entry,) * len(hashes))
 
 
 def tree_pages(cache: RadixCache) -> set:
@@ -207,12 +210,12 @@ def expected_script() -> list:
     h78 = ref_hash(h34, [7, 8])
     return [
         [stored(None, A, None, 2)],
-        [ev.BlockStored((h78,), h34, (7, 8), 2, None, None)],
+        [stored(h34, [7, 8], None, 2)],
         [],  # a split emits nothing
         [stored(None, A, "tenant", 2), stored(t[-1], [10, 11], "tenant", 2)],
-        [ev.BlockRemoved((h56,), None)],
-        [ev.BlockRemoved((h78,), None), ev.BlockRemoved((h34,), None),
-         ev.BlockRemoved((h12,), None)],
+        [ev.BlockRemoved((h56,), "GPU")],
+        [ev.BlockRemoved((h78,), "GPU"), ev.BlockRemoved((h34,), "GPU"),
+         ev.BlockRemoved((h12,), "GPU")],
         [stored(None, A, None, 2)],
         [ev.AllBlocksCleared(), stored(None, [1, 2, 3, 4, 7, 8], None, 2)],
         [],
@@ -249,7 +252,7 @@ for core in sys.argv[1].split(","):
         cache.insert(list(range(20)), extra_key=ns)
         cache.insert(list(range(9)) + [99, 98, 97, 96], extra_key=ns)
     cache.evict(10**6)
-    out.append([e.to_wire() for e in cache.take_events()])
+    out.append([e.to_wire("positional") for e in cache.take_events()])
 print(json.dumps(out))
 """
 
@@ -270,7 +273,8 @@ def test_hashes_equal_across_processes_and_cores():
             cache.insert(list(range(20)), extra_key=ns)
             cache.insert(list(range(9)) + [99, 98, 97, 96], extra_key=ns)
         cache.evict(10**6)
-        here.append(json.loads(json.dumps([e.to_wire() for e in cache.take_events()])))
+        here.append(json.loads(json.dumps([e.to_wire("positional")
+                                           for e in cache.take_events()])))
     assert there == here
     stored_events = [e for e in here[0] if e[0] == "BlockStored"]
     assert len(stored_events) == 10
@@ -348,11 +352,11 @@ def test_split_upper_node_hash_is_computed_once_then_reused(core, monkeypatch):
     cache.insert([1, 1, 2, 2, 3, 3, 9, 9])  # splits after three pages; new leaf [9, 9]
     # The new upper node [1 1 2 2 3 3] is hashed lazily (3 pages), then the leaf (1 page).
     assert len(calls) == 4
-    assert cache.take_events() == [ev.BlockStored((ref_hash(upper, [9, 9]),), upper, (9, 9), 2)]
+    assert cache.take_events() == [stored(upper, [9, 9], None, 2)]
     calls.clear()
     cache.insert([1, 1, 2, 2, 3, 3, 8, 8])  # another child of the upper node: reuses its hash
     assert len(calls) == 1
-    assert cache.take_events() == [ev.BlockStored((ref_hash(upper, [8, 8]),), upper, (8, 8), 2)]
+    assert cache.take_events() == [stored(upper, [8, 8], None, 2)]
     calls.clear()
     assert cache.evict(100) == 12
     pages: set = set(ref_chain(None, [1, 1, 2, 2, 3, 3, 4, 4], None, 2))
@@ -427,7 +431,9 @@ def test_replayed_events_equal_pages_in_tree(page_size, core, ops):
 # -- transport -------------------------------------------------------------------------------
 
 if msgspec is not None:
-    # The documented wire layout, written independently of radixcache.events.
+    # The documented wire layouts, written independently of radixcache.events: tagged arrays
+    # ("positional") and tagged maps ("map", the default; fields vLLM 0.33 requires have no
+    # default here either, so a missing one fails the decode).
     class _WireEvent(msgspec.Struct, array_like=True, tag=True):
         pass
 
@@ -451,20 +457,57 @@ if msgspec is not None:
         events: List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
         data_parallel_rank: Optional[int]
 
+    class _MapEvent(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
+        pass
+
+    class MapBlockStored(_MapEvent, tag="BlockStored"):
+        block_hashes: List[int]
+        parent_block_hash: Optional[int]
+        token_ids: List[int]
+        block_size: int
+        lora_id: Optional[int]
+        medium: Optional[str]
+        lora_name: Optional[str]
+        extra_keys: Optional[List[Optional[Tuple[Any, ...]]]] = None
+        group_idx: Optional[int] = None
+
+    class MapBlockRemoved(_MapEvent, tag="BlockRemoved"):
+        block_hashes: List[int]
+        medium: Optional[str]
+        group_idx: Optional[int] = None
+
+    class MapAllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
+        pass
+
+    class MapKVEventBatch(msgspec.Struct, array_like=True):
+        ts: float
+        events: List[Union[MapBlockStored, MapBlockRemoved, MapAllBlocksCleared]]
+        data_parallel_rank: Optional[int]
+
     WIRE_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+    MAP_WIRE_DECODER = msgspec.msgpack.Decoder(MapKVEventBatch)
+
+ALL_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                              "lora_id", "medium", "lora_name", "extra_keys", "group_idx"),
+              "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+              "AllBlocksCleared": ()}
+POSITIONAL_FIELDS = {"BlockStored": ALL_FIELDS["BlockStored"][:6],
+                     "BlockRemoved": ALL_FIELDS["BlockRemoved"][:2],
+                     "AllBlocksCleared": ()}
 
 
-def wire_fields(event: Any) -> tuple:
-    """An event (ours or a wire struct) as (tag, field values...), lists as tuples."""
-    names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
-                             "lora_id", "medium"),
-             "BlockRemoved": ("block_hashes", "medium"),
-             "AllBlocksCleared": ()}[type(event).__name__]
-    values = []
-    for name in names:
-        value = getattr(event, name)
-        values.append(tuple(value) if isinstance(value, (list, tuple)) else value)
-    return (type(event).__name__, *values)
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def wire_fields(event: Any, fields: Optional[dict] = None) -> tuple:
+    """An event (ours or a wire struct) as (type, field values...), arrays as tuples."""
+    tag = type(event).__name__
+    tag = tag[3:] if tag.startswith("Map") else tag
+    names = (fields or POSITIONAL_FIELDS)[tag]
+    return (tag, *(_plain(getattr(event, name)) for name in names))
 
 
 def serve_requests(cache: RadixCache, count: int, seed: int, publish) -> None:
@@ -535,11 +578,12 @@ def test_serving_loop_batches_arrive_in_order_and_decode_to_the_documented_layou
         pages: set = set()
         for topic, seq_bytes, payload in received:
             assert topic == b"kv" and len(seq_bytes) == 8
-            batch = WIRE_DECODER.decode(payload)
+            batch = MAP_WIRE_DECODER.decode(payload)
             assert batch.data_parallel_rank == 3
             assert batch.ts > 0
             ours = published[int.from_bytes(seq_bytes, "big")]
-            assert [wire_fields(e) for e in batch.events] == [wire_fields(e) for e in ours]
+            assert [wire_fields(e, ALL_FIELDS) for e in batch.events] == \
+                [wire_fields(e, ALL_FIELDS) for e in ours]
             replay_into(pages, ours, 4)
         assert pages == tree_pages(cache)
         assert len(received) > 250 and pub.dropped == 0 and pub.errors == 0
@@ -581,8 +625,9 @@ def test_late_subscriber_recovers_earlier_batches_through_replay():
         assert [b.seq for b in received] == list(range(max(published) + 1))
         for batch in received:
             assert batch.events == published[batch.seq]
-            assert [wire_fields(e) for e in WIRE_DECODER.decode(batch.payload).events] == \
-                [wire_fields(e) for e in batch.events]
+            assert [wire_fields(e, ALL_FIELDS)
+                    for e in MAP_WIRE_DECODER.decode(batch.payload).events] == \
+                [wire_fields(e, ALL_FIELDS) for e in batch.events]
         assert sub.replayed >= early
         assert sub.gaps == []
     finally:
@@ -650,9 +695,9 @@ def test_replay_socket_protocol_and_bounded_buffer():
         assert [f[0] for f in replies] == [b""] * 3
         assert [int.from_bytes(f[1], "big", signed=True) for f in replies] == [4, 5, -1]
         assert replies[-1][2] == b""
-        decoded = [WIRE_DECODER.decode(f[2]) for f in replies[:-1]]
-        assert [wire_fields(b.events[0]) for b in decoded] == \
-            [("BlockRemoved", (4, -4), None), ("BlockRemoved", (5, -5), None)]
+        decoded = [MAP_WIRE_DECODER.decode(f[2]) for f in replies[:-1]]
+        assert [wire_fields(b.events[0], ALL_FIELDS) for b in decoded] == \
+            [("BlockRemoved", (4, -4), None, None), ("BlockRemoved", (5, -5), None, None)]
         # Only the last three batches are buffered: a late joiner sees 0..2 as a gap.
         sub = ev.ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0)
         got = [sub.receive(timeout=SOCKET_WAIT_S) for _ in range(3)]
