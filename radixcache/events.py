@@ -742,8 +742,8 @@ class ZmqEventPublisher:
     sequence numbers that subscribers see. ``encoding`` lays out the events: ``"map"`` (vLLM's
     tagged maps, the default) or ``"positional"`` (tagged arrays, for older consumers). A
     batch that cannot be encoded (a namespace msgpack cannot carry) is counted in ``errors``,
-    kept in ``last_error`` and leaves a gap, like a failed send. The last ``buffer_steps`` sent batches are kept for
-    the replay socket (``replay_endpoint``, a ROUTER). Both endpoints are bound; ``endpoint``
+    kept in ``last_error`` and leaves a gap, like a failed send. The last ``buffer_steps`` sent
+    batches are kept for the replay socket (``replay_endpoint``, a ROUTER). Both endpoints are bound; ``endpoint``
     and ``replay_endpoint`` hold the resolved addresses (``tcp://127.0.0.1:*`` picks a port).
     """
 
