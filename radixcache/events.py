@@ -743,8 +743,9 @@ class ZmqEventPublisher:
     tagged maps, the default) or ``"positional"`` (tagged arrays, for older consumers). A
     batch that cannot be encoded (a namespace msgpack cannot carry) is counted in ``errors``,
     kept in ``last_error`` and leaves a gap, like a failed send. The last ``buffer_steps`` sent
-    batches are kept for the replay socket (``replay_endpoint``, a ROUTER). Both endpoints are bound; ``endpoint``
-    and ``replay_endpoint`` hold the resolved addresses (``tcp://127.0.0.1:*`` picks a port).
+    batches are kept for the replay socket (``replay_endpoint``, a ROUTER). Both endpoints are
+    bound; ``endpoint`` and ``replay_endpoint`` hold the resolved addresses
+    (``tcp://127.0.0.1:*`` picks a port).
     """
 
     _IDLE_WAIT_S = 0.1
