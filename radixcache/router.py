@@ -52,6 +52,9 @@ from .events import (
 __all__ = ["DEFAULT_LOAD_WEIGHT", "ROUTING_POLICIES", "IndexerStats", "KvIndexer", "Router"]
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
+# A publisher's block hashes are only looked up, never computed with: vLLM sends ints or
+# bytes (its ExternalBlockHash).
+_HASH_TYPES = (int, bytes)
 
 #: ``Router``'s default weight of a worker's load (tokens queued or running) against the
 #: prefill tokens a request would need there: 10 tokens of queued work weigh as much as one
@@ -300,7 +303,7 @@ class KvIndexer:
             page_bytes = self._page_bytes
             pairs = []
             for start, block_hash in zip(range(0, len(data), page_bytes), hashes):
-                if type(block_hash) is not int:
+                if type(block_hash) not in _HASH_TYPES:
                     block_hash = operator.index(block_hash)
                 key = hash((key, data[start:start + page_bytes]))
                 pairs.append((block_hash, key))
@@ -336,7 +339,8 @@ class KvIndexer:
         stats = self.stats
         published = self._published[slot]
         try:
-            hashes = [h if type(h) is int else operator.index(h) for h in event.block_hashes]
+            hashes = [h if type(h) in _HASH_TYPES else operator.index(h)
+                      for h in event.block_hashes]
         except TypeError:
             stats.malformed_events += 1
             return

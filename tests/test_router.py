@@ -73,7 +73,7 @@ class IndexModel:
 
 def namespace_of(event):
     keys = getattr(event, "extra_keys", None)
-    return keys[0][0] if keys else None
+    return keys[0][0] if keys and keys[0] else None
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,15 @@ class NamespacedStored(BlockStored):
     extra_keys: tuple = ()
 
 
-def wire_payload(events, ts=1.0):
-    return msgspec.msgpack.encode([ts, [e.to_wire() for e in events], 0])
+def wire_payload(events, encoding="map", ts=1.0):
+    from radixcache.events import encode_batch
+
+    return encode_batch(events, encoding=encoding, ts=ts)
 
 
 # -- indexer: events recorded from real caches, against the model ---------------------------
-def random_cache_steps(make_cache, rng, page_size, num_workers, steps, reset_every=0):
+def random_cache_steps(make_cache, rng, page_size, num_workers, steps, reset_every=0,
+                       namespaces=(None, None, "a", 3)):
     """Per step: (worker, events) from caches doing random inserts, evictions and resets."""
     caches = [make_cache(page_size=page_size, enable_events=True) for _ in range(num_workers)]
     pages = [[rng.randrange(4) for _ in range(page_size)] for _ in range(6)]
@@ -103,8 +106,9 @@ def random_cache_steps(make_cache, rng, page_size, num_workers, steps, reset_eve
         elif roll < 0.6:
             seq = [t for _ in range(rng.randrange(1, 6)) for t in rng.choice(pages)]
             seq += [rng.randrange(4) for _ in range(rng.randrange(page_size))]  # unaligned tail
-            cache.insert(seq)
-            sequences.append(seq)
+            namespace = rng.choice(namespaces)
+            cache.insert(seq, extra_key=namespace)
+            sequences.append((seq, namespace))
         else:
             cache.evict(rng.randrange(1, 4 * page_size))
         out.append((worker, cache.take_events()))
@@ -128,9 +132,9 @@ def test_indexer_matches_model_under_random_streams(make_cache, page_size, lag, 
                 continue  # lost on the way: later events may name unknown blocks
             indexer.apply(worker, events)
             model.apply(worker, events)
-        for query in rng.sample(sequences, min(3, len(sequences))) if sequences else []:
+        for query, namespace in rng.sample(sequences, min(3, len(sequences))):
             query = query + [rng.randrange(4)]
-            assert indexer.overlap(query) == model.overlap(query)
+            assert indexer.overlap(query, namespace) == model.overlap(query, namespace)
     stats = indexer.stats
     assert stats.cleared >= 1 and stats.removed_blocks > 0 and stats.stored_blocks > 0
     if drop:
@@ -144,24 +148,29 @@ def test_indexer_matches_model_under_random_streams(make_cache, page_size, lag, 
 
 
 @needs_msgspec
-def test_indexer_overlap_equals_workers_match_prefix_through_the_wire(make_cache):
-    """Events recorded from radixcache workers, sent in the wire layout and decoded with
-    decode_batch, give overlaps equal to each worker's own match_prefix length."""
+@pytest.mark.parametrize("encoding", ["map", "positional"])
+def test_indexer_overlap_equals_workers_match_prefix_through_the_wire(make_cache, encoding):
+    """Events recorded from radixcache workers, sent in the wire layout (vLLM's tagged maps,
+    or the older positional arrays) and decoded with decode_batch, give overlaps equal to
+    each worker's own match_prefix length."""
     rng = random.Random(7)
     page_size = 4
-    caches, sequences, steps = random_cache_steps(make_cache, rng, page_size, 3, 200)
+    # The positional layout has no extra_keys field: it cannot carry namespaces.
+    namespaces = (None, None, "a", 3) if encoding == "map" else (None,)
+    caches, sequences, steps = random_cache_steps(make_cache, rng, page_size, 3, 200,
+                                                  namespaces=namespaces)
     indexer = KvIndexer(page_size)
     for seq, (worker, events) in enumerate(steps):
         if events and seq % 2:
-            assert indexer.apply_payload(worker, wire_payload(events), seq)
+            assert indexer.apply_payload(worker, wire_payload(events, encoding), seq)
         elif events:  # as a subscriber hands it over
-            indexer.apply(worker, decode_batch(wire_payload(events), seq))
+            indexer.apply(worker, decode_batch(wire_payload(events, encoding), seq))
     assert indexer.stats.skipped == 0
     checked = 0
-    for query in sequences + [[1, 2, 3, 0] * 5]:
-        overlap = indexer.overlap(query)
+    for query, namespace in sequences + [([1, 2, 3, 0] * 5, None)]:
+        overlap = indexer.overlap(query, namespace)
         for worker, cache in enumerate(caches):
-            expected = cache.match_prefix(query).length // page_size
+            expected = cache.match_prefix(query, namespace).length // page_size
             assert overlap.get(worker, 0) == expected
             checked += expected > 0
     assert checked > 10
@@ -185,17 +194,18 @@ def test_indexer_namespaces_from_extra_keys():
 
 
 def test_indexer_keys_its_own_hashes_not_the_publishers():
-    # Two publishers with unrelated hash schemes index the same content under one key.
+    # Two publishers with unrelated hash schemes (one sends bytes, as vLLM may) index the
+    # same content under one key.
     tokens = tuple(range(8))
     indexer = KvIndexer(4)
     indexer.apply("w1", [BlockStored((11, 12), None, tokens, 4)])
-    indexer.apply("w2", [BlockStored((-5,), None, tokens[:4], 4),
-                         BlockStored((99,), -5, tokens[4:], 4)])
+    indexer.apply("w2", [BlockStored((b"\x05",), None, tokens[:4], 4),
+                         BlockStored((99,), b"\x05", tokens[4:], 4)])
     assert len(indexer) == 2
     assert indexer.overlap(list(tokens) + [9]) == {"w1": 2, "w2": 2}
     indexer.apply("w1", [BlockRemoved((12,))])
     assert indexer.overlap(tokens) == {"w1": 1, "w2": 2}
-    indexer.apply("w2", [BlockRemoved((99, -5))])
+    indexer.apply("w2", [BlockRemoved((99, b"\x05"))])
     assert indexer.overlap(tokens) == {"w1": 1}
     assert len(indexer) == 1  # the last holder's removal freed the entry
     indexer.remove_worker("w1")
