@@ -222,18 +222,31 @@ class ZmqChannel:
     router side that waits for every batch the worker published for this step."""
 
     def __init__(self):
-        from radixcache.events import ZmqEventPublisher, ZmqEventSubscriber
+        from radixcache.events import AllBlocksCleared, ZmqEventPublisher, ZmqEventSubscriber
 
         self.pub = ZmqEventPublisher("tcp://127.0.0.1:*",
                                      replay_endpoint="tcp://127.0.0.1:*", topic="kv")
-        self.sub = ZmqEventSubscriber(self.pub.endpoint, self.pub.replay_endpoint,
-                                      topic="kv", start_seq=0)
+        self.sub = ZmqEventSubscriber(self.pub.endpoint, self.pub.replay_endpoint, topic="kv")
+        # A SUB socket misses what is sent before its subscription reaches the publisher:
+        # send a harmless batch until one arrives on the stream, so none of the worker's can.
+        for _ in range(200):
+            last = self.pub.publish([AllBlocksCleared()])
+            self.pub.flush(5.0)
+            batch = self.sub.receive(timeout=0.05)
+            if batch is not None:
+                break
+        else:
+            raise RuntimeError("the subscriber never connected")
+        while batch.seq != last:  # probes still on their way
+            batch = self.sub.receive(timeout=5.0)
+            assert batch is not None
         self.pending = deque()
         self.received = 0
 
     def publish(self, events, time_s, step):
         seq = self.pub.publish(events)
         assert seq is not None
+        self.pub.flush(5.0)
         self.pending.append((time_s, step, seq))
 
     def take(self, max_time, max_step):
