@@ -369,7 +369,7 @@ def test_same_decisions_as_sglang(make_cache, monkeypatch, page_size, policy):
     COMPARED.append(replay.compared)
 
 
-def test_split_rule_difference_is_the_only_one(make_cache, monkeypatch):
+def test_split_rule_correction_matters(make_cache, monkeypatch):
     """Without correction 1, SGLang's stamped lower half makes the two evict different
     leaves: the scenario from the issue, so the correction above is known to matter."""
     clock = _Clock()
