@@ -13,7 +13,7 @@ pool), unlock. The same requests (fresh output ids fixed in advance, so every ca
 identical token lists) go to the same kind of pool (``radixcache.workloads.KVPool``), whose
 free list each cache feeds: radixcache through its ``evict`` callback, SGLang through the
 allocator's ``free_segment`` that its caches call. Only the time inside cache calls is
-counted (``time.process_time`` around each call, the frees they trigger included); building keys
+counted (``perf_counter`` around each call, the frees they trigger included); building keys
 and kv tensors is the loop's own work and is not. The timing table shows the whole loop; the
 cache-call times, hit rates and the ratios are in the end-of-run summary.
 
@@ -21,6 +21,11 @@ Decisions: all three make the same matches, locks and evictions except where SGL
 rule (it also refreshes the unmatched lower half of a split node) picks a different LRU victim,
 which shifts hit rates by at most a few hundredths of a point here; the summary prints each
 cache's hit rate so this is visible.
+
+Torch runs single-threaded here (``torch.set_num_threads(1)``), as one scheduler thread
+would, and every case runs one untimed warm-up round first: the first pass over a fresh
+process's memory pays page faults for SGLang's per-split tensor copies, which made single
+rounds vary several-fold.
 
 Workloads (sizes from ``_cases.FULL``): synthetic chat (300 conversations, pool 65,536 tokens)
 and the first 2,000 requests of the Mooncake trace (pool 2^22 tokens), page sizes 1 and 16.
@@ -58,6 +63,7 @@ except Exception as exc:  # ImportError, or one of SGLang's own imports failing
                 "install it with `bash tests/install_sglang.sh`", allow_module_level=True)
 
 IMPLEMENTATIONS = ("radixcache", "sglang-python", "sglang-rust")
+torch.set_num_threads(1)
 CHAT_ROUNDS = 5
 TRACE_ROUNDS = 3
 
@@ -201,11 +207,8 @@ def _fixed_requests(requests) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def serve_with(side, keyed: list, page_size: int, pool: KVPool) -> dict:
-    """``radixcache.workloads.serve`` against an adapter; times only the adapter's calls.
-
-    CPU time of this process (``time.process_time``): on a shared machine wall time counts
-    waiting for a core too."""
-    clock = time.process_time
+    """``radixcache.workloads.serve`` against an adapter; times only the adapter's calls."""
+    clock = time.perf_counter
     seconds = 0.0
     prompt_tokens = cached_tokens = evicted = rejected = 0
     for prompt_key, full_key, prompt_len, full_len in keyed:
@@ -259,7 +262,7 @@ def _run(benchmark, note, implementation, workload, page_size, requests, capacit
     def loop(side, keyed, pool):
         runs.append(serve_with(side, keyed, page_size, pool))
 
-    benchmark.pedantic(loop, setup=fresh, rounds=rounds, iterations=1)
+    benchmark.pedantic(loop, setup=fresh, rounds=rounds, iterations=1, warmup_rounds=1)
     first = runs[0]
     assert all(run["hit_rate"] == first["hit_rate"] for run in runs)
     assert first["rejected"] == 0 and first["evicted"] > 0  # the pool forced eviction
