@@ -16,10 +16,13 @@ SGLANG_VERSION=0.5.23
 # torchvision must match the installed torch's ABI: torch 2.N pairs with torchvision 0.(N+15).
 TORCHVISION=$("$PY" -c 'import torch; major, minor = torch.__version__.split(".")[:2]; print(f"torchvision==0.{int(minor) + 15}.*" if major == "2" else "torchvision")')
 
-"$PY" -m pip install --quiet --no-deps "sglang==${SGLANG_VERSION}" triton "${TORCHVISION}" compressed-tensors
+# Where SGLang 0.5.23 pins a version, the same pin (so a new release elsewhere cannot break
+# the import); the rest as SGLang leaves them.
+"$PY" -m pip install --quiet --no-deps "sglang==${SGLANG_VERSION}" triton "${TORCHVISION}" \
+    compressed-tensors==0.18.0
 "$PY" -m pip install --quiet orjson psutil pybase64 requests pillow starlette msgspec pydantic \
-    pyzmq tqdm ipython aiohttp transformers dill apache-tvm-ffi sentencepiece gguf openai \
-    partial_json_parser loguru
+    "pyzmq>=25.1.2" tqdm ipython aiohttp transformers==5.19.0 tokenizers==0.23.2 dill \
+    apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 gguf openai==2.8.0 partial_json_parser loguru
 
 "$PY" - <<'PYCHECK'
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: F401
