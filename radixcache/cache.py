@@ -156,7 +156,8 @@ class RadixCache:
 
     def _init_state(self) -> None:
         self._tree = self._core.Tree(self.page_size)
-        self._heap = self._core.EvictionHeap(self.eviction_policy)
+        # One guard for both: a call into either while the other works raises RuntimeError.
+        self._heap = self._core.EvictionHeap(self.eviction_policy, self._tree.guard)
         self._evictable = 0
         self._protected = 0
         self._counters = _Counters()
