@@ -14,7 +14,8 @@ insert, or None when the key doubles as the indices or the node was evicted), ``
 stored, None once evicted).
 
 ``Tree(page_size)`` -- attributes ``root``, ``page_size``, ``clock`` (logical time, +1 per
-touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writable counter).
+touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writable counter),
+``guard`` (the tree's ``Guard``, to share with its heap).
 
 - ``match(tokens, extra_key) -> (path, length)``: ``path`` lists the matched nodes below the
   root (the last one split so the match ends on its boundary); ``length`` is page aligned.
@@ -39,12 +40,31 @@ touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writa
   ``display_order`` (so both cores list a tree identically).
 
 ``tokens`` is a list or tuple of ints, or any object exposing a C-contiguous int64 buffer
-(``numpy.int64`` arrays, ``array('q')``); the core converts it once per call. Bad tokens
-raise ``TypeError``/``OverflowError`` before anything changes.
+(``numpy.int64`` arrays, ``array('q')``); the core converts it once per call, at the start,
+before it runs any other Python code (the extra_key's hashing): a list is read as it was
+when the call began, even if a token's ``__index__`` changes it (each item's ``__index__``
+runs once, in order). Bad tokens raise ``TypeError``/``OverflowError`` before anything
+changes.
 
-``EvictionHeap(policy)`` -- the lazy eviction heap (policy names as in ``EVICTION_POLICIES``):
-``push(node)``, ``pop_victim() -> node | None``, ``len()``, ``clear()``, ``key_of(node)`` and
-``entries()`` (list of (stored key, node)); see the class docstring.
+``EvictionHeap(policy, guard=None)`` -- the lazy eviction heap (policy names as in
+``EVICTION_POLICIES``), sharing ``guard`` (the tree's) when given: ``push(node)``,
+``pop_victim() -> node | None``, ``len()``, ``clear()``, ``key_of(node)`` and ``entries()``
+(list of (stored key, node)); see the class docstring.
+
+Re-entrancy: ``Guard`` is held for the duration of every tree call that can run Python code
+(``match``, ``insert``, ``exists``, ``set_value``, ``gather``, ``lock``, ``remove_leaf``,
+``reset``) and every heap call that changes or lists it (``push``, ``pop_victim``, ``clear``,
+``entries``). A call into the tree or its heap while another runs -- from a token's
+``__index__``, an extra_key's ``__hash__``/``__eq__``, a torch hook, a finalizer, or another
+thread -- raises ``RuntimeError`` ("RadixCache re-entered ...") and changes nothing.
+References a call drops (an evicted leaf's value, stale heap entries, a cleared heap) are
+released after the guard, when the structure is consistent, so finalizers they set off may
+call the tree. ``iter_nodes`` holds no guard (it is a generator; it holds references to
+what it has yet to yield). A split writes the tree only after its last call out: the
+compiled core shares a device value between the halves through an offset and calls
+nothing; this core slices it first (a view of the same storage), so a torch hook that
+raises leaves the tree unchanged. Nodes own their children, key, value and ``extra_key``
+and are visible to the garbage collector; freeing a tree never recurses.
 """
 
 from __future__ import annotations
@@ -274,14 +294,15 @@ class Tree:
         upper._lock_ref = node._lock_ref
         upper._hit_count = node._hit_count
         upper._created_time = node._created_time
-        value = node._value
-        if value is not None:
+        value = upper_value = lower_value = node._value
+        if value is not None:  # torch code for a device value: before any write
             cut = at if type(value) is bytes else at // _TOKEN_BYTES
-            upper._value = value[:cut]
-            node._value = value[cut:]
+            upper_value, lower_value = value[:cut], value[cut:]
         ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
+        parent._children[ckey] = upper  # hashes extra_key: raising here changes nothing
+        upper._value = upper_value
+        node._value = lower_value
         node._key = node._key[at:]
-        parent._children[ckey] = upper
         upper._children[node._key[: self._page_bytes]] = node
         node._parent = upper
         self.node_count += 1
