@@ -590,7 +590,7 @@ cdef class Tree:
         cdef TokenBuf tb
         cdef Py_ssize_t n, end, pos = 0, common
         cdef int64_t now, ns
-        cdef bint whole
+        cdef bint whole, end_walk
         cdef Node node, child, leaf = None
         tb.held = False
         self.guard.enter("insert")
