@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import array
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
@@ -150,8 +149,9 @@ class RadixCache:
         self._core = _core.get_core(core)
         # Held while a call runs (released around evict's free_callback): a call from inside
         # another (hooks, finalizers) or from a second thread raises RuntimeError instead of
-        # interleaving with it. A lock taken without waiting, so two threads cannot both pass.
-        guard = threading.Lock()
+        # interleaving with it. Taken without waiting, atomically: two threads cannot both
+        # pass. Its own, distinct from the tree's (which the core holds inside each call).
+        guard = self._core.Guard()
         self._enter = guard.acquire
         self._leave = guard.release
         self._events = None
