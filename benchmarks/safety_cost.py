@@ -36,23 +36,25 @@ def per_call_ns(fn, calls: int = 200_000, rounds: int = 7) -> float:
 
 
 def main() -> None:
-    lock = threading.Lock()
-    enter, leave = lock.acquire, lock.release
-
-    def guarded(calls: int) -> None:
-        for _ in range(calls):
-            if not enter(False):
-                raise RuntimeError
-            try:
-                pass
-            finally:
-                leave()
-
     def bare(calls: int) -> None:
         for _ in range(calls):
             pass
 
-    print(f"cache-level guard pattern alone: {per_call_ns(guarded) - per_call_ns(bare):.0f} ns")
+    for core in sorted(CORES):
+        guard = getattr(CORES[core], "Guard", threading.Lock)()
+        enter, leave = guard.acquire, guard.release
+
+        def guarded(calls: int, enter=enter, leave=leave) -> None:
+            for _ in range(calls):
+                if not enter(False):
+                    raise RuntimeError
+                try:
+                    pass
+                finally:
+                    leave()
+
+        print(f"[{core}] cache-level guard pattern alone: "
+              f"{per_call_ns(guarded) - per_call_ns(bare):.0f} ns")
     for core in sorted(CORES):
         cache = RadixCache(core=core)
         cache.insert([1, 2, 3])
@@ -87,14 +89,21 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for _ in range(200_000):
         big.insert(rng.integers(0, 32_000, size=8))
-    gc.collect()
-    empty = [0.0] * 3
-    for i in range(3):
-        start = time.perf_counter()
-        gc.collect()
-        empty[i] = time.perf_counter() - start
-    print(f"[{big.core_name}] full gc.collect() with {big.node_count()} nodes alive: "
-          f"{min(empty) * 1e3:.1f} ms")
+
+    def collect_ms() -> float:
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            gc.collect()
+            best = min(best, time.perf_counter() - start)
+        return best * 1e3
+
+    with_tree = collect_ms()
+    nodes = big.node_count()
+    del big
+    without = collect_ms()
+    print(f"full gc.collect(): {with_tree:.1f} ms with {nodes} nodes alive, {without:.1f} ms "
+          f"without: {(with_tree - without) / nodes * 1e6:.0f} ns per node")
 
 
 if __name__ == "__main__":
