@@ -810,19 +810,16 @@ case("r7_compaction_drops_last_references", """
 
 
 # -- 8: namespace table --------------------------------------------------------------------
-case("r8_salt_churn_is_bounded", """
+case("r8_salt_churn_memory_is_bounded", """
     class Salt:
         def __init__(self, i): self.i = i
         def __hash__(self): return hash(("salt", self.i))
         def __eq__(self, other): return isinstance(other, Salt) and other.i == self.i
 
     cache = RadixCache(core=CORE)
-    def churn(start, count, refs=None):
+    def churn(start, count):
         for i in range(start, start + count):
-            salt = Salt(i) if i % 2 else f"salt-{i}"
-            cache.insert([1, 2, 3], extra_key=salt)
-            if refs is not None and i % 2:
-                refs.append(weakref.ref(salt))
+            cache.insert([1, 2, 3], extra_key=Salt(i) if i % 2 else f"salt-{i}")
             cache.evict(3)
     churn(0, 20_000)                       # warm up every table
     gc.collect()
@@ -835,13 +832,37 @@ case("r8_salt_churn_is_bounded", """
     assert cache.node_count() == 0
     # Unbounded, 10^5 salts would hold ~36 MiB and every key object.
     assert grown < 1 << 20, grown
-    refs = []
-    churn(200_000, 10_000, refs)
-    gc.collect()
-    assert sum(ref() is not None for ref in refs) == 0
     assert cache.match_prefix([1, 2, 3], extra_key=Salt(5)).length == 0
     consistent(cache)
     print("grown", grown)
+""")
+
+case("r8_released_salts_are_not_kept_alive", """
+    class Salt:
+        def __init__(self, i): self.i = i
+        def __hash__(self): return hash(("salt", self.i))
+        def __eq__(self, other): return isinstance(other, Salt) and other.i == self.i
+
+    cache = RadixCache(core=CORE)
+    refs = []
+    for i in range(3000):
+        salt = Salt(i)
+        refs.append(weakref.ref(salt))
+        cache.insert([1, 2, 3, i], extra_key=salt)
+        cache.match_prefix([1, 2, 9], extra_key=salt)     # a split: two nodes hold it
+        del salt
+    cache.evict(10**9)                                     # by eviction...
+    gc.collect()
+    assert sum(ref() is not None for ref in refs) == 0
+    for i in range(3000):
+        salt = Salt(i)
+        refs.append(weakref.ref(salt))
+        cache.insert([4, i], extra_key=salt)
+        del salt
+    cache.reset()                                          # ...and by reset
+    gc.collect()
+    assert sum(ref() is not None for ref in refs) == 0
+    consistent(cache)
 """)
 
 
