@@ -19,15 +19,34 @@ cdef struct HeapEntry:
     PyObject* node     # owned reference
 
 
+cdef struct TokenBuf:
+    # The call's tokens as int64: in an owner (a bytes object the call holds) or, borrowed,
+    # in the caller's buffer (``held``: ``view`` is released when the call ends).
+    const int64_t* ptr
+    Py_ssize_t len
+    bint held
+    Py_buffer view
+
+
+cdef class Guard:
+    # Set while a call of the tree or its heap runs: a nested call raises RuntimeError.
+    cdef readonly int busy
+
+    cdef int enter(self, str what) except -1
+
+
 cdef class Node:
     # Tokens live in key_owner (a bytes object); split halves share it at different offsets.
     cdef object key_owner
     cdef const int64_t* key_ptr
     cdef Py_ssize_t key_len
     # Index values: an int64 buffer (bytes, CPU values, shared across splits like keys) that
-    # value_ptr points into, a device tensor (value_ptr NULL), or None: the key is the values.
+    # value_ptr points into; a device tensor (value_ptr NULL) whose elements
+    # [value_off, value_off + key_len) are this node's (split halves share it, so a split
+    # never calls torch); or None: the key is the values.
     cdef object value_owner
     cdef const int64_t* value_ptr
+    cdef Py_ssize_t value_off
     # Borrowed: an attached child never outlives its parent's reference to it.
     cdef PyObject* parent_ptr
     # Open-addressing hash table of children (linear probing, power-of-two capacity).
@@ -50,7 +69,6 @@ cdef class Node:
     cdef Py_ssize_t slot_of(self, Node child, uint64_t h) noexcept
     cdef void remove_slot(self, Py_ssize_t i) noexcept
     cdef int grow(self) except -1
-    cdef void release_children(self) noexcept
 
 
 cdef class Tree:
@@ -59,16 +77,25 @@ cdef class Tree:
     cdef readonly int64_t clock
     cdef readonly Py_ssize_t node_count
     cdef public Py_ssize_t num_splits
+    cdef readonly Guard guard
+    # extra_key -> namespace id, only while the namespace has nodes. Ids come from a
+    # counter and are never reused, so a stale id can only ever find nothing.
     cdef dict namespaces
+    # namespace id -> number of root children in it (its entry goes with the last one).
+    cdef dict ns_roots
+    cdef int64_t last_ns
     # Namespaces in which the empty sequence was inserted (it has no node to mark).
     cdef set empty_inserted
 
     cdef uint64_t page_hash(self, const int64_t* page, int64_t ns) noexcept nogil
-    cdef int64_t namespace_of(self, object extra_key, bint create) except -2
+    cdef int64_t find_namespace(self, object extra_key) except -2
+    cdef int64_t make_namespace(self, object extra_key) except -2
+    cdef void forget_namespace(self, object extra_key, int64_t ns) noexcept
     cdef Node split(self, Node child, Py_ssize_t at)
-    cdef Node descend(self, Node node, const int64_t* tokens, Py_ssize_t remaining,
-                      int64_t ns, Py_ssize_t* matched)
+    cdef Node find_match(self, Node node, const int64_t* tokens, Py_ssize_t remaining,
+                         int64_t ns, Py_ssize_t* matched)
     cdef Node new_node(self, Node parent, int64_t now)
+    cdef Node make_root(self)
     cdef void teardown(self) noexcept
 
 
@@ -78,9 +105,10 @@ cdef class EvictionHeap:
     cdef Py_ssize_t capacity
     cdef Py_ssize_t limit
     cdef int policy
+    cdef Guard guard
 
     cdef void release(self) noexcept
     cdef void fill_key(self, Node n, HeapEntry* e) noexcept
     cdef int add(self, const HeapEntry* entry) except -1
     cdef void sift_down(self, Py_ssize_t i) noexcept
-    cdef int compact(self) except -1
+    cdef list compact(self)

@@ -5,9 +5,26 @@
 Keys are int64 runs inside bytes objects (split halves share one at different offsets);
 children sit in a per-node open-addressing table keyed by a hash of (namespace, first page),
 so a walk step boxes no Python int. The caller's tokens become one int64 buffer per call.
+
+Python code can run inside any call: a token's ``__index__``, an extra_key's
+``__hash__``/``__eq__``, torch hooks, and finalizers set off by a DECREF or by a collection
+that allocating a node triggers (which can also let another thread run). So:
+
+- every entry point holds the tree's ``Guard`` (shared with its heap): a nested call into
+  the same tree or heap raises ``RuntimeError`` instead of changing what the call relies on;
+- a borrowed pointer into a caller's object is never read after Python code may have run
+  (tokens read from a list are exact ints only, anything else is converted from a snapshot
+  that holds references; a borrowed buffer is read only before the call's first allocation);
+- a split calls nothing (device values are shared with an offset, not sliced);
+- structure first, references released after: no DECREF in the middle of an update of a
+  child table or the heap, and teardown never recurses;
+- nodes are visible to the garbage collector (children included), so cycles through the
+  objects they hold are collected.
 """
 
 cimport cython
+from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release,
+                             PyObject_GetBuffer)
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLong
@@ -21,7 +38,7 @@ import numpy as np
 import torch
 
 from ._shared import cat_values as _cat_values
-from ._shared import display_order, indices_from_key
+from ._shared import display_order, indices_from_key, reentered
 
 _frombuffer = torch.frombuffer
 _int64 = torch.int64
@@ -33,6 +50,7 @@ cdef Py_ssize_t _MIN_SLOTS = 4
 # Grow the first memcmp block by doubling up to this many tokens: early mismatches stay
 # cheap, long matches run at memcmp speed.
 cdef Py_ssize_t _MAX_BLOCK = 4096
+_INT64_FORMATS = frozenset((b"q", b"l", b"<q", b"=q", b"<l", b"=l"))
 
 
 cdef inline int64_t _new_id() noexcept:
@@ -70,6 +88,7 @@ cdef inline Py_ssize_t common_prefix(const int64_t* a, const int64_t* b,
 cdef extern from "Python.h":
     # Borrowed-pointer spellings: the conversion loop never touches reference counts.
     PyObject** PySequence_Fast_ITEMS(object)
+    Py_ssize_t PySequence_Fast_GET_SIZE(object)
     bint long_check_exact "PyLong_CheckExact"(PyObject*) noexcept
     long long long_value "PyLong_AsLongLong"(PyObject*) except? -1
 
@@ -95,17 +114,31 @@ cdef extern from *:
     bint rc_small_int(PyObject* o, int64_t* out) noexcept
 
 
-cdef inline int64_t token_value(PyObject* item) except? -1:
-    # Exact ints take the fast path; anything else must have __index__ (a float never
-    # truncates silently). Errors get their message in token_error(), off the hot path.
-    cdef int64_t value
-    if long_check_exact(item):
-        if rc_small_int(item, &value):
-            return value
-        return long_value(item)
-    return PyLong_AsLongLong(PyNumber_Index(<object>item))
+# -- re-entrancy guard ---------------------------------------------------------------------
+@cython.final
+cdef class Guard:
+    """Set while a call into a tree or its heap runs; a nested call raises RuntimeError."""
+
+    cdef int enter(self, str what) except -1:
+        if self.busy:
+            raise reentered(what)
+        self.busy = 1
+        return 0
+
+    # The same protocol as the pure core's lock-based Guard, for the cache layer's own guard:
+    # test-and-set under the GIL, so two threads cannot both take it.
+    def acquire(self, bint blocking=False):
+        """Take the guard if it is free (never waits); True if taken."""
+        if self.busy:
+            return False
+        self.busy = 1
+        return True
+
+    def release(self):
+        self.busy = 0
 
 
+# -- the caller's tokens as one int64 buffer -----------------------------------------------
 cdef object token_error(object tokens):
     """Re-raise a failed conversion with a message naming the bad token."""
     for item in tokens:
@@ -118,39 +151,129 @@ cdef object token_error(object tokens):
     return TypeError("bad token ids")
 
 
-cdef object as_tokens(object tokens, const int64_t** out, Py_ssize_t* out_len):
-    """Point ``out`` at the tokens as one int64 buffer; the returned object keeps it alive."""
-    cdef Py_ssize_t i, length
-    cdef int64_t* buf
+cdef int convert_held(PyObject** items, Py_ssize_t n, int64_t* out) except -1:
+    """Convert items that are not all exact ints. Each gets a reference first: their
+    ``__index__`` is Python code, which may change or empty the caller's list."""
+    cdef PyObject** held = <PyObject**>PyMem_Malloc((n if n else 1) * sizeof(PyObject*))
+    cdef Py_ssize_t i
+    if held == NULL:
+        raise MemoryError()
+    for i in range(n):  # no Python code runs in this loop
+        held[i] = items[i]
+        Py_INCREF(<object>held[i])
+    try:
+        for i in range(n):
+            out[i] = PyLong_AsLongLong(PyNumber_Index(<object>held[i]))
+    except (TypeError, OverflowError):
+        raise token_error(tuple([<object>held[i] for i in range(n)])) from None
+    finally:
+        for i in range(n):
+            Py_DECREF(<object>held[i])
+        PyMem_Free(held)
+    return 0
+
+
+cdef object sequence_tokens(object tokens, TokenBuf* tb):
+    """A list or tuple of token ids as a new bytes object of int64 (``tb`` points into it)."""
+    cdef Py_ssize_t i, n = PySequence_Fast_GET_SIZE(tokens)
     cdef PyObject** items
-    cdef const int64_t[::1] view
-    cdef object owner
-    if type(tokens) is list or type(tokens) is tuple:
-        length = len(tokens)
-        items = PySequence_Fast_ITEMS(tokens)
-        owner = PyBytes_FromStringAndSize(NULL, length * sizeof(int64_t))
-        buf = <int64_t*>PyBytes_AS_STRING(owner)
-        try:
-            for i in range(length):
-                buf[i] = token_value(items[i])
-        except (TypeError, OverflowError):
-            raise token_error(tokens) from None
-    else:
-        # Zero-copy for numpy int64 arrays and array('q'): one buffer acquisition per call.
-        try:
-            view = tokens
-        except (ValueError, BufferError) as exc:
-            raise TypeError(f"token buffer must be 1-D contiguous int64: {exc}") from None
-        out_len[0] = view.shape[0]
-        out[0] = &view[0] if view.shape[0] else NULL
-        return view
-    out[0] = <const int64_t*>buf
-    out_len[0] = length
+    cdef PyObject* item
+    cdef int64_t* buf
+    cdef int64_t value
+    # A bytes object is not tracked by the garbage collector: allocating it runs no Python
+    # code, so nothing can change the list between here and the end of the exact-int loop.
+    owner = PyBytes_FromStringAndSize(NULL, n * sizeof(int64_t))
+    buf = <int64_t*>PyBytes_AS_STRING(owner)
+    items = PySequence_Fast_ITEMS(tokens)
+    for i in range(n):
+        item = items[i]
+        if not long_check_exact(item):
+            convert_held(items + i, n - i, buf + i)
+            break
+        if rc_small_int(item, &value):
+            buf[i] = value
+        else:
+            try:
+                buf[i] = long_value(item)
+            except OverflowError:
+                raise token_error(tokens) from None
+    tb.ptr = <const int64_t*>buf
+    tb.len = n
     return owner
 
 
+cdef int borrow_buffer(object values, TokenBuf* tb, str what) except -1:
+    """Point ``tb`` at a caller's 1-D contiguous int64 buffer; ``release_tokens`` gives it
+    back. Read it before anything that can run Python code (an allocation of a tracked
+    object can): a numpy array can be resized under a held buffer."""
+    try:
+        PyObject_GetBuffer(values, &tb.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+    except (TypeError, ValueError, BufferError) as exc:
+        raise TypeError(f"{what} must be 1-D contiguous int64: {exc}") from None
+    tb.held = True
+    if (tb.view.ndim != 1 or tb.view.itemsize != 8
+            or (tb.view.format != NULL and <bytes>tb.view.format not in _INT64_FORMATS)):
+        release_tokens(tb)
+        raise TypeError(f"{what} must be 1-D contiguous int64")
+    tb.ptr = <const int64_t*>tb.view.buf
+    tb.len = tb.view.shape[0]
+    return 0
+
+
+cdef inline void release_tokens(TokenBuf* tb) noexcept:
+    if tb.held:
+        tb.held = False
+        PyBuffer_Release(&tb.view)
+
+
+cdef object get_tokens(object tokens, bint borrow, TokenBuf* tb):
+    """The caller's tokens for one call: converted (list, tuple), borrowed (``borrow``: the
+    caller reads them before its first allocation) or copied. Returns the owner or None."""
+    if type(tokens) is list or type(tokens) is tuple:
+        return sequence_tokens(tokens, tb)
+    borrow_buffer(tokens, tb, "token buffer")
+    if borrow:
+        return None
+    try:
+        owner = PyBytes_FromStringAndSize(<const char*>tb.ptr, tb.len * sizeof(int64_t))
+    finally:
+        release_tokens(tb)
+    tb.ptr = <const int64_t*>PyBytes_AS_STRING(owner)
+    return owner
+
+
+# -- nodes ---------------------------------------------------------------------------------
+cdef void drop_subtree(Node top) noexcept:
+    """Empty ``top``'s child table and release its descendants (marked evicted) without
+    recursion: a node's children move onto a stack before its table goes, so no DECREF ever
+    frees a node that still has children (that would recurse once per level)."""
+    cdef Node node = top
+    cdef Py_ssize_t i
+    cdef PyObject* child
+    stack = []
+    while True:
+        if node.slots != NULL:
+            for i in range(node.slot_mask + 1):
+                child = node.slots[i].node
+                if child != NULL:
+                    stack.append(<Node>child)
+                    node.slots[i].node = NULL
+                    (<Node>child).parent_ptr = NULL
+                    Py_DECREF(<object>child)  # the table's reference; the stack holds one
+            PyMem_Free(node.slots)
+            node.slots = NULL
+            node.slot_mask = -1
+            node.n_children = 0
+        if not stack:
+            break
+        node = <Node>stack.pop()  # the previous node goes here: it has no children left
+        node.evicted = True
+        node.value_ptr = NULL
+        node.value_owner = None
+
+
 @cython.final
-@cython.no_gc
+@cython.no_gc_clear  # a generated tp_clear would drop key_owner under key_ptr
 cdef class Node:
     """A radix tree node of the compiled core."""
 
@@ -162,25 +285,11 @@ cdef class Node:
         self.key_ptr = NULL
         self.key_len = 0
         self.value_ptr = NULL
+        self.value_off = 0
 
     def __dealloc__(self):
-        self.release_children()
-
-    cdef void release_children(self) noexcept:
-        cdef Py_ssize_t i
-        cdef PyObject* child
-        if self.slots == NULL:
-            return
-        for i in range(self.slot_mask + 1):
-            child = self.slots[i].node
-            if child != NULL:
-                (<Node>child).parent_ptr = NULL
-                self.slots[i].node = NULL
-                Py_DECREF(<object>child)
-        PyMem_Free(self.slots)
-        self.slots = NULL
-        self.slot_mask = -1
-        self.n_children = 0
+        if self.slots != NULL:
+            drop_subtree(self)
 
     cdef Node find_child(self, const int64_t* page, Py_ssize_t page_size, uint64_t h):
         cdef Py_ssize_t i
@@ -275,15 +384,19 @@ cdef class Node:
 
     @property
     def value(self):
+        cdef Py_ssize_t start = self.value_off, length = self.key_len
         if self.evicted:
             return None
         if self.value_ptr != NULL:
             base = <const int64_t*>PyBytes_AS_STRING(self.value_owner)
             return indices_from_key(np.frombuffer(
-                self.value_owner, dtype=np.int64, count=self.key_len,
+                self.value_owner, dtype=np.int64, count=length,
                 offset=(self.value_ptr - base) * sizeof(int64_t)))
-        if self.value_owner is not None:
-            return self.value_owner
+        owner = self.value_owner
+        if owner is not None:
+            if start == 0 and owner.shape[0] == length:
+                return owner
+            return owner[start:start + length]  # a view: split halves share the tensor
         return indices_from_key(self.key)
 
     @property
@@ -310,16 +423,18 @@ cdef class Node:
                 f"lock_ref={self.lock_ref}{' evicted' if self.evicted else ''}>")
 
 
+@cython.no_gc_clear  # tree_clear below tears down iteratively instead
 cdef class Tree:
     """The compiled radix tree: walks, splits, locks; no tensors, no heap."""
 
     def __cinit__(self, Py_ssize_t page_size):
         self.page_size = page_size
-        self.namespaces = {None: 0}
+        self.guard = Guard()
+        self.namespaces = {}
+        self.ns_roots = {}
+        self.last_ns = 0
         self.empty_inserted = set()
-        self.root = self.new_node(None, 0)
-        self.root.key_owner = b""
-        self.root.key_ptr = <const int64_t*>PyBytes_AS_STRING(self.root.key_owner)
+        self.root = self.make_root()
 
     def __dealloc__(self):
         # Iterative teardown: dropping a deep chain by refcount would recurse per level.
@@ -335,6 +450,18 @@ cdef class Tree:
             node.extra_key = parent.extra_key
         return node
 
+    cdef Node make_root(self):
+        cdef Node root = self.new_node(None, 0)
+        root.key_owner = b""
+        root.key_ptr = <const int64_t*>PyBytes_AS_STRING(root.key_owner)
+        return root
+
+    cdef void teardown(self) noexcept:
+        cdef Node root = self.root
+        if root is not None:
+            root.evicted = True
+            drop_subtree(root)
+
     cdef uint64_t page_hash(self, const int64_t* page, int64_t ns) noexcept nogil:
         cdef uint64_t h = _mix(<uint64_t>ns + 0x9e3779b97f4a7c15ULL)
         cdef Py_ssize_t i
@@ -342,24 +469,44 @@ cdef class Tree:
             h = _mix(h ^ <uint64_t>page[i])
         return h
 
-    cdef int64_t namespace_of(self, object extra_key, bint create) except -2:
-        """The namespace id of ``extra_key``; -1 when unknown and not created."""
+    # -- namespaces ------------------------------------------------------------------
+    # Resolved once per call, before the walk: the dict lookup runs the key's
+    # __hash__/__eq__, which must not happen once a walk has started.
+    cdef int64_t find_namespace(self, object extra_key) except -2:
+        """The id of ``extra_key``'s namespace; -1 when it has no nodes."""
         if extra_key is None:
             return 0
         ns = self.namespaces.get(extra_key)
-        if ns is None:
-            if not create:
-                return -1
-            ns = len(self.namespaces)
-            self.namespaces[extra_key] = ns
-        return <int64_t>ns
+        return -1 if ns is None else <int64_t>ns
 
+    cdef int64_t make_namespace(self, object extra_key) except -2:
+        """``find_namespace``, creating the namespace when it has none."""
+        if extra_key is None:
+            return 0
+        ns = self.namespaces.get(extra_key)
+        if ns is not None and ns in self.ns_roots:
+            return <int64_t>ns
+        self.namespaces[extra_key] = self.last_ns + 1
+        self.last_ns += 1
+        self.ns_roots[self.last_ns] = 0
+        return self.last_ns
+
+    cdef void forget_namespace(self, object extra_key, int64_t ns) noexcept:
+        """Drop ``extra_key``'s entry once its last node went, so that keys do not pile up.
+        Runs the key's __hash__/__eq__, so it comes after every structural write; an error
+        there is reported as unraisable and leaves a stale entry, which finds nothing."""
+        if self.namespaces.get(extra_key) == ns:
+            del self.namespaces[extra_key]
+
+    # -- structure -------------------------------------------------------------------
     cdef Node split(self, Node child, Py_ssize_t at):
-        """Split ``child`` ``at`` tokens in: a new upper node takes over its place."""
+        """Split ``child`` ``at`` tokens in: a new upper node takes over its place.
+
+        The allocation (which may run a collection, so Python code) comes first; everything
+        after it is plain C, with the parent's slot found after the allocation."""
+        cdef Node upper = self.new_node(None, child.last_access_time)
         cdef Node parent = <Node>child.parent_ptr
-        cdef uint64_t h = self.page_hash(child.key_ptr, child.ns)
-        cdef Py_ssize_t i = parent.slot_of(child, h)
-        cdef Node upper = self.new_node(parent, child.last_access_time)
+        cdef Py_ssize_t i = parent.slot_of(child, self.page_hash(child.key_ptr, child.ns))
         upper.key_owner = child.key_owner
         upper.key_ptr = child.key_ptr
         upper.key_len = at
@@ -369,13 +516,15 @@ cdef class Tree:
         upper.created_time = child.created_time
         upper.ns = child.ns
         upper.extra_key = child.extra_key
+        # Values are shared, never sliced here: a CPU buffer through value_ptr, a device
+        # tensor through value_off (slicing one is torch code, which may run hooks).
+        upper.value_owner = child.value_owner
+        upper.value_ptr = child.value_ptr
+        upper.value_off = child.value_off
         if child.value_ptr != NULL:
-            upper.value_owner = child.value_owner
-            upper.value_ptr = child.value_ptr
             child.value_ptr = child.value_ptr + at
         elif child.value_owner is not None:
-            upper.value_owner = child.value_owner[:at]
-            child.value_owner = child.value_owner[at:]
+            child.value_off += at
         # Upper takes child's slot in the parent (same first page, same hash): the slot's
         # reference to child moves into upper's table below.
         Py_INCREF(upper)
@@ -389,14 +538,12 @@ cdef class Tree:
         self.num_splits += 1
         return upper
 
-    # -- walks -----------------------------------------------------------------------
-    cdef Node descend(self, Node node, const int64_t* tokens, Py_ssize_t remaining,
-                      int64_t ns, Py_ssize_t* matched):
-        """The child of ``node`` that ``tokens`` enter, split so that the match ends on its
-        boundary (``matched`` tokens); None if no child starts with their first page.
-
-        After a split the walk's next lookup finds nothing (the lower half starts with the
-        page that differed), so callers simply keep descending."""
+    cdef Node find_match(self, Node node, const int64_t* tokens, Py_ssize_t remaining,
+                         int64_t ns, Py_ssize_t* matched):
+        """The child of ``node`` that ``tokens`` enter and how many of its tokens they match
+        (``matched``, page aligned, > 0); None if no child starts with their first page.
+        A match shorter than the child means the caller splits it, and its walk ends there:
+        the lower half starts with the page that differed. Calls nothing."""
         cdef Node child = node.find_child(tokens, self.page_size,
                                           self.page_hash(tokens, ns))
         cdef Py_ssize_t klen, common
@@ -406,109 +553,155 @@ cdef class Tree:
         common = common_prefix(child.key_ptr, tokens, klen if klen < remaining else remaining)
         if common < klen:
             common -= common % self.page_size
-            child = self.split(child, common)
         matched[0] = common
         return child
 
+    # -- walks -----------------------------------------------------------------------
+    # Each holds the guard; with extra_key None a buffer's tokens are borrowed (no Python
+    # code runs between borrowing and the first allocation, and they are not read after).
     def match(self, tokens, extra_key=None):
-        cdef const int64_t* buf
-        cdef Py_ssize_t n, end, pos = 0, common
+        cdef TokenBuf tb
+        cdef Py_ssize_t end, pos = 0, common
         cdef int64_t now, ns
         cdef Node node, child
-        keep = as_tokens(tokens, &buf, &n)
-        end = n - n % self.page_size
-        if end == 0:
-            return [], 0
-        ns = self.namespace_of(extra_key, False)
-        self.clock += 1
-        now = self.clock
-        node = self.root
-        node.last_access_time = now
-        path = []
-        if ns < 0:
-            return path, 0
-        while pos < end:
-            child = self.descend(node, buf + pos, end - pos, ns, &common)
-            if child is None:
-                break
-            child.last_access_time = now
-            path.append(child)
-            pos += common
-            node = child
-        return path, pos
+        tb.held = False
+        self.guard.enter("match")
+        try:
+            path = []  # allocated before the tokens are borrowed
+            owner = get_tokens(tokens, extra_key is None, &tb)
+            end = tb.len - tb.len % self.page_size
+            if end == 0:
+                return path, 0
+            ns = self.find_namespace(extra_key)
+            self.clock += 1
+            now = self.clock
+            node = self.root
+            node.last_access_time = now
+            if ns < 0:
+                return path, 0
+            while pos < end:
+                child = self.find_match(node, tb.ptr + pos, end - pos, ns, &common)
+                if child is None:
+                    break
+                if common < child.key_len:
+                    child = self.split(child, common)  # allocates: the tokens are done
+                    child.last_access_time = now
+                    path.append(child)
+                    pos += common
+                    break
+                child.last_access_time = now
+                path.append(child)
+                pos += common
+                node = child
+            return path, pos
+        finally:
+            release_tokens(&tb)
+            self.guard.busy = 0
 
     def insert(self, tokens, extra_key=None, int64_t priority=0):
-        cdef const int64_t* buf
+        cdef TokenBuf tb
         cdef Py_ssize_t n, end, pos = 0, common
         cdef int64_t now, ns
-        cdef bint whole
-        cdef Node node, child, leaf
-        keep = as_tokens(tokens, &buf, &n)
-        end = n - n % self.page_size
-        whole = end == n
-        node = self.root
-        if end == 0:
+        cdef bint whole, end_walk
+        cdef Node node, child, leaf = None
+        tb.held = False
+        self.guard.enter("insert")
+        try:
+            owner = get_tokens(tokens, extra_key is None, &tb)
+            n = tb.len
+            end = n - n % self.page_size
+            whole = end == n
+            node = self.root
+            if end == 0:
+                if whole:
+                    self.empty_inserted.add(extra_key)
+                return 0, node, None
+            ns = self.make_namespace(extra_key)
+            self.clock += 1
+            now = self.clock
+            node.last_access_time = now
+            leaf_key = None
+            while pos < end:
+                child = self.find_match(node, tb.ptr + pos, end - pos, ns, &common)
+                if child is None:
+                    break
+                if common < child.key_len:
+                    if pos + common < end:
+                        # The new leaf's tokens, read before the split allocates.
+                        leaf_key = PyBytes_FromStringAndSize(
+                            <const char*>(tb.ptr + pos + common),
+                            (end - pos - common) * sizeof(int64_t))
+                    child = self.split(child, common)
+                    end_walk = True
+                else:
+                    end_walk = False
+                child.last_access_time = now
+                child.hit_count += 1
+                if priority > child.priority:
+                    child.priority = priority
+                pos += common
+                node = child
+                if end_walk:
+                    break
+            prefix_len = pos
+            if pos < end:
+                if leaf_key is None:
+                    leaf_key = PyBytes_FromStringAndSize(<const char*>(tb.ptr + pos),
+                                                         (end - pos) * sizeof(int64_t))
+                leaf = self.new_node(node, now)  # allocates: the tokens are done
+                leaf.key_owner = leaf_key
+                leaf.key_ptr = <const int64_t*>PyBytes_AS_STRING(leaf_key)
+                leaf.key_len = end - pos
+                leaf.priority = priority
+                leaf.hit_count = 1
+                leaf.ns = ns
+                leaf.extra_key = extra_key
+                node.add_child(leaf, self.page_hash(leaf.key_ptr, ns))
+                self.node_count += 1
+                if node is self.root and ns:
+                    self.ns_roots[ns] = self.ns_roots.get(ns, 0) + 1
+                node = leaf
             if whole:
-                self.empty_inserted.add(extra_key)
-            return 0, node, None
-        ns = self.namespace_of(extra_key, True)
-        self.clock += 1
-        now = self.clock
-        node.last_access_time = now
-        while pos < end:
-            child = self.descend(node, buf + pos, end - pos, ns, &common)
-            if child is None:
-                break
-            child.last_access_time = now
-            child.hit_count += 1
-            if priority > child.priority:
-                child.priority = priority
-            pos += common
-            node = child
-        prefix_len = pos
-        leaf = None
-        if pos < end:
-            leaf = self.new_node(node, now)
-            leaf.key_owner = PyBytes_FromStringAndSize(<const char*>(buf + pos),
-                                                       (end - pos) * sizeof(int64_t))
-            leaf.key_ptr = <const int64_t*>PyBytes_AS_STRING(leaf.key_owner)
-            leaf.key_len = end - pos
-            leaf.priority = priority
-            leaf.hit_count = 1
-            leaf.ns = ns
-            leaf.extra_key = extra_key
-            node.add_child(leaf, self.page_hash(leaf.key_ptr, ns))
-            self.node_count += 1
-            node = leaf
-        if whole:
-            node.terminal = True
-        return prefix_len, node, leaf
+                node.terminal = True
+            return prefix_len, node, leaf
+        finally:
+            release_tokens(&tb)
+            self.guard.busy = 0
 
     def exists(self, tokens, extra_key=None):
-        cdef const int64_t* buf
+        cdef TokenBuf tb
         cdef Py_ssize_t n, pos = 0, klen
         cdef Py_ssize_t page_size = self.page_size
         cdef int64_t ns
         cdef Node node, child
-        keep = as_tokens(tokens, &buf, &n)
-        if n % page_size:
-            return False
-        node = self.root
-        if n == 0:
-            return extra_key in self.empty_inserted
-        ns = self.namespace_of(extra_key, False)
-        if ns < 0:
-            return False
-        while pos < n:
-            child = node.find_child(buf + pos, page_size, self.page_hash(buf + pos, ns))
-            if child is None:
+        tb.held = False
+        self.guard.enter("exists")
+        try:
+            owner = get_tokens(tokens, extra_key is None, &tb)
+            n = tb.len
+            if n % page_size:
                 return False
-            klen = child.key_len
-            if klen > n - pos or memcmp(child.key_ptr, buf + pos, klen * sizeof(int64_t)) != 0:
+            if n == 0:
+                return extra_key in self.empty_inserted
+            ns = self.find_namespace(extra_key)
+            if ns < 0:
                 return False
-            pos += klen
-            node = child
-        return node.terminal
+            node = self.root
+            while pos < n:
+                child = node.find_child(tb.ptr + pos, page_size,
+                                        self.page_hash(tb.ptr + pos, ns))
+                if child is None:
+                    return False
+                klen = child.key_len
+                if klen > n - pos or memcmp(child.key_ptr, tb.ptr + pos,
+                                            klen * sizeof(int64_t)) != 0:
+                    return False
+                pos += klen
+                node = child
+            return node.terminal
+        finally:
+            release_tokens(&tb)
+            self.guard.busy = 0
 
     # -- node bookkeeping ------------------------------------------------------------
     def _check_member(self, node):
@@ -529,33 +722,49 @@ cdef class Tree:
 
     def set_value(self, Node node, values):
         """Store a leaf's indices: a CPU int64 array is copied in, a device tensor kept."""
-        cdef const int64_t[::1] view
-        if isinstance(values, np.ndarray):
-            view = values
-            if view.shape[0] != node.key_len:
-                raise ValueError(f"{view.shape[0]} values for a node of {node.key_len} tokens")
-            node.value_owner = PyBytes_FromStringAndSize(
-                <const char*>&view[0], node.key_len * sizeof(int64_t))
-            node.value_ptr = <const int64_t*>PyBytes_AS_STRING(node.value_owner)
-        else:
-            node.value_owner = values
+        cdef TokenBuf tb
+        tb.held = False
+        self.guard.enter("set_value")
+        try:
+            if isinstance(values, np.ndarray):
+                borrow_buffer(values, &tb, "values")
+                if tb.len != node.key_len:
+                    raise ValueError(f"{tb.len} values for a node of {node.key_len} tokens")
+                owner = PyBytes_FromStringAndSize(<const char*>tb.ptr,
+                                                  tb.len * sizeof(int64_t))
+            else:
+                owner = values
+            previous = node.value_owner  # released when the call returns
             node.value_ptr = NULL
+            node.value_off = 0
+            node.value_owner = owner
+            if owner is not values:
+                node.value_ptr = <const int64_t*>PyBytes_AS_STRING(owner)
+        finally:
+            release_tokens(&tb)
+            self.guard.busy = 0
 
     def gather(self, list path):
         """The path's index values concatenated into one new int64 tensor."""
         cdef Py_ssize_t total = 0, pos = 0
         cdef Node node
         cdef char* out
-        for node in path:
-            if node.value_ptr == NULL and node.value_owner is not None:
-                return _cat_values(path)  # device tensors: torch concatenates
-            total += node.key_len
-        buf = PyByteArray_FromStringAndSize(NULL, total * sizeof(int64_t))
-        out = PyByteArray_AS_STRING(buf)
-        for node in path:
-            memcpy(out + pos, node.value_ptr if node.value_ptr != NULL else node.key_ptr,
-                   node.key_len * sizeof(int64_t))
-            pos += node.key_len * sizeof(int64_t)
+        self.guard.enter("gather")
+        try:
+            for node in path:
+                if node.value_ptr == NULL and node.value_owner is not None:
+                    return _cat_values(path)  # device tensors: torch concatenates
+                total += node.key_len
+            # A bytearray is not tracked by the collector: no Python code runs until the
+            # copy below is done.
+            buf = PyByteArray_FromStringAndSize(NULL, total * sizeof(int64_t))
+            out = PyByteArray_AS_STRING(buf)
+            for node in path:
+                memcpy(out + pos, node.value_ptr if node.value_ptr != NULL else node.key_ptr,
+                       node.key_len * sizeof(int64_t))
+                pos += node.key_len * sizeof(int64_t)
+        finally:
+            self.guard.busy = 0
         return _frombuffer(buf, dtype=_int64)
 
     def lock(self, node, int delta):
@@ -563,73 +772,83 @@ cdef class Tree:
         cdef Py_ssize_t moved = 0, own, i
         if node is None or node is self.root:
             return 0
-        self._check_member(node)
-        cur = <Node>node
-        if delta < 0:
-            # Locks taken on descendants show in this node's count too; only its own may go.
-            own = cur.lock_ref
-            for i in range(cur.slot_mask + 1):
-                if cur.slots[i].node != NULL:
-                    own -= (<Node>cur.slots[i].node).lock_ref
-            if own <= 0:
-                raise ValueError(
-                    f"dec_lock_ref on node {cur.id}: no lock_ref was taken on it "
-                    f"(lock_ref {cur.lock_ref} comes from its descendants)"
-                )
-        while cur is not self.root:
-            if delta > 0:
-                if cur.lock_ref == 0:
-                    moved += cur.key_len
-                cur.lock_ref += 1
-            else:
-                cur.lock_ref -= 1
-                if cur.lock_ref == 0:
-                    moved += cur.key_len
-            cur = <Node>cur.parent_ptr
-        return moved
+        self.guard.enter("lock")
+        try:
+            self._check_member(node)
+            cur = <Node>node
+            if delta < 0:
+                # Locks taken on descendants show in this node's count too; only its own
+                # may go.
+                own = cur.lock_ref
+                for i in range(cur.slot_mask + 1):
+                    if cur.slots[i].node != NULL:
+                        own -= (<Node>cur.slots[i].node).lock_ref
+                if own <= 0:
+                    raise ValueError(
+                        f"dec_lock_ref on node {cur.id}: no lock_ref was taken on it "
+                        f"(lock_ref {cur.lock_ref} comes from its descendants)"
+                    )
+            while cur is not self.root:
+                if delta > 0:
+                    if cur.lock_ref == 0:
+                        moved += cur.key_len
+                    cur.lock_ref += 1
+                else:
+                    cur.lock_ref -= 1
+                    if cur.lock_ref == 0:
+                        moved += cur.key_len
+                cur = <Node>cur.parent_ptr
+            return moved
+        finally:
+            self.guard.busy = 0
 
     def remove_leaf(self, Node node):
         cdef Node parent
-        cdef Py_ssize_t i
-        if node.parent_ptr == NULL or node.n_children:
-            raise ValueError(f"node {node.id} is not an attached leaf")
-        parent = <Node>node.parent_ptr
-        i = parent.slot_of(node, self.page_hash(node.key_ptr, node.ns))
-        parent.remove_slot(i)
-        node.parent_ptr = NULL
-        node.evicted = True
-        node.value_owner = None
-        node.value_ptr = NULL
-        self.node_count -= 1
-        Py_DECREF(node)  # the table's reference; the caller still holds one
-        return parent
-
-    cdef void teardown(self) noexcept:
-        cdef Node node
-        cdef Py_ssize_t i
-        if self.root is None:
-            return
-        stack = [self.root]
-        while stack:
-            node = <Node>stack.pop()
-            for i in range(node.slot_mask + 1):
-                if node.slots[i].node != NULL:
-                    stack.append(<Node>node.slots[i].node)
-            node.release_children()
+        cdef Py_ssize_t count
+        self.guard.enter("remove_leaf")
+        try:
+            if node.evicted or node.parent_ptr == NULL or node.n_children:
+                raise ValueError(f"node {node.id} is not an attached leaf")
+            parent = <Node>node.parent_ptr
+            parent.remove_slot(parent.slot_of(node, self.page_hash(node.key_ptr, node.ns)))
+            node.parent_ptr = NULL
             node.evicted = True
-            node.value_owner = None
+            previous = node.value_owner  # released when the call returns
             node.value_ptr = NULL
+            node.value_owner = None
+            self.node_count -= 1
+            Py_DECREF(node)  # the table's reference; the caller still holds one
+            if parent is self.root and node.ns:
+                count = self.ns_roots.get(node.ns, 1) - 1
+                if count:
+                    self.ns_roots[node.ns] = count
+                else:
+                    del self.ns_roots[node.ns]
+                    self.forget_namespace(node.extra_key, node.ns)  # last: runs user code
+            return parent
+        finally:
+            self.guard.busy = 0
 
     def reset(self):
-        self.teardown()
-        self.namespaces = {None: 0}
-        self.empty_inserted = set()
-        self.root = self.new_node(None, 0)
-        self.root.key_owner = b""
-        self.root.key_ptr = <const int64_t*>PyBytes_AS_STRING(self.root.key_owner)
-        self.clock = 0
-        self.node_count = 0
-        self.num_splits = 0
+        cdef Node old_root
+        self.guard.enter("reset")
+        try:
+            fresh_root = self.make_root()  # allocations first, then the swap
+            fresh_namespaces, fresh_roots, fresh_empty = {}, {}, set()
+            old_root = self.root
+            old_tables = (self.namespaces, self.empty_inserted)  # released on return
+            self.root = fresh_root
+            self.namespaces = fresh_namespaces
+            self.ns_roots = fresh_roots
+            self.empty_inserted = fresh_empty
+            self.clock = 0
+            self.node_count = 0
+            self.num_splits = 0
+            # The tree is consistent (and empty) before the old one's references go.
+            old_root.evicted = True
+            drop_subtree(old_root)
+        finally:
+            self.guard.busy = 0
 
     def iter_nodes(self):
         cdef Node node
@@ -664,12 +883,25 @@ cdef inline bint entry_same_key(const HeapEntry* a, const HeapEntry* b) noexcept
     return a.k0 == b.k0 and a.k1 == b.k1 and a.k2 == b.k2 and a.k3 == b.k3
 
 
-@cython.final
-cdef class EvictionHeap:
-    """Lazy min-heap of evictable leaves in policy order (see the pure core's class)."""
+cdef void release_entries(HeapEntry* items, Py_ssize_t n) noexcept:
+    """Drop the references of entries already detached from their heap, and free them."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        Py_DECREF(<object>items[i].node)
+    PyMem_Free(items)
 
-    def __cinit__(self, str policy):
+
+@cython.final
+@cython.no_gc_clear  # heap_clear below releases the entries
+cdef class EvictionHeap:
+    """Lazy min-heap of evictable leaves in policy order (see the pure core's class).
+
+    ``guard`` is the tree's (``Tree.guard``), so that a call into either while one of them
+    works raises; without one the heap has its own."""
+
+    def __cinit__(self, str policy, Guard guard=None):
         self.policy = _POLICY_IDS[policy]
+        self.guard = guard if guard is not None else Guard()
         self.items = NULL
         self.size = 0
         self.capacity = 0
@@ -679,13 +911,13 @@ cdef class EvictionHeap:
         self.release()
 
     cdef void release(self) noexcept:
-        cdef Py_ssize_t i
-        for i in range(self.size):
-            Py_DECREF(<object>self.items[i].node)
-        PyMem_Free(self.items)
+        # Detach first: a DECREF may run a finalizer that uses this heap.
+        cdef HeapEntry* items = self.items
+        cdef Py_ssize_t n = self.size
         self.items = NULL
         self.size = 0
         self.capacity = 0
+        release_entries(items, n)
 
     cdef void fill_key(self, Node n, HeapEntry* e) noexcept:
         cdef uint64_t priority = <uint64_t>n.priority + _BIAS
@@ -758,8 +990,17 @@ cdef class EvictionHeap:
         return self.size
 
     def clear(self):
-        self.release()
+        cdef HeapEntry* items
+        cdef Py_ssize_t n
+        self.guard.enter("clear")
+        items = self.items
+        n = self.size
+        self.items = NULL
+        self.size = 0
+        self.capacity = 0
         self.limit = 1024
+        self.guard.busy = 0
+        release_entries(items, n)  # finalizers may use the (now empty) heap
 
     def key_of(self, Node node):
         cdef HeapEntry e
@@ -769,41 +1010,62 @@ cdef class EvictionHeap:
     def entries(self):
         """(stored key, node) of every entry (for consistency checks)."""
         cdef Py_ssize_t i
-        return [((self.items[i].k0, self.items[i].k1, self.items[i].k2,
-                  self.items[i].k3), <Node>self.items[i].node) for i in range(self.size)]
+        self.guard.enter("entries")
+        try:
+            return [((self.items[i].k0, self.items[i].k1, self.items[i].k2,
+                      self.items[i].k3), <Node>self.items[i].node) for i in range(self.size)]
+        finally:
+            self.guard.busy = 0
 
     def push(self, Node node):
         cdef HeapEntry e
-        self.fill_key(node, &e)
-        e.node = <PyObject*>node
-        self.add(&e)
-        if self.size > self.limit:
-            self.compact()
+        self.guard.enter("push")
+        try:
+            self.fill_key(node, &e)
+            e.node = <PyObject*>node
+            self.add(&e)
+            if self.size > self.limit:
+                dropped = self.compact()  # released when the call returns
+        finally:
+            self.guard.busy = 0
 
     def pop_victim(self):
         cdef HeapEntry top, current
         cdef Node node
-        while self.size > 0:
-            top = self.items[0]
-            self.size -= 1
-            if self.size > 0:
-                self.items[0] = self.items[self.size]
-                self.sift_down(0)
-            node = <Node>top.node
-            Py_DECREF(node)  # the heap's reference; ``node`` holds its own
-            if node.evicted or node.n_children or node.lock_ref:
-                continue  # pushed again if it becomes an evictable leaf
-            self.fill_key(node, &current)
-            if entry_same_key(&current, &top):
-                return node
-            if entry_less(&top, &current):  # touched since pushed: wait for its turn
-                current.node = <PyObject*>node
-                self.add(&current)
-            # else: a fall in key always came with a fresh push
-        return None
+        stale = None  # entries dropped here, released when the call returns
+        self.guard.enter("pop_victim")
+        try:
+            while self.size > 0:
+                top = self.items[0]
+                self.size -= 1
+                if self.size > 0:
+                    self.items[0] = self.items[self.size]
+                    self.sift_down(0)
+                node = <Node>top.node
+                Py_DECREF(node)  # the heap's reference; ``node`` holds its own
+                if node.evicted or node.n_children or node.lock_ref:
+                    # pushed again if it becomes an evictable leaf
+                    if stale is None:
+                        stale = []
+                    stale.append(node)
+                    continue
+                self.fill_key(node, &current)
+                if entry_same_key(&current, &top):
+                    return node
+                if entry_less(&top, &current):  # touched since pushed: wait for its turn
+                    current.node = <PyObject*>node
+                    self.add(&current)
+                elif stale is None:  # a fall in key always came with a fresh push
+                    stale = [node]
+                else:
+                    stale.append(node)
+            return None
+        finally:
+            self.guard.busy = 0
 
-    cdef int compact(self) except -1:
-        """Keep one usable entry per evictable leaf; amortised O(1) per push."""
+    cdef list compact(self):
+        """Keep one usable entry per evictable leaf; amortised O(1) per push. Returns the
+        dropped entries' nodes, for the caller to release once the heap is consistent."""
         cdef Py_ssize_t i, kept = 0
         cdef HeapEntry current
         cdef Node node
@@ -819,14 +1081,85 @@ cdef class EvictionHeap:
             if j is None or entry_less(&self.items[i], &self.items[<Py_ssize_t>j]):
                 best[node.id] = i
         keep = set(best.values())
-        for i in range(self.size):  # in place: kept <= i throughout
+        dropped = []
+        for i in range(self.size):  # in place: kept <= i throughout; nothing calls out
             if i in keep:
                 self.items[kept] = self.items[i]
                 kept += 1
             else:
-                Py_DECREF(<object>self.items[i].node)
+                dropped.append(<Node>self.items[i].node)
+                Py_DECREF(<object>self.items[i].node)  # the list holds one
         self.size = kept
         for i in range(kept // 2 - 1, -1, -1):
             self.sift_down(i)
         self.limit = max(1024, 2 * kept)
-        return 0
+        return dropped
+
+
+# -- garbage collector support -------------------------------------------------------------
+# Nodes and heaps hold references in C tables that Cython's generated tp_traverse does not
+# know about: these traverse functions add them, so a cycle through a node (an extra_key or
+# a value that refers back to its node or cache) is found and collected. Tree and heap get a
+# tp_clear that tears down iteratively (the generated one would drop the root by refcount and
+# recurse once per level of a deep chain); nodes get none (key_ptr points into key_owner).
+cdef extern from "Python.h":
+    ctypedef int (*visitproc)(PyObject*, void*) noexcept
+    ctypedef int (*traverseproc)(PyObject*, visitproc, void*) noexcept
+    ctypedef int (*inquiry)(PyObject*) noexcept
+    ctypedef struct TypeSlots "PyTypeObject":
+        traverseproc tp_traverse
+        inquiry tp_clear
+
+cdef traverseproc _node_base_traverse = NULL
+cdef traverseproc _heap_base_traverse = NULL
+
+
+cdef int node_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
+    # Plain casts, no reference taken: traversal must not touch reference counts.
+    cdef ChildSlot* slots = (<Node>o).slots
+    cdef Py_ssize_t i
+    cdef int r = _node_base_traverse(o, visit, arg)
+    if r:
+        return r
+    if slots != NULL:
+        for i in range((<Node>o).slot_mask + 1):
+            if slots[i].node != NULL:
+                r = visit(slots[i].node, arg)
+                if r:
+                    return r
+    return 0
+
+
+cdef int heap_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
+    cdef HeapEntry* items = (<EvictionHeap>o).items
+    cdef Py_ssize_t i
+    cdef int r = _heap_base_traverse(o, visit, arg)
+    if r:
+        return r
+    for i in range((<EvictionHeap>o).size):
+        r = visit(items[i].node, arg)
+        if r:
+            return r
+    return 0
+
+
+cdef int heap_clear(PyObject* o) noexcept:
+    (<EvictionHeap>o).release()
+    return 0
+
+
+cdef int tree_clear(PyObject* o) noexcept:
+    cdef Tree tree = <Tree>o
+    tree.teardown()
+    tree.namespaces.clear()
+    tree.ns_roots.clear()
+    tree.empty_inserted.clear()
+    return 0
+
+
+_node_base_traverse = (<TypeSlots*><void*>Node).tp_traverse
+(<TypeSlots*><void*>Node).tp_traverse = node_traverse
+_heap_base_traverse = (<TypeSlots*><void*>EvictionHeap).tp_traverse
+(<TypeSlots*><void*>EvictionHeap).tp_traverse = heap_traverse
+(<TypeSlots*><void*>EvictionHeap).tp_clear = heap_clear
+(<TypeSlots*><void*>Tree).tp_clear = tree_clear

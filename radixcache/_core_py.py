@@ -14,7 +14,8 @@ insert, or None when the key doubles as the indices or the node was evicted), ``
 stored, None once evicted).
 
 ``Tree(page_size)`` -- attributes ``root``, ``page_size``, ``clock`` (logical time, +1 per
-touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writable counter).
+touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writable counter),
+``guard`` (the tree's ``Guard``, to share with its heap).
 
 - ``match(tokens, extra_key) -> (path, length)``: ``path`` lists the matched nodes below the
   root (the last one split so the match ends on its boundary); ``length`` is page aligned.
@@ -39,26 +40,46 @@ touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writa
   ``display_order`` (so both cores list a tree identically).
 
 ``tokens`` is a list or tuple of ints, or any object exposing a C-contiguous int64 buffer
-(``numpy.int64`` arrays, ``array('q')``); the core converts it once per call. Bad tokens
-raise ``TypeError``/``OverflowError`` before anything changes.
+(``numpy.int64`` arrays, ``array('q')``); the core converts it once per call, at the start,
+before it runs any other Python code (the extra_key's hashing): a list is read as it was
+when the call began, even if a token's ``__index__`` changes it (each item's ``__index__``
+runs once, in order). Bad tokens raise ``TypeError``/``OverflowError`` before anything
+changes.
 
-``EvictionHeap(policy)`` -- the lazy eviction heap (policy names as in ``EVICTION_POLICIES``):
-``push(node)``, ``pop_victim() -> node | None``, ``len()``, ``clear()``, ``key_of(node)`` and
-``entries()`` (list of (stored key, node)); see the class docstring.
+``EvictionHeap(policy, guard=None)`` -- the lazy eviction heap (policy names as in
+``EVICTION_POLICIES``), sharing ``guard`` (the tree's) when given: ``push(node)``,
+``pop_victim() -> node | None``, ``len()``, ``clear()``, ``key_of(node)`` and ``entries()``
+(list of (stored key, node)); see the class docstring.
+
+Re-entrancy: ``Guard`` is held for the duration of every tree call that can run Python code
+(``match``, ``insert``, ``exists``, ``set_value``, ``gather``, ``lock``, ``remove_leaf``,
+``reset``) and every heap call that changes or lists it (``push``, ``pop_victim``, ``clear``,
+``entries``). A call into the tree or its heap while another runs -- from a token's
+``__index__``, an extra_key's ``__hash__``/``__eq__``, a torch hook, a finalizer, or another
+thread -- raises ``RuntimeError`` ("RadixCache re-entered ...") and changes nothing.
+References a call drops (an evicted leaf's value, stale heap entries, a cleared heap) are
+released after the guard, when the structure is consistent, so finalizers they set off may
+call the tree. ``iter_nodes`` holds no guard (it is a generator; it holds references to
+what it has yet to yield). A split writes the tree only after its last call out: the
+compiled core shares a device value between the halves through an offset and calls
+nothing; this core slices it first (a view of the same storage), so a torch hook that
+raises leaves the tree unchanged. Nodes own their children, key, value and ``extra_key``
+and are visible to the garbage collector; freeing a tree never recurses.
 """
 
 from __future__ import annotations
 
 import heapq
 import struct
+import threading
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from ._shared import cat_values, display_order, indices_from_key
+from ._shared import cat_values, display_order, indices_from_key, reentered
 
-__all__ = ["Node", "Tree", "EvictionHeap", "CORE_NAME"]
+__all__ = ["Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME"]
 
 CORE_NAME = "python"
 
@@ -102,6 +123,24 @@ def _first_mismatch(a: bytes, b: bytes) -> int:
         return len(a) // _TOKEN_BYTES
     # The lowest set bit sits in the first differing byte, so in the first differing token.
     return ((diff & -diff).bit_length() - 1) // (8 * _TOKEN_BYTES)
+
+
+class Guard:
+    """Held while a call into a tree or its heap runs; a nested call raises RuntimeError.
+
+    A lock taken without waiting, so that a second thread is caught as surely as a nested
+    call (a plain flag could be tested by both threads before either set it)."""
+
+    __slots__ = ("_lock", "acquire", "release")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.acquire = self._lock.acquire
+        self.release = self._lock.release
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
 
 
 class Node:
@@ -212,9 +251,12 @@ class Tree:
     """The pure-Python radix tree: walks, splits, locks; no tensors, no heap."""
 
     __slots__ = ("page_size", "root", "clock", "node_count", "num_splits", "_page_bytes",
-                 "_empty_inserted")
+                 "_empty_inserted", "guard", "_enter", "_leave")
 
     def __init__(self, page_size: int) -> None:
+        self.guard = Guard()
+        self._enter = self.guard.acquire
+        self._leave = self.guard.release
         self.page_size = page_size
         self._page_bytes = page_size * _TOKEN_BYTES
         self.clock = 0
@@ -252,14 +294,15 @@ class Tree:
         upper._lock_ref = node._lock_ref
         upper._hit_count = node._hit_count
         upper._created_time = node._created_time
-        value = node._value
-        if value is not None:
+        value = upper_value = lower_value = node._value
+        if value is not None:  # torch code for a device value: before any write
             cut = at if type(value) is bytes else at // _TOKEN_BYTES
-            upper._value = value[:cut]
-            node._value = value[cut:]
+            upper_value, lower_value = value[:cut], value[cut:]
         ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
+        parent._children[ckey] = upper  # hashes extra_key: raising here changes nothing
+        upper._value = upper_value
+        node._value = lower_value
         node._key = node._key[at:]
-        parent._children[ckey] = upper
         upper._children[node._key[: self._page_bytes]] = node
         node._parent = upper
         self.node_count += 1
@@ -290,6 +333,14 @@ class Tree:
         return self._split(child, common), common
 
     def match(self, tokens: Any, extra_key: Any = None) -> tuple[list, int]:
+        if not self._enter(False):
+            raise reentered("match")
+        try:
+            return self._match(tokens, extra_key)
+        finally:
+            self._leave()
+
+    def _match(self, tokens: Any, extra_key: Any = None) -> tuple[list, int]:
         buf = _as_bytes(tokens)
         end = self._aligned_end(buf)
         if end == 0:
@@ -311,6 +362,14 @@ class Tree:
         return path, pos // _TOKEN_BYTES
 
     def insert(self, tokens: Any, extra_key: Any = None, priority: int = 0):
+        if not self._enter(False):
+            raise reentered("insert")
+        try:
+            return self._insert(tokens, extra_key, priority)
+        finally:
+            self._leave()
+
+    def _insert(self, tokens: Any, extra_key: Any = None, priority: int = 0):
         buf = _as_bytes(tokens)
         end = self._aligned_end(buf)
         whole = end == len(buf)
@@ -347,6 +406,14 @@ class Tree:
         return prefix_len, node, new_leaf
 
     def exists(self, tokens: Any, extra_key: Any = None) -> bool:
+        if not self._enter(False):
+            raise reentered("exists")
+        try:
+            return self._exists(tokens, extra_key)
+        finally:
+            self._leave()
+
+    def _exists(self, tokens: Any, extra_key: Any = None) -> bool:
         buf = _as_bytes(tokens)
         end = len(buf)
         if end % self._page_bytes:
@@ -385,14 +452,28 @@ class Tree:
 
     def set_value(self, node: Node, values: Any) -> None:
         """Store a leaf's indices: a CPU int64 array is copied in, a device tensor kept."""
-        if isinstance(values, np.ndarray):
-            if len(values) != node.num_tokens:
-                raise ValueError(f"{len(values)} values for a node of {node.num_tokens} tokens")
-            node._value = values.tobytes()
-        else:
+        if not self._enter(False):
+            raise reentered("set_value")
+        try:
+            if isinstance(values, np.ndarray):
+                if len(values) != node.num_tokens:
+                    raise ValueError(
+                        f"{len(values)} values for a node of {node.num_tokens} tokens")
+                values = values.tobytes()
+            previous = node._value  # released when the call returns  # noqa: F841
             node._value = values
+        finally:
+            self._leave()
 
     def gather(self, path: list):
+        if not self._enter(False):
+            raise reentered("gather")
+        try:
+            return self._gather(path)
+        finally:
+            self._leave()
+
+    def _gather(self, path: list):
         """The path's index values concatenated into one new int64 tensor."""
         parts = []
         for node in path:
@@ -406,6 +487,14 @@ class Tree:
         return torch.frombuffer(bytearray().join(parts), dtype=torch.int64)
 
     def lock(self, node: Any, delta: int) -> int:
+        if not self._enter(False):
+            raise reentered("lock")
+        try:
+            return self._lock(node, delta)
+        finally:
+            self._leave()
+
+    def _lock(self, node: Any, delta: int) -> int:
         if node is None or node is self.root:
             return 0
         self._check_member(node)
@@ -432,31 +521,43 @@ class Tree:
         return moved // _TOKEN_BYTES
 
     def remove_leaf(self, node: Node) -> Node:
-        parent = node._parent
-        if parent is None or node._children:
-            raise ValueError(f"node {node._id} is not an attached leaf")
-        ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
-        del parent._children[ckey]
-        node._parent = None
-        node._evicted = True
-        node._value = None
-        self.node_count -= 1
-        return parent
-
-    def reset(self) -> None:
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            stack.extend(node._children.values())
-            node._children = {}
+        if not self._enter(False):
+            raise reentered("remove_leaf")
+        try:
+            parent = node._parent
+            if parent is None or node._children:
+                raise ValueError(f"node {node._id} is not an attached leaf")
+            ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
+            del parent._children[ckey]
             node._parent = None
             node._evicted = True
+            previous = node._value  # released when the call returns  # noqa: F841
             node._value = None
-        self.root = Node(b"", None, None, 0)
-        self._empty_inserted = set()
-        self.clock = 0
-        self.node_count = 0
-        self.num_splits = 0
+            self.node_count -= 1
+            return parent
+        finally:
+            self._leave()
+
+    def reset(self) -> None:
+        if not self._enter(False):
+            raise reentered("reset")
+        try:
+            old_root = self.root
+            self.root = Node(b"", None, None, 0)
+            self._empty_inserted = set()
+            self.clock = 0
+            self.node_count = 0
+            self.num_splits = 0
+            stack = [old_root]
+            while stack:
+                node = stack.pop()
+                stack.extend(node._children.values())
+                node._children = {}
+                node._parent = None
+                node._evicted = True
+                node._value = None
+        finally:
+            self._leave()
 
     def iter_nodes(self) -> Iterator[tuple[Node, int]]:
         stack = [(self.root, 0)]
@@ -518,16 +619,26 @@ class EvictionHeap:
     stale entries pile up, so it stays within twice the live entries (amortised O(1)).
     """
 
-    __slots__ = ("_key", "_heap", "_nodes", "_limit")
+    __slots__ = ("_key", "_heap", "_nodes", "_limit", "_enter", "_leave")
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, guard: Guard | None = None) -> None:
+        guard = Guard() if guard is None else guard  # the tree's: one guard for both
+        self._enter = guard.acquire
+        self._leave = guard.release
         self._key = _POLICY_KEYS[policy]
-        self.clear()
-
-    def clear(self) -> None:
         self._heap: list = []
         self._nodes: dict = {}  # key -> node; the heap itself holds bare int keys
         self._limit = 1024
+
+    def clear(self) -> None:
+        if not self._enter(False):
+            raise reentered("clear")
+        old = self._nodes  # released after the guard: finalizers may use the empty heap
+        self._heap = []
+        self._nodes = {}
+        self._limit = 1024
+        self._leave()
+        del old
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -537,36 +648,54 @@ class EvictionHeap:
 
     def entries(self) -> list:
         """(stored key, node) of every live entry (for consistency checks)."""
-        return list(self._nodes.items())
+        if not self._enter(False):
+            raise reentered("entries")
+        try:
+            return list(self._nodes.items())
+        finally:
+            self._leave()
 
     def push(self, node: Node) -> None:
-        key = self._key(node)
-        heapq.heappush(self._heap, key)
-        self._nodes[key] = node
-        if len(self._heap) > self._limit:
-            self._compact()
+        if not self._enter(False):
+            raise reentered("push")
+        try:
+            key = self._key(node)
+            heapq.heappush(self._heap, key)
+            self._nodes[key] = node
+            if len(self._heap) > self._limit:
+                dropped = self._compact()  # released when the call returns  # noqa: F841
+        finally:
+            self._leave()
 
     def pop_victim(self) -> Node | None:
-        heap = self._heap
-        nodes = self._nodes
-        sort_key = self._key
-        while heap:
-            stored = heapq.heappop(heap)
-            node = nodes.pop(stored, None)
-            if node is None:
-                continue  # a duplicate of an entry already handled
-            if node._evicted or node._children or node._lock_ref:
-                continue  # pushed again if it becomes an evictable leaf
-            current = sort_key(node)
-            if current == stored:
-                return node
-            if current > stored:  # touched since pushed: wait for its turn
-                heapq.heappush(heap, current)
-                nodes[current] = node
-            # else: a fall in key always came with a fresh push
-        return None
+        if not self._enter(False):
+            raise reentered("pop_victim")
+        stale = []  # entries dropped here, released when the call returns
+        try:
+            heap = self._heap
+            nodes = self._nodes
+            sort_key = self._key
+            while heap:
+                stored = heapq.heappop(heap)
+                node = nodes.pop(stored, None)
+                if node is None:
+                    continue  # a duplicate of an entry already handled
+                stale.append(node)
+                if node._evicted or node._children or node._lock_ref:
+                    continue  # pushed again if it becomes an evictable leaf
+                current = sort_key(node)
+                if current == stored:
+                    return node
+                if current > stored:  # touched since pushed: wait for its turn
+                    heapq.heappush(heap, current)
+                    nodes[current] = node
+                # else: a fall in key always came with a fresh push
+            return None
+        finally:
+            self._leave()
 
-    def _compact(self) -> None:
+    def _compact(self) -> dict:
+        """Keep one usable entry per leaf; returns the old table for the caller to release."""
         sort_key = self._key
         best: dict = {}
         for stored, node in self._nodes.items():
@@ -574,7 +703,9 @@ class EvictionHeap:
                 continue
             if stored <= sort_key(node) and (node._id not in best or stored < best[node._id][0]):
                 best[node._id] = (stored, node)
+        old = self._nodes
         self._nodes = dict(best.values())
         self._heap = list(self._nodes)
         heapq.heapify(self._heap)
         self._limit = max(1024, 2 * len(self._heap))
+        return old

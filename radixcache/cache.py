@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from . import _core
-from ._shared import EMPTY_INDICES, EVICTION_POLICIES, KEY_FALLS_ON_ACCESS
+from ._shared import EMPTY_INDICES, EVICTION_POLICIES, KEY_FALLS_ON_ACCESS, reentered
 
 __all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "EVICTION_POLICIES"]
 
@@ -147,6 +147,13 @@ class RadixCache:
         self.eviction_policy = eviction_policy
         self._push_on_access = eviction_policy in KEY_FALLS_ON_ACCESS
         self._core = _core.get_core(core)
+        # Held while a call runs (released around evict's free_callback): a call from inside
+        # another (hooks, finalizers) or from a second thread raises RuntimeError instead of
+        # interleaving with it. Taken without waiting, atomically: two threads cannot both
+        # pass. Its own, distinct from the tree's (which the core holds inside each call).
+        guard = self._core.Guard()
+        self._enter = guard.acquire
+        self._leave = guard.release
         self._events = None
         if enable_events:
             from .events import EventRecorder  # noqa: PLC0415 -- optional feature
@@ -156,7 +163,8 @@ class RadixCache:
 
     def _init_state(self) -> None:
         self._tree = self._core.Tree(self.page_size)
-        self._heap = self._core.EvictionHeap(self.eviction_policy)
+        # One guard for both: a call into either while the other works raises RuntimeError.
+        self._heap = self._core.EvictionHeap(self.eviction_policy, self._tree.guard)
         self._evictable = 0
         self._protected = 0
         self._counters = _Counters()
@@ -244,107 +252,145 @@ class RadixCache:
     # -- the API -----------------------------------------------------------------------
     def match_prefix(self, token_ids: Any, extra_key: Any = None) -> MatchResult:
         """The longest cached prefix (page aligned); a match ending inside a node splits it."""
-        tokens = self._tokens(token_ids)
-        if extra_key is not None:
-            _check_extra_key(extra_key)
-        path, length = self._tree.match(tokens, extra_key)
-        counters = self._counters
-        counters.lookups += 1
-        counters.queried_tokens += self._aligned(len(tokens))
-        if not path:
-            return MatchResult(EMPTY_INDICES, self._tree.root, 0)
-        counters.matched_tokens += length
-        last = path[-1]
-        if self._push_on_access:
-            self._push_if_evictable(last)
-        return MatchResult(self._tree.gather(path), last, length)
+        if not self._enter(False):
+            raise reentered("match_prefix")
+        try:
+            tokens = self._tokens(token_ids)
+            if extra_key is not None:
+                _check_extra_key(extra_key)
+            path, length = self._tree.match(tokens, extra_key)
+            counters = self._counters
+            counters.lookups += 1
+            counters.queried_tokens += self._aligned(len(tokens))
+            if not path:
+                return MatchResult(EMPTY_INDICES, self._tree.root, 0)
+            counters.matched_tokens += length
+            last = path[-1]
+            if self._push_on_access:
+                self._push_if_evictable(last)
+            return MatchResult(self._tree.gather(path), last, length)
+        finally:
+            self._leave()
 
     def insert(self, token_ids: Any, kv_indices: Any = None, extra_key: Any = None,
                priority: int = 0) -> InsertResult:
         """Cache ``token_ids``; returns how many leading tokens were cached already."""
-        tokens = self._tokens(token_ids)
-        if extra_key is not None:
-            _check_extra_key(extra_key)
-            if self._events is not None:
-                self._events.check_extra_key(extra_key)  # fail before the tree changes
-        if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
-            priority = _check_priority(priority)
-        kv = None
-        if kv_indices is not None:
-            kv = self._kv_values(kv_indices, self._aligned(len(tokens)))
-        prefix_len, last, new_leaf = self._tree.insert(tokens, extra_key, priority)
-        counters = self._counters
-        counters.inserts += 1
-        if new_leaf is not None:
-            added = new_leaf.num_tokens
-            if kv is not None:
-                piece = kv[prefix_len:prefix_len + added]
-                if isinstance(piece, torch.Tensor):
-                    # A copy on the caller's device: the cache never aliases their tensor.
-                    piece = piece.to(torch.int64, copy=True)
-                self._tree.set_value(new_leaf, piece)  # a numpy slice is copied by the core
-            self._evictable += added
-            counters.inserted_tokens += added
-            self._heap.push(new_leaf)
-            if self._events is not None:
-                self._events.stored(new_leaf)
-        elif self._push_on_access:
-            self._push_if_evictable(last)
-        return InsertResult(prefix_len, last)
+        if not self._enter(False):
+            raise reentered("insert")
+        try:
+            tokens = self._tokens(token_ids)
+            if extra_key is not None:
+                _check_extra_key(extra_key)
+                if self._events is not None:
+                    self._events.check_extra_key(extra_key)  # fail before the tree changes
+            if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
+                priority = _check_priority(priority)
+            kv = None
+            if kv_indices is not None:
+                kv = self._kv_values(kv_indices, self._aligned(len(tokens)))
+            prefix_len, last, new_leaf = self._tree.insert(tokens, extra_key, priority)
+            counters = self._counters
+            counters.inserts += 1
+            if new_leaf is not None:
+                added = new_leaf.num_tokens
+                if kv is not None:
+                    piece = kv[prefix_len:prefix_len + added]
+                    if isinstance(piece, torch.Tensor):
+                        # A copy on the caller's device: the cache never aliases their tensor.
+                        piece = piece.to(torch.int64, copy=True)
+                    self._tree.set_value(new_leaf, piece)  # a numpy slice is copied by the core
+                self._evictable += added
+                counters.inserted_tokens += added
+                self._heap.push(new_leaf)
+                if self._events is not None:
+                    self._events.stored(new_leaf)
+            elif self._push_on_access:
+                self._push_if_evictable(last)
+            return InsertResult(prefix_len, last)
+        finally:
+            self._leave()
 
     def exists(self, token_ids: Any, extra_key: Any = None) -> bool:
         """True only for a sequence inserted exactly (and not evicted since)."""
-        tokens = self._tokens(token_ids)
-        if extra_key is not None:
-            _check_extra_key(extra_key)
-        return self._tree.exists(tokens, extra_key)
+        if not self._enter(False):
+            raise reentered("exists")
+        try:
+            tokens = self._tokens(token_ids)
+            if extra_key is not None:
+                _check_extra_key(extra_key)
+            return self._tree.exists(tokens, extra_key)
+        finally:
+            self._leave()
 
     def __contains__(self, token_ids: Any) -> bool:
         return self.exists(token_ids)
 
     def inc_lock_ref(self, node: Any) -> int:
         """Protect ``node`` and its ancestors; returns the change in evictable size (<= 0)."""
-        moved = self._tree.lock(node, 1)
-        self._evictable -= moved
-        self._protected += moved
-        return -moved
+        if not self._enter(False):
+            raise reentered("inc_lock_ref")
+        try:
+            moved = self._tree.lock(node, 1)
+            self._evictable -= moved
+            self._protected += moved
+            return -moved
+        finally:
+            self._leave()
 
     def dec_lock_ref(self, node: Any) -> int:
         """Undo one ``inc_lock_ref``; returns the change in evictable size (>= 0)."""
-        moved = self._tree.lock(node, -1)
-        if moved:
-            self._evictable += moved
-            self._protected -= moved
-            # Only the bottom node can have become an evictable leaf: the rest have children.
-            self._push_if_evictable(node)
-        return moved
+        if not self._enter(False):
+            raise reentered("dec_lock_ref")
+        try:
+            moved = self._tree.lock(node, -1)
+            if moved:
+                self._evictable += moved
+                self._protected -= moved
+                # Only the bottom node can have become an evictable leaf: the rest have children.
+                self._push_if_evictable(node)
+            return moved
+        finally:
+            self._leave()
 
     def evict(self, num_tokens: int,
               free_callback: Callable[[torch.Tensor], Any] | None = None) -> int:
         """Evict unlocked leaves in policy order until ``num_tokens`` are freed; returns freed."""
         num_tokens = _check_int("num_tokens", num_tokens)
-        pop_victim = self._heap.pop_victim
-        tree = self._tree
-        counters = self._counters
-        freed = 0
-        while freed < num_tokens:
-            node = pop_victim()
-            if node is None:
-                break
-            value = node.value if free_callback is not None else None
-            size = node.num_tokens
-            if self._events is not None:
-                self._events.removed(node)
-            parent = tree.remove_leaf(node)
-            freed += size
-            self._evictable -= size
-            counters.evictions += 1
-            counters.evicted_tokens += size
-            if parent is not tree.root:
-                self._push_if_evictable(parent)
-            if free_callback is not None:
-                free_callback(value)
-        return freed
+        if not self._enter(False):
+            raise reentered("evict")
+        held = True
+        try:
+            pop_victim = self._heap.pop_victim
+            tree = self._tree
+            counters = self._counters
+            freed = 0
+            while freed < num_tokens:
+                node = pop_victim()
+                if node is None:
+                    break
+                value = node.value if free_callback is not None else None
+                size = node.num_tokens
+                if self._events is not None:
+                    self._events.removed(node)
+                parent = tree.remove_leaf(node)
+                freed += size
+                self._evictable -= size
+                counters.evictions += 1
+                counters.evicted_tokens += size
+                if parent is not tree.root:
+                    self._push_if_evictable(parent)
+                if free_callback is not None:
+                    # The cache is consistent here: the callback may call it (even evict).
+                    self._leave()
+                    held = False
+                    free_callback(value)
+                    if not self._enter(False):
+                        raise reentered("evict, after its free_callback")
+                    held = True
+            return freed
+        finally:
+            if held:
+                self._leave()
 
     # -- eviction heap ---------------------------------------------------------------
     def _push_if_evictable(self, node: Any) -> None:
@@ -391,13 +437,18 @@ class RadixCache:
 
     def reset(self) -> None:
         """Drop every node (handles become evicted) and zero the counters."""
-        self._tree.reset()
-        self._heap.clear()
-        self._evictable = 0
-        self._protected = 0
-        self._counters = _Counters()
-        if self._events is not None:
-            self._events.cleared()
+        if not self._enter(False):
+            raise reentered("reset")
+        try:
+            self._tree.reset()
+            self._heap.clear()
+            self._evictable = 0
+            self._protected = 0
+            self._counters = _Counters()
+            if self._events is not None:
+                self._events.cleared()
+        finally:
+            self._leave()
 
     def take_events(self) -> list:
         """The KV events recorded since the last call, in order (empty when events are off)."""
@@ -407,14 +458,20 @@ class RadixCache:
 
     def pretty_print(self, file: TextIO | None = None) -> None:
         """One line per node, indented 2 per level, then the total token count."""
-        out = sys.stdout if file is None else file
-        for node, depth in self._tree.iter_nodes():
-            key = node.key
-            shown = ", ".join(str(int(t)) for t in key[:10])
-            if len(key) > 10:
-                shown += ", ..."
-            out.write(f"{'  ' * depth}[len={len(key)} key=[{shown}] lock_ref={node.lock_ref}]\n")
-        out.write(f"#tokens: {self.total_size()}\n")
+        if not self._enter(False):
+            raise reentered("pretty_print")
+        try:
+            out = sys.stdout if file is None else file
+            for node, depth in self._tree.iter_nodes():
+                key = node.key
+                shown = ", ".join(str(int(t)) for t in key[:10])
+                if len(key) > 10:
+                    shown += ", ..."
+                out.write(f"{'  ' * depth}[len={len(key)} key=[{shown}] "
+                          f"lock_ref={node.lock_ref}]\n")
+            out.write(f"#tokens: {self.total_size()}\n")
+        finally:
+            self._leave()
 
     def __repr__(self) -> str:
         return (f"RadixCache(page_size={self.page_size}, eviction_policy="
