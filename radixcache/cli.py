@@ -81,34 +81,28 @@ def _capacity_list(text: str) -> list[int]:
     return sorted(set(values))
 
 
-def _policy_list(text: str) -> list[str]:
+def _name_list(text: str, valid: Sequence[str], what: str) -> list[str]:
+    """A comma-separated list of names from ``valid`` (or ``all``), duplicates dropped."""
     if text.strip() == "all":
-        return list(EVICTION_POLICIES)
+        return list(valid)
     names = []
     for part in text.split(","):
         name = part.strip()
-        if name not in EVICTION_POLICIES:
+        if name not in valid:
             raise argparse.ArgumentTypeError(
-                f"unknown policy {name!r}; valid: {', '.join(EVICTION_POLICIES)} or 'all'"
+                f"unknown {what} {name!r}; valid: {', '.join(valid)} or 'all'"
             )
         if name not in names:
             names.append(name)
     return names
+
+
+def _policy_list(text: str) -> list[str]:
+    return _name_list(text, EVICTION_POLICIES, "policy")
 
 
 def _router_list(text: str) -> list[str]:
-    if text.strip() == "all":
-        return list(ROUTING_POLICIES)
-    names = []
-    for part in text.split(","):
-        name = part.strip()
-        if name not in ROUTING_POLICIES:
-            raise argparse.ArgumentTypeError(
-                f"unknown router {name!r}; valid: {', '.join(ROUTING_POLICIES)} or 'all'"
-            )
-        if name not in names:
-            names.append(name)
-    return names
+    return _name_list(text, ROUTING_POLICIES, "router")
 
 
 def _event_lag(text: str) -> EventLag:

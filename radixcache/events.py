@@ -123,6 +123,7 @@ __all__ = [
     "ZmqEventSubscriber",
     "block_hash",
     "block_hashes",
+    "tokens_le_bytes",
     "canonical_namespace",
     "decode_batch",
     "decode_event",
@@ -294,17 +295,26 @@ def _hash_page(parent_hash: Optional[int], namespace: bytes, page: bytes) -> int
     return int.from_bytes(sha256(head + namespace + page).digest()[:8], "big", signed=True)
 
 
-def _tokens_le_bytes(token_ids: Any) -> bytes:
+def tokens_le_bytes(token_ids: Any) -> bytes:
+    """Token ids (a list, tuple, numpy array, CPU tensor) as int64 little-endian bytes, the
+    form block hashes are computed over; ``TypeError``/``OverflowError`` for bad ids."""
     try:
         arr = np.asarray(token_ids)
     except (OverflowError, ValueError) as exc:
         raise OverflowError(f"token ids do not fit in int64: {exc}") from None
     if arr.ndim != 1:
         if arr.ndim == 0 or arr.size:
-            raise TypeError("token_ids must be a 1-D sequence of ints")
-        arr = arr.reshape(0)
+            raise TypeError(f"token_ids must be a 1-D sequence of ints, got {arr.ndim}-D")
+        return b""
     if arr.size == 0:
         return b""
+    if arr.dtype.kind == "O":  # Python ints beyond 64 bits, or mixed objects
+        try:
+            arr = np.array(arr.tolist(), dtype=np.int64)
+        except OverflowError:
+            raise OverflowError("token ids do not fit in int64") from None
+        except (TypeError, ValueError):
+            raise TypeError("token_ids must hold integers") from None
     if arr.dtype.kind not in "iu":
         raise TypeError(f"token_ids must hold integers, got dtype {arr.dtype}")
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.max() > _INT64_MAX:
@@ -328,7 +338,7 @@ def _check_parent(parent_block_hash: Any) -> Optional[int]:
 def block_hash(parent_block_hash: Optional[int], token_ids: Any, extra_key: Any = None) -> int:
     """The hash of one page of ``token_ids`` after the page hashed ``parent_block_hash``."""
     parent = _check_parent(parent_block_hash)
-    return _hash_page(parent, encode_namespace(extra_key), _tokens_le_bytes(token_ids))
+    return _hash_page(parent, encode_namespace(extra_key), tokens_le_bytes(token_ids))
 
 
 def block_hashes(token_ids: Any, page_size: int, extra_key: Any = None,
@@ -340,7 +350,7 @@ def block_hashes(token_ids: Any, page_size: int, extra_key: Any = None,
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     parent = _check_parent(parent_block_hash)
     namespace = encode_namespace(extra_key)
-    data = _tokens_le_bytes(token_ids)
+    data = tokens_le_bytes(token_ids)
     return _chain(parent, namespace, data, int(page_size) * 8)
 
 

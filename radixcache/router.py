@@ -38,7 +38,6 @@ from bisect import bisect_right
 from dataclasses import dataclass, fields
 from typing import Any, Hashable, Iterable, Optional
 
-import numpy as np
 
 from .events import (
     AllBlocksCleared,
@@ -47,6 +46,7 @@ from .events import (
     ReceivedBatch,
     decode_batch,
     encode_namespace,
+    tokens_le_bytes,
 )
 
 __all__ = ["DEFAULT_LOAD_WEIGHT", "ROUTING_POLICIES", "IndexerStats", "KvIndexer", "Router"]
@@ -99,38 +99,12 @@ def _check_block_size(block_size: Any) -> int:
     return int(block_size)
 
 
-def _token_bytes(tokens: Any) -> bytes:
-    """A request's tokens as int64 little-endian bytes (a list, tuple, numpy array, CPU tensor)."""
-    try:
-        arr = np.asarray(tokens)
-    except (OverflowError, ValueError) as exc:
-        raise OverflowError(f"token ids do not fit in int64: {exc}") from None
-    if arr.ndim != 1:
-        if arr.ndim == 0 or arr.size:
-            raise TypeError(f"tokens must be a 1-D sequence of ints, got {arr.ndim}-D")
-        return b""
-    if arr.size == 0:
-        return b""
-    if arr.dtype.kind == "O":  # Python ints beyond 64 bits, or mixed objects
-        try:
-            arr = np.array(arr.tolist(), dtype=np.int64)
-        except OverflowError:
-            raise OverflowError("token ids do not fit in int64") from None
-        except (TypeError, ValueError):
-            raise TypeError("tokens must hold integers") from None
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"tokens must hold integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) >= 2**63:
-        raise OverflowError("token ids do not fit in int64")
-    return arr.astype("<i8", copy=False).tobytes()
-
-
 def _event_token_bytes(token_ids: Any) -> bytes:
     """An event's token ids as int64 little-endian bytes; a tuple or list (what events hold)
     goes through ``array('q')``, cheaper than numpy for Python ints."""
     if _LITTLE_ENDIAN and type(token_ids) in (tuple, list):
         return array("q", token_ids).tobytes()  # TypeError/OverflowError for non-int64 items
-    return _token_bytes(token_ids)
+    return tokens_le_bytes(token_ids)
 
 
 def _root_key(namespace: bytes) -> int:
@@ -363,7 +337,7 @@ class KvIndexer:
     # -- queries -----------------------------------------------------------------------
     def block_keys(self, tokens: Any, extra_key: Any = None) -> list:
         """The indexer keys of the full blocks of ``tokens`` in namespace ``extra_key``."""
-        data = _token_bytes(tokens)
+        data = tokens_le_bytes(tokens)
         key = _root_key(encode_namespace(extra_key))
         page_bytes = self._page_bytes
         keys = []
@@ -378,7 +352,7 @@ class KvIndexer:
         ``tokens``: a 1-D integer sequence (list, tuple, numpy array, CPU tensor);
         ``extra_key``: the namespace (None, str, bytes or int). Only full blocks count.
         """
-        return self._overlap(_token_bytes(tokens), encode_namespace(extra_key))
+        return self._overlap(tokens_le_bytes(tokens), encode_namespace(extra_key))
 
     def _overlap(self, data: bytes, namespace: bytes) -> dict:
         key = _root_key(namespace)
@@ -555,7 +529,7 @@ class Router:
         ``tokens``: a 1-D integer sequence; ``extra_key``: None, str, bytes or int. Checked
         under every policy (TypeError/OverflowError), before anything changes.
         """
-        data = _token_bytes(tokens)
+        data = tokens_le_bytes(tokens)
         namespace = encode_namespace(extra_key)
         policy = self.policy
         if policy == "round-robin":
