@@ -83,7 +83,7 @@ class IndexerStats:
 
     @property
     def skipped(self) -> int:
-        """Events or blocks that could not be applied (everything but the first five)."""
+        """Events or blocks that could not be applied (everything but the first six counts)."""
         return (self.unknown_parent + self.unknown_removals + self.wrong_block_size
                 + self.malformed_events + self.malformed_batches)
 
