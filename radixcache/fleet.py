@@ -164,7 +164,8 @@ class FleetResult:
 def arrival_times(requests: Sequence[Request],
                   interval_ms: float = DEFAULT_INTERVAL_MS) -> np.ndarray:
     """Arrival times in seconds: the requests' ``timestamp`` (ms) when every one has one,
-    else one every ``interval_ms``. A trace where only some requests carry one is an error."""
+    else one every ``interval_ms``. A trace where only some requests carry one, or where they
+    decrease, is an error."""
     if isinstance(interval_ms, bool) or not isinstance(interval_ms, numbers.Real):
         raise TypeError(f"interval_ms must be a number, got {type(interval_ms).__name__}")
     if not 0 <= interval_ms < math.inf:
@@ -177,7 +178,13 @@ def arrival_times(requests: Sequence[Request],
         first = next(i for i, s in enumerate(stamps) if s is None)
         raise ValueError(f"{given} of {len(stamps)} requests carry a timestamp (request "
                          f"{first + 1} has none): give every request one, or none")
-    return np.asarray(stamps, dtype=np.float64) / 1000.0
+    times = np.asarray(stamps, dtype=np.float64) / 1000.0
+    earlier = np.flatnonzero(np.diff(times) < 0)
+    if len(earlier):
+        i = int(earlier[0]) + 1
+        raise ValueError(f"timestamps must not decrease: request {i + 1} has {stamps[i]:g} ms, "
+                         f"after {stamps[i - 1]:g} ms")
+    return times
 
 
 class InProcessChannel:

@@ -83,7 +83,7 @@ class IndexerStats:
 
     @property
     def skipped(self) -> int:
-        """Events or blocks that could not be applied (everything but the first five)."""
+        """Events or blocks that could not be applied (everything but the first six counts)."""
         return (self.unknown_parent + self.unknown_removals + self.wrong_block_size
                 + self.malformed_events + self.malformed_batches)
 
@@ -256,7 +256,11 @@ class KvIndexer:
         stats = self.stats
         hashes = event.block_hashes
         token_ids = event.token_ids
-        if event.block_size != self.block_size:
+        block_size = event.block_size
+        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+            stats.malformed_events += 1  # e.g. an array, whose != is not a truth value
+            return
+        if block_size != self.block_size:
             stats.wrong_block_size += 1
             return
         try:
@@ -281,7 +285,7 @@ class KvIndexer:
                     block_hash = operator.index(block_hash)
                 key = hash((key, data[start:start + page_bytes]))
                 pairs.append((block_hash, key))
-        except (TypeError, ValueError, OverflowError):
+        except (TypeError, ValueError, OverflowError, LookupError):  # LookupError: extra_keys[0]
             stats.malformed_events += 1
             return
         holders = self._holders

@@ -204,6 +204,8 @@ def test_arrivals_and_argument_errors():
         Request([1], 1, timestamp=-1)
     with pytest.raises(ValueError, match="non-decreasing"):
         simulate_fleet(stamped, 2, 10, arrivals=[1.0, 0.5])
+    with pytest.raises(ValueError, match="request 2 has 5 ms, after 7.5 ms"):
+        arrival_times(stamped[::-1])
     with pytest.raises(ValueError, match="num_workers"):
         simulate_fleet(stamped, 0, 10)
     with pytest.raises(ValueError, match="unknown routing policy"):
@@ -393,6 +395,9 @@ def test_cli_fleet_bad_arguments_exit_2(args, message, capsys):
       {"prompt": [1, 2], "output_length": 1}], "1 of 2 requests carry a timestamp"),
     ([{"prompt": [1, 2], "output_length": 1, "timestamp": "soon"}],
      "x.jsonl:1: 'timestamp' must be a non-negative number"),
+    ([{"prompt": [1, 2], "output_length": 1, "timestamp": 100},
+      {"prompt": [1, 3], "output_length": 1, "timestamp": 50}],
+     "timestamps must not decrease: request 2 has 50 ms, after 100 ms"),
 ])
 def test_cli_fleet_bad_timestamps_exit_1(tmp_path, capsys, records, message):
     trace = tmp_path / "x.jsonl"

@@ -240,6 +240,22 @@ def test_indexer_counts_bad_and_out_of_order_events_and_never_raises():
     assert indexer.stats.as_dict()["unknown_parent"] == 1
 
 
+def test_indexer_counts_events_with_fields_of_odd_types_and_applies_the_rest():
+    # Hand-built events whose fields are not what the wire gives: counted, never raised,
+    # and the events after them in the batch still apply.
+    indexer = KvIndexer(2)
+    indexer.apply(0, [
+        BlockStored((1,), None, (5, 6), np.array([2, 2])),           # block size an array
+        BlockStored((2,), None, (5, 6), 2, extra_keys=np.int64(3)),  # extra_keys a scalar
+        BlockStored((3,), None, (5, 6), 2, extra_keys=np.array(4)),
+        BlockStored((4,), None, (5, 6), 2),
+    ])
+    stats = indexer.stats
+    assert stats.malformed_events == 3 and stats.wrong_block_size == 0
+    assert stats.stored_blocks == 1 and stats.events == 4
+    assert indexer.overlap([5, 6]) == {0: 1}
+
+
 @needs_msgspec
 def test_indexer_counts_undecodable_payloads():
     indexer = KvIndexer(2)
