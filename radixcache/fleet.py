@@ -235,6 +235,9 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
     queues = [deque() for _ in range(num_workers)]
     busy = [False] * num_workers
     running = [0] * num_workers  # admitted, not finished (holding locks and slots)
+    # The queue's head is waiting for a running request to free room: only that retries it
+    # (an arrival retrying would touch its prefix and count a lookup each time).
+    blocked = [False] * num_workers
     worker_prefill = [0] * num_workers
     ttfts: list = []
     decisions: list = []
@@ -264,6 +267,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             if admission is None:
                 if wait:
                     queue.appendleft(index)
+                    blocked[worker] = True
                     break
                 if router is not None:
                     router.remove_load(worker, len(request.prompt) + request.output_len)
@@ -296,6 +300,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             loops[worker].finish(admission)
             publish(worker, now)
             running[worker] -= 1
+            blocked[worker] = False
             if router is not None:
                 router.remove_load(worker, request.output_len)
             if not busy[worker]:
@@ -323,7 +328,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             steps += 1
             decisions.append(worker)
             queues[worker].append(index)
-            if not busy[worker]:
+            if not busy[worker] and not blocked[worker]:
                 start_next(worker, now)
             if progress is not None:
                 progress(1)

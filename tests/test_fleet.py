@@ -462,3 +462,31 @@ def test_serving_loop_steps_account_for_every_slot(make_cache):
     result = loop.result()
     assert (result.requests, result.rejected) == (3, 1)
     assert result.cached_tokens == 28 and result.prompt_tokens == 30 + 32 + 100
+
+
+def test_a_request_waiting_for_room_is_retried_only_when_one_finishes(make_cache, monkeypatch):
+    # One worker of 100 slots: a long request holds 90, the next (60 slots) must wait for it;
+    # the small ones arriving meanwhile queue behind it without re-trying its admission (each
+    # retry would look its prefix up again and refresh its recency).
+    import radixcache.fleet as fleet
+
+    lookups = []
+    core = make_cache().core_name
+
+    class CountingCache(fleet.RadixCache):
+        def match_prefix(self, token_ids, extra_key=None):
+            lookups.append(len(token_ids))
+            return super().match_prefix(token_ids, extra_key)
+
+    monkeypatch.setattr(fleet, "RadixCache", CountingCache)
+    requests = [Request(np.arange(80), 10), Request(np.arange(1000, 1050), 10)]
+    requests += [Request(np.arange(2000 + 10 * i, 2004 + 10 * i), 1) for i in range(5)]
+    arrivals = np.array([0.0, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006])
+    result = fleet.simulate_pooled(requests, 1, 100, page_size=1, core=core, arrivals=arrivals,
+                                   time_model=fleet.TimeModel(prefill_tokens_per_s=1e6,
+                                                              decode_tokens_per_s=1.0))
+    assert result.requests == 7 and result.rejected == 0
+    # The waiting request is looked up twice (blocked, then admitted after the first
+    # finished), every other request once.
+    assert lookups.count(50) == 2
+    assert len(lookups) == 8
