@@ -61,6 +61,9 @@ _HASH_TYPES = (int, bytes)
 #: token of prefill saved (chosen on the Mooncake trace, see README "Routing across workers").
 DEFAULT_LOAD_WEIGHT = 0.1
 
+#: ``Router``'s block size (tokens per block) when neither it nor an indexer is given.
+DEFAULT_BLOCK_SIZE = 16
+
 #: The ``Router`` policies, in the order the command lists them.
 ROUTING_POLICIES = ("round-robin", "random", "least-loaded", "prefix-hash", "cache-aware")
 
@@ -429,7 +432,8 @@ class Router:
     ``0 .. num_workers-1``.
     """
 
-    def __init__(self, num_workers: int, policy: str = "cache-aware", *, block_size: int = 16,
+    def __init__(self, num_workers: int, policy: str = "cache-aware", *,
+                 block_size: Optional[int] = None,
                  indexer: Optional[KvIndexer] = None, seed: int = 0, prefix_blocks: int = 1,
                  prefill_weight: float = 1.0, load_weight: float = DEFAULT_LOAD_WEIGHT,
                  virtual_nodes: int = 64) -> None:
@@ -441,10 +445,10 @@ class Router:
                 f"unknown routing policy {policy!r}; valid: {', '.join(ROUTING_POLICIES)}")
         self.policy = policy
         if indexer is None:
-            indexer = KvIndexer(block_size)
+            indexer = KvIndexer(DEFAULT_BLOCK_SIZE if block_size is None else block_size)
         elif not isinstance(indexer, KvIndexer):
             raise TypeError(f"indexer must be a KvIndexer, got {type(indexer).__name__}")
-        else:
+        elif block_size is not None:  # None: the indexer's own block size
             block_size = _check_block_size(block_size)
             if indexer.block_size != block_size:
                 raise ValueError(f"indexer.block_size {indexer.block_size} differs from "

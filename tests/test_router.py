@@ -386,11 +386,18 @@ def test_cache_aware_prefers_cached_worker_until_load_outweighs_it():
     (dict(num_workers=2, prefix_blocks=0), ValueError, "prefix_blocks must be >= 1"),
     (dict(num_workers=2, seed=1.5), TypeError, "seed must be an int"),
     (dict(num_workers=2, indexer=object()), TypeError, "indexer must be a KvIndexer"),
-    (dict(num_workers=2, indexer=KvIndexer(8)), ValueError, "differs from block_size"),
+    (dict(num_workers=2, block_size=16, indexer=KvIndexer(8)), ValueError,
+     "differs from block_size 16"),
 ])
 def test_router_argument_errors(kwargs, error, message):
     with pytest.raises(error, match=message):
         Router(**kwargs)
+
+
+def test_router_block_size_defaults_to_the_indexers():
+    assert Router(2, indexer=KvIndexer(32)).block_size == 32
+    assert Router(2).block_size == 16
+    assert Router(2, block_size=8).indexer.block_size == 8
 
 
 def test_router_load_errors_leave_load_unchanged():
