@@ -18,7 +18,7 @@ TORCHVISION=$("$PY" -c 'import torch; major, minor = torch.__version__.split("."
 
 # Where SGLang 0.5.23 pins a version, the same pin (so a new release elsewhere cannot break
 # the import); the rest as SGLang leaves them.
-"$PY" -m pip install --quiet --no-deps "sglang==${SGLANG_VERSION}" triton "${TORCHVISION}" \
+"$PY" -m pip install --quiet --no-deps "sglang==${SGLANG_VERSION}" triton==3.8.0 "${TORCHVISION}" \
     compressed-tensors==0.18.0
 "$PY" -m pip install --quiet orjson psutil pybase64 requests pillow starlette msgspec pydantic \
     "pyzmq>=25.1.2" tqdm ipython aiohttp transformers==5.19.0 tokenizers==0.23.2 dill \
