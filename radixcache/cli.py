@@ -558,7 +558,10 @@ def _write_fleet_plot(path: str, rows: list[dict], trace_name: str, page_size: i
         if router == POOLED:
             label = f"pooled: one cache of {workers} x capacity" + (
                 "" if len(policies) == 1 else f" ({policy})")
-            style = dict(linestyle="--", color="black", marker=None)
+            # Dashed and grey; with several policies a shade and marker per policy.
+            p = policies.index(policy)
+            style = dict(linestyle="--", color=("black", "dimgray", "gray", "darkgray")[p % 4],
+                         marker=None if len(policies) == 1 else markers[p % len(markers)])
         else:
             i = routers.index(router)
             style = dict(linestyle="-", marker=markers[i % len(markers)])
