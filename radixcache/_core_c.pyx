@@ -510,6 +510,34 @@ cdef class Tree:
             node = child
         return node.terminal
 
+    def walk(self, tokens, extra_key=None):
+        """Read-only: the longest cached page-aligned prefix length (no split, no stamps)."""
+        cdef const int64_t* buf
+        cdef Py_ssize_t n, end, pos = 0, klen, same
+        cdef Py_ssize_t page_size = self.page_size
+        cdef int64_t ns
+        cdef Node node = self.root
+        cdef Node child
+        ns = self.namespace_of(extra_key, False)
+        keep = as_tokens(tokens, &buf, &n)
+        end = n - n % page_size
+        if ns < 0:
+            return 0
+        while pos < end:
+            child = node.find_child(buf + pos, page_size, self.page_hash(buf + pos, ns))
+            if child is None:
+                break
+            klen = child.key_len
+            if klen <= end - pos and memcmp(child.key_ptr, buf + pos,
+                                            klen * sizeof(int64_t)) == 0:
+                pos += klen
+                node = child
+                continue
+            same = common_prefix(child.key_ptr, buf + pos, klen if klen < end - pos else end - pos)
+            pos += same - same % page_size
+            break
+        return pos
+
     # -- node bookkeeping ------------------------------------------------------------
     def _check_member(self, node):
         cdef Node top

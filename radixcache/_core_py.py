@@ -25,6 +25,8 @@ touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writa
   path node (a new leaf starts at 1), marks ``last_node`` terminal when the whole sequence was
   page aligned.
 - ``exists(tokens, extra_key) -> bool``: read-only exact-sequence test (terminal mark).
+- ``walk(tokens, extra_key) -> int``: read-only longest cached page-aligned prefix length (no
+  split, no stamps): the bare tree walk that the benchmarks time against the whole call.
 - ``set_value(node, values)``: stores a fresh leaf's indices: a CPU int64 numpy array is
   copied into the core's own buffer, a device tensor is kept as given.
 - ``gather(path) -> torch.Tensor``: the path's indices concatenated into a new int64 tensor.
@@ -366,6 +368,26 @@ class Tree:
             pos += klen
             node = child
         return node._terminal
+
+    def walk(self, tokens: Any, extra_key: Any = None) -> int:
+        """Read-only: the longest cached page-aligned prefix length (no split, no stamps)."""
+        buf = _as_bytes(tokens)
+        end = self._aligned_end(buf)
+        node = self.root
+        pos = 0
+        while pos < end:
+            child = self._find_child(node, buf, pos, extra_key)
+            if child is None:
+                break
+            key = child._key
+            klen = len(key)
+            if klen <= end - pos and buf[pos:pos + klen] == key:
+                pos += klen
+                node = child
+                continue
+            pos += self._common_bytes(key, buf, pos, end)
+            break
+        return pos // _TOKEN_BYTES
 
     # -- node bookkeeping ------------------------------------------------------------
     def _check_member(self, node: Any) -> None:

@@ -299,6 +299,10 @@ class RadixCache:
             _check_extra_key(extra_key)
         return self._tree.exists(tokens, extra_key)
 
+    def _walk(self, tokens: Any, extra_key: Any = None) -> int:
+        """The core's bare read-only walk (benchmarks time it against the whole call)."""
+        return self._tree.walk(tokens, extra_key)
+
     def __contains__(self, token_ids: Any) -> bool:
         return self.exists(token_ids)
 
