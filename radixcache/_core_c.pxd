@@ -1,6 +1,7 @@
 # cython: language_level=3
 """Declarations of the compiled tree core (implemented in _core_c.pyx)."""
 
+from cpython.buffer cimport Py_buffer
 from cpython.ref cimport PyObject
 from libc.stdint cimport int64_t, uint64_t
 
@@ -84,3 +85,50 @@ cdef class EvictionHeap:
     cdef int add(self, const HeapEntry* entry) except -1
     cdef void sift_down(self, Py_ssize_t i) noexcept
     cdef int compact(self) except -1
+
+
+cdef struct InputBuf:
+    # The caller's tokens or kv indices as int64: in its own buffer (view held), in a
+    # tensor's storage, or in the core's scratch buffer.
+    const int64_t* ptr
+    Py_ssize_t n
+    Py_buffer view
+    bint has_view
+
+
+cdef class Core:
+    cdef readonly Tree tree
+    cdef readonly EvictionHeap heap
+    cdef readonly Py_ssize_t page_size
+    cdef readonly int64_t evictable
+    cdef readonly int64_t protected
+    cdef readonly int64_t lookups
+    cdef readonly int64_t matched_tokens
+    cdef readonly int64_t queried_tokens
+    cdef readonly int64_t inserts
+    cdef readonly int64_t inserted_tokens
+    cdef readonly int64_t evictions
+    cdef readonly int64_t evicted_tokens
+    cdef readonly object new_leaf
+    cdef bint push_on_access
+    # Set for the whole of each call: a call into the same cache from inside it is refused.
+    cdef bint busy
+    # Some node holds device values: torch runs inside walks (splits slice them).
+    cdef bint device_values
+    # Scratch buffers reused across calls: converted tokens and kv, the matched path.
+    cdef int64_t* tokens_buf
+    cdef Py_ssize_t tokens_cap
+    cdef int64_t* kv_buf
+    cdef Py_ssize_t kv_cap
+    cdef PyObject** path
+    cdef Py_ssize_t path_cap
+
+    cdef int enter(self) except -1
+    cdef int64_t* scratch(self, bint for_kv, Py_ssize_t n) except NULL
+    cdef int acquire(self, object obj, InputBuf* b, bint for_kv, bint private) except -1
+    cdef int64_t namespace(self, object extra_key, bint create) except -2
+    cdef object match_result(self, object indices, object node, Py_ssize_t length)
+    cdef object insert_result(self, Py_ssize_t prefix_len, object node)
+    cdef int push_if_evictable(self, Node node) except -1
+    cdef int note_path(self, Py_ssize_t depth, Node node) except -1
+    cdef Py_ssize_t walk_length(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept

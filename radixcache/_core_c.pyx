@@ -858,3 +858,625 @@ cdef class EvictionHeap:
             self.sift_down(i)
         self.limit = max(1024, 2 * kept)
         return 0
+
+
+# -- the per-cache core object: whole calls in one crossing --------------------------------
+cdef extern from *:
+    """
+    /* Reads an exact int that fits in int64 without a call; 0 for anything else (a subclass,
+       an __index__ object, a value out of range): the caller declines the input. */
+    static inline int rc_read_int(PyObject* o, int64_t* out) {
+        if (!PyLong_CheckExact(o)) return 0;
+    #if PY_VERSION_HEX >= 0x030C0000
+        if (PyUnstable_Long_IsCompact((PyLongObject*)o)) {
+            *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject*)o);
+            return 1;
+        }
+    #else
+        {
+            Py_ssize_t size = Py_SIZE(o);
+            const digit* d = ((PyLongObject*)o)->ob_digit;
+            switch (size) {
+            case 0: *out = 0; return 1;
+            case 1: *out = (int64_t)d[0]; return 1;
+            case -1: *out = -(int64_t)d[0]; return 1;
+            case 2: *out = (int64_t)d[0] | ((int64_t)d[1] << PyLong_SHIFT); return 1;
+            case -2: *out = -((int64_t)d[0] | ((int64_t)d[1] << PyLong_SHIFT)); return 1;
+            default: break;
+            }
+        }
+    #endif
+        {
+            int overflow = 0;
+            long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+            if (overflow) return 0;
+            if (v == -1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
+            *out = (int64_t)v;
+            return 1;
+        }
+    }
+
+    /* The returned index tensor in one allocation and one copy: a DLPack capsule over a
+       malloc'd block (header, then the int64 data) that torch takes over; its deleter frees
+       the block when the tensor dies (from any thread: plain malloc/free). */
+    typedef struct { int32_t device_type; int32_t device_id; } rc_DLDevice;
+    typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } rc_DLDataType;
+    typedef struct {
+        void* data; rc_DLDevice device; int32_t ndim; rc_DLDataType dtype;
+        int64_t* shape; int64_t* strides; uint64_t byte_offset;
+    } rc_DLTensor;
+    typedef struct rc_DLManagedTensor {
+        rc_DLTensor dl_tensor; void* manager_ctx; void (*deleter)(struct rc_DLManagedTensor*);
+    } rc_DLManagedTensor;
+    typedef struct { rc_DLManagedTensor managed; int64_t shape[1]; int64_t strides[1]; } rc_dl_head;
+
+    static void rc_dl_deleter(rc_DLManagedTensor* self) { free(self->manager_ctx); }
+
+    static void rc_dl_capsule_destructor(PyObject* capsule) {
+        /* Still named "dltensor": torch never took it (an error came first). */
+        if (PyCapsule_IsValid(capsule, "dltensor")) {
+            rc_DLManagedTensor* m = (rc_DLManagedTensor*)PyCapsule_GetPointer(capsule, "dltensor");
+            m->deleter(m);
+        }
+    }
+
+    static PyObject* rc_int64_capsule(Py_ssize_t n, int64_t** data) {
+        size_t head = (sizeof(rc_dl_head) + 63) & ~(size_t)63;
+        char* mem = (char*)malloc(head + (size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+        rc_dl_head* h;
+        PyObject* capsule;
+        if (mem == NULL) { PyErr_NoMemory(); return NULL; }
+        h = (rc_dl_head*)mem;
+        h->shape[0] = n;
+        h->strides[0] = 1;
+        h->managed.dl_tensor.data = mem + head;
+        h->managed.dl_tensor.device.device_type = 1;  /* kDLCPU */
+        h->managed.dl_tensor.device.device_id = 0;
+        h->managed.dl_tensor.ndim = 1;
+        h->managed.dl_tensor.dtype.code = 0;          /* kDLInt */
+        h->managed.dl_tensor.dtype.bits = 64;
+        h->managed.dl_tensor.dtype.lanes = 1;
+        h->managed.dl_tensor.shape = h->shape;
+        h->managed.dl_tensor.strides = h->strides;
+        h->managed.dl_tensor.byte_offset = 0;
+        h->managed.manager_ctx = mem;
+        h->managed.deleter = rc_dl_deleter;
+        capsule = PyCapsule_New(&h->managed, "dltensor", rc_dl_capsule_destructor);
+        if (capsule == NULL) { free(mem); return NULL; }
+        *data = (int64_t*)(mem + head);
+        return capsule;
+    }
+
+    /* A result object (MatchResult/InsertResult: __slots__ classes) with its slots filled,
+       without running Python-level __init__. */
+    static PyObject* rc_make_result(PyObject* type, PyObject* n0, PyObject* v0,
+                                    PyObject* n1, PyObject* v1, PyObject* n2, PyObject* v2) {
+        PyObject* obj = ((PyTypeObject*)type)->tp_alloc((PyTypeObject*)type, 0);
+        if (obj == NULL) return NULL;
+        if (PyObject_GenericSetAttr(obj, n0, v0) < 0 || PyObject_GenericSetAttr(obj, n1, v1) < 0
+                || (n2 != NULL && PyObject_GenericSetAttr(obj, n2, v2) < 0)) {
+            Py_DECREF(obj);
+            return NULL;
+        }
+        return obj;
+    }
+    """
+    bint rc_read_int(PyObject* o, int64_t* out) noexcept
+    object rc_int64_capsule(Py_ssize_t n, int64_t** data)
+    object rc_make_result(object type, object n0, object v0, object n1, object v1,
+                          PyObject* n2, PyObject* v2)
+
+cdef extern from "Python.h":
+    int PyGC_Enable() noexcept
+    void PyErr_Clear() noexcept
+    int PyGC_Disable() noexcept
+    Py_ssize_t PyList_GET_SIZE(object) noexcept
+    Py_ssize_t PyTuple_GET_SIZE(object) noexcept
+
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_GetBuffer
+from libc.stdint cimport uintptr_t
+
+import array as _array_module
+
+from ._shared import EMPTY_INDICES as _EMPTY_INDICES
+from ._shared import KEY_FALLS_ON_ACCESS as _KEY_FALLS_ON_ACCESS
+from ._shared import InsertResult as _InsertResult
+from ._shared import MatchResult as _MatchResult
+
+_ndarray = np.ndarray
+_array_type = _array_module.array
+_Tensor = torch.Tensor
+_int32 = torch.int32
+_mode_enabled = torch._C._is_torch_function_mode_enabled
+_from_dlpack = torch._C._from_dlpack
+cdef object _N_INDICES = "indices"
+cdef object _N_LAST_NODE = "last_node"
+cdef object _N_LENGTH = "length"
+cdef object _N_PREFIX_LEN = "prefix_len"
+
+
+cdef inline void release_input(InputBuf* b) noexcept:
+    if b.has_view:
+        b.has_view = False
+        PyBuffer_Release(&b.view)
+
+
+cdef inline bint int64_format(const char* fmt) noexcept:
+    if fmt == NULL:
+        return False
+    if fmt[0] == b'<' or fmt[0] == b'=' or fmt[0] == b'@':
+        fmt += 1
+    return (fmt[0] == b'q' or (fmt[0] == b'l' and sizeof(long) == 8)) and fmt[1] == 0
+
+
+cdef class Core:
+    """One cache's tree, eviction heap, sizes and counters, and its whole-call operations
+    (the interface is specified in ``_core_py``'s docstring)."""
+
+    def __cinit__(self, Py_ssize_t page_size, str policy):
+        self.page_size = page_size
+        self.tree = Tree(page_size)
+        self.heap = EvictionHeap(policy)
+        self.push_on_access = policy in _KEY_FALLS_ON_ACCESS
+        self.new_leaf = None
+        self.tokens_buf = NULL
+        self.tokens_cap = 0
+        self.kv_buf = NULL
+        self.kv_cap = 0
+        self.path = NULL
+        self.path_cap = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self.tokens_buf)
+        PyMem_Free(self.kv_buf)
+        PyMem_Free(self.path)
+
+    def reset_stats(self):
+        self.lookups = self.matched_tokens = self.queried_tokens = 0
+        self.inserts = self.inserted_tokens = self.evictions = self.evicted_tokens = 0
+        self.tree.num_splits = 0
+
+    def reset(self):
+        self.enter()
+        try:
+            self.tree.reset()
+            self.heap.clear()
+            self.evictable = 0
+            self.protected = 0
+            self.new_leaf = None
+            self.device_values = False
+            self.reset_stats()
+        finally:
+            self.busy = False
+
+    cdef int enter(self) except -1:
+        if self.busy:
+            raise RuntimeError(
+                "RadixCache called again while one of its calls is still running (from "
+                "__index__, __hash__/__eq__, a torch hook, a finalizer or another thread); "
+                "serialise calls to a cache")
+        self.busy = True
+        return 0
+
+    # -- inputs ----------------------------------------------------------------------------
+    cdef int64_t* scratch(self, bint for_kv, Py_ssize_t n) except NULL:
+        cdef int64_t* grown
+        cdef Py_ssize_t cap = self.kv_cap if for_kv else self.tokens_cap
+        if n > cap or cap == 0:
+            cap = max(n, 2 * cap, 64)
+            grown = <int64_t*>PyMem_Realloc(self.kv_buf if for_kv else self.tokens_buf,
+                                            cap * sizeof(int64_t))
+            if grown == NULL:
+                raise MemoryError()
+            if for_kv:
+                self.kv_buf = grown
+                self.kv_cap = cap
+            else:
+                self.tokens_buf = grown
+                self.tokens_cap = cap
+        return self.kv_buf if for_kv else self.tokens_buf
+
+    cdef int acquire(self, object obj, InputBuf* b, bint for_kv, bint private) except -1:
+        """Point ``b`` at ``obj`` as int64: 1, or 0 to decline (an unusual input, or one
+        that would fail: the Python path validates it). Reads a list's exact ints without a
+        call; takes a buffer of an int64 numpy array or array('q'); reads a CPU int64
+        tensor's data pointer (only with no torch function mode active, so that its
+        accessors run no Python code). ``private``: copy into the core's own buffer."""
+        cdef Py_ssize_t i, n
+        cdef PyObject** items
+        cdef int64_t* out
+        cdef object kind = type(obj)
+        b.has_view = False
+        if kind is list or kind is tuple:
+            n = PyList_GET_SIZE(obj) if kind is list else PyTuple_GET_SIZE(obj)
+            out = self.scratch(for_kv, n)
+            items = PySequence_Fast_ITEMS(obj)
+            for i in range(n):
+                if not rc_read_int(items[i], &out[i]):
+                    return 0
+            b.ptr = out
+            b.n = n
+            return 1
+        if kind is _ndarray or kind is _array_type:
+            try:
+                PyObject_GetBuffer(obj, &b.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+            except (ValueError, BufferError, TypeError):
+                return 0
+            b.has_view = True
+            if b.view.ndim != 1 or b.view.itemsize != 8 or not int64_format(b.view.format):
+                release_input(b)
+                return 0
+            b.ptr = <const int64_t*>b.view.buf
+            b.n = b.view.shape[0]
+        elif kind is _Tensor:
+            if _mode_enabled():
+                return 0
+            if (not obj.is_cpu or obj.dtype is not _int64 or obj.dim() != 1
+                    or not obj.is_contiguous()):
+                return 0
+            b.n = obj.numel()
+            b.ptr = <const int64_t*><uintptr_t>obj.data_ptr()
+        else:
+            return 0
+        if private:
+            out = self.scratch(for_kv, b.n)
+            if b.n:
+                memcpy(out, b.ptr, b.n * sizeof(int64_t))
+            release_input(b)
+            b.ptr = out
+        return 1
+
+    cdef int64_t namespace(self, object extra_key, bint create) except -2:
+        """Namespace id; -1 unknown, -3 unhashable (declined). Runs the key's __hash__ and
+        __eq__, so it comes before any buffer is taken."""
+        if extra_key is None:
+            return 0
+        try:
+            return self.tree.namespace_of(extra_key, create)
+        except TypeError:
+            return -3
+
+    # -- results ---------------------------------------------------------------------------
+    cdef object match_result(self, object indices, object node, Py_ssize_t length):
+        cdef object n = length
+        return rc_make_result(_MatchResult, _N_INDICES, indices, _N_LAST_NODE, node,
+                              <PyObject*>_N_LENGTH, <PyObject*>n)
+
+    cdef object insert_result(self, Py_ssize_t prefix_len, object node):
+        return rc_make_result(_InsertResult, _N_PREFIX_LEN, prefix_len, _N_LAST_NODE, node,
+                              NULL, NULL)
+
+    cdef int push_if_evictable(self, Node node) except -1:
+        cdef HeapEntry e
+        if node.n_children or node.lock_ref or node.evicted or node is self.tree.root:
+            return 0
+        self.heap.fill_key(node, &e)
+        e.node = <PyObject*>node
+        self.heap.add(&e)
+        if self.heap.size > self.heap.limit:
+            self.heap.compact()
+        return 0
+
+    cdef int note_path(self, Py_ssize_t depth, Node node) except -1:
+        cdef PyObject** grown
+        cdef Py_ssize_t cap
+        if depth >= self.path_cap:
+            cap = max(64, 2 * self.path_cap)
+            grown = <PyObject**>PyMem_Realloc(self.path, cap * sizeof(PyObject*))
+            if grown == NULL:
+                raise MemoryError()
+            self.path = grown
+            self.path_cap = cap
+        self.path[depth] = <PyObject*>node
+        return 0
+
+    # -- whole calls -----------------------------------------------------------------------
+    def match(self, tokens, extra_key=None):
+        cdef InputBuf b
+        cdef int64_t ns = self.namespace(extra_key, False)
+        cdef Py_ssize_t end, pos = 0, common, depth = 0, i, total
+        cdef int64_t now
+        cdef int gc_was = 0
+        cdef bint device = False
+        cdef Node node, child
+        cdef char* out
+        if ns == -3:
+            return None
+        self.enter()
+        try:
+            if not self.acquire(tokens, &b, False, self.device_values):
+                return None
+            # No Python code may run while b points into the caller's memory: no calls out,
+            # and no collection (a finalizer could free a tensor's storage).
+            gc_was = PyGC_Disable()
+            try:
+                end = b.n - b.n % self.page_size
+                self.lookups += 1
+                self.queried_tokens += end
+                if end == 0:
+                    return self.match_result(_EMPTY_INDICES, self.tree.root, 0)
+                self.tree.clock += 1
+                now = self.tree.clock
+                node = self.tree.root
+                node.last_access_time = now
+                if ns >= 0:
+                    while pos < end:
+                        child = self.tree.descend(node, b.ptr + pos, end - pos, ns, &common)
+                        if child is None:
+                            break
+                        child.last_access_time = now
+                        self.note_path(depth, child)
+                        depth += 1
+                        pos += common
+                        node = child
+            finally:
+                release_input(&b)
+            if depth == 0:
+                if gc_was:
+                    PyGC_Enable()
+                    gc_was = 0
+                return self.match_result(_EMPTY_INDICES, self.tree.root, 0)
+            self.matched_tokens += pos
+            if self.push_on_access:
+                self.push_if_evictable(node)
+            for i in range(depth):
+                child = <Node>self.path[i]
+                if child.value_ptr == NULL and child.value_owner is not None:
+                    device = True
+                    break
+            if device:
+                path = [<Node>self.path[i] for i in range(depth)]
+            else:
+                buf = rc_int64_capsule(pos, <int64_t**>&out)
+                total = 0
+                for i in range(depth):
+                    child = <Node>self.path[i]
+                    memcpy(out + total,
+                           child.value_ptr if child.value_ptr != NULL else child.key_ptr,
+                           child.key_len * sizeof(int64_t))
+                    total += child.key_len * sizeof(int64_t)
+            if gc_was:
+                PyGC_Enable()
+                gc_was = 0
+            indices = _cat_values(path) if device else _from_dlpack(buf)
+            return self.match_result(indices, node, pos)
+        finally:
+            if gc_was:
+                PyGC_Enable()
+            self.busy = False
+
+    def insert(self, tokens, kv=None, extra_key=None, priority=0, bint checked=False):
+        cdef InputBuf b, v
+        cdef int64_t prio, ns, now
+        cdef Py_ssize_t end, pos = 0, common, prefix_len, expected = -1
+        cdef int gc_was = 0
+        cdef bint whole, device_kv = False, private
+        cdef Node node, child, leaf = None
+        cdef object piece = None
+        if type(priority) is not int:
+            return None
+        try:
+            prio = PyLong_AsLongLong(priority)
+        except OverflowError:
+            return None
+        ns = self.namespace(extra_key, False)
+        if ns == -3 or (ns == -1 and not checked):
+            return None  # a new namespace is made on the validated call, before any buffer
+        if ns == -1:
+            ns = self.namespace(extra_key, True)
+        if kv is not None and type(kv) is _Tensor and not _mode_enabled() and not kv.is_cpu:
+            # Device values are sliced on their device (a call out): only after validation.
+            if not checked:
+                return None
+            device_kv = True
+        self.enter()
+        b.has_view = False
+        v.has_view = False
+        try:
+            # With device values torch runs mid-call (slicing, GIL released): own copies then.
+            private = self.device_values or device_kv
+            if not self.acquire(tokens, &b, False, private):
+                return None
+            end = b.n - b.n % self.page_size
+            whole = end == b.n
+            if kv is not None and not device_kv:
+                if not self.acquire(kv, &v, True, private) or v.n < end:
+                    release_input(&b)
+                    release_input(&v)
+                    return None
+            if device_kv and end:
+                expected = self.walk_length(b.ptr, end, ns)
+                piece = kv[expected:end].to(_int64, copy=True)
+                self.device_values = True
+            node = self.tree.root
+            self.inserts += 1
+            self.new_leaf = None
+            if end == 0:
+                release_input(&b)
+                release_input(&v)
+                if whole:
+                    self.tree.empty_inserted.add(extra_key)
+                return self.insert_result(0, node)
+            if not self.device_values:
+                gc_was = PyGC_Disable()
+            try:
+                self.tree.clock += 1
+                now = self.tree.clock
+                node.last_access_time = now
+                while pos < end:
+                    child = self.tree.descend(node, b.ptr + pos, end - pos, ns, &common)
+                    if child is None:
+                        break
+                    child.last_access_time = now
+                    child.hit_count += 1
+                    if prio > child.priority:
+                        child.priority = prio
+                    pos += common
+                    node = child
+                prefix_len = pos
+                if pos < end:
+                    if device_kv and expected != pos:
+                        raise RuntimeError("the tree changed during an insert")
+                    leaf = self.tree.new_node(node, now)
+                    leaf.key_owner = PyBytes_FromStringAndSize(<const char*>(b.ptr + pos),
+                                                               (end - pos) * sizeof(int64_t))
+                    leaf.key_ptr = <const int64_t*>PyBytes_AS_STRING(leaf.key_owner)
+                    leaf.key_len = end - pos
+                    if device_kv:
+                        leaf.value_owner = piece
+                    elif kv is not None:
+                        leaf.value_owner = PyBytes_FromStringAndSize(
+                            <const char*>(v.ptr + pos), (end - pos) * sizeof(int64_t))
+                        leaf.value_ptr = <const int64_t*>PyBytes_AS_STRING(leaf.value_owner)
+                    leaf.priority = prio
+                    leaf.hit_count = 1
+                    leaf.ns = ns
+                    leaf.extra_key = extra_key
+                    node.add_child(leaf, self.tree.page_hash(leaf.key_ptr, ns))
+                    self.tree.node_count += 1
+                    node = leaf
+                if whole:
+                    node.terminal = True
+            finally:
+                release_input(&b)
+                release_input(&v)
+            if leaf is not None:
+                self.new_leaf = leaf
+                self.evictable += leaf.key_len
+                self.inserted_tokens += leaf.key_len
+                self.push_if_evictable(leaf)
+            elif self.push_on_access:
+                self.push_if_evictable(node)
+        finally:
+            if gc_was:
+                PyGC_Enable()
+            self.busy = False
+        return self.insert_result(prefix_len, node)
+
+    def exists(self, tokens, extra_key=None):
+        cdef InputBuf b
+        cdef int64_t ns = self.namespace(extra_key, False)
+        cdef Py_ssize_t n, pos = 0, klen
+        cdef Py_ssize_t page_size = self.page_size
+        cdef int gc_was
+        cdef Node node, child
+        cdef bint found = False
+        if ns == -3:
+            return None
+        self.enter()
+        try:
+            if not self.acquire(tokens, &b, False, self.device_values):
+                return None
+            n = b.n
+            if n == 0 or n % page_size or ns < 0:
+                release_input(&b)
+                if n == 0:
+                    return extra_key in self.tree.empty_inserted
+                return False
+            gc_was = PyGC_Disable()
+            node = self.tree.root
+            found = True
+            while pos < n:
+                child = node.find_child(b.ptr + pos, page_size,
+                                        self.tree.page_hash(b.ptr + pos, ns))
+                if child is None:
+                    found = False
+                    break
+                klen = child.key_len
+                if klen > n - pos or memcmp(child.key_ptr, b.ptr + pos,
+                                            klen * sizeof(int64_t)) != 0:
+                    found = False
+                    break
+                pos += klen
+                node = child
+            found = found and node.terminal
+            release_input(&b)
+            if gc_was:
+                PyGC_Enable()
+            return found
+        finally:
+            self.busy = False
+
+    cdef Py_ssize_t walk_length(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept:
+        """Read-only: the cached page-aligned prefix length of buf[:end] (no split)."""
+        cdef Py_ssize_t pos = 0, klen, same
+        cdef Py_ssize_t page_size = self.page_size
+        cdef Node node = self.tree.root
+        cdef Node child
+        if ns < 0:
+            return 0
+        while pos < end:
+            child = node.find_child(buf + pos, page_size, self.tree.page_hash(buf + pos, ns))
+            if child is None:
+                break
+            klen = child.key_len
+            if klen <= end - pos and memcmp(child.key_ptr, buf + pos,
+                                            klen * sizeof(int64_t)) == 0:
+                pos += klen
+                node = child
+                continue
+            same = common_prefix(child.key_ptr, buf + pos, klen if klen < end - pos else end - pos)
+            pos += same - same % page_size
+            break
+        return pos
+
+    def walk(self, tokens, extra_key=None):
+        cdef InputBuf b
+        cdef int64_t ns = self.namespace(extra_key, False)
+        cdef Py_ssize_t length
+        self.enter()
+        try:
+            if not self.acquire(tokens, &b, False, True):
+                raise TypeError("walk takes the common token inputs only")
+            length = self.walk_length(b.ptr, b.n - b.n % self.page_size, ns)
+            release_input(&b)
+            return length
+        finally:
+            self.busy = False
+
+    # -- locks and eviction ----------------------------------------------------------------
+    def lock(self, node, int delta):
+        cdef Py_ssize_t moved
+        self.enter()
+        try:
+            moved = self.tree.lock(node, delta)
+            if delta > 0:
+                self.evictable -= moved
+                self.protected += moved
+            elif moved:
+                self.evictable += moved
+                self.protected -= moved
+                # Only the bottom node can have become an evictable leaf.
+                self.push_if_evictable(<Node>node)
+            return moved
+        finally:
+            self.busy = False
+
+    def pop_victim(self):
+        self.enter()
+        try:
+            return self.heap.pop_victim()
+        finally:
+            self.busy = False
+
+    def remove_leaf(self, Node node):
+        cdef Py_ssize_t size = node.key_len
+        self.enter()
+        try:
+            parent = self.tree.remove_leaf(node)
+            self.evictable -= size
+            self.evictions += 1
+            self.evicted_tokens += size
+            self.push_if_evictable(<Node>parent)
+            return size
+        finally:
+            self.busy = False
+
+    def set_value(self, Node node, values):
+        self.enter()
+        try:
+            if not isinstance(values, np.ndarray):
+                self.device_values = True
+            self.tree.set_value(node, values)
+        finally:
+            self.busy = False

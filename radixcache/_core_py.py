@@ -5,6 +5,48 @@ whichever one ``_core.py`` chose and never walks the tree itself.
 
 Interface shared by both cores
 ------------------------------
+``Core(page_size, policy)`` -- one per cache: the tree, the eviction heap, the sizes and the
+counters, and every per-call operation, each one call into the core. ``cache.py`` keeps the
+public class, input validation (the slow path), device tensors, the evict loop with its free
+callback, events hooks and stats assembly.
+
+The fast-path contract: ``match``, ``insert`` and ``exists`` accept the common inputs --
+tokens as a list or tuple of ints, a 1-D int64 numpy array, ``array('q')`` or a 1-D CPU int64
+torch tensor; ``kv_indices`` as None, such a tensor, array or ``array('q')``, or a list/tuple
+of ints; a hashable ``extra_key``; an ``int`` priority in int64 -- and return their result.
+For anything else, or any input that would fail, they return ``None`` having changed
+nothing; ``cache.py`` then validates in Python (raising the documented exception) and calls
+again with canonical inputs: tokens as a 1-D int64 numpy array, kv as a 1-D int64 numpy array
+or a tensor on a device, ``checked=True``. A call with canonical inputs never returns None.
+
+- ``match(tokens, extra_key) -> MatchResult | None``: the longest cached page-aligned prefix;
+  splits the node where it ends inside one; stamps the path with one clock tick (none when
+  the aligned length is 0); counts a lookup and the queried/matched tokens; for policies in
+  ``KEY_FALLS_ON_ACCESS`` pushes the matched leaf again. ``indices`` is one new int64 tensor
+  (``EMPTY_INDICES`` on a miss, with ``last_node`` the root).
+- ``insert(tokens, kv, extra_key, priority, checked=False) -> InsertResult | None``: walks,
+  splits where the key diverges inside a node, adds the uncached remainder as one new leaf
+  (``new_leaf`` afterwards; None when nothing was new) holding a copy of its slice of ``kv``
+  (CPU values; with ``checked=True`` a device tensor is left for ``set_value``), stamps the
+  path, raises priorities, counts one hit per path node (a new leaf starts at 1), marks the
+  last node terminal when the sequence was page aligned, updates sizes and counters and
+  pushes the new leaf on the heap.
+- ``exists(tokens, extra_key) -> bool | None``: read-only exact-sequence test.
+- ``walk(tokens, extra_key) -> int``: read-only longest cached page-aligned prefix length (no
+  split, no stamps, no counters): the bare tree walk that the benchmarks time.
+- ``lock(node, delta) -> int``: ``delta`` +1 or -1; walks node -> root (root excluded), moves
+  the tokens that crossed between unlocked and locked between ``evictable`` and
+  ``protected`` and returns their count; an unlock that makes the node an evictable leaf
+  pushes it. ``TypeError`` for a non-node, ``ValueError`` for an evicted node, a node of
+  another tree or an unlock below 0, changing nothing.
+- ``pop_victim() -> Node | None`` and ``remove_leaf(node) -> int`` (tokens freed): the evict
+  loop's two steps; ``remove_leaf`` detaches the leaf, marks it evicted, drops its value,
+  counts the eviction and pushes the parent if it became an evictable leaf.
+- ``set_value(node, values)``: a fresh leaf's device values (a tensor kept as given).
+- ``reset()``, ``reset_stats()``; attributes ``tree``, ``heap``, ``evictable``,
+  ``protected``, ``lookups``, ``matched_tokens``, ``queried_tokens``, ``inserts``,
+  ``inserted_tokens``, ``evictions``, ``evicted_tokens``, ``new_leaf``.
+
 ``Node`` -- one tree node. Public, read-only properties: ``key`` (read-only 1-D int64 numpy
 array of the node's tokens), ``num_tokens``, ``stored_value`` (the index tensor given at
 insert, or None when the key doubles as the indices or the node was evicted), ``parent``,
@@ -13,44 +55,19 @@ insert, or None when the key doubles as the indices or the node was evicted), ``
 ``terminal``, and ``value`` (the index tensor, materialised from the key when none was
 stored, None once evicted).
 
-``Tree(page_size)`` -- attributes ``root``, ``page_size``, ``clock`` (logical time, +1 per
-touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writable counter).
+``Tree`` (``Core.tree``) -- attributes ``root``, ``page_size``, ``clock`` (logical time, +1 per
+touching call), ``node_count`` (nodes excluding the root), ``num_splits``; ``iter_nodes() ->
+iterator of (node, depth)``: pre-order, root first at depth 0, siblings in ``display_order``
+(so both cores list a tree identically). Its walks are the core's own business.
 
-- ``match(tokens, extra_key) -> (path, length)``: ``path`` lists the matched nodes below the
-  root (the last one split so the match ends on its boundary); ``length`` is page aligned.
-  Length 0 touches nothing; otherwise one clock tick stamps the root and every path node.
-- ``insert(tokens, extra_key, priority) -> (prefix_len, last_node, new_leaf)``: walks, splits
-  where the key diverges inside a node, adds the uncached remainder as one new leaf (``None``
-  if nothing was new), stamps the path, raises priorities to ``priority``, counts one hit per
-  path node (a new leaf starts at 1), marks ``last_node`` terminal when the whole sequence was
-  page aligned.
-- ``exists(tokens, extra_key) -> bool``: read-only exact-sequence test (terminal mark).
-- ``walk(tokens, extra_key) -> int``: read-only longest cached page-aligned prefix length (no
-  split, no stamps): the bare tree walk that the benchmarks time against the whole call.
-- ``set_value(node, values)``: stores a fresh leaf's indices: a CPU int64 numpy array is
-  copied into the core's own buffer, a device tensor is kept as given.
-- ``gather(path) -> torch.Tensor``: the path's indices concatenated into a new int64 tensor.
-- ``lock(node, delta) -> int``: ``delta`` is +1 or -1; walks node -> root (root excluded),
-  returns how many tokens crossed between unlocked and locked. Raises ``TypeError`` for a
-  non-node, ``ValueError`` for an evicted node, a node of another tree, or an unlock below 0,
-  changing nothing.
-- ``remove_leaf(node) -> parent``: detaches an unlocked leaf, marks it evicted, clears its
-  stored value.
-- ``reset()``: drops every node (marking each evicted) without recursion.
-- ``iter_nodes() -> iterator of (node, depth)``: pre-order, root first at depth 0, siblings in
-  ``display_order`` (so both cores list a tree identically).
-
-``tokens`` is a list or tuple of ints, or any object exposing a C-contiguous int64 buffer
-(``numpy.int64`` arrays, ``array('q')``); the core converts it once per call. Bad tokens
-raise ``TypeError``/``OverflowError`` before anything changes.
-
-``EvictionHeap(policy)`` -- the lazy eviction heap (policy names as in ``EVICTION_POLICIES``):
-``push(node)``, ``pop_victim() -> node | None``, ``len()``, ``clear()``, ``key_of(node)`` and
-``entries()`` (list of (stored key, node)); see the class docstring.
+``EvictionHeap`` (``Core.heap``) -- the lazy eviction heap (policy names as in
+``EVICTION_POLICIES``): ``len()``, ``key_of(node)`` and ``entries()`` (list of (stored key,
+node)) for consistency checks; see the class docstring.
 """
 
 from __future__ import annotations
 
+import array
 import heapq
 import struct
 from typing import Any, Iterator
@@ -58,9 +75,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ._shared import cat_values, display_order, indices_from_key
+from ._shared import (_INT64_MAX, _INT64_MIN, EMPTY_INDICES, KEY_FALLS_ON_ACCESS, InsertResult,
+                      MatchResult, cat_values, display_order, indices_from_key)
 
-__all__ = ["Node", "Tree", "EvictionHeap", "CORE_NAME"]
+__all__ = ["Core", "Node", "Tree", "EvictionHeap", "CORE_NAME"]
 
 CORE_NAME = "python"
 
@@ -74,27 +92,60 @@ def _new_id() -> int:
     return _next_id
 
 
-def _as_bytes(tokens: Any) -> bytes:
-    """The caller's tokens as one native int64 byte string (one conversion per call)."""
-    if isinstance(tokens, (list, tuple)):
+def _token_bytes(tokens: Any) -> bytes | None:
+    """The common token inputs as one native int64 byte string (one conversion per call):
+    a list or tuple of ints, a 1-D int64 numpy array, ``array('q')`` or a 1-D CPU int64
+    tensor. None for anything else, or when a conversion fails: cache.py's checks take over."""
+    kind = type(tokens)
+    if kind is list or kind is tuple:
         try:
             return struct.pack(f"{len(tokens)}q", *tokens)
-        except struct.error as exc:
-            # struct reports both wrong types and out-of-range values as struct.error.
-            for tok in tokens:
-                if not isinstance(tok, int) and not hasattr(tok, "__index__"):
-                    raise TypeError(
-                        f"token ids must be integers, got {type(tok).__name__}"
-                    ) from None
-                if not -(2**63) <= tok.__index__() < 2**63:
-                    raise OverflowError(
-                        f"token id {tok} does not fit in int64"
-                    ) from None
-            raise TypeError(f"bad token ids: {exc}") from None
-    view = memoryview(tokens)
-    if view.format not in ("q", "l", "<q", "=q") or view.itemsize != 8 or view.ndim != 1:
-        raise TypeError("token buffer must be 1-D int64")
-    return view.tobytes()
+        except struct.error:
+            return None
+    if kind is np.ndarray:
+        if tokens.dtype == np.int64 and tokens.ndim == 1:
+            return tokens.tobytes()
+        return None
+    if kind is array.array:
+        return tokens.tobytes() if tokens.typecode == "q" else None
+    if kind is torch.Tensor:
+        if tokens.is_cpu and tokens.dtype is torch.int64 and tokens.dim() == 1:
+            return tokens.numpy().tobytes()
+    return None
+
+
+def _kv_array(kv: Any, needed: int) -> np.ndarray | None:
+    """The common kv_indices inputs as a 1-D int64 array of at least ``needed`` entries (a
+    view where possible; the core copies the new leaf's slice). None for anything else."""
+    kind = type(kv)
+    if kind is torch.Tensor:
+        if not kv.is_cpu or kv.dtype is not torch.int64 or kv.dim() != 1:
+            return None
+        arr = kv.numpy()
+    elif kind is np.ndarray:
+        arr = kv
+    elif kind is array.array:
+        if kv.typecode != "q":
+            return None
+        arr = np.frombuffer(kv, dtype=np.int64) if len(kv) else np.empty(0, dtype=np.int64)
+    elif kind is list or kind is tuple:
+        try:
+            arr = np.array(kv)
+        except (OverflowError, ValueError, TypeError):
+            return None
+    else:
+        return None
+    if arr.dtype != np.int64 or arr.ndim != 1 or arr.shape[0] < needed:
+        return None
+    return arr
+
+
+def _hashable(extra_key: Any) -> bool:
+    try:
+        hash(extra_key)
+    except TypeError:
+        return False
+    return True
 
 
 def _first_mismatch(a: bytes, b: bytes) -> int:
@@ -291,8 +342,7 @@ class Tree:
         common = self._common_bytes(key, buf, pos, end)
         return self._split(child, common), common
 
-    def match(self, tokens: Any, extra_key: Any = None) -> tuple[list, int]:
-        buf = _as_bytes(tokens)
+    def match(self, buf: bytes, extra_key: Any = None) -> tuple[list, int]:
         end = self._aligned_end(buf)
         if end == 0:
             return [], 0
@@ -312,8 +362,7 @@ class Tree:
             node = child
         return path, pos // _TOKEN_BYTES
 
-    def insert(self, tokens: Any, extra_key: Any = None, priority: int = 0):
-        buf = _as_bytes(tokens)
+    def insert(self, buf: bytes, extra_key: Any = None, priority: int = 0):
         end = self._aligned_end(buf)
         whole = end == len(buf)
         node = self.root
@@ -348,8 +397,7 @@ class Tree:
             node._terminal = True
         return prefix_len, node, new_leaf
 
-    def exists(self, tokens: Any, extra_key: Any = None) -> bool:
-        buf = _as_bytes(tokens)
+    def exists(self, buf: bytes, extra_key: Any = None) -> bool:
         end = len(buf)
         if end % self._page_bytes:
             return False
@@ -369,9 +417,8 @@ class Tree:
             node = child
         return node._terminal
 
-    def walk(self, tokens: Any, extra_key: Any = None) -> int:
+    def walk(self, buf: bytes, extra_key: Any = None) -> int:
         """Read-only: the longest cached page-aligned prefix length (no split, no stamps)."""
-        buf = _as_bytes(tokens)
         end = self._aligned_end(buf)
         node = self.root
         pos = 0
@@ -600,3 +647,130 @@ class EvictionHeap:
         self._heap = list(self._nodes)
         heapq.heapify(self._heap)
         self._limit = max(1024, 2 * len(self._heap))
+
+
+# -- the per-cache core object -------------------------------------------------------------
+class Core:
+    """One cache's tree, eviction heap, sizes and counters, and its whole-call operations."""
+
+    __slots__ = ("tree", "heap", "page_size", "evictable", "protected", "lookups",
+                 "matched_tokens", "queried_tokens", "inserts", "inserted_tokens", "evictions",
+                 "evicted_tokens", "new_leaf", "_push_on_access")
+
+    def __init__(self, page_size: int, policy: str) -> None:
+        self.page_size = page_size
+        self.tree = Tree(page_size)
+        self.heap = EvictionHeap(policy)
+        self._push_on_access = policy in KEY_FALLS_ON_ACCESS
+        self.evictable = 0
+        self.protected = 0
+        self.new_leaf = None
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.lookups = self.matched_tokens = self.queried_tokens = 0
+        self.inserts = self.inserted_tokens = self.evictions = self.evicted_tokens = 0
+        self.tree.num_splits = 0
+
+    def reset(self) -> None:
+        self.tree.reset()
+        self.heap.clear()
+        self.evictable = 0
+        self.protected = 0
+        self.new_leaf = None
+        self.reset_stats()
+
+    def _push_if_evictable(self, node: Node) -> None:
+        if (not node._children and not node._lock_ref and not node._evicted
+                and node is not self.tree.root):
+            self.heap.push(node)
+
+    # -- whole calls -----------------------------------------------------------------------
+    def match(self, tokens: Any, extra_key: Any = None) -> MatchResult | None:
+        buf = _token_bytes(tokens)
+        if buf is None or (extra_key is not None and not _hashable(extra_key)):
+            return None
+        tree = self.tree
+        path, length = tree.match(buf, extra_key)
+        self.lookups += 1
+        n = len(buf) // _TOKEN_BYTES
+        self.queried_tokens += n - n % self.page_size
+        if not path:
+            return MatchResult(EMPTY_INDICES, tree.root, 0)
+        self.matched_tokens += length
+        last = path[-1]
+        if self._push_on_access:
+            self._push_if_evictable(last)
+        return MatchResult(tree.gather(path), last, length)
+
+    def insert(self, tokens: Any, kv: Any = None, extra_key: Any = None, priority: Any = 0,
+               checked: bool = False) -> InsertResult | None:
+        if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
+            return None
+        buf = _token_bytes(tokens)
+        if buf is None or (extra_key is not None and not _hashable(extra_key)):
+            return None
+        device_values = False
+        values = None
+        if kv is not None:
+            if checked and type(kv) is not np.ndarray:
+                device_values = True  # validated by cache.py: a tensor on a device
+            else:
+                n = len(buf) // _TOKEN_BYTES
+                values = _kv_array(kv, n - n % self.page_size)
+                if values is None:
+                    return None
+        tree = self.tree
+        prefix_len, last, new_leaf = tree.insert(buf, extra_key, priority)
+        self.inserts += 1
+        self.new_leaf = new_leaf
+        if new_leaf is not None:
+            added = new_leaf.num_tokens
+            if values is not None:
+                tree.set_value(new_leaf, values[prefix_len:prefix_len + added])
+            self.evictable += added
+            self.inserted_tokens += added
+            self.heap.push(new_leaf)
+        elif self._push_on_access:
+            self._push_if_evictable(last)
+        return InsertResult(prefix_len, last)
+
+    def exists(self, tokens: Any, extra_key: Any = None) -> bool | None:
+        buf = _token_bytes(tokens)
+        if buf is None or (extra_key is not None and not _hashable(extra_key)):
+            return None
+        return self.tree.exists(buf, extra_key)
+
+    def walk(self, tokens: Any, extra_key: Any = None) -> int:
+        buf = _token_bytes(tokens)
+        if buf is None:
+            raise TypeError("walk takes the common token inputs only")
+        return self.tree.walk(buf, extra_key)
+
+    # -- locks and eviction ----------------------------------------------------------------
+    def lock(self, node: Any, delta: int) -> int:
+        moved = self.tree.lock(node, delta)
+        if delta > 0:
+            self.evictable -= moved
+            self.protected += moved
+        elif moved:
+            self.evictable += moved
+            self.protected -= moved
+            # Only the bottom node can have become an evictable leaf: the rest have children.
+            self._push_if_evictable(node)
+        return moved
+
+    def pop_victim(self) -> Node | None:
+        return self.heap.pop_victim()
+
+    def remove_leaf(self, node: Node) -> int:
+        size = node.num_tokens
+        parent = self.tree.remove_leaf(node)
+        self.evictable -= size
+        self.evictions += 1
+        self.evicted_tokens += size
+        self._push_if_evictable(parent)
+        return size
+
+    def set_value(self, node: Node, values: Any) -> None:
+        self.tree.set_value(node, values)
