@@ -164,16 +164,16 @@ def run_exercise_cache(ops: list, core: str) -> RadixCache:
 
 
 def run_exercise_tree(ops: list, core: str) -> Any:
-    """The ops on a bare tree core (no cache layer): what the core alone costs."""
-    tree = CORES[core].Tree(1)
-    insert = tree.insert
-    exists = tree.exists
+    """The ops on a bare core object (no cache layer): what the core alone costs."""
+    bare = CORES[core].Core(1, "lru")
+    insert = bare.insert
+    exists = bare.exists
     for op, tokens in ops:
         if op == "insert":
-            insert(tokens, None, 0)
+            insert(tokens)
         else:
-            exists(tokens, None)
-    return tree
+            exists(tokens)
+    return bare
 
 
 def run_exercise_set(ops: list) -> set:

@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             goals = EXERCISE_GOALS[shape]
             targets.add(f"exercise ({shape}): c vs python (RadixCache)", ratio(py_time, c_time),
                         goals["python"], goals["python_met"])
-            targets.add(f"exercise ({shape}): c vs python (bare tree core, no cache layer)",
+            targets.add(f"exercise ({shape}): c vs python (bare core object, no cache layer)",
                         ratio(res["tree:python"]["time"],
                               res["tree:c"]["time"] if compiled else None), "(none)", None)
             targets.add(f"exercise ({shape}): c (RadixCache) vs set of tuples, speed",
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [["`numpy.array_equal` (same arrays)", fmt_time(base), "1.00x"]]
         for core in cores:
             for kind, label in (("match_prefix", "`RadixCache.match_prefix`"),
-                                ("tree_walk", "core walk `Tree.match`")):
+                                ("tree_walk", "core walk `Core.walk`")):
                 t = res[f"{kind}:{core}"]
                 rows.append([f"{label}, core={core}", fmt_time(t), fmt_ratio(ratio(t, base))])
         out.append(f"### 4. Match of one cached prompt of {sizes.match_tokens} tokens\n\n"
@@ -489,7 +489,7 @@ def _contender_label(name: str) -> str:
     if name == "set":
         return "`set` of tuples"
     kind, core = name.split(":")
-    return f"RadixCache, core={core}" if kind == "cache" else f"bare tree core, core={core}"
+    return f"RadixCache, core={core}" if kind == "cache" else f"bare core object, core={core}"
 
 
 def _serving_table(res: dict, cores: list[str]) -> str:
