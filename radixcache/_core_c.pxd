@@ -74,9 +74,15 @@ cdef class Tree:
 
 
 cdef class EvictionHeap:
+    # The 4-ary heap: entries below the run's last one.
     cdef HeapEntry* items
     cdef Py_ssize_t size
     cdef Py_ssize_t capacity
+    # The sorted run: a ring buffer (power-of-two capacity) of entries pushed in order.
+    cdef HeapEntry* run
+    cdef Py_ssize_t run_head
+    cdef Py_ssize_t run_size
+    cdef Py_ssize_t run_cap
     cdef Py_ssize_t limit
     cdef int policy
 
@@ -84,6 +90,8 @@ cdef class EvictionHeap:
     cdef void fill_key(self, Node n, HeapEntry* e) noexcept
     cdef int add(self, const HeapEntry* entry) except -1
     cdef void sift_down(self, Py_ssize_t i) noexcept
+    cdef HeapEntry* run_at(self, Py_ssize_t i) noexcept
+    cdef bint take_front(self, HeapEntry* out) noexcept
     cdef int compact(self) except -1
 
 

@@ -694,13 +694,25 @@ cdef inline bint entry_same_key(const HeapEntry* a, const HeapEntry* b) noexcept
 
 @cython.final
 cdef class EvictionHeap:
-    """Lazy min-heap of evictable leaves in policy order (see the pure core's class)."""
+    """Lazy min-heap of evictable leaves in policy order (see the pure core's class).
+
+    Two containers, one order: a sorted run (a ring buffer) that takes every entry not
+    below its last one, and a 4-ary heap for the rest; a pop takes the smaller front. With
+    lru/fifo/priority a new leaf's key is nearly always the largest yet (the clock only
+    rises), so most entries go through the run, whose pops touch memory in order; the heap
+    keeps the out-of-order ones (re-pushes of touched leaves, lfu, mru). A 4-ary heap's
+    children sit together (one or two cache lines), so a sift touches half the levels.
+    """
 
     def __cinit__(self, str policy):
         self.policy = _POLICY_IDS[policy]
         self.items = NULL
         self.size = 0
         self.capacity = 0
+        self.run = NULL
+        self.run_head = 0
+        self.run_size = 0
+        self.run_cap = 0
         self.limit = 1024
 
     def __dealloc__(self):
@@ -710,10 +722,17 @@ cdef class EvictionHeap:
         cdef Py_ssize_t i
         for i in range(self.size):
             Py_DECREF(<object>self.items[i].node)
+        for i in range(self.run_size):
+            Py_DECREF(<object>self.run[(self.run_head + i) & (self.run_cap - 1)].node)
         PyMem_Free(self.items)
+        PyMem_Free(self.run)
         self.items = NULL
+        self.run = NULL
         self.size = 0
         self.capacity = 0
+        self.run_head = 0
+        self.run_size = 0
+        self.run_cap = 0
 
     cdef void fill_key(self, Node n, HeapEntry* e) noexcept:
         cdef uint64_t priority = <uint64_t>n.priority + _BIAS
@@ -743,10 +762,29 @@ cdef class EvictionHeap:
             e.k2 = access
             e.k3 = node_id
 
+    cdef inline HeapEntry* run_at(self, Py_ssize_t i) noexcept:
+        return &self.run[(self.run_head + i) & (self.run_cap - 1)]
+
     cdef int add(self, const HeapEntry* entry) except -1:
         """Push ``entry``, taking a new reference to its node."""
-        cdef Py_ssize_t i, parent
+        cdef Py_ssize_t i, parent, cap
         cdef HeapEntry* grown
+        if self.run_size == 0 or not entry_less(entry, self.run_at(self.run_size - 1)):
+            if self.run_size == self.run_cap:
+                cap = 64 if self.run_cap == 0 else 2 * self.run_cap  # a power of two
+                grown = <HeapEntry*>PyMem_Malloc(cap * sizeof(HeapEntry))
+                if grown == NULL:
+                    raise MemoryError()
+                for i in range(self.run_size):
+                    grown[i] = self.run_at(i)[0]
+                PyMem_Free(self.run)
+                self.run = grown
+                self.run_head = 0
+                self.run_cap = cap
+            Py_INCREF(<object>entry.node)
+            self.run_at(self.run_size)[0] = entry[0]
+            self.run_size += 1
+            return 0
         if self.size == self.capacity:
             grown = <HeapEntry*>PyMem_Realloc(
                 self.items, (self.capacity * 2 + 64) * sizeof(HeapEntry))
@@ -758,7 +796,7 @@ cdef class EvictionHeap:
         i = self.size
         self.size += 1
         while i > 0:
-            parent = (i - 1) >> 1
+            parent = (i - 1) >> 2
             if not entry_less(entry, &self.items[parent]):
                 break
             self.items[i] = self.items[parent]
@@ -768,22 +806,45 @@ cdef class EvictionHeap:
 
     cdef void sift_down(self, Py_ssize_t i) noexcept:
         cdef HeapEntry moving = self.items[i]
-        cdef Py_ssize_t child
+        cdef Py_ssize_t child, best, last
         while True:
-            child = 2 * i + 1
+            child = 4 * i + 1
             if child >= self.size:
                 break
-            if child + 1 < self.size and entry_less(&self.items[child + 1],
-                                                    &self.items[child]):
+            best = child
+            last = child + 4 if child + 4 <= self.size else self.size
+            child += 1
+            while child < last:
+                if entry_less(&self.items[child], &self.items[best]):
+                    best = child
                 child += 1
-            if not entry_less(&self.items[child], &moving):
+            if not entry_less(&self.items[best], &moving):
                 break
-            self.items[i] = self.items[child]
-            i = child
+            self.items[i] = self.items[best]
+            i = best
         self.items[i] = moving
 
+    cdef bint take_front(self, HeapEntry* out) noexcept:
+        """Remove the smallest entry into ``out`` (its reference moves to the caller)."""
+        cdef bint from_run
+        if self.run_size == 0 and self.size == 0:
+            return False
+        from_run = self.size == 0 or (self.run_size > 0
+                                      and entry_less(self.run_at(0), &self.items[0]))
+        if from_run:
+            out[0] = self.run_at(0)[0]
+            self.run_head = (self.run_head + 1) & (self.run_cap - 1)
+            self.run_size -= 1
+        else:
+            out[0] = self.items[0]
+            self.size -= 1
+            if self.size > 0:
+                self.items[0] = self.items[self.size]
+                self.sift_down(0)
+        return True
+
     def __len__(self):
-        return self.size
+        return self.size + self.run_size
 
     def clear(self):
         self.release()
@@ -797,26 +858,26 @@ cdef class EvictionHeap:
     def entries(self):
         """(stored key, node) of every entry (for consistency checks)."""
         cdef Py_ssize_t i
-        return [((self.items[i].k0, self.items[i].k1, self.items[i].k2,
-                  self.items[i].k3), <Node>self.items[i].node) for i in range(self.size)]
+        cdef HeapEntry* e
+        out = [((self.items[i].k0, self.items[i].k1, self.items[i].k2,
+                 self.items[i].k3), <Node>self.items[i].node) for i in range(self.size)]
+        for i in range(self.run_size):
+            e = self.run_at(i)
+            out.append(((e.k0, e.k1, e.k2, e.k3), <Node>e.node))
+        return out
 
     def push(self, Node node):
         cdef HeapEntry e
         self.fill_key(node, &e)
         e.node = <PyObject*>node
         self.add(&e)
-        if self.size > self.limit:
+        if self.size + self.run_size > self.limit:
             self.compact()
 
     def pop_victim(self):
         cdef HeapEntry top, current
         cdef Node node
-        while self.size > 0:
-            top = self.items[0]
-            self.size -= 1
-            if self.size > 0:
-                self.items[0] = self.items[self.size]
-                self.sift_down(0)
+        while self.take_front(&top):
             node = <Node>top.node
             Py_DECREF(node)  # the heap's reference; ``node`` holds its own
             if node.evicted or node.n_children or node.lock_ref:
@@ -831,21 +892,30 @@ cdef class EvictionHeap:
         return None
 
     cdef int compact(self) except -1:
-        """Keep one usable entry per evictable leaf; amortised O(1) per push."""
-        cdef Py_ssize_t i, kept = 0
+        """Keep one usable entry per evictable leaf; amortised O(1) per push. The run is
+        filtered in order (it stays sorted), the heap in place and then heapified."""
+        cdef Py_ssize_t i, kept = 0, total = self.size + self.run_size
         cdef HeapEntry current
+        cdef HeapEntry* e
+        cdef HeapEntry* ordered
         cdef Node node
-        best = {}  # node id -> index of its smallest usable entry
-        for i in range(self.size):
-            node = <Node>self.items[i].node
+        best = {}  # node id -> position (heap first, then the run) of its smallest entry
+        for i in range(total):
+            e = &self.items[i] if i < self.size else self.run_at(i - self.size)
+            node = <Node>e.node
             if node.evicted or node.n_children or node.lock_ref:
                 continue
             self.fill_key(node, &current)
-            if entry_less(&current, &self.items[i]):
+            if entry_less(&current, e):
                 continue  # stored above current: discarded when popped anyway
             j = best.get(node.id)
-            if j is None or entry_less(&self.items[i], &self.items[<Py_ssize_t>j]):
+            if j is None:
                 best[node.id] = i
+            else:
+                other = &self.items[<Py_ssize_t>j] if j < self.size else self.run_at(
+                    <Py_ssize_t>j - self.size)
+                if entry_less(e, other):
+                    best[node.id] = i
         keep = set(best.values())
         for i in range(self.size):  # in place: kept <= i throughout
             if i in keep:
@@ -854,9 +924,29 @@ cdef class EvictionHeap:
             else:
                 Py_DECREF(<object>self.items[i].node)
         self.size = kept
-        for i in range(kept // 2 - 1, -1, -1):
-            self.sift_down(i)
-        self.limit = max(1024, 2 * kept)
+        kept = 0
+        ordered = self.run if self.run_head == 0 else NULL
+        if ordered == NULL and self.run_size:
+            ordered = <HeapEntry*>PyMem_Malloc(self.run_cap * sizeof(HeapEntry))
+            if ordered == NULL:
+                raise MemoryError()
+            for i in range(self.run_size):
+                ordered[i] = self.run_at(i)[0]
+            PyMem_Free(self.run)
+            self.run = ordered
+            self.run_head = 0
+        # A run entry's position in ``best`` was (heap size before) + its index.
+        for i in range(self.run_size):
+            if (total - self.run_size + i) in keep:
+                self.run[kept] = self.run[i]
+                kept += 1
+            else:
+                Py_DECREF(<object>self.run[i].node)
+        self.run_size = kept
+        if self.size > 1:  # (cdivision: (0 - 2) // 4 would be 0, not -1)
+            for i in range((self.size - 2) // 4, -1, -1):
+                self.sift_down(i)
+        self.limit = max(1024, 2 * (self.size + self.run_size))
         return 0
 
 
@@ -1153,7 +1243,7 @@ cdef class Core:
         self.heap.fill_key(node, &e)
         e.node = <PyObject*>node
         self.heap.add(&e)
-        if self.heap.size > self.heap.limit:
+        if self.heap.size + self.heap.run_size > self.heap.limit:
             self.heap.compact()
         return 0
 
