@@ -20,15 +20,34 @@ cdef struct HeapEntry:
     PyObject* node     # owned reference
 
 
+cdef struct TokenBuf:
+    # The call's tokens as int64: in an owner (a bytes object the call holds) or, borrowed,
+    # in the caller's buffer (``held``: ``view`` is released when the call ends).
+    const int64_t* ptr
+    Py_ssize_t len
+    bint held
+    Py_buffer view
+
+
+cdef class Guard:
+    # Set while a call of the tree or its heap runs: a nested call raises RuntimeError.
+    cdef readonly int busy
+
+    cdef int enter(self, str what) except -1
+
+
 cdef class Node:
     # Tokens live in key_owner (a bytes object); split halves share it at different offsets.
     cdef object key_owner
     cdef const int64_t* key_ptr
     cdef Py_ssize_t key_len
     # Index values: an int64 buffer (bytes, CPU values, shared across splits like keys) that
-    # value_ptr points into, a device tensor (value_ptr NULL), or None: the key is the values.
+    # value_ptr points into; a device tensor (value_ptr NULL) whose elements
+    # [value_off, value_off + key_len) are this node's (split halves share it, so a split
+    # never calls torch); or None: the key is the values.
     cdef object value_owner
     cdef const int64_t* value_ptr
+    cdef Py_ssize_t value_off
     # Borrowed: an attached child never outlives its parent's reference to it.
     cdef PyObject* parent_ptr
     # Open-addressing hash table of children (linear probing, power-of-two capacity).
@@ -51,7 +70,6 @@ cdef class Node:
     cdef Py_ssize_t slot_of(self, Node child, uint64_t h) noexcept
     cdef void remove_slot(self, Py_ssize_t i) noexcept
     cdef int grow(self) except -1
-    cdef void release_children(self) noexcept
 
 
 cdef class Tree:
@@ -60,17 +78,30 @@ cdef class Tree:
     cdef readonly int64_t clock
     cdef readonly Py_ssize_t node_count
     cdef public Py_ssize_t num_splits
+    cdef readonly Guard guard
+    # extra_key -> namespace id, only while the namespace has nodes. Ids come from a
+    # counter and are never reused, so a stale id can only ever find nothing.
     cdef dict namespaces
+    # namespace id -> number of root children in it (its entry goes with the last one).
+    cdef dict ns_roots
+    cdef int64_t last_ns
     # Namespaces in which the empty sequence was inserted (it has no node to mark).
     cdef set empty_inserted
 
     cdef uint64_t page_hash(self, const int64_t* page, int64_t ns) noexcept nogil
-    cdef int64_t namespace_of(self, object extra_key, bint create) except -2
+    cdef int64_t find_namespace(self, object extra_key) except -2
+    cdef int64_t make_namespace(self, object extra_key) except -2
+    cdef void forget_namespace(self, object extra_key, int64_t ns) noexcept
     cdef Node split(self, Node child, Py_ssize_t at)
-    cdef Node descend(self, Node node, const int64_t* tokens, Py_ssize_t remaining,
-                      int64_t ns, Py_ssize_t* matched)
+    cdef Node find_match(self, Node node, const int64_t* tokens, Py_ssize_t remaining,
+                         int64_t ns, Py_ssize_t* matched)
     cdef Node new_node(self, Node parent, int64_t now)
+    cdef Node make_root(self)
     cdef void teardown(self) noexcept
+    cdef object store_value(self, Node node, object values)
+    cdef Py_ssize_t lock_path(self, object node, int delta) except -1
+    cdef Node detach_leaf(self, Node node, list dropped)
+    cdef object clear(self)
 
 
 cdef class EvictionHeap:
@@ -85,6 +116,7 @@ cdef class EvictionHeap:
     cdef Py_ssize_t run_cap
     cdef Py_ssize_t limit
     cdef int policy
+    cdef Guard guard
 
     cdef void release(self) noexcept
     cdef void fill_key(self, Node n, HeapEntry* e) noexcept
@@ -92,21 +124,16 @@ cdef class EvictionHeap:
     cdef void sift_down(self, Py_ssize_t i) noexcept
     cdef HeapEntry* run_at(self, Py_ssize_t i) noexcept
     cdef bint take_front(self, HeapEntry* out) noexcept
-    cdef int compact(self) except -1
-
-
-cdef struct InputBuf:
-    # The caller's tokens or kv indices as int64: in its own buffer (view held), in a
-    # tensor's storage, or in the core's scratch buffer.
-    const int64_t* ptr
-    Py_ssize_t n
-    Py_buffer view
-    bint has_view
+    cdef list push_entry(self, Node node)
+    cdef object pop_entry(self, list stale)
+    cdef list compact(self)
 
 
 cdef class Core:
     cdef readonly Tree tree
     cdef readonly EvictionHeap heap
+    # The tree's guard (shared with the heap): held for the whole of every call.
+    cdef readonly Guard guard
     cdef readonly Py_ssize_t page_size
     cdef readonly int64_t evictable
     cdef readonly int64_t protected
@@ -117,13 +144,10 @@ cdef class Core:
     cdef readonly int64_t inserted_tokens
     cdef readonly int64_t evictions
     cdef readonly int64_t evicted_tokens
-    cdef readonly object new_leaf
+    cdef object new_leaf
     cdef bint push_on_access
-    # Set for the whole of each call: a call into the same cache from inside it is refused.
-    cdef bint busy
-    # Some node holds device values: torch runs inside walks (splits slice them).
-    cdef bint device_values
-    # Scratch buffers reused across calls: converted tokens and kv, the matched path.
+    # Scratch buffers reused across calls (the guard makes them the call's own): converted
+    # or copied tokens and kv, the matched path.
     cdef int64_t* tokens_buf
     cdef Py_ssize_t tokens_cap
     cdef int64_t* kv_buf
@@ -131,12 +155,12 @@ cdef class Core:
     cdef PyObject** path
     cdef Py_ssize_t path_cap
 
-    cdef int enter(self) except -1
+    cdef int take(self, bint held, str what) except -1
+    cdef void give(self, bint held) noexcept
     cdef int64_t* scratch(self, bint for_kv, Py_ssize_t n) except NULL
-    cdef int acquire(self, object obj, InputBuf* b, bint for_kv, bint private) except -1
-    cdef int64_t namespace(self, object extra_key, bint create) except -2
+    cdef int acquire(self, object obj, TokenBuf* b, bint for_kv, bint private) except -1
     cdef object match_result(self, object indices, object node, Py_ssize_t length)
     cdef object insert_result(self, Py_ssize_t prefix_len, object node)
-    cdef int push_if_evictable(self, Node node) except -1
+    cdef object push_if_evictable(self, Node node)
     cdef int note_path(self, Py_ssize_t depth, Node node) except -1
     cdef Py_ssize_t walk_length(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept

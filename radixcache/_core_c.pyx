@@ -5,9 +5,26 @@
 Keys are int64 runs inside bytes objects (split halves share one at different offsets);
 children sit in a per-node open-addressing table keyed by a hash of (namespace, first page),
 so a walk step boxes no Python int. The caller's tokens become one int64 buffer per call.
+
+Python code can run inside any call: a token's ``__index__``, an extra_key's
+``__hash__``/``__eq__``, torch hooks, and finalizers set off by a DECREF or by a collection
+that allocating a node triggers (which can also let another thread run). So:
+
+- every entry point holds the tree's ``Guard`` (shared with its heap): a nested call into
+  the same tree or heap raises ``RuntimeError`` instead of changing what the call relies on;
+- a borrowed pointer into a caller's object is never read after Python code may have run
+  (tokens read from a list are exact ints only, anything else is converted from a snapshot
+  that holds references; a borrowed buffer is read only before the call's first allocation);
+- a split calls nothing (device values are shared with an offset, not sliced);
+- structure first, references released after: no DECREF in the middle of an update of a
+  child table or the heap, and teardown never recurses;
+- nodes are visible to the garbage collector (children included), so cycles through the
+  objects they hold are collected.
 """
 
 cimport cython
+from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release,
+                             PyObject_GetBuffer)
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLong
@@ -21,7 +38,7 @@ import numpy as np
 import torch
 
 from ._shared import cat_values as _cat_values
-from ._shared import display_order, indices_from_key
+from ._shared import display_order, indices_from_key, reentered
 
 _frombuffer = torch.frombuffer
 _int64 = torch.int64
@@ -33,6 +50,7 @@ cdef Py_ssize_t _MIN_SLOTS = 4
 # Grow the first memcmp block by doubling up to this many tokens: early mismatches stay
 # cheap, long matches run at memcmp speed.
 cdef Py_ssize_t _MAX_BLOCK = 4096
+_INT64_FORMATS = frozenset((b"q", b"l", b"<q", b"=q", b"<l", b"=l"))
 
 
 cdef inline int64_t _new_id() noexcept:
@@ -70,6 +88,7 @@ cdef inline Py_ssize_t common_prefix(const int64_t* a, const int64_t* b,
 cdef extern from "Python.h":
     # Borrowed-pointer spellings: the conversion loop never touches reference counts.
     PyObject** PySequence_Fast_ITEMS(object)
+    Py_ssize_t PySequence_Fast_GET_SIZE(object)
     bint long_check_exact "PyLong_CheckExact"(PyObject*) noexcept
     long long long_value "PyLong_AsLongLong"(PyObject*) except? -1
 
@@ -95,17 +114,19 @@ cdef extern from *:
     bint rc_small_int(PyObject* o, int64_t* out) noexcept
 
 
-cdef inline int64_t token_value(PyObject* item) except? -1:
-    # Exact ints take the fast path; anything else must have __index__ (a float never
-    # truncates silently). Errors get their message in token_error(), off the hot path.
-    cdef int64_t value
-    if long_check_exact(item):
-        if rc_small_int(item, &value):
-            return value
-        return long_value(item)
-    return PyLong_AsLongLong(PyNumber_Index(<object>item))
+# -- re-entrancy guard ---------------------------------------------------------------------
+@cython.final
+cdef class Guard:
+    """Set while a call into a tree or its heap runs; a nested call raises RuntimeError."""
+
+    cdef int enter(self, str what) except -1:
+        if self.busy:
+            raise reentered(what)
+        self.busy = 1
+        return 0
 
 
+# -- the caller's tokens as one int64 buffer -----------------------------------------------
 cdef object token_error(object tokens):
     """Re-raise a failed conversion with a message naming the bad token."""
     for item in tokens:
@@ -118,39 +139,129 @@ cdef object token_error(object tokens):
     return TypeError("bad token ids")
 
 
-cdef object as_tokens(object tokens, const int64_t** out, Py_ssize_t* out_len):
-    """Point ``out`` at the tokens as one int64 buffer; the returned object keeps it alive."""
-    cdef Py_ssize_t i, length
-    cdef int64_t* buf
+cdef int convert_held(PyObject** items, Py_ssize_t n, int64_t* out) except -1:
+    """Convert items that are not all exact ints. Each gets a reference first: their
+    ``__index__`` is Python code, which may change or empty the caller's list."""
+    cdef PyObject** held = <PyObject**>PyMem_Malloc((n if n else 1) * sizeof(PyObject*))
+    cdef Py_ssize_t i
+    if held == NULL:
+        raise MemoryError()
+    for i in range(n):  # no Python code runs in this loop
+        held[i] = items[i]
+        Py_INCREF(<object>held[i])
+    try:
+        for i in range(n):
+            out[i] = PyLong_AsLongLong(PyNumber_Index(<object>held[i]))
+    except (TypeError, OverflowError):
+        raise token_error(tuple([<object>held[i] for i in range(n)])) from None
+    finally:
+        for i in range(n):
+            Py_DECREF(<object>held[i])
+        PyMem_Free(held)
+    return 0
+
+
+cdef object sequence_tokens(object tokens, TokenBuf* tb):
+    """A list or tuple of token ids as a new bytes object of int64 (``tb`` points into it)."""
+    cdef Py_ssize_t i, n = PySequence_Fast_GET_SIZE(tokens)
     cdef PyObject** items
-    cdef const int64_t[::1] view
-    cdef object owner
-    if type(tokens) is list or type(tokens) is tuple:
-        length = len(tokens)
-        items = PySequence_Fast_ITEMS(tokens)
-        owner = PyBytes_FromStringAndSize(NULL, length * sizeof(int64_t))
-        buf = <int64_t*>PyBytes_AS_STRING(owner)
-        try:
-            for i in range(length):
-                buf[i] = token_value(items[i])
-        except (TypeError, OverflowError):
-            raise token_error(tokens) from None
-    else:
-        # Zero-copy for numpy int64 arrays and array('q'): one buffer acquisition per call.
-        try:
-            view = tokens
-        except (ValueError, BufferError) as exc:
-            raise TypeError(f"token buffer must be 1-D contiguous int64: {exc}") from None
-        out_len[0] = view.shape[0]
-        out[0] = &view[0] if view.shape[0] else NULL
-        return view
-    out[0] = <const int64_t*>buf
-    out_len[0] = length
+    cdef PyObject* item
+    cdef int64_t* buf
+    cdef int64_t value
+    # A bytes object is not tracked by the garbage collector: allocating it runs no Python
+    # code, so nothing can change the list between here and the end of the exact-int loop.
+    owner = PyBytes_FromStringAndSize(NULL, n * sizeof(int64_t))
+    buf = <int64_t*>PyBytes_AS_STRING(owner)
+    items = PySequence_Fast_ITEMS(tokens)
+    for i in range(n):
+        item = items[i]
+        if not long_check_exact(item):
+            convert_held(items + i, n - i, buf + i)
+            break
+        if rc_small_int(item, &value):
+            buf[i] = value
+        else:
+            try:
+                buf[i] = long_value(item)
+            except OverflowError:
+                raise token_error(tokens) from None
+    tb.ptr = <const int64_t*>buf
+    tb.len = n
     return owner
 
 
+cdef int borrow_buffer(object values, TokenBuf* tb, str what) except -1:
+    """Point ``tb`` at a caller's 1-D contiguous int64 buffer; ``release_tokens`` gives it
+    back. Read it before anything that can run Python code (an allocation of a tracked
+    object can): a numpy array can be resized under a held buffer."""
+    try:
+        PyObject_GetBuffer(values, &tb.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+    except (TypeError, ValueError, BufferError) as exc:
+        raise TypeError(f"{what} must be 1-D contiguous int64: {exc}") from None
+    tb.held = True
+    if (tb.view.ndim != 1 or tb.view.itemsize != 8
+            or (tb.view.format != NULL and <bytes>tb.view.format not in _INT64_FORMATS)):
+        release_tokens(tb)
+        raise TypeError(f"{what} must be 1-D contiguous int64")
+    tb.ptr = <const int64_t*>tb.view.buf
+    tb.len = tb.view.shape[0]
+    return 0
+
+
+cdef inline void release_tokens(TokenBuf* tb) noexcept:
+    if tb.held:
+        tb.held = False
+        PyBuffer_Release(&tb.view)
+
+
+cdef object get_tokens(object tokens, bint borrow, TokenBuf* tb):
+    """The caller's tokens for one call: converted (list, tuple), borrowed (``borrow``: the
+    caller reads them before its first allocation) or copied. Returns the owner or None."""
+    if type(tokens) is list or type(tokens) is tuple:
+        return sequence_tokens(tokens, tb)
+    borrow_buffer(tokens, tb, "token buffer")
+    if borrow:
+        return None
+    try:
+        owner = PyBytes_FromStringAndSize(<const char*>tb.ptr, tb.len * sizeof(int64_t))
+    finally:
+        release_tokens(tb)
+    tb.ptr = <const int64_t*>PyBytes_AS_STRING(owner)
+    return owner
+
+
+# -- nodes ---------------------------------------------------------------------------------
+cdef void drop_subtree(Node top) noexcept:
+    """Empty ``top``'s child table and release its descendants (marked evicted) without
+    recursion: a node's children move onto a stack before its table goes, so no DECREF ever
+    frees a node that still has children (that would recurse once per level)."""
+    cdef Node node = top
+    cdef Py_ssize_t i
+    cdef PyObject* child
+    stack = []
+    while True:
+        if node.slots != NULL:
+            for i in range(node.slot_mask + 1):
+                child = node.slots[i].node
+                if child != NULL:
+                    stack.append(<Node>child)
+                    node.slots[i].node = NULL
+                    (<Node>child).parent_ptr = NULL
+                    Py_DECREF(<object>child)  # the table's reference; the stack holds one
+            PyMem_Free(node.slots)
+            node.slots = NULL
+            node.slot_mask = -1
+            node.n_children = 0
+        if not stack:
+            break
+        node = <Node>stack.pop()  # the previous node goes here: it has no children left
+        node.evicted = True
+        node.value_ptr = NULL
+        node.value_owner = None
+
+
 @cython.final
-@cython.no_gc
+@cython.no_gc_clear  # a generated tp_clear would drop key_owner under key_ptr
 cdef class Node:
     """A radix tree node of the compiled core."""
 
@@ -162,25 +273,11 @@ cdef class Node:
         self.key_ptr = NULL
         self.key_len = 0
         self.value_ptr = NULL
+        self.value_off = 0
 
     def __dealloc__(self):
-        self.release_children()
-
-    cdef void release_children(self) noexcept:
-        cdef Py_ssize_t i
-        cdef PyObject* child
-        if self.slots == NULL:
-            return
-        for i in range(self.slot_mask + 1):
-            child = self.slots[i].node
-            if child != NULL:
-                (<Node>child).parent_ptr = NULL
-                self.slots[i].node = NULL
-                Py_DECREF(<object>child)
-        PyMem_Free(self.slots)
-        self.slots = NULL
-        self.slot_mask = -1
-        self.n_children = 0
+        if self.slots != NULL:
+            drop_subtree(self)
 
     cdef Node find_child(self, const int64_t* page, Py_ssize_t page_size, uint64_t h):
         cdef Py_ssize_t i
@@ -275,15 +372,19 @@ cdef class Node:
 
     @property
     def value(self):
+        cdef Py_ssize_t start = self.value_off, length = self.key_len
         if self.evicted:
             return None
         if self.value_ptr != NULL:
             base = <const int64_t*>PyBytes_AS_STRING(self.value_owner)
             return indices_from_key(np.frombuffer(
-                self.value_owner, dtype=np.int64, count=self.key_len,
+                self.value_owner, dtype=np.int64, count=length,
                 offset=(self.value_ptr - base) * sizeof(int64_t)))
-        if self.value_owner is not None:
-            return self.value_owner
+        owner = self.value_owner
+        if owner is not None:
+            if start == 0 and owner.shape[0] == length:
+                return owner
+            return owner[start:start + length]  # a view: split halves share the tensor
         return indices_from_key(self.key)
 
     @property
@@ -310,16 +411,18 @@ cdef class Node:
                 f"lock_ref={self.lock_ref}{' evicted' if self.evicted else ''}>")
 
 
+@cython.no_gc_clear  # tree_clear below tears down iteratively instead
 cdef class Tree:
     """The compiled radix tree: walks, splits, locks; no tensors, no heap."""
 
     def __cinit__(self, Py_ssize_t page_size):
         self.page_size = page_size
-        self.namespaces = {None: 0}
+        self.guard = Guard()
+        self.namespaces = {}
+        self.ns_roots = {}
+        self.last_ns = 0
         self.empty_inserted = set()
-        self.root = self.new_node(None, 0)
-        self.root.key_owner = b""
-        self.root.key_ptr = <const int64_t*>PyBytes_AS_STRING(self.root.key_owner)
+        self.root = self.make_root()
 
     def __dealloc__(self):
         # Iterative teardown: dropping a deep chain by refcount would recurse per level.
@@ -335,6 +438,18 @@ cdef class Tree:
             node.extra_key = parent.extra_key
         return node
 
+    cdef Node make_root(self):
+        cdef Node root = self.new_node(None, 0)
+        root.key_owner = b""
+        root.key_ptr = <const int64_t*>PyBytes_AS_STRING(root.key_owner)
+        return root
+
+    cdef void teardown(self) noexcept:
+        cdef Node root = self.root
+        if root is not None:
+            root.evicted = True
+            drop_subtree(root)
+
     cdef uint64_t page_hash(self, const int64_t* page, int64_t ns) noexcept nogil:
         cdef uint64_t h = _mix(<uint64_t>ns + 0x9e3779b97f4a7c15ULL)
         cdef Py_ssize_t i
@@ -342,24 +457,44 @@ cdef class Tree:
             h = _mix(h ^ <uint64_t>page[i])
         return h
 
-    cdef int64_t namespace_of(self, object extra_key, bint create) except -2:
-        """The namespace id of ``extra_key``; -1 when unknown and not created."""
+    # -- namespaces ------------------------------------------------------------------
+    # Resolved once per call, before the walk: the dict lookup runs the key's
+    # __hash__/__eq__, which must not happen once a walk has started.
+    cdef int64_t find_namespace(self, object extra_key) except -2:
+        """The id of ``extra_key``'s namespace; -1 when it has no nodes."""
         if extra_key is None:
             return 0
         ns = self.namespaces.get(extra_key)
-        if ns is None:
-            if not create:
-                return -1
-            ns = len(self.namespaces)
-            self.namespaces[extra_key] = ns
-        return <int64_t>ns
+        return -1 if ns is None else <int64_t>ns
 
+    cdef int64_t make_namespace(self, object extra_key) except -2:
+        """``find_namespace``, creating the namespace when it has none."""
+        if extra_key is None:
+            return 0
+        ns = self.namespaces.get(extra_key)
+        if ns is not None and ns in self.ns_roots:
+            return <int64_t>ns
+        self.namespaces[extra_key] = self.last_ns + 1
+        self.last_ns += 1
+        self.ns_roots[self.last_ns] = 0
+        return self.last_ns
+
+    cdef void forget_namespace(self, object extra_key, int64_t ns) noexcept:
+        """Drop ``extra_key``'s entry once its last node went, so that keys do not pile up.
+        Runs the key's __hash__/__eq__, so it comes after every structural write; an error
+        there is reported as unraisable and leaves a stale entry, which finds nothing."""
+        if self.namespaces.get(extra_key) == ns:
+            del self.namespaces[extra_key]
+
+    # -- structure -------------------------------------------------------------------
     cdef Node split(self, Node child, Py_ssize_t at):
-        """Split ``child`` ``at`` tokens in: a new upper node takes over its place."""
+        """Split ``child`` ``at`` tokens in: a new upper node takes over its place.
+
+        The allocation (which may run a collection, so Python code) comes first; everything
+        after it is plain C, with the parent's slot found after the allocation."""
+        cdef Node upper = self.new_node(None, child.last_access_time)
         cdef Node parent = <Node>child.parent_ptr
-        cdef uint64_t h = self.page_hash(child.key_ptr, child.ns)
-        cdef Py_ssize_t i = parent.slot_of(child, h)
-        cdef Node upper = self.new_node(parent, child.last_access_time)
+        cdef Py_ssize_t i = parent.slot_of(child, self.page_hash(child.key_ptr, child.ns))
         upper.key_owner = child.key_owner
         upper.key_ptr = child.key_ptr
         upper.key_len = at
@@ -369,13 +504,15 @@ cdef class Tree:
         upper.created_time = child.created_time
         upper.ns = child.ns
         upper.extra_key = child.extra_key
+        # Values are shared, never sliced here: a CPU buffer through value_ptr, a device
+        # tensor through value_off (slicing one is torch code, which may run hooks).
+        upper.value_owner = child.value_owner
+        upper.value_ptr = child.value_ptr
+        upper.value_off = child.value_off
         if child.value_ptr != NULL:
-            upper.value_owner = child.value_owner
-            upper.value_ptr = child.value_ptr
             child.value_ptr = child.value_ptr + at
         elif child.value_owner is not None:
-            upper.value_owner = child.value_owner[:at]
-            child.value_owner = child.value_owner[at:]
+            child.value_off += at
         # Upper takes child's slot in the parent (same first page, same hash): the slot's
         # reference to child moves into upper's table below.
         Py_INCREF(upper)
@@ -389,14 +526,12 @@ cdef class Tree:
         self.num_splits += 1
         return upper
 
-    # -- walks -----------------------------------------------------------------------
-    cdef Node descend(self, Node node, const int64_t* tokens, Py_ssize_t remaining,
-                      int64_t ns, Py_ssize_t* matched):
-        """The child of ``node`` that ``tokens`` enter, split so that the match ends on its
-        boundary (``matched`` tokens); None if no child starts with their first page.
-
-        After a split the walk's next lookup finds nothing (the lower half starts with the
-        page that differed), so callers simply keep descending."""
+    cdef Node find_match(self, Node node, const int64_t* tokens, Py_ssize_t remaining,
+                         int64_t ns, Py_ssize_t* matched):
+        """The child of ``node`` that ``tokens`` enter and how many of its tokens they match
+        (``matched``, page aligned, > 0); None if no child starts with their first page.
+        A match shorter than the child means the caller splits it, and its walk ends there:
+        the lower half starts with the page that differed. Calls nothing."""
         cdef Node child = node.find_child(tokens, self.page_size,
                                           self.page_hash(tokens, ns))
         cdef Py_ssize_t klen, common
@@ -406,137 +541,8 @@ cdef class Tree:
         common = common_prefix(child.key_ptr, tokens, klen if klen < remaining else remaining)
         if common < klen:
             common -= common % self.page_size
-            child = self.split(child, common)
         matched[0] = common
         return child
-
-    def match(self, tokens, extra_key=None):
-        cdef const int64_t* buf
-        cdef Py_ssize_t n, end, pos = 0, common
-        cdef int64_t now, ns
-        cdef Node node, child
-        keep = as_tokens(tokens, &buf, &n)
-        end = n - n % self.page_size
-        if end == 0:
-            return [], 0
-        ns = self.namespace_of(extra_key, False)
-        self.clock += 1
-        now = self.clock
-        node = self.root
-        node.last_access_time = now
-        path = []
-        if ns < 0:
-            return path, 0
-        while pos < end:
-            child = self.descend(node, buf + pos, end - pos, ns, &common)
-            if child is None:
-                break
-            child.last_access_time = now
-            path.append(child)
-            pos += common
-            node = child
-        return path, pos
-
-    def insert(self, tokens, extra_key=None, int64_t priority=0):
-        cdef const int64_t* buf
-        cdef Py_ssize_t n, end, pos = 0, common
-        cdef int64_t now, ns
-        cdef bint whole
-        cdef Node node, child, leaf
-        keep = as_tokens(tokens, &buf, &n)
-        end = n - n % self.page_size
-        whole = end == n
-        node = self.root
-        if end == 0:
-            if whole:
-                self.empty_inserted.add(extra_key)
-            return 0, node, None
-        ns = self.namespace_of(extra_key, True)
-        self.clock += 1
-        now = self.clock
-        node.last_access_time = now
-        while pos < end:
-            child = self.descend(node, buf + pos, end - pos, ns, &common)
-            if child is None:
-                break
-            child.last_access_time = now
-            child.hit_count += 1
-            if priority > child.priority:
-                child.priority = priority
-            pos += common
-            node = child
-        prefix_len = pos
-        leaf = None
-        if pos < end:
-            leaf = self.new_node(node, now)
-            leaf.key_owner = PyBytes_FromStringAndSize(<const char*>(buf + pos),
-                                                       (end - pos) * sizeof(int64_t))
-            leaf.key_ptr = <const int64_t*>PyBytes_AS_STRING(leaf.key_owner)
-            leaf.key_len = end - pos
-            leaf.priority = priority
-            leaf.hit_count = 1
-            leaf.ns = ns
-            leaf.extra_key = extra_key
-            node.add_child(leaf, self.page_hash(leaf.key_ptr, ns))
-            self.node_count += 1
-            node = leaf
-        if whole:
-            node.terminal = True
-        return prefix_len, node, leaf
-
-    def exists(self, tokens, extra_key=None):
-        cdef const int64_t* buf
-        cdef Py_ssize_t n, pos = 0, klen
-        cdef Py_ssize_t page_size = self.page_size
-        cdef int64_t ns
-        cdef Node node, child
-        keep = as_tokens(tokens, &buf, &n)
-        if n % page_size:
-            return False
-        node = self.root
-        if n == 0:
-            return extra_key in self.empty_inserted
-        ns = self.namespace_of(extra_key, False)
-        if ns < 0:
-            return False
-        while pos < n:
-            child = node.find_child(buf + pos, page_size, self.page_hash(buf + pos, ns))
-            if child is None:
-                return False
-            klen = child.key_len
-            if klen > n - pos or memcmp(child.key_ptr, buf + pos, klen * sizeof(int64_t)) != 0:
-                return False
-            pos += klen
-            node = child
-        return node.terminal
-
-    def walk(self, tokens, extra_key=None):
-        """Read-only: the longest cached page-aligned prefix length (no split, no stamps)."""
-        cdef const int64_t* buf
-        cdef Py_ssize_t n, end, pos = 0, klen, same
-        cdef Py_ssize_t page_size = self.page_size
-        cdef int64_t ns
-        cdef Node node = self.root
-        cdef Node child
-        ns = self.namespace_of(extra_key, False)
-        keep = as_tokens(tokens, &buf, &n)
-        end = n - n % page_size
-        if ns < 0:
-            return 0
-        while pos < end:
-            child = node.find_child(buf + pos, page_size, self.page_hash(buf + pos, ns))
-            if child is None:
-                break
-            klen = child.key_len
-            if klen <= end - pos and memcmp(child.key_ptr, buf + pos,
-                                            klen * sizeof(int64_t)) == 0:
-                pos += klen
-                node = child
-                continue
-            same = common_prefix(child.key_ptr, buf + pos, klen if klen < end - pos else end - pos)
-            pos += same - same % page_size
-            break
-        return pos
 
     # -- node bookkeeping ------------------------------------------------------------
     def _check_member(self, node):
@@ -555,38 +561,34 @@ cdef class Tree:
         if top is not self.root:
             raise ValueError(f"node {(<Node>node).id} belongs to another cache")
 
-    def set_value(self, Node node, values):
-        """Store a leaf's indices: a CPU int64 array is copied in, a device tensor kept."""
-        cdef const int64_t[::1] view
-        if isinstance(values, np.ndarray):
-            view = values
-            if view.shape[0] != node.key_len:
-                raise ValueError(f"{view.shape[0]} values for a node of {node.key_len} tokens")
-            node.value_owner = PyBytes_FromStringAndSize(
-                <const char*>&view[0], node.key_len * sizeof(int64_t))
-            node.value_ptr = <const int64_t*>PyBytes_AS_STRING(node.value_owner)
-        else:
-            node.value_owner = values
-            node.value_ptr = NULL
+    # The Core holds the guard around these: none of them takes it, and each returns (or
+    # appends to ``dropped``) the references it let go, for the Core to release after it.
+    cdef object store_value(self, Node node, object values):
+        """Store a leaf's indices: a CPU int64 array is copied in, a device tensor kept.
+        Returns the previous value."""
+        cdef TokenBuf tb
+        tb.held = False
+        try:
+            if isinstance(values, np.ndarray):
+                borrow_buffer(values, &tb, "values")
+                if tb.len != node.key_len:
+                    raise ValueError(f"{tb.len} values for a node of {node.key_len} tokens")
+                owner = PyBytes_FromStringAndSize(<const char*>tb.ptr,
+                                                  tb.len * sizeof(int64_t))
+            else:
+                owner = values
+        finally:
+            release_tokens(&tb)
+        previous = node.value_owner
+        node.value_ptr = NULL
+        node.value_off = 0
+        node.value_owner = owner
+        if owner is not values:
+            node.value_ptr = <const int64_t*>PyBytes_AS_STRING(owner)
+        return previous
 
-    def gather(self, list path):
-        """The path's index values concatenated into one new int64 tensor."""
-        cdef Py_ssize_t total = 0, pos = 0
-        cdef Node node
-        cdef char* out
-        for node in path:
-            if node.value_ptr == NULL and node.value_owner is not None:
-                return _cat_values(path)  # device tensors: torch concatenates
-            total += node.key_len
-        buf = PyByteArray_FromStringAndSize(NULL, total * sizeof(int64_t))
-        out = PyByteArray_AS_STRING(buf)
-        for node in path:
-            memcpy(out + pos, node.value_ptr if node.value_ptr != NULL else node.key_ptr,
-                   node.key_len * sizeof(int64_t))
-            pos += node.key_len * sizeof(int64_t)
-        return _frombuffer(buf, dtype=_int64)
-
-    def lock(self, node, int delta):
+    cdef Py_ssize_t lock_path(self, object node, int delta) except -1:
+        """Lock (+1) or unlock (-1) node -> root; the tokens that crossed."""
         cdef Node cur
         cdef Py_ssize_t moved = 0, own, i
         if node is None or node is self.root:
@@ -616,48 +618,48 @@ cdef class Tree:
             cur = <Node>cur.parent_ptr
         return moved
 
-    def remove_leaf(self, Node node):
+    cdef Node detach_leaf(self, Node node, list dropped):
+        """Detach an attached leaf (marked evicted, value dropped); returns its parent."""
         cdef Node parent
-        cdef Py_ssize_t i
-        if node.parent_ptr == NULL or node.n_children:
+        cdef Py_ssize_t count
+        if node.evicted or node.parent_ptr == NULL or node.n_children:
             raise ValueError(f"node {node.id} is not an attached leaf")
         parent = <Node>node.parent_ptr
-        i = parent.slot_of(node, self.page_hash(node.key_ptr, node.ns))
-        parent.remove_slot(i)
+        parent.remove_slot(parent.slot_of(node, self.page_hash(node.key_ptr, node.ns)))
         node.parent_ptr = NULL
         node.evicted = True
-        node.value_owner = None
+        dropped.append(node.value_owner)
         node.value_ptr = NULL
+        node.value_owner = None
         self.node_count -= 1
         Py_DECREF(node)  # the table's reference; the caller still holds one
+        if parent is self.root and node.ns:
+            count = self.ns_roots.get(node.ns, 1) - 1
+            if count:
+                self.ns_roots[node.ns] = count
+            else:
+                del self.ns_roots[node.ns]
+                self.forget_namespace(node.extra_key, node.ns)  # last: runs user code
         return parent
 
-    cdef void teardown(self) noexcept:
-        cdef Node node
-        cdef Py_ssize_t i
-        if self.root is None:
-            return
-        stack = [self.root]
-        while stack:
-            node = <Node>stack.pop()
-            for i in range(node.slot_mask + 1):
-                if node.slots[i].node != NULL:
-                    stack.append(<Node>node.slots[i].node)
-            node.release_children()
-            node.evicted = True
-            node.value_owner = None
-            node.value_ptr = NULL
-
-    def reset(self):
-        self.teardown()
-        self.namespaces = {None: 0}
-        self.empty_inserted = set()
-        self.root = self.new_node(None, 0)
-        self.root.key_owner = b""
-        self.root.key_ptr = <const int64_t*>PyBytes_AS_STRING(self.root.key_owner)
+    cdef object clear(self):
+        """Drop every node (marked evicted), iteratively; returns the old tables."""
+        cdef Node old_root
+        fresh_root = self.make_root()  # allocations first, then the swap
+        fresh_namespaces, fresh_roots, fresh_empty = {}, {}, set()
+        old_root = self.root
+        old_tables = (self.namespaces, self.empty_inserted)
+        self.root = fresh_root
+        self.namespaces = fresh_namespaces
+        self.ns_roots = fresh_roots
+        self.empty_inserted = fresh_empty
         self.clock = 0
         self.node_count = 0
         self.num_splits = 0
+        # The tree is consistent (and empty) before the old one's references go.
+        old_root.evicted = True
+        drop_subtree(old_root)
+        return old_tables
 
     def iter_nodes(self):
         cdef Node node
@@ -692,7 +694,16 @@ cdef inline bint entry_same_key(const HeapEntry* a, const HeapEntry* b) noexcept
     return a.k0 == b.k0 and a.k1 == b.k1 and a.k2 == b.k2 and a.k3 == b.k3
 
 
+cdef void release_entries(HeapEntry* items, Py_ssize_t n) noexcept:
+    """Drop the references of entries already detached from their heap, and free them."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        Py_DECREF(<object>items[i].node)
+    PyMem_Free(items)
+
+
 @cython.final
+@cython.no_gc_clear  # heap_clear below releases the entries
 cdef class EvictionHeap:
     """Lazy min-heap of evictable leaves in policy order (see the pure core's class).
 
@@ -702,10 +713,13 @@ cdef class EvictionHeap:
     rises), so most entries go through the run, whose pops touch memory in order; the heap
     keeps the out-of-order ones (re-pushes of touched leaves, lfu, mru). A 4-ary heap's
     children sit together (one or two cache lines), so a sift touches half the levels.
-    """
 
-    def __cinit__(self, str policy):
+    ``guard`` is the tree's (``Tree.guard``), so that a call into either while one of them
+    works raises; without one the heap has its own."""
+
+    def __cinit__(self, str policy, Guard guard=None):
         self.policy = _POLICY_IDS[policy]
+        self.guard = guard if guard is not None else Guard()
         self.items = NULL
         self.size = 0
         self.capacity = 0
@@ -719,20 +733,30 @@ cdef class EvictionHeap:
         self.release()
 
     cdef void release(self) noexcept:
-        cdef Py_ssize_t i
-        for i in range(self.size):
-            Py_DECREF(<object>self.items[i].node)
-        for i in range(self.run_size):
-            Py_DECREF(<object>self.run[(self.run_head + i) & (self.run_cap - 1)].node)
-        PyMem_Free(self.items)
+        # Detach first (the run in order into one array): a DECREF may run a finalizer
+        # that uses this heap.
+        cdef HeapEntry* items = self.items
+        cdef Py_ssize_t n = self.size, i
+        if self.run_size:
+            if n + self.run_size > self.capacity:
+                items = <HeapEntry*>PyMem_Realloc(items, (n + self.run_size) * sizeof(HeapEntry))
+            if items == NULL:  # no memory to detach into: release in place
+                items = self.items
+                for i in range(self.run_size):
+                    Py_DECREF(<object>self.run_at(i).node)
+            else:
+                for i in range(self.run_size):
+                    items[n + i] = self.run_at(i)[0]
+                n += self.run_size
         PyMem_Free(self.run)
         self.items = NULL
-        self.run = NULL
         self.size = 0
         self.capacity = 0
+        self.run = NULL
         self.run_head = 0
         self.run_size = 0
         self.run_cap = 0
+        release_entries(items, n)
 
     cdef void fill_key(self, Node n, HeapEntry* e) noexcept:
         cdef uint64_t priority = <uint64_t>n.priority + _BIAS
@@ -762,11 +786,11 @@ cdef class EvictionHeap:
             e.k2 = access
             e.k3 = node_id
 
-    cdef inline HeapEntry* run_at(self, Py_ssize_t i) noexcept:
+    cdef HeapEntry* run_at(self, Py_ssize_t i) noexcept:
         return &self.run[(self.run_head + i) & (self.run_cap - 1)]
 
     cdef int add(self, const HeapEntry* entry) except -1:
-        """Push ``entry``, taking a new reference to its node."""
+        """Push ``entry``, taking a new reference to its node. Allocates no Python object."""
         cdef Py_ssize_t i, parent, cap
         cdef HeapEntry* grown
         if self.run_size == 0 or not entry_less(entry, self.run_at(self.run_size - 1)):
@@ -847,8 +871,10 @@ cdef class EvictionHeap:
         return self.size + self.run_size
 
     def clear(self):
-        self.release()
+        self.guard.enter("clear")
         self.limit = 1024
+        self.guard.busy = 0
+        self.release()  # detaches first: finalizers may use the (now empty) heap
 
     def key_of(self, Node node):
         cdef HeapEntry e
@@ -859,27 +885,44 @@ cdef class EvictionHeap:
         """(stored key, node) of every entry (for consistency checks)."""
         cdef Py_ssize_t i
         cdef HeapEntry* e
-        out = [((self.items[i].k0, self.items[i].k1, self.items[i].k2,
-                 self.items[i].k3), <Node>self.items[i].node) for i in range(self.size)]
-        for i in range(self.run_size):
-            e = self.run_at(i)
-            out.append(((e.k0, e.k1, e.k2, e.k3), <Node>e.node))
-        return out
+        self.guard.enter("entries")
+        try:
+            out = [((self.items[i].k0, self.items[i].k1, self.items[i].k2,
+                     self.items[i].k3), <Node>self.items[i].node) for i in range(self.size)]
+            for i in range(self.run_size):
+                e = self.run_at(i)
+                out.append(((e.k0, e.k1, e.k2, e.k3), <Node>e.node))
+            return out
+        finally:
+            self.guard.busy = 0
 
-    def push(self, Node node):
+    cdef list push_entry(self, Node node):
+        """Push ``node``; returns what a compaction dropped (None when none ran), for the
+        caller to release once everything is consistent."""
         cdef HeapEntry e
         self.fill_key(node, &e)
         e.node = <PyObject*>node
         self.add(&e)
         if self.size + self.run_size > self.limit:
-            self.compact()
+            return self.compact()
+        return None
 
-    def pop_victim(self):
+    def push(self, Node node):
+        self.guard.enter("push")
+        try:
+            dropped = self.push_entry(node)  # released when the call returns
+        finally:
+            self.guard.busy = 0
+
+    cdef object pop_entry(self, list stale):
+        """The next victim or None; nodes of dropped entries go to ``stale`` (released by
+        the caller once everything is consistent)."""
         cdef HeapEntry top, current
         cdef Node node
         while self.take_front(&top):
             node = <Node>top.node
-            Py_DECREF(node)  # the heap's reference; ``node`` holds its own
+            stale.append(node)
+            Py_DECREF(node)  # the heap's reference; ``stale`` holds one
             if node.evicted or node.n_children or node.lock_ref:
                 continue  # pushed again if it becomes an evictable leaf
             self.fill_key(node, &current)
@@ -891,17 +934,38 @@ cdef class EvictionHeap:
             # else: a fall in key always came with a fresh push
         return None
 
-    cdef int compact(self) except -1:
+    def pop_victim(self):
+        stale = []  # entries dropped here, released when the call returns
+        self.guard.enter("pop_victim")
+        try:
+            return self.pop_entry(stale)
+        finally:
+            self.guard.busy = 0
+
+    cdef list compact(self):
         """Keep one usable entry per evictable leaf; amortised O(1) per push. The run is
-        filtered in order (it stays sorted), the heap in place and then heapified."""
+        filtered in order (it stays sorted), the heap in place and then heapified. Returns
+        the dropped entries' nodes, for the caller to release once the heap is consistent."""
         cdef Py_ssize_t i, kept = 0, total = self.size + self.run_size
+        cdef Py_ssize_t heap_before = self.size
         cdef HeapEntry current
         cdef HeapEntry* e
+        cdef HeapEntry* other
         cdef HeapEntry* ordered
         cdef Node node
-        best = {}  # node id -> position (heap first, then the run) of its smallest entry
+        # Put the run in order at the start of its buffer (allocates before anything moves).
+        if self.run_head != 0 and self.run_size:
+            ordered = <HeapEntry*>PyMem_Malloc(self.run_cap * sizeof(HeapEntry))
+            if ordered == NULL:
+                raise MemoryError()
+            for i in range(self.run_size):
+                ordered[i] = self.run_at(i)[0]
+            PyMem_Free(self.run)
+            self.run = ordered
+        self.run_head = 0
+        best = {}  # node id -> position (the heap's entries, then the run's)
         for i in range(total):
-            e = &self.items[i] if i < self.size else self.run_at(i - self.size)
+            e = &self.items[i] if i < heap_before else &self.run[i - heap_before]
             node = <Node>e.node
             if node.evicted or node.n_children or node.lock_ref:
                 continue
@@ -912,42 +976,35 @@ cdef class EvictionHeap:
             if j is None:
                 best[node.id] = i
             else:
-                other = &self.items[<Py_ssize_t>j] if j < self.size else self.run_at(
-                    <Py_ssize_t>j - self.size)
+                other = (&self.items[<Py_ssize_t>j] if <Py_ssize_t>j < heap_before
+                         else &self.run[<Py_ssize_t>j - heap_before])
                 if entry_less(e, other):
                     best[node.id] = i
         keep = set(best.values())
-        for i in range(self.size):  # in place: kept <= i throughout
+        dropped = []
+        for i in range(heap_before):  # in place: kept <= i throughout; nothing calls out
             if i in keep:
                 self.items[kept] = self.items[i]
                 kept += 1
             else:
-                Py_DECREF(<object>self.items[i].node)
+                dropped.append(<Node>self.items[i].node)
+                Py_DECREF(<object>self.items[i].node)  # the list holds one
         self.size = kept
         kept = 0
-        ordered = self.run if self.run_head == 0 else NULL
-        if ordered == NULL and self.run_size:
-            ordered = <HeapEntry*>PyMem_Malloc(self.run_cap * sizeof(HeapEntry))
-            if ordered == NULL:
-                raise MemoryError()
-            for i in range(self.run_size):
-                ordered[i] = self.run_at(i)[0]
-            PyMem_Free(self.run)
-            self.run = ordered
-            self.run_head = 0
-        # A run entry's position in ``best`` was (heap size before) + its index.
         for i in range(self.run_size):
-            if (total - self.run_size + i) in keep:
+            if heap_before + i in keep:
                 self.run[kept] = self.run[i]
                 kept += 1
             else:
+                dropped.append(<Node>self.run[i].node)
                 Py_DECREF(<object>self.run[i].node)
         self.run_size = kept
         if self.size > 1:  # (cdivision: (0 - 2) // 4 would be 0, not -1)
             for i in range((self.size - 2) // 4, -1, -1):
                 self.sift_down(i)
         self.limit = max(1024, 2 * (self.size + self.run_size))
-        return 0
+        return dropped
+
 
 
 # -- the per-cache core object: whole calls in one crossing --------------------------------
@@ -1057,13 +1114,9 @@ cdef extern from *:
                           PyObject* n2, PyObject* v2)
 
 cdef extern from "Python.h":
-    int PyGC_Enable() noexcept
-    void PyErr_Clear() noexcept
-    int PyGC_Disable() noexcept
     Py_ssize_t PyList_GET_SIZE(object) noexcept
     Py_ssize_t PyTuple_GET_SIZE(object) noexcept
 
-from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_GetBuffer
 from libc.stdint cimport uintptr_t
 
 import array as _array_module
@@ -1076,19 +1129,12 @@ from ._shared import MatchResult as _MatchResult
 _ndarray = np.ndarray
 _array_type = _array_module.array
 _Tensor = torch.Tensor
-_int32 = torch.int32
 _mode_enabled = torch._C._is_torch_function_mode_enabled
 _from_dlpack = torch._C._from_dlpack
 cdef object _N_INDICES = "indices"
 cdef object _N_LAST_NODE = "last_node"
 cdef object _N_LENGTH = "length"
 cdef object _N_PREFIX_LEN = "prefix_len"
-
-
-cdef inline void release_input(InputBuf* b) noexcept:
-    if b.has_view:
-        b.has_view = False
-        PyBuffer_Release(&b.view)
 
 
 cdef inline bint int64_format(const char* fmt) noexcept:
@@ -1099,14 +1145,26 @@ cdef inline bint int64_format(const char* fmt) noexcept:
     return (fmt[0] == b'q' or (fmt[0] == b'l' and sizeof(long) == 8)) and fmt[1] == 0
 
 
+@cython.final
 cdef class Core:
     """One cache's tree, eviction heap, sizes and counters, and its whole-call operations
-    (the interface is specified in ``_core_py``'s docstring)."""
+    (the interface is specified in ``_core_py``'s docstring).
+
+    Every call holds the tree's guard (shared with the heap). The fast paths take the
+    common inputs whole: a list's exact ints are read without a call, an int64 buffer or a
+    CPU int64 tensor (only with no torch function mode active: then its accessors run no
+    Python code) is borrowed, or copied into the core's own scratch buffer when an extra_key
+    will be hashed later in the call. Borrowed memory is read only before the call's first
+    allocation of a tracked object (a split or a new node: a collection may run there); the
+    new leaf's key and values are copied out before it. Anything unusual is declined (None)
+    before any change, for cache.py to validate.
+    """
 
     def __cinit__(self, Py_ssize_t page_size, str policy):
         self.page_size = page_size
         self.tree = Tree(page_size)
-        self.heap = EvictionHeap(policy)
+        self.guard = self.tree.guard
+        self.heap = EvictionHeap(policy, self.guard)
         self.push_on_access = policy in _KEY_FALLS_ON_ACCESS
         self.new_leaf = None
         self.tokens_buf = NULL
@@ -1121,32 +1179,39 @@ cdef class Core:
         PyMem_Free(self.kv_buf)
         PyMem_Free(self.path)
 
+    # -- the guard, for cache.py's slow paths and evict loop -------------------------------
+    def enter(self, str what):
+        self.guard.enter(what)
+
+    def leave(self):
+        self.guard.busy = 0
+
+    cdef inline int take(self, bint held, str what) except -1:
+        if not held:
+            self.guard.enter(what)
+        return 0
+
+    cdef inline void give(self, bint held) noexcept:
+        if not held:
+            self.guard.busy = 0
+
     def reset_stats(self):
         self.lookups = self.matched_tokens = self.queried_tokens = 0
         self.inserts = self.inserted_tokens = self.evictions = self.evicted_tokens = 0
         self.tree.num_splits = 0
 
-    def reset(self):
-        self.enter()
+    def reset(self, bint held=False):
+        self.take(held, "reset")
         try:
-            self.tree.reset()
-            self.heap.clear()
+            old_tables = self.tree.clear()
+            self.heap.limit = 1024
             self.evictable = 0
             self.protected = 0
             self.new_leaf = None
-            self.device_values = False
             self.reset_stats()
         finally:
-            self.busy = False
-
-    cdef int enter(self) except -1:
-        if self.busy:
-            raise RuntimeError(
-                "RadixCache called again while one of its calls is still running (from "
-                "__index__, __hash__/__eq__, a torch hook, a finalizer or another thread); "
-                "serialise calls to a cache")
-        self.busy = True
-        return 0
+            self.give(held)
+        self.heap.release()  # detaches first; its finalizers may use the empty cache
 
     # -- inputs ----------------------------------------------------------------------------
     cdef int64_t* scratch(self, bint for_kv, Py_ssize_t n) except NULL:
@@ -1166,67 +1231,55 @@ cdef class Core:
                 self.tokens_cap = cap
         return self.kv_buf if for_kv else self.tokens_buf
 
-    cdef int acquire(self, object obj, InputBuf* b, bint for_kv, bint private) except -1:
+    cdef int acquire(self, object obj, TokenBuf* b, bint for_kv, bint private) except -1:
         """Point ``b`` at ``obj`` as int64: 1, or 0 to decline (an unusual input, or one
-        that would fail: the Python path validates it). Reads a list's exact ints without a
-        call; takes a buffer of an int64 numpy array or array('q'); reads a CPU int64
-        tensor's data pointer (only with no torch function mode active, so that its
-        accessors run no Python code). ``private``: copy into the core's own buffer."""
+        that would fail: cache.py validates it). Runs no Python code. ``private``: copy a
+        borrowed buffer into the core's scratch buffer (Python code runs before its use)."""
         cdef Py_ssize_t i, n
         cdef PyObject** items
         cdef int64_t* out
         cdef object kind = type(obj)
-        b.has_view = False
+        b.held = False
         if kind is list or kind is tuple:
             n = PyList_GET_SIZE(obj) if kind is list else PyTuple_GET_SIZE(obj)
             out = self.scratch(for_kv, n)
             items = PySequence_Fast_ITEMS(obj)
-            for i in range(n):
+            for i in range(n):  # exact ints only: nothing here runs Python code
                 if not rc_read_int(items[i], &out[i]):
                     return 0
             b.ptr = out
-            b.n = n
+            b.len = n
             return 1
         if kind is _ndarray or kind is _array_type:
             try:
                 PyObject_GetBuffer(obj, &b.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
             except (ValueError, BufferError, TypeError):
                 return 0
-            b.has_view = True
+            b.held = True
             if b.view.ndim != 1 or b.view.itemsize != 8 or not int64_format(b.view.format):
-                release_input(b)
+                release_tokens(b)
                 return 0
             b.ptr = <const int64_t*>b.view.buf
-            b.n = b.view.shape[0]
+            b.len = b.view.shape[0]
         elif kind is _Tensor:
             if _mode_enabled():
                 return 0
             if (not obj.is_cpu or obj.dtype is not _int64 or obj.dim() != 1
                     or not obj.is_contiguous()):
                 return 0
-            b.n = obj.numel()
+            b.len = obj.numel()
             b.ptr = <const int64_t*><uintptr_t>obj.data_ptr()
         else:
             return 0
         if private:
-            out = self.scratch(for_kv, b.n)
-            if b.n:
-                memcpy(out, b.ptr, b.n * sizeof(int64_t))
-            release_input(b)
+            out = self.scratch(for_kv, b.len)
+            if b.len:
+                memcpy(out, b.ptr, b.len * sizeof(int64_t))
+            release_tokens(b)
             b.ptr = out
         return 1
 
-    cdef int64_t namespace(self, object extra_key, bint create) except -2:
-        """Namespace id; -1 unknown, -3 unhashable (declined). Runs the key's __hash__ and
-        __eq__, so it comes before any buffer is taken."""
-        if extra_key is None:
-            return 0
-        try:
-            return self.tree.namespace_of(extra_key, create)
-        except TypeError:
-            return -3
-
-    # -- results ---------------------------------------------------------------------------
+    # -- results and heap ------------------------------------------------------------------
     cdef object match_result(self, object indices, object node, Py_ssize_t length):
         cdef object n = length
         return rc_make_result(_MatchResult, _N_INDICES, indices, _N_LAST_NODE, node,
@@ -1236,16 +1289,11 @@ cdef class Core:
         return rc_make_result(_InsertResult, _N_PREFIX_LEN, prefix_len, _N_LAST_NODE, node,
                               NULL, NULL)
 
-    cdef int push_if_evictable(self, Node node) except -1:
-        cdef HeapEntry e
+    cdef object push_if_evictable(self, Node node):
+        """Push an evictable leaf; returns what a compaction dropped (to release later)."""
         if node.n_children or node.lock_ref or node.evicted or node is self.tree.root:
-            return 0
-        self.heap.fill_key(node, &e)
-        e.node = <PyObject*>node
-        self.heap.add(&e)
-        if self.heap.size + self.heap.run_size > self.heap.limit:
-            self.heap.compact()
-        return 0
+            return None
+        return self.heap.push_entry(node)
 
     cdef int note_path(self, Py_ssize_t depth, Node node) except -1:
         cdef PyObject** grown
@@ -1261,54 +1309,58 @@ cdef class Core:
         return 0
 
     # -- whole calls -----------------------------------------------------------------------
-    def match(self, tokens, extra_key=None):
-        cdef InputBuf b
-        cdef int64_t ns = self.namespace(extra_key, False)
+    def match(self, tokens, extra_key=None, bint held=False):
+        cdef TokenBuf b
+        cdef int64_t ns
         cdef Py_ssize_t end, pos = 0, common, depth = 0, i, total
         cdef int64_t now
-        cdef int gc_was = 0
         cdef bint device = False
         cdef Node node, child
         cdef char* out
-        if ns == -3:
-            return None
-        self.enter()
+        b.held = False
+        self.take(held, "match_prefix")
         try:
-            if not self.acquire(tokens, &b, False, self.device_values):
+            if not self.acquire(tokens, &b, False, extra_key is not None):
                 return None
-            # No Python code may run while b points into the caller's memory: no calls out,
-            # and no collection (a finalizer could free a tensor's storage).
-            gc_was = PyGC_Disable()
-            try:
-                end = b.n - b.n % self.page_size
-                self.lookups += 1
-                self.queried_tokens += end
-                if end == 0:
-                    return self.match_result(_EMPTY_INDICES, self.tree.root, 0)
-                self.tree.clock += 1
-                now = self.tree.clock
-                node = self.tree.root
-                node.last_access_time = now
-                if ns >= 0:
-                    while pos < end:
-                        child = self.tree.descend(node, b.ptr + pos, end - pos, ns, &common)
-                        if child is None:
-                            break
-                        child.last_access_time = now
-                        self.note_path(depth, child)
-                        depth += 1
-                        pos += common
-                        node = child
-            finally:
-                release_input(&b)
+            if extra_key is None:
+                ns = 0
+            else:
+                try:
+                    ns = self.tree.find_namespace(extra_key)
+                except TypeError:
+                    return None  # unhashable: cache.py says so
+            end = b.len - b.len % self.page_size
+            self.lookups += 1
+            self.queried_tokens += end
+            if end == 0:
+                return self.match_result(_EMPTY_INDICES, self.tree.root, 0)
+            self.tree.clock += 1
+            now = self.tree.clock
+            node = self.tree.root
+            node.last_access_time = now
+            while ns >= 0 and pos < end:
+                child = self.tree.find_match(node, b.ptr + pos, end - pos, ns, &common)
+                if child is None:
+                    break
+                if common < child.key_len:
+                    release_tokens(&b)
+                    child = self.tree.split(child, common)  # allocates: tokens are done
+                    pos = end  # (the walk ends on the split)
+                else:
+                    pos += common
+                child.last_access_time = now
+                self.note_path(depth, child)
+                depth += 1
+                node = child
+            pos = 0
+            for i in range(depth):
+                pos += (<Node>self.path[i]).key_len
+            release_tokens(&b)
             if depth == 0:
-                if gc_was:
-                    PyGC_Enable()
-                    gc_was = 0
                 return self.match_result(_EMPTY_INDICES, self.tree.root, 0)
             self.matched_tokens += pos
             if self.push_on_access:
-                self.push_if_evictable(node)
+                dropped = self.push_if_evictable(node)
             for i in range(depth):
                 child = <Node>self.path[i]
                 if child.value_ptr == NULL and child.value_owner is not None:
@@ -1316,8 +1368,11 @@ cdef class Core:
                     break
             if device:
                 path = [<Node>self.path[i] for i in range(depth)]
+                indices = _cat_values(path)  # device values: torch concatenates
             else:
-                buf = rc_int64_capsule(pos, <int64_t**>&out)
+                # A capsule is not tracked by the collector: no Python code runs until the
+                # copy is done.
+                capsule = rc_int64_capsule(pos, <int64_t**>&out)
                 total = 0
                 for i in range(depth):
                     child = <Node>self.path[i]
@@ -1325,211 +1380,206 @@ cdef class Core:
                            child.value_ptr if child.value_ptr != NULL else child.key_ptr,
                            child.key_len * sizeof(int64_t))
                     total += child.key_len * sizeof(int64_t)
-            if gc_was:
-                PyGC_Enable()
-                gc_was = 0
-            indices = _cat_values(path) if device else _from_dlpack(buf)
+                indices = _from_dlpack(capsule)
             return self.match_result(indices, node, pos)
         finally:
-            if gc_was:
-                PyGC_Enable()
-            self.busy = False
+            release_tokens(&b)
+            self.give(held)
 
-    def insert(self, tokens, kv=None, extra_key=None, priority=0, bint checked=False):
-        cdef InputBuf b, v
+    def insert(self, tokens, kv=None, extra_key=None, priority=0, bint held=False):
+        cdef TokenBuf b, v
         cdef int64_t prio, ns, now
-        cdef Py_ssize_t end, pos = 0, common, prefix_len, expected = -1
-        cdef int gc_was = 0
-        cdef bint whole, device_kv = False, private
+        cdef Py_ssize_t end, pos = 0, common, prefix_len
+        cdef bint whole, split_here, private = extra_key is not None
         cdef Node node, child, leaf = None
-        cdef object piece = None
+        b.held = False
+        v.held = False
         if type(priority) is not int:
             return None
         try:
             prio = PyLong_AsLongLong(priority)
         except OverflowError:
             return None
-        ns = self.namespace(extra_key, False)
-        if ns == -3 or (ns == -1 and not checked):
-            return None  # a new namespace is made on the validated call, before any buffer
-        if ns == -1:
-            ns = self.namespace(extra_key, True)
-        if kv is not None and type(kv) is _Tensor and not _mode_enabled() and not kv.is_cpu:
-            # Device values are sliced on their device (a call out): only after validation.
-            if not checked:
-                return None
-            device_kv = True
-        self.enter()
-        b.has_view = False
-        v.has_view = False
+        self.take(held, "insert")
         try:
-            # With device values torch runs mid-call (slicing, GIL released): own copies then.
-            private = self.device_values or device_kv
             if not self.acquire(tokens, &b, False, private):
                 return None
-            end = b.n - b.n % self.page_size
-            whole = end == b.n
-            if kv is not None and not device_kv:
-                if not self.acquire(kv, &v, True, private) or v.n < end:
-                    release_input(&b)
-                    release_input(&v)
+            end = b.len - b.len % self.page_size
+            whole = end == b.len
+            if kv is not None:
+                if not self.acquire(kv, &v, True, private) or v.len < end:
                     return None
-            if device_kv and end:
-                expected = self.walk_length(b.ptr, end, ns)
-                piece = kv[expected:end].to(_int64, copy=True)
-                self.device_values = True
-            node = self.tree.root
+            if extra_key is None:
+                ns = 0
+            else:
+                try:
+                    ns = self.tree.find_namespace(extra_key)
+                except TypeError:
+                    return None  # unhashable: cache.py says so
+                if ns < 0 and end:
+                    ns = self.tree.make_namespace(extra_key)
             self.inserts += 1
-            self.new_leaf = None
+            node = self.tree.root
             if end == 0:
-                release_input(&b)
-                release_input(&v)
                 if whole:
                     self.tree.empty_inserted.add(extra_key)
                 return self.insert_result(0, node)
-            if not self.device_values:
-                gc_was = PyGC_Disable()
-            try:
-                self.tree.clock += 1
-                now = self.tree.clock
-                node.last_access_time = now
-                while pos < end:
-                    child = self.tree.descend(node, b.ptr + pos, end - pos, ns, &common)
-                    if child is None:
-                        break
-                    child.last_access_time = now
-                    child.hit_count += 1
-                    if prio > child.priority:
-                        child.priority = prio
-                    pos += common
-                    node = child
-                prefix_len = pos
-                if pos < end:
-                    if device_kv and expected != pos:
-                        raise RuntimeError("the tree changed during an insert")
-                    leaf = self.tree.new_node(node, now)
-                    leaf.key_owner = PyBytes_FromStringAndSize(<const char*>(b.ptr + pos),
-                                                               (end - pos) * sizeof(int64_t))
-                    leaf.key_ptr = <const int64_t*>PyBytes_AS_STRING(leaf.key_owner)
-                    leaf.key_len = end - pos
-                    if device_kv:
-                        leaf.value_owner = piece
-                    elif kv is not None:
-                        leaf.value_owner = PyBytes_FromStringAndSize(
+            self.tree.clock += 1
+            now = self.tree.clock
+            node.last_access_time = now
+            leaf_key = leaf_values = None
+            while pos < end:
+                child = self.tree.find_match(node, b.ptr + pos, end - pos, ns, &common)
+                if child is None:
+                    break
+                split_here = common < child.key_len
+                if split_here:
+                    if pos + common < end:
+                        # The new leaf's tokens and values, read before the split allocates.
+                        leaf_key = PyBytes_FromStringAndSize(
+                            <const char*>(b.ptr + pos + common),
+                            (end - pos - common) * sizeof(int64_t))
+                        if kv is not None:
+                            leaf_values = PyBytes_FromStringAndSize(
+                                <const char*>(v.ptr + pos + common),
+                                (end - pos - common) * sizeof(int64_t))
+                    child = self.tree.split(child, common)
+                child.last_access_time = now
+                child.hit_count += 1
+                if prio > child.priority:
+                    child.priority = prio
+                pos += common
+                node = child
+                if split_here:
+                    break
+            prefix_len = pos
+            if pos < end:
+                if leaf_key is None:
+                    leaf_key = PyBytes_FromStringAndSize(<const char*>(b.ptr + pos),
+                                                         (end - pos) * sizeof(int64_t))
+                    if kv is not None:
+                        leaf_values = PyBytes_FromStringAndSize(
                             <const char*>(v.ptr + pos), (end - pos) * sizeof(int64_t))
-                        leaf.value_ptr = <const int64_t*>PyBytes_AS_STRING(leaf.value_owner)
-                    leaf.priority = prio
-                    leaf.hit_count = 1
-                    leaf.ns = ns
-                    leaf.extra_key = extra_key
-                    node.add_child(leaf, self.tree.page_hash(leaf.key_ptr, ns))
-                    self.tree.node_count += 1
-                    node = leaf
-                if whole:
-                    node.terminal = True
-            finally:
-                release_input(&b)
-                release_input(&v)
+                release_tokens(&b)
+                release_tokens(&v)
+                leaf = self.tree.new_node(node, now)  # allocates: the inputs are done
+                leaf.key_owner = leaf_key
+                leaf.key_ptr = <const int64_t*>PyBytes_AS_STRING(leaf_key)
+                leaf.key_len = end - pos
+                if leaf_values is not None:
+                    leaf.value_owner = leaf_values
+                    leaf.value_ptr = <const int64_t*>PyBytes_AS_STRING(leaf_values)
+                leaf.priority = prio
+                leaf.hit_count = 1
+                leaf.ns = ns
+                leaf.extra_key = extra_key
+                node.add_child(leaf, self.tree.page_hash(leaf.key_ptr, ns))
+                self.tree.node_count += 1
+                if node is self.tree.root and ns:
+                    self.tree.ns_roots[ns] = self.tree.ns_roots.get(ns, 0) + 1
+                node = leaf
+            if whole:
+                node.terminal = True
+            release_tokens(&b)
+            release_tokens(&v)
             if leaf is not None:
-                self.new_leaf = leaf
+                if held:
+                    self.new_leaf = leaf  # for cache.py's take_new_leaf()
                 self.evictable += leaf.key_len
                 self.inserted_tokens += leaf.key_len
-                self.push_if_evictable(leaf)
+                dropped = self.push_if_evictable(leaf)
             elif self.push_on_access:
-                self.push_if_evictable(node)
+                dropped = self.push_if_evictable(node)
+            return self.insert_result(prefix_len, node)
         finally:
-            if gc_was:
-                PyGC_Enable()
-            self.busy = False
-        return self.insert_result(prefix_len, node)
+            release_tokens(&b)
+            release_tokens(&v)
+            self.give(held)
 
-    def exists(self, tokens, extra_key=None):
-        cdef InputBuf b
-        cdef int64_t ns = self.namespace(extra_key, False)
+    def exists(self, tokens, extra_key=None, bint held=False):
+        cdef TokenBuf b
+        cdef int64_t ns
         cdef Py_ssize_t n, pos = 0, klen
         cdef Py_ssize_t page_size = self.page_size
-        cdef int gc_was
         cdef Node node, child
-        cdef bint found = False
-        if ns == -3:
-            return None
-        self.enter()
+        b.held = False
+        self.take(held, "exists")
         try:
-            if not self.acquire(tokens, &b, False, self.device_values):
+            if not self.acquire(tokens, &b, False, extra_key is not None):
                 return None
-            n = b.n
-            if n == 0 or n % page_size or ns < 0:
-                release_input(&b)
-                if n == 0:
-                    return extra_key in self.tree.empty_inserted
+            if extra_key is None:
+                ns = 0
+            else:
+                try:
+                    ns = self.tree.find_namespace(extra_key)
+                except TypeError:
+                    return None  # unhashable: cache.py says so
+            n = b.len
+            if n % page_size:
                 return False
-            gc_was = PyGC_Disable()
+            if n == 0:
+                release_tokens(&b)
+                return extra_key in self.tree.empty_inserted
+            if ns < 0:
+                return False
             node = self.tree.root
-            found = True
             while pos < n:
                 child = node.find_child(b.ptr + pos, page_size,
                                         self.tree.page_hash(b.ptr + pos, ns))
                 if child is None:
-                    found = False
-                    break
+                    return False
                 klen = child.key_len
                 if klen > n - pos or memcmp(child.key_ptr, b.ptr + pos,
                                             klen * sizeof(int64_t)) != 0:
-                    found = False
-                    break
+                    return False
                 pos += klen
                 node = child
-            found = found and node.terminal
-            release_input(&b)
-            if gc_was:
-                PyGC_Enable()
-            return found
+            return node.terminal
         finally:
-            self.busy = False
+            release_tokens(&b)
+            self.give(held)
 
     cdef Py_ssize_t walk_length(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept:
         """Read-only: the cached page-aligned prefix length of buf[:end] (no split)."""
-        cdef Py_ssize_t pos = 0, klen, same
-        cdef Py_ssize_t page_size = self.page_size
+        cdef Py_ssize_t pos = 0, common
         cdef Node node = self.tree.root
         cdef Node child
-        if ns < 0:
-            return 0
-        while pos < end:
-            child = node.find_child(buf + pos, page_size, self.tree.page_hash(buf + pos, ns))
+        while ns >= 0 and pos < end:
+            child = self.tree.find_match(node, buf + pos, end - pos, ns, &common)
             if child is None:
                 break
-            klen = child.key_len
-            if klen <= end - pos and memcmp(child.key_ptr, buf + pos,
-                                            klen * sizeof(int64_t)) == 0:
-                pos += klen
-                node = child
-                continue
-            same = common_prefix(child.key_ptr, buf + pos, klen if klen < end - pos else end - pos)
-            pos += same - same % page_size
-            break
+            pos += common
+            if common < child.key_len:
+                break
+            node = child
         return pos
 
+    def take_new_leaf(self):
+        """The leaf the last ``held`` insert made (None if none), forgotten here."""
+        leaf = self.new_leaf
+        self.new_leaf = None
+        return leaf
+
     def walk(self, tokens, extra_key=None):
-        cdef InputBuf b
-        cdef int64_t ns = self.namespace(extra_key, False)
-        cdef Py_ssize_t length
-        self.enter()
+        cdef TokenBuf b
+        cdef int64_t ns
+        b.held = False
+        self.take(False, "walk")
         try:
             if not self.acquire(tokens, &b, False, True):
                 raise TypeError("walk takes the common token inputs only")
-            length = self.walk_length(b.ptr, b.n - b.n % self.page_size, ns)
-            release_input(&b)
-            return length
+            ns = self.tree.find_namespace(extra_key)
+            return self.walk_length(b.ptr, b.len - b.len % self.page_size, ns)
         finally:
-            self.busy = False
+            release_tokens(&b)
+            self.give(False)
 
     # -- locks and eviction ----------------------------------------------------------------
-    def lock(self, node, int delta):
+    def lock(self, node, int delta, bint held=False):
         cdef Py_ssize_t moved
-        self.enter()
+        self.take(held, "inc_lock_ref" if delta > 0 else "dec_lock_ref")
         try:
-            moved = self.tree.lock(node, delta)
+            moved = self.tree.lock_path(node, delta)
             if delta > 0:
                 self.evictable -= moved
                 self.protected += moved
@@ -1537,36 +1587,110 @@ cdef class Core:
                 self.evictable += moved
                 self.protected -= moved
                 # Only the bottom node can have become an evictable leaf.
-                self.push_if_evictable(<Node>node)
+                dropped = self.push_if_evictable(<Node>node)
             return moved
         finally:
-            self.busy = False
+            self.give(held)
 
-    def pop_victim(self):
-        self.enter()
+    def pop_victim(self, bint held=False):
+        stale = []  # dropped entries, released when the call returns
+        self.take(held, "evict")
         try:
-            return self.heap.pop_victim()
+            return self.heap.pop_entry(stale)
         finally:
-            self.busy = False
+            self.give(held)
 
-    def remove_leaf(self, Node node):
+    def remove_leaf(self, Node node, bint held=False):
         cdef Py_ssize_t size = node.key_len
-        self.enter()
+        cdef Node parent
+        dropped = []  # the leaf's value and stale heap entries, released on return
+        self.take(held, "evict")
         try:
-            parent = self.tree.remove_leaf(node)
+            parent = self.tree.detach_leaf(node, dropped)
             self.evictable -= size
             self.evictions += 1
             self.evicted_tokens += size
-            self.push_if_evictable(<Node>parent)
+            dropped.append(self.push_if_evictable(parent))
             return size
         finally:
-            self.busy = False
+            self.give(held)
 
-    def set_value(self, Node node, values):
-        self.enter()
+    def set_value(self, Node node, values, bint held=False):
+        self.take(held, "insert")
         try:
-            if not isinstance(values, np.ndarray):
-                self.device_values = True
-            self.tree.set_value(node, values)
+            previous = self.tree.store_value(node, values)
         finally:
-            self.busy = False
+            self.give(held)
+
+
+# -- garbage collector support -------------------------------------------------------------
+# Nodes and heaps hold references in C tables that Cython's generated tp_traverse does not
+# know about: these traverse functions add them, so a cycle through a node (an extra_key or
+# a value that refers back to its node or cache) is found and collected. Tree and heap get a
+# tp_clear that tears down iteratively (the generated one would drop the root by refcount and
+# recurse once per level of a deep chain); nodes get none (key_ptr points into key_owner).
+cdef extern from "Python.h":
+    ctypedef int (*visitproc)(PyObject*, void*) noexcept
+    ctypedef int (*traverseproc)(PyObject*, visitproc, void*) noexcept
+    ctypedef int (*inquiry)(PyObject*) noexcept
+    ctypedef struct TypeSlots "PyTypeObject":
+        traverseproc tp_traverse
+        inquiry tp_clear
+
+cdef traverseproc _node_base_traverse = NULL
+cdef traverseproc _heap_base_traverse = NULL
+
+
+cdef int node_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
+    # Plain casts, no reference taken: traversal must not touch reference counts.
+    cdef ChildSlot* slots = (<Node>o).slots
+    cdef Py_ssize_t i
+    cdef int r = _node_base_traverse(o, visit, arg)
+    if r:
+        return r
+    if slots != NULL:
+        for i in range((<Node>o).slot_mask + 1):
+            if slots[i].node != NULL:
+                r = visit(slots[i].node, arg)
+                if r:
+                    return r
+    return 0
+
+
+cdef int heap_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
+    cdef EvictionHeap heap = <EvictionHeap>o
+    cdef Py_ssize_t i
+    cdef int r = _heap_base_traverse(o, visit, arg)
+    if r:
+        return r
+    for i in range(heap.size):
+        r = visit(heap.items[i].node, arg)
+        if r:
+            return r
+    for i in range(heap.run_size):
+        r = visit(heap.run_at(i).node, arg)
+        if r:
+            return r
+    return 0
+
+
+cdef int heap_clear(PyObject* o) noexcept:
+    (<EvictionHeap>o).release()
+    return 0
+
+
+cdef int tree_clear(PyObject* o) noexcept:
+    cdef Tree tree = <Tree>o
+    tree.teardown()
+    tree.namespaces.clear()
+    tree.ns_roots.clear()
+    tree.empty_inserted.clear()
+    return 0
+
+
+_node_base_traverse = (<TypeSlots*><void*>Node).tp_traverse
+(<TypeSlots*><void*>Node).tp_traverse = node_traverse
+_heap_base_traverse = (<TypeSlots*><void*>EvictionHeap).tp_traverse
+(<TypeSlots*><void*>EvictionHeap).tp_traverse = heap_traverse
+(<TypeSlots*><void*>EvictionHeap).tp_clear = heap_clear
+(<TypeSlots*><void*>Tree).tp_clear = tree_clear

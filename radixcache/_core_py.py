@@ -12,40 +12,44 @@ callback, events hooks and stats assembly.
 
 The fast-path contract: ``match``, ``insert`` and ``exists`` accept the common inputs --
 tokens as a list or tuple of ints, a 1-D int64 numpy array, ``array('q')`` or a 1-D CPU int64
-torch tensor; ``kv_indices`` as None, such a tensor, array or ``array('q')``, or a list/tuple
-of ints; a hashable ``extra_key``; an ``int`` priority in int64 -- and return their result.
-For anything else, or any input that would fail, they return ``None`` having changed
-nothing; ``cache.py`` then validates in Python (raising the documented exception) and calls
-again with canonical inputs: tokens as a 1-D int64 numpy array, kv as a 1-D int64 numpy array
-or a tensor on a device, ``checked=True``. A call with canonical inputs never returns None.
+torch tensor; ``kv`` as None, such a tensor, array or ``array('q')``, or a list/tuple of
+ints; a hashable ``extra_key``; an ``int`` priority in int64 -- and return their result. For
+anything else, or any input that would fail, they return ``None`` having changed nothing;
+``cache.py`` then takes the guard (``enter(what)``/``leave()``), validates in Python (raising
+the documented exception) and calls again with canonical inputs and ``held=True``: tokens as a
+1-D int64 numpy array, CPU kv as a 1-D int64 numpy array (device values go through
+``set_value`` afterwards). A call with canonical inputs never returns None.
 
-- ``match(tokens, extra_key) -> MatchResult | None``: the longest cached page-aligned prefix;
-  splits the node where it ends inside one; stamps the path with one clock tick (none when
-  the aligned length is 0); counts a lookup and the queried/matched tokens; for policies in
-  ``KEY_FALLS_ON_ACCESS`` pushes the matched leaf again. ``indices`` is one new int64 tensor
-  (``EMPTY_INDICES`` on a miss, with ``last_node`` the root).
-- ``insert(tokens, kv, extra_key, priority, checked=False) -> InsertResult | None``: walks,
+- ``match(tokens, extra_key, held=False) -> MatchResult | None``: the longest cached
+  page-aligned prefix; splits the node where it ends inside one; stamps the path with one
+  clock tick (none when the aligned length is 0); counts a lookup and the queried/matched
+  tokens; for policies in ``KEY_FALLS_ON_ACCESS`` pushes the matched leaf again. ``indices``
+  is one new int64 tensor (``EMPTY_INDICES`` on a miss, with ``last_node`` the root).
+- ``insert(tokens, kv, extra_key, priority, held=False) -> InsertResult | None``: walks,
   splits where the key diverges inside a node, adds the uncached remainder as one new leaf
-  (``new_leaf`` afterwards; None when nothing was new) holding a copy of its slice of ``kv``
-  (CPU values; with ``checked=True`` a device tensor is left for ``set_value``), stamps the
-  path, raises priorities, counts one hit per path node (a new leaf starts at 1), marks the
-  last node terminal when the sequence was page aligned, updates sizes and counters and
-  pushes the new leaf on the heap.
-- ``exists(tokens, extra_key) -> bool | None``: read-only exact-sequence test.
+  (with ``held``, ``take_new_leaf()`` returns it afterwards) holding a copy of its slice of ``kv``,
+  stamps the path, raises priorities, counts one hit per path node (a new leaf starts at 1),
+  marks the last node terminal when the sequence was page aligned, updates sizes and
+  counters and pushes the new leaf on the heap.
+- ``exists(tokens, extra_key, held=False) -> bool | None``: read-only exact-sequence test.
 - ``walk(tokens, extra_key) -> int``: read-only longest cached page-aligned prefix length (no
   split, no stamps, no counters): the bare tree walk that the benchmarks time.
-- ``lock(node, delta) -> int``: ``delta`` +1 or -1; walks node -> root (root excluded), moves
-  the tokens that crossed between unlocked and locked between ``evictable`` and
-  ``protected`` and returns their count; an unlock that makes the node an evictable leaf
-  pushes it. ``TypeError`` for a non-node, ``ValueError`` for an evicted node, a node of
-  another tree or an unlock below 0, changing nothing.
-- ``pop_victim() -> Node | None`` and ``remove_leaf(node) -> int`` (tokens freed): the evict
-  loop's two steps; ``remove_leaf`` detaches the leaf, marks it evicted, drops its value,
-  counts the eviction and pushes the parent if it became an evictable leaf.
-- ``set_value(node, values)``: a fresh leaf's device values (a tensor kept as given).
-- ``reset()``, ``reset_stats()``; attributes ``tree``, ``heap``, ``evictable``,
-  ``protected``, ``lookups``, ``matched_tokens``, ``queried_tokens``, ``inserts``,
-  ``inserted_tokens``, ``evictions``, ``evicted_tokens``, ``new_leaf``.
+- ``lock(node, delta, held=False) -> int``: ``delta`` +1 or -1; walks node -> root (root
+  excluded), moves the tokens that crossed between unlocked and locked between
+  ``evictable`` and ``protected`` and returns their count; an unlock that makes the node an
+  evictable leaf pushes it. ``TypeError`` for a non-node, ``ValueError`` for an evicted node,
+  a node of another tree or an unlock below 0, changing nothing.
+- ``pop_victim(held=False) -> Node | None`` and ``remove_leaf(node, held=False) -> int``
+  (tokens freed): the evict loop's two steps; ``remove_leaf`` detaches the leaf, marks it
+  evicted, drops its value, counts the eviction and pushes the parent if it became an
+  evictable leaf.
+- ``set_value(node, values, held=False)``: a fresh leaf's device values (kept as given).
+- ``reset(held=False)``, ``reset_stats()``; attributes ``tree``, ``heap``, ``guard``,
+  ``evictable``, ``protected``, ``lookups``, ``matched_tokens``, ``queried_tokens``,
+  ``inserts``, ``inserted_tokens``, ``evictions``, ``evicted_tokens``.
+
+The tokens are read once per call, at its start, before it runs any other Python code (the
+extra_key's hashing): a call sees them as they were when it began.
 
 ``Node`` -- one tree node. Public, read-only properties: ``key`` (read-only 1-D int64 numpy
 array of the node's tokens), ``num_tokens``, ``stored_value`` (the index tensor given at
@@ -56,13 +60,27 @@ insert, or None when the key doubles as the indices or the node was evicted), ``
 stored, None once evicted).
 
 ``Tree`` (``Core.tree``) -- attributes ``root``, ``page_size``, ``clock`` (logical time, +1 per
-touching call), ``node_count`` (nodes excluding the root), ``num_splits``; ``iter_nodes() ->
-iterator of (node, depth)``: pre-order, root first at depth 0, siblings in ``display_order``
-(so both cores list a tree identically). Its walks are the core's own business.
+touching call), ``node_count`` (nodes excluding the root), ``num_splits``, ``guard``;
+``iter_nodes() -> iterator of (node, depth)``: pre-order, root first at depth 0, siblings in
+``display_order`` (so both cores list a tree identically). Its walks are the core's own.
 
 ``EvictionHeap`` (``Core.heap``) -- the lazy eviction heap (policy names as in
-``EVICTION_POLICIES``): ``len()``, ``key_of(node)`` and ``entries()`` (list of (stored key,
-node)) for consistency checks; see the class docstring.
+``EVICTION_POLICIES``) sharing the tree's guard: ``push(node)``, ``pop_victim()``, ``len()``,
+``clear()``, ``key_of(node)`` and ``entries()`` (list of (stored key, node)) for consistency
+checks; see the class docstring.
+
+Re-entrancy: the ``Guard`` is held for the duration of every ``Core`` call (and of every
+public tree or heap call). A call into the cache while another runs -- from a token's
+``__index__``, an extra_key's ``__hash__``/``__eq__``, a torch hook, a finalizer, or another
+thread -- raises ``RuntimeError`` ("RadixCache re-entered ...") and changes nothing.
+References a call drops (an evicted leaf's value, stale heap entries, a cleared heap) are
+released after the guard, when the structure is consistent, so finalizers they set off may
+call the cache. ``iter_nodes`` holds no guard (it is a generator; it holds references to
+what it has yet to yield). A split writes the tree only after its last call out: the
+compiled core shares a device value between the halves through an offset and calls
+nothing; this core slices it first (a view of the same storage), so a torch hook that
+raises leaves the tree unchanged. Nodes own their children, key, value and ``extra_key``
+and are visible to the garbage collector; freeing a tree never recurses.
 """
 
 from __future__ import annotations
@@ -70,15 +88,16 @@ from __future__ import annotations
 import array
 import heapq
 import struct
+import threading
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from ._shared import (_INT64_MAX, _INT64_MIN, EMPTY_INDICES, KEY_FALLS_ON_ACCESS, InsertResult,
-                      MatchResult, cat_values, display_order, indices_from_key)
+                      MatchResult, cat_values, display_order, indices_from_key, reentered)
 
-__all__ = ["Core", "Node", "Tree", "EvictionHeap", "CORE_NAME"]
+__all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME"]
 
 CORE_NAME = "python"
 
@@ -155,6 +174,24 @@ def _first_mismatch(a: bytes, b: bytes) -> int:
         return len(a) // _TOKEN_BYTES
     # The lowest set bit sits in the first differing byte, so in the first differing token.
     return ((diff & -diff).bit_length() - 1) // (8 * _TOKEN_BYTES)
+
+
+class Guard:
+    """Held while a call into a tree or its heap runs; a nested call raises RuntimeError.
+
+    A lock taken without waiting, so that a second thread is caught as surely as a nested
+    call (a plain flag could be tested by both threads before either set it)."""
+
+    __slots__ = ("_lock", "acquire", "release")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.acquire = self._lock.acquire
+        self.release = self._lock.release
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
 
 
 class Node:
@@ -265,9 +302,12 @@ class Tree:
     """The pure-Python radix tree: walks, splits, locks; no tensors, no heap."""
 
     __slots__ = ("page_size", "root", "clock", "node_count", "num_splits", "_page_bytes",
-                 "_empty_inserted")
+                 "_empty_inserted", "guard", "_enter", "_leave")
 
     def __init__(self, page_size: int) -> None:
+        self.guard = Guard()
+        self._enter = self.guard.acquire
+        self._leave = self.guard.release
         self.page_size = page_size
         self._page_bytes = page_size * _TOKEN_BYTES
         self.clock = 0
@@ -305,14 +345,15 @@ class Tree:
         upper._lock_ref = node._lock_ref
         upper._hit_count = node._hit_count
         upper._created_time = node._created_time
-        value = node._value
-        if value is not None:
+        value = upper_value = lower_value = node._value
+        if value is not None:  # torch code for a device value: before any write
             cut = at if type(value) is bytes else at // _TOKEN_BYTES
-            upper._value = value[:cut]
-            node._value = value[cut:]
+            upper_value, lower_value = value[:cut], value[cut:]
         ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
+        parent._children[ckey] = upper  # hashes extra_key: raising here changes nothing
+        upper._value = upper_value
+        node._value = lower_value
         node._key = node._key[at:]
-        parent._children[ckey] = upper
         upper._children[node._key[: self._page_bytes]] = node
         node._parent = upper
         self.node_count += 1
@@ -342,7 +383,8 @@ class Tree:
         common = self._common_bytes(key, buf, pos, end)
         return self._split(child, common), common
 
-    def match(self, buf: bytes, extra_key: Any = None) -> tuple[list, int]:
+    # The walks take the call's tokens as bytes; the Core converts them and holds the guard.
+    def _match(self, buf: bytes, extra_key: Any = None) -> tuple[list, int]:
         end = self._aligned_end(buf)
         if end == 0:
             return [], 0
@@ -362,7 +404,7 @@ class Tree:
             node = child
         return path, pos // _TOKEN_BYTES
 
-    def insert(self, buf: bytes, extra_key: Any = None, priority: int = 0):
+    def _insert(self, buf: bytes, extra_key: Any = None, priority: int = 0):
         end = self._aligned_end(buf)
         whole = end == len(buf)
         node = self.root
@@ -397,7 +439,7 @@ class Tree:
             node._terminal = True
         return prefix_len, node, new_leaf
 
-    def exists(self, buf: bytes, extra_key: Any = None) -> bool:
+    def _exists(self, buf: bytes, extra_key: Any = None) -> bool:
         end = len(buf)
         if end % self._page_bytes:
             return False
@@ -417,7 +459,7 @@ class Tree:
             node = child
         return node._terminal
 
-    def walk(self, buf: bytes, extra_key: Any = None) -> int:
+    def _walk(self, buf: bytes, extra_key: Any = None) -> int:
         """Read-only: the longest cached page-aligned prefix length (no split, no stamps)."""
         end = self._aligned_end(buf)
         node = self.root
@@ -452,16 +494,19 @@ class Tree:
         if top is not self.root:
             raise ValueError(f"node {node._id} belongs to another cache")
 
-    def set_value(self, node: Node, values: Any) -> None:
+    # The Core holds the guard around these; each returns what it let go, for the Core to
+    # release after it.
+    def _store_value(self, node: Node, values: Any) -> Any:
         """Store a leaf's indices: a CPU int64 array is copied in, a device tensor kept."""
         if isinstance(values, np.ndarray):
             if len(values) != node.num_tokens:
                 raise ValueError(f"{len(values)} values for a node of {node.num_tokens} tokens")
-            node._value = values.tobytes()
-        else:
-            node._value = values
+            values = values.tobytes()
+        previous = node._value
+        node._value = values
+        return previous
 
-    def gather(self, path: list):
+    def _gather(self, path: list):
         """The path's index values concatenated into one new int64 tensor."""
         parts = []
         for node in path:
@@ -474,7 +519,7 @@ class Tree:
                 return cat_values(path)  # device tensors: torch concatenates
         return torch.frombuffer(bytearray().join(parts), dtype=torch.int64)
 
-    def lock(self, node: Any, delta: int) -> int:
+    def _lock(self, node: Any, delta: int) -> int:
         if node is None or node is self.root:
             return 0
         self._check_member(node)
@@ -500,7 +545,8 @@ class Tree:
             node = node._parent
         return moved // _TOKEN_BYTES
 
-    def remove_leaf(self, node: Node) -> Node:
+    def _detach_leaf(self, node: Node) -> tuple:
+        """Detach an attached leaf (marked evicted); returns (parent, its dropped value)."""
         parent = node._parent
         if parent is None or node._children:
             raise ValueError(f"node {node._id} is not an attached leaf")
@@ -508,12 +554,20 @@ class Tree:
         del parent._children[ckey]
         node._parent = None
         node._evicted = True
+        previous = node._value
         node._value = None
         self.node_count -= 1
-        return parent
+        return parent, previous
 
-    def reset(self) -> None:
-        stack = [self.root]
+    def _clear(self) -> Node:
+        """Drop every node (marked evicted) without recursion; returns the old root."""
+        old_root = self.root
+        self.root = Node(b"", None, None, 0)
+        self._empty_inserted = set()
+        self.clock = 0
+        self.node_count = 0
+        self.num_splits = 0
+        stack = [old_root]
         while stack:
             node = stack.pop()
             stack.extend(node._children.values())
@@ -521,11 +575,7 @@ class Tree:
             node._parent = None
             node._evicted = True
             node._value = None
-        self.root = Node(b"", None, None, 0)
-        self._empty_inserted = set()
-        self.clock = 0
-        self.node_count = 0
-        self.num_splits = 0
+        return old_root
 
     def iter_nodes(self) -> Iterator[tuple[Node, int]]:
         stack = [(self.root, 0)]
@@ -587,16 +637,26 @@ class EvictionHeap:
     stale entries pile up, so it stays within twice the live entries (amortised O(1)).
     """
 
-    __slots__ = ("_key", "_heap", "_nodes", "_limit")
+    __slots__ = ("_key", "_heap", "_nodes", "_limit", "_enter", "_leave")
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, guard: Guard | None = None) -> None:
+        guard = Guard() if guard is None else guard  # the tree's: one guard for both
+        self._enter = guard.acquire
+        self._leave = guard.release
         self._key = _POLICY_KEYS[policy]
-        self.clear()
-
-    def clear(self) -> None:
         self._heap: list = []
         self._nodes: dict = {}  # key -> node; the heap itself holds bare int keys
         self._limit = 1024
+
+    def clear(self) -> None:
+        if not self._enter(False):
+            raise reentered("clear")
+        old = self._nodes  # released after the guard: finalizers may use the empty heap
+        self._heap = []
+        self._nodes = {}
+        self._limit = 1024
+        self._leave()
+        del old
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -606,16 +666,41 @@ class EvictionHeap:
 
     def entries(self) -> list:
         """(stored key, node) of every live entry (for consistency checks)."""
-        return list(self._nodes.items())
+        if not self._enter(False):
+            raise reentered("entries")
+        try:
+            return list(self._nodes.items())
+        finally:
+            self._leave()
 
     def push(self, node: Node) -> None:
+        if not self._enter(False):
+            raise reentered("push")
+        try:
+            dropped = self._push(node)  # released when the call returns  # noqa: F841
+        finally:
+            self._leave()
+
+    def _push(self, node: Node) -> dict | None:
+        """Push without the guard; returns what a compaction dropped (None if none ran)."""
         key = self._key(node)
         heapq.heappush(self._heap, key)
         self._nodes[key] = node
         if len(self._heap) > self._limit:
-            self._compact()
+            return self._compact()
+        return None
 
     def pop_victim(self) -> Node | None:
+        if not self._enter(False):
+            raise reentered("pop_victim")
+        stale = []  # entries dropped here, released when the call returns
+        try:
+            return self._pop(stale)
+        finally:
+            self._leave()
+
+    def _pop(self, stale: list) -> Node | None:
+        """Pop without the guard; dropped entries' nodes go to ``stale``."""
         heap = self._heap
         nodes = self._nodes
         sort_key = self._key
@@ -624,6 +709,7 @@ class EvictionHeap:
             node = nodes.pop(stored, None)
             if node is None:
                 continue  # a duplicate of an entry already handled
+            stale.append(node)
             if node._evicted or node._children or node._lock_ref:
                 continue  # pushed again if it becomes an evictable leaf
             current = sort_key(node)
@@ -635,7 +721,8 @@ class EvictionHeap:
             # else: a fall in key always came with a fresh push
         return None
 
-    def _compact(self) -> None:
+    def _compact(self) -> dict:
+        """Keep one usable entry per leaf; returns the old table for the caller to release."""
         sort_key = self._key
         best: dict = {}
         for stored, node in self._nodes.items():
@@ -643,134 +730,208 @@ class EvictionHeap:
                 continue
             if stored <= sort_key(node) and (node._id not in best or stored < best[node._id][0]):
                 best[node._id] = (stored, node)
+        old = self._nodes
         self._nodes = dict(best.values())
         self._heap = list(self._nodes)
         heapq.heapify(self._heap)
         self._limit = max(1024, 2 * len(self._heap))
+        return old
 
 
 # -- the per-cache core object -------------------------------------------------------------
 class Core:
-    """One cache's tree, eviction heap, sizes and counters, and its whole-call operations."""
+    """One cache's tree, eviction heap, sizes and counters, and its whole-call operations.
 
-    __slots__ = ("tree", "heap", "page_size", "evictable", "protected", "lookups",
+    Every call holds the tree's guard (shared with the heap) unless ``held`` says the caller
+    (cache.py's validation or evict loop) holds it already. References a call lets go are
+    released after the guard."""
+
+    __slots__ = ("tree", "heap", "guard", "page_size", "evictable", "protected", "lookups",
                  "matched_tokens", "queried_tokens", "inserts", "inserted_tokens", "evictions",
-                 "evicted_tokens", "new_leaf", "_push_on_access")
+                 "evicted_tokens", "new_leaf", "_push_on_access", "_enter", "_leave")
 
     def __init__(self, page_size: int, policy: str) -> None:
         self.page_size = page_size
         self.tree = Tree(page_size)
-        self.heap = EvictionHeap(policy)
+        self.guard = self.tree.guard
+        self._enter = self.guard.acquire
+        self._leave = self.guard.release
+        self.heap = EvictionHeap(policy, self.guard)
         self._push_on_access = policy in KEY_FALLS_ON_ACCESS
         self.evictable = 0
         self.protected = 0
         self.new_leaf = None
         self.reset_stats()
 
+    # -- the guard, for cache.py's slow paths and evict loop -------------------------------
+    def enter(self, what: str) -> None:
+        if not self._enter(False):
+            raise reentered(what)
+
+    def leave(self) -> None:
+        self._leave()
+
+    def _take(self, held: bool, what: str) -> None:
+        if not held and not self._enter(False):
+            raise reentered(what)
+
     def reset_stats(self) -> None:
         self.lookups = self.matched_tokens = self.queried_tokens = 0
         self.inserts = self.inserted_tokens = self.evictions = self.evicted_tokens = 0
         self.tree.num_splits = 0
 
-    def reset(self) -> None:
-        self.tree.reset()
-        self.heap.clear()
-        self.evictable = 0
-        self.protected = 0
-        self.new_leaf = None
-        self.reset_stats()
+    def reset(self, held: bool = False) -> None:
+        self._take(held, "reset")
+        try:
+            old_root = self.tree._clear()  # noqa: F841 -- released after the guard
+            heap = self.heap
+            old_entries = heap._nodes  # noqa: F841
+            heap._heap = []
+            heap._nodes = {}
+            heap._limit = 1024
+            self.evictable = 0
+            self.protected = 0
+            self.new_leaf = None
+            self.reset_stats()
+        finally:
+            if not held:
+                self._leave()
 
-    def _push_if_evictable(self, node: Node) -> None:
+    def _push_if_evictable(self, node: Node) -> Any:
         if (not node._children and not node._lock_ref and not node._evicted
                 and node is not self.tree.root):
-            self.heap.push(node)
+            return self.heap._push(node)
+        return None
 
     # -- whole calls -----------------------------------------------------------------------
-    def match(self, tokens: Any, extra_key: Any = None) -> MatchResult | None:
-        buf = _token_bytes(tokens)
-        if buf is None or (extra_key is not None and not _hashable(extra_key)):
-            return None
-        tree = self.tree
-        path, length = tree.match(buf, extra_key)
-        self.lookups += 1
-        n = len(buf) // _TOKEN_BYTES
-        self.queried_tokens += n - n % self.page_size
-        if not path:
-            return MatchResult(EMPTY_INDICES, tree.root, 0)
-        self.matched_tokens += length
-        last = path[-1]
-        if self._push_on_access:
-            self._push_if_evictable(last)
-        return MatchResult(tree.gather(path), last, length)
+    def match(self, tokens: Any, extra_key: Any = None, held: bool = False) -> MatchResult | None:
+        self._take(held, "match_prefix")
+        try:
+            buf = _token_bytes(tokens)  # first: the tokens as they were when the call began
+            if buf is None or (extra_key is not None and not _hashable(extra_key)):
+                return None
+            tree = self.tree
+            path, length = tree._match(buf, extra_key)
+            self.lookups += 1
+            n = len(buf) // _TOKEN_BYTES
+            self.queried_tokens += n - n % self.page_size
+            if not path:
+                return MatchResult(EMPTY_INDICES, tree.root, 0)
+            self.matched_tokens += length
+            last = path[-1]
+            if self._push_on_access:
+                dropped = self._push_if_evictable(last)  # noqa: F841
+            return MatchResult(tree._gather(path), last, length)
+        finally:
+            if not held:
+                self._leave()
 
     def insert(self, tokens: Any, kv: Any = None, extra_key: Any = None, priority: Any = 0,
-               checked: bool = False) -> InsertResult | None:
+               held: bool = False) -> InsertResult | None:
         if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
             return None
-        buf = _token_bytes(tokens)
-        if buf is None or (extra_key is not None and not _hashable(extra_key)):
-            return None
-        device_values = False
-        values = None
-        if kv is not None:
-            if checked and type(kv) is not np.ndarray:
-                device_values = True  # validated by cache.py: a tensor on a device
-            else:
+        self._take(held, "insert")
+        try:
+            buf = _token_bytes(tokens)
+            if buf is None or (extra_key is not None and not _hashable(extra_key)):
+                return None
+            values = None
+            if kv is not None:
                 n = len(buf) // _TOKEN_BYTES
                 values = _kv_array(kv, n - n % self.page_size)
                 if values is None:
                     return None
-        tree = self.tree
-        prefix_len, last, new_leaf = tree.insert(buf, extra_key, priority)
-        self.inserts += 1
-        self.new_leaf = new_leaf
-        if new_leaf is not None:
-            added = new_leaf.num_tokens
-            if values is not None:
-                tree.set_value(new_leaf, values[prefix_len:prefix_len + added])
-            self.evictable += added
-            self.inserted_tokens += added
-            self.heap.push(new_leaf)
-        elif self._push_on_access:
-            self._push_if_evictable(last)
-        return InsertResult(prefix_len, last)
+            tree = self.tree
+            prefix_len, last, new_leaf = tree._insert(buf, extra_key, priority)
+            self.inserts += 1
+            if held:
+                self.new_leaf = new_leaf  # for cache.py's take_new_leaf()
+            dropped = None
+            if new_leaf is not None:
+                added = new_leaf.num_tokens
+                if values is not None:
+                    tree._store_value(new_leaf, values[prefix_len:prefix_len + added])
+                self.evictable += added
+                self.inserted_tokens += added
+                dropped = self.heap._push(new_leaf)  # noqa: F841
+            elif self._push_on_access:
+                dropped = self._push_if_evictable(last)  # noqa: F841
+            return InsertResult(prefix_len, last)
+        finally:
+            if not held:
+                self._leave()
 
-    def exists(self, tokens: Any, extra_key: Any = None) -> bool | None:
-        buf = _token_bytes(tokens)
-        if buf is None or (extra_key is not None and not _hashable(extra_key)):
-            return None
-        return self.tree.exists(buf, extra_key)
+    def exists(self, tokens: Any, extra_key: Any = None, held: bool = False) -> bool | None:
+        self._take(held, "exists")
+        try:
+            buf = _token_bytes(tokens)
+            if buf is None or (extra_key is not None and not _hashable(extra_key)):
+                return None
+            return self.tree._exists(buf, extra_key)
+        finally:
+            if not held:
+                self._leave()
+
+    def take_new_leaf(self) -> Node | None:
+        """The leaf the last ``held`` insert made (None if none), forgotten here."""
+        leaf, self.new_leaf = self.new_leaf, None
+        return leaf
 
     def walk(self, tokens: Any, extra_key: Any = None) -> int:
-        buf = _token_bytes(tokens)
-        if buf is None:
-            raise TypeError("walk takes the common token inputs only")
-        return self.tree.walk(buf, extra_key)
+        self._take(False, "walk")
+        try:
+            buf = _token_bytes(tokens)
+            if buf is None:
+                raise TypeError("walk takes the common token inputs only")
+            return self.tree._walk(buf, extra_key)
+        finally:
+            self._leave()
 
     # -- locks and eviction ----------------------------------------------------------------
-    def lock(self, node: Any, delta: int) -> int:
-        moved = self.tree.lock(node, delta)
-        if delta > 0:
-            self.evictable -= moved
-            self.protected += moved
-        elif moved:
-            self.evictable += moved
-            self.protected -= moved
-            # Only the bottom node can have become an evictable leaf: the rest have children.
-            self._push_if_evictable(node)
-        return moved
+    def lock(self, node: Any, delta: int, held: bool = False) -> int:
+        self._take(held, "inc_lock_ref" if delta > 0 else "dec_lock_ref")
+        try:
+            moved = self.tree._lock(node, delta)
+            if delta > 0:
+                self.evictable -= moved
+                self.protected += moved
+            elif moved:
+                self.evictable += moved
+                self.protected -= moved
+                # Only the bottom node can have become an evictable leaf.
+                dropped = self._push_if_evictable(node)  # noqa: F841
+            return moved
+        finally:
+            if not held:
+                self._leave()
 
-    def pop_victim(self) -> Node | None:
-        return self.heap.pop_victim()
+    def pop_victim(self, held: bool = False) -> Node | None:
+        stale: list = []  # released when the call returns
+        self._take(held, "evict")
+        try:
+            return self.heap._pop(stale)
+        finally:
+            if not held:
+                self._leave()
 
-    def remove_leaf(self, node: Node) -> int:
-        size = node.num_tokens
-        parent = self.tree.remove_leaf(node)
-        self.evictable -= size
-        self.evictions += 1
-        self.evicted_tokens += size
-        self._push_if_evictable(parent)
-        return size
+    def remove_leaf(self, node: Node, held: bool = False) -> int:
+        self._take(held, "evict")
+        try:
+            size = node.num_tokens
+            parent, value = self.tree._detach_leaf(node)  # noqa: F841 -- value released later
+            self.evictable -= size
+            self.evictions += 1
+            self.evicted_tokens += size
+            dropped = self._push_if_evictable(parent)  # noqa: F841
+            return size
+        finally:
+            if not held:
+                self._leave()
 
-    def set_value(self, node: Node, values: Any) -> None:
-        self.tree.set_value(node, values)
+    def set_value(self, node: Node, values: Any, held: bool = False) -> None:
+        self._take(held, "insert")
+        try:
+            previous = self.tree._store_value(node, values)  # noqa: F841
+        finally:
+            if not held:
+                self._leave()

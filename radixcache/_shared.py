@@ -57,6 +57,16 @@ def indices_from_key(key: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(key, dtype=np.int64))
 
 
+def reentered(what: str) -> RuntimeError:
+    """The error for a call into a tree core (or its heap) while another call of it runs."""
+    return RuntimeError(
+        f"RadixCache re-entered from inside one of its own calls ({what} while another call "
+        "was running): a token's __index__, an extra_key's __hash__/__eq__, a torch hook, a "
+        "finalizer or another thread called into the cache; serialise calls (one thread, or "
+        "a lock) and keep cache calls out of such hooks"
+    )
+
+
 def display_order(node) -> tuple:
     """Sort key for listing siblings: namespace, then tokens (the same on both cores)."""
     extra_key = node.extra_key

@@ -2,9 +2,10 @@
 
 Every call goes to the core object (``Core``) once; common inputs are handled there whole.
 When the core declines an input (returns None, having changed nothing), this module validates
-it -- raising the documented exception -- and calls again with canonical inputs. It keeps
-what only Python should do: device tensors, the evict loop with its free callback, events
-hooks and stats assembly.
+it -- raising the documented exception -- and calls again with canonical inputs, holding
+the core's guard across both (so a nested call from a token's ``__index__`` or an extra_key's
+``__hash__`` raises ``RuntimeError`` on either path). It keeps what only Python should do:
+device tensors, the evict loop with its free callback, events hooks and stats assembly.
 """
 
 from __future__ import annotations
@@ -235,56 +236,68 @@ class RadixCache:
         """The longest cached prefix (page aligned); a match ending inside a node splits it."""
         result = self._core.match(token_ids, extra_key)
         if result is None:  # an unusual input, or a bad one: validate, then once more
-            tokens = self._tokens(token_ids)
-            if extra_key is not None:
-                _check_extra_key(extra_key)
-            result = _checked(self._core.match(tokens, extra_key))
+            core = self._core
+            core.enter("match_prefix")
+            try:
+                tokens = self._tokens(token_ids)
+                if extra_key is not None:
+                    _check_extra_key(extra_key)
+                result = _checked(core.match(tokens, extra_key, True))
+            finally:
+                core.leave()
         return result
 
     def insert(self, token_ids: Any, kv_indices: Any = None, extra_key: Any = None,
                priority: int = 0) -> InsertResult:
         """Cache ``token_ids``; returns how many leading tokens were cached already."""
-        events = self._events
-        if events is None:
+        if self._events is None:
             result = self._core.insert(token_ids, kv_indices, extra_key, priority)
-            if result is None:  # an unusual input, or a bad one: validate, then once more
-                result = self._insert_checked(token_ids, kv_indices, extra_key, priority)
-            return result
-        # With events on, every check runs first: the recorder has its own rules for extra_key.
-        result = self._insert_checked(token_ids, kv_indices, extra_key, priority)
-        if self._core.new_leaf is not None:
-            events.stored(self._core.new_leaf)
-        return result
-
-    def _insert_checked(self, token_ids: Any, kv_indices: Any, extra_key: Any,
-                        priority: Any) -> InsertResult:
-        tokens = self._tokens(token_ids)
-        if extra_key is not None:
-            _check_extra_key(extra_key)
-            if self._events is not None:
-                self._events.check_extra_key(extra_key)  # fail before the tree changes
-        if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
-            priority = _check_priority(priority)
-        kv = None
-        if kv_indices is not None:
-            kv = self._kv_values(kv_indices, self._aligned(len(tokens)))
+            if result is not None:
+                return result
+        # An unusual input, a bad one, or events on (the recorder has its own rules for
+        # extra_key): every check first, then the core with canonical inputs.
         core = self._core
-        result = _checked(core.insert(tokens, kv, extra_key, priority, True))
-        leaf = core.new_leaf
-        if isinstance(kv, torch.Tensor) and leaf is not None:
-            # Values on a device stay there: a copy on the caller's device, never an alias.
-            start = result.prefix_len
-            core.set_value(leaf, kv[start:start + leaf.num_tokens].to(torch.int64, copy=True))
-        return result
+        core.enter("insert")
+        try:
+            tokens = self._tokens(token_ids)
+            if extra_key is not None:
+                _check_extra_key(extra_key)
+                if self._events is not None:
+                    self._events.check_extra_key(extra_key)  # fail before the tree changes
+            if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
+                priority = _check_priority(priority)
+            kv = None
+            if kv_indices is not None:
+                kv = self._kv_values(kv_indices, self._aligned(len(tokens)))
+            on_device = isinstance(kv, torch.Tensor)
+            result = _checked(core.insert(tokens, None if on_device else kv, extra_key,
+                                          priority, True))
+            leaf = core.take_new_leaf()
+            if leaf is not None:
+                if on_device:
+                    # Values on a device stay there: a copy on the caller's device.
+                    start = result.prefix_len
+                    core.set_value(leaf, kv[start:start + leaf.num_tokens].to(
+                        torch.int64, copy=True), True)
+                if self._events is not None:
+                    self._events.stored(leaf)
+            return result
+        finally:
+            core.leave()
 
     def exists(self, token_ids: Any, extra_key: Any = None) -> bool:
         """True only for a sequence inserted exactly (and not evicted since)."""
         found = self._core.exists(token_ids, extra_key)
         if found is None:
-            tokens = self._tokens(token_ids)
-            if extra_key is not None:
-                _check_extra_key(extra_key)
-            found = _checked(self._core.exists(tokens, extra_key))
+            core = self._core
+            core.enter("exists")
+            try:
+                tokens = self._tokens(token_ids)
+                if extra_key is not None:
+                    _check_extra_key(extra_key)
+                found = _checked(core.exists(tokens, extra_key, True))
+            finally:
+                core.leave()
         return found
 
     def _walk(self, tokens: Any, extra_key: Any = None) -> int:
@@ -307,21 +320,32 @@ class RadixCache:
         """Evict unlocked leaves in policy order until ``num_tokens`` are freed; returns freed."""
         num_tokens = _check_int("num_tokens", num_tokens)
         core = self._core
-        pop_victim = core.pop_victim
-        remove_leaf = core.remove_leaf
         events = self._events
-        freed = 0
-        while freed < num_tokens:
-            node = pop_victim()
-            if node is None:
-                break
-            value = node.value if free_callback is not None else None
-            if events is not None:
-                events.removed(node)
-            freed += remove_leaf(node)
-            if free_callback is not None:
-                free_callback(value)
-        return freed
+        core.enter("evict")
+        held = True
+        try:
+            pop_victim = core.pop_victim
+            remove_leaf = core.remove_leaf
+            freed = 0
+            while freed < num_tokens:
+                node = pop_victim(True)
+                if node is None:
+                    break
+                value = node.value if free_callback is not None else None
+                if events is not None:
+                    events.removed(node)
+                freed += remove_leaf(node, True)
+                if free_callback is not None:
+                    # The cache is consistent here: the callback may call it (even evict).
+                    core.leave()
+                    held = False
+                    free_callback(value)
+                    core.enter("evict, after its free_callback")
+                    held = True
+            return freed
+        finally:
+            if held:
+                core.leave()
 
     # -- sizes, stats, printing ------------------------------------------------------
     def evictable_size(self) -> int:
@@ -361,9 +385,14 @@ class RadixCache:
 
     def reset(self) -> None:
         """Drop every node (handles become evicted) and zero the counters."""
-        self._core.reset()
-        if self._events is not None:
-            self._events.cleared()
+        core = self._core
+        core.enter("reset")
+        try:
+            core.reset(True)
+            if self._events is not None:
+                self._events.cleared()
+        finally:
+            core.leave()
 
     def take_events(self) -> list:
         """The KV events recorded since the last call, in order (empty when events are off)."""
@@ -373,14 +402,20 @@ class RadixCache:
 
     def pretty_print(self, file: TextIO | None = None) -> None:
         """One line per node, indented 2 per level, then the total token count."""
-        out = sys.stdout if file is None else file
-        for node, depth in self._core.tree.iter_nodes():
-            key = node.key
-            shown = ", ".join(str(int(t)) for t in key[:10])
-            if len(key) > 10:
-                shown += ", ..."
-            out.write(f"{'  ' * depth}[len={len(key)} key=[{shown}] lock_ref={node.lock_ref}]\n")
-        out.write(f"#tokens: {self.total_size()}\n")
+        core = self._core
+        core.enter("pretty_print")
+        try:
+            out = sys.stdout if file is None else file
+            for node, depth in core.tree.iter_nodes():
+                key = node.key
+                shown = ", ".join(str(int(t)) for t in key[:10])
+                if len(key) > 10:
+                    shown += ", ..."
+                out.write(f"{'  ' * depth}[len={len(key)} key=[{shown}] "
+                          f"lock_ref={node.lock_ref}]\n")
+            out.write(f"#tokens: {self.total_size()}\n")
+        finally:
+            core.leave()
 
     def __repr__(self) -> str:
         return (f"RadixCache(page_size={self.page_size}, eviction_policy="

@@ -271,24 +271,31 @@ def test_device_values_stay_on_their_device(make_cache):
     check_invariants(cache)
 
 
-def test_reentrant_call_from_extra_key_hash(make_cache):
-    # The namespace is resolved before the call starts: a nested call sees a whole cache.
+@pytest.mark.parametrize("method", ["insert", "match_prefix", "exists"])
+@pytest.mark.parametrize("tokens", [SEQ, np.array(SEQ), torch.tensor(SEQ), [IndexInt(t) for t in SEQ]],
+                         ids=["list", "numpy", "tensor", "index-objects"])
+def test_nested_call_from_extra_key_hash_raises_on_every_path(make_cache, method, tokens):
+    # Fast path or validation path: a call from inside a call is refused, nothing changes.
     cache = make_cache()
     cache.insert(SEQ)
     nested = []
 
     class Key:
         def __hash__(self):
-            nested.append(cache.match_prefix(SEQ).length)
+            try:
+                cache.match_prefix(SEQ)
+            except RuntimeError as exc:
+                nested.append(str(exc))
             return 1
 
         def __eq__(self, other):
             return isinstance(other, Key)
 
-    key = Key()
-    cache.insert(SEQ, extra_key=key)
-    assert cache.exists(SEQ, extra_key=key)
-    assert nested and all(length == 8 for length in nested)
+    before = (cache.stats(), cache.node_count())
+    getattr(cache, method)(tokens, extra_key=Key())
+    assert nested and all("re-entered" in msg for msg in nested)
+    if method == "exists":
+        assert (cache.stats(), cache.node_count()) == before
     check_invariants(cache)
 
 
