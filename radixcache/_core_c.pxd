@@ -37,10 +37,17 @@ cdef class Guard:
 
 
 cdef class Node:
+    # Laid out for the walk: everything a step reads (the child table, the key) sits in the
+    # object's first cache line, right after its header.
+    # Open-addressing hash table of children (linear probing, power-of-two capacity).
+    cdef ChildSlot* slots
+    cdef Py_ssize_t slot_mask
+    cdef Py_ssize_t n_children
     # Tokens live in key_owner (a bytes object); split halves share it at different offsets.
-    cdef object key_owner
     cdef const int64_t* key_ptr
     cdef Py_ssize_t key_len
+    cdef readonly int64_t last_access_time
+    cdef object key_owner
     # Index values: an int64 buffer (bytes, CPU values, shared across splits like keys) that
     # value_ptr points into; a device tensor (value_ptr NULL) whose elements
     # [value_off, value_off + key_len) are this node's (split halves share it, so a split
@@ -50,13 +57,8 @@ cdef class Node:
     cdef Py_ssize_t value_off
     # Borrowed: an attached child never outlives its parent's reference to it.
     cdef PyObject* parent_ptr
-    # Open-addressing hash table of children (linear probing, power-of-two capacity).
-    cdef ChildSlot* slots
-    cdef Py_ssize_t slot_mask
-    cdef Py_ssize_t n_children
     cdef int64_t ns
     cdef readonly Py_ssize_t lock_ref
-    cdef readonly int64_t last_access_time
     cdef readonly int64_t created_time
     cdef readonly int64_t priority
     cdef readonly int64_t hit_count
@@ -87,6 +89,10 @@ cdef class Tree:
     cdef int64_t last_ns
     # Namespaces in which the empty sequence was inserted (it has no node to mark).
     cdef set empty_inserted
+
+    # The hash seed of the last namespace asked for (a walk asks for one namespace).
+    cdef int64_t seed_ns
+    cdef uint64_t seed
 
     cdef uint64_t page_hash(self, const int64_t* page, int64_t ns) noexcept nogil
     cdef int64_t find_namespace(self, object extra_key) except -2
