@@ -145,6 +145,18 @@ cdef class Guard:
         self.busy = 1
         return 0
 
+    # The same protocol as the pure core's lock-based Guard, for the cache layer's own guard:
+    # test-and-set under the GIL, so two threads cannot both take it.
+    def acquire(self, bint blocking=False):
+        """Take the guard if it is free (never waits); True if taken."""
+        if self.busy:
+            return False
+        self.busy = 1
+        return True
+
+    def release(self):
+        self.busy = 0
+
 
 # -- the caller's tokens as one int64 buffer -----------------------------------------------
 cdef object token_error(object tokens):
