@@ -1610,7 +1610,7 @@ cdef class Core:
         b.held = False
         self.take(False, "walk")
         try:
-            if not self.acquire(tokens, &b, False, True):
+            if not self.acquire(tokens, &b, False, extra_key is not None):
                 raise TypeError("walk takes the common token inputs only")
             ns = self.tree.find_namespace(extra_key)
             return self.walk_length(b.ptr, b.len - b.len % self.page_size, ns)
