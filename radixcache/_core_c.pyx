@@ -4,17 +4,21 @@
 
 Keys are int64 runs inside bytes objects (split halves share one at different offsets);
 children sit in a per-node open-addressing table keyed by a hash of (namespace, first page),
-so a walk step boxes no Python int. The caller's tokens become one int64 buffer per call.
+so a walk step boxes no Python int. ``Core`` (one per cache) does each API call whole: the
+caller's tokens become one int64 buffer (a list's exact ints read without a call, an int64
+buffer or CPU int64 tensor borrowed), the walk, sizes, counters, heap pushes and the result;
+an unusual input is declined, untouched, to cache.py's validation.
 
 Python code can run inside any call: a token's ``__index__``, an extra_key's
 ``__hash__``/``__eq__``, torch hooks, and finalizers set off by a DECREF or by a collection
 that allocating a node triggers (which can also let another thread run). So:
 
-- every entry point holds the tree's ``Guard`` (shared with its heap): a nested call into
-  the same tree or heap raises ``RuntimeError`` instead of changing what the call relies on;
+- every entry point holds the tree's ``Guard`` (shared with its heap and the Core): a nested
+  call raises ``RuntimeError`` instead of changing what the call relies on;
 - a borrowed pointer into a caller's object is never read after Python code may have run
-  (tokens read from a list are exact ints only, anything else is converted from a snapshot
-  that holds references; a borrowed buffer is read only before the call's first allocation);
+  (tokens read from a list are exact ints only -- anything else is declined to cache.py --;
+  a borrowed buffer is copied when an extra_key will be hashed, and otherwise read only
+  before the call's first allocation of a tracked object);
 - a split calls nothing (device values are shared with an offset, not sliced);
 - structure first, references released after: no DECREF in the middle of an update of a
   child table or the heap, and teardown never recurses;
@@ -25,11 +29,9 @@ that allocating a node triggers (which can also let another thread run). So:
 cimport cython
 from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release,
                              PyObject_GetBuffer)
-from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
-from cpython.number cimport PyNumber_Index
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset
@@ -40,7 +42,6 @@ import torch
 from ._shared import cat_values as _cat_values
 from ._shared import display_order, indices_from_key, reentered
 
-_frombuffer = torch.frombuffer
 _int64 = torch.int64
 
 CORE_NAME = "c"
@@ -106,32 +107,9 @@ cdef inline Py_ssize_t common_prefix(const int64_t* a, const int64_t* b,
 
 
 cdef extern from "Python.h":
-    # Borrowed-pointer spellings: the conversion loop never touches reference counts.
+    # Borrowed-pointer spelling: the conversion loop never touches reference counts.
     PyObject** PySequence_Fast_ITEMS(object)
-    Py_ssize_t PySequence_Fast_GET_SIZE(object)
-    bint long_check_exact "PyLong_CheckExact"(PyObject*) noexcept
-    long long long_value "PyLong_AsLongLong"(PyObject*) except? -1
 
-cdef extern from *:
-    """
-    /* Reads a one-digit int without a call: token ids are nearly always that small. */
-    static inline int rc_small_int(PyObject* o, int64_t* out) {
-    #if PY_VERSION_HEX >= 0x030C0000
-        if (PyUnstable_Long_IsCompact((PyLongObject*)o)) {
-            *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject*)o);
-            return 1;
-        }
-        return 0;
-    #else
-        Py_ssize_t size = Py_SIZE(o);
-        if (size == 1) { *out = (int64_t)((PyLongObject*)o)->ob_digit[0]; return 1; }
-        if (size == 0) { *out = 0; return 1; }
-        if (size == -1) { *out = -(int64_t)((PyLongObject*)o)->ob_digit[0]; return 1; }
-        return 0;
-    #endif
-    }
-    """
-    bint rc_small_int(PyObject* o, int64_t* out) noexcept
 
 
 # -- re-entrancy guard ---------------------------------------------------------------------
@@ -158,70 +136,7 @@ cdef class Guard:
         self.busy = 0
 
 
-# -- the caller's tokens as one int64 buffer -----------------------------------------------
-cdef object token_error(object tokens):
-    """Re-raise a failed conversion with a message naming the bad token."""
-    for item in tokens:
-        try:
-            value = PyNumber_Index(item)
-        except TypeError:
-            return TypeError(f"token ids must be integers, got {type(item).__name__}")
-        if not -(2**63) <= value < 2**63:
-            return OverflowError(f"token id {value} does not fit in int64")
-    return TypeError("bad token ids")
-
-
-cdef int convert_held(PyObject** items, Py_ssize_t n, int64_t* out) except -1:
-    """Convert items that are not all exact ints. Each gets a reference first: their
-    ``__index__`` is Python code, which may change or empty the caller's list."""
-    cdef PyObject** held = <PyObject**>PyMem_Malloc((n if n else 1) * sizeof(PyObject*))
-    cdef Py_ssize_t i
-    if held == NULL:
-        raise MemoryError()
-    for i in range(n):  # no Python code runs in this loop
-        held[i] = items[i]
-        Py_INCREF(<object>held[i])
-    try:
-        for i in range(n):
-            out[i] = PyLong_AsLongLong(PyNumber_Index(<object>held[i]))
-    except (TypeError, OverflowError):
-        raise token_error(tuple([<object>held[i] for i in range(n)])) from None
-    finally:
-        for i in range(n):
-            Py_DECREF(<object>held[i])
-        PyMem_Free(held)
-    return 0
-
-
-cdef object sequence_tokens(object tokens, TokenBuf* tb):
-    """A list or tuple of token ids as a new bytes object of int64 (``tb`` points into it)."""
-    cdef Py_ssize_t i, n = PySequence_Fast_GET_SIZE(tokens)
-    cdef PyObject** items
-    cdef PyObject* item
-    cdef int64_t* buf
-    cdef int64_t value
-    # A bytes object is not tracked by the garbage collector: allocating it runs no Python
-    # code, so nothing can change the list between here and the end of the exact-int loop.
-    owner = PyBytes_FromStringAndSize(NULL, n * sizeof(int64_t))
-    buf = <int64_t*>PyBytes_AS_STRING(owner)
-    items = PySequence_Fast_ITEMS(tokens)
-    for i in range(n):
-        item = items[i]
-        if not long_check_exact(item):
-            convert_held(items + i, n - i, buf + i)
-            break
-        if rc_small_int(item, &value):
-            buf[i] = value
-        else:
-            try:
-                buf[i] = long_value(item)
-            except OverflowError:
-                raise token_error(tokens) from None
-    tb.ptr = <const int64_t*>buf
-    tb.len = n
-    return owner
-
-
+# -- a caller's int64 buffer ---------------------------------------------------------------
 cdef int borrow_buffer(object values, TokenBuf* tb, str what) except -1:
     """Point ``tb`` at a caller's 1-D contiguous int64 buffer; ``release_tokens`` gives it
     back. Read it before anything that can run Python code (an allocation of a tracked
@@ -244,22 +159,6 @@ cdef inline void release_tokens(TokenBuf* tb) noexcept:
     if tb.held:
         tb.held = False
         PyBuffer_Release(&tb.view)
-
-
-cdef object get_tokens(object tokens, bint borrow, TokenBuf* tb):
-    """The caller's tokens for one call: converted (list, tuple), borrowed (``borrow``: the
-    caller reads them before its first allocation) or copied. Returns the owner or None."""
-    if type(tokens) is list or type(tokens) is tuple:
-        return sequence_tokens(tokens, tb)
-    borrow_buffer(tokens, tb, "token buffer")
-    if borrow:
-        return None
-    try:
-        owner = PyBytes_FromStringAndSize(<const char*>tb.ptr, tb.len * sizeof(int64_t))
-    finally:
-        release_tokens(tb)
-    tb.ptr = <const int64_t*>PyBytes_AS_STRING(owner)
-    return owner
 
 
 # -- nodes ---------------------------------------------------------------------------------
