@@ -1342,6 +1342,8 @@ cdef class Core:
             return None
         self.take(held, "insert")
         try:
+            if kv is not None and type(kv) is _Tensor and not kv.is_cpu:
+                return None  # values on a device: cache.py slices them there
             if not self.acquire(tokens, &b, False, private):
                 return None
             end = b.len - b.len % self.page_size
@@ -1496,6 +1498,19 @@ cdef class Core:
                 break
             node = child
         return pos
+
+    def token_array(self, tokens):
+        """The common token inputs as a new int64 array; None for anything else. Called by
+        cache.py's validation path, which holds the guard (the scratch buffer is its own)."""
+        cdef TokenBuf b
+        b.held = False
+        if not self.acquire(tokens, &b, False, False):
+            return None
+        try:
+            owner = PyBytes_FromStringAndSize(<const char*>b.ptr, b.len * sizeof(int64_t))
+        finally:
+            release_tokens(&b)
+        return np.frombuffer(owner, dtype=np.int64)
 
     def take_new_leaf(self):
         """The leaf the last ``held`` insert made (None if none), forgotten here."""

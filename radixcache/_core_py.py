@@ -32,6 +32,8 @@ the documented exception) and calls again with canonical inputs and ``held=True`
   marks the last node terminal when the sequence was page aligned, updates sizes and
   counters and pushes the new leaf on the heap.
 - ``exists(tokens, extra_key, held=False) -> bool | None``: read-only exact-sequence test.
+- ``token_array(tokens) -> numpy.ndarray | None``: the common token inputs as a new int64
+  array (None otherwise), for cache.py's validation path.
 - ``walk(tokens, extra_key) -> int``: read-only longest cached page-aligned prefix length (no
   split, no stamps, no counters): the bare tree walk that the benchmarks time.
 - ``lock(node, delta, held=False) -> int``: ``delta`` +1 or -1; walks node -> root (root
@@ -832,6 +834,8 @@ class Core:
             return None
         self._take(held, "insert")
         try:
+            if kv is not None and type(kv) is torch.Tensor and not kv.is_cpu:
+                return None  # values on a device: cache.py slices them there
             buf = _token_bytes(tokens)
             if buf is None or (extra_key is not None and not _hashable(extra_key)):
                 return None
@@ -871,6 +875,11 @@ class Core:
         finally:
             if not held:
                 self._leave()
+
+    def token_array(self, tokens: Any) -> np.ndarray | None:
+        """The common token inputs as a new int64 array; None for anything else."""
+        buf = _token_bytes(tokens)
+        return None if buf is None else np.frombuffer(buf, dtype=np.int64)
 
     def take_new_leaf(self) -> Node | None:
         """The leaf the last ``held`` insert made (None if none), forgotten here."""

@@ -162,12 +162,13 @@ class RadixCache:
         return self._core.protected
 
     # -- input validation (the slow path) ----------------------------------------------
-    @staticmethod
-    def _tokens(token_ids: Any) -> np.ndarray:
+    def _tokens(self, token_ids: Any) -> np.ndarray:
         """Validate the caller's tokens into a 1-D int64 numpy array (or raise)."""
         kind = type(token_ids)
         if kind is list or kind is tuple:
-            return _list_tokens(token_ids)
+            # The core reads exact ints at C speed; anything else gets Python's checks.
+            converted = self._core.token_array(token_ids)
+            return _list_tokens(token_ids) if converted is None else converted
         if isinstance(token_ids, torch.Tensor):
             if token_ids.device.type != "cpu":
                 raise ValueError(

@@ -326,3 +326,20 @@ def test_both_cores_agree_on_a_mixed_stream():
         assert all(o == outcomes[0] for o in outcomes), (step, outcomes)
     stats = [c.stats() for c in caches.values()]
     assert all(s == stats[0] for s in stats)
+
+
+@pytest.mark.parametrize("make", [list, tuple, lambda s: [IndexInt(t) for t in s],
+                                  lambda s: np.array(s, dtype=np.int32)],
+                         ids=["list", "tuple", "index-objects", "numpy-int32"])
+def test_device_kv_with_every_token_kind(make_cache, make):
+    # Device values always take the validation path; its tokens come out the same.
+    cache = make_cache(page_size=2)
+    result = cache.insert(make(SEQ), torch.arange(8, device="meta"))
+    assert result.prefix_len == 0
+    assert cache.insert(make(SEQ[:4] + [0, 0]), torch.arange(6, device="meta")).prefix_len == 4
+    match = cache.match_prefix(SEQ)
+    assert match.length == 8 and match.indices.device.type == "meta"
+    assert cache.exists(SEQ) and cache.exists(SEQ[:4] + [0, 0])
+    with pytest.raises(TypeError, match="token ids must be integers"):
+        cache.insert([3, 1, 4, 1.5], torch.arange(4, device="meta"))
+    check_invariants(cache)
