@@ -17,15 +17,36 @@ from typing import Callable, Sequence
 
 from . import _core
 from .cache import EVICTION_POLICIES, RadixCache
+from .fleet import (
+    DEFAULT_DECODE_TPS,
+    DEFAULT_INTERVAL_MS,
+    DEFAULT_PREFILL_TPS,
+    POOLED,
+    EventLag,
+    FleetResult,
+    TimeModel,
+    arrival_times,
+    simulate_fleet,
+    simulate_pooled,
+)
+from .router import DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
 from .traces import TraceError, read_trace
 from .workloads import (INPUT_TYPES, Request, ServeResult, deep_exercise_ops, exercise_ops, serve,
                         synthetic_chat, time_cached_calls, walk_cost)
 
-__all__ = ["main", "JSON_KEYS"]
+__all__ = ["main", "JSON_KEYS", "FLEET_JSON_KEYS"]
 
 #: Keys of every object ``simulate --json`` writes, in order.
 JSON_KEYS = ("capacity", "policy", "page_size", "requests", "prompt_tokens", "cached_tokens",
              "hit_rate", "evicted_tokens", "peak_tokens", "seconds")
+#: Keys of the rows ``simulate --workers N --json`` writes (N >= 2), in order.
+FLEET_JSON_KEYS = JSON_KEYS + ("workers", "router", "prefill_tokens", "load_imbalance",
+                               "ttft_p50", "ttft_p99")
+DEFAULT_ROUTERS = "round-robin,prefix-hash,cache-aware"
+#: The options that only a fleet (--workers >= 2) uses, with their defaults.
+FLEET_DEFAULTS = {"router": DEFAULT_ROUTERS, "event_lag": "0", "prefill_tps": DEFAULT_PREFILL_TPS,
+                  "decode_tps": DEFAULT_DECODE_TPS, "interval": DEFAULT_INTERVAL_MS,
+                  "load_weight": DEFAULT_LOAD_WEIGHT, "prefill_weight": 1.0}
 
 EMBEDDED_NAME = "synthetic chat (embedded)"
 DEFAULT_CAPACITIES = "32768,131072,524288"
@@ -61,19 +82,49 @@ def _capacity_list(text: str) -> list[int]:
     return sorted(set(values))
 
 
-def _policy_list(text: str) -> list[str]:
+def _name_list(text: str, valid: Sequence[str], what: str) -> list[str]:
+    """A comma-separated list of names from ``valid`` (or ``all``), duplicates dropped."""
     if text.strip() == "all":
-        return list(EVICTION_POLICIES)
+        return list(valid)
     names = []
     for part in text.split(","):
         name = part.strip()
-        if name not in EVICTION_POLICIES:
+        if name not in valid:
             raise argparse.ArgumentTypeError(
-                f"unknown policy {name!r}; valid: {', '.join(EVICTION_POLICIES)} or 'all'"
+                f"unknown {what} {name!r}; valid: {', '.join(valid)} or 'all'"
             )
         if name not in names:
             names.append(name)
     return names
+
+
+def _policy_list(text: str) -> list[str]:
+    return _name_list(text, EVICTION_POLICIES, "policy")
+
+
+def _router_list(text: str) -> list[str]:
+    return _name_list(text, ROUTING_POLICIES, "router")
+
+
+def _event_lag(text: str) -> EventLag:
+    try:
+        return EventLag.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _number(low: float, low_ok: bool):
+    """A float parser accepting values above ``low`` (or equal when ``low_ok``), finite."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not low_ok):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>=' if low_ok else '>'} {low:g} and finite, got {text}")
+        return value
+    return parse
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -106,12 +157,43 @@ def _build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--block-size", type=_positive_int, default=512, metavar="B",
                      help="tokens per hash id in Mooncake traces (default 512)")
     sim.add_argument("--seed", type=int, default=0,
-                     help="seed of the embedded synthetic workload (default 0)")
+                     help="seed of the embedded synthetic workload and of the 'random' router "
+                          "(default 0)")
     sim.add_argument("--core", choices=cores, default=None,
                      help=f"tree core (default: {_core.core_name()})")
     sim.add_argument("--plot", metavar="OUT.png", help="write a hit-rate-vs-capacity PNG")
     sim.add_argument("--json", metavar="OUT.json", help="write the result rows as JSON")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    fleet = sim.add_argument_group(
+        "fleet (--workers N >= 2)",
+        "Replay over N workers of --capacity slots each behind a router that learns what they "
+        "hold only from their KV events, with a time model; a 'pooled' row gives the bound of "
+        "one cache of N x capacity slots.")
+    fleet.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                       help="workers, each with its own cache of --capacity slots (default 1: "
+                            "the single-cache replay)")
+    fleet.add_argument("--router", type=_router_list, default=None, metavar="NAME[,NAME...]",
+                       help=f"routing policies: {', '.join(ROUTING_POLICIES)} or 'all' "
+                            f"(default {DEFAULT_ROUTERS})")
+    fleet.add_argument("--event-lag", type=_event_lag, default=None, metavar="LAG",
+                       help="how late the router sees the workers' KV events: N routing "
+                            "decisions, or Nms of simulated time (default 0: before the next "
+                            "decision)")
+    fleet.add_argument("--prefill-tps", type=_number(0, False), default=None, metavar="T",
+                       help="prefill throughput per worker, tokens/s "
+                            f"(default {DEFAULT_PREFILL_TPS:g})")
+    fleet.add_argument("--decode-tps", type=_number(0, False), default=None, metavar="T",
+                       help="decode speed per running request, tokens/s "
+                            f"(default {DEFAULT_DECODE_TPS:g})")
+    fleet.add_argument("--interval", type=_number(0, True), default=None, metavar="MS",
+                       help="arrival interval for traces without timestamps, ms "
+                            f"(default {DEFAULT_INTERVAL_MS:g})")
+    fleet.add_argument("--load-weight", type=_number(0, True), default=None, metavar="W",
+                       help="cache-aware: weight of a worker's load (tokens queued or running) "
+                            f"(default {DEFAULT_LOAD_WEIGHT:g})")
+    fleet.add_argument("--prefill-weight", type=_number(0, True), default=None, metavar="W",
+                       help="cache-aware: weight of the prefill tokens the request would need "
+                            "on the worker (default 1)")
 
     bench = sub.add_parser(
         "bench", help="time the tree cores side by side",
@@ -250,7 +332,26 @@ def _result_row(capacity: int, policy: str, page_size: int, result: ServeResult)
     }
 
 
+def _fleet_options(args: argparse.Namespace) -> None:
+    """Fill the fleet options' defaults; naming one without --workers >= 2 is an error."""
+    given = [name for name in FLEET_DEFAULTS if getattr(args, name) is not None]
+    if args.workers == 1:
+        if given:
+            option = "--" + given[0].replace("_", "-")
+            raise _UsageError(f"{option} applies to a fleet: add --workers N (N >= 2)")
+        return
+    for name, default in FLEET_DEFAULTS.items():
+        if getattr(args, name) is None:
+            value = default
+            if name == "router":
+                value = _router_list(default)
+            elif name == "event_lag":
+                value = EventLag.parse(default)
+            setattr(args, name, value)
+
+
 def _simulate(args: argparse.Namespace) -> int:
+    _fleet_options(args)
     _check_output_path(args.json, "--json")
     _check_output_path(args.plot, "--plot")
     if args.plot:
@@ -282,6 +383,8 @@ def _simulate(args: argparse.Namespace) -> int:
     largest_need = max((len(r.prompt) + r.output_len for r in requests), default=0)
     print(f"trace: {trace_name}: {len(requests):,} requests, {prompt_total:,} prompt tokens; "
           f"page size {args.page_size}; core {core}")
+    if args.workers > 1:
+        return _simulate_fleet(args, requests, trace_name, core, largest_need)
 
     rows: list[dict] = []
     table: list[list[str]] = []
@@ -328,6 +431,154 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"radixcache: error: cannot write output: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _fleet_row(result: FleetResult) -> dict:
+    row = {
+        "capacity": result.capacity,
+        "policy": result.policy,
+        "page_size": result.page_size,
+        "requests": result.requests,
+        "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens,
+        "hit_rate": result.hit_rate,
+        "evicted_tokens": result.evicted_tokens,
+        "peak_tokens": result.peak_tokens,
+        "seconds": result.seconds,
+        "workers": result.workers,
+        "router": result.router,
+        "prefill_tokens": result.prefill_tokens,
+        "load_imbalance": result.load_imbalance,
+        "ttft_p50": result.ttft_p50,
+        "ttft_p99": result.ttft_p99,
+    }
+    return row
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:,.0f}"
+
+
+def _simulate_fleet(args: argparse.Namespace, requests: list[Request], trace_name: str,
+                    core: str, largest_need: int) -> int:
+    try:
+        arrivals = arrival_times(requests, args.interval)
+    except ValueError as exc:
+        print(f"radixcache: error: {trace_name}: {exc}", file=sys.stderr)
+        return 1
+    timed = bool(requests) and requests[0].timestamp is not None
+    time_model = TimeModel(args.prefill_tps, args.decode_tps)
+    router_options = {"load_weight": args.load_weight, "prefill_weight": args.prefill_weight,
+                      "seed": args.seed}
+    print(f"fleet: {args.workers} workers; routers {', '.join(args.router)}; event lag "
+          f"{args.event_lag}; prefill {args.prefill_tps:g} tokens/s per worker, decode "
+          f"{args.decode_tps:g} tokens/s per request; arrivals "
+          + ("from the trace's timestamps" if timed else f"every {args.interval:g} ms")
+          + f"; cache-aware weights: prefill {args.prefill_weight:g}, load "
+            f"{args.load_weight:g}")
+
+    rows: list[dict] = []
+    table: list[list[str]] = []
+    notes: list[str] = []
+    for capacity in args.capacity:
+        for policy in args.policy:
+            for router in [*args.router, POOLED]:
+                label = f"{router} @ {capacity:,}" + (f" {policy}" if len(args.policy) > 1
+                                                      else "")
+                bar = _progress_bar(len(requests), label, args.quiet)
+                common = dict(page_size=args.page_size, eviction_policy=policy, core=core,
+                              arrivals=arrivals, time_model=time_model,
+                              progress=bar.update if bar is not None else None)
+                try:
+                    if router == POOLED:
+                        result = simulate_pooled(requests, args.workers, capacity, **common)
+                    else:
+                        result = simulate_fleet(requests, args.workers, capacity, router,
+                                                event_lag=args.event_lag,
+                                                router_options=router_options, **common)
+                finally:
+                    if bar is not None:
+                        bar.close()
+                rows.append(_fleet_row(result))
+                table.append([
+                    f"{capacity:,}", policy, router, f"{result.requests:,}",
+                    f"{result.rejected:,}", f"{result.prompt_tokens:,}",
+                    f"{result.cached_tokens:,}", f"{100 * result.hit_rate:.2f}%",
+                    f"{result.prefill_tokens:,}", f"{result.load_imbalance:.2f}",
+                    _ms(result.ttft_p50), _ms(result.ttft_p99),
+                    f"{result.wall_seconds:.1f}",
+                ])
+                if result.rejected:
+                    where = (f"one cache of {args.workers} x {capacity:,} slots"
+                             if router == POOLED else f"{capacity:,} slots per worker")
+                    notes.append(
+                        f"rejected: {router}, {where} ({policy}): {result.rejected:,} of "
+                        f"{result.requests:,} requests did not fit in their worker's pool even "
+                        f"after evicting every unlocked entry (the largest request needs "
+                        f"{largest_need:,} slots)"
+                    )
+                skipped = (result.indexer_stats or {})
+                bad = {k: v for k, v in skipped.items()
+                       if v and k not in ("batches", "events", "stored_blocks",
+                                          "removed_blocks", "cleared", "duplicate_blocks")}
+                if bad:
+                    notes.append(f"indexer ({router} @ {capacity:,}): skipped events {bad}")
+    print(_format_table(
+        ["capacity", "policy", "router", "requests", "rejected", "prompt tokens",
+         "cached tokens", "hit rate", "prefill tokens", "imbalance", "TTFT p50 ms",
+         "TTFT p99 ms", "wall s"],
+        table, left=(1, 2),
+    ))
+    for note in notes:
+        print(note)
+
+    try:
+        if args.json:
+            _write_json(args.json, rows)
+        if args.plot:
+            _write_fleet_plot(args.plot, rows, trace_name, args.page_size, args.workers)
+    except OSError as exc:
+        print(f"radixcache: error: cannot write output: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write_fleet_plot(path: str, rows: list[dict], trace_name: str, page_size: int,
+                      workers: int) -> None:
+    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.ticker import NullLocator  # noqa: PLC0415
+
+    fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
+    ax = fig.add_subplot()
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    lines = list(dict.fromkeys((r["router"], r["policy"]) for r in rows))
+    markers = "os^Dvx*"
+    routers = [name for name in dict.fromkeys(r["router"] for r in rows) if name != POOLED]
+    for router, policy in lines:
+        points = sorted((r["capacity"], r["hit_rate"]) for r in rows
+                        if r["router"] == router and r["policy"] == policy)
+        label = router if len(policies) == 1 else f"{router} ({policy})"
+        if router == POOLED:
+            label = f"pooled: one cache of {workers} x capacity" + (
+                "" if len(policies) == 1 else f" ({policy})")
+            style = dict(linestyle="--", color="black", marker=None)
+        else:
+            i = routers.index(router)
+            style = dict(linestyle="-", marker=markers[i % len(markers)])
+        ax.plot([c for c, _ in points], [100 * h for _, h in points], label=label, **style)
+    capacities = sorted({r["capacity"] for r in rows})
+    if capacities[-1] >= 10 * capacities[0]:
+        ax.set_xscale("log")
+    ax.set_xticks(capacities, [_short_count(c) for c in capacities])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("KV pool capacity per worker (token slots)")
+    ax.set_ylabel("prefix cache hit rate (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"Hit rate over {workers} workers by router: {trace_name} (page {page_size})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(title="router")
+    fig.tight_layout()
+    _atomic_write(path, lambda temp_path: fig.savefig(temp_path, format="png", dpi=PLOT_DPI))
 
 
 # -- bench ---------------------------------------------------------------------------------------

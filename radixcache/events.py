@@ -3,14 +3,31 @@
 With ``RadixCache(..., enable_events=True)`` the cache records, per full page of
 ``page_size`` tokens (the block a router sees):
 
-- ``BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium)``
-  when tokens enter the tree: one event per new leaf, covering its pages in order;
-  ``parent_block_hash`` is the hash of the page before the first one (``None`` at the root);
-- ``BlockRemoved(block_hashes, medium)`` when an evicted leaf leaves the tree;
+- ``BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+  lora_name, extra_keys, group_idx)`` when tokens enter the tree: one event per new leaf,
+  covering its pages in order; ``parent_block_hash`` is the hash of the page before the first
+  one (``None`` at the root);
+- ``BlockRemoved(block_hashes, medium, group_idx)`` when an evicted leaf leaves the tree;
 - ``AllBlocksCleared()`` on ``reset()``.
 
 ``cache.take_events()`` returns them in order and empties the queue. A split emits nothing:
 it moves a node boundary, never a page, and a page's hash does not depend on node boundaries.
+
+Fields the recorder fills
+-------------------------
+- ``extra_keys``: one entry per block, ``None`` when the namespace (the cache's
+  ``extra_key``) is None, else the 1-tuple ``(namespace,)`` on EVERY block, the namespace as
+  its canonical value (str, bytes, or int: bools and numpy integers become the int they
+  equal). Every block carries it because the namespace enters every page's hash, so a router
+  can rehash any block without its ancestors' events. A str namespace thus looks exactly like
+  a vLLM LoRA request's blocks (``(lora_name,)`` per block). See ``extra_keys_entry``.
+- ``medium``: ``EventRecorder(medium=...)``, ``"GPU"`` by default (vLLM's default for the
+  device KV pool a prefix cache indexes).
+- ``lora_name`` / ``lora_id``: None, unless ``EventRecorder(lora_namespaces=True)`` says the
+  namespaces are LoRA adapters: then a str namespace is sent as ``lora_name`` and an int one
+  as ``lora_id`` (bytes and None namespaces leave both None). ``EventRecorder(lora_id=N)``
+  sets a fixed ``lora_id`` for a cache that serves one adapter.
+- ``group_idx``: None (radixcache has one KV-cache group); decoded when a publisher sends it.
 
 Block hash
 ----------
@@ -38,19 +55,43 @@ events on, the recorder keeps one int per node (the hash of the node's last page
 node id) and computes missing ones lazily and iteratively from the nearest known ancestor,
 so deep trees never recurse.
 
-Transport (optional: ``pip install radixcache[events]`` for pyzmq and msgspec)
-------------------------------------------------------------------------------
-``ZmqEventPublisher`` sends each ``publish(events)`` as three frames on a PUB socket: the topic,
-an 8-byte big-endian sequence number and the msgpack array ``[ts, [event, ...], dp_rank]``,
-each event a tagged positional array (vLLM's ``KVEventBatch`` layout)::
+Wire format (optional: ``pip install radixcache[events]`` for pyzmq and msgspec)
+-------------------------------------------------------------------------------
+A batch is the msgpack array ``[ts, [event, ...], dp_rank]`` (vLLM's ``KVEventBatch``). Each
+event is encoded one of two ways (``encode_batch(..., encoding=...)``,
+``ZmqEventPublisher(..., encoding=...)``):
+
+``"map"`` (the default; vLLM's tagged maps since vLLM PR #42892, vLLM 0.33)::
+
+    {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": h | nil,
+     "token_ids": [...], "block_size": n, "lora_id": i | nil, "medium": s | nil,
+     "lora_name": s | nil, "extra_keys": [[ns] | nil, ...]}     (+ "group_idx" when set)
+    {"type": "BlockRemoved", "block_hashes": [...], "medium": s | nil}   (+ "group_idx")
+    {"type": "AllBlocksCleared"}
+
+  The fields vLLM's schema requires (no default there) are always sent, null included;
+  ``extra_keys`` and ``group_idx`` are left out when None, as vLLM's encoder does.
+
+``"positional"`` (the tagged arrays of earlier vLLM versions, for older consumers)::
 
     ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
     ["BlockRemoved", block_hashes, medium]
     ["AllBlocksCleared"]
 
-A replay ROUTER socket answers ``(identity, b"", start_seq)`` with every buffered batch from
-``start_seq`` on, as ``(identity, b"", seq, payload)``, then ``(identity, b"", -1, b"")``.
-``ZmqEventSubscriber`` receives batches in order and fills sequence gaps through replay.
+``decode_batch`` reads both, event by event: map fields by name and positional fields by
+place, ignoring fields it does not know (later ones in an array, unknown keys in a map).
+Required: ``block_hashes``, ``parent_block_hash`` (nil at the root), ``token_ids`` and
+``block_size`` of a BlockStored, ``block_hashes`` of a BlockRemoved; the other fields are
+None when absent. Block hashes may be ints or bytes (vLLM's ``ExternalBlockHash``).
+Anything else raises ValueError naming the batch and the field.
+
+Transport
+---------
+``ZmqEventPublisher`` sends each ``publish(events)`` as three frames on a PUB socket: the topic,
+an 8-byte big-endian sequence number and the encoded batch. A replay ROUTER socket answers
+``(identity, b"", start_seq)`` with every buffered batch from ``start_seq`` on, as
+``(identity, b"", seq, payload)``, then ``(identity, b"", -1, b"")``. ``ZmqEventSubscriber``
+receives batches in order, fills sequence gaps through replay and decodes either encoding.
 """
 
 from __future__ import annotations
@@ -67,6 +108,11 @@ from typing import Any, Iterable, Iterator, Optional, Tuple, Union
 import numpy as np
 
 __all__ = [
+    "DEFAULT_ENCODING",
+    "ENCODINGS",
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -77,8 +123,14 @@ __all__ = [
     "ZmqEventSubscriber",
     "block_hash",
     "block_hashes",
+    "tokens_le_bytes",
+    "canonical_namespace",
     "decode_batch",
+    "decode_event",
+    "encode_batch",
     "encode_namespace",
+    "event_namespace",
+    "extra_keys_entry",
 ]
 
 _INT64_MIN = -(2**63)
@@ -89,39 +141,85 @@ _EXTRA_HINT = "pip install radixcache[events]"
 
 # -- events -----------------------------------------------------------------------------
 
+# vLLM's names for where a block lives (``vllm.distributed.kv_events.MEDIUM_*``).
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+
+# How events are laid out inside a batch; see the module docstring.
+ENCODINGS = ("map", "positional")
+DEFAULT_ENCODING = "map"
+
+
+def _check_encoding(encoding: Any) -> str:
+    if encoding not in ENCODINGS:
+        raise ValueError(f"unknown encoding {encoding!r}; valid: {', '.join(ENCODINGS)}")
+    return encoding
+
+
 @dataclass(frozen=True)
 class BlockStored:
-    """Pages that entered the cache: one event per new leaf, its pages in order."""
+    """Pages that entered the cache: one event per new leaf, its pages in order.
 
-    block_hashes: Tuple[int, ...]
-    parent_block_hash: Optional[int]
+    ``extra_keys`` holds one entry per block (a tuple, or None); radixcache puts
+    ``(namespace,)`` on every block of a namespaced leaf (see ``extra_keys_entry``).
+    """
+
+    block_hashes: Tuple[Union[int, bytes], ...]
+    parent_block_hash: Optional[Union[int, bytes]]
     token_ids: Tuple[int, ...]
     block_size: int
     lora_id: Optional[int] = None
     medium: Optional[str] = None
+    lora_name: Optional[str] = None
+    extra_keys: Optional[Tuple[Optional[tuple], ...]] = None
+    group_idx: Optional[int] = None
 
-    def to_wire(self) -> list:
-        return ["BlockStored", list(self.block_hashes), self.parent_block_hash,
-                list(self.token_ids), self.block_size, self.lora_id, self.medium]
+    def to_wire(self, encoding: str = DEFAULT_ENCODING) -> Union[dict, list]:
+        """This event as msgpack-ready data in ``encoding`` ("map" or "positional")."""
+        if _check_encoding(encoding) == "positional":
+            return ["BlockStored", list(self.block_hashes), self.parent_block_hash,
+                    list(self.token_ids), self.block_size, self.lora_id, self.medium]
+        wire = {"type": "BlockStored", "block_hashes": list(self.block_hashes),
+                "parent_block_hash": self.parent_block_hash, "token_ids": list(self.token_ids),
+                "block_size": self.block_size, "lora_id": self.lora_id, "medium": self.medium,
+                "lora_name": self.lora_name}
+        if self.extra_keys is not None:
+            wire["extra_keys"] = [None if entry is None else list(entry)
+                                  for entry in self.extra_keys]
+        if self.group_idx is not None:
+            wire["group_idx"] = self.group_idx
+        return wire
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     """Pages that left the cache (an evicted leaf)."""
 
-    block_hashes: Tuple[int, ...]
+    block_hashes: Tuple[Union[int, bytes], ...]
     medium: Optional[str] = None
+    group_idx: Optional[int] = None
 
-    def to_wire(self) -> list:
-        return ["BlockRemoved", list(self.block_hashes), self.medium]
+    def to_wire(self, encoding: str = DEFAULT_ENCODING) -> Union[dict, list]:
+        """This event as msgpack-ready data in ``encoding`` ("map" or "positional")."""
+        if _check_encoding(encoding) == "positional":
+            return ["BlockRemoved", list(self.block_hashes), self.medium]
+        wire = {"type": "BlockRemoved", "block_hashes": list(self.block_hashes),
+                "medium": self.medium}
+        if self.group_idx is not None:
+            wire["group_idx"] = self.group_idx
+        return wire
 
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
     """Every page left the cache (``reset()``)."""
 
-    def to_wire(self) -> list:
-        return ["AllBlocksCleared"]
+    def to_wire(self, encoding: str = DEFAULT_ENCODING) -> Union[dict, list]:
+        """This event as msgpack-ready data in ``encoding`` ("map" or "positional")."""
+        if _check_encoding(encoding) == "positional":
+            return ["AllBlocksCleared"]
+        return {"type": "AllBlocksCleared"}
 
 
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
@@ -150,6 +248,44 @@ def encode_namespace(extra_key: Any) -> bytes:
     )
 
 
+def canonical_namespace(extra_key: Any) -> Union[None, str, bytes, int]:
+    """``extra_key`` as the value that names its namespace: bools and numpy integers become
+    the int they equal; None, str, bytes and int stay; other types raise TypeError."""
+    encode_namespace(extra_key)  # the one place that decides which types are namespaces
+    return _canonical(extra_key)
+
+
+def _canonical(extra_key: Any) -> Any:
+    # For a key encode_namespace accepted; bool is an Integral, and so are numpy integers.
+    if extra_key is None or isinstance(extra_key, (str, bytes)) or type(extra_key) is int:
+        return extra_key
+    return int(extra_key)
+
+
+def extra_keys_entry(extra_key: Any) -> Optional[tuple]:
+    """The per-block ``extra_keys`` entry radixcache publishes for namespace ``extra_key``:
+    None for no namespace, else ``(canonical_namespace(extra_key),)``."""
+    if extra_key is None:
+        return None
+    return (canonical_namespace(extra_key),)
+
+
+def event_namespace(event: BlockStored) -> Any:
+    """The namespace a ``BlockStored`` in radixcache's ``extra_keys`` layout carries (None for
+    none); ValueError when its entries are not that layout (absent, or one ``(ns,)`` shared
+    by every block)."""
+    entries = event.extra_keys
+    if entries is None or all(entry is None for entry in entries):
+        return None
+    first = entries[0]
+    if (first is None or len(first) != 1 or len(entries) != len(event.block_hashes)
+            or any(entry != first for entry in entries)):
+        raise ValueError(
+            f"extra_keys {entries!r} are not one (namespace,) entry per block"
+        )
+    return first[0]
+
+
 def _hash_page(parent_hash: Optional[int], namespace: bytes, page: bytes) -> int:
     """The chained hash of one page; ``page`` holds its tokens as int64 little endian."""
     if parent_hash is None:
@@ -159,17 +295,26 @@ def _hash_page(parent_hash: Optional[int], namespace: bytes, page: bytes) -> int
     return int.from_bytes(sha256(head + namespace + page).digest()[:8], "big", signed=True)
 
 
-def _tokens_le_bytes(token_ids: Any) -> bytes:
+def tokens_le_bytes(token_ids: Any) -> bytes:
+    """Token ids (a list, tuple, numpy array, CPU tensor) as int64 little-endian bytes, the
+    form block hashes are computed over; ``TypeError``/``OverflowError`` for bad ids."""
     try:
         arr = np.asarray(token_ids)
     except (OverflowError, ValueError) as exc:
         raise OverflowError(f"token ids do not fit in int64: {exc}") from None
     if arr.ndim != 1:
         if arr.ndim == 0 or arr.size:
-            raise TypeError("token_ids must be a 1-D sequence of ints")
-        arr = arr.reshape(0)
+            raise TypeError(f"token_ids must be a 1-D sequence of ints, got {arr.ndim}-D")
+        return b""
     if arr.size == 0:
         return b""
+    if arr.dtype.kind == "O":  # Python ints beyond 64 bits, or mixed objects
+        try:
+            arr = np.array(arr.tolist(), dtype=np.int64)
+        except OverflowError:
+            raise OverflowError("token ids do not fit in int64") from None
+        except (TypeError, ValueError):
+            raise TypeError("token_ids must hold integers") from None
     if arr.dtype.kind not in "iu":
         raise TypeError(f"token_ids must hold integers, got dtype {arr.dtype}")
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.max() > _INT64_MAX:
@@ -193,7 +338,7 @@ def _check_parent(parent_block_hash: Any) -> Optional[int]:
 def block_hash(parent_block_hash: Optional[int], token_ids: Any, extra_key: Any = None) -> int:
     """The hash of one page of ``token_ids`` after the page hashed ``parent_block_hash``."""
     parent = _check_parent(parent_block_hash)
-    return _hash_page(parent, encode_namespace(extra_key), _tokens_le_bytes(token_ids))
+    return _hash_page(parent, encode_namespace(extra_key), tokens_le_bytes(token_ids))
 
 
 def block_hashes(token_ids: Any, page_size: int, extra_key: Any = None,
@@ -205,7 +350,7 @@ def block_hashes(token_ids: Any, page_size: int, extra_key: Any = None,
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     parent = _check_parent(parent_block_hash)
     namespace = encode_namespace(extra_key)
-    data = _tokens_le_bytes(token_ids)
+    data = tokens_le_bytes(token_ids)
     return _chain(parent, namespace, data, int(page_size) * 8)
 
 
@@ -229,17 +374,28 @@ class EventRecorder:
     up until taken.
     """
 
-    __slots__ = ("page_size", "lora_id", "medium", "_page_bytes", "_last_hash", "_events")
+    __slots__ = ("page_size", "lora_id", "medium", "lora_namespaces", "_page_bytes",
+                 "_last_hash", "_events")
 
     def __init__(self, page_size: int, *, lora_id: Optional[int] = None,
-                 medium: Optional[str] = None) -> None:
+                 medium: Optional[str] = MEDIUM_GPU, lora_namespaces: bool = False) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral):
             raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if lora_id is not None and (isinstance(lora_id, bool)
+                                    or not isinstance(lora_id, numbers.Integral)):
+            raise TypeError(f"lora_id must be an int or None, got {type(lora_id).__name__}")
+        if medium is not None and not isinstance(medium, str):
+            raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
+        if not isinstance(lora_namespaces, bool):
+            raise TypeError(
+                f"lora_namespaces must be a bool, got {type(lora_namespaces).__name__}"
+            )
         self.page_size = int(page_size)
-        self.lora_id = lora_id
+        self.lora_id = None if lora_id is None else int(lora_id)
         self.medium = medium
+        self.lora_namespaces = lora_namespaces
         self._page_bytes = self.page_size * 8
         # node id -> hash of that node's last page. A split keeps the lower half's node (and
         # id) so its entry stays right; the new upper node is filled in lazily.
@@ -253,16 +409,25 @@ class EventRecorder:
 
     # -- hooks -------------------------------------------------------------------------
     def stored(self, node: Any) -> None:
-        namespace = encode_namespace(node.extra_key)
+        extra_key = node.extra_key
         parent_hash = self._hash_through(node.parent)
         key = node.key
-        hashes = _chain(parent_hash, namespace, _key_bytes(key), self._page_bytes)
+        hashes = _chain(parent_hash, encode_namespace(extra_key), _key_bytes(key),
+                        self._page_bytes)
         if not hashes:
             return
         self._last_hash[node.id] = hashes[-1]
+        namespace = _canonical(extra_key)
+        lora_id, lora_name = self.lora_id, None
+        if self.lora_namespaces:
+            if isinstance(namespace, str):
+                lora_name = namespace
+            elif isinstance(namespace, int):
+                lora_id = namespace
+        entry = None if namespace is None else (namespace,)
         self._events.append(BlockStored(
             tuple(hashes), parent_hash, tuple(key.tolist()), self.page_size,
-            self.lora_id, self.medium,
+            lora_id, self.medium, lora_name, (entry,) * len(hashes),
         ))
 
     def removed(self, node: Any) -> None:
@@ -343,46 +508,165 @@ class ReceivedBatch:
     payload: bytes = field(default=b"", repr=False, compare=False)
 
 
-def _wire_int_list(value: Any, what: str) -> Tuple[int, ...]:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _wire_hash(value: Any, what: str) -> Union[int, bytes]:
+    if not (_is_int(value) or isinstance(value, bytes)):
+        raise ValueError(f"{what} must be an int or bytes, got {type(value).__name__}")
+    return value
+
+
+def _wire_hash_list(value: Any, what: str) -> tuple:
     if not isinstance(value, (list, tuple)) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ValueError(f"malformed {what}: expected an array of ints")
+            _is_int(v) or isinstance(v, bytes) for v in value):
+        raise ValueError(f"{what} must be an array of ints or bytes")
     return tuple(value)
+
+
+def _wire_int_list(value: Any, what: str) -> Tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not all(_is_int(v) for v in value):
+        raise ValueError(f"{what} must be an array of ints")
+    return tuple(value)
+
+
+def _wire_int(value: Any, what: str) -> int:
+    if not _is_int(value):
+        raise ValueError(f"{what} must be an int, got {type(value).__name__}")
+    return value
 
 
 def _wire_optional(value: Any, kind: type, what: str) -> Any:
     if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-        raise ValueError(f"malformed {what}: expected {kind.__name__} or nil")
+        raise ValueError(f"{what} must be {kind.__name__} or nil, got {type(value).__name__}")
     return value
 
 
-def _event_from_wire(item: Any) -> KVEvent:
-    # Trailing fields beyond the documented ones are ignored, as newer vLLM versions add some.
-    if not isinstance(item, (list, tuple)) or not item or not isinstance(item[0], str):
-        raise ValueError("malformed event: expected a tagged array")
-    tag = item[0]
-    if tag == "BlockStored" and len(item) >= 7:
-        block_size = item[4]
-        if not isinstance(block_size, int) or isinstance(block_size, bool):
-            raise ValueError("malformed BlockStored: block_size must be an int")
-        return BlockStored(
-            _wire_int_list(item[1], "BlockStored.block_hashes"),
-            _wire_optional(item[2], int, "BlockStored.parent_block_hash"),
-            _wire_int_list(item[3], "BlockStored.token_ids"),
-            block_size,
-            _wire_optional(item[5], int, "BlockStored.lora_id"),
-            _wire_optional(item[6], str, "BlockStored.medium"),
+def _frozen(value: Any) -> Any:
+    """msgpack arrays decode as lists; events hold tuples so they compare and hash by value."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def _wire_extra_keys(value: Any, what: str) -> Optional[tuple]:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(
+            entry is None or isinstance(entry, (list, tuple)) for entry in value):
+        raise ValueError(f"{what} must be nil or an array of arrays or nils")
+    return _frozen(value)
+
+
+class _Fields:
+    """Field access by name for a tagged map: unknown keys are never looked at."""
+
+    __slots__ = ("_data", "_tag")
+
+    def __init__(self, data: dict, tag: str) -> None:
+        self._data = data
+        self._tag = tag
+
+    def required(self, name: str) -> Any:
+        if name not in self._data:
+            raise ValueError(f"{self._tag} lacks the required field {name!r}")
+        return self._data[name]
+
+    def optional(self, name: str) -> Any:
+        return self._data.get(name)
+
+
+def _stored_from(fields: Any, tag: str) -> BlockStored:
+    parent = fields.required("parent_block_hash")
+    return BlockStored(
+        _wire_hash_list(fields.required("block_hashes"), f"{tag}.block_hashes"),
+        None if parent is None else _wire_hash(parent, f"{tag}.parent_block_hash"),
+        _wire_int_list(fields.required("token_ids"), f"{tag}.token_ids"),
+        _wire_int(fields.required("block_size"), f"{tag}.block_size"),
+        _wire_optional(fields.optional("lora_id"), int, f"{tag}.lora_id"),
+        _wire_optional(fields.optional("medium"), str, f"{tag}.medium"),
+        _wire_optional(fields.optional("lora_name"), str, f"{tag}.lora_name"),
+        _wire_extra_keys(fields.optional("extra_keys"), f"{tag}.extra_keys"),
+        _wire_optional(fields.optional("group_idx"), int, f"{tag}.group_idx"),
+    )
+
+
+def _removed_from(fields: Any, tag: str) -> BlockRemoved:
+    return BlockRemoved(
+        _wire_hash_list(fields.required("block_hashes"), f"{tag}.block_hashes"),
+        _wire_optional(fields.optional("medium"), str, f"{tag}.medium"),
+        _wire_optional(fields.optional("group_idx"), int, f"{tag}.group_idx"),
+    )
+
+
+class _Positional:
+    """Field access by place for a tagged array; places past the known ones are ignored."""
+
+    __slots__ = ("_item", "_places", "_tag")
+
+    def __init__(self, item: Any, places: Tuple[str, ...], tag: str) -> None:
+        if len(item) < len(places) + 1:
+            raise ValueError(
+                f"{tag} array has {len(item) - 1} fields, needs {len(places)} "
+                f"({', '.join(places)})"
+            )
+        self._item = item
+        self._places = places
+        self._tag = tag
+
+    def required(self, name: str) -> Any:
+        return self._item[1 + self._places.index(name)]
+
+    def optional(self, name: str) -> Any:
+        return self._item[1 + self._places.index(name)] if name in self._places else None
+
+
+_POSITIONAL_PLACES = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                    "lora_id", "medium"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def _decode_event(item: Any) -> KVEvent:
+    """One event in either encoding; ValueError says what is wrong, without context."""
+    if isinstance(item, dict):
+        tag = item.get("type")
+        if not isinstance(tag, str):
+            raise ValueError("a map event needs a str field 'type'")
+        fields: Any = _Fields(item, tag)
+    elif isinstance(item, (list, tuple)) and item and isinstance(item[0], str):
+        tag = item[0]
+        if tag not in _POSITIONAL_PLACES:
+            raise ValueError(f"unknown event type {tag!r}")
+        fields = _Positional(item, _POSITIONAL_PLACES[tag], tag)
+    else:
+        raise ValueError(
+            f"expected a tagged map or tagged array, got {type(item).__name__}"
         )
-    if tag == "BlockRemoved" and len(item) >= 3:
-        return BlockRemoved(_wire_int_list(item[1], "BlockRemoved.block_hashes"),
-                            _wire_optional(item[2], str, "BlockRemoved.medium"))
+    if tag == "BlockStored":
+        return _stored_from(fields, tag)
+    if tag == "BlockRemoved":
+        return _removed_from(fields, tag)
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
-    raise ValueError(f"malformed event: unknown tag {tag!r} or too few fields ({len(item)})")
+    raise ValueError(f"unknown event type {tag!r}")
+
+
+def decode_event(item: Any) -> KVEvent:
+    """One msgpack-decoded event, tagged map or tagged array, as a KV event (see the module
+    docstring for what is required); ValueError names what is malformed."""
+    try:
+        return _decode_event(item)
+    except ValueError as exc:
+        raise ValueError(f"malformed event: {exc}") from None
 
 
 def decode_batch(payload: bytes, seq: int = -1) -> ReceivedBatch:
-    """Decode one msgpack batch payload ``[ts, [events...], dp_rank]`` (needs msgspec)."""
+    """Decode one msgpack batch payload ``[ts, [events...], dp_rank]`` whose events are in
+    either encoding, even mixed (needs msgspec); ValueError names what is malformed."""
     _, msgspec = _transport("decode_batch")
     try:
         batch = msgspec.msgpack.decode(payload)
@@ -392,10 +676,57 @@ def decode_batch(payload: bytes, seq: int = -1) -> ReceivedBatch:
         raise ValueError(f"malformed event batch {seq}: expected [ts, events, dp_rank]")
     ts, events = batch[0], batch[1]
     rank = batch[2] if len(batch) == 3 else None
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not isinstance(events, list):
-        raise ValueError(f"malformed event batch {seq}: bad ts or events")
-    rank = _wire_optional(rank, int, f"event batch {seq} data_parallel_rank")
-    return ReceivedBatch(seq, float(ts), [_event_from_wire(e) for e in events], rank, payload)
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+        raise ValueError(f"malformed event batch {seq}: ts must be a number")
+    if not isinstance(events, list):
+        raise ValueError(f"malformed event batch {seq}: events must be an array")
+    if rank is not None and not _is_int(rank):
+        raise ValueError(f"malformed event batch {seq}: data_parallel_rank must be int or nil")
+    decoded = []
+    for index, item in enumerate(events):
+        try:
+            decoded.append(_decode_event(item))
+        except ValueError as exc:
+            raise ValueError(f"malformed event batch {seq}, event {index}: {exc}") from None
+    return ReceivedBatch(seq, float(ts), decoded, rank, payload)
+
+
+def _check_events(events: Iterable[Any]) -> tuple:
+    batch = tuple(events)
+    for event in batch:
+        if not isinstance(event, _EVENT_TYPES):
+            raise TypeError(f"expected KV events, got {type(event).__name__}")
+    return batch
+
+
+def _batch_wire(ts: float, batch: tuple, data_parallel_rank: Optional[int],
+                encoding: str) -> list:
+    return [ts, [event.to_wire(encoding) for event in batch], data_parallel_rank]
+
+
+def _encode(encoder: Any, wire: list) -> bytes:
+    try:
+        return encoder.encode(wire)
+    except (OverflowError, UnicodeEncodeError, TypeError) as exc:
+        # A namespace or field msgpack cannot carry: an int beyond 64 bits, a lone surrogate.
+        raise ValueError(f"event batch cannot be encoded as msgpack: {exc}") from None
+
+
+def encode_batch(events: Iterable[KVEvent], *, encoding: str = DEFAULT_ENCODING,
+                 ts: Optional[float] = None, data_parallel_rank: Optional[int] = 0) -> bytes:
+    """The msgpack payload ``[ts, [events...], dp_rank]`` that ``ZmqEventPublisher`` sends
+    (``ts`` defaults to now); ``encoding`` is "map" (vLLM >= 0.33) or "positional"."""
+    _, msgspec = _transport("encode_batch")
+    _check_encoding(encoding)
+    batch = _check_events(events)
+    if ts is None:
+        ts = time.time()
+    elif isinstance(ts, bool) or not isinstance(ts, numbers.Real):
+        raise TypeError(f"ts must be a number, got {type(ts).__name__}")
+    if data_parallel_rank is not None and not _is_int(data_parallel_rank):
+        raise TypeError("data_parallel_rank must be an int or None")
+    return _encode(msgspec.msgpack.Encoder(),
+                   _batch_wire(float(ts), batch, data_parallel_rank, encoding))
 
 
 def _transport(what: str):
@@ -418,9 +749,13 @@ class ZmqEventPublisher:
     ``publish(events)`` never blocks on the network: it stamps the batch with the next
     sequence number and the time, and hands it to a queue of ``max_queue_size`` batches; when
     the queue is full the batch is dropped and counted (``dropped``), leaving a gap in the
-    sequence numbers that subscribers see. The last ``buffer_steps`` sent batches are kept for
-    the replay socket (``replay_endpoint``, a ROUTER). Both endpoints are bound; ``endpoint``
-    and ``replay_endpoint`` hold the resolved addresses (``tcp://127.0.0.1:*`` picks a port).
+    sequence numbers that subscribers see. ``encoding`` lays out the events: ``"map"`` (vLLM's
+    tagged maps, the default) or ``"positional"`` (tagged arrays, for older consumers). A
+    batch that cannot be encoded (a namespace msgpack cannot carry) is counted in ``errors``,
+    kept in ``last_error`` and leaves a gap, like a failed send. The last ``buffer_steps`` sent
+    batches are kept for the replay socket (``replay_endpoint``, a ROUTER). Both endpoints are
+    bound; ``endpoint`` and ``replay_endpoint`` hold the resolved addresses
+    (``tcp://127.0.0.1:*`` picks a port).
     """
 
     _IDLE_WAIT_S = 0.1
@@ -430,8 +765,9 @@ class ZmqEventPublisher:
     def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: Optional[str] = None,
                  topic: str = "", buffer_steps: int = 10_000, *,
                  max_queue_size: int = 100_000, data_parallel_rank: Optional[int] = 0,
-                 hwm: int = 100_000) -> None:
+                 hwm: int = 100_000, encoding: str = DEFAULT_ENCODING) -> None:
         zmq, msgspec = _transport("ZmqEventPublisher")
+        self.encoding = _check_encoding(encoding)
         if not isinstance(endpoint, str):
             raise TypeError(f"endpoint must be a str, got {type(endpoint).__name__}")
         if replay_endpoint is not None and not isinstance(replay_endpoint, str):
@@ -492,10 +828,7 @@ class ZmqEventPublisher:
     # -- caller side -------------------------------------------------------------------
     def publish(self, events: Iterable[KVEvent]) -> Optional[int]:
         """Queue one batch; returns its sequence number, or None if it was dropped or empty."""
-        batch = tuple(events)
-        for event in batch:
-            if not isinstance(event, _EVENT_TYPES):
-                raise TypeError(f"expected KV events, got {type(event).__name__}")
+        batch = _check_events(events)
         if not batch:
             return None
         with self._lock:
@@ -543,7 +876,8 @@ class ZmqEventPublisher:
 
     def __repr__(self) -> str:
         return (f"ZmqEventPublisher(endpoint={self.endpoint!r}, replay_endpoint="
-                f"{self.replay_endpoint!r}, sent={self.sent}, dropped={self.dropped})")
+                f"{self.replay_endpoint!r}, encoding={self.encoding!r}, sent={self.sent}, "
+                f"dropped={self.dropped})")
 
     # -- background thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -559,9 +893,8 @@ class ZmqEventPublisher:
                     return
                 continue
             try:
-                payload = encoder.encode(
-                    [ts, [event.to_wire() for event in batch], self.data_parallel_rank]
-                )
+                payload = _encode(encoder, _batch_wire(ts, batch, self.data_parallel_rank,
+                                                       self.encoding))
                 self._pub.send_multipart(
                     (self._topic_bytes, seq.to_bytes(8, "big", signed=True), payload),
                     copy=False,
@@ -613,7 +946,9 @@ class ZmqEventSubscriber:
     an inclusive ``(first_seq, last_seq)`` range. ``replayed`` counts batches that came through
     replay, ``malformed`` frames that were ignored; ``hwm`` is the SUB socket's receive
     high-water mark. A replay that ends without its end marker for ``replay_timeout`` seconds
-    is abandoned (what it missed becomes a gap when the stream moves on).
+    is abandoned (what it missed becomes a gap when the stream moves on). Payloads are decoded
+    by ``decode_batch``, so either encoding is read; one it rejects makes ``receive`` raise
+    its ValueError, and the next call goes on with the batch after it.
     """
 
     def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, *,

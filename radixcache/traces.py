@@ -1,7 +1,7 @@
 """Request traces from JSONL files, the format detected per file from its first non-empty line.
 
-Mooncake (FAST'25) traces: ``{"input_length": N, "output_length": M, "hash_ids": [...]}`` (other
-keys, such as ``timestamp``, are ignored). Each hash id stands for one block of ``block_size``
+Mooncake (FAST'25) traces: ``{"timestamp": T, "input_length": N, "output_length": M,
+"hash_ids": [...]}`` (other keys are ignored). Each hash id stands for one block of ``block_size``
 tokens; the tokens of id ``h`` are ``h * block_size + arange(block_size)``, so equal ids mean
 equal tokens, and the prompt is the blocks' tokens cut to ``input_length``. The output is
 ``output_length`` fresh tokens.
@@ -9,6 +9,10 @@ equal tokens, and the prompt is the blocks' tokens cut to ``input_length``. The 
 Token-id traces: ``{"prompt": [ids], "output": [ids]}`` or ``{"prompt": [ids],
 "output_length": M}``, with an optional ``"extra_key"`` (string, int or null) that separates
 cache namespaces (e.g. LoRA adapters).
+
+Both formats may carry ``"timestamp"``: the arrival time in ms (a non-negative number), used
+by the fleet simulation (``radixcache simulate --workers N``); the single-cache replay
+ignores it.
 
 Token ids must lie in ``[0, 2**62)``: the serving loop numbers fresh output tokens from
 ``2**62`` up, so they never collide with a trace's tokens. Any problem raises ``TraceError``
@@ -63,6 +67,16 @@ def _id_list(record: dict, name: str, where: str, upper: int) -> np.ndarray:
     return np.array(values, dtype=np.int64)
 
 
+def _timestamp(record: dict, where: str) -> float | None:
+    if "timestamp" not in record:
+        return None
+    value = record["timestamp"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e300:
+        raise TraceError(f"{where}: 'timestamp' must be a non-negative number of ms, "
+                         f"got {value!r}")
+    return float(value)
+
+
 def _detect(record: dict) -> str | None:
     if "hash_ids" in record:
         return MOONCAKE
@@ -87,10 +101,11 @@ def _token_request(record: dict, where: str) -> Request:
     extra_key = record.get("extra_key")
     if extra_key is not None and not isinstance(extra_key, (str, int)):
         raise TraceError(f"{where}: 'extra_key' must be a string, an integer or null")
-    return Request(prompt, output_len, output, extra_key)
+    return Request(prompt, output_len, output, extra_key, _timestamp(record, where))
 
 
-def _mooncake_row(record: dict, where: str, block_size: int) -> tuple[np.ndarray, int, int]:
+def _mooncake_row(record: dict, where: str,
+                  block_size: int) -> tuple[np.ndarray, int, int, float | None]:
     max_id = FRESH_TOKEN_BASE // block_size  # every block's tokens stay below 2**62
     hash_ids = _id_list(record, "hash_ids", where, max_id)
     input_length = _int_field(record, "input_length", where)
@@ -102,15 +117,16 @@ def _mooncake_row(record: dict, where: str, block_size: int) -> tuple[np.ndarray
             "(wrong --block-size?)"
         )
     # Only the blocks that input_length reaches matter.
-    return hash_ids[: -(-input_length // block_size)], input_length, output_length
+    return (hash_ids[: -(-input_length // block_size)], input_length, output_length,
+            _timestamp(record, where))
 
 
 def _mooncake_requests(rows: list, block_size: int) -> list[Request]:
     """Requests from parsed Mooncake rows; prompts of consecutive ids share one token array."""
     if not rows:
         return []
-    total_tokens = sum(length for _, length, _ in rows)
-    max_id = max((int(ids.max()) for ids, _, _ in rows if len(ids)), default=-1)
+    total_tokens = sum(row[1] for row in rows)
+    max_id = max((int(row[0].max()) for row in rows if len(row[0])), default=-1)
     shared_len = (max_id + 1) * block_size
     # One read-only arange of every block's tokens: a prompt whose ids run consecutively is a
     # view into it (most are), which keeps a long trace's memory near one copy of the tokens.
@@ -120,7 +136,7 @@ def _mooncake_requests(rows: list, block_size: int) -> list[Request]:
         shared.setflags(write=False)
     offsets = np.arange(block_size, dtype=np.int64)
     requests = []
-    for ids, input_length, output_length in rows:
+    for ids, input_length, output_length, timestamp in rows:
         if len(ids) == 0:
             prompt = np.empty(0, dtype=np.int64)
         elif shared is not None and (len(ids) == 1 or bool(np.all(np.diff(ids) == 1))):
@@ -128,7 +144,7 @@ def _mooncake_requests(rows: list, block_size: int) -> list[Request]:
             prompt = shared[start:start + input_length]
         else:
             prompt = (ids[:, None] * block_size + offsets).reshape(-1)[:input_length]
-        requests.append(Request(prompt, output_length))
+        requests.append(Request(prompt, output_length, timestamp=timestamp))
     return requests
 
 

@@ -28,11 +28,13 @@ import torch
 
 __all__ = [
     "FRESH_TOKEN_BASE",
+    "Admission",
     "KVPool",
     "Request",
     "ServeResult",
     "INPUT_TYPES",
     "InCacheTiming",
+    "ServingLoop",
     "as_input_type",
     "deep_exercise_ops",
     "exercise_ops",
@@ -67,6 +69,8 @@ def _token_array(tokens: Any, what: str) -> np.ndarray:
 class Request:
     """One request: ``prompt`` tokens, then ``output_len`` generated tokens.
 
+    ``timestamp`` (ms, optional) is when it arrives; only the fleet simulation uses it.
+
     ``output`` fixes the generated tokens (a chat's next turn quotes them); when it is None the
     serving loop generates ``output_len`` fresh tokens that match nothing else.
     """
@@ -75,6 +79,7 @@ class Request:
     output_len: int
     output: np.ndarray | None = None
     extra_key: object = None
+    timestamp: float | None = None  # arrival time in ms (traces that carry one)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", _token_array(self.prompt, "prompt"))
@@ -90,6 +95,13 @@ class Request:
                     f"output has {len(output)} tokens but output_len is {self.output_len}"
                 )
             object.__setattr__(self, "output", output)
+        if self.timestamp is not None:
+            if isinstance(self.timestamp, bool) or not isinstance(
+                    self.timestamp, (int, float, np.integer, np.floating)):
+                raise TypeError(f"timestamp must be a number, got {type(self.timestamp).__name__}")
+            if not 0 <= self.timestamp < float("inf"):
+                raise ValueError(f"timestamp must be >= 0 and finite, got {self.timestamp}")
+            object.__setattr__(self, "timestamp", float(self.timestamp))
 
 
 def _between(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
@@ -479,6 +491,163 @@ class ServeResult:
         return self.requests / self.seconds if self.seconds > 0 else 0.0
 
 
+@dataclass(eq=False)
+class Admission:
+    """A request the serving loop admitted: its slots are allocated and its prefix is locked.
+
+    ``tokens`` is prompt + output and ``kv`` their slots; ``kv[owned_from:]`` still belong to
+    the request (the tree holds the slots before it); ``lock_node`` is the node it holds locked.
+    """
+
+    request: Request
+    cached: int
+    tokens: np.ndarray
+    kv: torch.Tensor
+    lock_node: Any
+    owned_from: int
+
+
+class ServingLoop:
+    """One worker's serving loop over ``cache`` and a ``KVPool(capacity)``, a step at a time.
+
+    ``admit(request)`` matches the prompt, locks the match, evicts when the pool is short and
+    allocates slots for the uncached prompt tokens and the output (None when the request does
+    not fit even after evicting every unlocked entry: rejected, nothing evicted).
+    ``cache_prompt(admission)`` (optional, when the prefill is done) inserts the prompt and
+    moves the lock onto it. ``finish(admission)`` inserts prompt + output, frees the slots the
+    tree already had (and the unaligned tail it does not cache) and unlocks. ``serve`` runs
+    ``admit`` then ``finish`` per request; the fleet simulation interleaves the steps of many
+    requests over time. Counters accumulate until ``result()``.
+    """
+
+    def __init__(self, cache: Any, capacity: int, *, pool: KVPool | None = None) -> None:
+        if pool is None:
+            pool = KVPool(capacity)
+        elif pool.capacity != capacity or pool.used:
+            raise ValueError("pool must be an unused KVPool of the given capacity")
+        if cache.total_size():
+            raise ValueError("serve needs an empty cache (its slots must come from the pool)")
+        self.cache = cache
+        self.pool = pool
+        self._page_size = cache.page_size
+        self._next_fresh = FRESH_TOKEN_BASE
+        self.seconds = 0.0
+        self.requests = self.rejected = self.prompt_tokens = self.cached_tokens = 0
+        self.evicted_tokens = self.peak_tokens = 0
+
+    def admit(self, request: Request, *, wait: bool = False) -> Admission | None:
+        """Match, lock, evict if short, allocate; None when it cannot fit now.
+
+        A request that cannot fit is counted as rejected, unless ``wait`` is true: then
+        nothing is counted (the caller retries once running requests released their locks).
+        """
+        cache, pool, clock = self.cache, self.pool, time.perf_counter
+        prompt = request.prompt
+        start = clock()
+        match = cache.match_prefix(prompt, request.extra_key)
+        cache.inc_lock_ref(match.last_node)
+        self.seconds += clock() - start
+        cached = match.length
+
+        need = len(prompt) - cached + request.output_len
+        short = need - pool.available
+        # Evict only when that can make room: a request bigger than the pool could ever
+        # free must not wipe the cache on its way to rejection.
+        if 0 < short <= cache.evictable_size():
+            start = clock()
+            self.evicted_tokens += cache.evict(short, pool.free)
+            self.seconds += clock() - start
+        new_slots = pool.alloc(need)
+        if new_slots is None:
+            start = clock()
+            cache.dec_lock_ref(match.last_node)
+            self.seconds += clock() - start
+            if not wait:
+                self._count(request, cached)
+                self.rejected += 1
+            return None
+        self._count(request, cached)
+
+        output = request.output
+        if output is None:
+            output = np.arange(self._next_fresh, self._next_fresh + request.output_len,
+                               dtype=np.int64)
+            self._next_fresh += request.output_len
+        full = np.concatenate((prompt, output))
+        if cached:
+            # numpy concatenation: large fresh torch allocations are much slower on some hosts.
+            kv = torch.from_numpy(np.concatenate((match.indices.numpy(), new_slots.numpy())))
+        else:
+            kv = new_slots
+        return Admission(request, cached, full, kv, match.last_node, cached)
+
+    def _count(self, request: Request, cached: int) -> None:
+        self.requests += 1
+        self.prompt_tokens += len(request.prompt)
+        self.cached_tokens += cached
+
+    def cache_prompt(self, admission: Admission) -> None:
+        """Insert the prompt (its prefill is done) and move the request's lock onto it."""
+        prompt_len = len(admission.request.prompt)
+        aligned = prompt_len - prompt_len % self._page_size
+        if aligned <= admission.owned_from:
+            return  # the tree already holds every full page of the prompt
+        cache, clock = self.cache, time.perf_counter
+        start = clock()
+        inserted = cache.insert(admission.tokens[:prompt_len], admission.kv[:prompt_len],
+                                admission.request.extra_key)
+        cache.inc_lock_ref(inserted.last_node)
+        cache.dec_lock_ref(admission.lock_node)
+        self.seconds += clock() - start
+        # Pages another request inserted meanwhile: the tree keeps its own slots.
+        if inserted.prefix_len > admission.owned_from:
+            self.pool.free(admission.kv[admission.owned_from:inserted.prefix_len])
+        admission.owned_from = aligned
+        admission.lock_node = inserted.last_node
+        self._note_peak()
+
+    def finish(self, admission: Admission) -> None:
+        """Insert prompt + output, free the slots the tree does not take, unlock."""
+        cache, pool, clock = self.cache, self.pool, time.perf_counter
+        full, kv = admission.tokens, admission.kv
+        start = clock()
+        inserted = cache.insert(full, kv, admission.request.extra_key)
+        self.seconds += clock() - start
+
+        # Slots of tokens the tree already held (a longer match than the prompt's) are spare.
+        if inserted.prefix_len > admission.owned_from:
+            pool.free(kv[admission.owned_from:inserted.prefix_len])
+        # The tail past the last full page is not cached: its slots go back too.
+        aligned_len = len(full) - len(full) % self._page_size
+        if aligned_len < len(full):
+            pool.free(kv[aligned_len:])
+
+        start = clock()
+        cache.dec_lock_ref(admission.lock_node)
+        self.seconds += clock() - start
+        admission.lock_node = None
+        self._note_peak()
+
+    def _note_peak(self) -> None:
+        total = self.cache.total_size()
+        if total > self.peak_tokens:
+            self.peak_tokens = total
+
+    def result(self) -> ServeResult:
+        """The counters so far, with ``cache.stats()``."""
+        return ServeResult(
+            requests=self.requests,
+            rejected=self.rejected,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            hit_rate=self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            evicted_tokens=self.evicted_tokens,
+            peak_tokens=self.peak_tokens,
+            seconds=self.seconds,
+            stats=self.cache.stats(),
+        )
+
+
 def serve(cache: Any, requests: Iterable[Request], capacity: int,
           progress: Callable[[int], Any] | None = None, *,
           pool: KVPool | None = None) -> ServeResult:
@@ -490,89 +659,13 @@ def serve(cache: Any, requests: Iterable[Request], capacity: int,
     not fit even after evicting every unlocked entry is rejected without evicting anything.
     ``progress(1)`` is called after each request (``tqdm.update`` fits). ``pool`` lets a
     caller watch the pool (its capacity must equal ``capacity``). The cache must start empty:
-    every slot it holds has to come from the pool.
+    every slot it holds has to come from the pool. ``ServingLoop`` holds the steps.
     """
-    if pool is None:
-        pool = KVPool(capacity)
-    elif pool.capacity != capacity or pool.used:
-        raise ValueError("pool must be an unused KVPool of the given capacity")
-    if cache.total_size():
-        raise ValueError("serve needs an empty cache (its slots must come from the pool)")
-    page_size = cache.page_size
-    clock = time.perf_counter
-    next_fresh = FRESH_TOKEN_BASE
-    seconds = 0.0
-    num_requests = rejected = prompt_tokens = cached_tokens = evicted_tokens = peak_tokens = 0
-
+    loop = ServingLoop(cache, capacity, pool=pool)
     for request in requests:
-        num_requests += 1
-        prompt = request.prompt
-        extra_key = request.extra_key
-        start = clock()
-        match = cache.match_prefix(prompt, extra_key)
-        cache.inc_lock_ref(match.last_node)
-        seconds += clock() - start
-        cached = match.length
-        prompt_tokens += len(prompt)
-        cached_tokens += cached
-
-        need = len(prompt) - cached + request.output_len
-        short = need - pool.available
-        # Evict only when that can make room: a request bigger than the pool could ever
-        # free must not wipe the cache on its way to rejection.
-        if 0 < short <= cache.evictable_size():
-            start = clock()
-            evicted_tokens += cache.evict(short, pool.free)
-            seconds += clock() - start
-        new_slots = pool.alloc(need)
-        if new_slots is None:
-            rejected += 1
-            start = clock()
-            cache.dec_lock_ref(match.last_node)
-            seconds += clock() - start
-            if progress is not None:
-                progress(1)
-            continue
-
-        output = request.output
-        if output is None:
-            output = np.arange(next_fresh, next_fresh + request.output_len, dtype=np.int64)
-            next_fresh += request.output_len
-        full = np.concatenate((prompt, output))
-        if cached:
-            # numpy concatenation: large fresh torch allocations are much slower on some hosts.
-            kv = torch.from_numpy(np.concatenate((match.indices.numpy(), new_slots.numpy())))
-        else:
-            kv = new_slots
-        start = clock()
-        inserted = cache.insert(full, kv, extra_key)
-        seconds += clock() - start
-
-        # Slots of tokens the tree already held (a longer match than the prompt's) are spare.
-        if inserted.prefix_len > cached:
-            pool.free(kv[cached:inserted.prefix_len])
-        # The tail past the last full page is not cached: its slots go back too.
-        aligned_len = len(full) - len(full) % page_size
-        if aligned_len < len(full):
-            pool.free(kv[aligned_len:])
-
-        start = clock()
-        cache.dec_lock_ref(match.last_node)
-        seconds += clock() - start
-        total = cache.total_size()
-        if total > peak_tokens:
-            peak_tokens = total
+        admission = loop.admit(request)
+        if admission is not None:
+            loop.finish(admission)
         if progress is not None:
             progress(1)
-
-    return ServeResult(
-        requests=num_requests,
-        rejected=rejected,
-        prompt_tokens=prompt_tokens,
-        cached_tokens=cached_tokens,
-        hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
-        evicted_tokens=evicted_tokens,
-        peak_tokens=peak_tokens,
-        seconds=seconds,
-        stats=cache.stats(),
-    )
+    return loop.result()

@@ -450,7 +450,7 @@ case("r3_two_threads_on_device_values", """
 
 
 # -- 4: borrowed token buffers -------------------------------------------------------------
-case("r4_hash_resizes_or_writes_tokens", """
+case("r4_hash_resizes_tokens", """
     class Key:
         # Acts on the second hash of a call (the first is cache.py's argument check), once.
         arr = None
@@ -471,7 +471,49 @@ case("r4_hash_resizes_or_writes_tokens", """
 
     def run(core):
         results = []
-        for mode in ("grow", "shrink", "write"):
+        for mode in ("grow", "shrink"):
+            cache = RadixCache(core=core)
+            key = Key()
+            Key.arr = None
+            base = np.arange(100_000, dtype=np.int64)
+            cache.insert(base, extra_key=key)
+            cache.insert(base[:5000] * 2, extra_key=key)
+            for call in ("insert", "match_prefix", "exists"):
+                arr = np.arange(100_000, dtype=np.int64)
+                arr[60_000] = -1
+                Key.arr, Key.mode, Key.calls = arr, mode, 0
+                result = getattr(cache, call)(arr, extra_key=key)
+                Key.arr = None
+                results.append(result if call == "exists" else
+                               getattr(result, "prefix_len", getattr(result, "length", None)))
+            check_invariants(cache)
+            results.append(contents(cache))
+        return results
+    same_as_pure(run)
+""")
+
+case("r4_hash_writes_tokens", """
+    class Key:
+        # Acts on the second hash of a call (the first is cache.py's argument check), once.
+        arr = None
+        mode = None
+        calls = 0
+        def __hash__(self):
+            Key.calls += 1
+            if Key.arr is not None and Key.calls == 2:
+                if Key.mode == "grow":
+                    Key.arr.resize(1_000_000, refcheck=False)   # moves and frees the data
+                elif Key.mode == "shrink":
+                    Key.arr.resize(10, refcheck=False)
+                else:
+                    Key.arr[:] = 3
+            return 1
+        def __eq__(self, other): return isinstance(other, Key)
+        def __repr__(self): return "Key"
+
+    def run(core):
+        results = []
+        for mode in ("write",):
             cache = RadixCache(core=core)
             key = Key()
             Key.arr = None
@@ -734,7 +776,8 @@ case("r7_duplicate_entries_and_finalizers_during_evict", """
 
 case("r7_compaction_drops_last_references", """
     # MRU re-pushes a leaf on every touch; the old entries outlive the evicted leaf, so the
-    # heap holds its last reference, dropped when a later push compacts the heap.
+    # heap holds its last reference, dropped when a later push compacts the heap (the entries
+    # stay under the compaction limit until then).
     class Key:
         cache = None
         def __init__(self, i): self.i = i
@@ -745,13 +788,16 @@ case("r7_compaction_drops_last_references", """
                 Key.cache.insert([10**6 + self.i])
 
     cache = RadixCache(core=CORE, eviction_policy="mru")
-    keys = [Key(i) for i in range(400)]
+    for i in range(150):
+        cache.insert([i, 0], extra_key=Key(i))  # a namespace table may keep this object...
+    keys = [Key(i) for i in range(150)]
     for i, key in enumerate(keys):
-        cache.insert([i, 1], extra_key=key)
+        cache.insert([i, 1], extra_key=key)     # ...the new leaf holds this equal one
     for i, key in enumerate(keys):
         for _ in range(2):
             cache.match_prefix([i, 1], extra_key=key)
-    cache.evict(2 * 300)
+    assert len(cache._heap) < 1024
+    cache.evict(30)                         # the 30 leaves touched last
     del keys, key
     Key.cache = cache
     for i in range(3000):
@@ -764,19 +810,16 @@ case("r7_compaction_drops_last_references", """
 
 
 # -- 8: namespace table --------------------------------------------------------------------
-case("r8_salt_churn_is_bounded", """
+case("r8_salt_churn_memory_is_bounded", """
     class Salt:
         def __init__(self, i): self.i = i
         def __hash__(self): return hash(("salt", self.i))
         def __eq__(self, other): return isinstance(other, Salt) and other.i == self.i
 
     cache = RadixCache(core=CORE)
-    def churn(start, count, refs=None):
+    def churn(start, count):
         for i in range(start, start + count):
-            salt = Salt(i) if i % 2 else f"salt-{i}"
-            cache.insert([1, 2, 3], extra_key=salt)
-            if refs is not None and i % 2:
-                refs.append(weakref.ref(salt))
+            cache.insert([1, 2, 3], extra_key=Salt(i) if i % 2 else f"salt-{i}")
             cache.evict(3)
     churn(0, 20_000)                       # warm up every table
     gc.collect()
@@ -789,13 +832,37 @@ case("r8_salt_churn_is_bounded", """
     assert cache.node_count() == 0
     # Unbounded, 10^5 salts would hold ~36 MiB and every key object.
     assert grown < 1 << 20, grown
-    refs = []
-    churn(200_000, 10_000, refs)
-    gc.collect()
-    assert sum(ref() is not None for ref in refs) == 0
     assert cache.match_prefix([1, 2, 3], extra_key=Salt(5)).length == 0
     consistent(cache)
     print("grown", grown)
+""")
+
+case("r8_released_salts_are_not_kept_alive", """
+    class Salt:
+        def __init__(self, i): self.i = i
+        def __hash__(self): return hash(("salt", self.i))
+        def __eq__(self, other): return isinstance(other, Salt) and other.i == self.i
+
+    cache = RadixCache(core=CORE)
+    refs = []
+    for i in range(3000):
+        salt = Salt(i)
+        refs.append(weakref.ref(salt))
+        cache.insert([1, 2, 3, i], extra_key=salt)
+        cache.match_prefix([1, 2, 9], extra_key=salt)     # a split: two nodes hold it
+        del salt
+    cache.evict(10**9)                                     # by eviction...
+    gc.collect()
+    assert sum(ref() is not None for ref in refs) == 0
+    for i in range(3000):
+        salt = Salt(i)
+        refs.append(weakref.ref(salt))
+        cache.insert([4, i], extra_key=salt)
+        del salt
+    cache.reset()                                          # ...and by reset
+    gc.collect()
+    assert sum(ref() is not None for ref in refs) == 0
+    consistent(cache)
 """)
 
 

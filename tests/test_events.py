@@ -6,6 +6,7 @@ The expected hashes come from ``ref_hash``, written here from the definition in 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import numpy as np
 import pytest
@@ -68,8 +69,11 @@ def ref_chain(parent: Optional[int], tokens: List[int], extra_key: Any, page: in
 
 
 def stored(parent: Optional[int], tokens: List[int], extra_key: Any, page: int):
-    return ev.BlockStored(tuple(ref_chain(parent, tokens, extra_key, page)), parent,
-                          tuple(tokens), page, None, None)
+    """The BlockStored the recorder emits by default: medium "GPU", the namespace per block."""
+    hashes = tuple(ref_chain(parent, tokens, extra_key, page))
+    entry = None if extra_key is None else (extra_key,)
+    return ev.BlockStored(hashes, parent, tuple(tokens), page, None, "GPU", None,
+                          (entry,) * len(hashes))
 
 
 def tree_pages(cache: RadixCache) -> set:
@@ -207,12 +211,12 @@ def expected_script() -> list:
     h78 = ref_hash(h34, [7, 8])
     return [
         [stored(None, A, None, 2)],
-        [ev.BlockStored((h78,), h34, (7, 8), 2, None, None)],
+        [stored(h34, [7, 8], None, 2)],
         [],  # a split emits nothing
         [stored(None, A, "tenant", 2), stored(t[-1], [10, 11], "tenant", 2)],
-        [ev.BlockRemoved((h56,), None)],
-        [ev.BlockRemoved((h78,), None), ev.BlockRemoved((h34,), None),
-         ev.BlockRemoved((h12,), None)],
+        [ev.BlockRemoved((h56,), "GPU")],
+        [ev.BlockRemoved((h78,), "GPU"), ev.BlockRemoved((h34,), "GPU"),
+         ev.BlockRemoved((h12,), "GPU")],
         [stored(None, A, None, 2)],
         [ev.AllBlocksCleared(), stored(None, [1, 2, 3, 4, 7, 8], None, 2)],
         [],
@@ -249,7 +253,7 @@ for core in sys.argv[1].split(","):
         cache.insert(list(range(20)), extra_key=ns)
         cache.insert(list(range(9)) + [99, 98, 97, 96], extra_key=ns)
     cache.evict(10**6)
-    out.append([e.to_wire() for e in cache.take_events()])
+    out.append([e.to_wire("positional") for e in cache.take_events()])
 print(json.dumps(out))
 """
 
@@ -270,7 +274,8 @@ def test_hashes_equal_across_processes_and_cores():
             cache.insert(list(range(20)), extra_key=ns)
             cache.insert(list(range(9)) + [99, 98, 97, 96], extra_key=ns)
         cache.evict(10**6)
-        here.append(json.loads(json.dumps([e.to_wire() for e in cache.take_events()])))
+        here.append(json.loads(json.dumps([e.to_wire("positional")
+                                           for e in cache.take_events()])))
     assert there == here
     stored_events = [e for e in here[0] if e[0] == "BlockStored"]
     assert len(stored_events) == 10
@@ -348,11 +353,11 @@ def test_split_upper_node_hash_is_computed_once_then_reused(core, monkeypatch):
     cache.insert([1, 1, 2, 2, 3, 3, 9, 9])  # splits after three pages; new leaf [9, 9]
     # The new upper node [1 1 2 2 3 3] is hashed lazily (3 pages), then the leaf (1 page).
     assert len(calls) == 4
-    assert cache.take_events() == [ev.BlockStored((ref_hash(upper, [9, 9]),), upper, (9, 9), 2)]
+    assert cache.take_events() == [stored(upper, [9, 9], None, 2)]
     calls.clear()
     cache.insert([1, 1, 2, 2, 3, 3, 8, 8])  # another child of the upper node: reuses its hash
     assert len(calls) == 1
-    assert cache.take_events() == [ev.BlockStored((ref_hash(upper, [8, 8]),), upper, (8, 8), 2)]
+    assert cache.take_events() == [stored(upper, [8, 8], None, 2)]
     calls.clear()
     assert cache.evict(100) == 12
     pages: set = set(ref_chain(None, [1, 1, 2, 2, 3, 3, 4, 4], None, 2))
@@ -427,7 +432,9 @@ def test_replayed_events_equal_pages_in_tree(page_size, core, ops):
 # -- transport -------------------------------------------------------------------------------
 
 if msgspec is not None:
-    # The documented wire layout, written independently of radixcache.events.
+    # The documented wire layouts, written independently of radixcache.events: tagged arrays
+    # ("positional") and tagged maps ("map", the default; fields vLLM 0.33 requires have no
+    # default here either, so a missing one fails the decode).
     class _WireEvent(msgspec.Struct, array_like=True, tag=True):
         pass
 
@@ -451,20 +458,57 @@ if msgspec is not None:
         events: List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
         data_parallel_rank: Optional[int]
 
+    class _MapEvent(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
+        pass
+
+    class MapBlockStored(_MapEvent, tag="BlockStored"):
+        block_hashes: List[int]
+        parent_block_hash: Optional[int]
+        token_ids: List[int]
+        block_size: int
+        lora_id: Optional[int]
+        medium: Optional[str]
+        lora_name: Optional[str]
+        extra_keys: Optional[List[Optional[Tuple[Any, ...]]]] = None
+        group_idx: Optional[int] = None
+
+    class MapBlockRemoved(_MapEvent, tag="BlockRemoved"):
+        block_hashes: List[int]
+        medium: Optional[str]
+        group_idx: Optional[int] = None
+
+    class MapAllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
+        pass
+
+    class MapKVEventBatch(msgspec.Struct, array_like=True):
+        ts: float
+        events: List[Union[MapBlockStored, MapBlockRemoved, MapAllBlocksCleared]]
+        data_parallel_rank: Optional[int]
+
     WIRE_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+    MAP_WIRE_DECODER = msgspec.msgpack.Decoder(MapKVEventBatch)
+
+ALL_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                              "lora_id", "medium", "lora_name", "extra_keys", "group_idx"),
+              "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+              "AllBlocksCleared": ()}
+POSITIONAL_FIELDS = {"BlockStored": ALL_FIELDS["BlockStored"][:6],
+                     "BlockRemoved": ALL_FIELDS["BlockRemoved"][:2],
+                     "AllBlocksCleared": ()}
 
 
-def wire_fields(event: Any) -> tuple:
-    """An event (ours or a wire struct) as (tag, field values...), lists as tuples."""
-    names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
-                             "lora_id", "medium"),
-             "BlockRemoved": ("block_hashes", "medium"),
-             "AllBlocksCleared": ()}[type(event).__name__]
-    values = []
-    for name in names:
-        value = getattr(event, name)
-        values.append(tuple(value) if isinstance(value, (list, tuple)) else value)
-    return (type(event).__name__, *values)
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def wire_fields(event: Any, fields: Optional[dict] = None) -> tuple:
+    """An event (ours or a wire struct) as (type, field values...), arrays as tuples."""
+    tag = type(event).__name__
+    tag = tag[3:] if tag.startswith("Map") else tag
+    names = (fields or POSITIONAL_FIELDS)[tag]
+    return (tag, *(_plain(getattr(event, name)) for name in names))
 
 
 def serve_requests(cache: RadixCache, count: int, seed: int, publish) -> None:
@@ -535,11 +579,12 @@ def test_serving_loop_batches_arrive_in_order_and_decode_to_the_documented_layou
         pages: set = set()
         for topic, seq_bytes, payload in received:
             assert topic == b"kv" and len(seq_bytes) == 8
-            batch = WIRE_DECODER.decode(payload)
+            batch = MAP_WIRE_DECODER.decode(payload)
             assert batch.data_parallel_rank == 3
             assert batch.ts > 0
             ours = published[int.from_bytes(seq_bytes, "big")]
-            assert [wire_fields(e) for e in batch.events] == [wire_fields(e) for e in ours]
+            assert [wire_fields(e, ALL_FIELDS) for e in batch.events] == \
+                [wire_fields(e, ALL_FIELDS) for e in ours]
             replay_into(pages, ours, 4)
         assert pages == tree_pages(cache)
         assert len(received) > 250 and pub.dropped == 0 and pub.errors == 0
@@ -581,8 +626,9 @@ def test_late_subscriber_recovers_earlier_batches_through_replay():
         assert [b.seq for b in received] == list(range(max(published) + 1))
         for batch in received:
             assert batch.events == published[batch.seq]
-            assert [wire_fields(e) for e in WIRE_DECODER.decode(batch.payload).events] == \
-                [wire_fields(e) for e in batch.events]
+            assert [wire_fields(e, ALL_FIELDS)
+                    for e in MAP_WIRE_DECODER.decode(batch.payload).events] == \
+                [wire_fields(e, ALL_FIELDS) for e in batch.events]
         assert sub.replayed >= early
         assert sub.gaps == []
     finally:
@@ -650,9 +696,9 @@ def test_replay_socket_protocol_and_bounded_buffer():
         assert [f[0] for f in replies] == [b""] * 3
         assert [int.from_bytes(f[1], "big", signed=True) for f in replies] == [4, 5, -1]
         assert replies[-1][2] == b""
-        decoded = [WIRE_DECODER.decode(f[2]) for f in replies[:-1]]
-        assert [wire_fields(b.events[0]) for b in decoded] == \
-            [("BlockRemoved", (4, -4), None), ("BlockRemoved", (5, -5), None)]
+        decoded = [MAP_WIRE_DECODER.decode(f[2]) for f in replies[:-1]]
+        assert [wire_fields(b.events[0], ALL_FIELDS) for b in decoded] == \
+            [("BlockRemoved", (4, -4), None, None), ("BlockRemoved", (5, -5), None, None)]
         # Only the last three batches are buffered: a late joiner sees 0..2 as a gap.
         sub = ev.ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0)
         got = [sub.receive(timeout=SOCKET_WAIT_S) for _ in range(3)]
@@ -772,3 +818,316 @@ def test_recorder_works_and_transport_names_the_extra_without_optional_deps():
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+# -- wire encodings ----------------------------------------------------------------------------
+
+def scripted_events(core: str) -> list:
+    """Two stores (one namespaced), both evicted, then a reset."""
+    cache = RadixCache(page_size=2, enable_events=True, core=core)
+    cache.insert([1, 2, 3, 4, 5], extra_key="t")
+    cache.insert([1, 2, 9, 9])
+    assert cache.evict(100) == 8
+    cache.reset()
+    return cache.take_events()
+
+
+@needs_transport
+def test_map_encoding_is_exactly_the_documented_layout(core_name):
+    payload = ev.encode_batch(scripted_events(core_name), ts=2.5, data_parallel_rank=4)
+    t12, t34 = ref_chain(None, [1, 2, 3, 4], "t", 2)
+    p12, p99 = ref_chain(None, [1, 2, 9, 9], None, 2)
+    stored_t = {"type": "BlockStored", "block_hashes": [t12, t34], "parent_block_hash": None,
+                "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": None, "medium": "GPU",
+                "lora_name": None, "extra_keys": [["t"], ["t"]]}
+    stored_p = dict(stored_t, block_hashes=[p12, p99], token_ids=[1, 2, 9, 9],
+                    extra_keys=[None, None])
+    decoded = msgspec.msgpack.decode(payload)
+    assert decoded[0] == 2.5 and decoded[2] == 4
+    events = decoded[1]
+    assert events[:2] == [stored_t, stored_p]
+    assert sorted(events[2:4], key=lambda e: e["block_hashes"]) == sorted(
+        [{"type": "BlockRemoved", "block_hashes": [t12, t34], "medium": "GPU"},
+         {"type": "BlockRemoved", "block_hashes": [p12, p99], "medium": "GPU"}],
+        key=lambda e: e["block_hashes"])
+    assert events[4] == {"type": "AllBlocksCleared"}
+    # Key order as vLLM's structs declare them, the tag first.
+    assert list(events[0]) == ["type", "block_hashes", "parent_block_hash", "token_ids",
+                               "block_size", "lora_id", "medium", "lora_name", "extra_keys"]
+    assert list(events[2]) == ["type", "block_hashes", "medium"]
+    # group_idx goes out only when set.
+    assert msgspec.msgpack.decode(ev.encode_batch(
+        [ev.BlockRemoved((5,), None, 2)]))[1] == \
+        [{"type": "BlockRemoved", "block_hashes": [5], "medium": None, "group_idx": 2}]
+
+
+@needs_transport
+def test_positional_encoding_is_the_old_layout(core_name):
+    events = scripted_events(core_name)
+    payload = ev.encode_batch(events, encoding="positional", ts=1.0, data_parallel_rank=None)
+    t12, t34 = ref_chain(None, [1, 2, 3, 4], "t", 2)
+    decoded = msgspec.msgpack.decode(payload)
+    assert decoded[0] == 1.0 and decoded[2] is None
+    assert decoded[1][0] == ["BlockStored", [t12, t34], None, [1, 2, 3, 4], 2, None, "GPU"]
+    assert decoded[1][2][0] == "BlockRemoved" and len(decoded[1][2]) == 3
+    assert decoded[1][4] == ["AllBlocksCleared"]
+    assert [wire_fields(e) for e in WIRE_DECODER.decode(payload).events] == \
+        [wire_fields(e) for e in events]
+
+
+def without_map_only_fields(event: Any) -> Any:
+    """What survives the positional layout: no lora_name, extra_keys or group_idx."""
+    if isinstance(event, ev.BlockStored):
+        return dataclasses.replace(event, lora_name=None, extra_keys=None, group_idx=None)
+    if isinstance(event, ev.BlockRemoved):
+        return dataclasses.replace(event, group_idx=None)
+    return event
+
+
+@needs_transport
+@pytest.mark.parametrize("encoding", ev.ENCODINGS)
+def test_recorded_events_round_trip_in_both_encodings(core_name, encoding):
+    cache = RadixCache(page_size=4, enable_events=True, core=core_name)
+    cache._events.lora_namespaces = True  # the option a cache's recorder may be built with
+    batches: list = []
+    serve_requests(cache, 200, seed=21, publish=batches.append)
+    cache.reset()
+    batches.append(cache.take_events())
+    kinds = set()
+    for seq, events in enumerate(batches):
+        if not events:
+            continue
+        payload = ev.encode_batch(events, encoding=encoding, ts=float(seq),
+                                  data_parallel_rank=seq)
+        batch = ev.decode_batch(payload, seq)
+        assert (batch.seq, batch.ts, batch.data_parallel_rank, batch.payload) == \
+            (seq, float(seq), seq, payload)
+        if encoding == "map":
+            assert batch.events == events
+        else:
+            assert batch.events == [without_map_only_fields(e) for e in events]
+        kinds.update((type(e).__name__, getattr(e, "lora_name", None)) for e in events)
+    assert kinds >= {("BlockStored", None), ("BlockStored", "tenant-b"),
+                     ("BlockRemoved", None), ("AllBlocksCleared", None)}
+
+
+def map_stored(**changes: Any) -> dict:
+    event = {"type": "BlockStored", "block_hashes": [11, -12], "parent_block_hash": 10,
+             "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": None, "medium": "GPU",
+             "lora_name": None, "extra_keys": [["ns"], ["ns"]]}
+    event.update(changes)
+    return event
+
+
+MAP_STORED_EVENT = ev.BlockStored((11, -12), 10, (1, 2, 3, 4), 2, None, "GPU", None,
+                                  (("ns",), ("ns",)))
+
+
+def decode_one(event: Any) -> Any:
+    return ev.decode_batch(msgspec.msgpack.encode([0.0, [event], 0]), 5).events[0]
+
+
+@needs_transport
+def test_decoder_reads_map_fields_by_name_and_ignores_unknown_ones():
+    reordered = dict(reversed(list(map_stored().items())))
+    assert decode_one(reordered) == MAP_STORED_EVENT
+    newer = map_stored(session_id="s", kv_cache_spec_kind="full_attention",
+                       lookahead_token_ids=[[1], [2]], some_future_field={"x": [1]})
+    assert decode_one(newer) == MAP_STORED_EVENT
+    assert decode_one({"type": "BlockRemoved", "block_hashes": [3], "medium": None,
+                       "locality": "LOCAL", "ownership": "x"}) == ev.BlockRemoved((3,))
+    assert decode_one({"type": "AllBlocksCleared", "anything": 1}) == ev.AllBlocksCleared()
+    # Optional fields may be absent; trailing positional fields are ignored as before.
+    minimal = {k: v for k, v in map_stored().items()
+               if k in ("type", "block_hashes", "parent_block_hash", "token_ids",
+                        "block_size")}
+    assert decode_one(minimal) == ev.BlockStored((11, -12), 10, (1, 2, 3, 4), 2)
+    assert decode_one({"type": "BlockRemoved", "block_hashes": [3]}) == ev.BlockRemoved((3,))
+    assert decode_one(["BlockStored", [1], None, [7, 7], 2, 3, "CPU", "extra", [None]]) == \
+        ev.BlockStored((1,), None, (7, 7), 2, 3, "CPU")
+    assert decode_one(["BlockRemoved", [1], "CPU", 9]) == ev.BlockRemoved((1,), "CPU")
+    # One batch may even mix the two encodings; hashes may be bytes (vLLM's default).
+    mixed = ev.decode_batch(msgspec.msgpack.encode(
+        [1.0, [["AllBlocksCleared"], map_stored(block_hashes=[b"\x01" * 32, 5],
+                                                parent_block_hash=b"\x02" * 32)]]))
+    assert mixed.data_parallel_rank is None
+    assert mixed.events == [ev.AllBlocksCleared(), dataclasses.replace(
+        MAP_STORED_EVENT, block_hashes=(b"\x01" * 32, 5), parent_block_hash=b"\x02" * 32)]
+    assert ev.decode_event(map_stored()) == MAP_STORED_EVENT
+
+
+@needs_transport
+@pytest.mark.parametrize("field", ["block_hashes", "parent_block_hash", "token_ids",
+                                   "block_size"])
+def test_decoder_rejects_a_missing_required_field(field):
+    event = map_stored()
+    del event[field]
+    with pytest.raises(ValueError, match=f"batch 5, event 0: BlockStored lacks the "
+                                         f"required field '{field}'"):
+        decode_one(event)
+    with pytest.raises(ValueError, match="lacks the required field 'block_hashes'"):
+        decode_one({"type": "BlockRemoved", "medium": None})
+    with pytest.raises(ValueError, match="BlockStored array has 5 fields, needs 6"):
+        decode_one(["BlockStored", [1], None, [1, 1], 1, None])
+    with pytest.raises(ValueError, match="BlockRemoved array has 0 fields"):
+        decode_one(["BlockRemoved"])
+
+
+@needs_transport
+@pytest.mark.parametrize("field, bad", [
+    ("block_hashes", 5), ("block_hashes", [1, "x"]), ("block_hashes", [True]),
+    ("parent_block_hash", "h"), ("parent_block_hash", 1.5), ("token_ids", [1.0]),
+    ("token_ids", None), ("block_size", None), ("block_size", True), ("block_size", "2"),
+    ("lora_id", "a"), ("lora_id", False), ("medium", 1), ("lora_name", 3),
+    ("extra_keys", "ns"), ("extra_keys", [1, 2]), ("extra_keys", {"a": 1}),
+    ("group_idx", "0"), ("group_idx", 1.0),
+])
+def test_decoder_rejects_an_ill_typed_field(field, bad):
+    with pytest.raises(ValueError,
+                       match=f"malformed event batch 5, event 0: BlockStored.{field} "):
+        decode_one(map_stored(**{field: bad}))
+
+
+@needs_transport
+@pytest.mark.parametrize("event, message", [
+    ({"block_hashes": [1]}, "a map event needs a str field 'type'"),
+    ({"type": 3}, "a map event needs a str field 'type'"),
+    ({"type": "BlockEvicted", "block_hashes": [1]}, "unknown event type 'BlockEvicted'"),
+    (["BlockEvicted", [1]], "unknown event type 'BlockEvicted'"),
+    ([], "expected a tagged map or tagged array, got list"),
+    ("BlockStored", "expected a tagged map or tagged array, got str"),
+    (7, "expected a tagged map or tagged array, got int"),
+])
+def test_decoder_rejects_malformed_events_naming_the_problem(event, message):
+    with pytest.raises(ValueError, match=f"batch 5, event 0: {message}"):
+        decode_one(event)
+    with pytest.raises(ValueError, match=f"^malformed event: {message}"):
+        ev.decode_event(event)
+
+
+@needs_transport
+@pytest.mark.parametrize("batch, message", [
+    ({"ts": 1.0}, "expected \\[ts, events, dp_rank\\]"),
+    ([1.0, [], 0, 0], "expected \\[ts, events, dp_rank\\]"),
+    ([True, [], 0], "ts must be a number"),
+    (["1", [], 0], "ts must be a number"),
+    ([1.0, {"type": "AllBlocksCleared"}, 0], "events must be an array"),
+    ([1.0, [], "0"], "data_parallel_rank must be int or nil"),
+])
+def test_decoder_rejects_malformed_batches_naming_the_problem(batch, message):
+    with pytest.raises(ValueError, match=f"malformed event batch 3: {message}"):
+        ev.decode_batch(msgspec.msgpack.encode(batch), 3)
+
+
+@needs_transport
+def test_encoding_arguments_are_validated():
+    with pytest.raises(ValueError, match="unknown encoding 'json'; valid: map, positional"):
+        ev.encode_batch([ev.AllBlocksCleared()], encoding="json")
+    with pytest.raises(ValueError, match="unknown encoding"):
+        ev.AllBlocksCleared().to_wire("arrays")
+    with pytest.raises(ValueError, match="unknown encoding"):
+        ev.ZmqEventPublisher("tcp://127.0.0.1:*", encoding="tagged")
+    with pytest.raises(TypeError, match="expected KV events, got dict"):
+        ev.encode_batch([{"type": "AllBlocksCleared"}])
+    with pytest.raises(TypeError, match="ts must be a number"):
+        ev.encode_batch([], ts="now")
+    with pytest.raises(TypeError, match="data_parallel_rank"):
+        ev.encode_batch([], data_parallel_rank=1.0)
+    before = time.time()
+    assert before <= ev.decode_batch(ev.encode_batch([])).ts <= time.time()
+
+
+@needs_transport
+@pytest.mark.parametrize("namespace", [2**70, -(2**63) - 1, "lone \ud800 surrogate"])
+def test_a_namespace_msgpack_cannot_carry_fails_the_map_encoding_clearly(namespace):
+    cache = RadixCache(page_size=1, enable_events=True)
+    cache.insert([1, 2], extra_key=namespace)
+    events = cache.take_events()
+    assert events[0].extra_keys == ((namespace,), (namespace,))
+    with pytest.raises(ValueError, match="cannot be encoded as msgpack"):
+        ev.encode_batch(events)
+    assert ev.decode_batch(ev.encode_batch(events, encoding="positional")).events == \
+        [without_map_only_fields(events[0])]  # the old layout never carried namespaces
+    with ev.ZmqEventPublisher("tcp://127.0.0.1:*") as pub:
+        assert pub.publish(events) == 0
+        assert pub.publish([ev.AllBlocksCleared()]) == 1
+        assert pub.flush(SOCKET_WAIT_S)
+        assert (pub.errors, pub.sent) == (1, 1)
+        assert isinstance(pub.last_error, ValueError)
+
+
+def test_recorder_fills_medium_lora_and_namespace_fields(core_name):
+    cache = RadixCache(page_size=2, enable_events=True, core=core_name)
+    assert (cache._events.medium, cache._events.lora_namespaces) == ("GPU", False)
+    rows = []
+    for lora_namespaces in (False, True):
+        cache._events.lora_namespaces = lora_namespaces
+        for namespace in (None, "adapter", b"raw", 4, np.int32(5), True):
+            cache.insert([9, 9, 9], extra_key=namespace)
+            (event,) = cache.take_events()
+            rows.append((event.lora_name, event.lora_id, event.extra_keys, event.medium))
+            cache.reset()
+            cache.take_events()
+    plain = [(None, None, (ns,) * 1 if ns is None else ((ns,),), "GPU")
+             for ns in (None, "adapter", b"raw", 4, 5, 1)]
+    assert rows[:6] == plain
+    assert [row[:2] for row in rows[6:]] == [(None, None), ("adapter", None), (None, None),
+                                             (None, 4), (None, 5), (None, 1)]
+    int_namespaces = [row[2][0][0] for row in rows[3:6]]  # 4, np.int32(5), True
+    assert int_namespaces == [4, 5, 1] and {type(v) for v in int_namespaces} == {int}
+    cpu = ev.EventRecorder(1, medium=ev.MEDIUM_CPU, lora_id=3)
+    assert (cpu.medium, cpu.lora_id) == ("CPU", 3)
+    with pytest.raises(TypeError, match="medium"):
+        ev.EventRecorder(1, medium=5)
+    with pytest.raises(TypeError, match="lora_id"):
+        ev.EventRecorder(1, lora_id="a")
+    with pytest.raises(TypeError, match="lora_namespaces"):
+        ev.EventRecorder(1, lora_namespaces=1)
+
+
+def test_namespace_helpers():
+    assert ev.extra_keys_entry(None) is None
+    assert ev.extra_keys_entry("a") == ("a",)
+    assert ev.extra_keys_entry(np.int64(-2)) == (-2,)
+    assert type(ev.extra_keys_entry(True)[0]) is int
+    assert ev.canonical_namespace(b"x") == b"x"
+    with pytest.raises(TypeError, match="float"):
+        ev.extra_keys_entry(1.5)
+    event = ev.BlockStored((1, 2), None, (1, 2), 1, extra_keys=(("a",), ("a",)))
+    assert ev.event_namespace(event) == "a"
+    assert ev.event_namespace(dataclasses.replace(event, extra_keys=None)) is None
+    assert ev.event_namespace(dataclasses.replace(event, extra_keys=(None, None))) is None
+    for bad in ((("a",), ("b",)), (("a",),), (("a", 1), ("a", 1)), (None, ("a",))):
+        with pytest.raises(ValueError, match="not one \\(namespace,\\) entry per block"):
+            ev.event_namespace(dataclasses.replace(event, extra_keys=bad))
+    # What the recorder publishes for a namespace is what event_namespace reads back.
+    cache = RadixCache(page_size=1, enable_events=True)
+    cache.insert([1, 2, 3], extra_key=b"tenant")
+    assert ev.event_namespace(cache.take_events()[0]) == b"tenant"
+
+
+@needs_transport
+def test_subscriber_reads_both_encodings():
+    cache = RadixCache(page_size=2, enable_events=True)
+    cache.insert([1, 2, 3, 4], extra_key="t")
+    cache.evict(10)
+    events = cache.take_events()
+    for encoding in ev.ENCODINGS:
+        pub = ev.ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
+                                   encoding=encoding)
+        sub = None
+        try:
+            assert pub.encoding == encoding and f"encoding={encoding!r}" in repr(pub)
+            assert pub.publish(events) == 0
+            assert pub.flush(SOCKET_WAIT_S)
+            sub = ev.ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0)
+            batch = sub.receive(timeout=SOCKET_WAIT_S)
+            assert batch is not None and batch.seq == 0
+            expected = events if encoding == "map" else [without_map_only_fields(e)
+                                                         for e in events]
+            assert batch.events == expected
+            assert (encoding == "map") == (batch.events[0].extra_keys == (("t",), ("t",)))
+        finally:
+            if sub is not None:
+                sub.close()
+            pub.close()

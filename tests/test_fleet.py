@@ -1,0 +1,459 @@
+"""Fleet simulation: the hand-checked case, the time model, event lag, the real ZeroMQ wire,
+and the ``simulate --workers N`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from radixcache import RadixCache
+from radixcache.cli import FLEET_JSON_KEYS, JSON_KEYS, main
+from radixcache.fleet import (
+    EventLag,
+    TimeModel,
+    arrival_times,
+    simulate_fleet,
+    simulate_pooled,
+)
+from radixcache.router import Router
+from radixcache.traces import read_trace
+from radixcache.workloads import Request, serve, synthetic_chat
+
+REPO = Path(__file__).resolve().parents[1]
+MOONCAKE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+FAR_APART_MS = 10**7  # every request finishes long before the next arrives
+
+
+# -- the hand-checked case ----------------------------------------------------------------
+def three_conversations(turns=4, system=8, user=3, output=2):
+    """Three conversations with disjoint tokens taking turns A1 B1 C1 A2 B2 C2 ...; returns
+    the requests and, per request, (conversation, turn, prompt, output)."""
+    convs = []
+    for c in range(3):
+        counter = iter(range(1000 * (c + 1), 1000 * (c + 2)))
+        history = [next(counter) for _ in range(system)]
+        turns_of_c = []
+        for _ in range(turns):
+            history = history + [next(counter) for _ in range(user)]
+            answer = [next(counter) for _ in range(output)]
+            turns_of_c.append((list(history), answer))
+            history = history + answer
+        convs.append(turns_of_c)
+    requests, meta = [], []
+    for k in range(turns):
+        for c in range(3):
+            prompt, answer = convs[c][k]
+            requests.append(Request(np.array(prompt), len(answer), np.array(answer)))
+            meta.append((c, k, prompt, answer))
+    return requests, meta
+
+
+def expected_cached(meta, router):
+    """Cached tokens per request, worked out by hand (page size 1, nothing evicted).
+
+    Pooled (and any router keeping a conversation on one worker): turn k reuses all of turn
+    k-1, prompt and answer. Round-robin over two workers: with three conversations in turn,
+    each conversation alternates workers, so turn k finds turn k-2 (prompt and answer) and
+    turn 2 finds nothing."""
+    by_turn = {(c, k): (p, o) for c, k, p, o in meta}
+    cached = []
+    for c, k, _, _ in meta:
+        back = 1 if router == "pooled" else 2
+        if k - back < 0:
+            cached.append(0)
+        else:
+            prompt, answer = by_turn[(c, k - back)]
+            cached.append(len(prompt) + len(answer))
+    return cached
+
+
+def test_hand_checked_three_conversations_two_workers(core_name):
+    requests, meta = three_conversations()
+    prompt_total = sum(len(p) for _, _, p, _ in meta)
+    model = TimeModel(prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0)
+    common = dict(page_size=1, core=core_name, interval_ms=FAR_APART_MS, time_model=model)
+    pooled = simulate_pooled(requests, 2, 1000, **common)
+    aware = simulate_fleet(requests, 2, 1000, "cache-aware", **common)
+    rr = simulate_fleet(requests, 2, 1000, "round-robin", **common)
+
+    pooled_cached = sum(expected_cached(meta, "pooled"))
+    rr_cached = sum(expected_cached(meta, "round-robin"))
+    assert pooled.prompt_tokens == aware.prompt_tokens == rr.prompt_tokens == prompt_total
+    assert pooled.cached_tokens == pooled_cached == 3 * (13 + 18 + 23)
+    assert aware.cached_tokens == pooled_cached  # reaches the pooled hit rate
+    assert aware.hit_rate == pooled.hit_rate
+    assert rr.cached_tokens == rr_cached == 3 * (13 + 18) < pooled_cached
+    # Cache-aware keeps each conversation on one worker; round-robin scatters them.
+    for result, sticky in ((aware, True), (rr, False)):
+        workers_of = {}
+        for (c, _, _, _), worker in zip(meta, result.decisions):
+            workers_of.setdefault(c, set()).add(worker)
+        assert all(len(ws) == 1 for ws in workers_of.values()) is sticky
+    assert rr.decisions == tuple(i % 2 for i in range(len(requests)))
+    # No queueing: TTFT is the uncached prompt over the prefill throughput.
+    ttfts = [(len(p) - c) / 1000.0 for (_, _, p, _), c in
+             zip(meta, expected_cached(meta, "round-robin"))]
+    assert rr.ttft_p50 == pytest.approx(float(np.percentile(ttfts, 50)))
+    assert rr.ttft_p99 == pytest.approx(float(np.percentile(ttfts, 99)))
+    assert rr.prefill_tokens == prompt_total - rr_cached
+    assert sum(rr.worker_prefill_tokens) == rr.prefill_tokens
+    assert rr.load_imbalance == pytest.approx(max(rr.worker_prefill_tokens)
+                                              / (rr.prefill_tokens / 2))
+    assert aware.indexer_stats["stored_blocks"] > 0 and aware.indexer_stats["unknown_parent"] == 0
+    # Round-robin reads no events, so none are recorded; recording them changes nothing.
+    assert rr.indexer_stats is None
+    rr_events = simulate_fleet(requests, 2, 1000, "round-robin", publish_events=True, **common)
+    assert rr_events.indexer_stats["stored_blocks"] > 0
+    assert (rr_events.decisions, rr_events.cached_tokens, rr_events.ttft_p99) == (
+        rr.decisions, rr.cached_tokens, rr.ttft_p99)
+
+
+def test_pooled_equals_the_single_cache_serving_loop(core_name):
+    requests = synthetic_chat(num_conversations=30, num_system_prompts=3, seed=2,
+                              system_prompt_len=(50, 120), user_len=(5, 20),
+                              output_len=(5, 30))
+    single = serve(RadixCache(page_size=4, core=core_name), requests, 3 * 50_000)
+    pooled = simulate_pooled(requests, 3, 50_000, page_size=4, core=core_name,
+                             interval_ms=FAR_APART_MS)
+    assert pooled.cached_tokens == single.cached_tokens > 0
+    assert pooled.prompt_tokens == single.prompt_tokens
+    assert (pooled.workers, pooled.capacity, pooled.router) == (3, 50_000, "pooled")
+
+
+# -- the time model -----------------------------------------------------------------------
+def test_queueing_prefill_and_decode_times(core_name):
+    # Four 100-token prompts at t=0 on two workers, round-robin: each worker prefills one,
+    # then the next (FIFO); the second waits for the first's prefill, not its decode.
+    requests = [Request(np.arange(100) + 1000 * i, 50, timestamp=0) for i in range(4)]
+    model = TimeModel(prefill_tokens_per_s=1000.0, decode_tokens_per_s=10.0)
+    result = simulate_fleet(requests, 2, 10_000, "round-robin", page_size=1, core=core_name,
+                            time_model=model)
+    # TTFTs: 0.1, 0.1, 0.2, 0.2 seconds.
+    assert result.ttft_p50 == pytest.approx(0.15)
+    assert result.ttft_p99 == pytest.approx(0.2)
+    assert result.prefill_tokens == 400 and result.load_imbalance == 1.0
+    # Slots stay held while decoding: in a pool too small for two running requests, the
+    # second waits for the first to finish (0.1 s prefill + 5 s decode), then prefills.
+    tight = simulate_fleet(requests, 2, 160, "round-robin", page_size=1, core=core_name,
+                           time_model=model)
+    assert tight.rejected == 0
+    assert tight.ttft_p50 == pytest.approx((0.1 + 5.2) / 2)
+    assert tight.ttft_p99 == pytest.approx(5.2)
+    # A request bigger than the whole pool is rejected, not kept waiting.
+    huge = requests + [Request(np.arange(300) + 9000, 1, timestamp=0)]
+    result = simulate_fleet(huge, 2, 160, "round-robin", page_size=1, core=core_name,
+                            time_model=model)
+    assert result.rejected == 1 and result.requests == 5
+
+
+def test_running_request_keeps_its_prefix_locked(core_name):
+    # Worker capacity fits one request; the first decodes for 10 s and keeps its prompt
+    # locked, so the second (arriving at 1 s) cannot evict it: it waits until 10 s.
+    model = TimeModel(prefill_tokens_per_s=1e6, decode_tokens_per_s=1.0)
+    requests = [Request(np.arange(80), 10, timestamp=0),
+                Request(np.arange(500, 580), 10, timestamp=1000)]
+    result = simulate_fleet(requests, 1, 100, "round-robin", page_size=1, core=core_name,
+                            time_model=model)
+    assert result.rejected == 0 and result.evicted_tokens == 90
+    ttfts = [0.00008, 10.00008 + 0.00008 - 1]  # prefills of 80 tokens at 1e6 tokens/s
+    assert result.ttft_p99 == pytest.approx(float(np.percentile(ttfts, 99)))
+
+
+def test_event_lag_hides_recent_blocks_from_the_router(core_name):
+    prompt = np.arange(64)
+    requests = [Request(prompt, 4), Request(prompt, 4)]
+    model = TimeModel(prefill_tokens_per_s=1e5, decode_tokens_per_s=1e4)
+    common = dict(page_size=4, core=core_name, interval_ms=1000, time_model=model)
+    fresh = simulate_fleet(requests, 2, 1000, "cache-aware", **common)
+    assert fresh.decisions == (0, 0) and fresh.cached_tokens == 64
+    for lag in (EventLag(requests=1), EventLag(ms=2000)):
+        stale = simulate_fleet(requests, 2, 1000, "cache-aware", event_lag=lag, **common)
+        assert stale.decisions == (0, 1) and stale.cached_tokens == 0
+    # 500 ms is enough: the first request finished within 2 ms of arriving.
+    seen = simulate_fleet(requests, 2, 1000, "cache-aware", event_lag=EventLag(ms=500),
+                          **common)
+    assert seen.decisions == (0, 0)
+
+
+def test_event_lag_parse():
+    assert EventLag.parse("0") == EventLag()
+    assert EventLag.parse("3") == EventLag.parse("3req") == EventLag(requests=3)
+    assert EventLag.parse("2.5ms") == EventLag(ms=2.5)
+    assert str(EventLag(ms=50)) == "50ms" and str(EventLag(requests=2)) == "2"
+    for bad in ("", "-1", "1.5", "3s", "ms", "1e3"):
+        with pytest.raises(ValueError, match="event lag"):
+            EventLag.parse(bad)
+    with pytest.raises(ValueError, match="not both"):
+        EventLag(requests=1, ms=1)
+
+
+def test_arrivals_and_argument_errors():
+    stamped = [Request([1], 1, timestamp=5), Request([2], 1, timestamp=7.5)]
+    assert list(arrival_times(stamped)) == [0.005, 0.0075]
+    assert list(arrival_times([Request([1], 1)] * 3, interval_ms=20)) == [0, 0.02, 0.04]
+    with pytest.raises(ValueError, match="1 of 2 requests carry a timestamp"):
+        arrival_times([stamped[0], Request([2], 1)])
+    with pytest.raises(ValueError, match="timestamp"):
+        Request([1], 1, timestamp=-1)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        simulate_fleet(stamped, 2, 10, arrivals=[1.0, 0.5])
+    with pytest.raises(ValueError, match="num_workers"):
+        simulate_fleet(stamped, 0, 10)
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        simulate_fleet(stamped, 2, 10, "nearest")
+    with pytest.raises(ValueError, match="one channel per worker"):
+        simulate_fleet(stamped, 2, 10, channels=[None])
+    with pytest.raises(ValueError, match="block_size page_size"):
+        simulate_fleet(stamped, 2, 10, Router(2, block_size=8), page_size=16)
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        TimeModel(prefill_tokens_per_s=0)
+
+
+# -- the real wire ------------------------------------------------------------------------
+class ZmqChannel:
+    """A worker's events over ZeroMQ: its own publisher on loopback, a subscriber on the
+    router side that waits for every batch the worker published for this step."""
+
+    def __init__(self):
+        from radixcache.events import AllBlocksCleared, ZmqEventPublisher, ZmqEventSubscriber
+
+        self.pub = ZmqEventPublisher("tcp://127.0.0.1:*",
+                                     replay_endpoint="tcp://127.0.0.1:*", topic="kv")
+        self.sub = ZmqEventSubscriber(self.pub.endpoint, self.pub.replay_endpoint, topic="kv")
+        # A SUB socket misses what is sent before its subscription reaches the publisher:
+        # send a harmless batch until one arrives on the stream, so none of the worker's can.
+        for _ in range(200):
+            last = self.pub.publish([AllBlocksCleared()])
+            self.pub.flush(5.0)
+            batch = self.sub.receive(timeout=0.05)
+            if batch is not None:
+                break
+        else:
+            raise RuntimeError("the subscriber never connected")
+        while batch.seq != last:  # probes still on their way
+            batch = self.sub.receive(timeout=5.0)
+            assert batch is not None
+        self.pending = deque()
+        self.received = 0
+
+    def publish(self, events, time_s, step):
+        seq = self.pub.publish(events)
+        assert seq is not None
+        self.pub.flush(5.0)
+        self.pending.append((time_s, step, seq))
+
+    def take(self, max_time, max_step):
+        out = []
+        while self.pending and self.pending[0][0] <= max_time and self.pending[0][1] <= max_step:
+            _, _, seq = self.pending.popleft()
+            batch = self.sub.receive(timeout=10.0)
+            assert batch is not None and batch.seq == seq
+            out.append(batch.events)
+            self.received += 1
+        return out
+
+    def close(self):
+        self.sub.close()
+        self.pub.close()
+
+
+@pytest.mark.parametrize("lag", [EventLag(), EventLag(requests=2)])
+def test_fleet_over_zeromq_routes_like_the_in_process_simulation(core_name, lag):
+    pytest.importorskip("zmq")
+    requests = synthetic_chat(num_conversations=12, num_system_prompts=3, seed=5,
+                              system_prompt_len=(40, 80), user_len=(4, 12),
+                              output_len=(4, 12))
+    common = dict(page_size=4, core=core_name, interval_ms=50, event_lag=lag,
+                  time_model=TimeModel(prefill_tokens_per_s=2000.0, decode_tokens_per_s=200.0))
+    local = simulate_fleet(requests, 3, 400, "cache-aware", **common)
+    channels = [ZmqChannel() for _ in range(3)]
+    wired = simulate_fleet(requests, 3, 400, "cache-aware", channels=channels, **common)
+    assert sum(c.received for c in channels) > len(requests)  # the router did hear them
+    assert all(c.sub.gaps == [] for c in channels)
+    assert wired.decisions == local.decisions
+    assert len(set(local.decisions)) == 3
+    assert wired.cached_tokens == local.cached_tokens > 0
+    assert wired.indexer_stats == local.indexer_stats
+
+
+# -- the command ---------------------------------------------------------------------------
+def write_conversation_trace(path, with_timestamps=True):
+    requests, _ = three_conversations()
+    lines = []
+    for i, r in enumerate(requests):
+        record = {"prompt": r.prompt.tolist(), "output": r.output.tolist()}
+        if with_timestamps:
+            record["timestamp"] = i * FAR_APART_MS
+        lines.append(json.dumps(record))
+    path.write_text("\n".join(lines) + "\n")
+    return path, requests
+
+
+def fleet_table(stdout):
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("capacity "))
+    rows = {}
+    for line in lines[start + 2:]:
+        cells = line.split()
+        if len(cells) != 13 or not cells[0][0].isdigit():
+            break
+        rows[(int(cells[0].replace(",", "")), cells[2])] = cells
+    return rows
+
+
+def test_cli_fleet_json_table_and_plot(tmp_path, capsys, core_name):
+    from PIL import Image
+
+    trace, requests = write_conversation_trace(tmp_path / "conv.jsonl")
+    out_json, out_png = tmp_path / "fleet.json", tmp_path / "fleet.png"
+    code = main(["simulate", str(trace), "--workers", "2", "--capacity", "20,1000",
+                 "--router", "round-robin,cache-aware", "--page-size", "1", "--core",
+                 core_name, "--prefill-tps", "1000", "--json", str(out_json), "--plot",
+                 str(out_png), "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "fleet: 2 workers" in out and "arrivals from the trace's timestamps" in out
+    rows = json.loads(out_json.read_text())
+    assert [(r["capacity"], r["router"]) for r in rows] == [
+        (c, r) for c in (20, 1000) for r in ("round-robin", "cache-aware", "pooled")]
+    table = fleet_table(out)
+    requests = read_trace(trace)  # with the trace's timestamps
+    for row in rows:
+        assert tuple(row) == FLEET_JSON_KEYS and tuple(row)[:len(JSON_KEYS)] == JSON_KEYS
+        assert row["workers"] == 2 and row["page_size"] == 1
+        if row["router"] == "pooled":
+            expected = simulate_pooled(requests, 2, row["capacity"], page_size=1,
+                                       core=core_name, arrivals=arrival_times(requests),
+                                       time_model=TimeModel(1000.0))
+        else:
+            expected = simulate_fleet(requests, 2, row["capacity"], row["router"], page_size=1,
+                                      core=core_name, arrivals=arrival_times(requests),
+                                      time_model=TimeModel(1000.0))
+        for key in ("cached_tokens", "prompt_tokens", "hit_rate", "prefill_tokens",
+                    "load_imbalance", "ttft_p50", "ttft_p99", "evicted_tokens"):
+            assert row[key] == getattr(expected, key), key
+        cells = table[(row["capacity"], row["router"])]
+        assert cells[7] == f"{100 * row['hit_rate']:.2f}%"
+        assert cells[8] == f"{row['prefill_tokens']:,}"
+    big = {r["router"]: r["hit_rate"] for r in rows if r["capacity"] == 1000}
+    assert big["cache-aware"] == big["pooled"] > big["round-robin"]
+    with Image.open(out_png) as image:
+        assert image.format == "PNG" and image.size == (800, 500)
+
+
+def test_cli_fleet_without_timestamps_uses_the_interval(tmp_path, capsys):
+    trace, _ = write_conversation_trace(tmp_path / "conv.jsonl", with_timestamps=False)
+    out_json = tmp_path / "rows.json"
+    assert main(["simulate", str(trace), "--workers", "2", "--capacity", "1000", "--router",
+                 "least-loaded,random,prefix-hash", "--interval", "250", "--event-lag", "40ms",
+                 "--page-size", "1", "--json", str(out_json), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "arrivals every 250 ms" in out and "event lag 40ms" in out
+    rows = json.loads(out_json.read_text())
+    assert [r["router"] for r in rows] == ["least-loaded", "random", "prefix-hash", "pooled"]
+    assert all(r["ttft_p50"] is not None for r in rows)
+
+
+def test_cli_workers_1_rows_are_unchanged(tmp_path, capsys):
+    trace, _ = write_conversation_trace(tmp_path / "conv.jsonl")
+    out_json = tmp_path / "rows.json"
+    assert main(["simulate", str(trace), "--capacity", "1000", "--json", str(out_json),
+                 "--quiet"]) == 0
+    assert "fleet" not in capsys.readouterr().out
+    (row,) = json.loads(out_json.read_text())
+    assert tuple(row) == JSON_KEYS
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--router", "cache-aware"], "--router applies to a fleet: add --workers N"),
+    (["--event-lag", "3"], "--event-lag applies to a fleet"),
+    (["--prefill-tps", "10"], "--prefill-tps applies to a fleet"),
+    (["--workers", "0"], "must be >= 1"),
+    (["--workers", "2", "--router", "cache-aware,nope"], "unknown router 'nope'"),
+    (["--workers", "2", "--event-lag", "5s"], "expected N (requests), Nreq or Nms"),
+    (["--workers", "2", "--prefill-tps", "0"], "must be > 0"),
+    (["--workers", "2", "--decode-tps", "inf"], "must be > 0 and finite"),
+    (["--workers", "2", "--interval", "-1"], "must be >= 0"),
+    (["--workers", "2", "--load-weight", "x"], "expected a number"),
+])
+def test_cli_fleet_bad_arguments_exit_2(args, message, capsys):
+    assert main(["simulate", "--limit", "5", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("records, message", [
+    ([{"prompt": [1, 2], "output_length": 1, "timestamp": 0},
+      {"prompt": [1, 2], "output_length": 1}], "1 of 2 requests carry a timestamp"),
+    ([{"prompt": [1, 2], "output_length": 1, "timestamp": "soon"}],
+     "x.jsonl:1: 'timestamp' must be a non-negative number"),
+])
+def test_cli_fleet_bad_timestamps_exit_1(tmp_path, capsys, records, message):
+    trace = tmp_path / "x.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["simulate", str(trace), "--workers", "2", "--capacity", "100"]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_cli_fleet_through_the_entry_point(tmp_path):
+    trace, _ = write_conversation_trace(tmp_path / "conv.jsonl")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "radixcache", "simulate", str(trace),
+                           "--workers", "3", "--router", "all", "--capacity", "500",
+                           "--page-size", "1"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert set(r for _, r in fleet_table(proc.stdout)) == {
+        "round-robin", "random", "least-loaded", "prefix-hash", "cache-aware", "pooled"}
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="Mooncake trace not present")
+def test_mooncake_fleet_rows_match_the_library(tmp_path, capsys):
+    out_json = tmp_path / "mooncake.json"
+    assert main(["simulate", str(MOONCAKE), "--limit", "300", "--workers", "4",
+                 "--capacity", "1000000", "--page-size", "64", "--json", str(out_json),
+                 "--quiet"]) == 0
+    rows = {r["router"]: r for r in json.loads(out_json.read_text())}
+    assert list(rows) == ["round-robin", "prefix-hash", "cache-aware", "pooled"]
+    requests = read_trace(MOONCAKE, limit=300)
+    assert requests[-1].timestamp > 0
+    aware = simulate_fleet(requests, 4, 1_000_000, "cache-aware", page_size=64)
+    assert rows["cache-aware"]["cached_tokens"] == aware.cached_tokens > 0
+    assert rows["cache-aware"]["ttft_p99"] == aware.ttft_p99
+    assert aware.indexer_stats["unknown_parent"] == aware.indexer_stats["unknown_removals"] == 0
+    assert rows["pooled"]["hit_rate"] >= rows["round-robin"]["hit_rate"]
+
+
+# -- the serving loop's steps ------------------------------------------------------------------
+def test_serving_loop_steps_account_for_every_slot(make_cache):
+    from radixcache.workloads import ServingLoop
+
+    cache = make_cache(page_size=4)
+    loop = ServingLoop(cache, 100)
+    first = loop.admit(Request(np.arange(30), 10))
+    assert first is not None and loop.pool.used == 40
+    loop.cache_prompt(first)  # the prompt's 28 aligned tokens are visible now, still locked
+    assert cache.match_prefix(np.arange(30)).length == 28
+    assert cache.protected_size() == 28 and cache.evictable_size() == 0
+    # A second request reuses the prompt while the first still runs.
+    second = loop.admit(Request(np.arange(32), 4))
+    assert second.cached == 28 and loop.pool.used == 40 + 8
+    # No room for a third while both run: with wait=True nothing is counted or evicted.
+    counters = (loop.requests, loop.rejected, loop.prompt_tokens, loop.cached_tokens)
+    assert loop.admit(Request(np.arange(500, 560), 10), wait=True) is None
+    assert (loop.requests, loop.rejected, loop.prompt_tokens, loop.cached_tokens) == counters
+    loop.finish(first)
+    loop.finish(second)
+    assert cache.protected_size() == 0
+    assert loop.pool.used == cache.total_size()  # every slot is in the tree or free
+    assert loop.admit(Request(np.arange(500, 600), 10)) is None  # bigger than the pool
+    result = loop.result()
+    assert (result.requests, result.rejected) == (3, 1)
+    assert result.cached_tokens == 28 and result.prompt_tokens == 30 + 32 + 100

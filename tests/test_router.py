@@ -1,0 +1,421 @@
+"""radixcache.router: the KV indexer against a model, malformed events, every routing policy."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from radixcache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    block_hashes,
+    decode_batch,
+)
+from radixcache.router import ROUTING_POLICIES, KvIndexer, Router
+
+try:
+    import msgspec
+except ImportError:  # only the wire tests need it
+    msgspec = None
+
+needs_msgspec = pytest.mark.skipif(msgspec is None, reason="msgspec not installed")
+
+
+# -- a model of what each worker holds, without any hashing ---------------------------------
+class IndexModel:
+    """Per worker: publisher hash -> the full token prefix up to and including that block."""
+
+    def __init__(self, block_size):
+        self.block_size = block_size
+        self.prefixes = {}  # worker -> {publisher hash: (namespace, tokens tuple)}
+
+    def apply(self, worker, events):
+        held = self.prefixes.setdefault(worker, {})
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                held.clear()
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    held.pop(h, None)
+            elif isinstance(event, BlockStored):
+                if event.block_size != self.block_size:
+                    continue
+                if len(event.token_ids) != len(event.block_hashes) * self.block_size:
+                    continue
+                if event.parent_block_hash is None:
+                    namespace, prefix = namespace_of(event), ()
+                elif event.parent_block_hash in held:
+                    namespace, prefix = held[event.parent_block_hash]
+                else:
+                    continue  # unknown parent: skipped
+                for i, h in enumerate(event.block_hashes):
+                    prefix = prefix + tuple(event.token_ids[i * self.block_size:
+                                                            (i + 1) * self.block_size])
+                    held[h] = (namespace, prefix)
+
+    def overlap(self, tokens, extra_key=None):
+        tokens = tuple(int(t) for t in tokens)
+        counts = {}
+        for worker, held in self.prefixes.items():
+            values = set(held.values())
+            n = 0
+            while (n + 1) * self.block_size <= len(tokens) and \
+                    (extra_key, tokens[:(n + 1) * self.block_size]) in values:
+                n += 1
+            if n:
+                counts[worker] = n
+        return counts
+
+
+def namespace_of(event):
+    keys = getattr(event, "extra_keys", None)
+    return keys[0][0] if keys and keys[0] else None
+
+
+@dataclass(frozen=True)
+class NamespacedStored(BlockStored):
+    """A BlockStored carrying vLLM's per-block ``extra_keys`` (the namespace)."""
+
+    extra_keys: tuple = ()
+
+
+def wire_payload(events, encoding="map", ts=1.0):
+    from radixcache.events import encode_batch
+
+    return encode_batch(events, encoding=encoding, ts=ts)
+
+
+# -- indexer: events recorded from real caches, against the model ---------------------------
+def random_cache_steps(make_cache, rng, page_size, num_workers, steps, reset_every=0,
+                       namespaces=(None, None, "a", 3)):
+    """Per step: (worker, events) from caches doing random inserts, evictions and resets."""
+    caches = [make_cache(page_size=page_size, enable_events=True) for _ in range(num_workers)]
+    pages = [[rng.randrange(4) for _ in range(page_size)] for _ in range(6)]
+    sequences = []
+    out = []
+    for step in range(steps):
+        worker = rng.randrange(num_workers)
+        cache = caches[worker]
+        roll = rng.random()
+        if reset_every and step % reset_every == reset_every - 1:
+            cache.reset()
+        elif roll < 0.6:
+            seq = [t for _ in range(rng.randrange(1, 6)) for t in rng.choice(pages)]
+            seq += [rng.randrange(4) for _ in range(rng.randrange(page_size))]  # unaligned tail
+            namespace = rng.choice(namespaces)
+            cache.insert(seq, extra_key=namespace)
+            sequences.append((seq, namespace))
+        else:
+            cache.evict(rng.randrange(1, 4 * page_size))
+        out.append((worker, cache.take_events()))
+    return caches, sequences, out
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("lag, drop", [(0, 0.0), (3, 0.0), (2, 0.15)])
+def test_indexer_matches_model_under_random_streams(make_cache, page_size, lag, drop):
+    rng = random.Random(page_size * 100 + lag)
+    caches, sequences, steps = random_cache_steps(make_cache, rng, page_size, 3, 300,
+                                                  reset_every=97)
+    indexer, model = KvIndexer(page_size), IndexModel(page_size)
+    delivered = 0
+    for now in range(len(steps)):
+        # Lagged delivery: the index sees each worker's batches in order, ``lag`` steps late.
+        while delivered <= now - lag:
+            worker, events = steps[delivered]
+            delivered += 1
+            if drop and rng.random() < drop:
+                continue  # lost on the way: later events may name unknown blocks
+            indexer.apply(worker, events)
+            model.apply(worker, events)
+        for query, namespace in rng.sample(sequences, min(3, len(sequences))):
+            query = query + [rng.randrange(4)]
+            assert indexer.overlap(query, namespace) == model.overlap(query, namespace)
+    stats = indexer.stats
+    assert stats.cleared >= 1 and stats.removed_blocks > 0 and stats.stored_blocks > 0
+    if drop:
+        assert stats.unknown_parent + stats.unknown_removals > 0  # counted, never raised
+    else:
+        assert stats.skipped == 0
+    # Memory follows the blocks held: after every worker clears, nothing is left.
+    for worker in range(3):
+        indexer.apply(worker, [AllBlocksCleared()])
+    assert len(indexer) == 0 and all(indexer.blocks_held(w) == 0 for w in range(3))
+
+
+@needs_msgspec
+@pytest.mark.parametrize("encoding", ["map", "positional"])
+def test_indexer_overlap_equals_workers_match_prefix_through_the_wire(make_cache, encoding):
+    """Events recorded from radixcache workers, sent in the wire layout (vLLM's tagged maps,
+    or the older positional arrays) and decoded with decode_batch, give overlaps equal to
+    each worker's own match_prefix length."""
+    rng = random.Random(7)
+    page_size = 4
+    # The positional layout has no extra_keys field: it cannot carry namespaces.
+    namespaces = (None, None, "a", 3) if encoding == "map" else (None,)
+    caches, sequences, steps = random_cache_steps(make_cache, rng, page_size, 3, 200,
+                                                  namespaces=namespaces)
+    indexer = KvIndexer(page_size)
+    for seq, (worker, events) in enumerate(steps):
+        if events and seq % 2:
+            assert indexer.apply_payload(worker, wire_payload(events, encoding), seq)
+        elif events:  # as a subscriber hands it over
+            indexer.apply(worker, decode_batch(wire_payload(events, encoding), seq))
+    assert indexer.stats.skipped == 0
+    checked = 0
+    for query, namespace in sequences + [([1, 2, 3, 0] * 5, None)]:
+        overlap = indexer.overlap(query, namespace)
+        for worker, cache in enumerate(caches):
+            expected = cache.match_prefix(query, namespace).length // page_size
+            assert overlap.get(worker, 0) == expected
+            checked += expected > 0
+    assert checked > 10
+    # Blocks held agree with the trees, page for page.
+    for worker, cache in enumerate(caches):
+        assert indexer.blocks_held(worker) == cache.total_size() // page_size
+
+
+def test_indexer_namespaces_from_extra_keys():
+    tokens = (1, 2, 3, 4)
+    indexer = KvIndexer(2)
+    hashes_a = block_hashes(tokens, 2, "a")
+    indexer.apply(0, [NamespacedStored(tuple(hashes_a), None, tokens, 2,
+                                       extra_keys=(("a",), ("a",)))])
+    indexer.apply(1, [BlockStored(tuple(block_hashes(tokens, 2)), None, tokens, 2)])
+    assert indexer.overlap(tokens, "a") == {0: 2}
+    assert indexer.overlap(tokens) == {1: 2}
+    assert indexer.overlap(tokens, "b") == {}
+    indexer.apply(0, [BlockRemoved((hashes_a[1],))])
+    assert indexer.overlap(tokens, "a") == {0: 1}
+
+
+def test_indexer_keys_its_own_hashes_not_the_publishers():
+    # Two publishers with unrelated hash schemes (one sends bytes, as vLLM may) index the
+    # same content under one key.
+    tokens = tuple(range(8))
+    indexer = KvIndexer(4)
+    indexer.apply("w1", [BlockStored((11, 12), None, tokens, 4)])
+    indexer.apply("w2", [BlockStored((b"\x05",), None, tokens[:4], 4),
+                         BlockStored((99,), b"\x05", tokens[4:], 4)])
+    assert len(indexer) == 2
+    assert indexer.overlap(list(tokens) + [9]) == {"w1": 2, "w2": 2}
+    indexer.apply("w1", [BlockRemoved((12,))])
+    assert indexer.overlap(tokens) == {"w1": 1, "w2": 2}
+    indexer.apply("w2", [BlockRemoved((99, b"\x05"))])
+    assert indexer.overlap(tokens) == {"w1": 1}
+    assert len(indexer) == 1  # the last holder's removal freed the entry
+    indexer.remove_worker("w1")
+    assert len(indexer) == 0 and indexer.workers == ["w2"]
+
+
+def test_indexer_counts_bad_and_out_of_order_events_and_never_raises():
+    indexer = KvIndexer(2)
+    good = BlockStored((1,), None, (5, 6), 2)
+    indexer.apply(0, [
+        BlockStored((2,), 777, (7, 8), 2),        # parent never stored
+        BlockRemoved((555,)),                      # unknown block
+        BlockStored((3,), None, (1, 2, 3), 2),     # tokens do not fill the blocks
+        BlockStored((4,), None, (1, 2, 3, 4), 4),  # another block size
+        BlockStored((5,), None, ("x", "y"), 2),    # not token ids
+        BlockStored(None, None, (1, 2), 2),        # no hashes
+        BlockRemoved(None),
+        "not an event",
+        good,
+        good,                                      # stored twice: no double count
+    ])
+    stats = indexer.stats
+    assert stats.unknown_parent == 1
+    assert stats.unknown_removals == 1
+    assert stats.wrong_block_size == 1
+    assert stats.malformed_events == 5
+    assert stats.duplicate_blocks == 1 and stats.stored_blocks == 1
+    assert stats.events == 10 and stats.skipped == 8
+    assert indexer.overlap([5, 6]) == {0: 1}
+    indexer.apply(0, 12345)  # not even iterable
+    assert indexer.stats.malformed_batches == 1
+    assert indexer.stats.as_dict()["unknown_parent"] == 1
+
+
+@needs_msgspec
+def test_indexer_counts_undecodable_payloads():
+    indexer = KvIndexer(2)
+    indexer.apply(0, [BlockStored((1,), None, (5, 6), 2)])
+    # Wire payloads that do not decode are counted, the index is untouched.
+    for payload in (b"\xc1garbage", msgspec.msgpack.encode([1.0, [["Nope", 1]], 0]),
+                    msgspec.msgpack.encode({"a": 1})):
+        assert indexer.apply_payload(0, payload) is False
+    assert indexer.stats.malformed_batches == 3
+    assert indexer.overlap([5, 6]) == {0: 1}
+
+
+def test_indexer_argument_errors():
+    with pytest.raises(ValueError, match="block_size"):
+        KvIndexer(0)
+    with pytest.raises(TypeError, match="block_size"):
+        KvIndexer(2.0)
+    indexer = KvIndexer(2)
+    with pytest.raises(TypeError, match="worker must be a hashable"):
+        indexer.apply([1], [])
+    with pytest.raises(TypeError, match="1-D"):
+        indexer.overlap([[1, 2]])
+    with pytest.raises(TypeError, match="integers"):
+        indexer.overlap([1.5, 2.5])
+    with pytest.raises(TypeError, match="extra_key"):
+        indexer.overlap([1, 2], extra_key=1.5)
+    assert indexer.overlap([]) == {} and indexer.overlap(np.array([1])) == {}
+
+
+# -- router policies ---------------------------------------------------------------------
+def test_round_robin_and_random():
+    rr = Router(3, "round-robin")
+    assert [rr.route([1]) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    picks = [Router(4, "random", seed=5).route([1]) for _ in range(3)]
+    assert len(set(picks)) == 1  # the same seed, the same first pick
+    a, b = Router(4, "random", seed=1), Router(4, "random", seed=2)
+    seq_a, seq_b = [a.route([]) for _ in range(50)], [b.route([]) for _ in range(50)]
+    assert seq_a != seq_b and set(seq_a) == set(range(4))
+    again = Router(4, "random", seed=1)
+    assert [again.route([]) for _ in range(50)] == seq_a
+    assert a.routed == tuple(seq_a.count(w) for w in range(4))
+
+
+def test_least_loaded_follows_reported_load():
+    router = Router(3, "least-loaded")
+    assert router.route([1]) == 0
+    router.add_load(0, 100)
+    assert router.route([1]) == 1  # loads 100, 0, 0
+    router.add_load(1, 50)
+    assert router.route([1]) == 2
+    router.add_load(2, 70)
+    assert router.route([1]) == 1  # 100, 50, 70
+    router.remove_load(0, 100)
+    assert router.route([1]) == 0 and router.loads == (0, 50, 70)
+    router.set_load(0, 80)
+    assert router.route([1]) == 1
+
+
+def test_prefix_hash_is_sticky_consistent_and_spreads():
+    block = 4
+    router, other = Router(4, "prefix-hash", block_size=block), Router(4, "prefix-hash",
+                                                                      block_size=block)
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(1000) for _ in range(block)] for _ in range(200)]
+    chosen = []
+    for prefix in prefixes:
+        worker = router.route(prefix + [1, 2, 3])
+        # Sticky: the same first block, whatever follows and whatever the load, same worker.
+        router.add_load(worker, 10_000)
+        assert router.route(prefix + [rng.randrange(9) for _ in range(10)]) == worker
+        assert other.route(prefix) == worker  # the same in another router (process)
+        chosen.append(worker)
+    counts = [chosen.count(w) for w in range(4)]
+    assert min(counts) > 20  # every worker gets a share
+    two = Router(4, "prefix-hash", block_size=block, prefix_blocks=2)
+    spread = {two.route(prefixes[0] + p) for p in prefixes[1:40]}
+    assert len(spread) > 1  # with two blocks the second one matters too
+    # The namespace is part of the prefix.
+    assert len({router.route(prefixes[0], extra_key=k) for k in range(20)}) > 1
+
+
+def test_prefix_hash_ring_is_consistent_when_a_worker_is_added():
+    rng = random.Random(4)
+    prompts = [[rng.randrange(10**6) for _ in range(16)] for _ in range(400)]
+    four = [Router(4, "prefix-hash").route(p) for p in prompts]
+    five = [Router(5, "prefix-hash").route(p) for p in prompts]
+    moved = sum(a != b for a, b in zip(four, five))
+    # Only keys that move to the new worker change owner (about a fifth), never between others.
+    assert all(b == 4 for a, b in zip(four, five) if a != b)
+    assert 0 < moved < 200
+
+
+def test_cache_aware_prefers_cached_worker_until_load_outweighs_it():
+    block = 4
+    router = Router(3, "cache-aware", block_size=block, load_weight=1.0)
+    prompt = list(range(40))
+    cached = tuple(prompt[:32])
+    router.indexer.apply(2, [BlockStored(tuple(range(100, 108)), None, cached, block)])
+    assert router.route(prompt) == 2
+    assert router.last_overlap == {2: 8}
+    # Worker 2 saves 32 tokens of prefill: load up to 31 more keeps it the choice.
+    router.add_load(2, 31)
+    assert router.route(prompt) == 2
+    router.add_load(2, 2)
+    assert router.route(prompt) == 0
+    # A smaller load weight lets the cache win again; a zero prefill weight is pure load.
+    light = Router(3, "cache-aware", block_size=block, load_weight=0.5, indexer=router.indexer)
+    light.add_load(2, 33)
+    assert light.route(prompt) == 2
+    blind = Router(3, "cache-aware", block_size=block, prefill_weight=0, load_weight=1,
+                   indexer=router.indexer)
+    blind.add_load(0, 5)
+    blind.add_load(2, 1)
+    assert blind.route(prompt) == 1
+    # Ties (nothing cached, no load) go to the worker routed to least.
+    fresh = Router(3, "cache-aware", block_size=block)
+    assert [fresh.route([7] * 8) for _ in range(3)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(num_workers=0), ValueError, "num_workers must be >= 1"),
+    (dict(num_workers=2.5), TypeError, "num_workers must be an int"),
+    (dict(num_workers=2, policy="fastest"), ValueError, "unknown routing policy 'fastest'"),
+    (dict(num_workers=2, policy=None), TypeError, "policy must be a str"),
+    (dict(num_workers=2, block_size=0), ValueError, "block_size must be >= 1"),
+    (dict(num_workers=2, load_weight=-1), ValueError, "load_weight must be a finite"),
+    (dict(num_workers=2, prefill_weight="1"), TypeError, "prefill_weight must be a number"),
+    (dict(num_workers=2, prefix_blocks=0), ValueError, "prefix_blocks must be >= 1"),
+    (dict(num_workers=2, seed=1.5), TypeError, "seed must be an int"),
+    (dict(num_workers=2, indexer=object()), TypeError, "indexer must be a KvIndexer"),
+    (dict(num_workers=2, indexer=KvIndexer(8)), ValueError, "differs from block_size"),
+])
+def test_router_argument_errors(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        Router(**kwargs)
+
+
+def test_router_load_errors_leave_load_unchanged():
+    router = Router(2, "least-loaded")
+    router.add_load(1, 10)
+    for call, args, error in [(router.add_load, (2, 1), ValueError),
+                              (router.add_load, (-1, 1), ValueError),
+                              (router.add_load, (True, 1), TypeError),
+                              (router.add_load, (0, -3), ValueError),
+                              (router.add_load, (0, 1.5), TypeError),
+                              (router.remove_load, (1, 11), ValueError),
+                              (router.set_load, (0, -1), ValueError)]:
+        with pytest.raises(error):
+            call(*args)
+    assert router.loads == (0, 10)
+
+
+def test_every_policy_routes_into_range_and_checks_its_input():
+    for policy in ROUTING_POLICIES:
+        router = Router(3, policy, block_size=2)
+        workers = {router.route(np.arange(i, i + 6)) for i in range(30)}
+        assert workers <= {0, 1, 2} and workers
+        routed = router.routed
+        for tokens, extra_key, error in [([1.5], None, TypeError), ([[1], [2]], None, TypeError),
+                                         ([2**64], None, OverflowError),
+                                         ([1, 2], 2.5, TypeError)]:
+            with pytest.raises(error):
+                router.route(tokens, extra_key)
+        assert router.routed == routed  # a refused request changes nothing
+
+
+@pytest.mark.skipif("extra_keys" not in BlockStored.__dataclass_fields__,
+                    reason="this publisher sends no namespace (extra_keys) yet")
+def test_indexer_namespaces_from_a_real_cache_match_match_prefix(make_cache):
+    cache = make_cache(page_size=2, enable_events=True)
+    tokens = list(range(8))
+    for namespace in ("lora-a", 7, None):
+        cache.insert(tokens[: 4 + 2 * (namespace is None)], extra_key=namespace)
+    indexer = KvIndexer(2)
+    indexer.apply(0, cache.take_events())
+    for namespace in ("lora-a", 7, None, "other"):
+        expected = cache.match_prefix(tokens, namespace).length // 2
+        assert indexer.overlap(tokens, namespace).get(0, 0) == expected
+    assert indexer.overlap(tokens, "lora-a") == {0: 2} and indexer.overlap(tokens) == {0: 3}
