@@ -24,8 +24,10 @@ if str(REPO_ROOT) not in sys.path:
 from radixcache import RadixCache  # noqa: E402
 from radixcache._core import CORES  # noqa: E402
 from radixcache.traces import read_trace  # noqa: E402
+from radixcache.workloads import INPUT_TYPES, InCacheTiming, time_cached_calls  # noqa: E402
+from radixcache.workloads import deep_exercise_ops as make_deep_exercise_ops  # noqa: E402
 from radixcache.workloads import exercise_ops as make_exercise_ops  # noqa: E402
-from radixcache.workloads import synthetic_chat  # noqa: E402
+from radixcache.workloads import synthetic_chat, walk_cost  # noqa: E402
 
 #: The Mooncake-style trace; in CI the shared folder sits next to the repository root.
 TRACE_PATH = REPO_ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
@@ -43,7 +45,8 @@ class Sizes:
     chat_capacity: int           # serving loop: KV pool size in tokens
     trace_capacity: int          # trace replay: KV pool size in tokens
     trace_limit: int | None      # trace replay: first N requests (None: all)
-    exercise_ops: int            # exercise: insert/exists operations
+    exercise_ops: int            # exercise: insert/exists operations (shallow and deep tree)
+    incache_conversations: int   # in-cache serving calls per input type: conversations
     match_tokens: int            # long-prompt match: cached prompt length
     eviction_leaves: tuple       # eviction: cache sizes in leaves
     eviction_nodes: int          # eviction: nodes evicted per timed round
@@ -56,6 +59,7 @@ FULL = Sizes(
     trace_capacity=1 << 22,
     trace_limit=2000,
     exercise_ops=100_000,
+    incache_conversations=300,
     match_tokens=10_000,
     eviction_leaves=(10**3, 10**4, 10**5, 10**6),
     eviction_nodes=200,
@@ -68,6 +72,7 @@ QUICK = Sizes(
     trace_capacity=1 << 20,
     trace_limit=200,
     exercise_ops=10_000,
+    incache_conversations=40,
     match_tokens=10_000,
     eviction_leaves=(10**3, 10**4, 10**5),
     eviction_nodes=200,
@@ -103,6 +108,48 @@ def exercise_ops(num_ops: int) -> list:
     return make_exercise_ops(num_ops=num_ops, seed=0)
 
 
+#: Exercise shapes: the shallow tree (one of 50 bases plus a tail: terminal depth 2) and
+#: the deep one (prefixes of random length of 200 bases: terminals ~100 nodes deep), the
+#: deep one with small token ids and with ids up to 2^41 (two-digit Python ints).
+EXERCISE_SHAPES = ("shallow", "deep", "deep-big-ids")
+
+
+def exercise_ops_of(shape: str, num_ops: int) -> list:
+    if shape == "shallow":
+        return exercise_ops(num_ops)
+    if shape == "deep":
+        return make_deep_exercise_ops(num_ops=num_ops, seed=0)
+    if shape == "deep-big-ids":
+        return make_deep_exercise_ops(num_ops=num_ops, seed=0, vocab=1 << 40)
+    raise ValueError(f"unknown exercise shape {shape!r}")
+
+
+def inserted_sequences(ops: list) -> list:
+    """The distinct inserted sequences of an op stream, in first-insert order."""
+    seen: set = set()
+    out = []
+    for op, tokens in ops:
+        if op == "insert" and id(tokens) not in seen:
+            seen.add(id(tokens))
+            out.append(tokens)
+    return out
+
+
+def exercise_walk_cost(ops: list, core: str) -> tuple[float, float, int]:
+    """(seconds of ``exists`` per node visited, average depth, node count) on the tree the
+    ops build."""
+    cache = run_exercise_cache(ops, core)
+    per_node, depth = walk_cost(cache, inserted_sequences(ops))
+    return per_node, depth, cache.node_count()
+
+
+# -- 1b: in-cache cost of the serving calls per input type ------------------------------------
+def in_cache_timing(core: str, page_size: int, input_type: str, requests: list,
+                    passes: int = 3) -> InCacheTiming:
+    return time_cached_calls(RadixCache(page_size=page_size, core=core), requests,
+                             input_type, passes=passes)
+
+
 def run_exercise_cache(ops: list, core: str) -> RadixCache:
     """The ops on a fresh RadixCache (the public API); returns the built cache."""
     cache = RadixCache(core=core)
@@ -117,16 +164,16 @@ def run_exercise_cache(ops: list, core: str) -> RadixCache:
 
 
 def run_exercise_tree(ops: list, core: str) -> Any:
-    """The ops on a bare tree core (no cache layer): what the core alone costs."""
-    tree = CORES[core].Tree(1)
-    insert = tree.insert
-    exists = tree.exists
+    """The ops on a bare core object (no cache layer): what the core alone costs."""
+    bare = CORES[core].Core(1, "lru")
+    insert = bare.insert
+    exists = bare.exists
     for op, tokens in ops:
         if op == "insert":
-            insert(tokens, None, 0)
+            insert(tokens)
         else:
-            exists(tokens, None)
-    return tree
+            exists(tokens)
+    return bare
 
 
 def run_exercise_set(ops: list) -> set:
@@ -185,7 +232,7 @@ class LongPrompt:
 
     def tree_match(self):
         # The core walk alone, no index tensor built: the part that competes with memcmp.
-        return self.cache._tree.match(self.query, None)
+        return self.cache._walk(self.query)
 
     def array_equal(self) -> bool:
         return np.array_equal(self.prompt, self.query)

@@ -1,7 +1,7 @@
 """Case 3: the exercise -- 10^5 insert / exists calls from Python lists, long shared prefixes.
 
 One group: a plain ``set`` of token tuples (the yardstick), ``RadixCache`` per core (public
-API) and the bare tree core per core (``Tree.insert``/``Tree.exists``, no cache layer).
+API) and the bare core object per core (``Core.insert``/``Core.exists``, no cache layer).
 Each round starts from an empty structure. Memory of the built structure (tracemalloc current
 and peak; both cores allocate through Python's allocators -- bytes keys, the compiled core's
 child tables with PyMem_* -- so tracemalloc sees them whole) is measured once per row,
@@ -60,6 +60,6 @@ def test_exercise_radixcache(benchmark, note, core, ops, distinct_inserted):
 def test_exercise_tree_core(benchmark, note, core, ops, distinct_inserted):
     benchmark.group = GROUP
     run = exercise_runner("tree", core)
-    tree = benchmark.pedantic(run, args=(ops,), rounds=ROUNDS, iterations=1)
-    assert _terminal_count(tree) == distinct_inserted
+    bare = benchmark.pedantic(run, args=(ops,), rounds=ROUNDS, iterations=1)
+    assert _terminal_count(bare.tree) == distinct_inserted
     _record_memory(benchmark, note, lambda: run(ops))

@@ -2,7 +2,7 @@
 
 Three rows per group: ``numpy.array_equal`` on the same two arrays (the memcmp-like limit),
 ``RadixCache.match_prefix`` (public API, returns the index tensor) and the bare core walk
-(``Tree.match``, no tensor), per core.
+(``Core.walk``, read-only, no tensor), per core.
 """
 
 from __future__ import annotations
@@ -44,5 +44,5 @@ def test_match_long_prompt_match_prefix(benchmark, prompts, core):
 def test_match_long_prompt_tree_walk(benchmark, prompts, core):
     lp = prompts(core)
     benchmark.group = f"match: one cached prompt of {NUM_TOKENS} tokens"
-    _path, length = benchmark(lp.tree_match)
+    length = benchmark(lp.tree_match)
     assert length == NUM_TOKENS

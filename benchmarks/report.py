@@ -1,11 +1,12 @@
 """Run the benchmark workloads with time.perf_counter (best of N) and print Markdown tables.
 
-    python benchmarks/report.py [--quick] [--repeat N] [--cases serve,trace,exercise,match,evict]
+    python benchmarks/report.py [--quick] [--repeat N]
+                                [--cases serve,incache,trace,exercise,walk,match,evict]
                                 [--trace-limit N] [--json PATH]
 
 Same workloads as the pytest-benchmark files (``benchmarks/_cases.py``), every core of this
 build side by side ("python" always, "c" once compiled), then the ratios against the targets
-of issue 3. Times are the best of N runs; rounds of different cores are interleaved so that
+of issues 3 and 9. Times are the best of N runs; rounds of different cores are interleaved so that
 load from other processes hits them alike. The README's Performance section is generated
 from this output.
 """
@@ -28,7 +29,7 @@ import numpy as np  # noqa: E402
 
 import _cases as cases  # noqa: E402
 
-CASE_NAMES = ("serve", "trace", "exercise", "match", "evict")
+CASE_NAMES = ("serve", "incache", "trace", "exercise", "walk", "match", "evict")
 clock = time.perf_counter
 
 
@@ -127,15 +128,44 @@ def run_serving(requests: list, capacity: int, cores: list[str], repeat: int,
     return out
 
 
-def run_exercise(sizes: cases.Sizes, cores: list[str], repeat: int) -> dict:
+def run_in_cache(sizes: cases.Sizes, cores: list[str], repeat: int) -> dict:
+    """{page_size: {input_type: {core: InCacheTiming}}}; cores interleaved per row."""
+    requests = cases.synthetic_chat(num_conversations=sizes.incache_conversations,
+                                    num_system_prompts=sizes.chat_system_prompts, seed=0)
+    out: dict = {}
+    for page_size in cases.SERVE_PAGE_SIZES:
+        for input_type in cases.INPUT_TYPES:
+            for core in cores:
+                progress(f"in-cache calls: page_size={page_size} {input_type} core={core}")
+                timing = cases.in_cache_timing(core, page_size, input_type, requests, repeat)
+                out.setdefault(page_size, {}).setdefault(input_type, {})[core] = timing
+                gc.collect()
+    return out
+
+
+def run_walk(sizes: cases.Sizes, cores: list[str]) -> dict:
+    """{shape: {core: (s per node visited, average depth, nodes)}} for the exercise trees."""
+    out: dict = {}
+    for shape in cases.EXERCISE_SHAPES:
+        ops = cases.exercise_ops_of(shape, sizes.exercise_ops)
+        for core in cores:
+            progress(f"walk cost: {shape} tree, core={core}")
+            out.setdefault(shape, {})[core] = cases.exercise_walk_cost(ops, core)
+        del ops
+        gc.collect()
+    return out
+
+
+def run_exercise(sizes: cases.Sizes, cores: list[str], repeat: int,
+                 shape: str = "shallow") -> dict:
     """{contender: {"time": s, "mem": MemoryUse}} for set, cache:<core>, tree:<core>."""
-    ops = cases.exercise_ops(sizes.exercise_ops)
+    ops = cases.exercise_ops_of(shape, sizes.exercise_ops)
     contenders = [("set", None)] + [(kind, core) for kind in ("cache", "tree") for core in cores]
     names = ["set" if kind == "set" else f"{kind}:{core}" for kind, core in contenders]
     out: dict = {name: {"time": float("inf")} for name in names}
     for rep in range(repeat):
         for name, (kind, core) in zip(names, contenders):
-            progress(f"exercise: {name} run {rep + 1}/{repeat}")
+            progress(f"exercise ({shape}): {name} run {rep + 1}/{repeat}")
             run = cases.exercise_runner(kind, core)
             gc.collect()
             start = clock()
@@ -143,9 +173,11 @@ def run_exercise(sizes: cases.Sizes, cores: list[str], repeat: int) -> dict:
             out[name]["time"] = min(out[name]["time"], clock() - start)
             del built
     for name, (kind, core) in zip(names, contenders):
-        progress(f"exercise: memory of {name}")
+        progress(f"exercise ({shape}): memory of {name}")
         run = cases.exercise_runner(kind, core)
         out[name]["mem"] = cases.measure_memory(lambda run=run: run(ops))
+        if kind == "cache":
+            out[name]["nodes"] = run(ops).node_count()
     return out
 
 
@@ -188,14 +220,17 @@ class Targets:
 
     def add(self, what: str, value: float | None, goal: str,
             met: Callable[[float], bool] | None,
-            missing: str = "n/a (compiled core not built)") -> None:
-        """``met`` None: an informative row without a target."""
+            missing: str = "n/a (compiled core not built)", unit: str = "x") -> None:
+        """``met`` None: an informative row without a target. ``unit``: "x" (a ratio, two
+        decimals), "%" or "ns" (whole numbers)."""
         if value is None:
             self.rows.append([what, "-", goal, missing if met is not None else "-"])
-        elif met is None:
-            self.rows.append([what, f"{value:.2f}x", goal, "-"])
+            return
+        shown = f"{value:.2f}x" if unit == "x" else f"{value:.0f}{' ' if unit == 'ns' else ''}{unit}"
+        if met is None:
+            self.rows.append([what, shown, goal, "-"])
         else:
-            self.rows.append([what, f"{value:.2f}x", goal, "yes" if met(value) else "**no**"])
+            self.rows.append([what, shown, goal, "yes" if met(value) else "**no**"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,6 +303,40 @@ def main(argv: list[str] | None = None) -> int:
             targets.add(f"serving loop (chat, page_size={page_size}): c vs python, cache calls",
                         speedup, ">= 10x", lambda v: v >= 10)
 
+    if "incache" in wanted:
+        res = run_in_cache(sizes, cores, reps(3))
+        raw["incache"] = {ps: {t: {core: {"match": v.match_seconds, "insert": v.insert_seconds,
+                                           "walk": v.walk_seconds, "requests": v.requests}
+                                    for core, v in per_core.items()}
+                               for t, per_core in per_type.items()}
+                          for ps, per_type in res.items()}
+        rows = []
+        for page_size, per_type in res.items():
+            for input_type, per_core in per_type.items():
+                for core, v in per_core.items():
+                    us = v.per_request_us
+                    rows.append([str(page_size), input_type, core,
+                                 f"{us(v.match_seconds):.2f}", f"{us(v.insert_seconds):.2f}",
+                                 f"{us(v.call_seconds):.2f}", f"{us(v.walk_seconds):.2f}",
+                                 f"{us(v.rest_seconds):.2f}", f"{v.rest_share:.0%}"])
+                if compiled:
+                    share = per_core["c"].rest_share
+                    targets.add(f"in-cache calls, page {page_size}, {input_type}: share that "
+                                "is not tree walk (c)", share * 100, "<= 20%",
+                                lambda v: v <= 20, unit="%")
+        first = next(iter(next(iter(res.values())).values()))
+        nreq = next(iter(first.values())).requests
+        out.append(f"### 1b. In-cache calls per input type\n\n{nreq} chat requests "
+                   "(about 2,000 prompt tokens each), every prompt already cached (two "
+                   "untimed passes first). Per request, µs inside `match_prefix(prompt)` + "
+                   "`insert(prompt + output, kv)` (kv: a CPU int64 tensor), and in the same "
+                   "run the core's bare read-only walk (`walk`) over the same prompt and "
+                   "sequence as int64 arrays; *rest* = calls − walk (conversion, checks, "
+                   "bookkeeping, the returned tensor). Best of "
+                   f"{reps(3)} passes, GC off while timing.\n")
+        out.append(table(["page", "tokens as", "core", "match µs", "insert µs", "calls µs",
+                          "walk µs", "rest µs", "rest share"], rows) + "\n")
+
     if "trace" in wanted:
         if not cases.TRACE_PATH.is_file():
             out.append(f"### 2. Trace replay\n\nskipped: {cases.TRACE_PATH} not found.\n")
@@ -287,38 +356,62 @@ def main(argv: list[str] | None = None) -> int:
                             speedup, "(none)", None)
 
     if "exercise" in wanted:
-        res = run_exercise(sizes, cores, reps(3))
-        raw["exercise"] = {k: {"time": v["time"], **v["mem"].__dict__} for k, v in res.items()}
+        raw["exercise"] = {}
+        for shape in cases.EXERCISE_SHAPES:
+            res = run_exercise(sizes, cores, reps(3), shape)
+            raw["exercise"][shape] = {k: {"time": v["time"], "nodes": v.get("nodes"),
+                                          **v["mem"].__dict__} for k, v in res.items()}
+            rows = []
+            set_time = res["set"]["time"]
+            set_mem = res["set"]["mem"].current
+            for name, entry in res.items():
+                mem = entry["mem"]
+                nodes = entry.get("nodes")
+                rows.append([_contender_label(name), fmt_time(entry["time"]),
+                             fmt_ratio(ratio(set_time, entry["time"])), fmt_bytes(mem.current),
+                             fmt_bytes(mem.peak), fmt_ratio(ratio(mem.current, set_mem)),
+                             f"{mem.current / nodes:.0f}" if nodes else "-"])
+            out.append(f"### 3. Exercise, {shape} tree: {sizes.exercise_ops} insert/exists "
+                       "calls from lists\n\n" + EXERCISE_TEXT[shape])
+            out.append(table(["structure", "time", "speed vs set", "memory (tracemalloc)",
+                              "peak", "memory vs set", "bytes per node"], rows) + "\n")
+            c_time = res["cache:c"]["time"] if compiled else None
+            py_time = res["cache:python"]["time"]
+            goals = EXERCISE_GOALS[shape]
+            targets.add(f"exercise ({shape}): c vs python (RadixCache)", ratio(py_time, c_time),
+                        goals["python"], goals["python_met"])
+            targets.add(f"exercise ({shape}): c vs python (bare core object, no cache layer)",
+                        ratio(res["tree:python"]["time"],
+                              res["tree:c"]["time"] if compiled else None), "(none)", None)
+            targets.add(f"exercise ({shape}): c (RadixCache) vs set of tuples, speed",
+                        ratio(set_time, c_time), goals["set"], goals["set_met"])
+            targets.add(f"exercise ({shape}): c (RadixCache) memory / set memory (tracemalloc)",
+                        ratio(res["cache:c"]["mem"].current, set_mem) if compiled else None,
+                        "<= 0.20x", lambda v: v <= 0.2)
+            del res
+            gc.collect()
+
+    if "walk" in wanted:
+        res = run_walk(sizes, cores)
+        raw["walk"] = res
         rows = []
-        set_time = res["set"]["time"]
-        set_mem = res["set"]["mem"].current
-        for name, entry in res.items():
-            mem = entry["mem"]
-            rows.append([_contender_label(name), fmt_time(entry["time"]),
-                         fmt_ratio(ratio(set_time, entry["time"])), fmt_bytes(mem.current),
-                         fmt_bytes(mem.peak), fmt_ratio(ratio(mem.current, set_mem))])
-        out.append(f"### 3. Exercise: {sizes.exercise_ops} insert/exists calls from lists\n\n"
-                   "Long shared prefixes (50 bases of 100-2000 tokens, tails of 1-20). Memory "
-                   "of the built structure: tracemalloc current (what it keeps) and peak "
-                   "(while building). Both cores allocate through Python's allocators (bytes "
-                   "keys; the compiled core's child tables with PyMem_*), so tracemalloc "
-                   "sees them whole; no tensors are stored here (torch's allocations would "
-                   "be invisible to it). The set's "
-                   "tuples share the int objects of the input lists, so it is charged only "
-                   "8 bytes per token plus the tuple and table overhead.\n")
-        out.append(table(["structure", "time", "speed vs set", "memory (tracemalloc)",
-                          "peak", "memory vs set"], rows) + "\n")
-        c_time = res["cache:c"]["time"] if compiled else None
-        targets.add("exercise: c vs python (RadixCache)",
-                    ratio(res["cache:python"]["time"], c_time), ">= 20x", lambda v: v >= 20)
-        targets.add("exercise: c vs python (bare tree core, no cache layer)",
-                    ratio(res["tree:python"]["time"], res["tree:c"]["time"] if compiled else None),
-                    "(none)", None)
-        targets.add("exercise: c (RadixCache) vs set of tuples, speed",
-                    ratio(set_time, c_time), ">= 2x", lambda v: v >= 2)
-        targets.add("exercise: c (RadixCache) memory / set memory (tracemalloc)",
-                    ratio(res["cache:c"]["mem"].current, set_mem) if compiled else None,
-                    "<= 0.20x", lambda v: v <= 0.2)
+        for shape, per_core in res.items():
+            for core, (per_node, depth, nodes) in per_core.items():
+                rows.append([shape, core, f"{nodes:,}", f"{depth:.1f}",
+                             f"{per_node * 1e9:.1f}"])
+        out.append("### 3b. Walk cost per node visited\n\nThe tree an exercise run builds; "
+                   "`exists` of up to 2,000 inserted sequences (int64 arrays: no conversion "
+                   "timed), time divided by the nodes visited (each query's terminal depth). "
+                   "Includes the per-call cost and the token comparisons: an upper bound on "
+                   "one walk step.\n")
+        out.append(table(["tree", "core", "nodes", "average depth", "ns per node visited"],
+                         rows) + "\n")
+        for shape in ("deep", "deep-big-ids"):
+            if shape in res:
+                per_node = res[shape].get("c", (None,))[0]
+                targets.add(f"walk cost per node visited, {shape} tree (c)",
+                            None if per_node is None else per_node * 1e9, "<= 30 ns",
+                            lambda v: v <= 30, unit="ns")
 
     if "match" in wanted:
         res = run_match(sizes, cores, reps(7))
@@ -327,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [["`numpy.array_equal` (same arrays)", fmt_time(base), "1.00x"]]
         for core in cores:
             for kind, label in (("match_prefix", "`RadixCache.match_prefix`"),
-                                ("tree_walk", "core walk `Tree.match`")):
+                                ("tree_walk", "core walk `Core.walk`")):
                 t = res[f"{kind}:{core}"]
                 rows.append([f"{label}, core={core}", fmt_time(t), fmt_ratio(ratio(t, base))])
         out.append(f"### 4. Match of one cached prompt of {sizes.match_tokens} tokens\n\n"
@@ -366,11 +459,37 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+EXERCISE_TEXT = {
+    "shallow": "Long shared prefixes (50 bases of 100-2000 tokens, tails of 1-20: terminal depth "
+               "2). Memory of the built structure: tracemalloc current (what it keeps) and peak "
+               "(while building). Both cores allocate through Python's allocators (bytes keys; "
+               "the compiled core's child tables with PyMem_*), so tracemalloc sees them whole; "
+               "no tensors are stored here. The set's tuples share the int objects of the input "
+               "lists, so it is charged only 8 bytes per token plus the tuple and table "
+               "overhead. Bytes per node = tracemalloc current / nodes.\n",
+    "deep": "Prefixes of random length (100-2000 tokens) of 200 shared bases plus tails of "
+            "1-20 (`workloads.deep_exercise_ops`): every insert cuts a base's chain somewhere "
+            "new, so terminals sit about 100 nodes deep. Token ids below 64,000. Columns as "
+            "above.\n",
+    "deep-big-ids": "The deep tree with token ids up to 2^41 (two-digit Python ints, the "
+                    "slow path of a naive int conversion). Columns as above.\n",
+}
+
+EXERCISE_GOALS = {
+    "shallow": {"python": "(none)", "python_met": None,
+                "set": ">= 4x", "set_met": lambda v: v >= 4},
+    "deep": {"python": ">= 10x", "python_met": lambda v: v >= 10,
+             "set": ">= 1x", "set_met": lambda v: v >= 1},
+    "deep-big-ids": {"python": ">= 10x", "python_met": lambda v: v >= 10,
+                     "set": ">= 1x", "set_met": lambda v: v >= 1},
+}
+
+
 def _contender_label(name: str) -> str:
     if name == "set":
         return "`set` of tuples"
     kind, core = name.split(":")
-    return f"RadixCache, core={core}" if kind == "cache" else f"bare tree core, core={core}"
+    return f"RadixCache, core={core}" if kind == "cache" else f"bare core object, core={core}"
 
 
 def _serving_table(res: dict, cores: list[str]) -> str:

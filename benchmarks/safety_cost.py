@@ -42,6 +42,8 @@ def main() -> None:
 
     for core in sorted(CORES):
         guard = getattr(CORES[core], "Guard", threading.Lock)()
+        if not hasattr(guard, "acquire"):
+            guard = threading.Lock()
         enter, leave = guard.acquire, guard.release
 
         def guarded(calls: int, enter=enter, leave=leave) -> None:
@@ -58,18 +60,18 @@ def main() -> None:
     for core in sorted(CORES):
         cache = RadixCache(core=core)
         cache.insert([1, 2, 3])
-        tree = cache._tree
+        core_object = cache._core
 
         def cache_exists(calls: int, exists=cache.exists, tokens=[1, 2, 3]) -> None:
             for _ in range(calls):
                 exists(tokens)
 
-        def tree_exists(calls: int, exists=tree.exists, tokens=(1, 2, 3)) -> None:
+        def core_exists(calls: int, exists=core_object.exists, tokens=(1, 2, 3)) -> None:
             for _ in range(calls):
                 exists(tokens)
 
         print(f"[{core}] RadixCache.exists(3 tokens) {per_call_ns(cache_exists):.0f} ns, "
-              f"Tree.exists {per_call_ns(tree_exists):.0f} ns")
+              f"Core.exists {per_call_ns(core_exists):.0f} ns")
 
     ops = exercise_ops(100_000)
     for core in sorted(CORES):

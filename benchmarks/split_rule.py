@@ -49,7 +49,8 @@ class StampLowerHalfTree(_core_py.Tree):
 def make_cache(rule: str, page_size: int, policy: str) -> RadixCache:
     cache = RadixCache(page_size=page_size, eviction_policy=policy, core="python")
     if rule == "sglang":
-        cache._tree = StampLowerHalfTree(page_size)  # fresh and empty, like the one it replaces
+        # Fresh and empty, like the one it replaces; the core keeps its guard and heap.
+        cache._core.tree = StampLowerHalfTree(page_size)
     return cache
 
 

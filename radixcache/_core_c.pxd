@@ -1,6 +1,7 @@
 # cython: language_level=3
 """Declarations of the compiled tree core (implemented in _core_c.pyx)."""
 
+from cpython.buffer cimport Py_buffer
 from cpython.ref cimport PyObject
 from libc.stdint cimport int64_t, uint64_t
 
@@ -36,10 +37,17 @@ cdef class Guard:
 
 
 cdef class Node:
+    # Laid out for the walk: everything a step reads (the child table, the key) sits in the
+    # object's first cache line, right after its header.
+    # Open-addressing hash table of children (linear probing, power-of-two capacity).
+    cdef ChildSlot* slots
+    cdef Py_ssize_t slot_mask
+    cdef Py_ssize_t n_children
     # Tokens live in key_owner (a bytes object); split halves share it at different offsets.
-    cdef object key_owner
     cdef const int64_t* key_ptr
     cdef Py_ssize_t key_len
+    cdef readonly int64_t last_access_time
+    cdef object key_owner
     # Index values: an int64 buffer (bytes, CPU values, shared across splits like keys) that
     # value_ptr points into; a device tensor (value_ptr NULL) whose elements
     # [value_off, value_off + key_len) are this node's (split halves share it, so a split
@@ -49,13 +57,8 @@ cdef class Node:
     cdef Py_ssize_t value_off
     # Borrowed: an attached child never outlives its parent's reference to it.
     cdef PyObject* parent_ptr
-    # Open-addressing hash table of children (linear probing, power-of-two capacity).
-    cdef ChildSlot* slots
-    cdef Py_ssize_t slot_mask
-    cdef Py_ssize_t n_children
     cdef int64_t ns
     cdef readonly Py_ssize_t lock_ref
-    cdef readonly int64_t last_access_time
     cdef readonly int64_t created_time
     cdef readonly int64_t priority
     cdef readonly int64_t hit_count
@@ -87,6 +90,10 @@ cdef class Tree:
     # Namespaces in which the empty sequence was inserted (it has no node to mark).
     cdef set empty_inserted
 
+    # The hash seed of the last namespace asked for (a walk asks for one namespace).
+    cdef int64_t seed_ns
+    cdef uint64_t seed
+
     cdef uint64_t page_hash(self, const int64_t* page, int64_t ns) noexcept nogil
     cdef int64_t find_namespace(self, object extra_key) except -2
     cdef int64_t make_namespace(self, object extra_key) except -2
@@ -97,12 +104,22 @@ cdef class Tree:
     cdef Node new_node(self, Node parent, int64_t now)
     cdef Node make_root(self)
     cdef void teardown(self) noexcept
+    cdef object store_value(self, Node node, object values)
+    cdef Py_ssize_t lock_path(self, object node, int delta) except -1
+    cdef Node detach_leaf(self, Node node, list dropped)
+    cdef object clear(self)
 
 
 cdef class EvictionHeap:
+    # The 4-ary heap: entries below the run's last one.
     cdef HeapEntry* items
     cdef Py_ssize_t size
     cdef Py_ssize_t capacity
+    # The sorted run: a ring buffer (power-of-two capacity) of entries pushed in order.
+    cdef HeapEntry* run
+    cdef Py_ssize_t run_head
+    cdef Py_ssize_t run_size
+    cdef Py_ssize_t run_cap
     cdef Py_ssize_t limit
     cdef int policy
     cdef Guard guard
@@ -111,4 +128,45 @@ cdef class EvictionHeap:
     cdef void fill_key(self, Node n, HeapEntry* e) noexcept
     cdef int add(self, const HeapEntry* entry) except -1
     cdef void sift_down(self, Py_ssize_t i) noexcept
+    cdef HeapEntry* run_at(self, Py_ssize_t i) noexcept
+    cdef bint take_front(self, HeapEntry* out) noexcept
+    cdef list push_entry(self, Node node)
+    cdef object pop_entry(self, list stale)
     cdef list compact(self)
+
+
+cdef class Core:
+    cdef readonly Tree tree
+    cdef readonly EvictionHeap heap
+    # The tree's guard (shared with the heap): held for the whole of every call.
+    cdef readonly Guard guard
+    cdef readonly Py_ssize_t page_size
+    cdef readonly int64_t evictable
+    cdef readonly int64_t protected
+    cdef readonly int64_t lookups
+    cdef readonly int64_t matched_tokens
+    cdef readonly int64_t queried_tokens
+    cdef readonly int64_t inserts
+    cdef readonly int64_t inserted_tokens
+    cdef readonly int64_t evictions
+    cdef readonly int64_t evicted_tokens
+    cdef object new_leaf
+    cdef bint push_on_access
+    # Scratch buffers reused across calls (the guard makes them the call's own): converted
+    # or copied tokens and kv, the matched path.
+    cdef int64_t* tokens_buf
+    cdef Py_ssize_t tokens_cap
+    cdef int64_t* kv_buf
+    cdef Py_ssize_t kv_cap
+    cdef PyObject** path
+    cdef Py_ssize_t path_cap
+
+    cdef int take(self, bint held, str what) except -1
+    cdef void give(self, bint held) noexcept
+    cdef int64_t* scratch(self, bint for_kv, Py_ssize_t n) except NULL
+    cdef int acquire(self, object obj, TokenBuf* b, bint for_kv, bint private) except -1
+    cdef object match_result(self, object indices, object node, Py_ssize_t length)
+    cdef object insert_result(self, Py_ssize_t prefix_len, object node)
+    cdef object push_if_evictable(self, Node node)
+    cdef int note_path(self, Py_ssize_t depth, Node node) except -1
+    cdef Py_ssize_t walk_length(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept

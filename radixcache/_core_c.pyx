@@ -4,17 +4,21 @@
 
 Keys are int64 runs inside bytes objects (split halves share one at different offsets);
 children sit in a per-node open-addressing table keyed by a hash of (namespace, first page),
-so a walk step boxes no Python int. The caller's tokens become one int64 buffer per call.
+so a walk step boxes no Python int. ``Core`` (one per cache) does each API call whole: the
+caller's tokens become one int64 buffer (a list's exact ints read without a call, an int64
+buffer or CPU int64 tensor borrowed), the walk, sizes, counters, heap pushes and the result;
+an unusual input is declined, untouched, to cache.py's validation.
 
 Python code can run inside any call: a token's ``__index__``, an extra_key's
 ``__hash__``/``__eq__``, torch hooks, and finalizers set off by a DECREF or by a collection
 that allocating a node triggers (which can also let another thread run). So:
 
-- every entry point holds the tree's ``Guard`` (shared with its heap): a nested call into
-  the same tree or heap raises ``RuntimeError`` instead of changing what the call relies on;
+- every entry point holds the tree's ``Guard`` (shared with its heap and the Core): a nested
+  call raises ``RuntimeError`` instead of changing what the call relies on;
 - a borrowed pointer into a caller's object is never read after Python code may have run
-  (tokens read from a list are exact ints only, anything else is converted from a snapshot
-  that holds references; a borrowed buffer is read only before the call's first allocation);
+  (tokens read from a list are exact ints only -- anything else is declined to cache.py --;
+  a borrowed buffer is copied when an extra_key will be hashed, and otherwise read only
+  before the call's first allocation of a tracked object);
 - a split calls nothing (device values are shared with an offset, not sliced);
 - structure first, references released after: no DECREF in the middle of an update of a
   child table or the heap, and teardown never recurses;
@@ -25,11 +29,9 @@ that allocating a node triggers (which can also let another thread run). So:
 cimport cython
 from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release,
                              PyObject_GetBuffer)
-from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
-from cpython.number cimport PyNumber_Index
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset
@@ -40,7 +42,6 @@ import torch
 from ._shared import cat_values as _cat_values
 from ._shared import display_order, indices_from_key, reentered
 
-_frombuffer = torch.frombuffer
 _int64 = torch.int64
 
 CORE_NAME = "c"
@@ -69,6 +70,26 @@ cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
     return x
 
 
+cdef inline bint same_page(const int64_t* a, const int64_t* b, Py_ssize_t n) noexcept nogil:
+    # Pages are short: a loop beats a call to memcmp.
+    cdef Py_ssize_t i
+    for i in range(n):
+        if a[i] != b[i]:
+            return False
+    return True
+
+
+cdef extern from *:
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define rc_prefetch(p) __builtin_prefetch((const void*)(p))
+    #else
+    #define rc_prefetch(p) ((void)0)
+    #endif
+    """
+    void rc_prefetch(const void* p) noexcept nogil
+
+
 cdef inline Py_ssize_t common_prefix(const int64_t* a, const int64_t* b,
                                      Py_ssize_t n) noexcept nogil:
     """Length of the common prefix of a[:n] and b[:n]."""
@@ -86,32 +107,9 @@ cdef inline Py_ssize_t common_prefix(const int64_t* a, const int64_t* b,
 
 
 cdef extern from "Python.h":
-    # Borrowed-pointer spellings: the conversion loop never touches reference counts.
+    # Borrowed-pointer spelling: the conversion loop never touches reference counts.
     PyObject** PySequence_Fast_ITEMS(object)
-    Py_ssize_t PySequence_Fast_GET_SIZE(object)
-    bint long_check_exact "PyLong_CheckExact"(PyObject*) noexcept
-    long long long_value "PyLong_AsLongLong"(PyObject*) except? -1
 
-cdef extern from *:
-    """
-    /* Reads a one-digit int without a call: token ids are nearly always that small. */
-    static inline int rc_small_int(PyObject* o, int64_t* out) {
-    #if PY_VERSION_HEX >= 0x030C0000
-        if (PyUnstable_Long_IsCompact((PyLongObject*)o)) {
-            *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject*)o);
-            return 1;
-        }
-        return 0;
-    #else
-        Py_ssize_t size = Py_SIZE(o);
-        if (size == 1) { *out = (int64_t)((PyLongObject*)o)->ob_digit[0]; return 1; }
-        if (size == 0) { *out = 0; return 1; }
-        if (size == -1) { *out = -(int64_t)((PyLongObject*)o)->ob_digit[0]; return 1; }
-        return 0;
-    #endif
-    }
-    """
-    bint rc_small_int(PyObject* o, int64_t* out) noexcept
 
 
 # -- re-entrancy guard ---------------------------------------------------------------------
@@ -138,70 +136,7 @@ cdef class Guard:
         self.busy = 0
 
 
-# -- the caller's tokens as one int64 buffer -----------------------------------------------
-cdef object token_error(object tokens):
-    """Re-raise a failed conversion with a message naming the bad token."""
-    for item in tokens:
-        try:
-            value = PyNumber_Index(item)
-        except TypeError:
-            return TypeError(f"token ids must be integers, got {type(item).__name__}")
-        if not -(2**63) <= value < 2**63:
-            return OverflowError(f"token id {value} does not fit in int64")
-    return TypeError("bad token ids")
-
-
-cdef int convert_held(PyObject** items, Py_ssize_t n, int64_t* out) except -1:
-    """Convert items that are not all exact ints. Each gets a reference first: their
-    ``__index__`` is Python code, which may change or empty the caller's list."""
-    cdef PyObject** held = <PyObject**>PyMem_Malloc((n if n else 1) * sizeof(PyObject*))
-    cdef Py_ssize_t i
-    if held == NULL:
-        raise MemoryError()
-    for i in range(n):  # no Python code runs in this loop
-        held[i] = items[i]
-        Py_INCREF(<object>held[i])
-    try:
-        for i in range(n):
-            out[i] = PyLong_AsLongLong(PyNumber_Index(<object>held[i]))
-    except (TypeError, OverflowError):
-        raise token_error(tuple([<object>held[i] for i in range(n)])) from None
-    finally:
-        for i in range(n):
-            Py_DECREF(<object>held[i])
-        PyMem_Free(held)
-    return 0
-
-
-cdef object sequence_tokens(object tokens, TokenBuf* tb):
-    """A list or tuple of token ids as a new bytes object of int64 (``tb`` points into it)."""
-    cdef Py_ssize_t i, n = PySequence_Fast_GET_SIZE(tokens)
-    cdef PyObject** items
-    cdef PyObject* item
-    cdef int64_t* buf
-    cdef int64_t value
-    # A bytes object is not tracked by the garbage collector: allocating it runs no Python
-    # code, so nothing can change the list between here and the end of the exact-int loop.
-    owner = PyBytes_FromStringAndSize(NULL, n * sizeof(int64_t))
-    buf = <int64_t*>PyBytes_AS_STRING(owner)
-    items = PySequence_Fast_ITEMS(tokens)
-    for i in range(n):
-        item = items[i]
-        if not long_check_exact(item):
-            convert_held(items + i, n - i, buf + i)
-            break
-        if rc_small_int(item, &value):
-            buf[i] = value
-        else:
-            try:
-                buf[i] = long_value(item)
-            except OverflowError:
-                raise token_error(tokens) from None
-    tb.ptr = <const int64_t*>buf
-    tb.len = n
-    return owner
-
-
+# -- a caller's int64 buffer ---------------------------------------------------------------
 cdef int borrow_buffer(object values, TokenBuf* tb, str what) except -1:
     """Point ``tb`` at a caller's 1-D contiguous int64 buffer; ``release_tokens`` gives it
     back. Read it before anything that can run Python code (an allocation of a tracked
@@ -224,22 +159,6 @@ cdef inline void release_tokens(TokenBuf* tb) noexcept:
     if tb.held:
         tb.held = False
         PyBuffer_Release(&tb.view)
-
-
-cdef object get_tokens(object tokens, bint borrow, TokenBuf* tb):
-    """The caller's tokens for one call: converted (list, tuple), borrowed (``borrow``: the
-    caller reads them before its first allocation) or copied. Returns the owner or None."""
-    if type(tokens) is list or type(tokens) is tuple:
-        return sequence_tokens(tokens, tb)
-    borrow_buffer(tokens, tb, "token buffer")
-    if borrow:
-        return None
-    try:
-        owner = PyBytes_FromStringAndSize(<const char*>tb.ptr, tb.len * sizeof(int64_t))
-    finally:
-        release_tokens(tb)
-    tb.ptr = <const int64_t*>PyBytes_AS_STRING(owner)
-    return owner
 
 
 # -- nodes ---------------------------------------------------------------------------------
@@ -301,8 +220,7 @@ cdef class Node:
             cand = self.slots[i].node
             if cand == NULL:
                 return None
-            if self.slots[i].hash == h and memcmp((<Node>cand).key_ptr, page,
-                                                   <size_t>page_size * sizeof(int64_t)) == 0:
+            if self.slots[i].hash == h and same_page((<Node>cand).key_ptr, page, page_size):
                 return <Node>cand
             i = (i + 1) & self.slot_mask
 
@@ -429,6 +347,8 @@ cdef class Tree:
 
     def __cinit__(self, Py_ssize_t page_size):
         self.page_size = page_size
+        self.seed_ns = 0
+        self.seed = _mix(0x9e3779b97f4a7c15ULL)
         self.guard = Guard()
         self.namespaces = {}
         self.ns_roots = {}
@@ -463,8 +383,12 @@ cdef class Tree:
             drop_subtree(root)
 
     cdef uint64_t page_hash(self, const int64_t* page, int64_t ns) noexcept nogil:
-        cdef uint64_t h = _mix(<uint64_t>ns + 0x9e3779b97f4a7c15ULL)
+        cdef uint64_t h
         cdef Py_ssize_t i
+        if ns != self.seed_ns:
+            self.seed = _mix(<uint64_t>ns + 0x9e3779b97f4a7c15ULL)
+            self.seed_ns = ns
+        h = self.seed
         for i in range(self.page_size):
             h = _mix(h ^ <uint64_t>page[i])
         return h
@@ -550,158 +474,15 @@ cdef class Tree:
         if child is None:
             return None
         klen = child.key_len
+        if klen < remaining and child.slots != NULL:
+            # The next step's slot, fetched while this step compares the key (two misses
+            # in flight instead of one after the other).
+            rc_prefetch(&child.slots[self.page_hash(tokens + klen, ns) & <uint64_t>child.slot_mask])
         common = common_prefix(child.key_ptr, tokens, klen if klen < remaining else remaining)
         if common < klen:
             common -= common % self.page_size
         matched[0] = common
         return child
-
-    # -- walks -----------------------------------------------------------------------
-    # Each holds the guard; with extra_key None a buffer's tokens are borrowed (no Python
-    # code runs between borrowing and the first allocation, and they are not read after).
-    def match(self, tokens, extra_key=None):
-        cdef TokenBuf tb
-        cdef Py_ssize_t end, pos = 0, common
-        cdef int64_t now, ns
-        cdef Node node, child
-        tb.held = False
-        self.guard.enter("match")
-        try:
-            path = []  # allocated before the tokens are borrowed
-            owner = get_tokens(tokens, extra_key is None, &tb)
-            end = tb.len - tb.len % self.page_size
-            if end == 0:
-                return path, 0
-            ns = self.find_namespace(extra_key)
-            self.clock += 1
-            now = self.clock
-            node = self.root
-            node.last_access_time = now
-            if ns < 0:
-                return path, 0
-            while pos < end:
-                child = self.find_match(node, tb.ptr + pos, end - pos, ns, &common)
-                if child is None:
-                    break
-                if common < child.key_len:
-                    child = self.split(child, common)  # allocates: the tokens are done
-                    child.last_access_time = now
-                    path.append(child)
-                    pos += common
-                    break
-                child.last_access_time = now
-                path.append(child)
-                pos += common
-                node = child
-            return path, pos
-        finally:
-            release_tokens(&tb)
-            self.guard.busy = 0
-
-    def insert(self, tokens, extra_key=None, int64_t priority=0):
-        cdef TokenBuf tb
-        cdef Py_ssize_t n, end, pos = 0, common
-        cdef int64_t now, ns
-        cdef bint whole, end_walk
-        cdef Node node, child, leaf = None
-        tb.held = False
-        self.guard.enter("insert")
-        try:
-            owner = get_tokens(tokens, extra_key is None, &tb)
-            n = tb.len
-            end = n - n % self.page_size
-            whole = end == n
-            node = self.root
-            if end == 0:
-                if whole:
-                    self.empty_inserted.add(extra_key)
-                return 0, node, None
-            ns = self.make_namespace(extra_key)
-            self.clock += 1
-            now = self.clock
-            node.last_access_time = now
-            leaf_key = None
-            while pos < end:
-                child = self.find_match(node, tb.ptr + pos, end - pos, ns, &common)
-                if child is None:
-                    break
-                if common < child.key_len:
-                    if pos + common < end:
-                        # The new leaf's tokens, read before the split allocates.
-                        leaf_key = PyBytes_FromStringAndSize(
-                            <const char*>(tb.ptr + pos + common),
-                            (end - pos - common) * sizeof(int64_t))
-                    child = self.split(child, common)
-                    end_walk = True
-                else:
-                    end_walk = False
-                child.last_access_time = now
-                child.hit_count += 1
-                if priority > child.priority:
-                    child.priority = priority
-                pos += common
-                node = child
-                if end_walk:
-                    break
-            prefix_len = pos
-            if pos < end:
-                if leaf_key is None:
-                    leaf_key = PyBytes_FromStringAndSize(<const char*>(tb.ptr + pos),
-                                                         (end - pos) * sizeof(int64_t))
-                leaf = self.new_node(node, now)  # allocates: the tokens are done
-                leaf.key_owner = leaf_key
-                leaf.key_ptr = <const int64_t*>PyBytes_AS_STRING(leaf_key)
-                leaf.key_len = end - pos
-                leaf.priority = priority
-                leaf.hit_count = 1
-                leaf.ns = ns
-                leaf.extra_key = extra_key
-                node.add_child(leaf, self.page_hash(leaf.key_ptr, ns))
-                self.node_count += 1
-                if node is self.root and ns:
-                    self.ns_roots[ns] = self.ns_roots.get(ns, 0) + 1
-                node = leaf
-            if whole:
-                node.terminal = True
-            return prefix_len, node, leaf
-        finally:
-            release_tokens(&tb)
-            self.guard.busy = 0
-
-    def exists(self, tokens, extra_key=None):
-        cdef TokenBuf tb
-        cdef Py_ssize_t n, pos = 0, klen
-        cdef Py_ssize_t page_size = self.page_size
-        cdef int64_t ns
-        cdef Node node, child
-        tb.held = False
-        self.guard.enter("exists")
-        try:
-            owner = get_tokens(tokens, extra_key is None, &tb)
-            n = tb.len
-            if n % page_size:
-                return False
-            if n == 0:
-                return extra_key in self.empty_inserted
-            ns = self.find_namespace(extra_key)
-            if ns < 0:
-                return False
-            node = self.root
-            while pos < n:
-                child = node.find_child(tb.ptr + pos, page_size,
-                                        self.page_hash(tb.ptr + pos, ns))
-                if child is None:
-                    return False
-                klen = child.key_len
-                if klen > n - pos or memcmp(child.key_ptr, tb.ptr + pos,
-                                            klen * sizeof(int64_t)) != 0:
-                    return False
-                pos += klen
-                node = child
-            return node.terminal
-        finally:
-            release_tokens(&tb)
-            self.guard.busy = 0
 
     # -- node bookkeeping ------------------------------------------------------------
     def _check_member(self, node):
@@ -720,11 +501,13 @@ cdef class Tree:
         if top is not self.root:
             raise ValueError(f"node {(<Node>node).id} belongs to another cache")
 
-    def set_value(self, Node node, values):
-        """Store a leaf's indices: a CPU int64 array is copied in, a device tensor kept."""
+    # The Core holds the guard around these: none of them takes it, and each returns (or
+    # appends to ``dropped``) the references it let go, for the Core to release after it.
+    cdef object store_value(self, Node node, object values):
+        """Store a leaf's indices: a CPU int64 array is copied in, a device tensor kept.
+        Returns the previous value."""
         cdef TokenBuf tb
         tb.held = False
-        self.guard.enter("set_value")
         try:
             if isinstance(values, np.ndarray):
                 borrow_buffer(values, &tb, "values")
@@ -734,121 +517,89 @@ cdef class Tree:
                                                   tb.len * sizeof(int64_t))
             else:
                 owner = values
-            previous = node.value_owner  # released when the call returns
-            node.value_ptr = NULL
-            node.value_off = 0
-            node.value_owner = owner
-            if owner is not values:
-                node.value_ptr = <const int64_t*>PyBytes_AS_STRING(owner)
         finally:
             release_tokens(&tb)
-            self.guard.busy = 0
+        previous = node.value_owner
+        node.value_ptr = NULL
+        node.value_off = 0
+        node.value_owner = owner
+        if owner is not values:
+            node.value_ptr = <const int64_t*>PyBytes_AS_STRING(owner)
+        return previous
 
-    def gather(self, list path):
-        """The path's index values concatenated into one new int64 tensor."""
-        cdef Py_ssize_t total = 0, pos = 0
-        cdef Node node
-        cdef char* out
-        self.guard.enter("gather")
-        try:
-            for node in path:
-                if node.value_ptr == NULL and node.value_owner is not None:
-                    return _cat_values(path)  # device tensors: torch concatenates
-                total += node.key_len
-            # A bytearray is not tracked by the collector: no Python code runs until the
-            # copy below is done.
-            buf = PyByteArray_FromStringAndSize(NULL, total * sizeof(int64_t))
-            out = PyByteArray_AS_STRING(buf)
-            for node in path:
-                memcpy(out + pos, node.value_ptr if node.value_ptr != NULL else node.key_ptr,
-                       node.key_len * sizeof(int64_t))
-                pos += node.key_len * sizeof(int64_t)
-        finally:
-            self.guard.busy = 0
-        return _frombuffer(buf, dtype=_int64)
-
-    def lock(self, node, int delta):
+    cdef Py_ssize_t lock_path(self, object node, int delta) except -1:
+        """Lock (+1) or unlock (-1) node -> root; the tokens that crossed."""
         cdef Node cur
         cdef Py_ssize_t moved = 0, own, i
         if node is None or node is self.root:
             return 0
-        self.guard.enter("lock")
-        try:
-            self._check_member(node)
-            cur = <Node>node
-            if delta < 0:
-                # Locks taken on descendants show in this node's count too; only its own
-                # may go.
-                own = cur.lock_ref
-                for i in range(cur.slot_mask + 1):
-                    if cur.slots[i].node != NULL:
-                        own -= (<Node>cur.slots[i].node).lock_ref
-                if own <= 0:
-                    raise ValueError(
-                        f"dec_lock_ref on node {cur.id}: no lock_ref was taken on it "
-                        f"(lock_ref {cur.lock_ref} comes from its descendants)"
-                    )
-            while cur is not self.root:
-                if delta > 0:
-                    if cur.lock_ref == 0:
-                        moved += cur.key_len
-                    cur.lock_ref += 1
-                else:
-                    cur.lock_ref -= 1
-                    if cur.lock_ref == 0:
-                        moved += cur.key_len
-                cur = <Node>cur.parent_ptr
-            return moved
-        finally:
-            self.guard.busy = 0
+        self._check_member(node)
+        cur = <Node>node
+        if delta < 0:
+            # Locks taken on descendants show in this node's count too; only its own may go.
+            own = cur.lock_ref
+            for i in range(cur.slot_mask + 1):
+                if cur.slots[i].node != NULL:
+                    own -= (<Node>cur.slots[i].node).lock_ref
+            if own <= 0:
+                raise ValueError(
+                    f"dec_lock_ref on node {cur.id}: no lock_ref was taken on it "
+                    f"(lock_ref {cur.lock_ref} comes from its descendants)"
+                )
+        while cur is not self.root:
+            if delta > 0:
+                if cur.lock_ref == 0:
+                    moved += cur.key_len
+                cur.lock_ref += 1
+            else:
+                cur.lock_ref -= 1
+                if cur.lock_ref == 0:
+                    moved += cur.key_len
+            cur = <Node>cur.parent_ptr
+        return moved
 
-    def remove_leaf(self, Node node):
+    cdef Node detach_leaf(self, Node node, list dropped):
+        """Detach an attached leaf (marked evicted, value dropped); returns its parent."""
         cdef Node parent
         cdef Py_ssize_t count
-        self.guard.enter("remove_leaf")
-        try:
-            if node.evicted or node.parent_ptr == NULL or node.n_children:
-                raise ValueError(f"node {node.id} is not an attached leaf")
-            parent = <Node>node.parent_ptr
-            parent.remove_slot(parent.slot_of(node, self.page_hash(node.key_ptr, node.ns)))
-            node.parent_ptr = NULL
-            node.evicted = True
-            previous = node.value_owner  # released when the call returns
-            node.value_ptr = NULL
-            node.value_owner = None
-            self.node_count -= 1
-            Py_DECREF(node)  # the table's reference; the caller still holds one
-            if parent is self.root and node.ns:
-                count = self.ns_roots.get(node.ns, 1) - 1
-                if count:
-                    self.ns_roots[node.ns] = count
-                else:
-                    del self.ns_roots[node.ns]
-                    self.forget_namespace(node.extra_key, node.ns)  # last: runs user code
-            return parent
-        finally:
-            self.guard.busy = 0
+        if node.evicted or node.parent_ptr == NULL or node.n_children:
+            raise ValueError(f"node {node.id} is not an attached leaf")
+        parent = <Node>node.parent_ptr
+        parent.remove_slot(parent.slot_of(node, self.page_hash(node.key_ptr, node.ns)))
+        node.parent_ptr = NULL
+        node.evicted = True
+        dropped.append(node.value_owner)
+        node.value_ptr = NULL
+        node.value_owner = None
+        self.node_count -= 1
+        Py_DECREF(node)  # the table's reference; the caller still holds one
+        if parent is self.root and node.ns:
+            count = self.ns_roots.get(node.ns, 1) - 1
+            if count:
+                self.ns_roots[node.ns] = count
+            else:
+                del self.ns_roots[node.ns]
+                self.forget_namespace(node.extra_key, node.ns)  # last: runs user code
+        return parent
 
-    def reset(self):
+    cdef object clear(self):
+        """Drop every node (marked evicted), iteratively; returns the old tables."""
         cdef Node old_root
-        self.guard.enter("reset")
-        try:
-            fresh_root = self.make_root()  # allocations first, then the swap
-            fresh_namespaces, fresh_roots, fresh_empty = {}, {}, set()
-            old_root = self.root
-            old_tables = (self.namespaces, self.empty_inserted)  # released on return
-            self.root = fresh_root
-            self.namespaces = fresh_namespaces
-            self.ns_roots = fresh_roots
-            self.empty_inserted = fresh_empty
-            self.clock = 0
-            self.node_count = 0
-            self.num_splits = 0
-            # The tree is consistent (and empty) before the old one's references go.
-            old_root.evicted = True
-            drop_subtree(old_root)
-        finally:
-            self.guard.busy = 0
+        fresh_root = self.make_root()  # allocations first, then the swap
+        fresh_namespaces, fresh_roots, fresh_empty = {}, {}, set()
+        old_root = self.root
+        old_tables = (self.namespaces, self.empty_inserted)
+        self.root = fresh_root
+        self.namespaces = fresh_namespaces
+        self.ns_roots = fresh_roots
+        self.empty_inserted = fresh_empty
+        self.clock = 0
+        self.node_count = 0
+        self.num_splits = 0
+        # The tree is consistent (and empty) before the old one's references go.
+        old_root.evicted = True
+        drop_subtree(old_root)
+        return old_tables
 
     def iter_nodes(self):
         cdef Node node
@@ -896,6 +647,13 @@ cdef void release_entries(HeapEntry* items, Py_ssize_t n) noexcept:
 cdef class EvictionHeap:
     """Lazy min-heap of evictable leaves in policy order (see the pure core's class).
 
+    Two containers, one order: a sorted run (a ring buffer) that takes every entry not
+    below its last one, and a 4-ary heap for the rest; a pop takes the smaller front. With
+    lru/fifo/priority a new leaf's key is nearly always the largest yet (the clock only
+    rises), so most entries go through the run, whose pops touch memory in order; the heap
+    keeps the out-of-order ones (re-pushes of touched leaves, lfu, mru). A 4-ary heap's
+    children sit together (one or two cache lines), so a sift touches half the levels.
+
     ``guard`` is the tree's (``Tree.guard``), so that a call into either while one of them
     works raises; without one the heap has its own."""
 
@@ -905,18 +663,39 @@ cdef class EvictionHeap:
         self.items = NULL
         self.size = 0
         self.capacity = 0
+        self.run = NULL
+        self.run_head = 0
+        self.run_size = 0
+        self.run_cap = 0
         self.limit = 1024
 
     def __dealloc__(self):
         self.release()
 
     cdef void release(self) noexcept:
-        # Detach first: a DECREF may run a finalizer that uses this heap.
+        # Detach first (the run in order into one array): a DECREF may run a finalizer
+        # that uses this heap.
         cdef HeapEntry* items = self.items
-        cdef Py_ssize_t n = self.size
+        cdef Py_ssize_t n = self.size, i
+        if self.run_size:
+            if n + self.run_size > self.capacity:
+                items = <HeapEntry*>PyMem_Realloc(items, (n + self.run_size) * sizeof(HeapEntry))
+            if items == NULL:  # no memory to detach into: release in place
+                items = self.items
+                for i in range(self.run_size):
+                    Py_DECREF(<object>self.run_at(i).node)
+            else:
+                for i in range(self.run_size):
+                    items[n + i] = self.run_at(i)[0]
+                n += self.run_size
+        PyMem_Free(self.run)
         self.items = NULL
         self.size = 0
         self.capacity = 0
+        self.run = NULL
+        self.run_head = 0
+        self.run_size = 0
+        self.run_cap = 0
         release_entries(items, n)
 
     cdef void fill_key(self, Node n, HeapEntry* e) noexcept:
@@ -947,10 +726,29 @@ cdef class EvictionHeap:
             e.k2 = access
             e.k3 = node_id
 
+    cdef HeapEntry* run_at(self, Py_ssize_t i) noexcept:
+        return &self.run[(self.run_head + i) & (self.run_cap - 1)]
+
     cdef int add(self, const HeapEntry* entry) except -1:
-        """Push ``entry``, taking a new reference to its node."""
-        cdef Py_ssize_t i, parent
+        """Push ``entry``, taking a new reference to its node. Allocates no Python object."""
+        cdef Py_ssize_t i, parent, cap
         cdef HeapEntry* grown
+        if self.run_size == 0 or not entry_less(entry, self.run_at(self.run_size - 1)):
+            if self.run_size == self.run_cap:
+                cap = 64 if self.run_cap == 0 else 2 * self.run_cap  # a power of two
+                grown = <HeapEntry*>PyMem_Malloc(cap * sizeof(HeapEntry))
+                if grown == NULL:
+                    raise MemoryError()
+                for i in range(self.run_size):
+                    grown[i] = self.run_at(i)[0]
+                PyMem_Free(self.run)
+                self.run = grown
+                self.run_head = 0
+                self.run_cap = cap
+            Py_INCREF(<object>entry.node)
+            self.run_at(self.run_size)[0] = entry[0]
+            self.run_size += 1
+            return 0
         if self.size == self.capacity:
             grown = <HeapEntry*>PyMem_Realloc(
                 self.items, (self.capacity * 2 + 64) * sizeof(HeapEntry))
@@ -962,7 +760,7 @@ cdef class EvictionHeap:
         i = self.size
         self.size += 1
         while i > 0:
-            parent = (i - 1) >> 1
+            parent = (i - 1) >> 2
             if not entry_less(entry, &self.items[parent]):
                 break
             self.items[i] = self.items[parent]
@@ -972,35 +770,51 @@ cdef class EvictionHeap:
 
     cdef void sift_down(self, Py_ssize_t i) noexcept:
         cdef HeapEntry moving = self.items[i]
-        cdef Py_ssize_t child
+        cdef Py_ssize_t child, best, last
         while True:
-            child = 2 * i + 1
+            child = 4 * i + 1
             if child >= self.size:
                 break
-            if child + 1 < self.size and entry_less(&self.items[child + 1],
-                                                    &self.items[child]):
+            best = child
+            last = child + 4 if child + 4 <= self.size else self.size
+            child += 1
+            while child < last:
+                if entry_less(&self.items[child], &self.items[best]):
+                    best = child
                 child += 1
-            if not entry_less(&self.items[child], &moving):
+            if not entry_less(&self.items[best], &moving):
                 break
-            self.items[i] = self.items[child]
-            i = child
+            self.items[i] = self.items[best]
+            i = best
         self.items[i] = moving
 
+    cdef bint take_front(self, HeapEntry* out) noexcept:
+        """Remove the smallest entry into ``out`` (its reference moves to the caller)."""
+        cdef bint from_run
+        if self.run_size == 0 and self.size == 0:
+            return False
+        from_run = self.size == 0 or (self.run_size > 0
+                                      and entry_less(self.run_at(0), &self.items[0]))
+        if from_run:
+            out[0] = self.run_at(0)[0]
+            self.run_head = (self.run_head + 1) & (self.run_cap - 1)
+            self.run_size -= 1
+        else:
+            out[0] = self.items[0]
+            self.size -= 1
+            if self.size > 0:
+                self.items[0] = self.items[self.size]
+                self.sift_down(0)
+        return True
+
     def __len__(self):
-        return self.size
+        return self.size + self.run_size
 
     def clear(self):
-        cdef HeapEntry* items
-        cdef Py_ssize_t n
         self.guard.enter("clear")
-        items = self.items
-        n = self.size
-        self.items = NULL
-        self.size = 0
-        self.capacity = 0
         self.limit = 1024
         self.guard.busy = 0
-        release_entries(items, n)  # finalizers may use the (now empty) heap
+        self.release()  # detaches first: finalizers may use the (now empty) heap
 
     def key_of(self, Node node):
         cdef HeapEntry e
@@ -1010,79 +824,105 @@ cdef class EvictionHeap:
     def entries(self):
         """(stored key, node) of every entry (for consistency checks)."""
         cdef Py_ssize_t i
+        cdef HeapEntry* e
         self.guard.enter("entries")
         try:
-            return [((self.items[i].k0, self.items[i].k1, self.items[i].k2,
-                      self.items[i].k3), <Node>self.items[i].node) for i in range(self.size)]
+            out = [((self.items[i].k0, self.items[i].k1, self.items[i].k2,
+                     self.items[i].k3), <Node>self.items[i].node) for i in range(self.size)]
+            for i in range(self.run_size):
+                e = self.run_at(i)
+                out.append(((e.k0, e.k1, e.k2, e.k3), <Node>e.node))
+            return out
         finally:
             self.guard.busy = 0
+
+    cdef list push_entry(self, Node node):
+        """Push ``node``; returns what a compaction dropped (None when none ran), for the
+        caller to release once everything is consistent."""
+        cdef HeapEntry e
+        self.fill_key(node, &e)
+        e.node = <PyObject*>node
+        self.add(&e)
+        if self.size + self.run_size > self.limit:
+            return self.compact()
+        return None
 
     def push(self, Node node):
-        cdef HeapEntry e
         self.guard.enter("push")
         try:
-            self.fill_key(node, &e)
-            e.node = <PyObject*>node
-            self.add(&e)
-            if self.size > self.limit:
-                dropped = self.compact()  # released when the call returns
+            dropped = self.push_entry(node)  # released when the call returns
         finally:
             self.guard.busy = 0
 
-    def pop_victim(self):
+    cdef object pop_entry(self, list stale):
+        """The next victim or None; nodes of dropped entries go to ``stale`` (released by
+        the caller once everything is consistent)."""
         cdef HeapEntry top, current
         cdef Node node
-        stale = None  # entries dropped here, released when the call returns
+        while self.take_front(&top):
+            node = <Node>top.node
+            stale.append(node)
+            Py_DECREF(node)  # the heap's reference; ``stale`` holds one
+            if node.evicted or node.n_children or node.lock_ref:
+                continue  # pushed again if it becomes an evictable leaf
+            self.fill_key(node, &current)
+            if entry_same_key(&current, &top):
+                return node
+            if entry_less(&top, &current):  # touched since pushed: wait for its turn
+                current.node = <PyObject*>node
+                self.add(&current)
+            # else: a fall in key always came with a fresh push
+        return None
+
+    def pop_victim(self):
+        stale = []  # entries dropped here, released when the call returns
         self.guard.enter("pop_victim")
         try:
-            while self.size > 0:
-                top = self.items[0]
-                self.size -= 1
-                if self.size > 0:
-                    self.items[0] = self.items[self.size]
-                    self.sift_down(0)
-                node = <Node>top.node
-                Py_DECREF(node)  # the heap's reference; ``node`` holds its own
-                if node.evicted or node.n_children or node.lock_ref:
-                    # pushed again if it becomes an evictable leaf
-                    if stale is None:
-                        stale = []
-                    stale.append(node)
-                    continue
-                self.fill_key(node, &current)
-                if entry_same_key(&current, &top):
-                    return node
-                if entry_less(&top, &current):  # touched since pushed: wait for its turn
-                    current.node = <PyObject*>node
-                    self.add(&current)
-                elif stale is None:  # a fall in key always came with a fresh push
-                    stale = [node]
-                else:
-                    stale.append(node)
-            return None
+            return self.pop_entry(stale)
         finally:
             self.guard.busy = 0
 
     cdef list compact(self):
-        """Keep one usable entry per evictable leaf; amortised O(1) per push. Returns the
-        dropped entries' nodes, for the caller to release once the heap is consistent."""
-        cdef Py_ssize_t i, kept = 0
+        """Keep one usable entry per evictable leaf; amortised O(1) per push. The run is
+        filtered in order (it stays sorted), the heap in place and then heapified. Returns
+        the dropped entries' nodes, for the caller to release once the heap is consistent."""
+        cdef Py_ssize_t i, kept = 0, total = self.size + self.run_size
+        cdef Py_ssize_t heap_before = self.size
         cdef HeapEntry current
+        cdef HeapEntry* e
+        cdef HeapEntry* other
+        cdef HeapEntry* ordered
         cdef Node node
-        best = {}  # node id -> index of its smallest usable entry
-        for i in range(self.size):
-            node = <Node>self.items[i].node
+        # Put the run in order at the start of its buffer (allocates before anything moves).
+        if self.run_head != 0 and self.run_size:
+            ordered = <HeapEntry*>PyMem_Malloc(self.run_cap * sizeof(HeapEntry))
+            if ordered == NULL:
+                raise MemoryError()
+            for i in range(self.run_size):
+                ordered[i] = self.run_at(i)[0]
+            PyMem_Free(self.run)
+            self.run = ordered
+        self.run_head = 0
+        best = {}  # node id -> position (the heap's entries, then the run's)
+        for i in range(total):
+            e = &self.items[i] if i < heap_before else &self.run[i - heap_before]
+            node = <Node>e.node
             if node.evicted or node.n_children or node.lock_ref:
                 continue
             self.fill_key(node, &current)
-            if entry_less(&current, &self.items[i]):
+            if entry_less(&current, e):
                 continue  # stored above current: discarded when popped anyway
             j = best.get(node.id)
-            if j is None or entry_less(&self.items[i], &self.items[<Py_ssize_t>j]):
+            if j is None:
                 best[node.id] = i
+            else:
+                other = (&self.items[<Py_ssize_t>j] if <Py_ssize_t>j < heap_before
+                         else &self.run[<Py_ssize_t>j - heap_before])
+                if entry_less(e, other):
+                    best[node.id] = i
         keep = set(best.values())
         dropped = []
-        for i in range(self.size):  # in place: kept <= i throughout; nothing calls out
+        for i in range(heap_before):  # in place: kept <= i throughout; nothing calls out
             if i in keep:
                 self.items[kept] = self.items[i]
                 kept += 1
@@ -1090,10 +930,655 @@ cdef class EvictionHeap:
                 dropped.append(<Node>self.items[i].node)
                 Py_DECREF(<object>self.items[i].node)  # the list holds one
         self.size = kept
-        for i in range(kept // 2 - 1, -1, -1):
-            self.sift_down(i)
-        self.limit = max(1024, 2 * kept)
+        kept = 0
+        for i in range(self.run_size):
+            if heap_before + i in keep:
+                self.run[kept] = self.run[i]
+                kept += 1
+            else:
+                dropped.append(<Node>self.run[i].node)
+                Py_DECREF(<object>self.run[i].node)
+        self.run_size = kept
+        if self.size > 1:  # (cdivision: (0 - 2) // 4 would be 0, not -1)
+            for i in range((self.size - 2) // 4, -1, -1):
+                self.sift_down(i)
+        self.limit = max(1024, 2 * (self.size + self.run_size))
         return dropped
+
+
+
+# -- the per-cache core object: whole calls in one crossing --------------------------------
+cdef extern from *:
+    """
+    /* Reads an exact int that fits in int64 without a call; 0 for anything else (a subclass,
+       an __index__ object, a value out of range): the caller declines the input. */
+    static inline int rc_read_int(PyObject* o, int64_t* out) {
+        if (!PyLong_CheckExact(o)) return 0;
+    #if PY_VERSION_HEX >= 0x030C0000
+        if (PyUnstable_Long_IsCompact((PyLongObject*)o)) {
+            *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject*)o);
+            return 1;
+        }
+    #else
+        {
+            Py_ssize_t size = Py_SIZE(o);
+            const digit* d = ((PyLongObject*)o)->ob_digit;
+            switch (size) {
+            case 0: *out = 0; return 1;
+            case 1: *out = (int64_t)d[0]; return 1;
+            case -1: *out = -(int64_t)d[0]; return 1;
+            case 2: *out = (int64_t)d[0] | ((int64_t)d[1] << PyLong_SHIFT); return 1;
+            case -2: *out = -((int64_t)d[0] | ((int64_t)d[1] << PyLong_SHIFT)); return 1;
+            default: break;
+            }
+        }
+    #endif
+        {
+            int overflow = 0;
+            long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+            if (overflow) return 0;
+            if (v == -1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
+            *out = (int64_t)v;
+            return 1;
+        }
+    }
+
+    /* The returned index tensor in one allocation and one copy: a DLPack capsule over a
+       malloc'd block (header, then the int64 data) that torch takes over; its deleter frees
+       the block when the tensor dies (from any thread: plain malloc/free). */
+    typedef struct { int32_t device_type; int32_t device_id; } rc_DLDevice;
+    typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } rc_DLDataType;
+    typedef struct {
+        void* data; rc_DLDevice device; int32_t ndim; rc_DLDataType dtype;
+        int64_t* shape; int64_t* strides; uint64_t byte_offset;
+    } rc_DLTensor;
+    typedef struct rc_DLManagedTensor {
+        rc_DLTensor dl_tensor; void* manager_ctx; void (*deleter)(struct rc_DLManagedTensor*);
+    } rc_DLManagedTensor;
+    typedef struct { rc_DLManagedTensor managed; int64_t shape[1]; int64_t strides[1]; } rc_dl_head;
+
+    static void rc_dl_deleter(rc_DLManagedTensor* self) { free(self->manager_ctx); }
+
+    static void rc_dl_capsule_destructor(PyObject* capsule) {
+        /* Still named "dltensor": torch never took it (an error came first). */
+        if (PyCapsule_IsValid(capsule, "dltensor")) {
+            rc_DLManagedTensor* m = (rc_DLManagedTensor*)PyCapsule_GetPointer(capsule, "dltensor");
+            m->deleter(m);
+        }
+    }
+
+    static PyObject* rc_int64_capsule(Py_ssize_t n, int64_t** data) {
+        size_t head = (sizeof(rc_dl_head) + 63) & ~(size_t)63;
+        char* mem = (char*)malloc(head + (size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+        rc_dl_head* h;
+        PyObject* capsule;
+        if (mem == NULL) { PyErr_NoMemory(); return NULL; }
+        h = (rc_dl_head*)mem;
+        h->shape[0] = n;
+        h->strides[0] = 1;
+        h->managed.dl_tensor.data = mem + head;
+        h->managed.dl_tensor.device.device_type = 1;  /* kDLCPU */
+        h->managed.dl_tensor.device.device_id = 0;
+        h->managed.dl_tensor.ndim = 1;
+        h->managed.dl_tensor.dtype.code = 0;          /* kDLInt */
+        h->managed.dl_tensor.dtype.bits = 64;
+        h->managed.dl_tensor.dtype.lanes = 1;
+        h->managed.dl_tensor.shape = h->shape;
+        h->managed.dl_tensor.strides = h->strides;
+        h->managed.dl_tensor.byte_offset = 0;
+        h->managed.manager_ctx = mem;
+        h->managed.deleter = rc_dl_deleter;
+        capsule = PyCapsule_New(&h->managed, "dltensor", rc_dl_capsule_destructor);
+        if (capsule == NULL) { free(mem); return NULL; }
+        *data = (int64_t*)(mem + head);
+        return capsule;
+    }
+
+    /* A result object (MatchResult/InsertResult: __slots__ classes) with its slots filled,
+       without running Python-level __init__. */
+    static PyObject* rc_make_result(PyObject* type, PyObject* n0, PyObject* v0,
+                                    PyObject* n1, PyObject* v1, PyObject* n2, PyObject* v2) {
+        PyObject* obj = ((PyTypeObject*)type)->tp_alloc((PyTypeObject*)type, 0);
+        if (obj == NULL) return NULL;
+        if (PyObject_GenericSetAttr(obj, n0, v0) < 0 || PyObject_GenericSetAttr(obj, n1, v1) < 0
+                || (n2 != NULL && PyObject_GenericSetAttr(obj, n2, v2) < 0)) {
+            Py_DECREF(obj);
+            return NULL;
+        }
+        return obj;
+    }
+    """
+    bint rc_read_int(PyObject* o, int64_t* out) noexcept
+    object rc_int64_capsule(Py_ssize_t n, int64_t** data)
+    object rc_make_result(object type, object n0, object v0, object n1, object v1,
+                          PyObject* n2, PyObject* v2)
+
+cdef extern from "Python.h":
+    Py_ssize_t PyList_GET_SIZE(object) noexcept
+    Py_ssize_t PyTuple_GET_SIZE(object) noexcept
+
+from libc.stdint cimport uintptr_t
+
+import array as _array_module
+
+from ._shared import EMPTY_INDICES as _EMPTY_INDICES
+from ._shared import KEY_FALLS_ON_ACCESS as _KEY_FALLS_ON_ACCESS
+from ._shared import InsertResult as _InsertResult
+from ._shared import MatchResult as _MatchResult
+
+_ndarray = np.ndarray
+_array_type = _array_module.array
+_Tensor = torch.Tensor
+_mode_enabled = torch._C._is_torch_function_mode_enabled
+_from_dlpack = torch._C._from_dlpack
+cdef object _N_INDICES = "indices"
+cdef object _N_LAST_NODE = "last_node"
+cdef object _N_LENGTH = "length"
+cdef object _N_PREFIX_LEN = "prefix_len"
+
+
+cdef inline bint int64_format(const char* fmt) noexcept:
+    if fmt == NULL:
+        return False
+    if fmt[0] == b'<' or fmt[0] == b'=' or fmt[0] == b'@':
+        fmt += 1
+    return (fmt[0] == b'q' or (fmt[0] == b'l' and sizeof(long) == 8)) and fmt[1] == 0
+
+
+@cython.final
+cdef class Core:
+    """One cache's tree, eviction heap, sizes and counters, and its whole-call operations
+    (the interface is specified in ``_core_py``'s docstring).
+
+    Every call holds the tree's guard (shared with the heap). The fast paths take the
+    common inputs whole: a list's exact ints are read without a call, an int64 buffer or a
+    CPU int64 tensor (only with no torch function mode active: then its accessors run no
+    Python code) is borrowed, or copied into the core's own scratch buffer when an extra_key
+    will be hashed later in the call. Borrowed memory is read only before the call's first
+    allocation of a tracked object (a split or a new node: a collection may run there); the
+    new leaf's key and values are copied out before it. Anything unusual is declined (None)
+    before any change, for cache.py to validate.
+    """
+
+    def __cinit__(self, Py_ssize_t page_size, str policy):
+        self.page_size = page_size
+        self.tree = Tree(page_size)
+        self.guard = self.tree.guard
+        self.heap = EvictionHeap(policy, self.guard)
+        self.push_on_access = policy in _KEY_FALLS_ON_ACCESS
+        self.new_leaf = None
+        self.tokens_buf = NULL
+        self.tokens_cap = 0
+        self.kv_buf = NULL
+        self.kv_cap = 0
+        self.path = NULL
+        self.path_cap = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self.tokens_buf)
+        PyMem_Free(self.kv_buf)
+        PyMem_Free(self.path)
+
+    # -- the guard, for cache.py's slow paths and evict loop -------------------------------
+    def enter(self, str what):
+        self.guard.enter(what)
+
+    def leave(self):
+        self.guard.busy = 0
+
+    cdef inline int take(self, bint held, str what) except -1:
+        if not held:
+            self.guard.enter(what)
+        return 0
+
+    cdef inline void give(self, bint held) noexcept:
+        if not held:
+            self.guard.busy = 0
+
+    def reset_stats(self):
+        self.lookups = self.matched_tokens = self.queried_tokens = 0
+        self.inserts = self.inserted_tokens = self.evictions = self.evicted_tokens = 0
+        self.tree.num_splits = 0
+
+    def reset(self, bint held=False):
+        self.take(held, "reset")
+        try:
+            old_tables = self.tree.clear()
+            self.heap.limit = 1024
+            self.evictable = 0
+            self.protected = 0
+            self.new_leaf = None
+            self.reset_stats()
+        finally:
+            self.give(held)
+        self.heap.release()  # detaches first; its finalizers may use the empty cache
+
+    # -- inputs ----------------------------------------------------------------------------
+    cdef int64_t* scratch(self, bint for_kv, Py_ssize_t n) except NULL:
+        cdef int64_t* grown
+        cdef Py_ssize_t cap = self.kv_cap if for_kv else self.tokens_cap
+        if n > cap or cap == 0:
+            cap = max(n, 2 * cap, 64)
+            grown = <int64_t*>PyMem_Realloc(self.kv_buf if for_kv else self.tokens_buf,
+                                            cap * sizeof(int64_t))
+            if grown == NULL:
+                raise MemoryError()
+            if for_kv:
+                self.kv_buf = grown
+                self.kv_cap = cap
+            else:
+                self.tokens_buf = grown
+                self.tokens_cap = cap
+        return self.kv_buf if for_kv else self.tokens_buf
+
+    cdef int acquire(self, object obj, TokenBuf* b, bint for_kv, bint private) except -1:
+        """Point ``b`` at ``obj`` as int64: 1, or 0 to decline (an unusual input, or one
+        that would fail: cache.py validates it). Runs no Python code. ``private``: copy a
+        borrowed buffer into the core's scratch buffer (Python code runs before its use)."""
+        cdef Py_ssize_t i, n
+        cdef PyObject** items
+        cdef int64_t* out
+        cdef object kind = type(obj)
+        b.held = False
+        if kind is list or kind is tuple:
+            n = PyList_GET_SIZE(obj) if kind is list else PyTuple_GET_SIZE(obj)
+            out = self.scratch(for_kv, n)
+            items = PySequence_Fast_ITEMS(obj)
+            for i in range(n):  # exact ints only: nothing here runs Python code
+                if not rc_read_int(items[i], &out[i]):
+                    return 0
+            b.ptr = out
+            b.len = n
+            return 1
+        if kind is _ndarray or kind is _array_type:
+            try:
+                PyObject_GetBuffer(obj, &b.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+            except (ValueError, BufferError, TypeError):
+                return 0
+            b.held = True
+            if b.view.ndim != 1 or b.view.itemsize != 8 or not int64_format(b.view.format):
+                release_tokens(b)
+                return 0
+            b.ptr = <const int64_t*>b.view.buf
+            b.len = b.view.shape[0]
+        elif kind is _Tensor:
+            if _mode_enabled():
+                return 0
+            if (not obj.is_cpu or obj.dtype is not _int64 or obj.dim() != 1
+                    or not obj.is_contiguous()):
+                return 0
+            b.len = obj.numel()
+            b.ptr = <const int64_t*><uintptr_t>obj.data_ptr()
+        else:
+            return 0
+        if private:
+            out = self.scratch(for_kv, b.len)
+            if b.len:
+                memcpy(out, b.ptr, b.len * sizeof(int64_t))
+            release_tokens(b)
+            b.ptr = out
+        return 1
+
+    # -- results and heap ------------------------------------------------------------------
+    cdef object match_result(self, object indices, object node, Py_ssize_t length):
+        cdef object n = length
+        return rc_make_result(_MatchResult, _N_INDICES, indices, _N_LAST_NODE, node,
+                              <PyObject*>_N_LENGTH, <PyObject*>n)
+
+    cdef object insert_result(self, Py_ssize_t prefix_len, object node):
+        return rc_make_result(_InsertResult, _N_PREFIX_LEN, prefix_len, _N_LAST_NODE, node,
+                              NULL, NULL)
+
+    cdef object push_if_evictable(self, Node node):
+        """Push an evictable leaf; returns what a compaction dropped (to release later)."""
+        if node.n_children or node.lock_ref or node.evicted or node is self.tree.root:
+            return None
+        return self.heap.push_entry(node)
+
+    cdef int note_path(self, Py_ssize_t depth, Node node) except -1:
+        cdef PyObject** grown
+        cdef Py_ssize_t cap
+        if depth >= self.path_cap:
+            cap = max(64, 2 * self.path_cap)
+            grown = <PyObject**>PyMem_Realloc(self.path, cap * sizeof(PyObject*))
+            if grown == NULL:
+                raise MemoryError()
+            self.path = grown
+            self.path_cap = cap
+        self.path[depth] = <PyObject*>node
+        return 0
+
+    # -- whole calls -----------------------------------------------------------------------
+    def match(self, tokens, extra_key=None, bint held=False):
+        cdef TokenBuf b
+        cdef int64_t ns
+        cdef Py_ssize_t end, pos = 0, common, depth = 0, i, total
+        cdef int64_t now
+        cdef bint device = False
+        cdef Node node, child
+        cdef char* out
+        b.held = False
+        self.take(held, "match_prefix")
+        try:
+            if not self.acquire(tokens, &b, False, extra_key is not None):
+                return None
+            if extra_key is None:
+                ns = 0
+            else:
+                try:
+                    ns = self.tree.find_namespace(extra_key)
+                except TypeError:
+                    return None  # unhashable: cache.py says so
+            end = b.len - b.len % self.page_size
+            self.lookups += 1
+            self.queried_tokens += end
+            if end == 0:
+                return self.match_result(_EMPTY_INDICES, self.tree.root, 0)
+            self.tree.clock += 1
+            now = self.tree.clock
+            node = self.tree.root
+            node.last_access_time = now
+            while ns >= 0 and pos < end:
+                child = self.tree.find_match(node, b.ptr + pos, end - pos, ns, &common)
+                if child is None:
+                    break
+                if common < child.key_len:
+                    release_tokens(&b)
+                    child = self.tree.split(child, common)  # allocates: tokens are done
+                    pos = end  # (the walk ends on the split)
+                else:
+                    pos += common
+                child.last_access_time = now
+                self.note_path(depth, child)
+                depth += 1
+                node = child
+            pos = 0
+            for i in range(depth):
+                pos += (<Node>self.path[i]).key_len
+            release_tokens(&b)
+            if depth == 0:
+                return self.match_result(_EMPTY_INDICES, self.tree.root, 0)
+            self.matched_tokens += pos
+            if self.push_on_access:
+                dropped = self.push_if_evictable(node)
+            for i in range(depth):
+                child = <Node>self.path[i]
+                if child.value_ptr == NULL and child.value_owner is not None:
+                    device = True
+                    break
+            if device:
+                path = [<Node>self.path[i] for i in range(depth)]
+                indices = _cat_values(path)  # device values: torch concatenates
+            else:
+                # A capsule is not tracked by the collector: no Python code runs until the
+                # copy is done.
+                capsule = rc_int64_capsule(pos, <int64_t**>&out)
+                total = 0
+                for i in range(depth):
+                    child = <Node>self.path[i]
+                    memcpy(out + total,
+                           child.value_ptr if child.value_ptr != NULL else child.key_ptr,
+                           child.key_len * sizeof(int64_t))
+                    total += child.key_len * sizeof(int64_t)
+                indices = _from_dlpack(capsule)
+            return self.match_result(indices, node, pos)
+        finally:
+            release_tokens(&b)
+            self.give(held)
+
+    def insert(self, tokens, kv=None, extra_key=None, priority=0, bint held=False):
+        cdef TokenBuf b, v
+        cdef int64_t prio, ns, now
+        cdef Py_ssize_t end, pos = 0, common, prefix_len
+        cdef bint whole, split_here, private = extra_key is not None
+        cdef Node node, child, leaf = None
+        b.held = False
+        v.held = False
+        if type(priority) is not int:
+            return None
+        try:
+            prio = PyLong_AsLongLong(priority)
+        except OverflowError:
+            return None
+        self.take(held, "insert")
+        try:
+            if kv is not None and type(kv) is _Tensor and not kv.is_cpu:
+                return None  # values on a device: cache.py slices them there
+            if not self.acquire(tokens, &b, False, private):
+                return None
+            end = b.len - b.len % self.page_size
+            whole = end == b.len
+            if kv is not None:
+                if not self.acquire(kv, &v, True, private) or v.len < end:
+                    return None
+            if extra_key is None:
+                ns = 0
+            else:
+                try:
+                    ns = self.tree.find_namespace(extra_key)
+                except TypeError:
+                    return None  # unhashable: cache.py says so
+                if ns < 0 and end:
+                    ns = self.tree.make_namespace(extra_key)
+            self.inserts += 1
+            node = self.tree.root
+            if end == 0:
+                if whole:
+                    self.tree.empty_inserted.add(extra_key)
+                return self.insert_result(0, node)
+            self.tree.clock += 1
+            now = self.tree.clock
+            node.last_access_time = now
+            leaf_key = leaf_values = None
+            while pos < end:
+                child = self.tree.find_match(node, b.ptr + pos, end - pos, ns, &common)
+                if child is None:
+                    break
+                split_here = common < child.key_len
+                if split_here:
+                    if pos + common < end:
+                        # The new leaf's tokens and values, read before the split allocates.
+                        leaf_key = PyBytes_FromStringAndSize(
+                            <const char*>(b.ptr + pos + common),
+                            (end - pos - common) * sizeof(int64_t))
+                        if kv is not None:
+                            leaf_values = PyBytes_FromStringAndSize(
+                                <const char*>(v.ptr + pos + common),
+                                (end - pos - common) * sizeof(int64_t))
+                    child = self.tree.split(child, common)
+                child.last_access_time = now
+                child.hit_count += 1
+                if prio > child.priority:
+                    child.priority = prio
+                pos += common
+                node = child
+                if split_here:
+                    break
+            prefix_len = pos
+            if pos < end:
+                if leaf_key is None:
+                    leaf_key = PyBytes_FromStringAndSize(<const char*>(b.ptr + pos),
+                                                         (end - pos) * sizeof(int64_t))
+                    if kv is not None:
+                        leaf_values = PyBytes_FromStringAndSize(
+                            <const char*>(v.ptr + pos), (end - pos) * sizeof(int64_t))
+                release_tokens(&b)
+                release_tokens(&v)
+                leaf = self.tree.new_node(node, now)  # allocates: the inputs are done
+                leaf.key_owner = leaf_key
+                leaf.key_ptr = <const int64_t*>PyBytes_AS_STRING(leaf_key)
+                leaf.key_len = end - pos
+                if leaf_values is not None:
+                    leaf.value_owner = leaf_values
+                    leaf.value_ptr = <const int64_t*>PyBytes_AS_STRING(leaf_values)
+                leaf.priority = prio
+                leaf.hit_count = 1
+                leaf.ns = ns
+                leaf.extra_key = extra_key
+                node.add_child(leaf, self.tree.page_hash(leaf.key_ptr, ns))
+                self.tree.node_count += 1
+                if node is self.tree.root and ns:
+                    self.tree.ns_roots[ns] = self.tree.ns_roots.get(ns, 0) + 1
+                node = leaf
+            if whole:
+                node.terminal = True
+            release_tokens(&b)
+            release_tokens(&v)
+            if leaf is not None:
+                if held:
+                    self.new_leaf = leaf  # for cache.py's take_new_leaf()
+                self.evictable += leaf.key_len
+                self.inserted_tokens += leaf.key_len
+                dropped = self.push_if_evictable(leaf)
+            elif self.push_on_access:
+                dropped = self.push_if_evictable(node)
+            return self.insert_result(prefix_len, node)
+        finally:
+            release_tokens(&b)
+            release_tokens(&v)
+            self.give(held)
+
+    def exists(self, tokens, extra_key=None, bint held=False):
+        cdef TokenBuf b
+        cdef int64_t ns
+        cdef Py_ssize_t n, pos = 0, klen
+        cdef Py_ssize_t page_size = self.page_size
+        cdef Node node, child
+        b.held = False
+        self.take(held, "exists")
+        try:
+            if not self.acquire(tokens, &b, False, extra_key is not None):
+                return None
+            if extra_key is None:
+                ns = 0
+            else:
+                try:
+                    ns = self.tree.find_namespace(extra_key)
+                except TypeError:
+                    return None  # unhashable: cache.py says so
+            n = b.len
+            if n % page_size:
+                return False
+            if n == 0:
+                release_tokens(&b)
+                return extra_key in self.tree.empty_inserted
+            if ns < 0:
+                return False
+            node = self.tree.root
+            while pos < n:
+                child = node.find_child(b.ptr + pos, page_size,
+                                        self.tree.page_hash(b.ptr + pos, ns))
+                if child is None:
+                    return False
+                klen = child.key_len
+                if klen < n - pos and child.slots != NULL:
+                    rc_prefetch(&child.slots[self.tree.page_hash(b.ptr + pos + klen, ns)
+                                             & <uint64_t>child.slot_mask])
+                if klen > n - pos or memcmp(child.key_ptr, b.ptr + pos,
+                                            klen * sizeof(int64_t)) != 0:
+                    return False
+                pos += klen
+                node = child
+            return node.terminal
+        finally:
+            release_tokens(&b)
+            self.give(held)
+
+    cdef Py_ssize_t walk_length(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept:
+        """Read-only: the cached page-aligned prefix length of buf[:end] (no split)."""
+        cdef Py_ssize_t pos = 0, common
+        cdef Node node = self.tree.root
+        cdef Node child
+        while ns >= 0 and pos < end:
+            child = self.tree.find_match(node, buf + pos, end - pos, ns, &common)
+            if child is None:
+                break
+            pos += common
+            if common < child.key_len:
+                break
+            node = child
+        return pos
+
+    def token_array(self, tokens):
+        """The common token inputs as a new int64 array; None for anything else. Called by
+        cache.py's validation path, which holds the guard (the scratch buffer is its own)."""
+        cdef TokenBuf b
+        b.held = False
+        if not self.acquire(tokens, &b, False, False):
+            return None
+        try:
+            owner = PyBytes_FromStringAndSize(<const char*>b.ptr, b.len * sizeof(int64_t))
+        finally:
+            release_tokens(&b)
+        return np.frombuffer(owner, dtype=np.int64)
+
+    def take_new_leaf(self):
+        """The leaf the last ``held`` insert made (None if none), forgotten here."""
+        leaf = self.new_leaf
+        self.new_leaf = None
+        return leaf
+
+    def walk(self, tokens, extra_key=None):
+        cdef TokenBuf b
+        cdef int64_t ns
+        b.held = False
+        self.take(False, "walk")
+        try:
+            if not self.acquire(tokens, &b, False, extra_key is not None):
+                raise TypeError("walk takes the common token inputs only")
+            ns = self.tree.find_namespace(extra_key)
+            return self.walk_length(b.ptr, b.len - b.len % self.page_size, ns)
+        finally:
+            release_tokens(&b)
+            self.give(False)
+
+    # -- locks and eviction ----------------------------------------------------------------
+    def lock(self, node, int delta, bint held=False):
+        cdef Py_ssize_t moved
+        self.take(held, "inc_lock_ref" if delta > 0 else "dec_lock_ref")
+        try:
+            moved = self.tree.lock_path(node, delta)
+            if delta > 0:
+                self.evictable -= moved
+                self.protected += moved
+            elif moved:
+                self.evictable += moved
+                self.protected -= moved
+                # Only the bottom node can have become an evictable leaf.
+                dropped = self.push_if_evictable(<Node>node)
+            return moved
+        finally:
+            self.give(held)
+
+    def pop_victim(self, bint held=False):
+        stale = []  # dropped entries, released when the call returns
+        self.take(held, "evict")
+        try:
+            return self.heap.pop_entry(stale)
+        finally:
+            self.give(held)
+
+    def remove_leaf(self, Node node, bint held=False):
+        cdef Py_ssize_t size = node.key_len
+        cdef Node parent
+        dropped = []  # the leaf's value and stale heap entries, released on return
+        self.take(held, "evict")
+        try:
+            parent = self.tree.detach_leaf(node, dropped)
+            self.evictable -= size
+            self.evictions += 1
+            self.evicted_tokens += size
+            dropped.append(self.push_if_evictable(parent))
+            return size
+        finally:
+            self.give(held)
+
+    def set_value(self, Node node, values, bint held=False):
+        self.take(held, "insert")
+        try:
+            previous = self.tree.store_value(node, values)
+        finally:
+            self.give(held)
 
 
 # -- garbage collector support -------------------------------------------------------------
@@ -1131,13 +1616,17 @@ cdef int node_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
 
 
 cdef int heap_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
-    cdef HeapEntry* items = (<EvictionHeap>o).items
+    cdef EvictionHeap heap = <EvictionHeap>o
     cdef Py_ssize_t i
     cdef int r = _heap_base_traverse(o, visit, arg)
     if r:
         return r
-    for i in range((<EvictionHeap>o).size):
-        r = visit(items[i].node, arg)
+    for i in range(heap.size):
+        r = visit(heap.items[i].node, arg)
+        if r:
+            return r
+    for i in range(heap.run_size):
+        r = visit(heap.run_at(i).node, arg)
         if r:
             return r
     return 0

@@ -5,6 +5,54 @@ whichever one ``_core.py`` chose and never walks the tree itself.
 
 Interface shared by both cores
 ------------------------------
+``Core(page_size, policy)`` -- one per cache: the tree, the eviction heap, the sizes and the
+counters, and every per-call operation, each one call into the core. ``cache.py`` keeps the
+public class, input validation (the slow path), device tensors, the evict loop with its free
+callback, events hooks and stats assembly.
+
+The fast-path contract: ``match``, ``insert`` and ``exists`` accept the common inputs --
+tokens as a list or tuple of ints, a 1-D int64 numpy array, ``array('q')`` or a 1-D CPU int64
+torch tensor; ``kv`` as None, such a tensor, array or ``array('q')``, or a list/tuple of
+ints; a hashable ``extra_key``; an ``int`` priority in int64 -- and return their result. For
+anything else, or any input that would fail, they return ``None`` having changed nothing;
+``cache.py`` then takes the guard (``enter(what)``/``leave()``), validates in Python (raising
+the documented exception) and calls again with canonical inputs and ``held=True``: tokens as a
+1-D int64 numpy array, CPU kv as a 1-D int64 numpy array (device values go through
+``set_value`` afterwards). A call with canonical inputs never returns None.
+
+- ``match(tokens, extra_key, held=False) -> MatchResult | None``: the longest cached
+  page-aligned prefix; splits the node where it ends inside one; stamps the path with one
+  clock tick (none when the aligned length is 0); counts a lookup and the queried/matched
+  tokens; for policies in ``KEY_FALLS_ON_ACCESS`` pushes the matched leaf again. ``indices``
+  is one new int64 tensor (``EMPTY_INDICES`` on a miss, with ``last_node`` the root).
+- ``insert(tokens, kv, extra_key, priority, held=False) -> InsertResult | None``: walks,
+  splits where the key diverges inside a node, adds the uncached remainder as one new leaf
+  (with ``held``, ``take_new_leaf()`` returns it afterwards) holding a copy of its slice of ``kv``,
+  stamps the path, raises priorities, counts one hit per path node (a new leaf starts at 1),
+  marks the last node terminal when the sequence was page aligned, updates sizes and
+  counters and pushes the new leaf on the heap.
+- ``exists(tokens, extra_key, held=False) -> bool | None``: read-only exact-sequence test.
+- ``token_array(tokens) -> numpy.ndarray | None``: the common token inputs as a new int64
+  array (None otherwise), for cache.py's validation path.
+- ``walk(tokens, extra_key) -> int``: read-only longest cached page-aligned prefix length (no
+  split, no stamps, no counters): the bare tree walk that the benchmarks time.
+- ``lock(node, delta, held=False) -> int``: ``delta`` +1 or -1; walks node -> root (root
+  excluded), moves the tokens that crossed between unlocked and locked between
+  ``evictable`` and ``protected`` and returns their count; an unlock that makes the node an
+  evictable leaf pushes it. ``TypeError`` for a non-node, ``ValueError`` for an evicted node,
+  a node of another tree or an unlock below 0, changing nothing.
+- ``pop_victim(held=False) -> Node | None`` and ``remove_leaf(node, held=False) -> int``
+  (tokens freed): the evict loop's two steps; ``remove_leaf`` detaches the leaf, marks it
+  evicted, drops its value, counts the eviction and pushes the parent if it became an
+  evictable leaf.
+- ``set_value(node, values, held=False)``: a fresh leaf's device values (kept as given).
+- ``reset(held=False)``, ``reset_stats()``; attributes ``tree``, ``heap``, ``guard``,
+  ``evictable``, ``protected``, ``lookups``, ``matched_tokens``, ``queried_tokens``,
+  ``inserts``, ``inserted_tokens``, ``evictions``, ``evicted_tokens``.
+
+The tokens are read once per call, at its start, before it runs any other Python code (the
+extra_key's hashing): a call sees them as they were when it began.
+
 ``Node`` -- one tree node. Public, read-only properties: ``key`` (read-only 1-D int64 numpy
 array of the node's tokens), ``num_tokens``, ``stored_value`` (the index tensor given at
 insert, or None when the key doubles as the indices or the node was evicted), ``parent``,
@@ -13,53 +61,23 @@ insert, or None when the key doubles as the indices or the node was evicted), ``
 ``terminal``, and ``value`` (the index tensor, materialised from the key when none was
 stored, None once evicted).
 
-``Tree(page_size)`` -- attributes ``root``, ``page_size``, ``clock`` (logical time, +1 per
-touching call), ``node_count`` (nodes excluding the root), ``num_splits`` (writable counter),
-``guard`` (the tree's ``Guard``, to share with its heap).
+``Tree`` (``Core.tree``) -- attributes ``root``, ``page_size``, ``clock`` (logical time, +1 per
+touching call), ``node_count`` (nodes excluding the root), ``num_splits``, ``guard``;
+``iter_nodes() -> iterator of (node, depth)``: pre-order, root first at depth 0, siblings in
+``display_order`` (so both cores list a tree identically). Its walks are the core's own.
 
-- ``match(tokens, extra_key) -> (path, length)``: ``path`` lists the matched nodes below the
-  root (the last one split so the match ends on its boundary); ``length`` is page aligned.
-  Length 0 touches nothing; otherwise one clock tick stamps the root and every path node.
-- ``insert(tokens, extra_key, priority) -> (prefix_len, last_node, new_leaf)``: walks, splits
-  where the key diverges inside a node, adds the uncached remainder as one new leaf (``None``
-  if nothing was new), stamps the path, raises priorities to ``priority``, counts one hit per
-  path node (a new leaf starts at 1), marks ``last_node`` terminal when the whole sequence was
-  page aligned.
-- ``exists(tokens, extra_key) -> bool``: read-only exact-sequence test (terminal mark).
-- ``set_value(node, values)``: stores a fresh leaf's indices: a CPU int64 numpy array is
-  copied into the core's own buffer, a device tensor is kept as given.
-- ``gather(path) -> torch.Tensor``: the path's indices concatenated into a new int64 tensor.
-- ``lock(node, delta) -> int``: ``delta`` is +1 or -1; walks node -> root (root excluded),
-  returns how many tokens crossed between unlocked and locked. Raises ``TypeError`` for a
-  non-node, ``ValueError`` for an evicted node, a node of another tree, or an unlock below 0,
-  changing nothing.
-- ``remove_leaf(node) -> parent``: detaches an unlocked leaf, marks it evicted, clears its
-  stored value.
-- ``reset()``: drops every node (marking each evicted) without recursion.
-- ``iter_nodes() -> iterator of (node, depth)``: pre-order, root first at depth 0, siblings in
-  ``display_order`` (so both cores list a tree identically).
+``EvictionHeap`` (``Core.heap``) -- the lazy eviction heap (policy names as in
+``EVICTION_POLICIES``) sharing the tree's guard: ``push(node)``, ``pop_victim()``, ``len()``,
+``clear()``, ``key_of(node)`` and ``entries()`` (list of (stored key, node)) for consistency
+checks; see the class docstring.
 
-``tokens`` is a list or tuple of ints, or any object exposing a C-contiguous int64 buffer
-(``numpy.int64`` arrays, ``array('q')``); the core converts it once per call, at the start,
-before it runs any other Python code (the extra_key's hashing): a list is read as it was
-when the call began, even if a token's ``__index__`` changes it (each item's ``__index__``
-runs once, in order). Bad tokens raise ``TypeError``/``OverflowError`` before anything
-changes.
-
-``EvictionHeap(policy, guard=None)`` -- the lazy eviction heap (policy names as in
-``EVICTION_POLICIES``), sharing ``guard`` (the tree's) when given: ``push(node)``,
-``pop_victim() -> node | None``, ``len()``, ``clear()``, ``key_of(node)`` and ``entries()``
-(list of (stored key, node)); see the class docstring.
-
-Re-entrancy: ``Guard`` is held for the duration of every tree call that can run Python code
-(``match``, ``insert``, ``exists``, ``set_value``, ``gather``, ``lock``, ``remove_leaf``,
-``reset``) and every heap call that changes or lists it (``push``, ``pop_victim``, ``clear``,
-``entries``). A call into the tree or its heap while another runs -- from a token's
+Re-entrancy: the ``Guard`` is held for the duration of every ``Core`` call (and of every
+public tree or heap call). A call into the cache while another runs -- from a token's
 ``__index__``, an extra_key's ``__hash__``/``__eq__``, a torch hook, a finalizer, or another
 thread -- raises ``RuntimeError`` ("RadixCache re-entered ...") and changes nothing.
 References a call drops (an evicted leaf's value, stale heap entries, a cleared heap) are
 released after the guard, when the structure is consistent, so finalizers they set off may
-call the tree. ``iter_nodes`` holds no guard (it is a generator; it holds references to
+call the cache. ``iter_nodes`` holds no guard (it is a generator; it holds references to
 what it has yet to yield). A split writes the tree only after its last call out: the
 compiled core shares a device value between the halves through an offset and calls
 nothing; this core slices it first (a view of the same storage), so a torch hook that
@@ -69,6 +87,7 @@ and are visible to the garbage collector; freeing a tree never recurses.
 
 from __future__ import annotations
 
+import array
 import heapq
 import struct
 import threading
@@ -77,9 +96,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ._shared import cat_values, display_order, indices_from_key, reentered
+from ._shared import (_INT64_MAX, _INT64_MIN, EMPTY_INDICES, KEY_FALLS_ON_ACCESS, InsertResult,
+                      MatchResult, cat_values, display_order, indices_from_key, reentered)
 
-__all__ = ["Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME"]
+__all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME"]
 
 CORE_NAME = "python"
 
@@ -93,27 +113,60 @@ def _new_id() -> int:
     return _next_id
 
 
-def _as_bytes(tokens: Any) -> bytes:
-    """The caller's tokens as one native int64 byte string (one conversion per call)."""
-    if isinstance(tokens, (list, tuple)):
+def _token_bytes(tokens: Any) -> bytes | None:
+    """The common token inputs as one native int64 byte string (one conversion per call):
+    a list or tuple of ints, a 1-D int64 numpy array, ``array('q')`` or a 1-D CPU int64
+    tensor. None for anything else, or when a conversion fails: cache.py's checks take over."""
+    kind = type(tokens)
+    if kind is list or kind is tuple:
         try:
             return struct.pack(f"{len(tokens)}q", *tokens)
-        except struct.error as exc:
-            # struct reports both wrong types and out-of-range values as struct.error.
-            for tok in tokens:
-                if not isinstance(tok, int) and not hasattr(tok, "__index__"):
-                    raise TypeError(
-                        f"token ids must be integers, got {type(tok).__name__}"
-                    ) from None
-                if not -(2**63) <= tok.__index__() < 2**63:
-                    raise OverflowError(
-                        f"token id {tok} does not fit in int64"
-                    ) from None
-            raise TypeError(f"bad token ids: {exc}") from None
-    view = memoryview(tokens)
-    if view.format not in ("q", "l", "<q", "=q") or view.itemsize != 8 or view.ndim != 1:
-        raise TypeError("token buffer must be 1-D int64")
-    return view.tobytes()
+        except struct.error:
+            return None
+    if kind is np.ndarray:
+        if tokens.dtype == np.int64 and tokens.ndim == 1:
+            return tokens.tobytes()
+        return None
+    if kind is array.array:
+        return tokens.tobytes() if tokens.typecode == "q" else None
+    if kind is torch.Tensor:
+        if tokens.is_cpu and tokens.dtype is torch.int64 and tokens.dim() == 1:
+            return tokens.numpy().tobytes()
+    return None
+
+
+def _kv_array(kv: Any, needed: int) -> np.ndarray | None:
+    """The common kv_indices inputs as a 1-D int64 array of at least ``needed`` entries (a
+    view where possible; the core copies the new leaf's slice). None for anything else."""
+    kind = type(kv)
+    if kind is torch.Tensor:
+        if not kv.is_cpu or kv.dtype is not torch.int64 or kv.dim() != 1:
+            return None
+        arr = kv.numpy()
+    elif kind is np.ndarray:
+        arr = kv
+    elif kind is array.array:
+        if kv.typecode != "q":
+            return None
+        arr = np.frombuffer(kv, dtype=np.int64) if len(kv) else np.empty(0, dtype=np.int64)
+    elif kind is list or kind is tuple:
+        try:
+            arr = np.array(kv)
+        except (OverflowError, ValueError, TypeError):
+            return None
+    else:
+        return None
+    if arr.dtype != np.int64 or arr.ndim != 1 or arr.shape[0] < needed:
+        return None
+    return arr
+
+
+def _hashable(extra_key: Any) -> bool:
+    try:
+        hash(extra_key)
+    except TypeError:
+        return False
+    return True
 
 
 def _first_mismatch(a: bytes, b: bytes) -> int:
@@ -332,16 +385,8 @@ class Tree:
         common = self._common_bytes(key, buf, pos, end)
         return self._split(child, common), common
 
-    def match(self, tokens: Any, extra_key: Any = None) -> tuple[list, int]:
-        if not self._enter(False):
-            raise reentered("match")
-        try:
-            return self._match(tokens, extra_key)
-        finally:
-            self._leave()
-
-    def _match(self, tokens: Any, extra_key: Any = None) -> tuple[list, int]:
-        buf = _as_bytes(tokens)
+    # The walks take the call's tokens as bytes; the Core converts them and holds the guard.
+    def _match(self, buf: bytes, extra_key: Any = None) -> tuple[list, int]:
         end = self._aligned_end(buf)
         if end == 0:
             return [], 0
@@ -361,16 +406,7 @@ class Tree:
             node = child
         return path, pos // _TOKEN_BYTES
 
-    def insert(self, tokens: Any, extra_key: Any = None, priority: int = 0):
-        if not self._enter(False):
-            raise reentered("insert")
-        try:
-            return self._insert(tokens, extra_key, priority)
-        finally:
-            self._leave()
-
-    def _insert(self, tokens: Any, extra_key: Any = None, priority: int = 0):
-        buf = _as_bytes(tokens)
+    def _insert(self, buf: bytes, extra_key: Any = None, priority: int = 0):
         end = self._aligned_end(buf)
         whole = end == len(buf)
         node = self.root
@@ -405,16 +441,7 @@ class Tree:
             node._terminal = True
         return prefix_len, node, new_leaf
 
-    def exists(self, tokens: Any, extra_key: Any = None) -> bool:
-        if not self._enter(False):
-            raise reentered("exists")
-        try:
-            return self._exists(tokens, extra_key)
-        finally:
-            self._leave()
-
-    def _exists(self, tokens: Any, extra_key: Any = None) -> bool:
-        buf = _as_bytes(tokens)
+    def _exists(self, buf: bytes, extra_key: Any = None) -> bool:
         end = len(buf)
         if end % self._page_bytes:
             return False
@@ -434,6 +461,25 @@ class Tree:
             node = child
         return node._terminal
 
+    def _walk(self, buf: bytes, extra_key: Any = None) -> int:
+        """Read-only: the longest cached page-aligned prefix length (no split, no stamps)."""
+        end = self._aligned_end(buf)
+        node = self.root
+        pos = 0
+        while pos < end:
+            child = self._find_child(node, buf, pos, extra_key)
+            if child is None:
+                break
+            key = child._key
+            klen = len(key)
+            if klen <= end - pos and buf[pos:pos + klen] == key:
+                pos += klen
+                node = child
+                continue
+            pos += self._common_bytes(key, buf, pos, end)
+            break
+        return pos // _TOKEN_BYTES
+
     # -- node bookkeeping ------------------------------------------------------------
     def _check_member(self, node: Any) -> None:
         if not isinstance(node, Node):
@@ -450,28 +496,17 @@ class Tree:
         if top is not self.root:
             raise ValueError(f"node {node._id} belongs to another cache")
 
-    def set_value(self, node: Node, values: Any) -> None:
+    # The Core holds the guard around these; each returns what it let go, for the Core to
+    # release after it.
+    def _store_value(self, node: Node, values: Any) -> Any:
         """Store a leaf's indices: a CPU int64 array is copied in, a device tensor kept."""
-        if not self._enter(False):
-            raise reentered("set_value")
-        try:
-            if isinstance(values, np.ndarray):
-                if len(values) != node.num_tokens:
-                    raise ValueError(
-                        f"{len(values)} values for a node of {node.num_tokens} tokens")
-                values = values.tobytes()
-            previous = node._value  # released when the call returns  # noqa: F841
-            node._value = values
-        finally:
-            self._leave()
-
-    def gather(self, path: list):
-        if not self._enter(False):
-            raise reentered("gather")
-        try:
-            return self._gather(path)
-        finally:
-            self._leave()
+        if isinstance(values, np.ndarray):
+            if len(values) != node.num_tokens:
+                raise ValueError(f"{len(values)} values for a node of {node.num_tokens} tokens")
+            values = values.tobytes()
+        previous = node._value
+        node._value = values
+        return previous
 
     def _gather(self, path: list):
         """The path's index values concatenated into one new int64 tensor."""
@@ -485,14 +520,6 @@ class Tree:
             else:
                 return cat_values(path)  # device tensors: torch concatenates
         return torch.frombuffer(bytearray().join(parts), dtype=torch.int64)
-
-    def lock(self, node: Any, delta: int) -> int:
-        if not self._enter(False):
-            raise reentered("lock")
-        try:
-            return self._lock(node, delta)
-        finally:
-            self._leave()
 
     def _lock(self, node: Any, delta: int) -> int:
         if node is None or node is self.root:
@@ -520,44 +547,37 @@ class Tree:
             node = node._parent
         return moved // _TOKEN_BYTES
 
-    def remove_leaf(self, node: Node) -> Node:
-        if not self._enter(False):
-            raise reentered("remove_leaf")
-        try:
-            parent = node._parent
-            if parent is None or node._children:
-                raise ValueError(f"node {node._id} is not an attached leaf")
-            ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
-            del parent._children[ckey]
+    def _detach_leaf(self, node: Node) -> tuple:
+        """Detach an attached leaf (marked evicted); returns (parent, its dropped value)."""
+        parent = node._parent
+        if parent is None or node._children:
+            raise ValueError(f"node {node._id} is not an attached leaf")
+        ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
+        del parent._children[ckey]
+        node._parent = None
+        node._evicted = True
+        previous = node._value
+        node._value = None
+        self.node_count -= 1
+        return parent, previous
+
+    def _clear(self) -> Node:
+        """Drop every node (marked evicted) without recursion; returns the old root."""
+        old_root = self.root
+        self.root = Node(b"", None, None, 0)
+        self._empty_inserted = set()
+        self.clock = 0
+        self.node_count = 0
+        self.num_splits = 0
+        stack = [old_root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node._children.values())
+            node._children = {}
             node._parent = None
             node._evicted = True
-            previous = node._value  # released when the call returns  # noqa: F841
             node._value = None
-            self.node_count -= 1
-            return parent
-        finally:
-            self._leave()
-
-    def reset(self) -> None:
-        if not self._enter(False):
-            raise reentered("reset")
-        try:
-            old_root = self.root
-            self.root = Node(b"", None, None, 0)
-            self._empty_inserted = set()
-            self.clock = 0
-            self.node_count = 0
-            self.num_splits = 0
-            stack = [old_root]
-            while stack:
-                node = stack.pop()
-                stack.extend(node._children.values())
-                node._children = {}
-                node._parent = None
-                node._evicted = True
-                node._value = None
-        finally:
-            self._leave()
+        return old_root
 
     def iter_nodes(self) -> Iterator[tuple[Node, int]]:
         stack = [(self.root, 0)]
@@ -659,40 +679,49 @@ class EvictionHeap:
         if not self._enter(False):
             raise reentered("push")
         try:
-            key = self._key(node)
-            heapq.heappush(self._heap, key)
-            self._nodes[key] = node
-            if len(self._heap) > self._limit:
-                dropped = self._compact()  # released when the call returns  # noqa: F841
+            dropped = self._push(node)  # released when the call returns  # noqa: F841
         finally:
             self._leave()
+
+    def _push(self, node: Node) -> dict | None:
+        """Push without the guard; returns what a compaction dropped (None if none ran)."""
+        key = self._key(node)
+        heapq.heappush(self._heap, key)
+        self._nodes[key] = node
+        if len(self._heap) > self._limit:
+            return self._compact()
+        return None
 
     def pop_victim(self) -> Node | None:
         if not self._enter(False):
             raise reentered("pop_victim")
         stale = []  # entries dropped here, released when the call returns
         try:
-            heap = self._heap
-            nodes = self._nodes
-            sort_key = self._key
-            while heap:
-                stored = heapq.heappop(heap)
-                node = nodes.pop(stored, None)
-                if node is None:
-                    continue  # a duplicate of an entry already handled
-                stale.append(node)
-                if node._evicted or node._children or node._lock_ref:
-                    continue  # pushed again if it becomes an evictable leaf
-                current = sort_key(node)
-                if current == stored:
-                    return node
-                if current > stored:  # touched since pushed: wait for its turn
-                    heapq.heappush(heap, current)
-                    nodes[current] = node
-                # else: a fall in key always came with a fresh push
-            return None
+            return self._pop(stale)
         finally:
             self._leave()
+
+    def _pop(self, stale: list) -> Node | None:
+        """Pop without the guard; dropped entries' nodes go to ``stale``."""
+        heap = self._heap
+        nodes = self._nodes
+        sort_key = self._key
+        while heap:
+            stored = heapq.heappop(heap)
+            node = nodes.pop(stored, None)
+            if node is None:
+                continue  # a duplicate of an entry already handled
+            stale.append(node)
+            if node._evicted or node._children or node._lock_ref:
+                continue  # pushed again if it becomes an evictable leaf
+            current = sort_key(node)
+            if current == stored:
+                return node
+            if current > stored:  # touched since pushed: wait for its turn
+                heapq.heappush(heap, current)
+                nodes[current] = node
+            # else: a fall in key always came with a fresh push
+        return None
 
     def _compact(self) -> dict:
         """Keep one usable entry per leaf; returns the old table for the caller to release."""
@@ -709,3 +738,209 @@ class EvictionHeap:
         heapq.heapify(self._heap)
         self._limit = max(1024, 2 * len(self._heap))
         return old
+
+
+# -- the per-cache core object -------------------------------------------------------------
+class Core:
+    """One cache's tree, eviction heap, sizes and counters, and its whole-call operations.
+
+    Every call holds the tree's guard (shared with the heap) unless ``held`` says the caller
+    (cache.py's validation or evict loop) holds it already. References a call lets go are
+    released after the guard."""
+
+    __slots__ = ("tree", "heap", "guard", "page_size", "evictable", "protected", "lookups",
+                 "matched_tokens", "queried_tokens", "inserts", "inserted_tokens", "evictions",
+                 "evicted_tokens", "new_leaf", "_push_on_access", "_enter", "_leave")
+
+    def __init__(self, page_size: int, policy: str) -> None:
+        self.page_size = page_size
+        self.tree = Tree(page_size)
+        self.guard = self.tree.guard
+        self._enter = self.guard.acquire
+        self._leave = self.guard.release
+        self.heap = EvictionHeap(policy, self.guard)
+        self._push_on_access = policy in KEY_FALLS_ON_ACCESS
+        self.evictable = 0
+        self.protected = 0
+        self.new_leaf = None
+        self.reset_stats()
+
+    # -- the guard, for cache.py's slow paths and evict loop -------------------------------
+    def enter(self, what: str) -> None:
+        if not self._enter(False):
+            raise reentered(what)
+
+    def leave(self) -> None:
+        self._leave()
+
+    def _take(self, held: bool, what: str) -> None:
+        if not held and not self._enter(False):
+            raise reentered(what)
+
+    def reset_stats(self) -> None:
+        self.lookups = self.matched_tokens = self.queried_tokens = 0
+        self.inserts = self.inserted_tokens = self.evictions = self.evicted_tokens = 0
+        self.tree.num_splits = 0
+
+    def reset(self, held: bool = False) -> None:
+        self._take(held, "reset")
+        try:
+            old_root = self.tree._clear()  # noqa: F841 -- released after the guard
+            heap = self.heap
+            old_entries = heap._nodes  # noqa: F841
+            heap._heap = []
+            heap._nodes = {}
+            heap._limit = 1024
+            self.evictable = 0
+            self.protected = 0
+            self.new_leaf = None
+            self.reset_stats()
+        finally:
+            if not held:
+                self._leave()
+
+    def _push_if_evictable(self, node: Node) -> Any:
+        if (not node._children and not node._lock_ref and not node._evicted
+                and node is not self.tree.root):
+            return self.heap._push(node)
+        return None
+
+    # -- whole calls -----------------------------------------------------------------------
+    def match(self, tokens: Any, extra_key: Any = None, held: bool = False) -> MatchResult | None:
+        self._take(held, "match_prefix")
+        try:
+            buf = _token_bytes(tokens)  # first: the tokens as they were when the call began
+            if buf is None or (extra_key is not None and not _hashable(extra_key)):
+                return None
+            tree = self.tree
+            path, length = tree._match(buf, extra_key)
+            self.lookups += 1
+            n = len(buf) // _TOKEN_BYTES
+            self.queried_tokens += n - n % self.page_size
+            if not path:
+                return MatchResult(EMPTY_INDICES, tree.root, 0)
+            self.matched_tokens += length
+            last = path[-1]
+            if self._push_on_access:
+                dropped = self._push_if_evictable(last)  # noqa: F841
+            return MatchResult(tree._gather(path), last, length)
+        finally:
+            if not held:
+                self._leave()
+
+    def insert(self, tokens: Any, kv: Any = None, extra_key: Any = None, priority: Any = 0,
+               held: bool = False) -> InsertResult | None:
+        if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
+            return None
+        self._take(held, "insert")
+        try:
+            if kv is not None and type(kv) is torch.Tensor and not kv.is_cpu:
+                return None  # values on a device: cache.py slices them there
+            buf = _token_bytes(tokens)
+            if buf is None or (extra_key is not None and not _hashable(extra_key)):
+                return None
+            values = None
+            if kv is not None:
+                n = len(buf) // _TOKEN_BYTES
+                values = _kv_array(kv, n - n % self.page_size)
+                if values is None:
+                    return None
+            tree = self.tree
+            prefix_len, last, new_leaf = tree._insert(buf, extra_key, priority)
+            self.inserts += 1
+            if held:
+                self.new_leaf = new_leaf  # for cache.py's take_new_leaf()
+            dropped = None
+            if new_leaf is not None:
+                added = new_leaf.num_tokens
+                if values is not None:
+                    tree._store_value(new_leaf, values[prefix_len:prefix_len + added])
+                self.evictable += added
+                self.inserted_tokens += added
+                dropped = self.heap._push(new_leaf)  # noqa: F841
+            elif self._push_on_access:
+                dropped = self._push_if_evictable(last)  # noqa: F841
+            return InsertResult(prefix_len, last)
+        finally:
+            if not held:
+                self._leave()
+
+    def exists(self, tokens: Any, extra_key: Any = None, held: bool = False) -> bool | None:
+        self._take(held, "exists")
+        try:
+            buf = _token_bytes(tokens)
+            if buf is None or (extra_key is not None and not _hashable(extra_key)):
+                return None
+            return self.tree._exists(buf, extra_key)
+        finally:
+            if not held:
+                self._leave()
+
+    def token_array(self, tokens: Any) -> np.ndarray | None:
+        """The common token inputs as a new int64 array; None for anything else."""
+        buf = _token_bytes(tokens)
+        return None if buf is None else np.frombuffer(buf, dtype=np.int64)
+
+    def take_new_leaf(self) -> Node | None:
+        """The leaf the last ``held`` insert made (None if none), forgotten here."""
+        leaf, self.new_leaf = self.new_leaf, None
+        return leaf
+
+    def walk(self, tokens: Any, extra_key: Any = None) -> int:
+        self._take(False, "walk")
+        try:
+            buf = _token_bytes(tokens)
+            if buf is None:
+                raise TypeError("walk takes the common token inputs only")
+            return self.tree._walk(buf, extra_key)
+        finally:
+            self._leave()
+
+    # -- locks and eviction ----------------------------------------------------------------
+    def lock(self, node: Any, delta: int, held: bool = False) -> int:
+        self._take(held, "inc_lock_ref" if delta > 0 else "dec_lock_ref")
+        try:
+            moved = self.tree._lock(node, delta)
+            if delta > 0:
+                self.evictable -= moved
+                self.protected += moved
+            elif moved:
+                self.evictable += moved
+                self.protected -= moved
+                # Only the bottom node can have become an evictable leaf.
+                dropped = self._push_if_evictable(node)  # noqa: F841
+            return moved
+        finally:
+            if not held:
+                self._leave()
+
+    def pop_victim(self, held: bool = False) -> Node | None:
+        stale: list = []  # released when the call returns
+        self._take(held, "evict")
+        try:
+            return self.heap._pop(stale)
+        finally:
+            if not held:
+                self._leave()
+
+    def remove_leaf(self, node: Node, held: bool = False) -> int:
+        self._take(held, "evict")
+        try:
+            size = node.num_tokens
+            parent, value = self.tree._detach_leaf(node)  # noqa: F841 -- value released later
+            self.evictable -= size
+            self.evictions += 1
+            self.evicted_tokens += size
+            dropped = self._push_if_evictable(parent)  # noqa: F841
+            return size
+        finally:
+            if not held:
+                self._leave()
+
+    def set_value(self, node: Node, values: Any, held: bool = False) -> None:
+        self._take(held, "insert")
+        try:
+            previous = self.tree._store_value(node, values)  # noqa: F841
+        finally:
+            if not held:
+                self._leave()

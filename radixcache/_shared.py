@@ -7,6 +7,49 @@ import torch
 
 EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
 
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+
+class MatchResult:
+    """The longest cached prefix: its KV ``indices``, ``last_node`` and ``length``."""
+
+    __slots__ = ("indices", "last_node", "length")
+
+    def __init__(self, indices: torch.Tensor, last_node, length: int) -> None:
+        self.indices = indices
+        self.last_node = last_node
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def close(self) -> None:
+        """Drop the reference to the index tensor (the cache keeps its own copy)."""
+        self.indices = EMPTY_INDICES
+
+    def __enter__(self) -> "MatchResult":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MatchResult(length={self.length}, last_node={self.last_node!r})"
+
+
+class InsertResult:
+    """``prefix_len`` leading tokens were cached already; ``last_node`` ends the sequence."""
+
+    __slots__ = ("prefix_len", "last_node")
+
+    def __init__(self, prefix_len: int, last_node) -> None:
+        self.prefix_len = prefix_len
+        self.last_node = last_node
+
+    def __repr__(self) -> str:
+        return f"InsertResult(prefix_len={self.prefix_len}, last_node={self.last_node!r})"
+
 
 def indices_from_key(key: np.ndarray) -> torch.Tensor:
     """The index tensor of a node inserted without kv_indices: its tokens serve as indices."""

@@ -1,8 +1,17 @@
-"""RadixCache: the public cache over a tree core (input conversion, tensors, locks, eviction)."""
+"""RadixCache: the public cache over a tree core.
+
+Every call goes to the core object (``Core``) once; common inputs are handled there whole.
+When the core declines an input (returns None, having changed nothing), this module validates
+it -- raising the documented exception -- and calls again with canonical inputs, holding
+the core's guard across both (so a nested call from a token's ``__index__`` or an extra_key's
+``__hash__`` raises ``RuntimeError`` on either path). It keeps what only Python should do:
+device tensors, the evict loop with its free callback, events hooks and stats assembly.
+"""
 
 from __future__ import annotations
 
 import array
+import struct
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
@@ -11,7 +20,7 @@ import numpy as np
 import torch
 
 from . import _core
-from ._shared import EMPTY_INDICES, EVICTION_POLICIES, KEY_FALLS_ON_ACCESS, reentered
+from ._shared import EVICTION_POLICIES, InsertResult, MatchResult
 
 __all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "EVICTION_POLICIES"]
 
@@ -37,55 +46,6 @@ class CacheStats:
     protected_size: int
     total_size: int
     node_count: int
-
-
-class MatchResult:
-    """The longest cached prefix: its KV ``indices``, ``last_node`` and ``length``."""
-
-    __slots__ = ("indices", "last_node", "length")
-
-    def __init__(self, indices: torch.Tensor, last_node: Any, length: int) -> None:
-        self.indices = indices
-        self.last_node = last_node
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def close(self) -> None:
-        """Drop the reference to the index tensor (the cache keeps its own copy)."""
-        self.indices = EMPTY_INDICES
-
-    def __enter__(self) -> "MatchResult":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"MatchResult(length={self.length}, last_node={self.last_node!r})"
-
-
-class InsertResult:
-    """``prefix_len`` leading tokens were cached already; ``last_node`` ends the sequence."""
-
-    __slots__ = ("prefix_len", "last_node")
-
-    def __init__(self, prefix_len: int, last_node: Any) -> None:
-        self.prefix_len = prefix_len
-        self.last_node = last_node
-
-    def __repr__(self) -> str:
-        return f"InsertResult(prefix_len={self.prefix_len}, last_node={self.last_node!r})"
-
-
-class _Counters:
-    __slots__ = ("lookups", "matched_tokens", "queried_tokens", "inserts", "inserted_tokens",
-                 "evictions", "evicted_tokens")
-
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -126,6 +86,28 @@ def _check_tensor_dtype(tensor: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what} must hold integers, got {tensor.dtype}")
 
 
+def _list_tokens(tokens: list | tuple) -> np.ndarray:
+    """A list or tuple of ints as an int64 array, with a message naming a bad token."""
+    try:
+        packed = struct.pack(f"{len(tokens)}q", *tokens)
+    except struct.error as exc:
+        # struct reports both wrong types and out-of-range values as struct.error.
+        for tok in list(tokens):
+            if not isinstance(tok, int) and not hasattr(tok, "__index__"):
+                raise TypeError(f"token ids must be integers, got {type(tok).__name__}") from None
+            value = tok.__index__()
+            if not _INT64_MIN <= value <= _INT64_MAX:
+                raise OverflowError(f"token id {value} does not fit in int64") from None
+        raise TypeError(f"bad token ids: {exc}") from None
+    return np.frombuffer(packed, dtype=np.int64)
+
+
+def _checked(result: Any) -> Any:
+    if result is None:  # canonical inputs are always accepted: a core bug, not bad input
+        raise RuntimeError("the tree core declined validated input")
+    return result
+
+
 class RadixCache:
     """A radix tree of token prefixes mapping to KV-cache slot indices (SGLang/Smile API).
 
@@ -145,53 +127,56 @@ class RadixCache:
             )
         self.page_size = page_size
         self.eviction_policy = eviction_policy
-        self._push_on_access = eviction_policy in KEY_FALLS_ON_ACCESS
-        self._core = _core.get_core(core)
-        # Held while a call runs (released around evict's free_callback): a call from inside
-        # another (hooks, finalizers) or from a second thread raises RuntimeError instead of
-        # interleaving with it. Taken without waiting, atomically: two threads cannot both
-        # pass. Its own, distinct from the tree's (which the core holds inside each call).
-        guard = self._core.Guard()
-        self._enter = guard.acquire
-        self._leave = guard.release
+        self._core_module = _core.get_core(core)
         self._events = None
         if enable_events:
             from .events import EventRecorder  # noqa: PLC0415 -- optional feature
 
             self._events = EventRecorder(page_size)
-        self._init_state()
-
-    def _init_state(self) -> None:
-        self._tree = self._core.Tree(self.page_size)
-        # One guard for both: a call into either while the other works raises RuntimeError.
-        self._heap = self._core.EvictionHeap(self.eviction_policy, self._tree.guard)
-        self._evictable = 0
-        self._protected = 0
-        self._counters = _Counters()
+        self._core = self._core_module.Core(page_size, eviction_policy)
 
     @property
     def core_name(self) -> str:
         """The tree core this cache runs on: ``"c"`` or ``"python"``."""
-        return self._core.CORE_NAME
+        return self._core_module.CORE_NAME
 
     @property
     def root_node(self) -> Any:
-        return self._tree.root
+        return self._core.tree.root
 
-    # -- input conversion ------------------------------------------------------------
-    @staticmethod
-    def _tokens(token_ids: Any) -> Any:
-        """Validate the caller's tokens into what the core converts once (list, tuple, int64 buffer)."""
+    # The core's parts, for consistency checks (tests) and benchmarks.
+    @property
+    def _tree(self) -> Any:
+        return self._core.tree
+
+    @property
+    def _heap(self) -> Any:
+        return self._core.heap
+
+    @property
+    def _evictable(self) -> int:
+        return self._core.evictable
+
+    @property
+    def _protected(self) -> int:
+        return self._core.protected
+
+    # -- input validation (the slow path) ----------------------------------------------
+    def _tokens(self, token_ids: Any) -> np.ndarray:
+        """Validate the caller's tokens into a 1-D int64 numpy array (or raise)."""
         kind = type(token_ids)
         if kind is list or kind is tuple:
-            return token_ids
+            # The core reads exact ints at C speed; anything else gets Python's checks.
+            converted = self._core.token_array(token_ids)
+            return _list_tokens(token_ids) if converted is None else converted
         if isinstance(token_ids, torch.Tensor):
             if token_ids.device.type != "cpu":
                 raise ValueError(
                     f"token_ids must be a CPU tensor, got one on {token_ids.device}"
                 )
             _check_tensor_dtype(token_ids, "token_ids")
-            return _int64_array(token_ids.detach().numpy(), "token_ids")
+            # A copy: the core must not read memory that torch can free under it.
+            return np.array(_int64_array(token_ids.detach().numpy(), "token_ids"))
         if isinstance(token_ids, np.ndarray):
             return _int64_array(token_ids, "token_ids")
         if isinstance(token_ids, array.array):
@@ -199,20 +184,18 @@ class RadixCache:
                 raise TypeError(
                     f"token_ids array must hold integers, got typecode {token_ids.typecode!r}"
                 )
-            if token_ids.typecode == "q":
-                return token_ids
             return _int64_array(np.asarray(token_ids), "token_ids")
         if isinstance(token_ids, (str, bytes, bytearray, memoryview)) or token_ids is None:
             raise TypeError(
                 f"token_ids must be a sequence of ints, got {type(token_ids).__name__}"
             )
         try:
-            return list(token_ids)
+            items = list(token_ids)
         except TypeError:
             raise TypeError(
                 f"token_ids must be a sequence of ints, got {type(token_ids).__name__}"
             ) from None
-
+        return _list_tokens(items)
     @staticmethod
     def _kv_values(kv_indices: Any, needed: int) -> Any:
         """Validate kv_indices as 1-D integers, at least ``needed`` of them.
@@ -252,31 +235,30 @@ class RadixCache:
     # -- the API -----------------------------------------------------------------------
     def match_prefix(self, token_ids: Any, extra_key: Any = None) -> MatchResult:
         """The longest cached prefix (page aligned); a match ending inside a node splits it."""
-        if not self._enter(False):
-            raise reentered("match_prefix")
-        try:
-            tokens = self._tokens(token_ids)
-            if extra_key is not None:
-                _check_extra_key(extra_key)
-            path, length = self._tree.match(tokens, extra_key)
-            counters = self._counters
-            counters.lookups += 1
-            counters.queried_tokens += self._aligned(len(tokens))
-            if not path:
-                return MatchResult(EMPTY_INDICES, self._tree.root, 0)
-            counters.matched_tokens += length
-            last = path[-1]
-            if self._push_on_access:
-                self._push_if_evictable(last)
-            return MatchResult(self._tree.gather(path), last, length)
-        finally:
-            self._leave()
+        result = self._core.match(token_ids, extra_key)
+        if result is None:  # an unusual input, or a bad one: validate, then once more
+            core = self._core
+            core.enter("match_prefix")
+            try:
+                tokens = self._tokens(token_ids)
+                if extra_key is not None:
+                    _check_extra_key(extra_key)
+                result = _checked(core.match(tokens, extra_key, True))
+            finally:
+                core.leave()
+        return result
 
     def insert(self, token_ids: Any, kv_indices: Any = None, extra_key: Any = None,
                priority: int = 0) -> InsertResult:
         """Cache ``token_ids``; returns how many leading tokens were cached already."""
-        if not self._enter(False):
-            raise reentered("insert")
+        if self._events is None:
+            result = self._core.insert(token_ids, kv_indices, extra_key, priority)
+            if result is not None:
+                return result
+        # An unusual input, a bad one, or events on (the recorder has its own rules for
+        # extra_key): every check first, then the core with canonical inputs.
+        core = self._core
+        core.enter("insert")
         try:
             tokens = self._tokens(token_ids)
             if extra_key is not None:
@@ -288,132 +270,100 @@ class RadixCache:
             kv = None
             if kv_indices is not None:
                 kv = self._kv_values(kv_indices, self._aligned(len(tokens)))
-            prefix_len, last, new_leaf = self._tree.insert(tokens, extra_key, priority)
-            counters = self._counters
-            counters.inserts += 1
-            if new_leaf is not None:
-                added = new_leaf.num_tokens
-                if kv is not None:
-                    piece = kv[prefix_len:prefix_len + added]
-                    if isinstance(piece, torch.Tensor):
-                        # A copy on the caller's device: the cache never aliases their tensor.
-                        piece = piece.to(torch.int64, copy=True)
-                    self._tree.set_value(new_leaf, piece)  # a numpy slice is copied by the core
-                self._evictable += added
-                counters.inserted_tokens += added
-                self._heap.push(new_leaf)
+            on_device = isinstance(kv, torch.Tensor)
+            result = _checked(core.insert(tokens, None if on_device else kv, extra_key,
+                                          priority, True))
+            leaf = core.take_new_leaf()
+            if leaf is not None:
+                if on_device:
+                    # Values on a device stay there: a copy on the caller's device.
+                    start = result.prefix_len
+                    core.set_value(leaf, kv[start:start + leaf.num_tokens].to(
+                        torch.int64, copy=True), True)
                 if self._events is not None:
-                    self._events.stored(new_leaf)
-            elif self._push_on_access:
-                self._push_if_evictable(last)
-            return InsertResult(prefix_len, last)
+                    self._events.stored(leaf)
+            return result
         finally:
-            self._leave()
+            core.leave()
 
     def exists(self, token_ids: Any, extra_key: Any = None) -> bool:
         """True only for a sequence inserted exactly (and not evicted since)."""
-        if not self._enter(False):
-            raise reentered("exists")
-        try:
-            tokens = self._tokens(token_ids)
-            if extra_key is not None:
-                _check_extra_key(extra_key)
-            return self._tree.exists(tokens, extra_key)
-        finally:
-            self._leave()
+        found = self._core.exists(token_ids, extra_key)
+        if found is None:
+            core = self._core
+            core.enter("exists")
+            try:
+                tokens = self._tokens(token_ids)
+                if extra_key is not None:
+                    _check_extra_key(extra_key)
+                found = _checked(core.exists(tokens, extra_key, True))
+            finally:
+                core.leave()
+        return found
+
+    def _walk(self, tokens: Any, extra_key: Any = None) -> int:
+        """The core's bare read-only walk (benchmarks time it against the whole call)."""
+        return self._core.walk(tokens, extra_key)
 
     def __contains__(self, token_ids: Any) -> bool:
         return self.exists(token_ids)
 
     def inc_lock_ref(self, node: Any) -> int:
         """Protect ``node`` and its ancestors; returns the change in evictable size (<= 0)."""
-        if not self._enter(False):
-            raise reentered("inc_lock_ref")
-        try:
-            moved = self._tree.lock(node, 1)
-            self._evictable -= moved
-            self._protected += moved
-            return -moved
-        finally:
-            self._leave()
+        return -self._core.lock(node, 1)
 
     def dec_lock_ref(self, node: Any) -> int:
         """Undo one ``inc_lock_ref``; returns the change in evictable size (>= 0)."""
-        if not self._enter(False):
-            raise reentered("dec_lock_ref")
-        try:
-            moved = self._tree.lock(node, -1)
-            if moved:
-                self._evictable += moved
-                self._protected -= moved
-                # Only the bottom node can have become an evictable leaf: the rest have children.
-                self._push_if_evictable(node)
-            return moved
-        finally:
-            self._leave()
+        return self._core.lock(node, -1)
 
     def evict(self, num_tokens: int,
               free_callback: Callable[[torch.Tensor], Any] | None = None) -> int:
         """Evict unlocked leaves in policy order until ``num_tokens`` are freed; returns freed."""
         num_tokens = _check_int("num_tokens", num_tokens)
-        if not self._enter(False):
-            raise reentered("evict")
+        core = self._core
+        events = self._events
+        core.enter("evict")
         held = True
         try:
-            pop_victim = self._heap.pop_victim
-            tree = self._tree
-            counters = self._counters
+            pop_victim = core.pop_victim
+            remove_leaf = core.remove_leaf
             freed = 0
             while freed < num_tokens:
-                node = pop_victim()
+                node = pop_victim(True)
                 if node is None:
                     break
                 value = node.value if free_callback is not None else None
-                size = node.num_tokens
-                if self._events is not None:
-                    self._events.removed(node)
-                parent = tree.remove_leaf(node)
-                freed += size
-                self._evictable -= size
-                counters.evictions += 1
-                counters.evicted_tokens += size
-                if parent is not tree.root:
-                    self._push_if_evictable(parent)
+                if events is not None:
+                    events.removed(node)
+                freed += remove_leaf(node, True)
                 if free_callback is not None:
                     # The cache is consistent here: the callback may call it (even evict).
-                    self._leave()
+                    core.leave()
                     held = False
                     free_callback(value)
-                    if not self._enter(False):
-                        raise reentered("evict, after its free_callback")
+                    core.enter("evict, after its free_callback")
                     held = True
             return freed
         finally:
             if held:
-                self._leave()
-
-    # -- eviction heap ---------------------------------------------------------------
-    def _push_if_evictable(self, node: Any) -> None:
-        if (not node.num_children and not node.lock_ref and not node.evicted
-                and node is not self._tree.root):
-            self._heap.push(node)
+                core.leave()
 
     # -- sizes, stats, printing ------------------------------------------------------
     def evictable_size(self) -> int:
-        return self._evictable
+        return self._core.evictable
 
     def protected_size(self) -> int:
-        return self._protected
+        return self._core.protected
 
     def total_size(self) -> int:
-        return self._evictable + self._protected
+        return self._core.evictable + self._core.protected
 
     def node_count(self) -> int:
         """Nodes in the tree, the root excluded."""
-        return self._tree.node_count
+        return self._core.tree.node_count
 
     def stats(self) -> CacheStats:
-        c = self._counters
+        c = self._core
         return CacheStats(
             lookups=c.lookups,
             matched_tokens=c.matched_tokens,
@@ -423,32 +373,27 @@ class RadixCache:
             inserted_tokens=c.inserted_tokens,
             evictions=c.evictions,
             evicted_tokens=c.evicted_tokens,
-            splits=self._tree.num_splits,
-            evictable_size=self._evictable,
-            protected_size=self._protected,
-            total_size=self._evictable + self._protected,
-            node_count=self._tree.node_count,
+            splits=c.tree.num_splits,
+            evictable_size=c.evictable,
+            protected_size=c.protected,
+            total_size=c.evictable + c.protected,
+            node_count=c.tree.node_count,
         )
 
     def reset_stats(self) -> None:
         """Zero the counters; the tree is untouched."""
-        self._counters = _Counters()
-        self._tree.num_splits = 0
+        self._core.reset_stats()
 
     def reset(self) -> None:
         """Drop every node (handles become evicted) and zero the counters."""
-        if not self._enter(False):
-            raise reentered("reset")
+        core = self._core
+        core.enter("reset")
         try:
-            self._tree.reset()
-            self._heap.clear()
-            self._evictable = 0
-            self._protected = 0
-            self._counters = _Counters()
+            core.reset(True)
             if self._events is not None:
                 self._events.cleared()
         finally:
-            self._leave()
+            core.leave()
 
     def take_events(self) -> list:
         """The KV events recorded since the last call, in order (empty when events are off)."""
@@ -458,11 +403,11 @@ class RadixCache:
 
     def pretty_print(self, file: TextIO | None = None) -> None:
         """One line per node, indented 2 per level, then the total token count."""
-        if not self._enter(False):
-            raise reentered("pretty_print")
+        core = self._core
+        core.enter("pretty_print")
         try:
             out = sys.stdout if file is None else file
-            for node, depth in self._tree.iter_nodes():
+            for node, depth in core.tree.iter_nodes():
                 key = node.key
                 shown = ", ".join(str(int(t)) for t in key[:10])
                 if len(key) > 10:
@@ -471,7 +416,7 @@ class RadixCache:
                           f"lock_ref={node.lock_ref}]\n")
             out.write(f"#tokens: {self.total_size()}\n")
         finally:
-            self._leave()
+            core.leave()
 
     def __repr__(self) -> str:
         return (f"RadixCache(page_size={self.page_size}, eviction_policy="

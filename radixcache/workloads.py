@@ -2,7 +2,12 @@
 
 - ``Request``: one prompt and its output (given tokens, or a length the loop fills with fresh ids).
 - ``synthetic_chat``: a deterministic multi-turn chat workload (shared system prompts).
-- ``exercise_ops``: a stream of insert/exists calls with long shared prefixes.
+- ``exercise_ops``: a stream of insert/exists calls with long shared prefixes (a shallow tree).
+- ``deep_exercise_ops``: the same calls over prefixes of random length of shared bases (a
+  tree about 100 nodes deep).
+- ``time_cached_calls``: the in-cache cost of ``match_prefix`` + ``insert`` per request with
+  every prompt cached, split into the core's bare tree walk and the rest, per input type.
+- ``walk_cost``: time of ``exists`` per node visited on a built tree.
 - ``KVPool`` and ``serve``: a KV pool of token slots and the serving loop that replays requests
   against a cache the way an inference server does (match, lock, evict, insert, unlock).
 
@@ -12,6 +17,8 @@ tokens it generates from ``FRESH_TOKEN_BASE`` up, so they never equal a prompt t
 
 from __future__ import annotations
 
+import array
+import gc
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -25,8 +32,14 @@ __all__ = [
     "KVPool",
     "Request",
     "ServeResult",
+    "INPUT_TYPES",
+    "InCacheTiming",
     "ServingLoop",
+    "as_input_type",
+    "deep_exercise_ops",
     "exercise_ops",
+    "time_cached_calls",
+    "walk_cost",
     "serve",
     "synthetic_chat",
 ]
@@ -208,6 +221,194 @@ def exercise_ops(num_ops: int = 100_000, seed: int = 0, base_len: tuple[int, int
             tokens = unseen_pool[int(exists_choice[i] * len(unseen_pool))]
         ops.append(("exists", tokens))
     return ops
+
+
+def deep_exercise_ops(num_ops: int = 100_000, seed: int = 0, num_bases: int = 200,
+                      prefix_len: tuple[int, int] = (100, 2000),
+                      tail_len: tuple[int, int] = (1, 20), vocab: int = _VOCAB,
+                      repeat_share: float = 0.2) -> list[tuple[str, list[int]]]:
+    """Insert/exists calls over a deep tree: prefixes of random length of shared bases.
+
+    Every inserted sequence is a prefix of one of ``num_bases`` bases (its length drawn from
+    ``prefix_len``) plus a short fresh tail (``tail_len``), so each insert cuts its base's
+    chain at a new place: after 10^5 calls the tree has about 9*10^4 nodes and an inserted
+    sequence ends about 100 nodes deep. ``repeat_share`` of the inserts repeat an earlier
+    one. The exists queries are split between inserted sequences, bare base prefixes and
+    never-inserted sequences (tail ids from ``[vocab, 2 * vocab)``). Token ids lie below
+    ``2 * vocab``; the same arguments give the same calls. Token lists share their int objects
+    with the bases; callers must not modify them.
+    """
+    if num_ops < 0 or num_bases < 1 or vocab < 1:
+        raise ValueError("need num_ops >= 0, num_bases >= 1 and vocab >= 1")
+    for name, bounds in (("prefix_len", prefix_len), ("tail_len", tail_len)):
+        if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1]:
+            raise ValueError(f"{name} must be a (low, high) pair with 0 <= low <= high")
+    rng = np.random.default_rng(seed)
+    bases = [rng.integers(0, vocab, size=prefix_len[1], dtype=np.int64).tolist()
+             for _ in range(num_bases)]
+
+    def fresh(low: int) -> list[int]:
+        base = bases[int(rng.integers(num_bases))]
+        cut = _between(rng, prefix_len)
+        tail = rng.integers(low, low + vocab, size=_between(rng, tail_len)).tolist()
+        return base[:cut] + tail
+
+    ops: list[tuple[str, list[int]]] = []
+    inserted: list[list[int]] = []
+    for insert in (rng.random(num_ops) < 0.5).tolist():
+        if insert:
+            if inserted and rng.random() < repeat_share:
+                tokens = inserted[int(rng.integers(len(inserted)))]
+            else:
+                tokens = fresh(0)
+                inserted.append(tokens)
+            ops.append(("insert", tokens))
+            continue
+        kind = int(rng.integers(3))
+        if kind == 0 and inserted:
+            tokens = inserted[int(rng.integers(len(inserted)))]
+        elif kind == 1:
+            tokens = bases[int(rng.integers(num_bases))][: _between(rng, prefix_len)]
+        else:
+            tokens = fresh(vocab)
+        ops.append(("exists", tokens))
+    return ops
+
+
+#: The token input types of the serving API that ``time_cached_calls`` compares.
+INPUT_TYPES = ("list", "array", "numpy", "tensor")
+
+
+def as_input_type(tokens: np.ndarray, input_type: str) -> Any:
+    """An int64 token array as a caller would pass it: a list of ints, ``array('q')``, a
+    fresh int64 numpy array or a CPU int64 torch tensor."""
+    if input_type == "list":
+        return tokens.tolist()
+    if input_type == "array":
+        out = array.array("q")
+        out.frombytes(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
+        return out
+    if input_type == "numpy":
+        return np.array(tokens, dtype=np.int64)
+    if input_type == "tensor":
+        return torch.from_numpy(np.array(tokens, dtype=np.int64))
+    raise ValueError(f"unknown input type {input_type!r}; valid: {', '.join(INPUT_TYPES)}")
+
+
+@dataclass(frozen=True)
+class InCacheTiming:
+    """Seconds inside ``match_prefix`` + ``insert`` over ``requests`` requests, every prompt
+    cached, and the core's bare tree walk over the same prompts and sequences."""
+
+    requests: int
+    match_seconds: float
+    insert_seconds: float
+    walk_seconds: float
+
+    @property
+    def call_seconds(self) -> float:
+        return self.match_seconds + self.insert_seconds
+
+    @property
+    def rest_seconds(self) -> float:
+        """In-cache time that is not tree walk: conversion, checks, bookkeeping, results."""
+        return max(0.0, self.call_seconds - self.walk_seconds)
+
+    @property
+    def rest_share(self) -> float:
+        return self.rest_seconds / self.call_seconds if self.call_seconds > 0 else 0.0
+
+    def per_request_us(self, seconds: float) -> float:
+        return seconds / self.requests * 1e6 if self.requests else 0.0
+
+
+def time_cached_calls(cache: Any, requests: list[Request], input_type: str, passes: int = 3,
+                      clock: Callable[[], float] = time.perf_counter) -> InCacheTiming:
+    """In-cache time per request of ``match_prefix(prompt)`` + ``insert(prompt + output, kv)``
+    with every prompt already cached, split into the bare tree walk and the rest.
+
+    Tokens are passed as ``input_type`` (see ``as_input_type``), ``kv_indices`` as a CPU int64
+    tensor (as a server's KV allocator hands them out). Two untimed passes first cache every
+    sequence and make every split, so the timed passes change nothing in the tree. In each
+    timed pass, request by request, the two API calls are timed, then the core's bare walk
+    (``walk`` on an int64 array: no conversion, no result) over the same prompt and sequence;
+    each sum is the best of ``passes``. The cyclic GC is off while timing. The cache needs no
+    eviction (its pool is unbounded here).
+    """
+    prepared = []
+    for request in requests:
+        output = request.output
+        if output is None:
+            output = np.arange(FRESH_TOKEN_BASE, FRESH_TOKEN_BASE + request.output_len,
+                               dtype=np.int64)
+        full = np.concatenate((request.prompt, output))
+        prepared.append((as_input_type(request.prompt, input_type), as_input_type(full, input_type),
+                         torch.arange(len(full), dtype=torch.int64), request.prompt, full,
+                         request.extra_key))
+    match_prefix = cache.match_prefix
+    insert = cache.insert
+    walk = cache._walk
+    for _ in range(2):  # cache everything, make every split
+        for prompt, full, kv, _p64, _f64, extra_key in prepared:
+            match_prefix(prompt, extra_key)
+            insert(full, kv, extra_key)
+    best = [float("inf")] * 3
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(max(1, passes)):
+            spent = [0.0, 0.0, 0.0]
+            for prompt, full, kv, prompt64, full64, extra_key in prepared:
+                t0 = clock()
+                match_prefix(prompt, extra_key)
+                t1 = clock()
+                insert(full, kv, extra_key)
+                t2 = clock()
+                walk(prompt64, extra_key)
+                walk(full64, extra_key)
+                t3 = clock()
+                spent[0] += t1 - t0
+                spent[1] += t2 - t1
+                spent[2] += t3 - t2
+            best = [min(b, s) for b, s in zip(best, spent)]
+    finally:
+        if enabled:
+            gc.enable()
+    return InCacheTiming(len(prepared), best[0], best[1], best[2])
+
+
+def walk_cost(cache: Any, sequences: list, limit: int = 2000, passes: int = 3,
+              clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+    """(seconds per node visited, average nodes visited) of ``exists`` on a built cache.
+
+    Queries are up to ``limit`` of ``sequences`` (each must have been inserted, so ``exists``
+    walks to its terminal node), as int64 numpy arrays so that no conversion is timed; nodes
+    visited per query is the depth of its terminal node. The time includes the per-call cost
+    and the token comparisons, so it is an upper bound on the cost of one walk step.
+    """
+    queries = [np.asarray(seq, dtype=np.int64) for seq in sequences[:limit]]
+    visited = 0
+    for query in queries:
+        node = cache.match_prefix(query).last_node
+        while node.parent is not None:
+            visited += 1
+            node = node.parent
+    exists = cache.exists
+    best = float("inf")
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(max(1, passes)):
+            start = clock()
+            for query in queries:
+                exists(query)
+            best = min(best, clock() - start)
+    finally:
+        if enabled:
+            gc.enable()
+    if not visited:
+        return 0.0, 0.0
+    return best / visited, visited / len(queries)
 
 
 class KVPool:

@@ -703,3 +703,18 @@ def test_single_key_of_a_million_tokens(make_cache):
     assert cache.evict(1) == size - size // 2
     assert leaf.evicted
     check_invariants(cache)
+
+
+def test_core_walk_is_read_only_and_page_aligned(make_cache):
+    cache = make_cache(page_size=2)
+    cache.insert([1, 2, 3, 4, 5, 6])
+    cache.insert([1, 2, 7, 8], extra_key="ns")
+    nodes, clock = cache.node_count(), cache._tree.clock
+    assert cache._walk(np.array([1, 2, 3, 4, 5, 6], dtype=np.int64)) == 6
+    assert cache._walk([1, 2, 3, 9, 9]) == 2        # the match ends inside a node: no split
+    assert cache._walk([1, 2, 3, 4, 5]) == 4         # unaligned tail ignored
+    assert cache._walk([1, 2, 7, 8]) == 2
+    assert cache._walk([1, 2, 7, 8], "ns") == 4
+    assert cache._walk([1, 2], "other") == 0
+    assert cache._walk([]) == 0
+    assert (cache.node_count(), cache._tree.clock) == (nodes, clock)

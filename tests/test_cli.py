@@ -217,9 +217,22 @@ def test_help_exits_0(capsys):
 def test_bench_quick_runs_every_core():
     proc = run_cli("bench", "--quick")
     assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
     for core in CORES:
-        assert sum(line.split()[-4:-3] == [core] for line in proc.stdout.splitlines()
-                   if line.startswith(("chat", "exercise"))) == 2
+        # One chat row and one row per exercise shape for every core.
+        assert sum(line.split()[-4:-3] == [core] for line in lines
+                   if line.startswith(("chat", "exercise"))) == 3
+        # In-cache rows: 2 page sizes x 4 input types per core, each with a rest share.
+        incache = [line.split() for line in lines
+                   if line.split()[:1] in (["1"], ["16"]) and line.split()[2:3] == [core]]
+        assert len(incache) == 8
+        assert {row[1] for row in incache} == {"list", "array", "numpy", "tensor"}
+        assert all(row[-1].endswith("%") for row in incache)
+        walk_rows = [line.split() for line in lines
+                     if line.startswith(("shallow", "deep")) and line.split()[1] == core]
+        assert len(walk_rows) == 2 and all(float(row[-1]) > 0 for row in walk_rows)
+    assert sum(line.startswith("exercise") and "set of tuples" in line for line in lines) == 2
+    assert "speedup of" in proc.stdout and "over a set of tuples" in proc.stdout
     if len(CORES) > 1:
         assert "speedup of 'c' over 'python'" in proc.stdout
     else:

@@ -14,11 +14,16 @@ from radixcache._core import CORES
 from radixcache.traces import TraceError, read_trace
 from radixcache.workloads import (
     FRESH_TOKEN_BASE,
+    INPUT_TYPES,
     KVPool,
     Request,
+    as_input_type,
+    deep_exercise_ops,
     exercise_ops,
     serve,
     synthetic_chat,
+    time_cached_calls,
+    walk_cost,
 )
 
 MOONCAKE = (Path(__file__).resolve().parents[1].parent / "shared" / "traces"
@@ -169,6 +174,76 @@ def test_exercise_ops_against_a_set_model(core):
                 prefix_misses += 1  # cached as a prefix, never inserted as such
     assert answers[True] > 100 and answers[False] > 100
     assert prefix_misses > 10
+
+
+def test_deep_exercise_ops_builds_a_deep_tree(core):
+    ops = deep_exercise_ops(num_ops=2000, seed=3, num_bases=4, prefix_len=(20, 200))
+    assert ops == deep_exercise_ops(num_ops=2000, seed=3, num_bases=4, prefix_len=(20, 200))
+    assert ops != deep_exercise_ops(num_ops=2000, seed=4, num_bases=4, prefix_len=(20, 200))
+    cache = RadixCache(core=core)
+    inserted = set()
+    for kind, tokens in ops:
+        if kind == "insert":
+            cache.insert(tokens)
+            inserted.add(tuple(tokens))
+        else:
+            assert cache.exists(tokens) is (tuple(tokens) in inserted)
+    depths = []
+    for tokens in list(inserted)[:200]:
+        node = cache.match_prefix(tokens).last_node
+        depth = 0
+        while node.parent is not None:
+            depth += 1
+            node = node.parent
+        depths.append(depth)
+    # ~250 cuts per base over 180 positions: terminals sit far below depth 2.
+    assert sum(depths) / len(depths) > 20
+
+
+def test_deep_exercise_ops_big_ids_and_bad_arguments():
+    ops = deep_exercise_ops(num_ops=300, seed=1, vocab=1 << 40)
+    assert max(max(tokens) for _, tokens in ops if tokens) >= 1 << 31
+    with pytest.raises(ValueError, match="prefix_len"):
+        deep_exercise_ops(num_ops=10, prefix_len=(5, 2))
+    with pytest.raises(ValueError, match="num_bases"):
+        deep_exercise_ops(num_ops=10, num_bases=0)
+
+
+@pytest.mark.parametrize("input_type", INPUT_TYPES)
+def test_as_input_type_round_trips(input_type):
+    tokens = np.array([5, 0, 2**40, 7], dtype=np.int64)
+    converted = as_input_type(tokens, input_type)
+    assert np.asarray(converted).tolist() == tokens.tolist()
+    with pytest.raises(ValueError, match="unknown input type"):
+        as_input_type(tokens, "bytes")
+
+
+@pytest.mark.parametrize("input_type", INPUT_TYPES)
+def test_time_cached_calls_changes_nothing_after_warm_up(core, input_type):
+    requests = synthetic_chat(num_conversations=6, num_system_prompts=2, seed=2,
+                              system_prompt_len=(30, 60))
+    cache = RadixCache(page_size=4, core=core)
+    timing = time_cached_calls(cache, requests, input_type, passes=2)
+    assert timing.requests == len(requests)
+    assert timing.match_seconds > 0 and timing.insert_seconds > 0 and timing.walk_seconds > 0
+    assert 0 <= timing.rest_share < 1
+    nodes, splits = cache.node_count(), cache.stats().splits
+    # Everything is cached: the walk hook sees whole prompts, and another pass splits nothing.
+    for request in requests:
+        aligned = len(request.prompt) - len(request.prompt) % 4
+        assert cache._walk(request.prompt) == aligned
+    time_cached_calls(cache, requests, input_type, passes=1)
+    assert (cache.node_count(), cache.stats().splits) == (nodes, splits)
+
+
+def test_walk_cost_counts_nodes_visited(core):
+    cache = RadixCache(core=core)
+    sequences = [[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7], [9]]
+    for seq in sequences:
+        cache.insert(seq)
+    per_node, depth = walk_cost(cache, sequences, passes=1)
+    assert per_node > 0
+    assert depth == (1 + 2 + 3 + 1) / 4
 
 
 # -- KVPool ------------------------------------------------------------------------------------

@@ -1,0 +1,345 @@
+"""Every input path of the whole-call core interface, on both cores.
+
+The cores take the common inputs whole (tokens as list/tuple of ints, int64 numpy array,
+``array('q')``, CPU int64 tensor; kv_indices as such a tensor/array or a sequence) and decline
+the rest to cache.py's validation. Each test runs once per core (``make_cache``); each input
+kind must give exactly the result a plain list gives, and bad input must raise the same
+exception with nothing changed, whichever path it took.
+"""
+
+from __future__ import annotations
+
+import array
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from radixcache import RadixCache
+from radixcache._core import CORES
+from conftest import check_invariants
+
+SEQ = [3, 1, 4, 1, 5, 9, 2, 6]
+BIG = [2**40 + 7, -(2**40), 2**62, 2**63 - 1, -(2**63), 0, -1, 2**30]
+
+
+class IndexInt:
+    """Not an int, but has __index__: declined by the fast path, accepted by validation."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+class SubInt(int):
+    pass
+
+
+# Each maker turns a list of ints into one kind of token input.
+TOKEN_KINDS = {
+    "list": list,
+    "tuple": tuple,
+    "numpy": lambda s: np.array(s, dtype=np.int64),
+    "array_q": lambda s: array.array("q", s),
+    "tensor": lambda s: torch.tensor(s, dtype=torch.int64),
+    # Declined by the fast path (the Python path converts them):
+    "numpy_int32": lambda s: np.array(s, dtype=np.int32),
+    "numpy_uint16": lambda s: np.array(s, dtype=np.uint16),
+    "numpy_strided": lambda s: np.repeat(np.array(s, dtype=np.int64), 2)[::2],
+    "numpy_big_endian": lambda s: np.array(s, dtype=">i8"),
+    "numpy_readonly": lambda s: np.frombuffer(np.array(s, dtype=np.int64).tobytes(),
+                                              dtype=np.int64),
+    "array_i": lambda s: array.array("i", s),
+    "tensor_int32": lambda s: torch.tensor(s, dtype=torch.int32),
+    "tensor_strided": lambda s: torch.tensor(s, dtype=torch.int64).repeat_interleave(2)[::2],
+    "tensor_view": lambda s: torch.tensor([0] + s, dtype=torch.int64)[1:],
+    "list_of_numpy_ints": lambda s: [np.int64(t) for t in s],
+    "list_of_index_objects": lambda s: [IndexInt(t) for t in s],
+    "list_of_int_subclass": lambda s: [SubInt(t) for t in s],
+    "generator_list": lambda s: list(t for t in s),
+}
+
+SMALL_KINDS = ["numpy_uint16", "array_i", "tensor_int32", "numpy_int32"]  # cannot hold BIG values
+
+
+def _kind_ok(kind: str, values: list) -> bool:
+    return not (kind in SMALL_KINDS and any(not 0 <= v < 2**15 for v in values))
+
+
+@pytest.mark.parametrize("kind", list(TOKEN_KINDS))
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_token_kinds_give_the_list_result(make_cache, kind, page_size):
+    make = TOKEN_KINDS[kind]
+    for values in (SEQ, BIG):
+        if not _kind_ok(kind, values):
+            continue
+        reference = make_cache(page_size=page_size)
+        cache = make_cache(page_size=page_size)
+        kv = list(range(100, 100 + len(values)))
+        expected = reference.insert(values, kv)
+        got = cache.insert(make(values), kv)
+        assert got.prefix_len == expected.prefix_len
+        assert cache.exists(make(values)) == reference.exists(values)
+        aligned = len(values) - len(values) % page_size
+        assert cache.exists(make(values[:aligned])) == reference.exists(values[:aligned])
+        for probe in (values, values[:5], values[:3] + [77, 78, 79]):
+            want = reference.match_prefix(probe)
+            have = cache.match_prefix(make(probe))
+            assert have.length == want.length
+            assert have.indices.tolist() == want.indices.tolist()
+            assert have.indices.dtype == torch.int64
+        assert cache.stats() == reference.stats()
+        out_ref, out = io.StringIO(), io.StringIO()
+        reference.pretty_print(out_ref)
+        cache.pretty_print(out)
+        assert out.getvalue() == out_ref.getvalue()
+        check_invariants(cache)
+
+
+KV_KINDS = {
+    "list": list,
+    "tuple": tuple,
+    "numpy": lambda s: np.array(s, dtype=np.int64),
+    "array_q": lambda s: array.array("q", s),
+    "tensor": lambda s: torch.tensor(s, dtype=torch.int64),
+    # Declined by the fast path:
+    "numpy_int32": lambda s: np.array(s, dtype=np.int32),
+    "numpy_strided": lambda s: np.repeat(np.array(s, dtype=np.int64), 2)[::2],
+    "tensor_int32": lambda s: torch.tensor(s, dtype=torch.int32),
+    "tensor_strided": lambda s: torch.tensor(s, dtype=torch.int64).repeat_interleave(2)[::2],
+    "array_l": lambda s: array.array("l", s),
+}
+
+
+@pytest.mark.parametrize("kind", list(KV_KINDS))
+def test_kv_kinds_store_the_same_values(make_cache, kind):
+    make = KV_KINDS[kind]
+    cache = make_cache(page_size=2)
+    first = [10, 11, 12, 13, 14, 15]
+    cache.insert(SEQ[:6], make(first))
+    # A second insert sharing 4 tokens: only the last 4 of its kv are stored.
+    second = [20, 21, 22, 23, 24, 25, 26, 27, 28]   # one more than the aligned length
+    result = cache.insert(SEQ[:4] + [7, 7, 8, 8, 9], make(second))
+    assert result.prefix_len == 4
+    assert cache.match_prefix(SEQ[:6]).indices.tolist() == first
+    assert cache.match_prefix(SEQ[:4] + [7, 7, 8, 8]).indices.tolist() == [10, 11, 12, 13,
+                                                                          24, 25, 26, 27]
+    check_invariants(cache)
+
+
+def test_stored_values_are_copies(make_cache):
+    cache = make_cache()
+    tokens = np.array(SEQ, dtype=np.int64)
+    kv = torch.arange(100, 108)
+    cache.insert(tokens, kv)
+    tokens[:] = 0
+    kv[:] = -1
+    match = cache.match_prefix(SEQ)
+    assert match.length == 8 and match.indices.tolist() == list(range(100, 108))
+    match.indices[:] = 5  # the returned tensor is the caller's: the cache keeps its own
+    assert cache.match_prefix(SEQ).indices.tolist() == list(range(100, 108))
+    assert cache.exists(SEQ)
+
+
+@pytest.mark.parametrize("method", ["insert", "match_prefix", "exists"])
+@pytest.mark.parametrize("bad, exc, message", [
+    ([1, 2, 2**63], OverflowError, "token id 9223372036854775808 does not fit in int64"),
+    ([1, -(2**63) - 1], OverflowError, "does not fit in int64"),
+    ([1, 2.5], TypeError, "token ids must be integers, got float"),
+    ((1, "x"), TypeError, "token ids must be integers, got str"),
+    ([IndexInt(1), IndexInt(2**64)], OverflowError, "does not fit in int64"),
+    (np.array([1.0]), TypeError, "must hold integers"),
+    (np.arange(4, dtype=np.int64).reshape(2, 2), ValueError, "1-D"),
+    (torch.tensor([1.5]), TypeError, "must hold integers"),
+    (torch.arange(4).reshape(2, 2), ValueError, "1-D"),
+    (torch.arange(4, device="meta"), ValueError, "CPU tensor"),
+    (array.array("d", [1.0]), TypeError, "typecode"),
+])
+def test_bad_tokens_raise_the_same_error_on_every_core(make_cache, method, bad, exc, message):
+    cache = make_cache()
+    cache.insert(SEQ, list(range(8)))
+    before = (cache.stats(), cache.node_count(), cache.total_size())
+    with pytest.raises(exc, match=message.replace("(", r"\(").replace(")", r"\)")):
+        getattr(cache, method)(bad)
+    assert (cache.stats(), cache.node_count(), cache.total_size()) == before
+    check_invariants(cache)
+
+
+@pytest.mark.parametrize("bad, exc", [
+    (torch.arange(7), ValueError),                        # too short
+    (np.arange(7, dtype=np.int64), ValueError),
+    (array.array("q", range(7)), ValueError),
+    ([1] * 7, ValueError),
+    ([1.5] * 8, TypeError),
+    ([1] * 7 + [2**63], (TypeError, OverflowError)),   # numpy makes it float64
+    ([IndexInt(1)] * 8, OverflowError),                 # numpy makes it an object array
+    (torch.ones(8, dtype=torch.bool), TypeError),
+    (torch.arange(8, dtype=torch.float32), TypeError),
+    (np.zeros((8, 1), dtype=np.int64), ValueError),
+])
+def test_bad_kv_changes_nothing(make_cache, bad, exc):
+    cache = make_cache()
+    cache.insert(SEQ[:4] + [0, 0], list(range(6)))   # [1,2,3..] shares 4 tokens with SEQ
+    before = (cache.stats(), cache.node_count(), cache.total_size())
+    with pytest.raises(exc):
+        cache.insert(SEQ, bad)    # would split the first node if it got that far
+    assert (cache.stats(), cache.node_count(), cache.total_size()) == before
+    assert not cache.exists(SEQ)
+    check_invariants(cache)
+
+
+@pytest.mark.parametrize("priority, exc", [(2**63, OverflowError), (1.5, TypeError),
+                                           ("1", TypeError)])
+def test_bad_priority_changes_nothing(make_cache, priority, exc):
+    cache = make_cache()
+    cache.insert(SEQ[:4])
+    before = (cache.stats(), cache.node_count())
+    with pytest.raises(exc, match="priority"):
+        cache.insert(SEQ, priority=priority)
+    assert (cache.stats(), cache.node_count()) == before
+
+
+def test_priority_kinds_accepted(make_cache):
+    cache = make_cache(eviction_policy="priority")
+    cache.insert([1, 2], priority=np.int64(5))
+    cache.insert([3, 4], priority=SubInt(3))
+    cache.insert([5, 6], priority=-(2**63))
+    with pytest.raises(TypeError, match="priority"):
+        cache.insert([7, 8], priority=True)    # a bool is refused, as before
+    priorities = sorted(node.priority for node, depth in cache._tree.iter_nodes() if depth)
+    assert priorities == [-(2**63), 3, 5]
+
+
+def test_unhashable_extra_key(make_cache):
+    cache = make_cache()
+    for method in ("insert", "match_prefix", "exists"):
+        with pytest.raises(TypeError, match="extra_key must be hashable"):
+            getattr(cache, method)(SEQ, extra_key=[1])
+    assert cache.node_count() == 0 and cache.stats().lookups == 0
+
+
+def test_new_and_known_namespaces(make_cache):
+    cache = make_cache()
+    for key in ("a", ("t", 1), 7, None):
+        assert cache.insert(np.array(SEQ), torch.arange(8), extra_key=key).prefix_len == 0
+        assert cache.insert(torch.tensor(SEQ), extra_key=key).prefix_len == 8
+        assert cache.match_prefix(array.array("q", SEQ), extra_key=key).length == 8
+        assert cache.exists(tuple(SEQ), extra_key=key)
+    assert not cache.exists(SEQ, extra_key="unknown")
+    assert cache.match_prefix(SEQ, extra_key="unknown").length == 0
+    assert cache.node_count() == 4
+
+
+def test_empty_inputs_of_every_kind(make_cache):
+    cache = make_cache()
+    for make in (list, tuple, lambda s: np.array(s, dtype=np.int64),
+                 lambda s: array.array("q", s), lambda s: torch.tensor(s, dtype=torch.int64)):
+        assert cache.insert(make([])).prefix_len == 0
+        assert cache.exists(make([]))
+        assert cache.match_prefix(make([])).length == 0
+    assert cache.stats().inserts == 5 and cache.stats().lookups == 5
+
+
+def test_torch_function_mode_takes_the_python_path(make_cache):
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    cache = make_cache()
+    with Watch():
+        cache.insert(torch.tensor(SEQ), torch.arange(8))
+        match = cache.match_prefix(torch.tensor(SEQ[:4]))
+    assert match.length == 4 and match.indices.tolist() == [0, 1, 2, 3]
+    assert seen  # the tensors were read through torch (the hooks saw it), not around it
+
+
+def test_device_values_stay_on_their_device(make_cache):
+    cache = make_cache()
+    cache.insert(SEQ, torch.arange(8, device="meta"))
+    cache.insert(SEQ[:4] + [0, 0], torch.arange(6))   # splits a node holding device values
+    match = cache.match_prefix(torch.tensor(SEQ))
+    assert match.length == 8 and match.indices.device.type == "meta"
+    assert cache.match_prefix(SEQ[:4] + [0, 0]).indices.device.type == "meta"
+    check_invariants(cache)
+
+
+@pytest.mark.parametrize("method", ["insert", "match_prefix", "exists"])
+@pytest.mark.parametrize("tokens", [SEQ, np.array(SEQ), torch.tensor(SEQ), [IndexInt(t) for t in SEQ]],
+                         ids=["list", "numpy", "tensor", "index-objects"])
+def test_nested_call_from_extra_key_hash_raises_on_every_path(make_cache, method, tokens):
+    # Fast path or validation path: a call from inside a call is refused, nothing changes.
+    cache = make_cache()
+    cache.insert(SEQ)
+    nested = []
+
+    class Key:
+        def __hash__(self):
+            try:
+                cache.match_prefix(SEQ)
+            except RuntimeError as exc:
+                nested.append(str(exc))
+            return 1
+
+        def __eq__(self, other):
+            return isinstance(other, Key)
+
+    before = (cache.stats(), cache.node_count())
+    getattr(cache, method)(tokens, extra_key=Key())
+    assert nested and all("re-entered" in msg for msg in nested)
+    if method == "exists":
+        assert (cache.stats(), cache.node_count()) == before
+    check_invariants(cache)
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="only one tree core is available")
+def test_both_cores_agree_on_a_mixed_stream():
+    rng = np.random.default_rng(7)
+    makers = [TOKEN_KINDS[k] for k in ("list", "tuple", "numpy", "array_q", "tensor",
+                                       "numpy_int32", "tensor_strided", "list_of_index_objects")]
+    caches = {name: RadixCache(page_size=2, core=name) for name in CORES}
+    base = rng.integers(0, 50, size=40).tolist()
+    for step in range(300):
+        seq = base[: int(rng.integers(0, 40))] + rng.integers(0, 50, size=int(rng.integers(0, 6))).tolist()
+        make = makers[step % len(makers)]
+        op = int(rng.integers(3))
+        outcomes = []
+        for cache in caches.values():
+            if op == 0:
+                kv = torch.arange(1000 + step, 1000 + step + len(seq))
+                r = cache.insert(make(seq), kv)
+                outcomes.append((r.prefix_len, r.last_node.num_tokens))
+            elif op == 1:
+                r = cache.match_prefix(make(seq))
+                outcomes.append((r.length, r.indices.tolist()))
+            else:
+                outcomes.append(cache.exists(make(seq)))
+            if step % 50 == 49:
+                cache.evict(30)
+        assert all(o == outcomes[0] for o in outcomes), (step, outcomes)
+    stats = [c.stats() for c in caches.values()]
+    assert all(s == stats[0] for s in stats)
+
+
+@pytest.mark.parametrize("make", [list, tuple, lambda s: [IndexInt(t) for t in s],
+                                  lambda s: np.array(s, dtype=np.int32)],
+                         ids=["list", "tuple", "index-objects", "numpy-int32"])
+def test_device_kv_with_every_token_kind(make_cache, make):
+    # Device values always take the validation path; its tokens come out the same.
+    cache = make_cache(page_size=2)
+    result = cache.insert(make(SEQ), torch.arange(8, device="meta"))
+    assert result.prefix_len == 0
+    assert cache.insert(make(SEQ[:4] + [0, 0]), torch.arange(6, device="meta")).prefix_len == 4
+    match = cache.match_prefix(SEQ)
+    assert match.length == 8 and match.indices.device.type == "meta"
+    assert cache.exists(SEQ) and cache.exists(SEQ[:4] + [0, 0])
+    with pytest.raises(TypeError, match="token ids must be integers"):
+        cache.insert([3, 1, 4, 1.5], torch.arange(4, device="meta"))
+    check_invariants(cache)
