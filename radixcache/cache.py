@@ -11,6 +11,7 @@ device tensors, the evict loop with its free callback, events hooks and stats as
 from __future__ import annotations
 
 import array
+import operator
 import struct
 import sys
 from dataclasses import dataclass
@@ -81,6 +82,18 @@ def _int64_array(arr: np.ndarray, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
+def _check_kv_items(arr: np.ndarray) -> None:
+    """Raise the error an object array of kv indices deserves: the first item that is not an
+    integer (TypeError), or one that does not fit in int64 (OverflowError)."""
+    for item in arr.ravel().tolist():
+        if isinstance(item, bool) or not hasattr(type(item), "__index__"):
+            raise TypeError(f"kv_indices must hold integers, got {type(item).__name__}")
+        value = operator.index(item)
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise OverflowError(f"kv index {value} does not fit in int64")
+    raise TypeError("kv_indices must be a 1-D sequence of ints")
+
+
 def _check_tensor_dtype(tensor: torch.Tensor, what: str) -> None:
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
         raise TypeError(f"{what} must hold integers, got {tensor.dtype}")
@@ -108,6 +121,10 @@ def _checked(result: Any) -> Any:
     return result
 
 
+#: ``RadixCache(event_options=...)``: the ``EventRecorder`` options a cache passes on.
+_EVENT_OPTIONS = frozenset({"lora_id", "medium", "lora_namespaces"})
+
+
 class RadixCache:
     """A radix tree of token prefixes mapping to KV-cache slot indices (SGLang/Smile API).
 
@@ -116,7 +133,8 @@ class RadixCache:
     """
 
     def __init__(self, page_size: int = 1, eviction_policy: str = "lru", *,
-                 enable_events: bool = False, core: str | None = None) -> None:
+                 enable_events: bool = False, event_options: dict | None = None,
+                 core: str | None = None) -> None:
         page_size = _check_int("page_size", page_size)
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -129,10 +147,21 @@ class RadixCache:
         self.eviction_policy = eviction_policy
         self._core_module = _core.get_core(core)
         self._events = None
+        if event_options is not None:
+            if not isinstance(event_options, dict):
+                raise TypeError(
+                    f"event_options must be a dict, got {type(event_options).__name__}")
+            if not enable_events:
+                raise ValueError("event_options given without enable_events=True")
         if enable_events:
             from .events import EventRecorder  # noqa: PLC0415 -- optional feature
 
-            self._events = EventRecorder(page_size)
+            options = event_options or {}
+            unknown = sorted(set(options) - _EVENT_OPTIONS)
+            if unknown:
+                raise TypeError(f"unknown event option {unknown[0]!r}; valid: "
+                                + ", ".join(sorted(_EVENT_OPTIONS)))
+            self._events = EventRecorder(page_size, **options)
         self._core = self._core_module.Core(page_size, eviction_policy)
 
     @property
@@ -215,10 +244,12 @@ class RadixCache:
                 raise TypeError("kv_indices must be a sequence of ints, got str/bytes")
             try:
                 arr = np.asarray(kv_indices)
-            except (OverflowError, ValueError) as exc:
+            except OverflowError as exc:
                 raise OverflowError(f"kv_indices do not fit in int64: {exc}") from None
+            except ValueError as exc:  # ragged nesting
+                raise ValueError(f"kv_indices must be 1-D: {exc}") from None
             if arr.dtype == object:
-                raise OverflowError("kv_indices hold values that do not fit in int64")
+                _check_kv_items(arr)
             if arr.ndim == 1 and arr.size == 0:
                 arr = arr.astype(np.int64)
             values = _int64_array(arr, "kv_indices")

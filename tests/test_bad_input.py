@@ -169,6 +169,10 @@ BAD_KV = [
     pytest.param([1, 2, 3, 2**64], OverflowError, TOO_BIG, id="overflow"),
     pytest.param(np.array([1, 2, 3, 2**63], dtype=np.uint64), OverflowError, TOO_BIG,
                  id="uint64-above-int64"),
+    pytest.param([1, 2, None, 4], TypeError, "kv_indices must hold integers, got NoneType",
+                 id="none-item"),
+    pytest.param([1, 2, object(), 4], TypeError, "got object", id="object-item"),
+    pytest.param([[1], [2, 3], 4, 5], ValueError, "kv_indices must be 1-D", id="ragged"),
 ]
 
 

@@ -887,8 +887,8 @@ def without_map_only_fields(event: Any) -> Any:
 @needs_transport
 @pytest.mark.parametrize("encoding", ev.ENCODINGS)
 def test_recorded_events_round_trip_in_both_encodings(core_name, encoding):
-    cache = RadixCache(page_size=4, enable_events=True, core=core_name)
-    cache._events.lora_namespaces = True  # the option a cache's recorder may be built with
+    cache = RadixCache(page_size=4, enable_events=True, core=core_name,
+                       event_options={"lora_namespaces": True})
     batches: list = []
     serve_requests(cache, 200, seed=21, publish=batches.append)
     cache.reset()
@@ -1083,6 +1083,34 @@ def test_recorder_fills_medium_lora_and_namespace_fields(core_name):
         ev.EventRecorder(1, lora_id="a")
     with pytest.raises(TypeError, match="lora_namespaces"):
         ev.EventRecorder(1, lora_namespaces=1)
+
+
+def test_event_options_reach_the_cache_recorder(core_name):
+    cache = RadixCache(page_size=2, enable_events=True, core=core_name,
+                       event_options={"medium": ev.MEDIUM_CPU, "lora_namespaces": True})
+    cache.insert([7, 7], extra_key="adapter")
+    (event,) = cache.take_events()
+    assert (event.medium, event.lora_name, event.lora_id) == ("CPU", "adapter", None)
+    cache = RadixCache(page_size=2, enable_events=True, core=core_name,
+                       event_options={"lora_id": 9})
+    cache.insert([7, 7])
+    (event,) = cache.take_events()
+    assert (event.medium, event.lora_id) == ("GPU", 9)
+
+
+@pytest.mark.parametrize("options, exc, pattern", [
+    ({"medium": 5}, TypeError, "medium"),
+    ({"colour": 1}, TypeError, "unknown event option 'colour'"),
+    (["medium"], TypeError, "event_options must be a dict"),
+])
+def test_bad_event_options(core_name, options, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        RadixCache(enable_events=True, event_options=options, core=core_name)
+
+
+def test_event_options_need_events(core_name):
+    with pytest.raises(ValueError, match="without enable_events"):
+        RadixCache(event_options={"medium": "CPU"}, core=core_name)
 
 
 def test_namespace_helpers():

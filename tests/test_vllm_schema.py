@@ -153,8 +153,8 @@ def serve(cache: RadixCache, steps: int, seed: int):
 @pytest.mark.parametrize("lora_namespaces", [False, True])
 def test_every_batch_of_a_real_cache_decodes_with_vllms_schema(vllm, core_name,
                                                                lora_namespaces):
-    cache = RadixCache(page_size=4, enable_events=True, core=core_name)
-    cache._events.lora_namespaces = lora_namespaces  # the recorder option, set on the cache's
+    cache = RadixCache(page_size=4, enable_events=True, core=core_name,
+                       event_options={"lora_namespaces": lora_namespaces})
     seen = {tag: 0 for tag in FIELDS}
     seen_namespaces = set()
     seen_lora = set()
