@@ -13,7 +13,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from . import _core
 from .cache import EVICTION_POLICIES, RadixCache
@@ -286,10 +286,30 @@ def _short_count(n: int) -> str:
     return str(n)
 
 
+def _finish_plot(path: str, fig: Any, ax: Any, rows: list[dict], xlabel: str, title: str,
+                 legend_title: str) -> None:
+    """Axes shared by both plots (hit rate against capacity), then the atomic PNG write."""
+    from matplotlib.ticker import NullLocator  # noqa: PLC0415
+
+    capacities = sorted({r["capacity"] for r in rows})
+    if capacities[-1] >= 10 * capacities[0]:
+        ax.set_xscale("log")
+    # Ticks at the measured capacities only, in readable units.
+    ax.set_xticks(capacities, [_short_count(c) for c in capacities])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("prefix cache hit rate (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(title=legend_title)
+    fig.tight_layout()
+    _atomic_write(path, lambda temp_path: fig.savefig(temp_path, format="png", dpi=PLOT_DPI))
+
+
 def _write_plot(path: str, rows: list[dict], trace_name: str, page_size: int) -> None:
     # Figure without pyplot renders PNG through the Agg canvas: no GUI backend involved.
     from matplotlib.figure import Figure  # noqa: PLC0415
-    from matplotlib.ticker import NullLocator  # noqa: PLC0415
 
     fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
     ax = fig.add_subplot()
@@ -301,20 +321,9 @@ def _write_plot(path: str, rows: list[dict], trace_name: str, page_size: int) ->
         ax.plot([c for c, _ in points], [100 * h for _, h in points], label=policy,
                 marker=markers[i % len(markers)], linestyle=styles[i % len(styles)],
                 markersize=max(3, 10 - 1.5 * i), fillstyle="none" if i % 2 else "full")
-    capacities = sorted({r["capacity"] for r in rows})
-    if capacities[-1] >= 10 * capacities[0]:
-        ax.set_xscale("log")
-    # Ticks at the measured capacities only, in readable units.
-    ax.set_xticks(capacities, [_short_count(c) for c in capacities])
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xlabel("KV pool capacity (token slots)")
-    ax.set_ylabel("prefix cache hit rate (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title(f"Prefix cache hit rate vs capacity: {trace_name} (page size {page_size})")
-    ax.grid(True, alpha=0.3)
-    ax.legend(title="eviction policy")
-    fig.tight_layout()
-    _atomic_write(path, lambda temp_path: fig.savefig(temp_path, format="png", dpi=PLOT_DPI))
+    _finish_plot(path, fig, ax, rows, "KV pool capacity (token slots)",
+                 f"Prefix cache hit rate vs capacity: {trace_name} (page size {page_size})",
+                 "eviction policy")
 
 
 def _result_row(capacity: int, policy: str, page_size: int, result: ServeResult) -> dict:
@@ -546,7 +555,6 @@ def _simulate_fleet(args: argparse.Namespace, requests: list[Request], trace_nam
 def _write_fleet_plot(path: str, rows: list[dict], trace_name: str, page_size: int,
                       workers: int) -> None:
     from matplotlib.figure import Figure  # noqa: PLC0415
-    from matplotlib.ticker import NullLocator  # noqa: PLC0415
 
     fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
     ax = fig.add_subplot()
@@ -569,19 +577,9 @@ def _write_fleet_plot(path: str, rows: list[dict], trace_name: str, page_size: i
             i = routers.index(router)
             style = dict(linestyle="-", marker=markers[i % len(markers)])
         ax.plot([c for c, _ in points], [100 * h for _, h in points], label=label, **style)
-    capacities = sorted({r["capacity"] for r in rows})
-    if capacities[-1] >= 10 * capacities[0]:
-        ax.set_xscale("log")
-    ax.set_xticks(capacities, [_short_count(c) for c in capacities])
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xlabel("KV pool capacity per worker (token slots)")
-    ax.set_ylabel("prefix cache hit rate (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title(f"Hit rate over {workers} workers by router: {trace_name} (page {page_size})")
-    ax.grid(True, alpha=0.3)
-    ax.legend(title="router")
-    fig.tight_layout()
-    _atomic_write(path, lambda temp_path: fig.savefig(temp_path, format="png", dpi=PLOT_DPI))
+    _finish_plot(path, fig, ax, rows, "KV pool capacity per worker (token slots)",
+                 f"Hit rate over {workers} workers by router: {trace_name} (page {page_size})",
+                 "router")
 
 
 # -- bench ---------------------------------------------------------------------------------------
