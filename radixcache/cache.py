@@ -82,16 +82,19 @@ def _int64_array(arr: np.ndarray, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _check_kv_items(arr: np.ndarray) -> None:
-    """Raise the error an object array of kv indices deserves: the first item that is not an
-    integer (TypeError), or one that does not fit in int64 (OverflowError)."""
+def _kv_from_objects(arr: np.ndarray) -> np.ndarray:
+    """An object array of kv indices (numpy's result for ints beyond 64 bits, objects with
+    ``__index__`` or mixed items) as int64, or the error it deserves: the first item that is
+    not an integer (TypeError) or that does not fit in int64 (OverflowError)."""
+    values = []
     for item in arr.ravel().tolist():
-        if isinstance(item, bool) or not hasattr(type(item), "__index__"):
+        if isinstance(item, (bool, np.bool_)) or not hasattr(type(item), "__index__"):
             raise TypeError(f"kv_indices must hold integers, got {type(item).__name__}")
         value = operator.index(item)
         if not _INT64_MIN <= value <= _INT64_MAX:
             raise OverflowError(f"kv index {value} does not fit in int64")
-    raise TypeError("kv_indices must be a 1-D sequence of ints")
+        values.append(value)
+    return np.array(values, dtype=np.int64).reshape(arr.shape)
 
 
 def _check_tensor_dtype(tensor: torch.Tensor, what: str) -> None:
@@ -249,7 +252,7 @@ class RadixCache:
             except ValueError as exc:  # ragged nesting
                 raise ValueError(f"kv_indices must be 1-D: {exc}") from None
             if arr.dtype == object:
-                _check_kv_items(arr)
+                arr = _kv_from_objects(arr)
             if arr.ndim == 1 and arr.size == 0:
                 arr = arr.astype(np.int64)
             values = _int64_array(arr, "kv_indices")
@@ -268,15 +271,7 @@ class RadixCache:
         """The longest cached prefix (page aligned); a match ending inside a node splits it."""
         result = self._core.match(token_ids, extra_key)
         if result is None:  # an unusual input, or a bad one: validate, then once more
-            core = self._core
-            core.enter("match_prefix")
-            try:
-                tokens = self._tokens(token_ids)
-                if extra_key is not None:
-                    _check_extra_key(extra_key)
-                result = _checked(core.match(tokens, extra_key, True))
-            finally:
-                core.leave()
+            result = self._validated("match_prefix", self._core.match, token_ids, extra_key)
         return result
 
     def insert(self, token_ids: Any, kv_indices: Any = None, extra_key: Any = None,
@@ -321,16 +316,21 @@ class RadixCache:
         """True only for a sequence inserted exactly (and not evicted since)."""
         found = self._core.exists(token_ids, extra_key)
         if found is None:
-            core = self._core
-            core.enter("exists")
-            try:
-                tokens = self._tokens(token_ids)
-                if extra_key is not None:
-                    _check_extra_key(extra_key)
-                found = _checked(core.exists(tokens, extra_key, True))
-            finally:
-                core.leave()
+            found = self._validated("exists", self._core.exists, token_ids, extra_key)
         return found
+
+    def _validated(self, what: str, call: Callable, token_ids: Any, extra_key: Any) -> Any:
+        """The slow path of a read call the core declined: validate (the documented errors),
+        then ``call`` the core again with canonical tokens, all under the cache's guard."""
+        core = self._core
+        core.enter(what)
+        try:
+            tokens = self._tokens(token_ids)
+            if extra_key is not None:
+                _check_extra_key(extra_key)
+            return _checked(call(tokens, extra_key, True))
+        finally:
+            core.leave()
 
     def _walk(self, tokens: Any, extra_key: Any = None) -> int:
         """The core's bare read-only walk (benchmarks time it against the whole call)."""

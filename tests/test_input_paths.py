@@ -175,7 +175,7 @@ def test_bad_tokens_raise_the_same_error_on_every_core(make_cache, method, bad, 
     ([1] * 7, ValueError),
     ([1.5] * 8, TypeError),
     ([1] * 7 + [2**63], (TypeError, OverflowError)),   # numpy makes it float64
-    ([IndexInt(1)] * 8, OverflowError),                 # numpy makes it an object array
+    ([IndexInt(1)] * 7 + [None], TypeError),            # numpy makes it an object array
     (torch.ones(8, dtype=torch.bool), TypeError),
     (torch.arange(8, dtype=torch.float32), TypeError),
     (np.zeros((8, 1), dtype=np.int64), ValueError),
@@ -189,6 +189,12 @@ def test_bad_kv_changes_nothing(make_cache, bad, exc):
     assert (cache.stats(), cache.node_count(), cache.total_size()) == before
     assert not cache.exists(SEQ)
     check_invariants(cache)
+
+
+def test_kv_list_of_index_objects_is_accepted(make_cache):
+    cache = make_cache()
+    cache.insert(SEQ, [IndexInt(100 + i) for i in range(len(SEQ))])
+    assert cache.match_prefix(SEQ).indices.tolist() == list(range(100, 100 + len(SEQ)))
 
 
 @pytest.mark.parametrize("priority, exc", [(2**63, OverflowError), (1.5, TypeError),
