@@ -19,25 +19,12 @@ from __future__ import annotations
 
 import pytest
 
-from _cases import (FULL, SERVE_PAGE_SIZES, TRACE_PATH,
-                    benchmark_min_seconds, chat_requests, trace_requests)
+from _cases import FULL, SERVE_PAGE_SIZES, benchmark_min_seconds
 from radixcache import RadixCache
 
 CHAT_ROUNDS = 5
 TRACE_ROUNDS = 2
 TRACE_LIMIT = FULL.trace_limit
-
-
-@pytest.fixture(scope="module")
-def chat():
-    return chat_requests(FULL)
-
-
-@pytest.fixture(scope="module")
-def trace():
-    if not TRACE_PATH.is_file():
-        pytest.skip(f"trace not found: {TRACE_PATH}")
-    return trace_requests(TRACE_LIMIT)
 
 
 def _run_serve(benchmark, note, core, page_size, requests, capacity, rounds):

@@ -44,7 +44,7 @@ import numpy as np
 import pytest
 import torch
 
-from _cases import FULL, SERVE_PAGE_SIZES, TRACE_PATH, chat_requests, trace_requests
+from _cases import FULL, SERVE_PAGE_SIZES
 from radixcache import RadixCache
 from radixcache._core import CORES
 from radixcache.workloads import FRESH_TOKEN_BASE, KVPool
@@ -275,18 +275,6 @@ def _run(benchmark, note, implementation, workload, page_size, requests, capacit
     if baseline is not None and implementation != "radixcache":
         line += f"; {best / baseline[0]:.2f}x radixcache's time"
     note(line)
-
-
-@pytest.fixture(scope="module")
-def chat():
-    return chat_requests(FULL)
-
-
-@pytest.fixture(scope="module")
-def trace():
-    if not TRACE_PATH.is_file():
-        pytest.skip(f"trace not found: {TRACE_PATH}")
-    return trace_requests(FULL.trace_limit)
 
 
 @pytest.mark.skipif("c" not in CORES, reason="the compiled core is not built")

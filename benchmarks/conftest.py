@@ -25,6 +25,21 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):
         sys.path.insert(0, _path)
 
 from radixcache._core import CORES  # noqa: E402 -- needs the path set above
+from _cases import FULL, TRACE_PATH, chat_requests, trace_requests  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def chat():
+    """The synthetic chat workload of the serving benchmarks."""
+    return chat_requests(FULL)
+
+
+@pytest.fixture(scope="module")
+def trace():
+    """The first requests of the shared Mooncake trace (skipped without it)."""
+    if not TRACE_PATH.is_file():
+        pytest.skip(f"trace not found: {TRACE_PATH}")
+    return trace_requests(FULL.trace_limit)
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector):
