@@ -1207,8 +1207,14 @@ cdef class Core:
             if (not obj.is_cpu or obj.dtype is not _int64 or obj.dim() != 1
                     or not obj.is_contiguous()):
                 return 0
+            # Memory that does not hold the values as read: a negative-bit view stores them
+            # un-negated, a zero tensor has no storage (NULL data pointer).
+            if obj.is_neg() or obj._is_zerotensor():
+                return 0
             b.len = obj.numel()
             b.ptr = <const int64_t*><uintptr_t>obj.data_ptr()
+            if b.ptr == NULL and b.len:
+                return 0
         else:
             return 0
         if private:

@@ -866,6 +866,25 @@ case("r8_released_salts_are_not_kept_alive", """
 """)
 
 
+# -- the fast paths' tensor reads ----------------------------------------------------------
+case("t1_zero_tensor_has_no_data", """
+    # torch._efficientzerotensor: an exact CPU int64 1-D contiguous tensor with no storage
+    # (data pointer NULL); reading it through its data pointer crashes.
+    def run(core):
+        cache = RadixCache(core=core)
+        cache.insert(list(range(8)), list(range(8)))
+        zeros = torch._efficientzerotensor(8, dtype=torch.int64)
+        found = [outcome(lambda: cache.match_prefix(zeros).length),
+                 outcome(lambda: cache.exists(zeros)),
+                 outcome(lambda: cache.insert(zeros).prefix_len),
+                 outcome(lambda: cache.insert(list(range(20, 28)), zeros).prefix_len),
+                 outcome(lambda: cache.match_prefix(zeros, extra_key="k").length)]
+        check_invariants(cache)
+        return found, contents(cache)
+    same_as_pure(run)
+""")
+
+
 def run_case(core_name: str, body: str, timeout: float = 300) -> str:
     script = PRELUDE + "\n" + body + "\nprint('CASE-OK')\n"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]),

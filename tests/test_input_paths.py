@@ -349,3 +349,29 @@ def test_device_kv_with_every_token_kind(make_cache, make):
     with pytest.raises(TypeError, match="token ids must be integers"):
         cache.insert([3, 1, 4, 1.5], torch.arange(4, device="meta"))
     check_invariants(cache)
+
+
+# A CPU int64 tensor with the negative bit set (torch._neg_view, what some lazy negations
+# return) holds its values un-negated in memory: reading its data pointer would see the wrong
+# sign. Both cores must treat it alike (torch refuses .numpy() on it: RuntimeError).
+@pytest.mark.parametrize("method", ["match_prefix", "exists", "insert"])
+def test_negative_bit_tokens_are_not_read_raw(make_cache, method):
+    cache = make_cache()
+    cache.insert(SEQ, list(range(8)))
+    before = (cache.stats(), cache.node_count(), cache.total_size())
+    tokens = torch._neg_view(torch.tensor([-t for t in SEQ]))
+    assert tokens.is_neg() and tokens.tolist() == SEQ
+    with pytest.raises(RuntimeError, match="negative bit"):
+        getattr(cache, method)(tokens)
+    assert (cache.stats(), cache.node_count(), cache.total_size()) == before
+    check_invariants(cache)
+
+
+def test_negative_bit_kv_indices_are_not_read_raw(make_cache):
+    cache = make_cache()
+    kv = torch._neg_view(torch.arange(0, -8, -1))
+    assert kv.is_neg() and kv.tolist() == list(range(8))
+    with pytest.raises(RuntimeError, match="negative bit"):
+        cache.insert(SEQ, kv)
+    assert cache.node_count() == 0 and cache.match_prefix(SEQ).length == 0
+    check_invariants(cache)
