@@ -375,3 +375,29 @@ def test_negative_bit_kv_indices_are_not_read_raw(make_cache):
         cache.insert(SEQ, kv)
     assert cache.node_count() == 0 and cache.match_prefix(SEQ).length == 0
     check_invariants(cache)
+
+
+# The index tensor of a miss is the caller's like any other: changing it in place (set_,
+# unsqueeze_, as_strided_ change a tensor's metadata, not its data) must not show up in the
+# result of a later miss, on this cache or another one.
+@pytest.mark.parametrize("change", [
+    lambda t: t.set_(torch.arange(3)),
+    lambda t: t.set_(torch.arange(5)).resize_(2),
+    lambda t: t.unsqueeze_(0),
+    lambda t: t.as_strided_((0, 4), (4, 1)),
+], ids=["set_", "set_resize_", "unsqueeze_", "as_strided_"])
+@pytest.mark.parametrize("closed", [False, True], ids=["open", "closed"])
+def test_changing_a_miss_result_in_place_changes_no_later_result(make_cache, change, closed):
+    cache, other = make_cache(page_size=2), make_cache()
+    cache.insert(SEQ)
+    for miss in (cache.match_prefix([99, 98]), cache.match_prefix([5]),
+                 other.match_prefix([42])):
+        if closed:
+            miss.close()
+        change(miss.indices)
+        for later in (cache.match_prefix([99, 98]), cache.match_prefix([3]),
+                      cache.match_prefix([]), other.match_prefix([43])):
+            assert later.length == 0
+            assert later.indices.shape == (0,) and later.indices.dtype == torch.int64
+    assert cache.match_prefix(SEQ).indices.tolist() == SEQ
+    check_invariants(cache)
