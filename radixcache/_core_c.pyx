@@ -1061,7 +1061,6 @@ from libc.stdint cimport uintptr_t
 
 import array as _array_module
 
-from ._shared import EMPTY_INDICES as _EMPTY_INDICES
 from ._shared import KEY_FALLS_ON_ACCESS as _KEY_FALLS_ON_ACCESS
 from ._shared import InsertResult as _InsertResult
 from ._shared import MatchResult as _MatchResult
@@ -1075,6 +1074,13 @@ cdef object _N_INDICES = "indices"
 cdef object _N_LAST_NODE = "last_node"
 cdef object _N_LENGTH = "length"
 cdef object _N_PREFIX_LEN = "prefix_len"
+
+
+cdef object new_empty_indices():
+    """A new empty index tensor for a miss (never a shared one: the caller may change a
+    result in place, with set_ or resize_, and that must not show in another)."""
+    cdef int64_t* unused
+    return _from_dlpack(rc_int64_capsule(0, &unused))
 
 
 cdef inline bint int64_format(const char* fmt) noexcept:
@@ -1207,8 +1213,14 @@ cdef class Core:
             if (not obj.is_cpu or obj.dtype is not _int64 or obj.dim() != 1
                     or not obj.is_contiguous()):
                 return 0
+            # Memory that does not hold the values as read: a negative-bit view stores them
+            # un-negated, a zero tensor has no storage (NULL data pointer).
+            if obj.is_neg() or obj._is_zerotensor():
+                return 0
             b.len = obj.numel()
             b.ptr = <const int64_t*><uintptr_t>obj.data_ptr()
+            if b.ptr == NULL and b.len:
+                return 0
         else:
             return 0
         if private:
@@ -1273,7 +1285,7 @@ cdef class Core:
             self.lookups += 1
             self.queried_tokens += end
             if end == 0:
-                return self.match_result(_EMPTY_INDICES, self.tree.root, 0)
+                return self.match_result(new_empty_indices(), self.tree.root, 0)
             self.tree.clock += 1
             now = self.tree.clock
             node = self.tree.root
@@ -1297,7 +1309,7 @@ cdef class Core:
                 pos += (<Node>self.path[i]).key_len
             release_tokens(&b)
             if depth == 0:
-                return self.match_result(_EMPTY_INDICES, self.tree.root, 0)
+                return self.match_result(new_empty_indices(), self.tree.root, 0)
             self.matched_tokens += pos
             if self.push_on_access:
                 dropped = self.push_if_evictable(node)

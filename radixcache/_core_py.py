@@ -24,7 +24,7 @@ the documented exception) and calls again with canonical inputs and ``held=True`
   page-aligned prefix; splits the node where it ends inside one; stamps the path with one
   clock tick (none when the aligned length is 0); counts a lookup and the queried/matched
   tokens; for policies in ``KEY_FALLS_ON_ACCESS`` pushes the matched leaf again. ``indices``
-  is one new int64 tensor (``EMPTY_INDICES`` on a miss, with ``last_node`` the root).
+  is one new int64 tensor (a new empty one on a miss, with ``last_node`` the root).
 - ``insert(tokens, kv, extra_key, priority, held=False) -> InsertResult | None``: walks,
   splits where the key diverges inside a node, adds the uncached remainder as one new leaf
   (with ``held``, ``take_new_leaf()`` returns it afterwards) holding a copy of its slice of ``kv``,
@@ -96,8 +96,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ._shared import (_INT64_MAX, _INT64_MIN, EMPTY_INDICES, KEY_FALLS_ON_ACCESS, InsertResult,
-                      MatchResult, cat_values, display_order, indices_from_key, reentered)
+from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, InsertResult,
+                      MatchResult, cat_values, display_order, empty_indices,
+                      indices_from_key, reentered)
 
 __all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME"]
 
@@ -818,7 +819,7 @@ class Core:
             n = len(buf) // _TOKEN_BYTES
             self.queried_tokens += n - n % self.page_size
             if not path:
-                return MatchResult(EMPTY_INDICES, tree.root, 0)
+                return MatchResult(empty_indices(), tree.root, 0)
             self.matched_tokens += length
             last = path[-1]
             if self._push_on_access:

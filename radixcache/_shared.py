@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
+
+
+def empty_indices() -> torch.Tensor:
+    """A new empty int64 tensor: the indices of a miss. Never a shared one: the caller may
+    change a result in place (``set_``, ``unsqueeze_``), which must not show in any other.
+    Its storage cannot grow, like a hit's (the compiled core's come from a DLPack block)."""
+    return torch.from_numpy(np.empty(0, dtype=np.int64))
+
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -26,7 +33,7 @@ class MatchResult:
 
     def close(self) -> None:
         """Drop the reference to the index tensor (the cache keeps its own copy)."""
-        self.indices = EMPTY_INDICES
+        self.indices = empty_indices()
 
     def __enter__(self) -> "MatchResult":
         return self

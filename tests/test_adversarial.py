@@ -37,7 +37,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 # Shared by every case: the core under test is argv[1].
 PRELUDE = '''
-import gc, sys, threading, time, tracemalloc, weakref
+import gc, os, sys, threading, time, tracemalloc, weakref
 import numpy as np
 import torch
 from radixcache import RadixCache
@@ -863,6 +863,61 @@ case("r8_released_salts_are_not_kept_alive", """
     gc.collect()
     assert sum(ref() is not None for ref in refs) == 0
     consistent(cache)
+""")
+
+
+# -- the fast paths' tensor reads ----------------------------------------------------------
+case("t1_zero_tensor_has_no_data", """
+    # torch._efficientzerotensor: an exact CPU int64 1-D contiguous tensor with no storage
+    # (data pointer NULL); reading it through its data pointer crashes.
+    def run(core):
+        cache = RadixCache(core=core)
+        cache.insert(list(range(8)), list(range(8)))
+        zeros = torch._efficientzerotensor(8, dtype=torch.int64)
+        found = [outcome(lambda: cache.match_prefix(zeros).length),
+                 outcome(lambda: cache.exists(zeros)),
+                 outcome(lambda: cache.insert(zeros).prefix_len),
+                 outcome(lambda: cache.insert(list(range(20, 28)), zeros).prefix_len),
+                 outcome(lambda: cache.match_prefix(zeros, extra_key="k").length)]
+        check_invariants(cache)
+        return found, contents(cache)
+    same_as_pure(run)
+""")
+
+
+case("t2_index_tensor_outlives_and_owns_its_memory", """
+    # The compiled core returns hits as a tensor over its own malloc'd block (DLPack): the
+    # block must outlive the cache, be the caller's to write, and be freed with the tensor.
+    def rss():
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096
+
+    def run(core):
+        seq = list(range(3000))
+        cache = RadixCache(core=core)
+        cache.insert(seq, list(range(5000, 8000)))
+        kept = [cache.match_prefix(seq).indices for _ in range(3)]
+        kept[0].numpy()[:] = -1                        # the caller's copy: the cache keeps its own
+        kept[1].add_(1)
+        again = cache.match_prefix(seq).indices.tolist()
+        cache.evict(10**9)
+        cache.reset()
+        del cache
+        gc.collect()
+        junk = [bytes(24_000) for _ in range(200)]     # reuse freed memory, if any was freed
+        return again, [t.tolist() for t in kept], int(kept[2].numpy().sum())
+    same_as_pure(run)
+
+    if os.path.exists("/proc/self/statm"):
+        seq = list(range(3000))
+        cache = RadixCache(core=CORE)
+        cache.insert(seq, list(range(3000)))
+        for _ in range(2000):
+            cache.match_prefix(seq)
+        base = rss()
+        for _ in range(50_000):                       # 1.2 GB if no block were freed
+            cache.match_prefix(seq).indices.numpy()
+        assert rss() - base < 64 * 2**20, (rss() - base) / 2**20
 """)
 
 

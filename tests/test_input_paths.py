@@ -349,3 +349,55 @@ def test_device_kv_with_every_token_kind(make_cache, make):
     with pytest.raises(TypeError, match="token ids must be integers"):
         cache.insert([3, 1, 4, 1.5], torch.arange(4, device="meta"))
     check_invariants(cache)
+
+
+# A CPU int64 tensor with the negative bit set (torch._neg_view, what some lazy negations
+# return) holds its values un-negated in memory: reading its data pointer would see the wrong
+# sign. Both cores must treat it alike (torch refuses .numpy() on it: RuntimeError).
+@pytest.mark.parametrize("method", ["match_prefix", "exists", "insert"])
+def test_negative_bit_tokens_are_not_read_raw(make_cache, method):
+    cache = make_cache()
+    cache.insert(SEQ, list(range(8)))
+    before = (cache.stats(), cache.node_count(), cache.total_size())
+    tokens = torch._neg_view(torch.tensor([-t for t in SEQ]))
+    assert tokens.is_neg() and tokens.tolist() == SEQ
+    with pytest.raises(RuntimeError, match="negative bit"):
+        getattr(cache, method)(tokens)
+    assert (cache.stats(), cache.node_count(), cache.total_size()) == before
+    check_invariants(cache)
+
+
+def test_negative_bit_kv_indices_are_not_read_raw(make_cache):
+    cache = make_cache()
+    kv = torch._neg_view(torch.arange(0, -8, -1))
+    assert kv.is_neg() and kv.tolist() == list(range(8))
+    with pytest.raises(RuntimeError, match="negative bit"):
+        cache.insert(SEQ, kv)
+    assert cache.node_count() == 0 and cache.match_prefix(SEQ).length == 0
+    check_invariants(cache)
+
+
+# The index tensor of a miss is the caller's like any other: changing it in place (set_,
+# unsqueeze_, as_strided_ change a tensor's metadata, not its data) must not show up in the
+# result of a later miss, on this cache or another one.
+@pytest.mark.parametrize("change", [
+    lambda t: t.set_(torch.arange(3)),
+    lambda t: t.set_(torch.arange(5)).resize_(2),
+    lambda t: t.unsqueeze_(0),
+    lambda t: t.as_strided_((0, 4), (4, 1)),
+], ids=["set_", "set_resize_", "unsqueeze_", "as_strided_"])
+@pytest.mark.parametrize("closed", [False, True], ids=["open", "closed"])
+def test_changing_a_miss_result_in_place_changes_no_later_result(make_cache, change, closed):
+    cache, other = make_cache(page_size=2), make_cache()
+    cache.insert(SEQ)
+    for miss in (cache.match_prefix([99, 98]), cache.match_prefix([5]),
+                 other.match_prefix([42])):
+        if closed:
+            miss.close()
+        change(miss.indices)
+        for later in (cache.match_prefix([99, 98]), cache.match_prefix([3]),
+                      cache.match_prefix([]), other.match_prefix([43])):
+            assert later.length == 0
+            assert later.indices.shape == (0,) and later.indices.dtype == torch.int64
+    assert cache.match_prefix(SEQ).indices.tolist() == SEQ
+    check_invariants(cache)
