@@ -165,6 +165,7 @@ cdef class Core:
     cdef void give(self, bint held) noexcept
     cdef int64_t* scratch(self, bint for_kv, Py_ssize_t n) except NULL
     cdef int acquire(self, object obj, TokenBuf* b, bint for_kv, bint private) except -1
+    cdef int64_t read_query(self, object tokens, TokenBuf* b, object extra_key) except -3
     cdef object match_result(self, object indices, object node, Py_ssize_t length)
     cdef object insert_result(self, Py_ssize_t prefix_len, object node)
     cdef object push_if_evictable(self, Node node)

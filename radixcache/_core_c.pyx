@@ -51,6 +51,8 @@ cdef Py_ssize_t _MIN_SLOTS = 4
 # Grow the first memcmp block by doubling up to this many tokens: early mismatches stay
 # cheap, long matches run at memcmp speed.
 cdef Py_ssize_t _MAX_BLOCK = 4096
+# read_query's answer for an input the core leaves to cache.py's validation.
+cdef int64_t _DECLINED = -2
 _INT64_FORMATS = frozenset((b"q", b"l", b"<q", b"=q", b"<l", b"=l"))
 
 
@@ -1261,6 +1263,19 @@ cdef class Core:
         return 0
 
     # -- whole calls -----------------------------------------------------------------------
+    cdef int64_t read_query(self, object tokens, TokenBuf* b, object extra_key) except -3:
+        """A read call's tokens into ``b`` (before any key hashing runs), then the namespace
+        id of ``extra_key`` (-1: none); ``_DECLINED`` for an input cache.py must validate (an
+        unusual token type, an unhashable key)."""
+        if not self.acquire(tokens, b, False, extra_key is not None):
+            return _DECLINED
+        if extra_key is None:
+            return 0
+        try:
+            return self.tree.find_namespace(extra_key)
+        except TypeError:
+            return _DECLINED
+
     def match(self, tokens, extra_key=None, bint held=False):
         cdef TokenBuf b
         cdef int64_t ns
@@ -1272,15 +1287,9 @@ cdef class Core:
         b.held = False
         self.take(held, "match_prefix")
         try:
-            if not self.acquire(tokens, &b, False, extra_key is not None):
+            ns = self.read_query(tokens, &b, extra_key)
+            if ns == _DECLINED:
                 return None
-            if extra_key is None:
-                ns = 0
-            else:
-                try:
-                    ns = self.tree.find_namespace(extra_key)
-                except TypeError:
-                    return None  # unhashable: cache.py says so
             end = b.len - b.len % self.page_size
             self.lookups += 1
             self.queried_tokens += end
@@ -1459,15 +1468,9 @@ cdef class Core:
         b.held = False
         self.take(held, "exists")
         try:
-            if not self.acquire(tokens, &b, False, extra_key is not None):
+            ns = self.read_query(tokens, &b, extra_key)
+            if ns == _DECLINED:
                 return None
-            if extra_key is None:
-                ns = 0
-            else:
-                try:
-                    ns = self.tree.find_namespace(extra_key)
-                except TypeError:
-                    return None  # unhashable: cache.py says so
             n = b.len
             if n % page_size:
                 return False
