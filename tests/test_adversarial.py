@@ -450,7 +450,9 @@ case("r3_two_threads_on_device_values", """
 
 
 # -- 4: borrowed token buffers -------------------------------------------------------------
-case("r4_hash_resizes_tokens", """
+# One scenario, two triggers: the key's __hash__ resizes the caller's array (grow: moved
+# and freed; shrink) or writes it, in the middle of the call.
+_R4_HASH_ACTS_ON_TOKENS = """
     class Key:
         # Acts on the second hash of a call (the first is cache.py's argument check), once.
         arr = None
@@ -471,7 +473,7 @@ case("r4_hash_resizes_tokens", """
 
     def run(core):
         results = []
-        for mode in ("grow", "shrink"):
+        for mode in MODES:
             cache = RadixCache(core=core)
             key = Key()
             Key.arr = None
@@ -490,49 +492,10 @@ case("r4_hash_resizes_tokens", """
             results.append(contents(cache))
         return results
     same_as_pure(run)
-""")
+"""
 
-case("r4_hash_writes_tokens", """
-    class Key:
-        # Acts on the second hash of a call (the first is cache.py's argument check), once.
-        arr = None
-        mode = None
-        calls = 0
-        def __hash__(self):
-            Key.calls += 1
-            if Key.arr is not None and Key.calls == 2:
-                if Key.mode == "grow":
-                    Key.arr.resize(1_000_000, refcheck=False)   # moves and frees the data
-                elif Key.mode == "shrink":
-                    Key.arr.resize(10, refcheck=False)
-                else:
-                    Key.arr[:] = 3
-            return 1
-        def __eq__(self, other): return isinstance(other, Key)
-        def __repr__(self): return "Key"
-
-    def run(core):
-        results = []
-        for mode in ("write",):
-            cache = RadixCache(core=core)
-            key = Key()
-            Key.arr = None
-            base = np.arange(100_000, dtype=np.int64)
-            cache.insert(base, extra_key=key)
-            cache.insert(base[:5000] * 2, extra_key=key)
-            for call in ("insert", "match_prefix", "exists"):
-                arr = np.arange(100_000, dtype=np.int64)
-                arr[60_000] = -1
-                Key.arr, Key.mode, Key.calls = arr, mode, 0
-                result = getattr(cache, call)(arr, extra_key=key)
-                Key.arr = None
-                results.append(result if call == "exists" else
-                               getattr(result, "prefix_len", getattr(result, "length", None)))
-            check_invariants(cache)
-            results.append(contents(cache))
-        return results
-    same_as_pure(run)
-""")
+case("r4_hash_resizes_tokens", _R4_HASH_ACTS_ON_TOKENS.replace("MODES", '("grow", "shrink")'))
+case("r4_hash_writes_tokens", _R4_HASH_ACTS_ON_TOKENS.replace("MODES", '("write",)'))
 
 case("r4_finalizer_resizes_tokens_mid_walk", """
     class Trap:
