@@ -169,5 +169,6 @@ cdef class Core:
     cdef object match_result(self, object indices, object node, Py_ssize_t length)
     cdef object insert_result(self, Py_ssize_t prefix_len, object node)
     cdef object push_if_evictable(self, Node node)
+    cdef void prefetch_victims(self) noexcept
     cdef int note_path(self, Py_ssize_t depth, Node node) except -1
     cdef Py_ssize_t walk_length(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept
