@@ -64,7 +64,9 @@ stored, None once evicted).
 ``Tree`` (``Core.tree``) -- attributes ``root``, ``page_size``, ``clock`` (logical time, +1 per
 touching call), ``node_count`` (nodes excluding the root), ``num_splits``, ``guard``;
 ``iter_nodes() -> iterator of (node, depth)``: pre-order, root first at depth 0, siblings in
-``display_order`` (so both cores list a tree identically). Its walks are the core's own.
+``display_order`` (so both cores list a tree identically); ``check_layout()`` raises
+``AssertionError`` naming the node whose child lookup structure is inconsistent (each core
+checks its own layout; for tests). Its walks are the core's own.
 
 ``EvictionHeap`` (``Core.heap``) -- the lazy eviction heap (policy names as in
 ``EVICTION_POLICIES``) sharing the tree's guard: ``push(node)``, ``pop_victim()``, ``len()``,
@@ -579,6 +581,14 @@ class Tree:
             node._evicted = True
             node._value = None
         return old_root
+
+    def check_layout(self) -> None:
+        # Every child is filed under its (namespace, first page) key in its parent's dict.
+        for node, _ in self.iter_nodes():
+            for ckey, child in node._children.items():
+                want = self._child_key(node, child._extra_key, child._key[: self._page_bytes])
+                assert ckey == want and child._parent is node, (
+                    f"node {child.id} filed under the wrong key in node {node.id}")
 
     def iter_nodes(self) -> Iterator[tuple[Node, int]]:
         stack = [(self.root, 0)]

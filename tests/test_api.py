@@ -718,3 +718,44 @@ def test_core_walk_is_read_only_and_page_aligned(make_cache):
     assert cache._walk([1, 2], "other") == 0
     assert cache._walk([]) == 0
     assert (cache.node_count(), cache._tree.clock) == (nodes, clock)
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_child_tables_full_and_growing(make_cache, page_size):
+    """Child tables at every fill: two children (the compiled core's smallest table, full),
+    then grown, shrunk by eviction and split, with lookups of absent first pages at each
+    step (a probe of a full table must end) and the layout checked throughout."""
+    cache = make_cache(page_size=page_size)
+    p = page_size
+    base = [7] * (3 * p)
+    present: list[list[int]] = []
+    absent = [base + [900 + i] * p for i in range(4)]
+
+    def check():
+        check_invariants(cache)
+        for seq in present:
+            assert cache.exists(seq)
+            assert cache.match_prefix(seq).length == len(seq)
+        for seq in absent:
+            assert not cache.exists(seq)
+            assert cache.match_prefix(seq).length == len(base)
+
+    cache.insert(base)  # the parent, a terminal
+    present.append(base)
+    for first in range(1, 9):  # 1, 2 children (full), 3 (grown), ... 8
+        seq = base + [first] * p + [first + 50] * (2 * p)
+        cache.insert(seq)
+        present.append(seq)
+        check()
+    # Split a child: its slot now holds the upper half, whose own table is new.
+    seq = base + [1] * p + [99] * p
+    cache.insert(seq)
+    present.append(seq)
+    check()
+    # Evict leaves one by one down to one child: tables shift their entries back.
+    while cache.node_count() > 2:
+        freed = cache.evict(1)
+        assert freed > 0
+        present = [s for s in present if cache.exists(s)]
+        check()
+    assert present  # the evictions kept the shared parent
