@@ -51,7 +51,7 @@ cdef int64_t _next_id = 0
 # be full, so every probe loop is bounded by the capacity).
 cdef Py_ssize_t _MIN_SLOTS = 2
 cdef Py_ssize_t _MAX_SLOTS = 1 << 30
-cdef int32_t _INT32_MAX = 0x7FFFFFFF
+cdef int32_t _INT32_MAX = 0x7FFFFFFF  # _shared.MAX_LOCK_REF: lock_ref is 32-bit here
 # ChildSlot.shape's key length of a key too long for its 27 bits: the walk reads the node's.
 cdef uint32_t _LONG_KEY = (1u << 27) - 1
 # Grow the first memcmp block by doubling up to this many tokens: early mismatches stay

@@ -40,7 +40,8 @@ the documented exception) and calls again with canonical inputs and ``held=True`
   excluded), moves the tokens that crossed between unlocked and locked between
   ``evictable`` and ``protected`` and returns their count; an unlock that makes the node an
   evictable leaf pushes it. ``TypeError`` for a non-node, ``ValueError`` for an evicted node,
-  a node of another tree or an unlock below 0, changing nothing.
+  a node of another tree or an unlock below 0, and ``OverflowError`` for a lock past
+  ``MAX_LOCK_REF`` (2^31 - 1) on any node of the path, changing nothing.
 - ``pop_victim(held=False) -> Node | None`` and ``remove_leaf(node, held=False) -> int``
   (tokens freed): the evict loop's two steps; ``remove_leaf`` detaches the leaf, marks it
   evicted, drops its value, counts the eviction and pushes the parent if it became an
@@ -98,8 +99,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, InsertResult,
-                      MatchResult, cat_values, display_order, empty_indices,
+from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, MAX_LOCK_REF,
+                      InsertResult, MatchResult, cat_values, display_order, empty_indices,
                       indices_from_key, reentered)
 
 __all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME"]
@@ -537,6 +538,14 @@ class Tree:
                     f"(lock_ref {node._lock_ref} comes from its descendants)"
                 )
         root = self.root
+        if delta > 0:
+            # Checked before any change (an ancestor's count is the largest).
+            top = node
+            while top._parent is not root:
+                top = top._parent
+            if top._lock_ref >= MAX_LOCK_REF:
+                raise OverflowError(f"inc_lock_ref on node {node._id}: node {top._id} already "
+                                    f"has lock_ref {MAX_LOCK_REF}, the most a node can hold")
         moved = 0
         while node is not root:
             if delta > 0:

@@ -759,3 +759,23 @@ def test_child_tables_full_and_growing(make_cache, page_size):
         present = [s for s in present if cache.exists(s)]
         check()
     assert present  # the evictions kept the shared parent
+
+
+def test_lock_ref_limit_refused_before_any_change(core_name):
+    """A lock past MAX_LOCK_REF raises OverflowError and changes no count. The compiled
+    core's counts cannot be set from Python, and 2^31 real locks take minutes: the limit is
+    driven through the pure core's node state; the compiled core has the same check."""
+    from radixcache._shared import MAX_LOCK_REF
+
+    if core_name != "python":
+        pytest.skip("reaching 2^31 - 1 locks on the compiled core takes 2^31 calls")
+    cache = RadixCache(core="python")
+    cache.insert([1, 2, 3])
+    leaf = cache.insert([1, 2, 3, 4, 5]).last_node
+    top = leaf.parent
+    top._lock_ref = MAX_LOCK_REF  # as if that many locks were held below it
+    before = (leaf.lock_ref, cache.evictable_size(), cache.protected_size())
+    with pytest.raises(OverflowError, match="lock_ref"):
+        cache.inc_lock_ref(leaf)
+    assert (leaf.lock_ref, cache.evictable_size(), cache.protected_size()) == before
+    assert top.lock_ref == MAX_LOCK_REF
