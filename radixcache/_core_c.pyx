@@ -47,12 +47,23 @@ _int64 = torch.int64
 CORE_NAME = "c"
 
 cdef int64_t _next_id = 0
-cdef Py_ssize_t _MIN_SLOTS = 4
+# Child tables: a power-of-two capacity from 2; filled up to slot_limit (a table of two may
+# be full, so every probe loop is bounded by the capacity).
+cdef Py_ssize_t _MIN_SLOTS = 2
+cdef Py_ssize_t _MAX_SLOTS = 1 << 30
+cdef int32_t _INT32_MAX = 0x7FFFFFFF  # _shared.MAX_LOCK_REF: lock_ref is 32-bit here
+# ChildSlot.shape's key length of a key too long for its 27 bits: the walk reads the node's.
+cdef uint32_t _LONG_KEY = (1u << 27) - 1
 # Grow the first memcmp block by doubling up to this many tokens: early mismatches stay
 # cheap, long matches run at memcmp speed.
 cdef Py_ssize_t _MAX_BLOCK = 4096
 # read_query's answer for an input the core leaves to cache.py's validation.
 cdef int64_t _DECLINED = -2
+# How many pops ahead an evict loop starts reading a victim's node, its key and parent, and
+# its parent's slot.
+cdef Py_ssize_t _AHEAD_NODE = 12
+cdef Py_ssize_t _AHEAD_KEY = 6
+cdef Py_ssize_t _AHEAD_SLOT = 2
 _INT64_FORMATS = frozenset((b"q", b"l", b"<q", b"=q", b"<l", b"=l"))
 
 
@@ -72,6 +83,36 @@ cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
     return x
 
 
+cdef inline Py_ssize_t slot_limit(Py_ssize_t capacity) noexcept nogil:
+    # Full for two slots, three quarters above: 24-byte slots (with mirrors) cost what
+    # 16-byte ones at half load did.
+    return capacity if capacity <= 2 else capacity - (capacity >> 2)
+
+
+cdef extern from *:
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define rc_log2(x) ((unsigned)__builtin_ctzll((unsigned long long)(x)))
+    #else
+    static inline unsigned rc_log2(unsigned long long x) { unsigned n = 0; while (x > 1) { x >>= 1; n++; } return n; }
+    #endif
+    """
+    uint32_t rc_log2(Py_ssize_t power_of_two) noexcept nogil
+
+
+cdef inline uint32_t slot_shape(Node child) noexcept:
+    """``child``'s key length and table size as its parent's slot mirrors them."""
+    cdef uint32_t length = (<uint32_t>child.key_len if child.key_len < <Py_ssize_t>_LONG_KEY
+                            else _LONG_KEY)
+    if child.slots == NULL:
+        return length
+    return length | (rc_log2(child.slot_mask + 1) << 27)
+
+
+cdef inline Py_ssize_t shape_mask(uint32_t shape) noexcept nogil:
+    return (<Py_ssize_t>1 << (shape >> 27)) - 1
+
+
 cdef inline bint same_page(const int64_t* a, const int64_t* b, Py_ssize_t n) noexcept nogil:
     # Pages are short: a loop beats a call to memcmp.
     cdef Py_ssize_t i
@@ -79,6 +120,22 @@ cdef inline bint same_page(const int64_t* a, const int64_t* b, Py_ssize_t n) noe
         if a[i] != b[i]:
             return False
     return True
+
+
+cdef inline ChildSlot* probe(ChildSlot* table, Py_ssize_t mask, const int64_t* page,
+                           Py_ssize_t page_size, uint64_t h) noexcept:
+    """The slot of ``table`` whose child starts with ``page`` (hash ``h``), or NULL."""
+    cdef Py_ssize_t i = <Py_ssize_t>(h & <uint64_t>mask)
+    cdef Py_ssize_t tries
+    cdef ChildSlot* slot
+    for tries in range(mask + 1):
+        slot = &table[i]
+        if slot.node == NULL:
+            return NULL
+        if slot.hash == <uint32_t>h and same_page((<Node>slot.node).key_ptr, page, page_size):
+            return slot
+        i = (i + 1) & mask
+    return NULL
 
 
 cdef extern from *:
@@ -187,6 +244,8 @@ cdef void drop_subtree(Node top) noexcept:
             node.n_children = 0
         if not stack:
             break
+        if node is top:
+            mirror(top)  # a parent's slot must not keep the freed table
         node = <Node>stack.pop()  # the previous node goes here: it has no children left
         node.evicted = True
         node.value_ptr = NULL
@@ -211,79 +270,6 @@ cdef class Node:
     def __dealloc__(self):
         if self.slots != NULL:
             drop_subtree(self)
-
-    cdef Node find_child(self, const int64_t* page, Py_ssize_t page_size, uint64_t h):
-        cdef Py_ssize_t i
-        cdef PyObject* cand
-        if self.n_children == 0:
-            return None
-        i = <Py_ssize_t>(h & <uint64_t>self.slot_mask)
-        while True:
-            cand = self.slots[i].node
-            if cand == NULL:
-                return None
-            if self.slots[i].hash == h and same_page((<Node>cand).key_ptr, page, page_size):
-                return <Node>cand
-            i = (i + 1) & self.slot_mask
-
-    cdef int grow(self) except -1:
-        cdef Py_ssize_t old_cap = self.slot_mask + 1
-        cdef Py_ssize_t new_cap = _MIN_SLOTS if old_cap == 0 else old_cap * 2
-        cdef ChildSlot* old = self.slots
-        cdef ChildSlot* fresh = <ChildSlot*>PyMem_Malloc(new_cap * sizeof(ChildSlot))
-        cdef Py_ssize_t i, j
-        if fresh == NULL:
-            raise MemoryError()
-        memset(fresh, 0, new_cap * sizeof(ChildSlot))
-        for i in range(old_cap):
-            if old[i].node != NULL:
-                j = <Py_ssize_t>(old[i].hash & <uint64_t>(new_cap - 1))
-                while fresh[j].node != NULL:
-                    j = (j + 1) & (new_cap - 1)
-                fresh[j] = old[i]
-        PyMem_Free(old)
-        self.slots = fresh
-        self.slot_mask = new_cap - 1
-        return 0
-
-    cdef int add_child(self, Node child, uint64_t h) except -1:
-        """Adds ``child`` taking a new reference (the table's own)."""
-        cdef Py_ssize_t i
-        if (self.n_children + 1) * 2 > self.slot_mask + 1:
-            self.grow()
-        i = <Py_ssize_t>(h & <uint64_t>self.slot_mask)
-        while self.slots[i].node != NULL:
-            i = (i + 1) & self.slot_mask
-        Py_INCREF(child)
-        self.slots[i].node = <PyObject*>child
-        self.slots[i].hash = h
-        self.n_children += 1
-        child.parent_ptr = <PyObject*>self
-        return 0
-
-    cdef Py_ssize_t slot_of(self, Node child, uint64_t h) noexcept:
-        cdef Py_ssize_t i = <Py_ssize_t>(h & <uint64_t>self.slot_mask)
-        while self.slots[i].node != <PyObject*>child:
-            i = (i + 1) & self.slot_mask
-        return i
-
-    cdef void remove_slot(self, Py_ssize_t i) noexcept:
-        """Empties slot ``i`` (the caller owns the reference it held), backward-shifting."""
-        cdef Py_ssize_t j = i
-        cdef Py_ssize_t home
-        cdef Py_ssize_t mask = self.slot_mask
-        while True:
-            j = (j + 1) & mask
-            if self.slots[j].node == NULL:
-                break
-            home = <Py_ssize_t>(self.slots[j].hash & <uint64_t>mask)
-            # Keep entry j where it is if its home lies cyclically in (i, j].
-            if (i <= j and i < home <= j) or (i > j and (home > i or home <= j)):
-                continue
-            self.slots[i] = self.slots[j]
-            i = j
-        self.slots[i].node = NULL
-        self.n_children -= 1
 
     # -- read-only public view -------------------------------------------------------
     @property
@@ -341,6 +327,92 @@ cdef class Node:
     def __repr__(self):
         return (f"<RadixTreeNode id={self.id} len={self.key_len} "
                 f"lock_ref={self.lock_ref}{' evicted' if self.evicted else ''}>")
+
+
+# -- child tables: functions, not methods, so that a Node carries no vtable pointer -----
+cdef int grow(Node node) except -1:
+    cdef Py_ssize_t old_cap = node.slot_mask + 1
+    cdef Py_ssize_t new_cap = _MIN_SLOTS if old_cap == 0 else old_cap * 2
+    cdef ChildSlot* old = node.slots
+    cdef ChildSlot* fresh
+    cdef Py_ssize_t i, j
+    if new_cap > _MAX_SLOTS:
+        raise MemoryError(f"node {node.id}: more than {_MAX_SLOTS // 2} children")
+    fresh = <ChildSlot*>PyMem_Malloc(new_cap * sizeof(ChildSlot))
+    if fresh == NULL:
+        raise MemoryError()
+    memset(fresh, 0, new_cap * sizeof(ChildSlot))
+    for i in range(old_cap):
+        if old[i].node != NULL:
+            j = <Py_ssize_t>(old[i].hash & <uint32_t>(new_cap - 1))
+            while fresh[j].node != NULL:
+                j = (j + 1) & (new_cap - 1)
+            fresh[j] = old[i]
+    PyMem_Free(old)
+    node.slots = fresh
+    node.slot_mask = <int32_t>(new_cap - 1)
+    mirror(node)
+    return 0
+
+
+cdef void mirror(Node node) noexcept:
+    """Copy this node's table, mask and key length into its slot in its parent's table
+    (after any change of them while attached)."""
+    cdef Node parent
+    cdef ChildSlot* slot
+    if node.parent_ptr == NULL:
+        return
+    parent = <Node>node.parent_ptr
+    slot = &parent.slots[slot_of(parent, node, node.slot_hash)]
+    slot.table = node.slots
+    slot.shape = slot_shape(node)
+
+
+cdef int add_child(Node node, Node child, uint64_t h) except -1:
+    """Adds ``child`` taking a new reference (the table's own)."""
+    cdef Py_ssize_t i
+    cdef ChildSlot* slot
+    if node.n_children + 1 > slot_limit(node.slot_mask + 1):
+        grow(node)
+    i = <Py_ssize_t>(h & <uint64_t>node.slot_mask)
+    while node.slots[i].node != NULL:  # below slot_limit: a free slot exists
+        i = (i + 1) & node.slot_mask
+    Py_INCREF(child)
+    slot = &node.slots[i]
+    slot.node = <PyObject*>child
+    slot.hash = <uint32_t>h
+    slot.table = child.slots
+    slot.shape = slot_shape(child)
+    node.n_children += 1
+    child.slot_hash = <uint32_t>h
+    child.parent_ptr = <PyObject*>node
+    return 0
+
+
+cdef Py_ssize_t slot_of(Node node, Node child, uint64_t h) noexcept:
+    cdef Py_ssize_t i = <Py_ssize_t>(h & <uint64_t>node.slot_mask)
+    while node.slots[i].node != <PyObject*>child:
+        i = (i + 1) & node.slot_mask
+    return i
+
+
+cdef void remove_slot(Node node, Py_ssize_t i) noexcept:
+    """Empties slot ``i`` (the caller owns the reference it held), backward-shifting."""
+    cdef Py_ssize_t j = i
+    cdef Py_ssize_t home, tries
+    cdef Py_ssize_t mask = node.slot_mask
+    for tries in range(mask):  # bounded: a table of two may be full
+        j = (j + 1) & mask
+        if node.slots[j].node == NULL:
+            break
+        home = <Py_ssize_t>(node.slots[j].hash & <uint32_t>mask)
+        # Keep entry j where it is if its home lies cyclically in (i, j].
+        if (i <= j and i < home <= j) or (i > j and (home > i or home <= j)):
+            continue
+        node.slots[i] = node.slots[j]
+        i = j
+    node.slots[i].node = NULL
+    node.n_children -= 1
 
 
 @cython.no_gc_clear  # tree_clear below tears down iteratively instead
@@ -428,11 +500,15 @@ cdef class Tree:
     cdef Node split(self, Node child, Py_ssize_t at):
         """Split ``child`` ``at`` tokens in: a new upper node takes over its place.
 
-        The allocation (which may run a collection, so Python code) comes first; everything
-        after it is plain C, with the parent's slot found after the allocation."""
+        The allocations (the node may run a collection, so Python code; then upper's table,
+        so that nothing after can fail) come first; everything after them is plain C, with
+        the parent's slot found after the allocations."""
         cdef Node upper = self.new_node(None, child.last_access_time)
-        cdef Node parent = <Node>child.parent_ptr
-        cdef Py_ssize_t i = parent.slot_of(child, self.page_hash(child.key_ptr, child.ns))
+        cdef Node parent
+        cdef ChildSlot* slot
+        grow(upper)  # detached: nothing to mirror yet
+        parent = <Node>child.parent_ptr
+        slot = &parent.slots[slot_of(parent, child, child.slot_hash)]
         upper.key_owner = child.key_owner
         upper.key_ptr = child.key_ptr
         upper.key_len = at
@@ -454,11 +530,14 @@ cdef class Tree:
         # Upper takes child's slot in the parent (same first page, same hash): the slot's
         # reference to child moves into upper's table below.
         Py_INCREF(upper)
-        parent.slots[i].node = <PyObject*>upper
+        slot.node = <PyObject*>upper
+        slot.table = upper.slots
+        slot.shape = slot_shape(upper)
+        upper.slot_hash = child.slot_hash
         upper.parent_ptr = <PyObject*>parent
         child.key_ptr = child.key_ptr + at
         child.key_len -= at
-        upper.add_child(child, self.page_hash(child.key_ptr, child.ns))
+        add_child(upper, child, self.page_hash(child.key_ptr, child.ns))  # cannot grow: fits
         Py_DECREF(child)  # add_child took a new reference; drop the one the slot held
         self.node_count += 1
         self.num_splits += 1
@@ -470,16 +549,23 @@ cdef class Tree:
         (``matched``, page aligned, > 0); None if no child starts with their first page.
         A match shorter than the child means the caller splits it, and its walk ends there:
         the lower half starts with the page that differed. Calls nothing."""
-        cdef Node child = node.find_child(tokens, self.page_size,
-                                          self.page_hash(tokens, ns))
+        cdef ChildSlot* slot
+        cdef Node child
         cdef Py_ssize_t klen, common
-        if child is None:
+        if node.n_children == 0:
             return None
+        slot = probe(node.slots, node.slot_mask, tokens, self.page_size,
+                     self.page_hash(tokens, ns))
+        if slot == NULL:
+            return None
+        klen = slot.shape & _LONG_KEY  # the sentinel only skips the prefetch
+        if klen < remaining and slot.table != NULL:
+            # The next step's slot, from the mirror in this one: its fetch starts before the
+            # child arrives, and overlaps the key compare.
+            rc_prefetch(&slot.table[self.page_hash(tokens + klen, ns)
+                                    & <uint64_t>shape_mask(slot.shape)])
+        child = <Node>slot.node
         klen = child.key_len
-        if klen < remaining and child.slots != NULL:
-            # The next step's slot, fetched while this step compares the key (two misses
-            # in flight instead of one after the other).
-            rc_prefetch(&child.slots[self.page_hash(tokens + klen, ns) & <uint64_t>child.slot_mask])
         common = common_prefix(child.key_ptr, tokens, klen if klen < remaining else remaining)
         if common < klen:
             common -= common % self.page_size
@@ -531,7 +617,7 @@ cdef class Tree:
 
     cdef Py_ssize_t lock_path(self, object node, int delta) except -1:
         """Lock (+1) or unlock (-1) node -> root; the tokens that crossed."""
-        cdef Node cur
+        cdef Node cur, top
         cdef Py_ssize_t moved = 0, own, i
         if node is None or node is self.root:
             return 0
@@ -548,6 +634,14 @@ cdef class Tree:
                     f"dec_lock_ref on node {cur.id}: no lock_ref was taken on it "
                     f"(lock_ref {cur.lock_ref} comes from its descendants)"
                 )
+        if delta > 0:
+            # Checked before any change: the counts are 32-bit (an ancestor's is the largest).
+            top = cur
+            while top.parent_ptr != <PyObject*>self.root:
+                top = <Node>top.parent_ptr
+            if top.lock_ref == _INT32_MAX:
+                raise OverflowError(f"inc_lock_ref on node {cur.id}: node {top.id} already has "
+                                    f"lock_ref {_INT32_MAX}, the most a node can hold")
         while cur is not self.root:
             if delta > 0:
                 if cur.lock_ref == 0:
@@ -567,7 +661,7 @@ cdef class Tree:
         if node.evicted or node.parent_ptr == NULL or node.n_children:
             raise ValueError(f"node {node.id} is not an attached leaf")
         parent = <Node>node.parent_ptr
-        parent.remove_slot(parent.slot_of(node, self.page_hash(node.key_ptr, node.ns)))
+        remove_slot(parent, slot_of(parent, node, node.slot_hash))
         node.parent_ptr = NULL
         node.evicted = True
         dropped.append(node.value_owner)
@@ -602,6 +696,42 @@ cdef class Tree:
         old_root.evicted = True
         drop_subtree(old_root)
         return old_tables
+
+    def check_layout(self):
+        """Raise AssertionError at the first child table or slot mirror that disagrees with
+        its nodes (see the pure core's docstring); holds the guard."""
+        cdef Node node, child
+        cdef ChildSlot* slot
+        cdef Py_ssize_t i, used
+        self.guard.enter("check_layout")
+        try:
+            stack = [self.root]
+            while stack:
+                node = stack.pop()
+                if node.slots == NULL:
+                    assert node.n_children == 0, f"node {node.id}: children but no table"
+                    continue
+                used = 0
+                for i in range(node.slot_mask + 1):
+                    slot = &node.slots[i]
+                    if slot.node == NULL:
+                        continue
+                    used += 1
+                    child = <Node>slot.node
+                    stack.append(child)
+                    where = f"slot {i} of node {node.id} (child {child.id})"
+                    assert child.parent_ptr == <PyObject*>node, f"{where}: wrong parent"
+                    assert slot.hash == <uint32_t>child.slot_hash, f"{where}: slot_hash differs"
+                    assert child.slot_hash == <uint32_t>self.page_hash(child.key_ptr, child.ns), (
+                        f"{where}: hash is not its first page's")
+                    assert probe(node.slots, node.slot_mask, child.key_ptr, self.page_size,
+                                 child.slot_hash) == slot, f"{where}: not found by a probe"
+                    assert slot.table == child.slots, f"{where}: stale table mirror"
+                    assert slot.shape == slot_shape(child), f"{where}: stale shape mirror"
+                assert used == node.n_children, f"node {node.id}: n_children {node.n_children}"
+                assert used <= slot_limit(node.slot_mask + 1), f"node {node.id}: overfull"
+        finally:
+            self.guard.busy = 0
 
     def iter_nodes(self):
         cdef Node node
@@ -1436,7 +1566,7 @@ cdef class Core:
                 leaf.hit_count = 1
                 leaf.ns = ns
                 leaf.extra_key = extra_key
-                node.add_child(leaf, self.tree.page_hash(leaf.key_ptr, ns))
+                add_child(node, leaf, self.tree.page_hash(leaf.key_ptr, ns))
                 self.tree.node_count += 1
                 if node is self.tree.root and ns:
                     self.tree.ns_roots[ns] = self.tree.ns_roots.get(ns, 0) + 1
@@ -1462,9 +1592,10 @@ cdef class Core:
     def exists(self, tokens, extra_key=None, bint held=False):
         cdef TokenBuf b
         cdef int64_t ns
-        cdef Py_ssize_t n, pos = 0, klen
+        cdef Py_ssize_t n, pos = 0, klen, mask
         cdef Py_ssize_t page_size = self.page_size
-        cdef Node node, child
+        cdef ChildSlot* table
+        cdef ChildSlot* slot = NULL
         b.held = False
         self.take(held, "exists")
         try:
@@ -1479,22 +1610,32 @@ cdef class Core:
                 return extra_key in self.tree.empty_inserted
             if ns < 0:
                 return False
-            node = self.tree.root
+            # Walk on the slots' mirrors: a step needs the child object only for its key,
+            # whose fetch overlaps the next slot's.
+            table = self.tree.root.slots
+            mask = self.tree.root.slot_mask
             while pos < n:
-                child = node.find_child(b.ptr + pos, page_size,
-                                        self.tree.page_hash(b.ptr + pos, ns))
-                if child is None:
+                if table == NULL:
                     return False
-                klen = child.key_len
-                if klen < n - pos and child.slots != NULL:
-                    rc_prefetch(&child.slots[self.tree.page_hash(b.ptr + pos + klen, ns)
-                                             & <uint64_t>child.slot_mask])
-                if klen > n - pos or memcmp(child.key_ptr, b.ptr + pos,
-                                            klen * sizeof(int64_t)) != 0:
+                slot = probe(table, mask, b.ptr + pos, page_size,
+                             self.tree.page_hash(b.ptr + pos, ns))
+                if slot == NULL:
+                    return False
+                klen = slot.shape & _LONG_KEY
+                if klen == _LONG_KEY:
+                    klen = (<Node>slot.node).key_len
+                if klen > n - pos:
+                    return False
+                table = slot.table
+                mask = shape_mask(slot.shape)
+                if klen < n - pos and table != NULL:
+                    rc_prefetch(&table[self.tree.page_hash(b.ptr + pos + klen, ns)
+                                       & <uint64_t>mask])
+                if memcmp((<Node>slot.node).key_ptr, b.ptr + pos,
+                          klen * sizeof(int64_t)) != 0:
                     return False
                 pos += klen
-                node = child
-            return node.terminal
+            return (<Node>slot.node).terminal
         finally:
             release_tokens(&b)
             self.give(held)
@@ -1569,9 +1710,31 @@ cdef class Core:
         stale = []  # dropped entries, released when the call returns
         self.take(held, "evict")
         try:
+            self.prefetch_victims()
             return self.heap.pop_entry(stale)
         finally:
             self.give(held)
+
+    cdef void prefetch_victims(self) noexcept:
+        """Start the memory reads of the next victims' removal a few pops ahead: in a large
+        cache each is a miss (the node, its key, its parent's slot), and an evict loop
+        otherwise waits for them one after another. Only the run (popped in order) is looked
+        at; every pointer read is of a node an entry owns, so nothing here can dangle."""
+        cdef EvictionHeap heap = self.heap
+        cdef Node node, parent
+        cdef Py_ssize_t n = heap.run_size
+        if n > _AHEAD_NODE:
+            rc_prefetch(heap.run_at(_AHEAD_NODE).node)
+        if n > _AHEAD_KEY:
+            node = <Node>heap.run_at(_AHEAD_KEY).node
+            rc_prefetch(node.key_ptr)
+            rc_prefetch(node.parent_ptr)
+        if n > _AHEAD_SLOT:
+            node = <Node>heap.run_at(_AHEAD_SLOT).node
+            if node.parent_ptr != NULL:
+                parent = <Node>node.parent_ptr
+                if parent.slots != NULL:
+                    rc_prefetch(&parent.slots[node.slot_hash & <uint64_t>parent.slot_mask])
 
     def remove_leaf(self, Node node, bint held=False):
         cdef Py_ssize_t size = node.key_len

@@ -40,7 +40,8 @@ the documented exception) and calls again with canonical inputs and ``held=True`
   excluded), moves the tokens that crossed between unlocked and locked between
   ``evictable`` and ``protected`` and returns their count; an unlock that makes the node an
   evictable leaf pushes it. ``TypeError`` for a non-node, ``ValueError`` for an evicted node,
-  a node of another tree or an unlock below 0, changing nothing.
+  a node of another tree or an unlock below 0, and ``OverflowError`` for a lock past
+  ``MAX_LOCK_REF`` (2^31 - 1) on any node of the path, changing nothing.
 - ``pop_victim(held=False) -> Node | None`` and ``remove_leaf(node, held=False) -> int``
   (tokens freed): the evict loop's two steps; ``remove_leaf`` detaches the leaf, marks it
   evicted, drops its value, counts the eviction and pushes the parent if it became an
@@ -64,7 +65,9 @@ stored, None once evicted).
 ``Tree`` (``Core.tree``) -- attributes ``root``, ``page_size``, ``clock`` (logical time, +1 per
 touching call), ``node_count`` (nodes excluding the root), ``num_splits``, ``guard``;
 ``iter_nodes() -> iterator of (node, depth)``: pre-order, root first at depth 0, siblings in
-``display_order`` (so both cores list a tree identically). Its walks are the core's own.
+``display_order`` (so both cores list a tree identically); ``check_layout()`` raises
+``AssertionError`` naming the node whose child lookup structure is inconsistent (each core
+checks its own layout; for tests). Its walks are the core's own.
 
 ``EvictionHeap`` (``Core.heap``) -- the lazy eviction heap (policy names as in
 ``EVICTION_POLICIES``) sharing the tree's guard: ``push(node)``, ``pop_victim()``, ``len()``,
@@ -96,8 +99,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, InsertResult,
-                      MatchResult, cat_values, display_order, empty_indices,
+from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, MAX_LOCK_REF,
+                      InsertResult, MatchResult, cat_values, display_order, empty_indices,
                       indices_from_key, reentered)
 
 __all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME"]
@@ -535,6 +538,14 @@ class Tree:
                     f"(lock_ref {node._lock_ref} comes from its descendants)"
                 )
         root = self.root
+        if delta > 0:
+            # Checked before any change (an ancestor's count is the largest).
+            top = node
+            while top._parent is not root:
+                top = top._parent
+            if top._lock_ref >= MAX_LOCK_REF:
+                raise OverflowError(f"inc_lock_ref on node {node._id}: node {top._id} already "
+                                    f"has lock_ref {MAX_LOCK_REF}, the most a node can hold")
         moved = 0
         while node is not root:
             if delta > 0:
@@ -579,6 +590,14 @@ class Tree:
             node._evicted = True
             node._value = None
         return old_root
+
+    def check_layout(self) -> None:
+        # Every child is filed under its (namespace, first page) key in its parent's dict.
+        for node, _ in self.iter_nodes():
+            for ckey, child in node._children.items():
+                want = self._child_key(node, child._extra_key, child._key[: self._page_bytes])
+                assert ckey == want and child._parent is node, (
+                    f"node {child.id} filed under the wrong key in node {node.id}")
 
     def iter_nodes(self) -> Iterator[tuple[Node, int]]:
         stack = [(self.root, 0)]

@@ -16,6 +16,9 @@ def empty_indices() -> torch.Tensor:
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
+# The most locks a node can hold (the compiled core counts them in 32 bits; both cores refuse
+# the lock past it).
+MAX_LOCK_REF = 2**31 - 1
 
 
 class MatchResult:

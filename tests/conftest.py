@@ -99,6 +99,7 @@ def check_invariants(cache: RadixCache) -> None:
             evictable_leaves.append(node)
 
     assert cache.node_count() == node_count == tree.node_count
+    tree.check_layout()  # the core's own lookup structure (compiled: slot mirrors)
     assert cache.total_size() == total_tokens
     assert cache.protected_size() == locked_tokens == cache._protected
     assert cache.evictable_size() == total_tokens - locked_tokens == cache._evictable

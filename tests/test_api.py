@@ -718,3 +718,64 @@ def test_core_walk_is_read_only_and_page_aligned(make_cache):
     assert cache._walk([1, 2], "other") == 0
     assert cache._walk([]) == 0
     assert (cache.node_count(), cache._tree.clock) == (nodes, clock)
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_child_tables_full_and_growing(make_cache, page_size):
+    """Child tables at every fill: two children (the compiled core's smallest table, full),
+    then grown, shrunk by eviction and split, with lookups of absent first pages at each
+    step (a probe of a full table must end) and the layout checked throughout."""
+    cache = make_cache(page_size=page_size)
+    p = page_size
+    base = [7] * (3 * p)
+    present: list[list[int]] = []
+    absent = [base + [900 + i] * p for i in range(4)]
+
+    def check():
+        check_invariants(cache)
+        for seq in present:
+            assert cache.exists(seq)
+            assert cache.match_prefix(seq).length == len(seq)
+        for seq in absent:
+            assert not cache.exists(seq)
+            assert cache.match_prefix(seq).length == len(base)
+
+    cache.insert(base)  # the parent, a terminal
+    present.append(base)
+    for first in range(1, 9):  # 1, 2 children (full), 3 (grown), ... 8
+        seq = base + [first] * p + [first + 50] * (2 * p)
+        cache.insert(seq)
+        present.append(seq)
+        check()
+    # Split a child: its slot now holds the upper half, whose own table is new.
+    seq = base + [1] * p + [99] * p
+    cache.insert(seq)
+    present.append(seq)
+    check()
+    # Evict leaves one by one down to one child: tables shift their entries back.
+    while cache.node_count() > 2:
+        freed = cache.evict(1)
+        assert freed > 0
+        present = [s for s in present if cache.exists(s)]
+        check()
+    assert present  # the evictions kept the shared parent
+
+
+def test_lock_ref_limit_refused_before_any_change(core_name):
+    """A lock past MAX_LOCK_REF raises OverflowError and changes no count. The compiled
+    core's counts cannot be set from Python, and 2^31 real locks take minutes: the limit is
+    driven through the pure core's node state; the compiled core has the same check."""
+    from radixcache._shared import MAX_LOCK_REF
+
+    if core_name != "python":
+        pytest.skip("reaching 2^31 - 1 locks on the compiled core takes 2^31 calls")
+    cache = RadixCache(core="python")
+    cache.insert([1, 2, 3])
+    leaf = cache.insert([1, 2, 3, 4, 5]).last_node
+    top = leaf.parent
+    top._lock_ref = MAX_LOCK_REF  # as if that many locks were held below it
+    before = (leaf.lock_ref, cache.evictable_size(), cache.protected_size())
+    with pytest.raises(OverflowError, match="lock_ref"):
+        cache.inc_lock_ref(leaf)
+    assert (leaf.lock_ref, cache.evictable_size(), cache.protected_size()) == before
+    assert top.lock_ref == MAX_LOCK_REF
