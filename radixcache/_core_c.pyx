@@ -558,8 +558,9 @@ cdef class Tree:
                      self.page_hash(tokens, ns))
         if slot == NULL:
             return None
-        klen = slot.shape & _LONG_KEY  # the sentinel only skips the prefetch
-        if klen < remaining and slot.table != NULL:
+        klen = slot.shape & _LONG_KEY
+        # A next page lies within the tokens (the sentinel, not page aligned, may not).
+        if klen + self.page_size <= remaining and slot.table != NULL:
             # The next step's slot, from the mirror in this one: its fetch starts before the
             # child arrives, and overlaps the key compare.
             rc_prefetch(&slot.table[self.page_hash(tokens + klen, ns)
@@ -1628,7 +1629,7 @@ cdef class Core:
                     return False
                 table = slot.table
                 mask = shape_mask(slot.shape)
-                if klen < n - pos and table != NULL:
+                if klen + page_size <= n - pos and table != NULL:
                     rc_prefetch(&table[self.tree.page_hash(b.ptr + pos + klen, ns)
                                        & <uint64_t>mask])
                 if memcmp((<Node>slot.node).key_ptr, b.ptr + pos,

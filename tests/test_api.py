@@ -779,3 +779,40 @@ def test_lock_ref_limit_refused_before_any_change(core_name):
         cache.inc_lock_ref(leaf)
     assert (leaf.lock_ref, cache.evictable_size(), cache.protected_size()) == before
     assert top.lock_ref == MAX_LOCK_REF
+
+
+def _available_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+@pytest.mark.skipif(_available_gib() < 8, reason="needs about 4 GiB free")
+def test_key_longer_than_a_slot_mirrors(make_cache):
+    """A key of 2^27 + 4 tokens: longer than the compiled core's slots record (27 bits), so
+    walks read its length from the node. Exists, prefix matches, a split inside it and an
+    insert that walks it with fewer tokens than the key all agree with the plain answer."""
+    page_size = 2
+    length = 2**27 + 4
+    cache = make_cache(page_size=page_size)
+    seq = np.arange(length, dtype=np.int64)
+    assert cache.insert(seq).prefix_len == 0
+    cache._tree.check_layout()
+    assert cache.exists(seq)
+    assert not cache.exists(seq[:-2])
+    assert not cache.exists(seq[:2**27])  # fewer tokens than the key: the walk stops
+    assert cache.match_prefix(seq[:8]).length == 8  # splits: an 8-token upper half
+    cache._tree.check_layout()
+    assert cache.exists(seq)
+    # Walks with 2^27 tokens left against a lower half of 2^27 - 4: and with more than it.
+    assert cache.insert(seq[:2**27 + 2]).prefix_len == 2**27 + 2
+    assert cache.insert(np.concatenate((seq, [7, 7]))).prefix_len == length
+    cache._tree.check_layout()
+    assert cache.exists(seq) and cache.exists(seq[:2**27 + 2])
+    del seq
+    cache.reset()
