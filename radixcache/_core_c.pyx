@@ -1347,12 +1347,14 @@ cdef class Core:
                     or not obj.is_contiguous()):
                 return 0
             # Memory that does not hold the values as read: a negative-bit view stores them
-            # un-negated, a zero tensor has no storage (NULL data pointer).
-            if obj.is_neg() or obj._is_zerotensor():
+            # un-negated; a zero tensor has no storage: its NULL data pointer is declined
+            # below, which spares a ~60 ns _is_zerotensor() call per tensor (an empty
+            # tensor without storage goes the validation path too, to the same answer).
+            if obj.is_neg():
                 return 0
             b.len = obj.numel()
             b.ptr = <const int64_t*><uintptr_t>obj.data_ptr()
-            if b.ptr == NULL and b.len:
+            if b.ptr == NULL:
                 return 0
         else:
             return 0
