@@ -415,6 +415,7 @@ cdef void remove_slot(Node node, Py_ssize_t i) noexcept:
     node.n_children -= 1
 
 
+@cython.final
 @cython.no_gc_clear  # tree_clear below tears down iteratively instead
 cdef class Tree:
     """The compiled radix tree: walks, splits, locks; no tensors, no heap."""
