@@ -816,3 +816,45 @@ def test_key_longer_than_a_slot_mirrors(make_cache):
     assert cache.exists(seq) and cache.exists(seq[:2**27 + 2])
     del seq
     cache.reset()
+
+
+def _compiled_root_hash_low32(first_page: list[int], ns: int) -> int:
+    """The compiled core's root-slot hash of (namespace id, first page), low 32 bits (a copy
+    of _core_c's page_hash: splitmix64 finaliser over a per-namespace seed)."""
+    mask = (1 << 64) - 1
+
+    def mix(x):
+        x ^= x >> 30
+        x = (x * 0xBF58476D1CE4E5B9) & mask
+        x ^= x >> 27
+        x = (x * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    h = mix((ns + 0x9E3779B97F4A7C15) & mask)
+    for token in first_page:
+        h = mix(h ^ (token & mask))
+    return h & 0xFFFFFFFF
+
+
+def test_namespaces_with_colliding_slot_hashes_stay_apart(make_cache):
+    """Two namespaces whose (namespace, first page) hashes agree in the 32 bits a child slot
+    keeps: a walk in one must not find the other's node (namespace ids are 1, 2, ... in order
+    of creation, so the colliding pair is reached by creating namespaces up to it)."""
+    seen: dict[int, int] = {}
+    ns_b = 0
+    while True:
+        ns_b += 1
+        low = _compiled_root_hash_low32([1], ns_b)
+        if low in seen:
+            ns_a = seen[low]
+            break
+        seen[low] = ns_b
+    cache = make_cache()
+    for i in range(1, ns_b + 1):
+        cache.insert([2], extra_key=f"k{i}")
+    cache.insert([1, 5, 7], extra_key=f"k{ns_a}")
+    assert not cache.exists([1, 5, 7], extra_key=f"k{ns_b}")
+    assert cache.match_prefix([1, 5, 7], extra_key=f"k{ns_b}").length == 0
+    assert cache.insert([1, 5, 9], extra_key=f"k{ns_b}").prefix_len == 0
+    assert cache.match_prefix([1, 5, 7], extra_key=f"k{ns_a}").length == 3
+    check_invariants(cache)
