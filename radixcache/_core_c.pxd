@@ -53,6 +53,8 @@ cdef class Node:
     # Tokens live in key_owner (a bytes object); split halves share it at different offsets.
     cdef const int64_t* key_ptr
     cdef Py_ssize_t key_len
+    # Namespace id: a probe compares it (the slot's 32-bit hash cannot tell namespaces apart).
+    cdef int64_t ns
     cdef readonly int64_t last_access_time
     cdef object key_owner
     # Index values: an int64 buffer (bytes, CPU values, shared across splits like keys) that
@@ -64,7 +66,6 @@ cdef class Node:
     cdef Py_ssize_t value_off
     # Borrowed: an attached child never outlives its parent's reference to it.
     cdef PyObject* parent_ptr
-    cdef int64_t ns
     # This node's hash in its parent's table (of its namespace and first page, the low half
     # as the slot holds it): its slot there is found without reading the key.
     cdef uint32_t slot_hash

@@ -94,7 +94,11 @@ cdef extern from *:
     #if defined(__GNUC__) || defined(__clang__)
     #define rc_log2(x) ((unsigned)__builtin_ctzll((unsigned long long)(x)))
     #else
-    static inline unsigned rc_log2(unsigned long long x) { unsigned n = 0; while (x > 1) { x >>= 1; n++; } return n; }
+    static inline unsigned rc_log2(unsigned long long x) {
+        unsigned n = 0;
+        while (x > 1) { x >>= 1; n++; }
+        return n;
+    }
     #endif
     """
     uint32_t rc_log2(Py_ssize_t power_of_two) noexcept nogil
@@ -123,8 +127,13 @@ cdef inline bint same_page(const int64_t* a, const int64_t* b, Py_ssize_t n) noe
 
 
 cdef inline ChildSlot* probe(ChildSlot* table, Py_ssize_t mask, const int64_t* page,
-                           Py_ssize_t page_size, uint64_t h) noexcept:
-    """The slot of ``table`` whose child starts with ``page`` (hash ``h``), or NULL."""
+                           Py_ssize_t page_size, uint64_t h, int64_t ns,
+                           bint mixed) noexcept:
+    """The slot of ``table`` whose child starts with ``page`` in namespace ``ns`` (hash
+    ``h``), or NULL. The namespace is compared, not trusted to the hash: the slot keeps 32
+    bits of it, and the root's table mixes namespaces (two of them whose hashes of one first
+    page agree in those bits would otherwise find each other's nodes). ``mixed``: the table
+    may hold several namespaces (the root's); below the root a subtree has one."""
     cdef Py_ssize_t i = <Py_ssize_t>(h & <uint64_t>mask)
     cdef Py_ssize_t tries
     cdef ChildSlot* slot
@@ -132,7 +141,8 @@ cdef inline ChildSlot* probe(ChildSlot* table, Py_ssize_t mask, const int64_t* p
         slot = &table[i]
         if slot.node == NULL:
             return NULL
-        if slot.hash == <uint32_t>h and same_page((<Node>slot.node).key_ptr, page, page_size):
+        if (slot.hash == <uint32_t>h and (not mixed or (<Node>slot.node).ns == ns)
+                and same_page((<Node>slot.node).key_ptr, page, page_size)):
             return slot
         i = (i + 1) & mask
     return NULL
@@ -242,10 +252,10 @@ cdef void drop_subtree(Node top) noexcept:
             node.slots = NULL
             node.slot_mask = -1
             node.n_children = 0
+            if node is top:
+                mirror(top)  # a parent's slot must not keep the freed table (children or not)
         if not stack:
             break
-        if node is top:
-            mirror(top)  # a parent's slot must not keep the freed table
         node = <Node>stack.pop()  # the previous node goes here: it has no children left
         node.evicted = True
         node.value_ptr = NULL
@@ -415,6 +425,7 @@ cdef void remove_slot(Node node, Py_ssize_t i) noexcept:
     node.n_children -= 1
 
 
+@cython.final
 @cython.no_gc_clear  # tree_clear below tears down iteratively instead
 cdef class Tree:
     """The compiled radix tree: walks, splits, locks; no tensors, no heap."""
@@ -555,11 +566,12 @@ cdef class Tree:
         if node.n_children == 0:
             return None
         slot = probe(node.slots, node.slot_mask, tokens, self.page_size,
-                     self.page_hash(tokens, ns))
+                     self.page_hash(tokens, ns), ns, node is self.root)
         if slot == NULL:
             return None
-        klen = slot.shape & _LONG_KEY  # the sentinel only skips the prefetch
-        if klen < remaining and slot.table != NULL:
+        klen = slot.shape & _LONG_KEY
+        # A next page lies within the tokens (the sentinel, not page aligned, may not).
+        if klen + self.page_size <= remaining and slot.table != NULL:
             # The next step's slot, from the mirror in this one: its fetch starts before the
             # child arrives, and overlaps the key compare.
             rc_prefetch(&slot.table[self.page_hash(tokens + klen, ns)
@@ -725,7 +737,8 @@ cdef class Tree:
                     assert child.slot_hash == <uint32_t>self.page_hash(child.key_ptr, child.ns), (
                         f"{where}: hash is not its first page's")
                     assert probe(node.slots, node.slot_mask, child.key_ptr, self.page_size,
-                                 child.slot_hash) == slot, f"{where}: not found by a probe"
+                                 child.slot_hash, child.ns, True) == slot, (
+                        f"{where}: not found by a probe")
                     assert slot.table == child.slots, f"{where}: stale table mirror"
                     assert slot.shape == slot_shape(child), f"{where}: stale shape mirror"
                 assert used == node.n_children, f"node {node.id}: n_children {node.n_children}"
@@ -1346,12 +1359,14 @@ cdef class Core:
                     or not obj.is_contiguous()):
                 return 0
             # Memory that does not hold the values as read: a negative-bit view stores them
-            # un-negated, a zero tensor has no storage (NULL data pointer).
-            if obj.is_neg() or obj._is_zerotensor():
+            # un-negated; a zero tensor has no storage: its NULL data pointer is declined
+            # below, which spares a ~60 ns _is_zerotensor() call per tensor (an empty
+            # tensor without storage goes the validation path too, to the same answer).
+            if obj.is_neg():
                 return 0
             b.len = obj.numel()
             b.ptr = <const int64_t*><uintptr_t>obj.data_ptr()
-            if b.ptr == NULL and b.len:
+            if b.ptr == NULL:
                 return 0
         else:
             return 0
@@ -1618,7 +1633,7 @@ cdef class Core:
                 if table == NULL:
                     return False
                 slot = probe(table, mask, b.ptr + pos, page_size,
-                             self.tree.page_hash(b.ptr + pos, ns))
+                             self.tree.page_hash(b.ptr + pos, ns), ns, pos == 0)
                 if slot == NULL:
                     return False
                 klen = slot.shape & _LONG_KEY
@@ -1628,7 +1643,7 @@ cdef class Core:
                     return False
                 table = slot.table
                 mask = shape_mask(slot.shape)
-                if klen < n - pos and table != NULL:
+                if klen + page_size <= n - pos and table != NULL:
                     rc_prefetch(&table[self.tree.page_hash(b.ptr + pos + klen, ns)
                                        & <uint64_t>mask])
                 if memcmp((<Node>slot.node).key_ptr, b.ptr + pos,

@@ -779,3 +779,82 @@ def test_lock_ref_limit_refused_before_any_change(core_name):
         cache.inc_lock_ref(leaf)
     assert (leaf.lock_ref, cache.evictable_size(), cache.protected_size()) == before
     assert top.lock_ref == MAX_LOCK_REF
+
+
+def _available_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+@pytest.mark.skipif(_available_gib() < 8, reason="needs about 4 GiB free")
+def test_key_longer_than_a_slot_mirrors(make_cache):
+    """A key of 2^27 + 4 tokens: longer than the compiled core's slots record (27 bits), so
+    walks read its length from the node. Exists, prefix matches, a split inside it and an
+    insert that walks it with fewer tokens than the key all agree with the plain answer."""
+    page_size = 2
+    length = 2**27 + 4
+    cache = make_cache(page_size=page_size)
+    seq = np.arange(length, dtype=np.int64)
+    assert cache.insert(seq).prefix_len == 0
+    cache._tree.check_layout()
+    assert cache.exists(seq)
+    assert not cache.exists(seq[:-2])
+    assert not cache.exists(seq[:2**27])  # fewer tokens than the key: the walk stops
+    assert cache.match_prefix(seq[:8]).length == 8  # splits: an 8-token upper half
+    cache._tree.check_layout()
+    assert cache.exists(seq)
+    # Walks with 2^27 tokens left against a lower half of 2^27 - 4: and with more than it.
+    assert cache.insert(seq[:2**27 + 2]).prefix_len == 2**27 + 2
+    assert cache.insert(np.concatenate((seq, [7, 7]))).prefix_len == length
+    cache._tree.check_layout()
+    assert cache.exists(seq) and cache.exists(seq[:2**27 + 2])
+    del seq
+    cache.reset()
+
+
+def _compiled_root_hash_low32(first_page: list[int], ns: int) -> int:
+    """The compiled core's root-slot hash of (namespace id, first page), low 32 bits (a copy
+    of _core_c's page_hash: splitmix64 finaliser over a per-namespace seed)."""
+    mask = (1 << 64) - 1
+
+    def mix(x):
+        x ^= x >> 30
+        x = (x * 0xBF58476D1CE4E5B9) & mask
+        x ^= x >> 27
+        x = (x * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    h = mix((ns + 0x9E3779B97F4A7C15) & mask)
+    for token in first_page:
+        h = mix(h ^ (token & mask))
+    return h & 0xFFFFFFFF
+
+
+def test_namespaces_with_colliding_slot_hashes_stay_apart(make_cache):
+    """Two namespaces whose (namespace, first page) hashes agree in the 32 bits a child slot
+    keeps: a walk in one must not find the other's node (namespace ids are 1, 2, ... in order
+    of creation, so the colliding pair is reached by creating namespaces up to it)."""
+    seen: dict[int, int] = {}
+    ns_b = 0
+    while True:
+        ns_b += 1
+        low = _compiled_root_hash_low32([1], ns_b)
+        if low in seen:
+            ns_a = seen[low]
+            break
+        seen[low] = ns_b
+    cache = make_cache()
+    for i in range(1, ns_b + 1):
+        cache.insert([2], extra_key=f"k{i}")
+    cache.insert([1, 5, 7], extra_key=f"k{ns_a}")
+    assert not cache.exists([1, 5, 7], extra_key=f"k{ns_b}")
+    assert cache.match_prefix([1, 5, 7], extra_key=f"k{ns_b}").length == 0
+    assert cache.insert([1, 5, 9], extra_key=f"k{ns_b}").prefix_len == 0
+    assert cache.match_prefix([1, 5, 7], extra_key=f"k{ns_a}").length == 3
+    check_invariants(cache)
