@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ._shared import cat_values as _cat_values
-from ._shared import display_order, indices_from_key, reentered
+from ._shared import MAX_LOCK_REF, display_order, indices_from_key, reentered
 
 _int64 = torch.int64
 
@@ -51,7 +51,7 @@ cdef int64_t _next_id = 0
 # be full, so every probe loop is bounded by the capacity).
 cdef Py_ssize_t _MIN_SLOTS = 2
 cdef Py_ssize_t _MAX_SLOTS = 1 << 30
-cdef int32_t _INT32_MAX = 0x7FFFFFFF  # _shared.MAX_LOCK_REF: lock_ref is 32-bit here
+cdef int32_t _MAX_LOCK_REF = MAX_LOCK_REF  # lock_ref is 32-bit here (2^31 - 1)
 # ChildSlot.shape's key length of a key too long for its 27 bits: the walk reads the node's.
 cdef uint32_t _LONG_KEY = (1u << 27) - 1
 # Grow the first memcmp block by doubling up to this many tokens: early mismatches stay
@@ -651,9 +651,9 @@ cdef class Tree:
             top = cur
             while top.parent_ptr != <PyObject*>self.root:
                 top = <Node>top.parent_ptr
-            if top.lock_ref == _INT32_MAX:
+            if top.lock_ref >= _MAX_LOCK_REF:
                 raise OverflowError(f"inc_lock_ref on node {cur.id}: node {top.id} already has "
-                                    f"lock_ref {_INT32_MAX}, the most a node can hold")
+                                    f"lock_ref {_MAX_LOCK_REF}, the most a node can hold")
         while cur is not self.root:
             if delta > 0:
                 if cur.lock_ref == 0:
