@@ -425,6 +425,11 @@ cdef void remove_slot(Node node, Py_ssize_t i) noexcept:
     node.n_children -= 1
 
 
+# check_layout's messages, by the number of the check that failed.
+_LAYOUT_PROBLEMS = ("", "wrong parent", "slot_hash differs", "hash is not its first page's",
+                    "not found by a probe", "stale table mirror", "stale shape mirror")
+
+
 @cython.final
 @cython.no_gc_clear  # tree_clear below tears down iteratively instead
 cdef class Tree:
@@ -715,6 +720,7 @@ cdef class Tree:
         cdef Node node, child
         cdef ChildSlot* slot
         cdef Py_ssize_t i, used
+        cdef int failed
         self.guard.enter("check_layout")
         try:
             stack = [self.root]
@@ -730,17 +736,25 @@ cdef class Tree:
                         continue
                     used += 1
                     child = <Node>slot.node
+                    # Every comparison first, in C: the Python code below (the messages, an
+                    # append) may allocate, and nothing may read the slot after that.
+                    failed = 0
+                    if child.parent_ptr != <PyObject*>node:
+                        failed = 1
+                    elif slot.hash != <uint32_t>child.slot_hash:
+                        failed = 2
+                    elif child.slot_hash != <uint32_t>self.page_hash(child.key_ptr, child.ns):
+                        failed = 3
+                    elif probe(node.slots, node.slot_mask, child.key_ptr, self.page_size,
+                               child.slot_hash, child.ns, True) != slot:
+                        failed = 4
+                    elif slot.table != child.slots:
+                        failed = 5
+                    elif slot.shape != slot_shape(child):
+                        failed = 6
+                    assert not failed, (f"slot {i} of node {node.id} (child {child.id}): "
+                                        + _LAYOUT_PROBLEMS[failed])
                     stack.append(child)
-                    where = f"slot {i} of node {node.id} (child {child.id})"
-                    assert child.parent_ptr == <PyObject*>node, f"{where}: wrong parent"
-                    assert slot.hash == <uint32_t>child.slot_hash, f"{where}: slot_hash differs"
-                    assert child.slot_hash == <uint32_t>self.page_hash(child.key_ptr, child.ns), (
-                        f"{where}: hash is not its first page's")
-                    assert probe(node.slots, node.slot_mask, child.key_ptr, self.page_size,
-                                 child.slot_hash, child.ns, True) == slot, (
-                        f"{where}: not found by a probe")
-                    assert slot.table == child.slots, f"{where}: stale table mirror"
-                    assert slot.shape == slot_shape(child), f"{where}: stale shape mirror"
                 assert used == node.n_children, f"node {node.id}: n_children {node.n_children}"
                 assert used <= slot_limit(node.slot_mask + 1), f"node {node.id}: overfull"
         finally:
