@@ -87,7 +87,21 @@ class _Allocator:
         self.pool.free(value)
 
 
-class _Radixcache:
+class _LockByNode:
+    """Lock, unlock and evictable size as radixcache and SGLang's Python cache spell them."""
+
+    def lock(self, node):
+        self.cache.inc_lock_ref(node)
+        return node
+
+    def unlock(self, node) -> None:
+        self.cache.dec_lock_ref(node)
+
+    def evictable(self) -> int:
+        return self.cache.evictable_size()
+
+
+class _Radixcache(_LockByNode):
     def __init__(self, page_size: int, pool: KVPool) -> None:
         self.cache = RadixCache(page_size=page_size, core="c")
         self.pool = pool
@@ -99,16 +113,6 @@ class _Radixcache:
     def match(self, key):
         match = self.cache.match_prefix(key)
         return match.length, match.indices, match.last_node
-
-    def lock(self, node):
-        self.cache.inc_lock_ref(node)
-        return node
-
-    def unlock(self, node) -> None:
-        self.cache.dec_lock_ref(node)
-
-    def evictable(self) -> int:
-        return self.cache.evictable_size()
 
     def evict(self, num_tokens: int) -> int:
         return self.cache.evict(num_tokens, self.pool.free)
@@ -122,7 +126,7 @@ class _Radixcache:
         return self.cache.total_size()
 
 
-class _SGLangPython:
+class _SGLangPython(_LockByNode):
     def __init__(self, page_size: int, pool: KVPool) -> None:
         self.cache = SGLangRadixCache.create_simulated(
             mock_allocator=_Allocator(pool, page_size), page_size=page_size)
@@ -136,16 +140,6 @@ class _SGLangPython:
         result = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(key)))
         node = result.last_device_node
         return result.device_prefix_len, self.cache.path_device_indices(node), node
-
-    def lock(self, node):
-        self.cache.inc_lock_ref(node)
-        return node
-
-    def unlock(self, node) -> None:
-        self.cache.dec_lock_ref(node)
-
-    def evictable(self) -> int:
-        return self.cache.evictable_size()
 
     def evict(self, num_tokens: int) -> int:
         return self.cache.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted

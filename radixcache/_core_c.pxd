@@ -9,7 +9,7 @@ from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 cdef struct ChildSlot:
     # 24 bytes: 1.5x the slot of a table without mirrors, at a higher load (see slot_limit).
     PyObject* node     # owned reference; NULL marks an empty slot
-    # Mirrors of the child's own fields (kept equal by Node.mirror), so that a walk finds
+    # Mirrors of the child's own fields (kept equal by mirror()), so that a walk finds
     # the next step's slot without waiting for the child object to arrive from memory.
     ChildSlot* table   # the child's child table (its ``slots``), NULL when it has none
     uint32_t hash      # low half of the hash of (namespace id, first page): probed by it

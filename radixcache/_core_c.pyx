@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ._shared import cat_values as _cat_values
-from ._shared import display_order, indices_from_key, reentered
+from ._shared import MAX_LOCK_REF, display_order, indices_from_key, reentered
 
 _int64 = torch.int64
 
@@ -51,7 +51,7 @@ cdef int64_t _next_id = 0
 # be full, so every probe loop is bounded by the capacity).
 cdef Py_ssize_t _MIN_SLOTS = 2
 cdef Py_ssize_t _MAX_SLOTS = 1 << 30
-cdef int32_t _INT32_MAX = 0x7FFFFFFF  # _shared.MAX_LOCK_REF: lock_ref is 32-bit here
+cdef int32_t _MAX_LOCK_REF = MAX_LOCK_REF  # lock_ref is 32-bit here (2^31 - 1)
 # ChildSlot.shape's key length of a key too long for its 27 bits: the walk reads the node's.
 cdef uint32_t _LONG_KEY = (1u << 27) - 1
 # Grow the first memcmp block by doubling up to this many tokens: early mismatches stay
@@ -425,6 +425,11 @@ cdef void remove_slot(Node node, Py_ssize_t i) noexcept:
     node.n_children -= 1
 
 
+# check_layout's messages, by the number of the check that failed.
+_LAYOUT_PROBLEMS = ("", "wrong parent", "slot_hash differs", "hash is not its first page's",
+                    "not found by a probe", "stale table mirror", "stale shape mirror")
+
+
 @cython.final
 @cython.no_gc_clear  # tree_clear below tears down iteratively instead
 cdef class Tree:
@@ -651,9 +656,9 @@ cdef class Tree:
             top = cur
             while top.parent_ptr != <PyObject*>self.root:
                 top = <Node>top.parent_ptr
-            if top.lock_ref == _INT32_MAX:
+            if top.lock_ref >= _MAX_LOCK_REF:
                 raise OverflowError(f"inc_lock_ref on node {cur.id}: node {top.id} already has "
-                                    f"lock_ref {_INT32_MAX}, the most a node can hold")
+                                    f"lock_ref {_MAX_LOCK_REF}, the most a node can hold")
         while cur is not self.root:
             if delta > 0:
                 if cur.lock_ref == 0:
@@ -715,6 +720,7 @@ cdef class Tree:
         cdef Node node, child
         cdef ChildSlot* slot
         cdef Py_ssize_t i, used
+        cdef int failed
         self.guard.enter("check_layout")
         try:
             stack = [self.root]
@@ -730,17 +736,25 @@ cdef class Tree:
                         continue
                     used += 1
                     child = <Node>slot.node
+                    # Every comparison first, in C: the Python code below (the messages, an
+                    # append) may allocate, and nothing may read the slot after that.
+                    failed = 0
+                    if child.parent_ptr != <PyObject*>node:
+                        failed = 1
+                    elif slot.hash != <uint32_t>child.slot_hash:
+                        failed = 2
+                    elif child.slot_hash != <uint32_t>self.page_hash(child.key_ptr, child.ns):
+                        failed = 3
+                    elif probe(node.slots, node.slot_mask, child.key_ptr, self.page_size,
+                               child.slot_hash, child.ns, True) != slot:
+                        failed = 4
+                    elif slot.table != child.slots:
+                        failed = 5
+                    elif slot.shape != slot_shape(child):
+                        failed = 6
+                    assert not failed, (f"slot {i} of node {node.id} (child {child.id}): "
+                                        + _LAYOUT_PROBLEMS[failed])
                     stack.append(child)
-                    where = f"slot {i} of node {node.id} (child {child.id})"
-                    assert child.parent_ptr == <PyObject*>node, f"{where}: wrong parent"
-                    assert slot.hash == <uint32_t>child.slot_hash, f"{where}: slot_hash differs"
-                    assert child.slot_hash == <uint32_t>self.page_hash(child.key_ptr, child.ns), (
-                        f"{where}: hash is not its first page's")
-                    assert probe(node.slots, node.slot_mask, child.key_ptr, self.page_size,
-                                 child.slot_hash, child.ns, True) == slot, (
-                        f"{where}: not found by a probe")
-                    assert slot.table == child.slots, f"{where}: stale table mirror"
-                    assert slot.shape == slot_shape(child), f"{where}: stale shape mirror"
                 assert used == node.n_children, f"node {node.id}: n_children {node.n_children}"
                 assert used <= slot_limit(node.slot_mask + 1), f"node {node.id}: overfull"
         finally:

@@ -303,7 +303,9 @@ case("r2_namespace_ids_never_reused", """
 
 
 # -- 3: split with device values -----------------------------------------------------------
-case("r3_torch_mode_resets", """
+# One scenario, several actions: a torch function mode's hook acts on the cache (reset,
+# evict, insert, match) in the middle of a call that touches device values.
+_R3_TORCH_MODE_ACTS = """
     from torch.overrides import TorchFunctionMode
 
     def attempt(core, action):
@@ -325,35 +327,15 @@ case("r3_torch_mode_resets", """
         consistent(cache)
         only_reentry_errors()
 
-    attempt(CORE, lambda c: c.reset())
-""")
-
-case("r3_torch_mode_evicts_or_inserts", """
-    from torch.overrides import TorchFunctionMode
-
-    def attempt(core, action):
-        cache = RadixCache(core=core)
-        cache.insert([1, 2, 3, 4], torch.arange(4, device="meta"))
-        cache.insert([1, 2, 3, 4, 5, 6], torch.arange(6, device="meta"))
-        class Hook(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                action(cache)
-                return func(*args, **(kwargs or {}))
-        results = []
-        with Hook():
-            results.append(outcome(lambda: cache.match_prefix([1, 2, 9]).length))
-            results.append(outcome(lambda: cache.insert([1, 2, 3, 8],
-                                                        torch.arange(4, device="meta")).prefix_len))
-        for kind, value in results:  # the hook may also reset between the core's calls
-            assert (kind, value) in {("ok", 0), ("ok", 2), ("ok", 3),
-                                     ("RuntimeError", True)}, results
-        consistent(cache)
-        only_reentry_errors()
-
-    for action in (lambda c: c.evict(100), lambda c: c.insert([1, 2, 3, 7]),
-                   lambda c: c.match_prefix([1, 2])):
+    for action in ACTIONS:
         attempt(CORE, action)
-""")
+"""
+
+case("r3_torch_mode_resets", _R3_TORCH_MODE_ACTS.replace("ACTIONS", "(lambda c: c.reset(),)"))
+case("r3_torch_mode_evicts_or_inserts", _R3_TORCH_MODE_ACTS.replace(
+    "ACTIONS", "(lambda c: c.evict(100), lambda c: c.insert([1, 2, 3, 7]),\n"
+               "                   lambda c: c.match_prefix([1, 2]))"))
+
 
 case("r3_value_finalizer_during_split", """
     # A split that slices a node's device value drops the old tensor: its finalizer then
