@@ -41,6 +41,7 @@ import torch
 
 from ._shared import cat_values as _cat_values
 from ._shared import MAX_LOCK_REF, display_order, indices_from_key, reentered
+from ._shared import check_state, id_order, node_not_copyable
 
 _int64 = torch.int64
 
@@ -337,6 +338,9 @@ cdef class Node:
     def __repr__(self):
         return (f"<RadixTreeNode id={self.id} len={self.key_len} "
                 f"lock_ref={self.lock_ref}{' evicted' if self.evicted else ''}>")
+
+    def __reduce_ex__(self, protocol):
+        raise node_not_copyable()
 
 
 # -- child tables: functions, not methods, so that a Node carries no vtable pointer -----
@@ -1786,6 +1790,103 @@ cdef class Core:
             previous = self.tree.store_value(node, values)
         finally:
             self.give(held)
+
+    # -- copies and persistence (the state format: see _core_py's docstring) -----------------
+    def export_state(self):
+        """The tree, its clock and the counters as plain data; locks are not carried."""
+        cdef Node node, child
+        cdef Py_ssize_t k = 0
+        self.take(False, "export_state")
+        try:
+            # Every node into a list first (strong references, parent before child); the
+            # records are made from those objects, no pointer kept across a call out.
+            order = [(self.tree.root, -1)]
+            while k < len(order):
+                node = <Node>order[k][0]
+                for child in node.children:
+                    order.append((child, k - 1))
+                k += 1
+            records = []
+            for k in range(1, len(order)):
+                child = <Node>order[k][0]
+                key = PyBytes_FromStringAndSize(<const char*>child.key_ptr,
+                                                child.key_len * sizeof(int64_t))
+                if child.value_ptr != NULL:
+                    value = PyBytes_FromStringAndSize(<const char*>child.value_ptr,
+                                                      child.key_len * sizeof(int64_t))
+                elif child.value_owner is not None:
+                    value = child.value  # a device tensor: this node's part, copied below
+                    value = value.clone()
+                else:
+                    value = None
+                records.append((order[k][1], key, value, child.extra_key, child.priority,
+                                child.last_access_time, child.created_time, child.hit_count,
+                                bool(child.terminal), child.id))
+            return {"nodes": records, "clock": self.tree.clock,
+                    "num_splits": self.tree.num_splits,
+                    "empty_inserted": list(self.tree.empty_inserted),
+                    "counters": (self.lookups, self.matched_tokens, self.queried_tokens,
+                                 self.inserts, self.inserted_tokens, self.evictions,
+                                 self.evicted_tokens)}
+        finally:
+            self.give(False)
+
+    def import_state(self, state):
+        """Rebuild an exported state into this core, which must be empty; every node unlocked
+        (so evictable) and every leaf on the heap. ValueError for a malformed state."""
+        cdef Node parent, node
+        cdef Tree tree = self.tree
+        cdef int64_t ns
+        cdef Py_ssize_t i
+        dropped = []
+        self.take(False, "import_state")
+        try:
+            if tree.node_count or tree.clock or tree.empty_inserted:
+                raise ValueError("import_state needs an empty core")
+            records = check_state(state, self.page_size)
+            nodes = []
+            try:
+                for (at, key, value, extra_key, priority, last, created, hits, terminal,
+                     _) in records:
+                    parent = tree.root if at < 0 else <Node>nodes[at]
+                    node = tree.new_node(parent, last)  # may collect: no pointer held here
+                    node.key_owner = key
+                    node.key_ptr = <const int64_t*>PyBytes_AS_STRING(key)
+                    node.key_len = len(key) // sizeof(int64_t)
+                    if parent is tree.root:
+                        ns = tree.make_namespace(extra_key)  # hashes it: before any link
+                        node.ns = ns
+                        node.extra_key = extra_key
+                        if ns:
+                            tree.ns_roots[ns] = tree.ns_roots.get(ns, 0) + 1
+                    if value is not None:
+                        node.value_owner = value
+                        if type(value) is bytes:
+                            node.value_ptr = <const int64_t*>PyBytes_AS_STRING(value)
+                    node.created_time = created
+                    node.priority = priority
+                    node.hit_count = hits
+                    node.terminal = terminal
+                    add_child(parent, node, tree.page_hash(node.key_ptr, node.ns))
+                    tree.node_count += 1
+                    self.evictable += node.key_len
+                    nodes.append(node)
+                fresh = sorted([(<Node>node).id for node in nodes])
+                for i, k in enumerate(id_order(records)):
+                    (<Node>nodes[k]).id = fresh[i]
+                tree.clock = state["clock"]
+                tree.num_splits = state["num_splits"]
+                tree.empty_inserted = set(state["empty_inserted"])
+                (self.lookups, self.matched_tokens, self.queried_tokens, self.inserts,
+                 self.inserted_tokens, self.evictions, self.evicted_tokens) = state["counters"]
+                for node in nodes:
+                    if node.n_children == 0:
+                        dropped.append(self.push_if_evictable(node))
+            except BaseException:
+                self.reset(True)
+                raise
+        finally:
+            self.give(False)
 
 
 # -- garbage collector support -------------------------------------------------------------

@@ -47,6 +47,19 @@ the documented exception) and calls again with canonical inputs and ``held=True`
   evicted, drops its value, counts the eviction and pushes the parent if it became an
   evictable leaf.
 - ``set_value(node, values, held=False)``: a fresh leaf's device values (kept as given).
+- ``export_state() -> dict`` and ``import_state(state)``: copies and pickles of a cache.
+  ``export_state`` returns plain data: ``nodes``, a list with one tuple per node (root
+  excluded), every parent listed before its children, of the fields ``NODE_FIELDS``
+  (``_shared``): the parent's position in the list (-1: the root), the key as int64 bytes,
+  the value (None when the key doubles as the indices, int64 bytes for CPU values, a copy of
+  the node's part of a device tensor), ``extra_key``, ``priority``, ``last_access_time``,
+  ``created_time``, ``hit_count``, ``terminal`` and ``id``; then ``clock``, ``num_splits``,
+  ``empty_inserted`` (a list) and ``counters`` (``COUNTER_FIELDS``). Lock counts are not
+  carried. ``import_state`` rebuilds such a state (from either core) into an empty core:
+  every node unlocked, so all of it evictable, and every leaf on the heap; the new nodes get
+  fresh ids in the order of the saved ones, so eviction order (ties included) is the saved
+  cache's. A malformed state raises ``ValueError`` (``_shared.check_state`` validates it
+  before any change) and a non-empty core ``ValueError``.
 - ``reset(held=False)``, ``reset_stats()``; attributes ``tree``, ``heap``, ``guard``,
   ``evictable``, ``protected``, ``lookups``, ``matched_tokens``, ``queried_tokens``,
   ``inserts``, ``inserted_tokens``, ``evictions``, ``evicted_tokens``.
@@ -60,7 +73,8 @@ insert, or None when the key doubles as the indices or the node was evicted), ``
 ``children`` (tuple of nodes), ``num_children``, ``lock_ref``, ``last_access_time``,
 ``created_time``, ``priority``, ``hit_count``, ``extra_key``, ``id``, ``evicted``,
 ``terminal``, and ``value`` (the index tensor, materialised from the key when none was
-stored, None once evicted).
+stored, None once evicted). A node cannot be pickled or copied (``TypeError``: pickle or
+copy the cache) nor weakly referenced, on either core.
 
 ``Tree`` (``Core.tree``) -- attributes ``root``, ``page_size``, ``clock`` (logical time, +1 per
 touching call), ``node_count`` (nodes excluding the root), ``num_splits``, ``guard``;
@@ -102,6 +116,7 @@ import torch
 from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, MAX_LOCK_REF,
                       InsertResult, MatchResult, cat_values, display_order, empty_indices,
                       indices_from_key, reentered)
+from ._shared import check_state, id_order, node_not_copyable
 
 __all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME"]
 
@@ -206,7 +221,7 @@ class Node:
     __slots__ = (
         "_key", "_value", "_parent", "_children", "_lock_ref", "_last_access_time",
         "_created_time", "_priority", "_hit_count", "_extra_key", "_id", "_evicted",
-        "_terminal", "__weakref__",
+        "_terminal",
     )
 
     def __init__(self, key: bytes, parent: "Node | None", extra_key: Any, now: int,
@@ -302,6 +317,9 @@ class Node:
     def __repr__(self) -> str:
         return (f"<RadixTreeNode id={self._id} len={self.num_tokens} "
                 f"lock_ref={self._lock_ref}{' evicted' if self._evicted else ''}>")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise node_not_copyable()
 
 
 class Tree:
@@ -964,3 +982,74 @@ class Core:
         finally:
             if not held:
                 self._leave()
+
+    # -- copies and persistence (the state format: see the module docstring) -------------------
+    def export_state(self) -> dict:
+        """The tree, its clock and the counters as plain data; locks are not carried."""
+        self._take(False, "export_state")
+        try:
+            tree = self.tree
+            records: list = []
+            stack = [(tree.root, -1)]
+            while stack:
+                node, at = stack.pop()
+                for child in node._children.values():
+                    value = child._value
+                    if value is not None and type(value) is not bytes:
+                        value = value.clone()  # a device tensor: this node's part, copied
+                    stack.append((child, len(records)))
+                    records.append((at, child._key, value, child._extra_key, child._priority,
+                                    child._last_access_time, child._created_time,
+                                    child._hit_count, child._terminal, child._id))
+            return {"nodes": records, "clock": tree.clock, "num_splits": tree.num_splits,
+                    "empty_inserted": list(tree._empty_inserted),
+                    "counters": (self.lookups, self.matched_tokens, self.queried_tokens,
+                                 self.inserts, self.inserted_tokens, self.evictions,
+                                 self.evicted_tokens)}
+        finally:
+            self._leave()
+
+    def import_state(self, state: dict) -> None:
+        """Rebuild an exported state into this core, which must be empty; every node unlocked
+        (so evictable) and every leaf on the heap. ValueError for a malformed state."""
+        self._take(False, "import_state")
+        try:
+            tree = self.tree
+            if tree.node_count or tree.clock or tree._empty_inserted:
+                raise ValueError("import_state needs an empty core")
+            records = check_state(state, self.page_size)
+            page_bytes = tree._page_bytes
+            nodes = []
+            evictable = 0
+            try:
+                for (at, key, value, extra_key, priority, last, created, hits, terminal,
+                     _) in records:
+                    parent = tree.root if at < 0 else nodes[at]
+                    if at >= 0:
+                        extra_key = parent._extra_key
+                    node = Node(key, parent, extra_key, last, priority)
+                    node._created_time = created
+                    node._hit_count = hits
+                    node._terminal = terminal
+                    node._value = value
+                    parent._children[tree._child_key(parent, extra_key, key[:page_bytes])] = node
+                    nodes.append(node)
+                    evictable += len(key) // _TOKEN_BYTES
+                fresh = sorted(node._id for node in nodes)
+                for rank, i in enumerate(id_order(records)):
+                    nodes[i]._id = fresh[rank]
+                tree.node_count = len(nodes)
+                tree.clock = state["clock"]
+                tree.num_splits = state["num_splits"]
+                tree._empty_inserted = set(state["empty_inserted"])
+                (self.lookups, self.matched_tokens, self.queried_tokens, self.inserts,
+                 self.inserted_tokens, self.evictions, self.evicted_tokens) = state["counters"]
+                self.evictable = evictable
+                for node in nodes:
+                    if not node._children:
+                        self.heap._push(node)
+            except BaseException:
+                self.reset(True)
+                raise
+        finally:
+            self._leave()

@@ -454,6 +454,28 @@ class RadixCache:
                 f"{self.eviction_policy!r}, core={self.core_name!r}, "
                 f"total_size={self.total_size()}, nodes={self.node_count()})")
 
+    # -- copies and persistence ---------------------------------------------------------
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        """Pickle, ``copy.copy`` and ``copy.deepcopy`` support.
+
+        A cache is saved as its tree (keys, values, namespaces, priorities, terminal marks,
+        access and creation times, hit counts, the logical clock), its statistics, its
+        ``page_size``, ``eviction_policy`` and core, in a versioned format. Every copy is an
+        independent tree: ``copy.copy`` shares the ``extra_key`` objects with the original,
+        ``copy.deepcopy`` copies them too; index values are copied either way. Locks are not carried: the copy's nodes
+        are all unlocked (its ``protected_size()`` is 0), as no holder of the original's
+        locks can release them on the copy. Index values on a device stay on that device
+        (loading needs it). A cache with ``enable_events=True`` cannot be copied or pickled
+        (``TypeError``): its event stream cannot continue on a copy.
+        """
+        if self._events is not None:
+            raise TypeError("cannot pickle or copy a RadixCache with enable_events=True: its "
+                            "KV event stream cannot continue on a copy")
+        state = {"format": STATE_FORMAT, "page_size": self.page_size,
+                 "eviction_policy": self.eviction_policy, "core": self.core_name,
+                 "tree": self._core.export_state()}
+        return (_load_cache, (type(self), state))
+
     # Smile's (Java) spellings.
     matchPrefix = match_prefix
     incLockRef = inc_lock_ref
@@ -462,3 +484,25 @@ class RadixCache:
     protectedSize = protected_size
     totalSize = total_size
     prettyPrint = pretty_print
+
+
+#: The version of the format ``pickle`` saves a cache in; a later version of radixcache may
+#: read older formats, never newer ones.
+STATE_FORMAT = 1
+
+
+def _load_cache(cls: type, state: dict) -> RadixCache:
+    """Rebuild a pickled or copied cache (``RadixCache.__reduce_ex__``'s counterpart): on the
+    core it was saved from when that core is available here, else on the default core."""
+    if not isinstance(state, dict) or "format" not in state:
+        raise ValueError("not a saved RadixCache state")
+    version = state["format"]
+    if version != STATE_FORMAT:
+        raise ValueError(f"cannot load a RadixCache saved in format {version!r}: this "
+                         f"radixcache reads format {STATE_FORMAT} (saved by a newer version?)")
+    core = state.get("core")
+    cache = cls.__new__(cls)
+    RadixCache.__init__(cache, state["page_size"], state["eviction_policy"],
+                        core=core if core in _core.CORES else None)
+    cache._core.import_state(state["tree"])
+    return cache
