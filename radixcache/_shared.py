@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# The eviction policy names live where the command line reads them without torch.
+from ._options import EVICTION_POLICIES  # noqa: F401 -- re-exported
+
 
 
 def empty_indices() -> torch.Tensor:
@@ -89,12 +92,6 @@ def cat_values(path: list) -> torch.Tensor:
     device = next(v.device for v in values if v.device.type != "cpu")
     return torch.cat([v.to(device) for v in values])
 
-
-#: Eviction policy names (SGLang's spelling). Each core's ``EvictionHeap`` orders leaves by
-#: priority first (lower goes first), then: lru/priority least recently used; lfu fewest hits,
-#: then LRU; fifo oldest created; mru most recently used; filo newest created; slru nodes hit
-#: fewer than 2 times before the rest, LRU inside each segment. Node id breaks every tie.
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "slru", "priority")
 
 #: Policies whose key can fall when a leaf is touched: the touched leaf is pushed anew.
 KEY_FALLS_ON_ACCESS = frozenset({"mru"})

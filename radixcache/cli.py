@@ -1,7 +1,9 @@
 """The ``radixcache`` command: ``simulate`` replays a trace through the serving loop, ``bench``
-times the tree cores side by side.
+times the tree cores side by side, ``trace`` downloads and lists the public Mooncake traces.
 
-Exit codes: 0 success, 1 unreadable or malformed trace (or failed output), 2 bad arguments.
+Exit codes: 0 success, 1 unreadable or malformed trace (or failed output or download), 2 bad
+arguments. Parsing imports neither torch nor the tree cores (``--help``, ``--version`` and
+argument errors answer at once); a run imports them when it starts.
 """
 
 from __future__ import annotations
@@ -13,35 +15,29 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from decimal import Decimal, InvalidOperation
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from . import _core
-from .cache import EVICTION_POLICIES, RadixCache
-from .fleet import (
-    DEFAULT_DECODE_TPS,
-    DEFAULT_INTERVAL_MS,
-    DEFAULT_PREFILL_TPS,
-    POOLED,
-    EventLag,
-    FleetResult,
-    TimeModel,
-    arrival_times,
-    simulate_fleet,
-    simulate_pooled,
-)
-from .router import DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
-from .traces import TraceError, read_trace
-from .workloads import (INPUT_TYPES, Request, ServeResult, deep_exercise_ops, exercise_ops, serve,
-                        synthetic_chat, time_cached_calls, walk_cost)
+# Light modules only: torch, numpy and the cores are imported inside the run functions.
+from ._options import (DEFAULT_DECODE_TPS, DEFAULT_INTERVAL_MS, DEFAULT_LOAD_WEIGHT,
+                       DEFAULT_PREFILL_TPS, EVICTION_POLICIES, POOLED, ROUTING_POLICIES, EventLag)
+
+if TYPE_CHECKING:
+    from .cache import RadixCache
+    from .fleet import FleetResult
+    from .workloads import Request, ServeResult
 
 __all__ = ["main", "JSON_KEYS", "FLEET_JSON_KEYS"]
 
-#: Keys of every object ``simulate --json`` writes, in order.
-JSON_KEYS = ("capacity", "policy", "page_size", "requests", "prompt_tokens", "cached_tokens",
-             "hit_rate", "evicted_tokens", "peak_tokens", "seconds")
+#: Keys of every object ``simulate --json`` writes, in order: every column of the table.
+JSON_KEYS = ("capacity", "policy", "page_size", "requests", "rejected", "prompt_tokens",
+             "cached_tokens", "hit_rate", "evicted_tokens", "peak_tokens", "seconds",
+             "requests_per_second")
 #: Keys of the rows ``simulate --workers N --json`` writes (N >= 2), in order.
 FLEET_JSON_KEYS = JSON_KEYS + ("workers", "router", "prefill_tokens", "load_imbalance",
-                               "ttft_p50", "ttft_p99")
+                               "ttft_p50", "ttft_p99", "wall_seconds")
+#: The tree cores, by name (which are built is known only once the cores are imported).
+CORE_NAMES = ("c", "python")
 DEFAULT_ROUTERS = "round-robin,prefix-hash,cache-aware"
 #: The options that only a fleet (--workers >= 2) uses, with their defaults.
 FLEET_DEFAULTS = {"router": DEFAULT_ROUTERS, "event_lag": "0", "prefill_tps": DEFAULT_PREFILL_TPS,
@@ -49,7 +45,10 @@ FLEET_DEFAULTS = {"router": DEFAULT_ROUTERS, "event_lag": "0", "prefill_tps": DE
                   "load_weight": DEFAULT_LOAD_WEIGHT, "prefill_weight": 1.0}
 
 EMBEDDED_NAME = "synthetic chat (embedded)"
+#: Capacities for the embedded chat workload; a trace file gets fractions of its size.
 DEFAULT_CAPACITIES = "32768,131072,524288"
+#: Default capacities for a trace: these fractions of its unique prompt tokens.
+CAPACITY_FRACTIONS = (1 / 64, 1 / 16, 1 / 4, 1)
 
 # Plot size in inches at PLOT_DPI: the PNG is 800 x 500 pixels.
 PLOT_SIZE = (8, 5)
@@ -60,8 +59,87 @@ class _UsageError(Exception):
     """A bad argument found after parsing (exit code 2)."""
 
 
+class _ParseError(Exception):
+    """argparse's complaint, with the (sub)command parser it belongs to."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors become one line plus the (sub)command's usage line, printed by ``main``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise _ParseError(self, message)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+    except ImportError:  # pragma: no cover -- Python < 3.8
+        PackageNotFoundError, version = Exception, None
+    try:
+        if version is not None:
+            return version("radixcache")
+    except PackageNotFoundError:
+        pass
+    from . import __version__  # noqa: PLC0415
+
+    return __version__
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the installed package's version (looked up only when asked)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="print the version and exit"):
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0,
+                         help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"radixcache {_version()}")
+        parser.exit()
+
+
 # -- argument parsing --------------------------------------------------------------------------
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """A count of tokens (or requests) as people write it: ``4096``, ``500k``, ``1M``,
+    ``1.5M``, ``2G``, ``1e6``, ``64Ki`` (k/M/G/T are powers of 1000, Ki/Mi/Gi of 1024; case
+    does not matter). Raises ValueError for anything else, a negative number or a fraction
+    of one."""
+    cleaned = text.strip().replace("_", "")
+    number = cleaned.rstrip("kKmMgGtTiI")
+    unit = cleaned[len(number):].lower()
+    if not number or unit not in _SIZE_UNITS:
+        raise ValueError(f"expected a size like 4096, 500k, 1M, 1e6 or 2G, got {text!r}")
+    try:
+        value = Decimal(number) * _SIZE_UNITS[unit]
+    except InvalidOperation:
+        raise ValueError(f"expected a size like 4096, 500k, 1M, 1e6 or 2G, got {text!r}") from None
+    if not value.is_finite():
+        raise ValueError(f"expected a finite size, got {text!r}")
+    if value != value.to_integral_value():
+        raise ValueError(f"{text!r} is not a whole number ({value.normalize():f})")
+    return int(value)
+
+
 def _positive_int(text: str) -> int:
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text.strip()}")
+    return value
+
+
+def _plain_positive_int(text: str) -> int:
+    """A small count (workers, repeats): digits only."""
     try:
         value = int(text)
     except ValueError:
@@ -128,25 +206,31 @@ def _number(low: float, low_ok: bool):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="radixcache",
+    parser = _Parser(
+        prog="radixcache", usage="radixcache [-h] [--version] COMMAND ...",
         description="Replay LLM request traces through a radix-tree KV prefix cache.",
     )
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    cores = sorted(_core.CORES)
 
     sim = sub.add_parser(
-        "simulate", help="replay a trace through the serving loop and report hit rates",
+        "simulate", prog="radixcache simulate", help="replay a trace through the serving loop and report hit rates",
+        usage="radixcache simulate [TRACE] [--capacity N[,N...]] [--policy NAME[,NAME...]] "
+              "[options]",
         description="Replay TRACE (Mooncake or token-id JSONL; without it, an embedded "
                     "synthetic chat workload) through the serving loop against a KV pool of "
                     "each capacity with each eviction policy.",
     )
     sim.add_argument("trace", nargs="?", metavar="TRACE",
                      help="JSONL trace file (default: the embedded synthetic chat workload)")
-    sim.add_argument("--capacity", type=_capacity_list, default=_capacity_list(DEFAULT_CAPACITIES),
-                     metavar="N[,N...]",
-                     help=f"KV pool size(s) in token slots (default {DEFAULT_CAPACITIES})")
+    sim.add_argument("--capacity", type=_capacity_list, default=None, metavar="N[,N...]",
+                     help="KV pool size(s) in token slots, such as 4096, 500k, 1M, 1e6 or 2G "
+                          "(default: for a trace file, "
+                          + ", ".join(f"1/{round(1 / f)}" if f < 1 else "all"
+                                      for f in CAPACITY_FRACTIONS)
+                          + " of its unique prompt tokens, rounded; for the embedded "
+                          f"workload {DEFAULT_CAPACITIES})")
     sim.add_argument("--page-size", type=_positive_int, default=1, metavar="P",
                      help="tokens per KV page (default 1)")
     sim.add_argument("--policy", type=_policy_list, default=["lru"], metavar="NAME[,NAME...]",
@@ -159,9 +243,12 @@ def _build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0,
                      help="seed of the embedded synthetic workload and of the 'random' router "
                           "(default 0)")
-    sim.add_argument("--core", choices=cores, default=None,
-                     help=f"tree core (default: {_core.core_name()})")
-    sim.add_argument("--plot", metavar="OUT.png", help="write a hit-rate-vs-capacity PNG")
+    sim.add_argument("--core", choices=CORE_NAMES, default=None,
+                     help="tree core (default: the compiled core 'c' when it is built, else "
+                          "'python')")
+    sim.add_argument("--plot", metavar="OUT.png",
+                     help="write a hit-rate-vs-capacity plot, in the format its extension "
+                          "names (.png, .pdf, .svg, ...)")
     sim.add_argument("--json", metavar="OUT.json", help="write the result rows as JSON")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     fleet = sim.add_argument_group(
@@ -169,7 +256,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "Replay over N workers of --capacity slots each behind a router that learns what they "
         "hold only from their KV events, with a time model; a 'pooled' row gives the bound of "
         "one cache of N x capacity slots.")
-    fleet.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+    fleet.add_argument("--workers", type=_plain_positive_int, default=1, metavar="N",
                        help="workers, each with its own cache of --capacity slots (default 1: "
                             "the single-cache replay)")
     fleet.add_argument("--router", type=_router_list, default=None, metavar="NAME[,NAME...]",
@@ -196,15 +283,50 @@ def _build_parser() -> argparse.ArgumentParser:
                             "on the worker (default 1)")
 
     bench = sub.add_parser(
-        "bench", help="time the tree cores side by side",
+        "bench", prog="radixcache bench", help="time the tree cores side by side",
+        usage="radixcache bench [--quick] [--repeat N]",
         description="Time every available tree core on the embedded chat workload (serving "
                     "loop, cache calls only; in-cache calls per input type split into tree "
                     "walk and the rest) and on insert/exists exercise workloads over a shallow "
                     "and a deep tree (against a set of tuples), with the walk cost per node.",
     )
     bench.add_argument("--quick", action="store_true", help="smaller workloads, one repeat")
-    bench.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
+    bench.add_argument("--repeat", type=_plain_positive_int, default=None, metavar="N",
                        help="runs per measurement, the best is kept (default 3, 1 with --quick)")
+    for name, command in (("simulate", sim), ("bench", bench)):
+        command.set_defaults(parser=command)
+
+    from .download import TRACES  # noqa: PLC0415 -- standard library only
+
+    trace = sub.add_parser(
+        "trace", prog="radixcache trace", help="download or list the public Mooncake traces",
+        usage="radixcache trace {download,list} ...",
+        description="Fetch the public Mooncake FAST'25 request traces (published by the "
+                    "Mooncake project, Apache-2.0) into a local directory, checked against "
+                    "their published size and sha256.")
+    trace.set_defaults(parser=trace)
+    trace_sub = trace.add_subparsers(dest="trace_command", metavar="ACTION")
+    trace_sub.required = True
+    default_dir = "$XDG_CACHE_HOME/radixcache/traces, else ~/.cache/radixcache/traces"
+    download = trace_sub.add_parser(
+        "download", prog="radixcache trace download", help="fetch a trace", usage="radixcache trace download NAME [--dir DIR] "
+                                                "[--force]",
+        description="Fetch trace NAME and print where it went; a valid copy already there "
+                    "is kept.")
+    download.add_argument("name", choices=list(TRACES), metavar="NAME",
+                          help=f"the trace: {', '.join(TRACES)}")
+    download.add_argument("--dir", metavar="DIR", help=f"where to put it (default {default_dir})")
+    download.add_argument("--force", action="store_true",
+                          help="fetch it again even when a valid copy is there")
+    download.add_argument("--quiet", action="store_true", help="no progress bar")
+    listing = trace_sub.add_parser(
+        "list", prog="radixcache trace list", help="list the traces and whether they are here",
+        usage="radixcache trace list [--dir DIR]",
+        description="The traces 'trace download' knows, their size, and whether a valid "
+                    "copy is in DIR.")
+    listing.add_argument("--dir", metavar="DIR", help=f"where to look (default {default_dir})")
+    download.set_defaults(parser=download)
+    listing.set_defaults(parser=listing)
     return parser
 
 
@@ -299,12 +421,40 @@ def _finish_plot(path: str, fig: Any, ax: Any, rows: list[dict], xlabel: str, ti
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel(xlabel)
     ax.set_ylabel("prefix cache hit rate (%)")
-    ax.set_ylim(0, 100)
+    ax.set_ylim(*_hit_rate_limits([r["hit_rate"] for r in rows]))
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(title=legend_title)
     fig.tight_layout()
-    _atomic_write(path, lambda temp_path: fig.savefig(temp_path, format="png", dpi=PLOT_DPI))
+    file_format = _plot_format(path)
+    _atomic_write(path, lambda temp_path: fig.savefig(temp_path, format=file_format,
+                                                      dpi=PLOT_DPI))
+
+
+def _hit_rate_limits(hit_rates: Sequence[float]) -> tuple[float, float]:
+    """The y range (percent) for these hit rates: the data with 10% of its span (at least 1
+    point) of headroom either side, within 0..100."""
+    low, high = 100 * min(hit_rates), 100 * max(hit_rates)
+    pad = max(0.1 * (high - low), 1.0)
+    return max(0.0, low - pad), min(100.0, high + pad)
+
+
+def _plot_formats() -> dict[str, str]:
+    """The file formats matplotlib can write here: extension -> description."""
+    from matplotlib.figure import Figure  # noqa: PLC0415
+
+    return Figure().canvas.get_supported_filetypes()
+
+
+def _plot_format(path: str) -> str:
+    """The format --plot's extension names; _UsageError when it names none matplotlib writes."""
+    extension = os.path.splitext(path)[1].lower().lstrip(".")
+    formats = _plot_formats()
+    if extension not in formats:
+        what = f"extension '.{extension}'" if extension else "no extension"
+        raise _UsageError(f"--plot: {path!r} has {what}; use one of "
+                          + ", ".join("." + f for f in sorted(formats)))
+    return extension
 
 
 def _write_plot(path: str, rows: list[dict], trace_name: str, page_size: int) -> None:
@@ -332,13 +482,85 @@ def _result_row(capacity: int, policy: str, page_size: int, result: ServeResult)
         "policy": policy,
         "page_size": page_size,
         "requests": result.requests,
+        "rejected": result.rejected,
         "prompt_tokens": result.prompt_tokens,
         "cached_tokens": result.cached_tokens,
         "hit_rate": result.hit_rate,
         "evicted_tokens": result.evicted_tokens,
         "peak_tokens": result.peak_tokens,
         "seconds": result.seconds,
+        "requests_per_second": result.requests_per_second,
     }
+
+
+def unique_prompt_tokens(requests: Sequence[Request], block: int = 512) -> int:
+    """About how many distinct tokens the requests' prompts hold (a cache of unbounded
+    capacity would keep this many prompt tokens): prompts cut into blocks, each block
+    identified by a hash of everything before it, distinct blocks counted. Prompts that part
+    ways inside a block count that block twice, so this can only overestimate, by less than
+    a block per such prompt."""
+    import numpy as np  # noqa: PLC0415
+
+    seen: set = set()
+    total = 0
+    for request in requests:
+        prompt = np.ascontiguousarray(request.prompt, dtype=np.int64)
+        prefix = 0
+        for start in range(0, len(prompt), block):
+            part = prompt[start:start + block]
+            prefix = hash((prefix, part.tobytes()))
+            if prefix not in seen:
+                seen.add(prefix)
+                total += len(part)
+    return total
+
+
+def _nice(n: float) -> int:
+    """``n`` rounded to two significant digits (1234567 -> 1200000), at least 1."""
+    if n < 1:
+        return 1
+    digits = len(str(int(n))) - 2
+    step = 10 ** max(digits, 0)
+    return max(1, int(round(n / step)) * step)
+
+
+def default_capacities(unique_tokens: int, page_size: int) -> list[int]:
+    """Capacities at ``CAPACITY_FRACTIONS`` of a trace's unique prompt tokens, rounded to
+    nice numbers, none below one page."""
+    return sorted({max(page_size, _nice(unique_tokens * f)) for f in CAPACITY_FRACTIONS})
+
+
+def _warn(message: str) -> None:
+    print(f"radixcache: warning: {message}", file=sys.stderr)
+
+
+def _warn_meaningless(args: argparse.Namespace, requests: Sequence[Request]) -> None:
+    """One line on stderr for each setting that makes the run's numbers meaningless."""
+    if not requests:
+        _warn("the trace holds no requests: every number will be 0")
+        return
+    longest = max(len(r.prompt) for r in requests)
+    if args.page_size > longest:
+        _warn(f"the page size ({args.page_size:,} tokens) is larger than every prompt (the "
+              f"longest has {longest:,} tokens): nothing can be cached, the hit rate is 0")
+    below_page = []
+    if args.page_size <= longest:
+        below_page = [c for c in args.capacity if c < args.page_size]
+        if below_page:
+            _warn(f"{_capacities(below_page)} smaller than one page ({args.page_size:,} "
+                  "tokens): no page fits, nothing can be cached")
+    smallest = min(len(r.prompt) + r.output_len for r in requests)
+    too_small = [c for c in args.capacity if c < smallest and c not in below_page]
+    if too_small:
+        _warn(f"{_capacities(too_small)} smaller than every request (the smallest needs "
+              f"{smallest:,} slots): every request will be rejected")
+
+
+def _capacities(values: Sequence[int]) -> str:
+    """'capacity 1,000 is' or 'capacities 1,000 and 2,000 are'."""
+    if len(values) == 1:
+        return f"capacity {values[0]:,} is"
+    return (f"capacities {', '.join(f'{v:,}' for v in values[:-1])} and {values[-1]:,} are")
 
 
 def _fleet_options(args: argparse.Namespace) -> None:
@@ -368,6 +590,16 @@ def _simulate(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401, PLC0415 -- fail now, not after the replay
         except ImportError:
             raise _UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+        _plot_format(args.plot)
+    # The run starts: torch, numpy and the cores from here on.
+    from . import _core  # noqa: PLC0415
+    from .cache import RadixCache  # noqa: PLC0415
+    from .traces import TraceError, read_trace  # noqa: PLC0415
+    from .workloads import serve, synthetic_chat  # noqa: PLC0415
+
+    if args.core is not None and args.core not in _core.CORES:
+        raise _UsageError(f"--core {args.core}: the compiled core is not built here "
+                          f"(available: {', '.join(sorted(_core.CORES))})")
 
     # Parse once; every (capacity, policy) replays the same requests.
     if args.trace is None:
@@ -390,8 +622,19 @@ def _simulate(args: argparse.Namespace) -> int:
     core = _core.get_core(args.core).CORE_NAME
     prompt_total = sum(len(r.prompt) for r in requests)
     largest_need = max((len(r.prompt) + r.output_len for r in requests), default=0)
+    capacities_note = ""
+    if args.capacity is None:
+        if args.trace is None:
+            args.capacity = _capacity_list(DEFAULT_CAPACITIES)
+        else:
+            unique = unique_prompt_tokens(requests)
+            args.capacity = default_capacities(unique, args.page_size)
+            capacities_note = (f"; capacities {', '.join(_short_count(c) for c in args.capacity)}"
+                               f" (fractions of its ~{_short_count(unique)} unique prompt "
+                               "tokens; --capacity sets others)")
     print(f"trace: {trace_name}: {len(requests):,} requests, {prompt_total:,} prompt tokens; "
-          f"page size {args.page_size}; core {core}")
+          f"page size {args.page_size}; core {core}{capacities_note}")
+    _warn_meaningless(args, requests)
     if args.workers > 1:
         return _simulate_fleet(args, requests, trace_name, core, largest_need)
 
@@ -448,18 +691,21 @@ def _fleet_row(result: FleetResult) -> dict:
         "policy": result.policy,
         "page_size": result.page_size,
         "requests": result.requests,
+        "rejected": result.rejected,
         "prompt_tokens": result.prompt_tokens,
         "cached_tokens": result.cached_tokens,
         "hit_rate": result.hit_rate,
         "evicted_tokens": result.evicted_tokens,
         "peak_tokens": result.peak_tokens,
         "seconds": result.seconds,
+        "requests_per_second": result.requests / result.seconds if result.seconds > 0 else 0.0,
         "workers": result.workers,
         "router": result.router,
         "prefill_tokens": result.prefill_tokens,
         "load_imbalance": result.load_imbalance,
         "ttft_p50": result.ttft_p50,
         "ttft_p99": result.ttft_p99,
+        "wall_seconds": result.wall_seconds,
     }
     return row
 
@@ -470,6 +716,8 @@ def _ms(seconds: float | None) -> str:
 
 def _simulate_fleet(args: argparse.Namespace, requests: list[Request], trace_name: str,
                     core: str, largest_need: int) -> int:
+    from .fleet import TimeModel, arrival_times, simulate_fleet, simulate_pooled  # noqa: PLC0415
+
     try:
         arrivals = arrival_times(requests, args.interval)
     except ValueError as exc:
@@ -585,6 +833,9 @@ def _write_fleet_plot(path: str, rows: list[dict], trace_name: str, page_size: i
 # -- bench ---------------------------------------------------------------------------------------
 def _bench_chat(core: str, requests: list[Request], capacity: int,
                 repeat: int) -> tuple[float, ServeResult]:
+    from .cache import RadixCache  # noqa: PLC0415
+    from .workloads import serve  # noqa: PLC0415
+
     best = math.inf
     result = None
     for _ in range(repeat):
@@ -605,6 +856,8 @@ def _run_exercise(run: Callable[[], object], repeat: int) -> tuple[float, object
 
 
 def _exercise_on_cache(core: str, ops: list[tuple[str, list[int]]]) -> tuple[RadixCache, int]:
+    from .cache import RadixCache  # noqa: PLC0415
+
     cache = RadixCache(core=core)
     insert, exists = cache.insert, cache.exists
     found = 0
@@ -628,6 +881,11 @@ def _exercise_on_set(ops: list[tuple[str, list[int]]]) -> tuple[set, int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from . import _core  # noqa: PLC0415
+    from .cache import RadixCache  # noqa: PLC0415
+    from .workloads import (INPUT_TYPES, deep_exercise_ops, exercise_ops,  # noqa: PLC0415
+                            synthetic_chat, time_cached_calls, walk_cost)
+
     repeat = args.repeat or (1 if args.quick else 3)
     cores = [name for name in ("python", "c") if name in _core.CORES]
     cores += sorted(set(_core.CORES) - set(cores))
@@ -727,21 +985,93 @@ def _ratio(slow: float, fast: float) -> str:
     return f"{slow / fast:.1f}x" if fast > 0 else "-"
 
 
+# -- trace ---------------------------------------------------------------------------------------
+def _download_progress(name: str, quiet: bool):
+    """A tqdm bar for a download (None when quiet, not a terminal, or tqdm is missing)."""
+    if quiet or not sys.stderr.isatty():
+        return None, None
+    try:
+        from tqdm import tqdm  # noqa: PLC0415
+    except ImportError:
+        return None, None
+    bar = tqdm(desc=name, unit="B", unit_scale=True, file=sys.stderr, leave=False)
+
+    def update(done: int, total: int | None) -> None:
+        if total is not None and bar.total != total:
+            bar.total = total
+        bar.update(done - bar.n)
+
+    return bar, update
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from . import download  # noqa: PLC0415 -- standard library only
+
+    directory = args.dir
+    if args.trace_command == "list":
+        where = download.default_dir() if directory is None else directory
+        print(f"traces in {where}:")
+        rows = []
+        for name, info in download.TRACES.items():
+            problem = download.verify(name, directory)
+            state = "present" if problem is None else (
+                "-" if problem == "not downloaded" else f"invalid: {problem}")
+            size = f"{info.size / 1e6:.1f} MB" if info.size else "a few MB"
+            rows.append([name, f"{info.requests:,}", size, state, info.description])
+        print(_format_table(["name", "requests", "size", "here", "description"], rows,
+                            left=(0, 3, 4)))
+        print("get one with: radixcache trace download NAME")
+        return 0
+    info = download.TRACES[args.name]
+    bar, progress = _download_progress(args.name, args.quiet)
+    try:
+        path, fetched = download.download(args.name, directory, force=args.force,
+                                          progress=progress)
+    except download.DownloadError as exc:
+        print(f"radixcache: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if bar is not None:
+            bar.close()
+    if not fetched:
+        print(f"{path} (already present and valid)")
+    else:
+        if info.sha256 is None:
+            print(f"note: no published checksum for the {args.name} trace is recorded; its "
+                  f"size and format were checked. sha256: {download._sha256(path)}",
+                  file=sys.stderr)
+        print(path)
+    return 0
+
+
 # -- entry point ---------------------------------------------------------------------------------
+def _usage_line(parser: argparse.ArgumentParser) -> str:
+    usage = " ".join(parser.format_usage().split())  # one line, however argparse wraps it
+    return f"{usage}  (see '{parser.prog} --help')"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     parser = _build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on bad arguments, 0 after --help
+        args, extras = parser.parse_known_args(argv)
+        if extras:  # reported by the (sub)command they were given to
+            getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extras)}")
+    except _ParseError as exc:  # one line, then the usage line of the command it concerns
+        print(f"{exc.parser.prog}: error: {exc}", file=sys.stderr)
+        print(_usage_line(exc.parser), file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # argparse exits 0 after --help and --version
         return exc.code if isinstance(exc.code, int) else 2
     try:
         if args.command == "simulate":
             return _simulate(args)
+        if args.command == "trace":
+            return _trace(args)
         return _bench(args)
     except _UsageError as exc:
-        parser.print_usage(sys.stderr)
-        print(f"radixcache: error: {exc}", file=sys.stderr)
+        print(f"{args.parser.prog}: error: {exc}", file=sys.stderr)
+        print(_usage_line(args.parser), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("radixcache: interrupted", file=sys.stderr)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import heapq
 import math
 import numbers
-import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -44,6 +43,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from ._options import (DEFAULT_DECODE_TPS, DEFAULT_INTERVAL_MS, DEFAULT_PREFILL_TPS, POOLED,
+                       EventLag)
 from .cache import RadixCache
 from .router import Router
 from .workloads import Request, ServingLoop
@@ -62,50 +63,7 @@ __all__ = [
     "simulate_pooled",
 ]
 
-#: Prefill throughput per worker, tokens/s (an 8B model on one H100-class GPU, roughly).
-DEFAULT_PREFILL_TPS = 20_000.0
-#: Decode speed per running request, tokens/s.
-DEFAULT_DECODE_TPS = 50.0
-#: Arrival interval for traces without timestamps, ms.
-DEFAULT_INTERVAL_MS = 100.0
-#: The ``router`` name of the pooled-bound rows.
-POOLED = "pooled"
-
-
-@dataclass(frozen=True)
-class EventLag:
-    """How stale the router's view is: events reach it ``requests`` routing decisions or
-    ``ms`` milliseconds (simulated) after they were published; zero: before the next
-    decision. Written ``"N"`` (decisions) or ``"Nms"`` on the command line."""
-
-    requests: int = 0
-    ms: float = 0.0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.requests, bool) or not isinstance(self.requests, numbers.Integral):
-            raise TypeError(f"event lag requests must be an int, got {self.requests!r}")
-        if isinstance(self.ms, bool) or not isinstance(self.ms, numbers.Real):
-            raise TypeError(f"event lag ms must be a number, got {self.ms!r}")
-        if self.requests < 0 or not 0 <= self.ms < math.inf:
-            raise ValueError(f"event lag must be >= 0 and finite, got {self}")
-        if self.requests and self.ms:
-            raise ValueError("an event lag is either in requests or in ms, not both")
-
-    @classmethod
-    def parse(cls, text: str) -> "EventLag":
-        """``"3"`` or ``"3req"``: three routing decisions; ``"50ms"``: 50 ms."""
-        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*(ms|req|requests)?\s*", text)
-        if not match:
-            raise ValueError(f"event lag {text!r}: expected N (requests), Nreq or Nms")
-        number, unit = match.groups()
-        if unit == "ms":
-            return cls(ms=float(number))
-        if "." in number:
-            raise ValueError(f"event lag {text!r}: a lag in requests must be a whole number")
-        return cls(requests=int(number))
-
-    def __str__(self) -> str:
-        return f"{self.ms:g}ms" if self.ms else f"{self.requests}"
+# The defaults, POOLED and EventLag live in _options (the command line reads them).
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Hashable, Iterable, Optional
 
 
+from ._options import DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
 from .events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -56,16 +57,11 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 # bytes (its ExternalBlockHash).
 _HASH_TYPES = (int, bytes)
 
-#: ``Router``'s default weight of a worker's load (tokens queued or running) against the
-#: prefill tokens a request would need there: 10 tokens of queued work weigh as much as one
-#: token of prefill saved (chosen on the Mooncake trace, see README "Routing across workers").
-DEFAULT_LOAD_WEIGHT = 0.1
+# DEFAULT_LOAD_WEIGHT and ROUTING_POLICIES live in _options (the command line reads them).
 
 #: ``Router``'s block size (tokens per block) when neither it nor an indexer is given.
 DEFAULT_BLOCK_SIZE = 16
 
-#: The ``Router`` policies, in the order the command lists them.
-ROUTING_POLICIES = ("round-robin", "random", "least-loaded", "prefix-hash", "cache-aware")
 
 
 @dataclass

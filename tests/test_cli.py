@@ -20,9 +20,10 @@ from radixcache.workloads import serve, synthetic_chat
 REPO = Path(__file__).resolve().parents[1]
 MOONCAKE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
-# The keys the issue specifies for --json, in order.
-EXPECTED_KEYS = ["capacity", "policy", "page_size", "requests", "prompt_tokens",
-                 "cached_tokens", "hit_rate", "evicted_tokens", "peak_tokens", "seconds"]
+# The keys of --json rows, in order: every column of the table.
+EXPECTED_KEYS = ["capacity", "policy", "page_size", "requests", "rejected", "prompt_tokens",
+                 "cached_tokens", "hit_rate", "evicted_tokens", "peak_tokens", "seconds",
+                 "requests_per_second"]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -71,7 +72,9 @@ def check_against_library(rows_json, table, requests, core=None):
         assert row["evicted_tokens"] == stats.evicted_tokens
         assert row["requests"] == stats.lookups == len(requests)
         assert row["peak_tokens"] == result.peak_tokens
+        assert row["rejected"] == result.rejected
         assert row["seconds"] > 0
+        assert row["requests_per_second"] == pytest.approx(row["requests"] / row["seconds"])
         cells = table[(row["capacity"], row["policy"])]
         assert cells["hit_rate"] == f"{100 * stats.hit_rate:.2f}%"
         assert count(cells["cached"]) == stats.matched_tokens
@@ -98,6 +101,7 @@ def test_simulate_embedded_json_table_and_plot(tmp_path, core):
     assert lru == sorted(lru) and lru[0] < lru[-1]
     with Image.open(out_png) as image:
         assert image.format == "PNG" and image.size == (800, 500)
+    assert "warning" not in proc.stderr
     assert not list(tmp_path.glob(".*.tmp"))  # no temp files left behind
     umask = os.umask(0)
     os.umask(umask)
@@ -191,6 +195,17 @@ def test_main_bad_trace_fails_with_file_and_line(tmp_path, capsys, lines, messag
 
 @pytest.mark.parametrize("args, message", [
     (["simulate", "--capacity", "0"], "must be >= 1"),
+    (["simulate", "--capacity", "-5"], "must be >= 1, got -5"),
+    (["simulate", "--capacity", "1.5"], "'1.5' is not a whole number (1.5)"),
+    (["simulate", "--capacity", "1.0001k"], "not a whole number (1000.1)"),
+    (["simulate", "--capacity", "12x"], "expected a size like 4096, 500k, 1M"),
+    (["simulate", "--capacity", "inf"], "expected a finite size"),
+    (["simulate", "--capacity", "nan"], "expected a finite size"),
+    (["simulate", "--capacity", "k"], "expected a size like"),
+    (["simulate", "--limit", "1e"], "expected a size like"),
+    (["simulate", "--plot", "out.txt"], "--plot: 'out.txt' has extension '.txt'; use one of"),
+    (["simulate", "--plot", "out"], "--plot: 'out' has no extension"),
+    (["simulate", "--workers", "1k"], "expected an integer"),
     (["simulate", "--capacity", "12,abc"], "capacity 'abc'"),
     (["simulate", "--policy", "lru,nope"], "unknown policy 'nope'"),
     (["simulate", "--page-size", "-4"], "must be >= 1"),
@@ -238,3 +253,147 @@ def test_bench_quick_runs_every_core():
     else:
         assert "only the 'python' core is available" in proc.stdout
 
+
+@pytest.mark.parametrize("text, value", [
+    ("4096", 4096), (" 500k", 500_000), ("1M", 10**6), ("1m", 10**6), ("1.5M", 1_500_000),
+    ("1e6", 10**6), ("2.5e3", 2500), ("2G", 2 * 10**9), ("64Ki", 65536), ("1Mi", 2**20),
+    ("1_000", 1000), ("0", 0), ("1T", 10**12),
+])
+def test_sizes_accept_units(text, value):
+    from radixcache.cli import parse_size
+
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1.5", "0.0001k", "1x", "M", "1e-3", "inf", "1MM"])
+def test_sizes_refuse_junk(text):
+    from radixcache.cli import parse_size
+
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_sizes_on_the_command_line(tmp_path):
+    out_json = tmp_path / "rows.json"
+    assert main(["simulate", "--limit", "20", "--capacity", "1e4,20k,0.03M", "--page-size",
+                 "1e0", "--quiet", "--json", str(out_json)]) == 0
+    assert [r["capacity"] for r in json.loads(out_json.read_text())] == [10000, 20000, 30000]
+
+
+@pytest.mark.parametrize("args, prog, usage", [
+    (["simulate", "--capacity", "abc"], "radixcache simulate", "usage: radixcache simulate "),
+    (["simulate", "--nope"], "radixcache simulate", "usage: radixcache simulate "),
+    (["simulate", "--router", "round-robin"], "radixcache simulate",
+     "usage: radixcache simulate "),  # found after parsing: still simulate's usage
+    (["bench", "--repeat", "x"], "radixcache bench", "usage: radixcache bench "),
+    (["trace", "download", "nope"], "radixcache trace download",
+     "usage: radixcache trace download NAME"),
+    (["trace"], "radixcache trace", "usage: radixcache trace "),
+    (["frobnicate"], "radixcache", "usage: radixcache [-h]"),
+])
+def test_errors_are_one_line_and_the_commands_usage(args, prog, usage, capsys):
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 2, captured.err
+    assert lines[0].startswith(f"{prog}: error: ")
+    assert lines[1].startswith(usage) and lines[1].endswith(f"(see '{prog} --help')")
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"radixcache {version('radixcache')}\n"
+
+
+HEAVY = ("torch", "numpy", "radixcache.cache", "radixcache._core", "radixcache._core_c",
+         "radixcache._core_py", "radixcache.workloads", "radixcache.fleet")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["simulate", "--help"],
+                                  ["simulate", "--capacity", "junk"], ["trace", "list",
+                                                                       "--help"], ["nope"]])
+def test_help_version_and_errors_import_no_torch(args):
+    # The real entry point, with Python's own record of every module it imported.
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "radixcache", *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode in (0, 2), proc.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "radixcache.cli" in imported  # the record is there
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_default_capacities_follow_the_trace(tmp_path):
+    from radixcache.cli import default_capacities, unique_prompt_tokens
+    from radixcache.workloads import Request
+
+    shared = list(range(1000))
+    requests = [Request(shared + [5000 + i] * 10, 5) for i in range(20)]
+    assert unique_prompt_tokens(requests, block=100) == 1000 + 20 * 10
+    assert unique_prompt_tokens(requests + requests, block=100) == 1200
+    assert default_capacities(1200, 1) == [19, 75, 300, 1200]
+    assert default_capacities(90_700_000, 1) == [1_400_000, 5_700_000, 23_000_000, 91_000_000]
+    assert default_capacities(10, 16) == [16]  # never below one page
+    trace = write_token_trace(tmp_path / "t.jsonl", [
+        {"prompt": list(range(4000)), "output_length": 1},
+        {"prompt": list(range(4000)), "output_length": 1}])
+    proc = run_cli("simulate", trace, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "fractions of its ~4k unique prompt tokens" in proc.stdout
+    assert sorted(c for c, _ in table_rows(proc.stdout)) == [62, 250, 1000, 4000]
+
+
+@pytest.mark.parametrize("args, warning", [
+    (["--page-size", "5000"], "the page size (5,000 tokens) is larger than every prompt "
+                              "(the longest has 2,000 tokens)"),
+    (["--page-size", "16", "--capacity", "8,100000"],
+     "capacity 8 is smaller than one page (16 tokens)"),
+    (["--capacity", "100,200,1M"], "capacities 100 and 200 are smaller than every request "
+                                   "(the smallest needs 1,001 slots)"),
+])
+def test_warnings_for_meaningless_settings(tmp_path, capsys, args, warning):
+    trace = write_token_trace(tmp_path / "t.jsonl", [
+        {"prompt": list(range(1000)), "output_length": 1},
+        {"prompt": list(range(2000)), "output_length": 1}])
+    assert main(["simulate", str(trace), "--quiet", *args]) == 0
+    err = capsys.readouterr().err
+    assert f"radixcache: warning: {warning}" in err
+    assert len(err.splitlines()) == 1  # one line, nothing else
+
+
+@pytest.mark.parametrize("extension, magic", [("pdf", b"%PDF"), ("svg", b"<?xml"),
+                                              ("PNG", b"\x89PNG")])
+def test_plot_format_follows_the_extension(tmp_path, extension, magic):
+    out = tmp_path / f"plot.{extension}"
+    assert main(["simulate", "--limit", "20", "--capacity", "1000,100000", "--quiet",
+                 "--plot", str(out)]) == 0
+    assert out.read_bytes().startswith(magic)
+
+
+def test_plot_axis_follows_the_data():
+    from radixcache.cli import _hit_rate_limits
+
+    assert _hit_rate_limits([0.40, 0.45]) == pytest.approx((39.0, 46.0))
+    assert _hit_rate_limits([0.0, 0.0]) == (0.0, 1.0)
+    assert _hit_rate_limits([0.2, 0.99]) == pytest.approx((12.1, 100.0))
+
+
+def test_json_rows_carry_every_table_column():
+    from radixcache.cli import FLEET_JSON_KEYS, JSON_KEYS
+
+    assert "rejected" in JSON_KEYS and "requests_per_second" in JSON_KEYS
+    assert {"rejected", "wall_seconds", "ttft_p99", "load_imbalance"} <= set(FLEET_JSON_KEYS)
+
+
+def test_unavailable_core_is_a_usage_error(monkeypatch, capsys):
+    from radixcache import _core
+
+    monkeypatch.setattr(_core, "CORES", {"python": _core.CORES["python"]})
+    assert main(["simulate", "--core", "c", "--limit", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "the compiled core is not built here" in err and "usage: radixcache simulate" in err

@@ -1,0 +1,69 @@
+"""Names and defaults the command line needs, importable without torch or numpy (so that
+``radixcache --help`` and argument errors answer at once): the modules that use them import
+them from here."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from dataclasses import dataclass
+
+#: Eviction policy names (SGLang's spelling). Each core's ``EvictionHeap`` orders leaves by
+#: priority first (lower goes first), then: lru/priority least recently used; lfu fewest hits,
+#: then LRU; fifo oldest created; mru most recently used; filo newest created; slru nodes hit
+#: fewer than 2 times before the rest, LRU inside each segment. Node id breaks every tie.
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "slru", "priority")
+
+#: The ``Router`` policies, in the order the command lists them.
+ROUTING_POLICIES = ("round-robin", "random", "least-loaded", "prefix-hash", "cache-aware")
+
+#: ``Router``'s default weight of a worker's load (tokens queued or running) against the
+#: prefill tokens a request would need there: 10 tokens of queued work weigh as much as one
+#: token of prefill saved (chosen on the Mooncake trace, see README "Routing across workers").
+DEFAULT_LOAD_WEIGHT = 0.1
+
+#: Prefill throughput per worker, tokens/s (an 8B model on one H100-class GPU, roughly).
+DEFAULT_PREFILL_TPS = 20_000.0
+#: Decode speed per running request, tokens/s.
+DEFAULT_DECODE_TPS = 50.0
+#: Arrival interval for traces without timestamps, ms.
+DEFAULT_INTERVAL_MS = 100.0
+#: The ``router`` name of the pooled-bound rows.
+POOLED = "pooled"
+
+
+@dataclass(frozen=True)
+class EventLag:
+    """How stale the router's view is: events reach it ``requests`` routing decisions or
+    ``ms`` milliseconds (simulated) after they were published; zero: before the next
+    decision. Written ``"N"`` (decisions) or ``"Nms"`` on the command line."""
+
+    requests: int = 0
+    ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.requests, bool) or not isinstance(self.requests, numbers.Integral):
+            raise TypeError(f"event lag requests must be an int, got {self.requests!r}")
+        if isinstance(self.ms, bool) or not isinstance(self.ms, numbers.Real):
+            raise TypeError(f"event lag ms must be a number, got {self.ms!r}")
+        if self.requests < 0 or not 0 <= self.ms < math.inf:
+            raise ValueError(f"event lag must be >= 0 and finite, got {self}")
+        if self.requests and self.ms:
+            raise ValueError("an event lag is either in requests or in ms, not both")
+
+    @classmethod
+    def parse(cls, text: str) -> "EventLag":
+        """``"3"`` or ``"3req"``: three routing decisions; ``"50ms"``: 50 ms."""
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*(ms|req|requests)?\s*", text)
+        if not match:
+            raise ValueError(f"event lag {text!r}: expected N (requests), Nreq or Nms")
+        number, unit = match.groups()
+        if unit == "ms":
+            return cls(ms=float(number))
+        if "." in number:
+            raise ValueError(f"event lag {text!r}: a lag in requests must be a whole number")
+        return cls(requests=int(number))
+
+    def __str__(self) -> str:
+        return f"{self.ms:g}ms" if self.ms else f"{self.requests}"
