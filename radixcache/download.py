@@ -185,7 +185,11 @@ def _fetch(url: str, out, progress) -> None:
             total = int(length) if length and length.isdigit() else None
             done = 0
             while True:
-                chunk = response.read(_CHUNK)
+                try:
+                    chunk = response.read(_CHUNK)
+                except http.client.IncompleteRead as exc:  # some versions raise, some return
+                    done += len(exc.partial)
+                    chunk = b""
                 if not chunk:
                     break
                 out.write(chunk)
