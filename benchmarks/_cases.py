@@ -23,6 +23,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from radixcache import RadixCache  # noqa: E402
 from radixcache._core import CORES  # noqa: E402
+from radixcache.download import find as find_trace  # noqa: E402
 from radixcache.traces import read_trace  # noqa: E402
 from radixcache.workloads import INPUT_TYPES, InCacheTiming, time_cached_calls  # noqa: E402
 from radixcache.workloads import deep_exercise_ops as make_deep_exercise_ops  # noqa: E402
@@ -30,7 +31,9 @@ from radixcache.workloads import exercise_ops as make_exercise_ops  # noqa: E402
 from radixcache.workloads import synthetic_chat, walk_cost  # noqa: E402
 
 #: The Mooncake-style trace; in CI the shared folder sits next to the repository root.
-TRACE_PATH = REPO_ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+#: Elsewhere, ``radixcache trace download synthetic`` puts it where TRACE_MISSING says.
+_FOUND, TRACE_MISSING = find_trace("synthetic", REPO_ROOT.parent / "shared" / "traces")
+TRACE_PATH = _FOUND or REPO_ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 VOCAB_SIZE = 32_000
 

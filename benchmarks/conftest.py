@@ -25,7 +25,7 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):
         sys.path.insert(0, _path)
 
 from radixcache._core import CORES  # noqa: E402 -- needs the path set above
-from _cases import FULL, TRACE_PATH, chat_requests, trace_requests  # noqa: E402
+from _cases import FULL, TRACE_MISSING, TRACE_PATH, chat_requests, trace_requests  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def chat():
 def trace():
     """The first requests of the shared Mooncake trace (skipped without it)."""
     if not TRACE_PATH.is_file():
-        pytest.skip(f"trace not found: {TRACE_PATH}")
+        pytest.skip(TRACE_MISSING)
     return trace_requests(FULL.trace_limit)
 
 

@@ -206,3 +206,18 @@ def _fetch(url: str, out, progress) -> None:
     except (OSError, ValueError, http.client.HTTPException) as exc:  # timeouts, resets,
         # a body cut short
         raise DownloadError(f"{url}: download failed: {exc}") from None
+
+
+def find(name: str, *directories: str | os.PathLike) -> tuple[Optional[Path], str]:
+    """Trace ``name`` in the first of ``directories`` (then the download directory) that
+    holds it: ``(path, "")``, or ``(None, why)`` with a message that says where it looked and
+    how to get it (for tests and benchmarks that skip without it)."""
+    info = _info(name)
+    places = [Path(d) for d in directories] + [default_dir()]
+    for place in places:
+        candidate = place / info.filename
+        if candidate.is_file():
+            return candidate, ""
+    return None, (f"Mooncake {name} trace not found (looked for {info.filename} in "
+                  + ", ".join(str(p) for p in places)
+                  + f"); get it with: radixcache trace download {name}")

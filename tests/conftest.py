@@ -8,12 +8,23 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
 
 from radixcache import RadixCache
 from radixcache._core import CORES
+from radixcache.download import find as _find_trace
+
+#: Where CI keeps the Mooncake traces: a folder next to the repository.
+SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+def mooncake_trace(name: str = "synthetic"):
+    """(path, "") of a Mooncake trace -- the shared copy, else ``radixcache trace download``'s
+    -- or (None, a skip message saying where it looked and how to get it)."""
+    return _find_trace(name, SHARED_TRACES)
 
 
 @pytest.fixture(params=list(CORES), ids=list(CORES))

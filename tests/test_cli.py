@@ -17,8 +17,10 @@ from radixcache.cli import main
 from radixcache.traces import read_trace
 from radixcache.workloads import serve, synthetic_chat
 
+from conftest import mooncake_trace
+
 REPO = Path(__file__).resolve().parents[1]
-MOONCAKE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+MOONCAKE, MOONCAKE_MISSING = mooncake_trace("synthetic")
 
 # The keys of --json rows, in order: every column of the table.
 EXPECTED_KEYS = ["capacity", "policy", "page_size", "requests", "rejected", "prompt_tokens",
@@ -109,7 +111,7 @@ def test_simulate_embedded_json_table_and_plot(tmp_path, core):
         assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="Mooncake trace not present")
+@pytest.mark.skipif(MOONCAKE is None, reason=MOONCAKE_MISSING)
 def test_simulate_mooncake_lines(tmp_path):
     out_json = tmp_path / "mooncake.json"
     proc = run_cli("simulate", MOONCAKE, "--limit", "100", "--capacity", "300000,2000000",

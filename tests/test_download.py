@@ -177,3 +177,18 @@ def test_catalogue_matches_the_shared_copies():
         pytest.skip(f"no shared trace copies in {shared}")
     for name in present:
         assert download.verify(name, shared) is None
+
+
+def test_find_says_where_it_looked(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path, why = download.find("synthetic", tmp_path / "shared")
+    assert path is None
+    assert why == ("Mooncake synthetic trace not found (looked for "
+                   f"mooncake_synthetic_trace.jsonl in {tmp_path / 'shared'}, "
+                   f"{tmp_path / 'xdg' / 'radixcache' / 'traces'}); get it with: "
+                   "radixcache trace download synthetic")
+    # The download directory counts too.
+    target = download.trace_path("synthetic")
+    target.parent.mkdir(parents=True)
+    target.write_bytes(BODY)
+    assert download.find("synthetic", tmp_path / "shared") == (target, "")

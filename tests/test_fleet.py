@@ -26,8 +26,10 @@ from radixcache.router import Router
 from radixcache.traces import read_trace
 from radixcache.workloads import Request, serve, synthetic_chat
 
+from conftest import mooncake_trace
+
 REPO = Path(__file__).resolve().parents[1]
-MOONCAKE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+MOONCAKE, MOONCAKE_MISSING = mooncake_trace("synthetic")
 FAR_APART_MS = 10**7  # every request finishes long before the next arrives
 
 
@@ -419,7 +421,7 @@ def test_cli_fleet_through_the_entry_point(tmp_path):
         "round-robin", "random", "least-loaded", "prefix-hash", "cache-aware", "pooled"}
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="Mooncake trace not present")
+@pytest.mark.skipif(MOONCAKE is None, reason=MOONCAKE_MISSING)
 def test_mooncake_fleet_rows_match_the_library(tmp_path, capsys):
     out_json = tmp_path / "mooncake.json"
     assert main(["simulate", str(MOONCAKE), "--limit", "300", "--workers", "4",

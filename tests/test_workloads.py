@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +25,9 @@ from radixcache.workloads import (
     walk_cost,
 )
 
-MOONCAKE = (Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-            / "mooncake_synthetic_trace.jsonl")
+from conftest import mooncake_trace
+
+MOONCAKE, MOONCAKE_MISSING = mooncake_trace("synthetic")
 
 
 @pytest.fixture(params=sorted(CORES))
@@ -437,7 +437,7 @@ def test_read_trace_rejects_bad_bytes_and_arguments(tmp_path):
         read_trace(tmp_path / "missing.jsonl")
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="Mooncake trace not present")
+@pytest.mark.skipif(MOONCAKE is None, reason=MOONCAKE_MISSING)
 def test_read_real_mooncake_lines():
     requests = read_trace(MOONCAKE, limit=30)
     assert len(requests) == 30
