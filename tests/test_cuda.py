@@ -91,3 +91,25 @@ def test_cuda_token_ids_are_rejected(make_cache):
     with pytest.raises(ValueError, match="CPU"):
         cache.insert(cuda_tensor([1, 2, 3]))
     assert cache.node_count() == 0
+
+
+def test_copies_and_pickles_keep_device_values(make_cache):
+    import copy
+    import pickle
+
+    cache = make_cache()
+    cache.insert([1, 2, 3, 4], kv_indices=cuda_tensor([10, 11, 12, 13]))
+    cache.insert([1, 2, 7], kv_indices=cuda_tensor([20, 21, 22]))  # a split shares the tensor
+    for other in (copy.copy(cache), copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        check_invariants(other)
+        whole = other.match_prefix([1, 2, 3, 4])
+        assert whole.indices.device.type == "cuda"
+        assert whole.indices.tolist() == [10, 11, 12, 13]
+        assert other.match_prefix([1, 2, 7]).indices.tolist() == [10, 11, 22]
+        for node, _ in other._tree.iter_nodes():
+            if node.parent is not None:
+                assert node.stored_value.device.type == "cuda"
+        freed = []
+        other.evict(100, freed.append)
+        assert sorted(t.device.type for t in freed) == ["cuda"] * 3
+    assert cache.match_prefix([1, 2, 3, 4]).indices.tolist() == [10, 11, 12, 13]

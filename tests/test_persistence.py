@@ -280,3 +280,42 @@ def test_deep_chain_round_trips(make_cache):
     loaded = pickle.loads(pickle.dumps(cache))
     assert loaded.node_count() == cache.node_count() == 2500
     assert loaded.exists(tokens[:4999]) and not loaded.exists(tokens[:4998])
+
+
+class Moody:
+    """An extra_key whose __hash__ runs code: raises when told, or calls a cache."""
+
+    fail = False
+    call = None
+
+    def __hash__(self):
+        if Moody.fail:
+            raise RuntimeError("hash refused")
+        if Moody.call is not None:
+            Moody.call()
+        return 7
+
+    def __eq__(self, other):
+        return isinstance(other, Moody)
+
+
+def test_extra_key_code_during_a_copy(make_cache):
+    cache = make_cache()
+    key = Moody()
+    cache.insert([1, 2, 3], extra_key=key)
+    try:
+        # Code in __hash__ may use the original while the copy is built.
+        Moody.call = lambda: cache.match_prefix([1, 2])
+        other = copy.copy(cache)
+        Moody.call = None
+        check_invariants(other)
+        assert other.exists([1, 2, 3], extra_key=key)
+        # A __hash__ that raises while the copy is built: the error, and no copy.
+        Moody.fail = True
+        with pytest.raises(RuntimeError, match="hash refused"):
+            copy.copy(cache)
+    finally:
+        Moody.fail = False
+        Moody.call = None
+    check_invariants(cache)
+    assert cache.exists([1, 2, 3], extra_key=key)
