@@ -309,8 +309,8 @@ def _build_parser() -> argparse.ArgumentParser:
     trace_sub.required = True
     default_dir = "$XDG_CACHE_HOME/radixcache/traces, else ~/.cache/radixcache/traces"
     download = trace_sub.add_parser(
-        "download", prog="radixcache trace download", help="fetch a trace", usage="radixcache trace download NAME [--dir DIR] "
-                                                "[--force]",
+        "download", prog="radixcache trace download", help="fetch a trace", usage="radixcache trace download NAME [--dir DIR] [--force] "
+                                                "[--quiet]",
         description="Fetch trace NAME and print where it went; a valid copy already there "
                     "is kept.")
     download.add_argument("name", choices=list(TRACES), metavar="NAME",
