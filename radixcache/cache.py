@@ -456,17 +456,28 @@ class RadixCache:
 
     # -- copies and persistence ---------------------------------------------------------
     def __reduce_ex__(self, protocol: Any) -> tuple:
-        """Pickle, ``copy.copy`` and ``copy.deepcopy`` support.
+        """Support ``pickle``, ``copy.copy`` and ``copy.deepcopy``.
 
-        A cache is saved as its tree (keys, values, namespaces, priorities, terminal marks,
-        access and creation times, hit counts, the logical clock), its statistics, its
-        ``page_size``, ``eviction_policy`` and core, in a versioned format. Every copy is an
-        independent tree: ``copy.copy`` shares the ``extra_key`` objects with the original,
-        ``copy.deepcopy`` copies them too; index values are copied either way. Locks are not carried: the copy's nodes
-        are all unlocked (its ``protected_size()`` is 0), as no holder of the original's
-        locks can release them on the copy. Index values on a device stay on that device
-        (loading needs it). A cache with ``enable_events=True`` cannot be copied or pickled
-        (``TypeError``): its event stream cannot continue on a copy.
+        A cache is saved as its tree (keys, index values, namespaces, priorities, terminal
+        marks, access and creation times, hit counts, the logical clock), its statistics, its
+        ``page_size``, ``eviction_policy`` and core name, in a versioned format; it loads on
+        that core when it is available, else on the default one. Every copy is an
+        independent tree that evicts in the same order: ``copy.copy`` shares the
+        ``extra_key`` objects with the original, ``copy.deepcopy`` copies them; index values
+        are copied either way, and values on a device stay on that device (loading a pickle
+        needs it). Locks are not carried: every node of a copy is unlocked (its
+        ``protected_size()`` is 0), since no holder of the original's locks could release
+        them there.
+
+        Args:
+            protocol: The pickle protocol (any).
+
+        Returns:
+            The reduction ``pickle`` and ``copy`` use.
+
+        Raises:
+            TypeError: The cache records KV events (``enable_events=True``): its event stream
+                cannot continue on a copy.
         """
         if self._events is not None:
             raise TypeError("cannot pickle or copy a RadixCache with enable_events=True: its "

@@ -215,7 +215,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     sim = sub.add_parser(
-        "simulate", prog="radixcache simulate", help="replay a trace through the serving loop and report hit rates",
+        "simulate", prog="radixcache simulate",
+        help="replay a trace through the serving loop and report hit rates",
         usage="radixcache simulate [TRACE] [--capacity N[,N...]] [--policy NAME[,NAME...]] "
               "[options]",
         description="Replay TRACE (Mooncake or token-id JSONL; without it, an embedded "
@@ -309,8 +310,8 @@ def _build_parser() -> argparse.ArgumentParser:
     trace_sub.required = True
     default_dir = "$XDG_CACHE_HOME/radixcache/traces, else ~/.cache/radixcache/traces"
     download = trace_sub.add_parser(
-        "download", prog="radixcache trace download", help="fetch a trace", usage="radixcache trace download NAME [--dir DIR] [--force] "
-                                                "[--quiet]",
+        "download", prog="radixcache trace download", help="fetch a trace",
+        usage="radixcache trace download NAME [--dir DIR] [--force] [--quiet]",
         description="Fetch trace NAME and print where it went; a valid copy already there "
                     "is kept.")
     download.add_argument("name", choices=list(TRACES), metavar="NAME",

@@ -14,8 +14,8 @@ import pytest
 from radixcache import download
 from radixcache.cli import main
 
-BODY = b"".join(b'{"timestamp": %d, "input_length": 600, "output_length": 3, "hash_ids": [%d, %d]}\n'
-                % (i, i, i + 1) for i in range(50))
+LINE = b'{"timestamp": %d, "input_length": 600, "output_length": 3, "hash_ids": [%d, %d]}\n'
+BODY = b"".join(LINE % (i, i, i + 1) for i in range(50))
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
