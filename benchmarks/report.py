@@ -7,7 +7,7 @@
 Same workloads as the pytest-benchmark files (``benchmarks/_cases.py``), every core of this
 build side by side ("python" always, "c" once compiled), then the ratios against the targets
 of issues 3 and 9. Times are the best of N runs; rounds of different cores are interleaved so that
-load from other processes hits them alike. The README's Performance section is generated
+load from other processes hits them alike. docs/performance.md is made
 from this output.
 """
 

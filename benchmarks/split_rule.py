@@ -5,7 +5,7 @@ was matched (the new upper node); the lower half keeps its access time. SGLang's
 ``RadixCache`` and Smile stamp the node before splitting it, so the unmatched lower half looks
 freshly used too. This script replays the Mooncake trace and the synthetic chat workload
 through ``radixcache.workloads.serve`` with both rules and prints the hit rates side by side
-(a Markdown table for the README).
+(a Markdown table for docs/sglang.md).
 
 The other rule lives only here: a subclass of the pure-Python tree core whose split also
 stamps the lower half with the current call's time, put into a ``RadixCache(core="python")``.

@@ -25,7 +25,29 @@ core: ModuleType = _core_py if NO_EXTENSIONS or _core_c is None else _core_c
 
 
 class RadixTreeNode(ABC):
-    """A node of a RadixCache tree (either core's node class is an instance of this)."""
+    """A node of a ``RadixCache`` tree, as ``MatchResult.last_node`` and the like give it.
+
+    Each tree core has its own node class; ``isinstance(node, RadixTreeNode)`` holds for
+    both. Nodes are read-only handles: the cache changes them, the caller only reads them and
+    passes them back (to ``inc_lock_ref``/``dec_lock_ref``).
+
+    Attributes:
+        key: The node's tokens, a read-only 1-D int64 numpy array (empty at the root).
+        value: The KV slot indices of those tokens, a 1-D ``torch.int64`` tensor.
+        parent: The parent node (``None`` at the root).
+        children: The child nodes, a tuple.
+        lock_ref: How many locks protect it (its own and its descendants').
+        last_access_time: The logical time of the last call that touched it.
+        created_time: The logical time its KV was computed.
+        priority: The highest priority an insert through it gave.
+        hit_count: Inserts through or ending at it.
+        extra_key: Its namespace (``None``: the default one).
+        id: A number unique within its cache.
+        evicted: True once it left the tree (evicted, or dropped by ``reset``).
+        terminal: True if a sequence inserted exactly ends here (what ``exists`` looks for).
+        num_tokens: ``len(key)``.
+        num_children: ``len(children)``.
+    """
 
 
 for _module in CORES.values():
@@ -33,7 +55,15 @@ for _module in CORES.values():
 
 
 def core_name() -> str:
-    """Which tree core new caches use by default: ``"c"`` (compiled) or ``"python"``."""
+    """Tell which tree core new caches use by default.
+
+    The compiled core unless the environment variable ``RADIXCACHE_NO_EXTENSIONS`` was set
+    when radixcache was imported or the compiled core was not built (no C compiler at install
+    time).
+
+    Returns:
+        ``"c"`` (compiled) or ``"python"``.
+    """
     return core.CORE_NAME
 
 

@@ -20,7 +20,7 @@ ROUTING_POLICIES = ("round-robin", "random", "least-loaded", "prefix-hash", "cac
 
 #: ``Router``'s default weight of a worker's load (tokens queued or running) against the
 #: prefill tokens a request would need there: 10 tokens of queued work weigh as much as one
-#: token of prefill saved (chosen on the Mooncake trace, see README "Routing across workers").
+#: token of prefill saved (chosen on the Mooncake trace, see docs/events-and-routing.md).
 DEFAULT_LOAD_WEIGHT = 0.1
 
 #: Prefill throughput per worker, tokens/s (an 8B model on one H100-class GPU, roughly).
@@ -35,9 +35,21 @@ POOLED = "pooled"
 
 @dataclass(frozen=True)
 class EventLag:
-    """How stale the router's view is: events reach it ``requests`` routing decisions or
-    ``ms`` milliseconds (simulated) after they were published; zero: before the next
-    decision. Written ``"N"`` (decisions) or ``"Nms"`` on the command line."""
+    """How stale the router's view is: how late the workers' events reach it.
+
+    Zero (the default): before the next routing decision. At most one of the two fields is
+    non-zero. Written ``"N"`` (decisions) or ``"Nms"`` on the command line (``parse``).
+
+    Attributes:
+        requests: Events arrive this many routing decisions after they were published, an
+            int >= 0.
+        ms: Events arrive this many milliseconds (simulated time) after they were published,
+            a finite number >= 0.
+
+    Raises:
+        TypeError: a field of the wrong type.
+        ValueError: a negative or infinite field, or both fields non-zero.
+    """
 
     requests: int = 0
     ms: float = 0.0
@@ -54,7 +66,17 @@ class EventLag:
 
     @classmethod
     def parse(cls, text: str) -> "EventLag":
-        """``"3"`` or ``"3req"``: three routing decisions; ``"50ms"``: 50 ms."""
+        """Read an event lag as the command line writes it.
+
+        Args:
+            text: ``"3"`` or ``"3req"`` (three routing decisions), or ``"50ms"`` (50 ms).
+
+        Returns:
+            The ``EventLag``.
+
+        Raises:
+            ValueError: ``text`` is neither form, or a lag in decisions is not whole.
+        """
         match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*(ms|req|requests)?\s*", text)
         if not match:
             raise ValueError(f"event lag {text!r}: expected N (requests), Nreq or Nms")

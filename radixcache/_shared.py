@@ -25,7 +25,18 @@ MAX_LOCK_REF = 2**31 - 1
 
 
 class MatchResult:
-    """The longest cached prefix: its KV ``indices``, ``last_node`` and ``length``."""
+    """What ``RadixCache.match_prefix`` found: the longest cached prefix.
+
+    ``len(result)`` is ``length``. As a context manager (``with cache.match_prefix(p) as m:``)
+    it calls ``close()`` on exit.
+
+    Args:
+        indices: The KV slot indices of the matched tokens, a 1-D ``torch.int64`` tensor on
+            the values' device (an empty CPU tensor on a miss). The caller owns it.
+        last_node: The ``RadixTreeNode`` where the match ends (the root on a miss): lock it
+            with ``inc_lock_ref`` while a request uses the prefix.
+        length: Tokens matched, a multiple of the page size.
+    """
 
     __slots__ = ("indices", "last_node", "length")
 
@@ -35,6 +46,11 @@ class MatchResult:
         self.length = length
 
     def __len__(self) -> int:
+        """``len(result)``: the tokens matched.
+
+        Returns:
+            ``length``.
+        """
         return self.length
 
     def close(self) -> None:
@@ -52,7 +68,13 @@ class MatchResult:
 
 
 class InsertResult:
-    """``prefix_len`` leading tokens were cached already; ``last_node`` ends the sequence."""
+    """What ``RadixCache.insert`` did.
+
+    Args:
+        prefix_len: How many leading tokens were cached already: their slots in the
+            ``kv_indices`` given to ``insert`` are duplicates the caller may free.
+        last_node: The ``RadixTreeNode`` where the inserted (page-aligned) sequence ends.
+    """
 
     __slots__ = ("prefix_len", "last_node")
 

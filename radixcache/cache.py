@@ -32,7 +32,25 @@ _INT_TYPECODES = frozenset("bBhHiIlLqQ")
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Counters since the last ``reset_stats()``/``reset()``, and the current sizes."""
+    """Counters since the last ``reset_stats()``/``reset()``, and the current sizes.
+
+    Returned by ``RadixCache.stats()``; sizes are in tokens.
+
+    Attributes:
+        lookups: ``match_prefix`` calls.
+        matched_tokens: tokens those calls found cached.
+        queried_tokens: tokens those calls asked for.
+        hit_rate: ``matched_tokens / queried_tokens`` (0.0 before any lookup).
+        inserts: ``insert`` calls.
+        inserted_tokens: tokens that ``insert`` added to the tree (not those already cached).
+        evictions: nodes evicted.
+        evicted_tokens: tokens evicted.
+        splits: node splits (a match or insert that ended inside a node).
+        evictable_size: tokens in unlocked nodes, now.
+        protected_size: tokens in locked nodes, now.
+        total_size: ``evictable_size + protected_size``.
+        node_count: nodes in the tree, the root excluded.
+    """
 
     lookups: int
     matched_tokens: int
@@ -129,10 +147,52 @@ _EVENT_OPTIONS = frozenset({"lora_id", "medium", "lora_namespaces"})
 
 
 class RadixCache:
-    """A radix tree of token prefixes mapping to KV-cache slot indices (SGLang/Smile API).
+    """A radix tree of token prefixes mapping to KV-cache slot indices.
 
-    ``core`` picks the tree implementation: ``"c"`` (compiled), ``"python"``, or ``None`` for
-    the default (compiled unless ``RADIXCACHE_NO_EXTENSIONS`` is set or it was not built).
+    The prefix cache of an LLM serving loop: ``match_prefix`` finds the longest cached prefix
+    of a prompt and its KV slot indices, ``inc_lock_ref``/``dec_lock_ref`` protect it while a
+    request runs, ``evict`` frees unlocked leaves in policy order, and ``insert`` caches what a
+    request computed. Without KV indices it is a compressed trie of sequences: ``insert`` and
+    ``exists`` (or ``seq in cache``). The design follows SGLang's ``RadixCache`` and the API
+    Smile's ``smile.llm.cache.RadixCache``, whose camelCase names are aliases here
+    (``matchPrefix``, ``incLockRef``, ``decLockRef``, ``evictableSize``, ``protectedSize``,
+    ``totalSize``, ``prettyPrint``).
+
+    Token ids may be a list or tuple of ints, an ``array.array``, a 1-D integer numpy array or
+    a CPU torch tensor. Bad input raises ``TypeError``, ``ValueError`` or ``OverflowError``
+    with a message naming the problem and leaves the cache as it was. Access times come from a
+    logical clock, so eviction order is deterministic. A cache is not thread-safe: a call made
+    while another call of the same cache runs (from another thread, or from user code such as
+    a token's ``__index__``) raises ``RuntimeError`` and changes nothing; serialise the calls.
+
+    Args:
+        page_size: Tokens per KV page, an int >= 1. Matches and inserts are rounded down to a
+            whole number of pages; the tree stores only whole pages.
+        eviction_policy: Which unlocked leaf ``evict`` frees first, one of
+            ``EVICTION_POLICIES``: ``"lru"`` (default) least recently used; ``"lfu"`` fewest
+            hits (an insert through or ending at a node is a hit), ties by LRU; ``"fifo"``
+            oldest created; ``"mru"`` most recently used; ``"filo"`` newest created;
+            ``"slru"`` nodes hit fewer than 2 times before the others, LRU in each segment;
+            ``"priority"`` lowest priority, then LRU. With every policy a lower ``priority``
+            (see ``insert``) goes before a higher one.
+        enable_events: Record KV-cache events (``BlockStored``, ``BlockRemoved``,
+            ``AllBlocksCleared`` of ``radixcache.events``, one block per full page) for a
+            cache-aware router; ``take_events()`` returns them. Off by default: then nothing
+            is hashed or recorded.
+        event_options: Options of the event recorder, a dict (only with
+            ``enable_events=True``): ``"medium"`` (str, default ``"GPU"``), ``"lora_id"`` (a
+            fixed int) and ``"lora_namespaces"`` (bool: report a str ``extra_key`` as the
+            LoRA name and an int one as the LoRA id).
+        core: The tree implementation: ``"c"`` (compiled), ``"python"`` (pure Python, the
+            reference), or ``None`` for the default (compiled unless the environment variable
+            ``RADIXCACHE_NO_EXTENSIONS`` is set or it was not built; see
+            ``radixcache.core_name()``).
+
+    Raises:
+        TypeError: ``page_size`` is not an int, ``event_options`` not a dict, or an event
+            option is unknown.
+        ValueError: ``page_size`` < 1, an unknown ``eviction_policy`` or ``core``, or
+            ``event_options`` without ``enable_events=True``.
     """
 
     def __init__(self, page_size: int = 1, eviction_policy: str = "lru", *,
@@ -174,6 +234,7 @@ class RadixCache:
 
     @property
     def root_node(self) -> Any:
+        """The tree's root, a ``RadixTreeNode`` with an empty key (never evicted)."""
         return self._core.tree.root
 
     # The core's parts, for consistency checks (tests) and benchmarks.
@@ -268,7 +329,32 @@ class RadixCache:
 
     # -- the API -----------------------------------------------------------------------
     def match_prefix(self, token_ids: Any, extra_key: Any = None) -> MatchResult:
-        """The longest cached prefix (page aligned); a match ending inside a node splits it."""
+        """Find the longest cached prefix of ``token_ids``.
+
+        The length is rounded down to a whole number of pages. A match that ends inside a
+        node splits it: the existing node object stays as the lower half and a new node takes
+        the matched part. Stamps the access time of the nodes on the path (counting no hit).
+
+        Args:
+            token_ids: The prompt: a list or tuple of ints, an ``array.array``, a 1-D integer
+                numpy array or a CPU torch tensor.
+            extra_key: A namespace (any hashable, e.g. a LoRA name or a tenant): only
+                sequences inserted with an equal ``extra_key`` match. ``None``: the default
+                namespace.
+
+        Returns:
+            A ``MatchResult``: ``indices`` (the KV slot indices of the matched tokens, a 1-D
+            ``torch.int64`` tensor on the values' device; an empty CPU tensor on a miss),
+            ``length`` (tokens matched) and ``last_node`` (the node where the match ends, to
+            lock with ``inc_lock_ref``; the root on a miss).
+
+        Raises:
+            TypeError: ``token_ids`` are not integers, or ``extra_key`` is not hashable.
+            ValueError: ``token_ids`` are not 1-D, or a tensor not on the CPU.
+            OverflowError: a token id does not fit in int64.
+            RuntimeError: the cache was called from inside one of its own calls or from
+                another thread meanwhile.
+        """
         result = self._core.match(token_ids, extra_key)
         if result is None:  # an unusual input, or a bad one: validate, then once more
             result = self._validated("match_prefix", self._core.match, token_ids, extra_key)
@@ -276,7 +362,39 @@ class RadixCache:
 
     def insert(self, token_ids: Any, kv_indices: Any = None, extra_key: Any = None,
                priority: int = 0) -> InsertResult:
-        """Cache ``token_ids``; returns how many leading tokens were cached already."""
+        """Cache ``token_ids`` with their KV slot indices.
+
+        Only whole pages are cached. The part already in the tree is left as it is (its
+        nodes' priority is raised to ``priority`` and they count a hit); the rest becomes one
+        new leaf holding a copy of its slice of ``kv_indices``. The sequence is marked, so
+        that ``exists`` finds it.
+
+        Args:
+            token_ids: The tokens (prompt and output): a list or tuple of ints, an
+                ``array.array``, a 1-D integer numpy array or a CPU torch tensor.
+            kv_indices: The KV slot index of each token: a 1-D integer torch tensor on any
+                device (values on a GPU stay there), a numpy array or a sequence of ints, at
+                least as long as the page-aligned tokens. ``None``: the token ids serve as
+                indices (the trie use).
+            extra_key: The namespace (any hashable; see ``match_prefix``).
+            priority: An int64; with every eviction policy a lower priority is evicted
+                before a higher one.
+
+        Returns:
+            An ``InsertResult``: ``prefix_len``, how many leading tokens were cached already
+            (their slots in ``kv_indices`` are duplicates the caller may free), and
+            ``last_node``, the node where the sequence ends.
+
+        Raises:
+            TypeError: tokens or indices that are not integers, an unhashable ``extra_key``,
+                a ``priority`` that is not an int, or (with events on) an ``extra_key`` that
+                events cannot carry.
+            ValueError: tokens or indices that are not 1-D, tokens on a device, or fewer
+                indices than page-aligned tokens.
+            OverflowError: a token, index or priority that does not fit in int64.
+            RuntimeError: the cache was called from inside one of its own calls or from
+                another thread meanwhile.
+        """
         if self._events is None:
             result = self._core.insert(token_ids, kv_indices, extra_key, priority)
             if result is not None:
@@ -313,7 +431,25 @@ class RadixCache:
             core.leave()
 
     def exists(self, token_ids: Any, extra_key: Any = None) -> bool:
-        """True only for a sequence inserted exactly (and not evicted since)."""
+        """Tell whether ``token_ids`` were inserted, exactly, and not evicted since.
+
+        A prefix of an inserted sequence does not exist unless it was inserted too. Only
+        whole pages count. Read-only: no access time, hit or split.
+
+        Args:
+            token_ids: The sequence, in any form ``match_prefix`` accepts.
+            extra_key: The namespace it was inserted in (see ``match_prefix``).
+
+        Returns:
+            True if the (page-aligned) sequence was inserted and is still cached.
+
+        Raises:
+            TypeError: ``token_ids`` are not integers, or ``extra_key`` is not hashable.
+            ValueError: ``token_ids`` are not 1-D, or a tensor not on the CPU.
+            OverflowError: a token id does not fit in int64.
+            RuntimeError: the cache was called from inside one of its own calls or from
+                another thread meanwhile.
+        """
         found = self._core.exists(token_ids, extra_key)
         if found is None:
             found = self._validated("exists", self._core.exists, token_ids, extra_key)
@@ -337,19 +473,75 @@ class RadixCache:
         return self._core.walk(tokens, extra_key)
 
     def __contains__(self, token_ids: Any) -> bool:
+        """``token_ids in cache``: ``exists(token_ids)`` in the default namespace.
+
+        Args:
+            token_ids: The sequence, in any form ``match_prefix`` accepts.
+
+        Returns:
+            True if the sequence was inserted exactly and is still cached.
+        """
         return self.exists(token_ids)
 
     def inc_lock_ref(self, node: Any) -> int:
-        """Protect ``node`` and its ancestors; returns the change in evictable size (<= 0)."""
+        """Lock ``node`` and its ancestors against eviction, while a request uses them.
+
+        Locks nest: each ``inc_lock_ref`` needs one ``dec_lock_ref``.
+
+        Args:
+            node: A ``RadixTreeNode`` of this cache, typically ``MatchResult.last_node``.
+
+        Returns:
+            The change in ``evictable_size()`` (<= 0: the tokens that became protected).
+
+        Raises:
+            TypeError: ``node`` is not a node of this cache's core.
+            ValueError: ``node`` belongs to another cache or was evicted.
+            OverflowError: the node already holds the most locks (2**31 - 1); nothing changes.
+            RuntimeError: the cache was called from inside one of its own calls or from
+                another thread meanwhile.
+        """
         return -self._core.lock(node, 1)
 
     def dec_lock_ref(self, node: Any) -> int:
-        """Undo one ``inc_lock_ref``; returns the change in evictable size (>= 0)."""
+        """Undo one ``inc_lock_ref`` of ``node`` (and its ancestors).
+
+        Args:
+            node: The node that was locked.
+
+        Returns:
+            The change in ``evictable_size()`` (>= 0: the tokens that became evictable).
+
+        Raises:
+            TypeError: ``node`` is not a node of this cache's core.
+            ValueError: ``node`` belongs to another cache, was evicted, or is not locked.
+            RuntimeError: the cache was called from inside one of its own calls or from
+                another thread meanwhile.
+        """
         return self._core.lock(node, -1)
 
     def evict(self, num_tokens: int,
               free_callback: Callable[[torch.Tensor], Any] | None = None) -> int:
-        """Evict unlocked leaves in policy order until ``num_tokens`` are freed; returns freed."""
+        """Evict unlocked leaves in policy order until ``num_tokens`` tokens are freed.
+
+        A parent that becomes an unlocked leaf joins the candidates. Evicted nodes leave the
+        tree (a held handle reports ``evicted``). Frees less when nothing unlocked is left.
+
+        Args:
+            num_tokens: How many tokens to free, an int (0 or less frees nothing).
+            free_callback: Called with each evicted node's index tensor (its KV slots, to
+                return to the pool), one node at a time, in eviction order. It runs between
+                two evictions with the cache consistent, and may call the cache.
+
+        Returns:
+            The tokens freed: at least ``num_tokens`` unless the cache ran out of unlocked
+            leaves (whole nodes are evicted, so it may be more).
+
+        Raises:
+            TypeError: ``num_tokens`` is not an int.
+            RuntimeError: the cache was called from inside one of its own calls or from
+                another thread meanwhile.
+        """
         num_tokens = _check_int("num_tokens", num_tokens)
         core = self._core
         events = self._events
@@ -379,21 +571,45 @@ class RadixCache:
             if held:
                 core.leave()
 
-    # -- sizes, stats, printing ------------------------------------------------------
     def evictable_size(self) -> int:
+        """Tokens in unlocked nodes (what ``evict`` could free).
+
+        Returns:
+            The number of tokens.
+        """
         return self._core.evictable
 
     def protected_size(self) -> int:
+        """Tokens in locked nodes (see ``inc_lock_ref``).
+
+        Returns:
+            The number of tokens.
+        """
         return self._core.protected
 
     def total_size(self) -> int:
+        """Tokens in the tree: ``evictable_size() + protected_size()``.
+
+        Returns:
+            The number of tokens.
+        """
         return self._core.evictable + self._core.protected
 
     def node_count(self) -> int:
-        """Nodes in the tree, the root excluded."""
+        """Nodes in the tree, the root excluded.
+
+        Returns:
+            The number of nodes.
+        """
         return self._core.tree.node_count
 
     def stats(self) -> CacheStats:
+        """The counters since the last ``reset_stats()`` or ``reset()``, and the sizes now.
+
+        Returns:
+            A ``CacheStats`` (lookups, matched and queried tokens, hit rate, inserts,
+            inserted tokens, evictions, evicted tokens, splits, and the sizes).
+        """
         c = self._core
         return CacheStats(
             lookups=c.lookups,
@@ -412,11 +628,18 @@ class RadixCache:
         )
 
     def reset_stats(self) -> None:
-        """Zero the counters; the tree is untouched."""
+        """Zero the counters of ``stats()``; the tree is untouched."""
         self._core.reset_stats()
 
     def reset(self) -> None:
-        """Drop every node (handles become evicted) and zero the counters."""
+        """Drop every node and zero the counters.
+
+        Held node handles report ``evicted``; with events on, records ``AllBlocksCleared``.
+
+        Raises:
+            RuntimeError: the cache was called from inside one of its own calls or from
+                another thread meanwhile.
+        """
         core = self._core
         core.enter("reset")
         try:
@@ -427,13 +650,30 @@ class RadixCache:
             core.leave()
 
     def take_events(self) -> list:
-        """The KV events recorded since the last call, in order (empty when events are off)."""
+        """Take the KV events recorded since the last call, emptying the queue.
+
+        Returns:
+            The events in order (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared`` of
+            ``radixcache.events``), a list; always empty without ``enable_events=True``.
+        """
         if self._events is None:
             return []
         return self._events.take()
 
     def pretty_print(self, file: TextIO | None = None) -> None:
-        """One line per node, indented 2 per level, then the total token count."""
+        """Print the tree: one line per node, indented 2 per level, then the token count.
+
+        Each line shows the node's key length, at most its first 10 tokens and its lock
+        count; siblings are listed by namespace, then tokens; the last line is
+        ``#tokens: N`` (``total_size()``).
+
+        Args:
+            file: Where to write (a text stream); ``None``: standard output.
+
+        Raises:
+            RuntimeError: the cache was called from inside one of its own calls or from
+                another thread meanwhile.
+        """
         core = self._core
         core.enter("pretty_print")
         try:

@@ -161,8 +161,17 @@ def _check_encoding(encoding: Any) -> str:
 class BlockStored:
     """Pages that entered the cache: one event per new leaf, its pages in order.
 
-    ``extra_keys`` holds one entry per block (a tuple, or None); radixcache puts
-    ``(namespace,)`` on every block of a namespaced leaf (see ``extra_keys_entry``).
+    Attributes:
+        block_hashes: The hash of each page (ints; a decoded vLLM event may carry bytes).
+        parent_block_hash: The hash of the page before the first one (None at the root).
+        token_ids: The tokens of all the pages, in order.
+        block_size: Tokens per page.
+        lora_id: The LoRA adapter id, or None.
+        medium: Where the blocks live (``MEDIUM_GPU`` by default), or None.
+        lora_name: The LoRA adapter name, or None.
+        extra_keys: One entry per block (a tuple, or None); radixcache puts
+            ``(namespace,)`` on every block of a namespaced leaf (see ``extra_keys_entry``).
+        group_idx: The KV-cache group (None: radixcache has one).
     """
 
     block_hashes: Tuple[Union[int, bytes], ...]
@@ -176,7 +185,18 @@ class BlockStored:
     group_idx: Optional[int] = None
 
     def to_wire(self, encoding: str = DEFAULT_ENCODING) -> Union[dict, list]:
-        """This event as msgpack-ready data in ``encoding`` ("map" or "positional")."""
+        """This event as msgpack-ready data (see the module docstring's wire format).
+
+        Args:
+            encoding: ``"map"`` (vLLM's tagged maps, the default) or ``"positional"``
+                (tagged arrays, for older consumers).
+
+        Returns:
+            A dict (map) or a list (positional).
+
+        Raises:
+            ValueError: an unknown ``encoding``.
+        """
         if _check_encoding(encoding) == "positional":
             return ["BlockStored", list(self.block_hashes), self.parent_block_hash,
                     list(self.token_ids), self.block_size, self.lora_id, self.medium]
@@ -194,14 +214,31 @@ class BlockStored:
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """Pages that left the cache (an evicted leaf)."""
+    """Pages that left the cache (an evicted leaf).
+
+    Attributes:
+        block_hashes: The hash of each page.
+        medium: Where the blocks lived, or None.
+        group_idx: The KV-cache group, or None.
+    """
 
     block_hashes: Tuple[Union[int, bytes], ...]
     medium: Optional[str] = None
     group_idx: Optional[int] = None
 
     def to_wire(self, encoding: str = DEFAULT_ENCODING) -> Union[dict, list]:
-        """This event as msgpack-ready data in ``encoding`` ("map" or "positional")."""
+        """This event as msgpack-ready data (see the module docstring's wire format).
+
+        Args:
+            encoding: ``"map"`` (vLLM's tagged maps, the default) or ``"positional"``
+                (tagged arrays, for older consumers).
+
+        Returns:
+            A dict (map) or a list (positional).
+
+        Raises:
+            ValueError: an unknown ``encoding``.
+        """
         if _check_encoding(encoding) == "positional":
             return ["BlockRemoved", list(self.block_hashes), self.medium]
         wire = {"type": "BlockRemoved", "block_hashes": list(self.block_hashes),
@@ -216,7 +253,18 @@ class AllBlocksCleared:
     """Every page left the cache (``reset()``)."""
 
     def to_wire(self, encoding: str = DEFAULT_ENCODING) -> Union[dict, list]:
-        """This event as msgpack-ready data in ``encoding`` ("map" or "positional")."""
+        """This event as msgpack-ready data (see the module docstring's wire format).
+
+        Args:
+            encoding: ``"map"`` (vLLM's tagged maps, the default) or ``"positional"``
+                (tagged arrays, for older consumers).
+
+        Returns:
+            A dict (map) or a list (positional).
+
+        Raises:
+            ValueError: an unknown ``encoding``.
+        """
         if _check_encoding(encoding) == "positional":
             return ["AllBlocksCleared"]
         return {"type": "AllBlocksCleared"}
@@ -229,7 +277,20 @@ _EVENT_TYPES = (BlockStored, BlockRemoved, AllBlocksCleared)
 # -- hashing ----------------------------------------------------------------------------
 
 def encode_namespace(extra_key: Any) -> bytes:
-    """The namespace field of the block hash for ``extra_key`` (see the module docstring)."""
+    """Encode ``extra_key`` as the namespace field N of the block hash.
+
+    See the module docstring for the layout.
+
+    Args:
+        extra_key: The namespace: None, str, bytes or int (bools and numpy integers count as
+            the int they equal).
+
+    Returns:
+        The self-delimiting bytes of the namespace.
+
+    Raises:
+        TypeError: ``extra_key`` of another type.
+    """
     if extra_key is None:
         return b"N"
     if isinstance(extra_key, str):
@@ -249,8 +310,18 @@ def encode_namespace(extra_key: Any) -> bytes:
 
 
 def canonical_namespace(extra_key: Any) -> Union[None, str, bytes, int]:
-    """``extra_key`` as the value that names its namespace: bools and numpy integers become
-    the int they equal; None, str, bytes and int stay; other types raise TypeError."""
+    """Give the value that names ``extra_key``'s namespace.
+
+    Args:
+        extra_key: The namespace: None, str, bytes or int.
+
+    Returns:
+        ``extra_key`` itself for None, str, bytes and int; the int they equal for bools and
+        numpy integers.
+
+    Raises:
+        TypeError: ``extra_key`` of another type.
+    """
     encode_namespace(extra_key)  # the one place that decides which types are namespaces
     return _canonical(extra_key)
 
@@ -263,17 +334,35 @@ def _canonical(extra_key: Any) -> Any:
 
 
 def extra_keys_entry(extra_key: Any) -> Optional[tuple]:
-    """The per-block ``extra_keys`` entry radixcache publishes for namespace ``extra_key``:
-    None for no namespace, else ``(canonical_namespace(extra_key),)``."""
+    """Give the per-block ``extra_keys`` entry radixcache publishes for a namespace.
+
+    Args:
+        extra_key: The namespace: None, str, bytes or int.
+
+    Returns:
+        None for no namespace, else ``(canonical_namespace(extra_key),)``.
+
+    Raises:
+        TypeError: ``extra_key`` of another type.
+    """
     if extra_key is None:
         return None
     return (canonical_namespace(extra_key),)
 
 
 def event_namespace(event: BlockStored) -> Any:
-    """The namespace a ``BlockStored`` in radixcache's ``extra_keys`` layout carries (None for
-    none); ValueError when its entries are not that layout (absent, or one ``(ns,)`` shared
-    by every block)."""
+    """Read the namespace of a ``BlockStored`` in radixcache's ``extra_keys`` layout.
+
+    Args:
+        event: A ``BlockStored`` whose ``extra_keys`` are absent, all None, or the same
+            ``(namespace,)`` on every block.
+
+    Returns:
+        The namespace, or None for none.
+
+    Raises:
+        ValueError: the entries are not that layout.
+    """
     entries = event.extra_keys
     if entries is None or all(entry is None for entry in entries):
         return None
@@ -296,8 +385,18 @@ def _hash_page(parent_hash: Optional[int], namespace: bytes, page: bytes) -> int
 
 
 def tokens_le_bytes(token_ids: Any) -> bytes:
-    """Token ids (a list, tuple, numpy array, CPU tensor) as int64 little-endian bytes, the
-    form block hashes are computed over; ``TypeError``/``OverflowError`` for bad ids."""
+    """Encode token ids as int64 little-endian bytes, the form block hashes are computed over.
+
+    Args:
+        token_ids: A 1-D integer sequence: a list, tuple, numpy array or CPU tensor.
+
+    Returns:
+        8 bytes per token.
+
+    Raises:
+        TypeError: ids that are not integers, or not 1-D.
+        OverflowError: an id that does not fit in int64.
+    """
     try:
         arr = np.asarray(token_ids)
     except (OverflowError, ValueError) as exc:
@@ -336,14 +435,49 @@ def _check_parent(parent_block_hash: Any) -> Optional[int]:
 
 
 def block_hash(parent_block_hash: Optional[int], token_ids: Any, extra_key: Any = None) -> int:
-    """The hash of one page of ``token_ids`` after the page hashed ``parent_block_hash``."""
+    """Compute the hash of one page (see the module docstring's block hash).
+
+    Args:
+        parent_block_hash: The hash of the page before it, or None for a sequence's first
+            page.
+        token_ids: The page's tokens (any 1-D integer sequence).
+        extra_key: The namespace: None, str, bytes or int.
+
+    Returns:
+        The block hash, a signed 64-bit int.
+
+    Raises:
+        TypeError: a ``parent_block_hash`` that is not an int, tokens that are not
+            integers, or an ``extra_key`` of another type.
+        OverflowError: a hash or token that does not fit in int64.
+    """
     parent = _check_parent(parent_block_hash)
     return _hash_page(parent, encode_namespace(extra_key), tokens_le_bytes(token_ids))
 
 
 def block_hashes(token_ids: Any, page_size: int, extra_key: Any = None,
                  parent_block_hash: Optional[int] = None) -> list:
-    """The hashes of the full pages of ``token_ids`` (a trailing partial page is ignored)."""
+    """Compute the chained hashes of the full pages of ``token_ids``.
+
+    The same chain a cache with ``enable_events=True`` publishes for these tokens, so a
+    router can look a prompt up. A trailing partial page is ignored.
+
+    Args:
+        token_ids: The tokens (any 1-D integer sequence).
+        page_size: Tokens per page, an int >= 1.
+        extra_key: The namespace: None, str, bytes or int.
+        parent_block_hash: The hash of the page before the first one (None: the tokens
+            start a sequence).
+
+    Returns:
+        One hash (a signed 64-bit int) per full page, in order.
+
+    Raises:
+        TypeError: a ``page_size`` or ``parent_block_hash`` that is not an int, tokens that
+            are not integers, or an ``extra_key`` of another type.
+        ValueError: ``page_size`` < 1.
+        OverflowError: a hash or token that does not fit in int64.
+    """
     if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral):
         raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
     if page_size < 1:
@@ -371,7 +505,19 @@ class EventRecorder:
 
     Hooks: ``stored(leaf)`` after a new leaf got its value, ``removed(leaf)`` just before an
     evicted leaf is detached, ``cleared()`` on reset; ``take()`` drains the queue. Events pile
-    up until taken.
+    up until taken. ``len(recorder)`` is the number of events waiting.
+
+    Args:
+        page_size: Tokens per page (the cache's), an int >= 1.
+        lora_id: A fixed ``lora_id`` for every ``BlockStored`` (a cache that serves one
+            adapter), or None.
+        medium: The ``medium`` of every event (default ``MEDIUM_GPU``), or None.
+        lora_namespaces: If True, a str namespace is sent as ``lora_name`` and an int one as
+            ``lora_id``.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: ``page_size`` < 1.
     """
 
     __slots__ = ("page_size", "lora_id", "medium", "lora_namespaces", "_page_bytes",
@@ -404,11 +550,23 @@ class EventRecorder:
 
     @staticmethod
     def check_extra_key(extra_key: Any) -> None:
-        """Raise TypeError (naming the type) for a namespace the block hash cannot encode."""
+        """Check that the block hash can encode ``extra_key`` as a namespace.
+
+        Args:
+            extra_key: The namespace to check.
+
+        Raises:
+            TypeError: naming the type, for anything but None, str, bytes or int.
+        """
         encode_namespace(extra_key)
 
     # -- hooks -------------------------------------------------------------------------
     def stored(self, node: Any) -> None:
+        """Record a ``BlockStored`` for a new leaf's full pages (none if it has no full page).
+
+        Args:
+            node: The new leaf, its value set.
+        """
         extra_key = node.extra_key
         parent_hash = self._hash_through(node.parent)
         key = node.key
@@ -431,6 +589,11 @@ class EventRecorder:
         ))
 
     def removed(self, node: Any) -> None:
+        """Record a ``BlockRemoved`` for a leaf about to be evicted (still in the tree).
+
+        Args:
+            node: The leaf.
+        """
         try:
             namespace = encode_namespace(node.extra_key)
         except TypeError:
@@ -444,16 +607,26 @@ class EventRecorder:
             self._events.append(BlockRemoved(tuple(hashes), self.medium))
 
     def cleared(self) -> None:
+        """Record an ``AllBlocksCleared`` (the cache was reset) and forget every hash."""
         self._last_hash.clear()
         self._events.append(AllBlocksCleared())
 
     def take(self) -> list:
-        """The events recorded since the last call, in order; the queue starts empty again."""
+        """Take the events recorded since the last call; the queue starts empty again.
+
+        Returns:
+            The events, in order, a list.
+        """
         events = self._events
         self._events = []
         return events
 
     def __len__(self) -> int:
+        """``len(recorder)``: the events waiting to be taken.
+
+        Returns:
+            The number of events.
+        """
         return len(self._events)
 
     @property
@@ -463,7 +636,14 @@ class EventRecorder:
 
     # -- hashes of tree nodes ------------------------------------------------------------
     def node_block_hashes(self, node: Any) -> list:
-        """The hashes of ``node``'s pages (the root has none)."""
+        """Compute the hashes of ``node``'s full pages.
+
+        Args:
+            node: A node of the cache this recorder serves.
+
+        Returns:
+            The hashes, in order (none for the root).
+        """
         if node.parent is None:
             return []
         return _chain(self._hash_through(node.parent), encode_namespace(node.extra_key),
@@ -499,7 +679,15 @@ def _key_bytes(key: Any) -> bytes:
 
 @dataclass(frozen=True)
 class ReceivedBatch:
-    """One batch as a subscriber received it: sequence number, timestamp, events, DP rank."""
+    """One batch as a subscriber received it (or ``decode_batch`` decoded it).
+
+    Attributes:
+        seq: The batch's sequence number (-1 when unknown).
+        ts: The publisher's timestamp (seconds since the epoch).
+        events: The decoded events, in order.
+        data_parallel_rank: The publisher's data-parallel rank, or None.
+        payload: The raw msgpack payload (not compared, not shown).
+    """
 
     seq: int
     ts: float
@@ -656,8 +844,19 @@ def _decode_event(item: Any) -> KVEvent:
 
 
 def decode_event(item: Any) -> KVEvent:
-    """One msgpack-decoded event, tagged map or tagged array, as a KV event (see the module
-    docstring for what is required); ValueError names what is malformed."""
+    """Decode one msgpack-decoded event, a tagged map or a tagged array, as a KV event.
+
+    See the module docstring for the fields each event requires.
+
+    Args:
+        item: The event as msgpack decoded it (a dict or a list).
+
+    Returns:
+        A ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``.
+
+    Raises:
+        ValueError: naming what is malformed.
+    """
     try:
         return _decode_event(item)
     except ValueError as exc:
@@ -665,8 +864,22 @@ def decode_event(item: Any) -> KVEvent:
 
 
 def decode_batch(payload: bytes, seq: int = -1) -> ReceivedBatch:
-    """Decode one msgpack batch payload ``[ts, [events...], dp_rank]`` whose events are in
-    either encoding, even mixed (needs msgspec); ValueError names what is malformed."""
+    """Decode one msgpack batch payload ``[ts, [events...], dp_rank]``.
+
+    Its events may be in either encoding, even mixed. Needs msgspec
+    (``pip install radixcache[events]``).
+
+    Args:
+        payload: The payload (the last frame of a ZeroMQ message).
+        seq: The batch's sequence number, kept in the result and named in errors.
+
+    Returns:
+        A ``ReceivedBatch``.
+
+    Raises:
+        ValueError: naming the batch, event and field that are malformed.
+        ImportError: msgspec is not installed.
+    """
     _, msgspec = _transport("decode_batch")
     try:
         batch = msgspec.msgpack.decode(payload)
@@ -714,8 +927,26 @@ def _encode(encoder: Any, wire: list) -> bytes:
 
 def encode_batch(events: Iterable[KVEvent], *, encoding: str = DEFAULT_ENCODING,
                  ts: Optional[float] = None, data_parallel_rank: Optional[int] = 0) -> bytes:
-    """The msgpack payload ``[ts, [events...], dp_rank]`` that ``ZmqEventPublisher`` sends
-    (``ts`` defaults to now); ``encoding`` is "map" (vLLM >= 0.33) or "positional"."""
+    """Encode events as the msgpack payload ``[ts, [events...], dp_rank]`` a publisher sends.
+
+    Needs msgspec (``pip install radixcache[events]``).
+
+    Args:
+        events: The KV events of the batch, in order.
+        encoding: ``"map"`` (vLLM >= 0.33, the default) or ``"positional"``.
+        ts: The batch's timestamp in seconds since the epoch (default: now).
+        data_parallel_rank: The publisher's data-parallel rank, or None.
+
+    Returns:
+        The payload bytes.
+
+    Raises:
+        TypeError: an item that is not a KV event, or a ``ts`` or ``data_parallel_rank``
+            of the wrong type.
+        ValueError: an unknown ``encoding``, or a namespace msgpack cannot carry (an int
+            beyond 64 bits, a str with a lone surrogate).
+        ImportError: msgspec is not installed.
+    """
     _, msgspec = _transport("encode_batch")
     _check_encoding(encoding)
     batch = _check_events(events)
@@ -755,7 +986,24 @@ class ZmqEventPublisher:
     kept in ``last_error`` and leaves a gap, like a failed send. The last ``buffer_steps`` sent
     batches are kept for the replay socket (``replay_endpoint``, a ROUTER). Both endpoints are
     bound; ``endpoint`` and ``replay_endpoint`` hold the resolved addresses
-    (``tcp://127.0.0.1:*`` picks a port).
+    (``tcp://127.0.0.1:*`` picks a port). Use it as a context manager, or call ``close()``.
+    Needs pyzmq and msgspec (``pip install radixcache[events]``).
+
+    Args:
+        endpoint: The ZeroMQ address the PUB socket binds (default ``"tcp://*:5557"``).
+        replay_endpoint: The address the replay ROUTER socket binds, or None for no replay.
+        topic: The topic frame of every message (subscribers filter on its prefix).
+        buffer_steps: How many sent batches the replay socket keeps, an int >= 0.
+        max_queue_size: How many batches may wait for the sending thread, an int >= 1.
+        data_parallel_rank: The rank sent in every batch, or None.
+        hwm: The PUB socket's send high-water mark, an int >= 0.
+        encoding: ``"map"`` or ``"positional"``.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an unknown ``encoding``, or a count below its minimum.
+        ImportError: pyzmq or msgspec is not installed.
+        zmq.ZMQError: an endpoint cannot be bound.
     """
 
     _IDLE_WAIT_S = 0.1
@@ -827,7 +1075,19 @@ class ZmqEventPublisher:
 
     # -- caller side -------------------------------------------------------------------
     def publish(self, events: Iterable[KVEvent]) -> Optional[int]:
-        """Queue one batch; returns its sequence number, or None if it was dropped or empty."""
+        """Queue one batch for sending; never blocks on the network.
+
+        Args:
+            events: The batch's KV events, in order (``RadixCache.take_events()``).
+
+        Returns:
+            The batch's sequence number, or None if it was empty (nothing is sent) or
+            dropped because the queue was full.
+
+        Raises:
+            TypeError: an item that is not a KV event.
+            RuntimeError: the publisher is closed.
+        """
         batch = _check_events(events)
         if not batch:
             return None
@@ -845,12 +1105,25 @@ class ZmqEventPublisher:
         return seq
 
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every queued batch went out; False if ``timeout`` seconds passed first."""
+        """Wait until every queued batch went out (or failed to encode, see ``errors``).
+
+        Args:
+            timeout: The most seconds to wait (None: as long as it takes).
+
+        Returns:
+            True if the queue drained, False if ``timeout`` seconds passed first.
+        """
         with self._done:
             return self._done.wait_for(lambda: self._handled >= self._queued, timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued (for up to ``timeout`` seconds), stop the thread, close sockets."""
+        """Send what is queued, stop the sending thread and close the sockets.
+
+        Calling it again does nothing.
+
+        Args:
+            timeout: The most seconds to wait for the queue to drain, and the sockets' linger.
+        """
         with self._lock:
             if self._closing:
                 return
@@ -948,7 +1221,24 @@ class ZmqEventSubscriber:
     high-water mark. A replay that ends without its end marker for ``replay_timeout`` seconds
     is abandoned (what it missed becomes a gap when the stream moves on). Payloads are decoded
     by ``decode_batch``, so either encoding is read; one it rejects makes ``receive`` raise
-    its ValueError, and the next call goes on with the batch after it.
+    its ValueError, and the next call goes on with the batch after it. Use it as a context
+    manager, or call ``close()``. Needs pyzmq and msgspec (``pip install radixcache[events]``).
+
+    Args:
+        endpoint: The publisher's PUB address to connect to (its ``endpoint``).
+        replay_endpoint: The publisher's replay address (its ``replay_endpoint``), or None
+            for no gap filling.
+        topic: Receive only messages whose topic starts with this.
+        start_seq: The first sequence number wanted (with ``replay_endpoint``: replayed from
+            the publisher's buffer first), or None to start with whatever comes.
+        timeout: Seconds iteration waits for the next batch before it ends (None: forever).
+        replay_timeout: Seconds a replay may go silent before it is abandoned.
+        hwm: The SUB socket's receive high-water mark.
+
+    Raises:
+        TypeError: an endpoint or topic of the wrong type.
+        ValueError: ``start_seq`` is not a non-negative int or None.
+        ImportError: pyzmq or msgspec is not installed.
     """
 
     def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, *,
@@ -1004,7 +1294,18 @@ class ZmqEventSubscriber:
         return self._expected
 
     def receive(self, timeout: Optional[float] = None) -> Optional[ReceivedBatch]:
-        """The next batch in order, or None when none arrived within ``timeout`` seconds."""
+        """Receive the next batch in sequence order, filling gaps from the replay socket.
+
+        Args:
+            timeout: The most seconds to wait (None: as long as it takes).
+
+        Returns:
+            A ``ReceivedBatch``, or None when none arrived within ``timeout`` seconds.
+
+        Raises:
+            ValueError: the batch's payload is malformed (the next call goes on with the
+                batch after it).
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._initial_replay:
             self._initial_replay = False
@@ -1056,6 +1357,7 @@ class ZmqEventSubscriber:
                 self.replayed += 1
 
     def __iter__(self) -> Iterator[ReceivedBatch]:
+        """Yield batches in order until none comes within ``timeout`` seconds."""
         while True:
             batch = self.receive(self.timeout)
             if batch is None:
@@ -1063,6 +1365,7 @@ class ZmqEventSubscriber:
             yield batch
 
     def close(self) -> None:
+        """Close the sockets (pending messages are dropped)."""
         for sock in (self._sub, self._replay):
             if sock is not None:
                 sock.close(linger=0)

@@ -36,7 +36,10 @@ TOKENS = "tokens"
 
 
 class TraceError(ValueError):
-    """A trace file that cannot be read as requests; the message starts with FILE:LINE."""
+    """A trace file that cannot be read as requests; the message starts with ``FILE:LINE``.
+
+    A subclass of ``ValueError``.
+    """
 
 
 def _is_int(value: Any) -> bool:
@@ -150,10 +153,23 @@ def _mooncake_requests(rows: list, block_size: int) -> list[Request]:
 
 def read_trace(path: str | os.PathLike, block_size: int = 512,
                limit: int | None = None) -> list[Request]:
-    """The requests of a JSONL trace (Mooncake or token ids), at most ``limit`` of them.
+    """Read the requests of a JSONL trace, Mooncake or token ids (see the module docstring).
 
-    Raises ``TraceError`` (a ``ValueError``) for malformed content and ``OSError`` when the
-    file cannot be read.
+    The format is detected from the first non-empty line.
+
+    Args:
+        path: The trace file.
+        block_size: Tokens per hash id in Mooncake traces, an int >= 1 (default 512).
+        limit: Read at most this many requests (None: all).
+
+    Returns:
+        The ``Request`` objects, in file order.
+
+    Raises:
+        TraceError: malformed content (a ``ValueError`` whose message starts with
+            ``FILE:LINE``).
+        ValueError: a ``block_size`` or ``limit`` that is not a valid int.
+        OSError: the file cannot be read.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")

@@ -69,10 +69,20 @@ def _token_array(tokens: Any, what: str) -> np.ndarray:
 class Request:
     """One request: ``prompt`` tokens, then ``output_len`` generated tokens.
 
-    ``timestamp`` (ms, optional) is when it arrives; only the fleet simulation uses it.
+    Attributes:
+        prompt: The prompt's token ids, a 1-D int64 numpy array (ids in ``[0, 2**62)``).
+        output_len: How many tokens the request generates, an int >= 0.
+        output: The generated tokens when they are fixed (a chat's next turn quotes them);
+            None: the serving loop generates ``output_len`` fresh tokens that match nothing
+            else.
+        extra_key: The namespace the request's tokens are cached in (None: the default).
+        timestamp: When it arrives, in ms (optional; only the fleet simulation uses it).
 
-    ``output`` fixes the generated tokens (a chat's next turn quotes them); when it is None the
-    serving loop generates ``output_len`` fresh tokens that match nothing else.
+    Raises:
+        TypeError: a field of the wrong type.
+        ValueError: a prompt or output that is not 1-D or has ids outside ``[0, 2**62)``,
+            a negative ``output_len``, an ``output`` whose length is not ``output_len``, or
+            a negative or infinite ``timestamp``.
     """
 
     prompt: np.ndarray
@@ -125,6 +135,21 @@ def synthetic_chat(num_conversations: int = 300, num_system_prompts: int = 16,
     user message; its answer (``Request.output``) is fixed in advance so that turn k+1 quotes it.
     Conversations interleave in a random order while each keeps its turns in order. All ranges
     are inclusive; the same arguments always give the same requests.
+
+    Args:
+        num_conversations: How many conversations, an int >= 0.
+        num_system_prompts: How many distinct system prompts they share, an int >= 1.
+        turns: The (low, high) range of turns per conversation.
+        seed: The random seed.
+        system_prompt_len: The (low, high) range of a system prompt's length in tokens.
+        user_len: The (low, high) range of a user message's length in tokens.
+        output_len: The (low, high) range of an answer's length in tokens.
+
+    Returns:
+        The ``Request`` objects, in arrival order.
+
+    Raises:
+        ValueError: a count below its minimum, or a range that is not ``0 <= low <= high``.
     """
     if num_conversations < 0 or num_system_prompts < 1:
         raise ValueError("need num_conversations >= 0 and num_system_prompts >= 1")
@@ -169,6 +194,19 @@ def exercise_ops(num_ops: int = 100_000, seed: int = 0, base_len: tuple[int, int
     does); the exists queries are split between sequences inserted before, bare prefixes of a
     base (cached but usually not inserted as such) and sequences never inserted. Token lists are
     shared between calls to keep memory bounded; callers must not modify them.
+
+    Args:
+        num_ops: How many calls, an int >= 0.
+        seed: The random seed (the same arguments give the same calls).
+        base_len: The (low, high) range of a base prefix's length in tokens.
+        num_bases: How many base prefixes, an int >= 1.
+        tail_len: The (low, high) range of a tail's length in tokens.
+
+    Returns:
+        ``num_ops`` pairs ``("insert" | "exists", tokens)``, tokens a list of ints.
+
+    Raises:
+        ValueError: a count below its minimum, or a range that is not ``0 <= low <= high``.
     """
     if num_ops < 0 or num_bases < 1:
         raise ValueError("need num_ops >= 0 and num_bases >= 1")
@@ -237,6 +275,22 @@ def deep_exercise_ops(num_ops: int = 100_000, seed: int = 0, num_bases: int = 20
     never-inserted sequences (tail ids from ``[vocab, 2 * vocab)``). Token ids lie below
     ``2 * vocab``; the same arguments give the same calls. Token lists share their int objects
     with the bases; callers must not modify them.
+
+    Args:
+        num_ops: How many calls, an int >= 0.
+        seed: The random seed.
+        num_bases: How many bases, an int >= 1.
+        prefix_len: The (low, high) range of the base prefix an insert takes, in tokens.
+        tail_len: The (low, high) range of a tail's length in tokens.
+        vocab: Token ids of bases lie below it, those of never-inserted tails in
+            ``[vocab, 2 * vocab)``; an int >= 1.
+        repeat_share: The share of inserts that repeat an earlier one, in [0, 1].
+
+    Returns:
+        ``num_ops`` pairs ``("insert" | "exists", tokens)``, tokens a list of ints.
+
+    Raises:
+        ValueError: a count below its minimum, or a range that is not ``0 <= low <= high``.
     """
     if num_ops < 0 or num_bases < 1 or vocab < 1:
         raise ValueError("need num_ops >= 0, num_bases >= 1 and vocab >= 1")
@@ -280,8 +334,20 @@ INPUT_TYPES = ("list", "array", "numpy", "tensor")
 
 
 def as_input_type(tokens: np.ndarray, input_type: str) -> Any:
-    """An int64 token array as a caller would pass it: a list of ints, ``array('q')``, a
-    fresh int64 numpy array or a CPU int64 torch tensor."""
+    """Convert an int64 token array to one of the forms a caller passes tokens in.
+
+    Args:
+        tokens: The tokens, a 1-D int64 numpy array.
+        input_type: One of ``INPUT_TYPES``: ``"list"`` (a list of ints), ``"array"``
+            (``array('q')``), ``"numpy"`` (a fresh int64 array) or ``"tensor"`` (a CPU int64
+            torch tensor).
+
+    Returns:
+        The tokens in that form (a new object).
+
+    Raises:
+        ValueError: an unknown ``input_type``.
+    """
     if input_type == "list":
         return tokens.tolist()
     if input_type == "array":
@@ -297,8 +363,15 @@ def as_input_type(tokens: np.ndarray, input_type: str) -> Any:
 
 @dataclass(frozen=True)
 class InCacheTiming:
-    """Seconds inside ``match_prefix`` + ``insert`` over ``requests`` requests, every prompt
-    cached, and the core's bare tree walk over the same prompts and sequences."""
+    """Seconds inside ``match_prefix`` + ``insert`` with every prompt cached, and the core's
+    bare tree walk over the same prompts and sequences (``time_cached_calls`` measures it).
+
+    Attributes:
+        requests: How many requests were timed.
+        match_seconds: Time in ``match_prefix`` calls.
+        insert_seconds: Time in ``insert`` calls.
+        walk_seconds: Time of the core's bare walk over the same prompts and sequences.
+    """
 
     requests: int
     match_seconds: float
@@ -307,6 +380,7 @@ class InCacheTiming:
 
     @property
     def call_seconds(self) -> float:
+        """Time in the API calls: ``match_seconds + insert_seconds``."""
         return self.match_seconds + self.insert_seconds
 
     @property
@@ -316,9 +390,18 @@ class InCacheTiming:
 
     @property
     def rest_share(self) -> float:
+        """``rest_seconds`` as a share of ``call_seconds`` (0.0 when nothing was timed)."""
         return self.rest_seconds / self.call_seconds if self.call_seconds > 0 else 0.0
 
     def per_request_us(self, seconds: float) -> float:
+        """Convert a total of these timings to microseconds per request.
+
+        Args:
+            seconds: One of the totals (``call_seconds``, ``walk_seconds``, ...).
+
+        Returns:
+            Microseconds per request (0.0 when no request was timed).
+        """
         return seconds / self.requests * 1e6 if self.requests else 0.0
 
 
@@ -334,6 +417,19 @@ def time_cached_calls(cache: Any, requests: list[Request], input_type: str, pass
     (``walk`` on an int64 array: no conversion, no result) over the same prompt and sequence;
     each sum is the best of ``passes``. The cyclic GC is off while timing. The cache needs no
     eviction (its pool is unbounded here).
+
+    Args:
+        cache: A ``RadixCache`` (it is filled with the requests).
+        requests: The ``Request`` objects.
+        input_type: How tokens are passed, one of ``INPUT_TYPES``.
+        passes: How many timed passes (the best counts).
+        clock: The timer, a function returning seconds (``time.process_time`` for CPU time).
+
+    Returns:
+        An ``InCacheTiming``.
+
+    Raises:
+        ValueError: an unknown ``input_type``.
     """
     prepared = []
     for request in requests:
@@ -385,6 +481,17 @@ def walk_cost(cache: Any, sequences: list, limit: int = 2000, passes: int = 3,
     walks to its terminal node), as int64 numpy arrays so that no conversion is timed; nodes
     visited per query is the depth of its terminal node. The time includes the per-call cost
     and the token comparisons, so it is an upper bound on the cost of one walk step.
+
+    Args:
+        cache: A ``RadixCache`` in which every one of ``sequences`` was inserted.
+        sequences: The inserted sequences (token lists or arrays).
+        limit: How many of them to query.
+        passes: How many timed passes (the best counts).
+        clock: The timer, a function returning seconds.
+
+    Returns:
+        ``(seconds per node visited, average nodes visited per query)``; ``(0.0, 0.0)`` when
+        no node was visited.
     """
     queries = [np.asarray(seq, dtype=np.int64) for seq in sequences[:limit]]
     visited = 0
@@ -412,7 +519,17 @@ def walk_cost(cache: Any, sequences: list, limit: int = 2000, passes: int = 3,
 
 
 class KVPool:
-    """A KV pool of ``capacity`` token slots: a free list of slot ids (int64)."""
+    """A KV pool of ``capacity`` token slots: a free list of slot ids (int64).
+
+    Slot ids are ``0 .. capacity-1``; slot 0 is handed out first.
+
+    Args:
+        capacity: How many slots, an int >= 0.
+
+    Raises:
+        TypeError: ``capacity`` is not an int.
+        ValueError: ``capacity`` < 0.
+    """
 
     __slots__ = ("capacity", "_free", "_top")
 
@@ -437,7 +554,17 @@ class KVPool:
         return self.capacity - self._top
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """``n`` free slot ids as an int64 tensor, or None (nothing taken) if fewer are free."""
+        """Take ``n`` free slots.
+
+        Args:
+            n: How many slots, an int >= 0.
+
+        Returns:
+            Their ids as a 1-D int64 tensor, or None (nothing taken) if fewer are free.
+
+        Raises:
+            ValueError: ``n`` < 0.
+        """
         if n < 0:
             raise ValueError(f"cannot allocate {n} slots")
         if n > self._top:
@@ -446,7 +573,14 @@ class KVPool:
         return torch.from_numpy(self._free[self._top:self._top + n].copy())
 
     def free(self, slots: Any) -> None:
-        """Return slot ids (a tensor or array) to the pool."""
+        """Return slots to the pool.
+
+        Args:
+            slots: Their ids, a tensor, numpy array or sequence of ints.
+
+        Raises:
+            ValueError: more slots than are in use, or ids outside ``[0, capacity)``.
+        """
         arr = slots.numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
         n = len(arr)
         if n == 0:
@@ -459,7 +593,11 @@ class KVPool:
         self._top += n
 
     def free_slots(self) -> np.ndarray:
-        """A copy of the free slot ids (for consistency checks)."""
+        """List the free slots (for consistency checks).
+
+        Returns:
+            A copy of their ids, an int64 numpy array.
+        """
         return self._free[: self._top].copy()
 
     def __repr__(self) -> str:
@@ -468,11 +606,21 @@ class KVPool:
 
 @dataclass(frozen=True)
 class ServeResult:
-    """What one replay did. ``hit_rate`` is ``cached_tokens / prompt_tokens``; ``seconds``
-    counts only the time spent inside cache calls; ``stats`` is ``cache.stats()`` at the end.
+    """What one replay did (``serve``, ``ServingLoop.result``).
 
     Rejected requests (too big for the pool even after evicting everything unlocked) are
     counted in ``requests``, ``prompt_tokens`` and ``cached_tokens`` too: their lookup was made.
+
+    Attributes:
+        requests: Requests replayed.
+        rejected: Requests that did not fit in the pool.
+        prompt_tokens: Prompt tokens looked up.
+        cached_tokens: Prompt tokens found cached.
+        hit_rate: ``cached_tokens / prompt_tokens``.
+        evicted_tokens: Tokens evicted.
+        peak_tokens: The largest tree size reached, in tokens.
+        seconds: Time spent inside cache calls only.
+        stats: ``cache.stats()`` at the end (a ``CacheStats``).
     """
 
     requests: int
@@ -495,8 +643,14 @@ class ServeResult:
 class Admission:
     """A request the serving loop admitted: its slots are allocated and its prefix is locked.
 
-    ``tokens`` is prompt + output and ``kv`` their slots; ``kv[owned_from:]`` still belong to
-    the request (the tree holds the slots before it); ``lock_node`` is the node it holds locked.
+    Attributes:
+        request: The ``Request``.
+        cached: Prompt tokens found cached when it was admitted.
+        tokens: Prompt + output, an int64 array.
+        kv: Their KV slots, an int64 tensor.
+        lock_node: The node it holds locked.
+        owned_from: ``kv[owned_from:]`` still belong to the request (the tree holds the slots
+            before it).
     """
 
     request: Request
@@ -518,6 +672,14 @@ class ServingLoop:
     tree already had (and the unaligned tail it does not cache) and unlocks. ``serve`` runs
     ``admit`` then ``finish`` per request; the fleet simulation interleaves the steps of many
     requests over time. Counters accumulate until ``result()``.
+
+    Args:
+        cache: An empty ``RadixCache`` (every slot it holds must come from the pool).
+        capacity: The KV pool's size in token slots.
+        pool: A fresh ``KVPool(capacity)`` to use (default: a new one).
+
+    Raises:
+        ValueError: a non-empty cache, or a ``pool`` that is used or of another capacity.
     """
 
     def __init__(self, cache: Any, capacity: int, *, pool: KVPool | None = None) -> None:
@@ -536,10 +698,18 @@ class ServingLoop:
         self.evicted_tokens = self.peak_tokens = 0
 
     def admit(self, request: Request, *, wait: bool = False) -> Admission | None:
-        """Match, lock, evict if short, allocate; None when it cannot fit now.
+        """Admit a request: match, lock, evict if the pool is short, allocate.
 
         A request that cannot fit is counted as rejected, unless ``wait`` is true: then
         nothing is counted (the caller retries once running requests released their locks).
+
+        Args:
+            request: The ``Request``.
+            wait: If true, a request that does not fit now is not counted as rejected.
+
+        Returns:
+            An ``Admission`` (hand it to ``cache_prompt`` and ``finish``), or None when the
+            request cannot fit now (its lock is released, nothing evicted).
         """
         cache, pool, clock = self.cache, self.pool, time.perf_counter
         prompt = request.prompt
@@ -587,7 +757,11 @@ class ServingLoop:
         self.cached_tokens += cached
 
     def cache_prompt(self, admission: Admission) -> None:
-        """Insert the prompt (its prefill is done) and move the request's lock onto it."""
+        """Insert the prompt (its prefill is done) and move the request's lock onto it.
+
+        Args:
+            admission: What ``admit`` returned.
+        """
         prompt_len = len(admission.request.prompt)
         aligned = prompt_len - prompt_len % self._page_size
         if aligned <= admission.owned_from:
@@ -607,7 +781,12 @@ class ServingLoop:
         self._note_peak()
 
     def finish(self, admission: Admission) -> None:
-        """Insert prompt + output, free the slots the tree does not take, unlock."""
+        """Finish a request: insert prompt + output, free the slots the tree does not take,
+        unlock.
+
+        Args:
+            admission: What ``admit`` returned.
+        """
         cache, pool, clock = self.cache, self.pool, time.perf_counter
         full, kv = admission.tokens, admission.kv
         start = clock()
@@ -634,7 +813,11 @@ class ServingLoop:
             self.peak_tokens = total
 
     def result(self) -> ServeResult:
-        """The counters so far, with ``cache.stats()``."""
+        """Sum up the replay so far.
+
+        Returns:
+            A ``ServeResult`` with the counters so far and ``cache.stats()``.
+        """
         return ServeResult(
             requests=self.requests,
             rejected=self.rejected,
@@ -660,6 +843,22 @@ def serve(cache: Any, requests: Iterable[Request], capacity: int,
     ``progress(1)`` is called after each request (``tqdm.update`` fits). ``pool`` lets a
     caller watch the pool (its capacity must equal ``capacity``). The cache must start empty:
     every slot it holds has to come from the pool. ``ServingLoop`` holds the steps.
+
+    Args:
+        cache: An empty ``RadixCache``.
+        requests: The ``Request`` objects, in arrival order.
+        capacity: The KV pool's size in token slots, an int >= 0.
+        progress: Called with 1 after each request, or None.
+        pool: A fresh ``KVPool(capacity)`` to use (default: a new one).
+
+    Returns:
+        A ``ServeResult``: hit rate, rejected requests, evicted tokens, peak tree size and
+        the time spent in cache calls.
+
+    Raises:
+        TypeError: ``capacity`` is not an int.
+        ValueError: a negative ``capacity``, a non-empty cache, or a ``pool`` that is used
+            or of another capacity.
     """
     loop = ServingLoop(cache, capacity, pool=pool)
     for request in requests:

@@ -18,7 +18,7 @@ timeout catches a hang. The cases are grouped by the root causes of issue 12:
 Where user code changes what the call reads (but does not call the cache), the result must
 equal the pure core's: each such case runs the same scenario on the core under test and on the
 pure core in one process and compares. Where user code calls back into the cache, the rule
-(README, "Re-entrancy and threads") is: the nested call raises ``RuntimeError`` naming the
+(docs/design.md, "Re-entrancy and threads") is: the nested call raises ``RuntimeError`` naming the
 problem, and the cache stays consistent (``check_invariants``) and usable.
 """
 

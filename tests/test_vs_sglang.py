@@ -15,7 +15,7 @@ every ordering is deterministic. Before every ``evict`` the test checks that SGL
 evictable leaves have pairwise distinct eviction keys (SGLang breaks ties arbitrarily), so each
 eviction order compared is the only one SGLang could produce.
 
-The deliberate differences (README, "Differences from SGLang") are applied to SGLang's side,
+The deliberate differences (docs/sglang.md) are applied to SGLang's side,
 exactly, never by comparing less:
 
 1. Split rule: a match or insert ending inside a node refreshes only the matched upper half;
