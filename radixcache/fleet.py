@@ -68,7 +68,18 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TimeModel:
-    """Prefill throughput per worker and decode speed per request, tokens/s."""
+    """The fleet's time model: how fast a worker prefills and a request decodes.
+
+    Attributes:
+        prefill_tokens_per_s: Prefill throughput per worker, tokens/s (default
+            ``DEFAULT_PREFILL_TPS``); a worker prefills one request at a time.
+        decode_tokens_per_s: Decode speed per running request, tokens/s (default
+            ``DEFAULT_DECODE_TPS``); decoding requests run concurrently.
+
+    Raises:
+        TypeError: a field that is not a number.
+        ValueError: a field that is not finite and > 0.
+    """
 
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TPS
     decode_tokens_per_s: float = DEFAULT_DECODE_TPS
@@ -86,14 +97,31 @@ class TimeModel:
 class FleetResult:
     """One replay over a fleet (or the pooled bound, ``router == "pooled"``).
 
-    ``capacity`` is per worker; ``hit_rate`` is cached / prompt tokens over every request
-    (rejected ones included, as in ``serve``); ``prefill_tokens`` the prompt tokens computed
-    (admitted requests, minus their cached tokens); ``load_imbalance`` the largest worker's
-    prefill tokens over the mean; TTFT percentiles in simulated seconds over admitted requests
-    (None when none was); ``seconds`` the time spent in cache calls (all workers),
-    ``wall_seconds`` the whole replay; ``peak_tokens`` the sum of the workers' peak tree
-    sizes; ``decisions`` the worker of each request in arrival order; ``indexer_stats`` the
-    router's ``KvIndexer`` counters (None for the pooled bound).
+    Attributes:
+        router: The routing policy, or ``POOLED``.
+        workers: How many workers.
+        capacity: KV slots per worker.
+        policy: The workers' eviction policy.
+        page_size: Tokens per page (and per routing block).
+        requests: Requests replayed.
+        rejected: Requests that did not fit in their worker's pool.
+        prompt_tokens: Prompt tokens over every request.
+        cached_tokens: Prompt tokens found cached.
+        hit_rate: ``cached_tokens / prompt_tokens`` over every request (rejected ones
+            included, as in ``serve``).
+        prefill_tokens: The prompt tokens computed (admitted requests, minus their cached
+            tokens).
+        load_imbalance: The largest worker's prefill tokens over the mean.
+        ttft_p50: Median time to first token in simulated seconds over admitted requests
+            (None when none was admitted).
+        ttft_p99: 99th percentile of the same.
+        evicted_tokens: Tokens evicted, all workers.
+        peak_tokens: The sum of the workers' peak tree sizes.
+        seconds: Time spent in cache calls, all workers.
+        wall_seconds: Time the whole replay took.
+        worker_prefill_tokens: Prefill tokens per worker.
+        decisions: The worker of each request, in arrival order.
+        indexer_stats: The router's ``KvIndexer`` counters (None for the pooled bound).
     """
 
     router: str
@@ -121,9 +149,22 @@ class FleetResult:
 
 def arrival_times(requests: Sequence[Request],
                   interval_ms: float = DEFAULT_INTERVAL_MS) -> np.ndarray:
-    """Arrival times in seconds: the requests' ``timestamp`` (ms) when every one has one,
-    else one every ``interval_ms``. A trace where only some requests carry one, or where they
-    decrease, is an error."""
+    """Give the requests' arrival times.
+
+    Args:
+        requests: The ``Request`` objects, in order.
+        interval_ms: The spacing in ms when no request has a ``timestamp``, a finite number
+            >= 0.
+
+    Returns:
+        The arrival times in seconds, a float64 numpy array: the requests' ``timestamp``
+        (ms) when every one has one, else one every ``interval_ms``.
+
+    Raises:
+        TypeError: ``interval_ms`` is not a number.
+        ValueError: a negative or infinite ``interval_ms``, timestamps on only some
+            requests, or timestamps that decrease.
+    """
     if isinstance(interval_ms, bool) or not isinstance(interval_ms, numbers.Real):
         raise TypeError(f"interval_ms must be a number, got {type(interval_ms).__name__}")
     if not 0 <= interval_ms < math.inf:
@@ -146,17 +187,37 @@ def arrival_times(requests: Sequence[Request],
 
 
 class InProcessChannel:
-    """A worker's event stream to the router inside one process: batches wait, stamped with
-    the simulated time and the number of routing decisions made when they were published."""
+    """A worker's event stream to the router inside one process.
+
+    Batches wait, stamped with the simulated time and the number of routing decisions made
+    when they were published, until the router takes them. ``simulate_fleet`` uses one per
+    worker by default; a channel of another kind (a ZeroMQ loopback, say) offers the same
+    three methods.
+    """
 
     def __init__(self) -> None:
         self._batches: deque = deque()
 
     def publish(self, events: list, time_s: float, step: int) -> None:
+        """Queue one batch of a worker's events.
+
+        Args:
+            events: The batch's KV events.
+            time_s: The simulated time it was published, in seconds.
+            step: How many routing decisions had been made then.
+        """
         self._batches.append((time_s, step, events))
 
     def take(self, max_time: float, max_step: float) -> list:
-        """The batches published at or before ``max_time`` and ``max_step``, in order."""
+        """Take the batches that have reached the router.
+
+        Args:
+            max_time: Take batches published at or before this simulated time (seconds).
+            max_step: ... and at or before this many routing decisions.
+
+        Returns:
+            The batches (lists of events), in publishing order.
+        """
         batches = self._batches
         out = []
         while batches and batches[0][0] <= max_time and batches[0][1] <= max_step:
@@ -164,6 +225,7 @@ class InProcessChannel:
         return out
 
     def close(self) -> None:
+        """Drop the batches still waiting."""
         self._batches.clear()
 
 
@@ -371,6 +433,35 @@ def simulate_fleet(requests: Sequence[Request], num_workers: int, capacity: int,
     (``Router.uses_events``, i.e. ``cache-aware``) or ``channels`` are given: the other
     policies keep no cache state, and events never change what a cache does, so skipping
     them only saves the hashing. See the module docstring for the model.
+
+    Args:
+        requests: The ``Request`` objects, in arrival order.
+        num_workers: How many workers, an int >= 1.
+        capacity: KV slots per worker, an int >= 1.
+        router: A policy name or a ``Router`` (see above).
+        page_size: Tokens per page of every worker's cache, and per routing block.
+        eviction_policy: The workers' eviction policy.
+        core: The tree core of the workers' caches (None: the default).
+        arrivals: Arrival times in seconds, one per request, non-decreasing (default:
+            ``arrival_times(requests, interval_ms)``).
+        interval_ms: The arrival spacing when ``arrivals`` is None and the requests have no
+            timestamps.
+        time_model: The ``TimeModel``.
+        event_lag: The ``EventLag`` of the router's view.
+        router_options: Keyword arguments for ``Router`` (with a policy name only).
+        progress: Called with 1 per request routed, or None.
+        channels: One channel per worker, or None (see above).
+        publish_events: Whether the workers record and send KV events (None: see above).
+
+    Returns:
+        A ``FleetResult``.
+
+    Raises:
+        TypeError: an argument of the wrong type (a count that is not an int, items that are
+            not ``Request``, a ``time_model`` or ``event_lag`` of another class).
+        ValueError: a count < 1, arrivals that are not one finite non-decreasing time per
+            request, a ``Router`` whose workers or block size do not match, options with a
+            ``Router``, or not one channel per worker.
     """
     arrivals = _check_common(requests, num_workers, capacity, arrivals, interval_ms)
     if not isinstance(time_model, TimeModel):
@@ -403,8 +494,32 @@ def simulate_pooled(requests: Sequence[Request], num_workers: int, capacity: int
                     interval_ms: float = DEFAULT_INTERVAL_MS,
                     time_model: TimeModel = TimeModel(),
                     progress: Optional[Callable[[int], Any]] = None) -> FleetResult:
-    """The pooled bound: one cache of ``num_workers * capacity`` slots that prefills at
-    ``num_workers`` times the throughput; the result's ``capacity`` is the per-worker one."""
+    """Replay the pooled bound: one cache with the whole fleet's memory and throughput.
+
+    One cache of ``num_workers * capacity`` slots that prefills at ``num_workers`` times the
+    throughput: the hit rate no router can beat by placement alone.
+
+    Args:
+        requests: The ``Request`` objects, in arrival order.
+        num_workers: How many workers the fleet has, an int >= 1.
+        capacity: KV slots per worker, an int >= 1.
+        page_size: Tokens per page.
+        eviction_policy: The cache's eviction policy.
+        core: The tree core (None: the default).
+        arrivals: Arrival times in seconds (default: ``arrival_times(requests,
+            interval_ms)``).
+        interval_ms: The arrival spacing when the requests have no timestamps.
+        time_model: The per-worker ``TimeModel``.
+        progress: Called with 1 per request, or None.
+
+    Returns:
+        A ``FleetResult`` with ``router == POOLED``; its ``capacity`` is the per-worker one.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: a count < 1, or arrivals that are not one finite non-decreasing time
+            per request.
+    """
     arrivals = _check_common(requests, num_workers, capacity, arrivals, interval_ms)
     if not isinstance(time_model, TimeModel):
         raise TypeError(f"time_model must be a TimeModel, got {type(time_model).__name__}")

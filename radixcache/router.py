@@ -66,7 +66,21 @@ DEFAULT_BLOCK_SIZE = 16
 
 @dataclass
 class IndexerStats:
-    """What ``KvIndexer`` applied and what it had to skip (counts since creation)."""
+    """What ``KvIndexer`` applied and what it had to skip (counts since creation).
+
+    Attributes:
+        batches: Event batches applied (``apply`` calls).
+        events: Events seen.
+        stored_blocks: Blocks added for a worker.
+        removed_blocks: Blocks removed for a worker.
+        cleared: ``AllBlocksCleared`` events applied.
+        duplicate_blocks: Blocks stored again by a worker that already held them (no change).
+        unknown_parent: ``BlockStored`` events skipped because their parent block is unknown.
+        unknown_removals: Removed blocks the worker was not known to hold.
+        wrong_block_size: ``BlockStored`` events skipped: not the indexer's block size.
+        malformed_events: Events skipped: not an event, or inconsistent fields.
+        malformed_batches: Wire payloads that could not be decoded.
+    """
 
     batches: int = 0             #: event batches applied (``apply`` calls)
     events: int = 0              #: events seen
@@ -87,6 +101,11 @@ class IndexerStats:
                 + self.malformed_events + self.malformed_batches)
 
     def as_dict(self) -> dict:
+        """The counts by name.
+
+        Returns:
+            ``{field name: count}`` for every field, in declaration order.
+        """
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
@@ -143,9 +162,18 @@ def _namespace_bytes(namespace: Any) -> bytes:
 class KvIndexer:
     """Which blocks each worker holds, learned from its KV events; see the module docstring.
 
-    ``block_size`` is the workers' page size (tokens per block); workers are any hashable ids.
-    Apply each worker's batches in the order it published them: ``apply(worker, events)``
-    for event objects, ``apply_payload(worker, payload, seq)`` for a raw msgpack payload.
+    Workers are any hashable ids. Apply each worker's batches in the order it published them:
+    ``apply(worker, events)`` for event objects, ``apply_payload(worker, payload, seq)`` for
+    a raw msgpack payload. ``len(indexer)`` is the number of distinct blocks held. Not
+    thread-safe: serialise ``apply`` with the queries.
+
+    Args:
+        block_size: The workers' page size (tokens per block), an int >= 1. Events of
+            another block size are skipped and counted.
+
+    Raises:
+        TypeError: ``block_size`` is not an int.
+        ValueError: ``block_size`` < 1.
     """
 
     def __init__(self, block_size: int) -> None:
@@ -186,16 +214,31 @@ class KvIndexer:
         return [w for w in self._worker_of if w is not None]
 
     def blocks_held(self, worker: Hashable) -> int:
-        """How many blocks ``worker`` holds (0 for an unknown worker)."""
+        """Count the blocks ``worker`` holds.
+
+        Args:
+            worker: The worker id.
+
+        Returns:
+            The number of blocks (0 for an unknown worker).
+        """
         slot = self._slot_of.get(worker)
         return 0 if slot is None else len(self._published[slot])
 
     def __len__(self) -> int:
-        """Distinct blocks held by at least one worker."""
+        """``len(indexer)``: the distinct blocks held by at least one worker.
+
+        Returns:
+            The number of blocks.
+        """
         return len(self._holders)
 
     def remove_worker(self, worker: Hashable) -> None:
-        """Forget ``worker`` and every block it held (it left the fleet)."""
+        """Forget ``worker`` and every block it held (it left the fleet, or restarted).
+
+        Args:
+            worker: The worker id; an unknown one is ignored.
+        """
         slot = self._slot_of.pop(worker, None)
         if slot is None:
             return
@@ -216,8 +259,17 @@ class KvIndexer:
 
     # -- events ------------------------------------------------------------------------
     def apply(self, worker: Hashable, events: Iterable[Any]) -> None:
-        """Apply one batch of ``worker``'s events (a list, or a subscriber's
-        ``ReceivedBatch``), in order. Never raises for bad events."""
+        """Apply one batch of ``worker``'s events, in order.
+
+        Never raises for bad events: what cannot be applied is skipped and counted in
+        ``stats``.
+
+        Args:
+            worker: The worker id (any hashable).
+            events: The batch: an iterable of ``BlockStored``, ``BlockRemoved`` and
+                ``AllBlocksCleared`` (as ``RadixCache.take_events()`` returns them), or a
+                subscriber's ``ReceivedBatch``.
+        """
         slot = self._slot(worker)
         stats = self.stats
         stats.batches += 1
@@ -241,7 +293,17 @@ class KvIndexer:
                 stats.malformed_events += 1
 
     def apply_payload(self, worker: Hashable, payload: bytes, seq: int = -1) -> bool:
-        """Decode a wire payload (``decode_batch``) and apply it; False if it was malformed."""
+        """Decode a wire payload with ``decode_batch`` and apply its events.
+
+        Args:
+            worker: The worker id (any hashable).
+            payload: The msgpack payload of one batch (the last frame of a ZeroMQ message).
+            seq: The batch's sequence number, for error messages (-1: unknown).
+
+        Returns:
+            True if the payload was applied, False if it was malformed (then counted in
+            ``stats.malformed_batches``).
+        """
         self._slot(worker)
         try:
             batch = decode_batch(payload, seq)
@@ -339,7 +401,20 @@ class KvIndexer:
 
     # -- queries -----------------------------------------------------------------------
     def block_keys(self, tokens: Any, extra_key: Any = None) -> list:
-        """The indexer keys of the full blocks of ``tokens`` in namespace ``extra_key``."""
+        """Compute the indexer keys of the full blocks of ``tokens``.
+
+        Args:
+            tokens: A 1-D integer sequence (list, tuple, numpy array, CPU tensor).
+            extra_key: The namespace: None, str, bytes or int.
+
+        Returns:
+            One key (an int) per full block of ``block_size`` tokens, each chained to the
+            previous one.
+
+        Raises:
+            TypeError: tokens that are not integers, or an ``extra_key`` of another type.
+            OverflowError: a token that does not fit in int64.
+        """
         data = tokens_le_bytes(tokens)
         key = _root_key(encode_namespace(extra_key))
         page_bytes = self._page_bytes
@@ -350,10 +425,20 @@ class KvIndexer:
         return keys
 
     def overlap(self, tokens: Any, extra_key: Any = None) -> dict:
-        """``{worker: leading blocks of tokens it holds}`` for every worker holding at least one.
+        """Tell how many leading blocks of ``tokens`` each worker holds.
 
-        ``tokens``: a 1-D integer sequence (list, tuple, numpy array, CPU tensor);
-        ``extra_key``: the namespace (None, str, bytes or int). Only full blocks count.
+        Only full blocks count.
+
+        Args:
+            tokens: A 1-D integer sequence (list, tuple, numpy array, CPU tensor).
+            extra_key: The namespace: None, str, bytes or int.
+
+        Returns:
+            ``{worker: leading blocks held}`` for every worker that holds at least one.
+
+        Raises:
+            TypeError: tokens that are not integers, or an ``extra_key`` of another type.
+            OverflowError: a token that does not fit in int64.
         """
         return self._overlap(tokens_le_bytes(tokens), encode_namespace(extra_key))
 
@@ -425,7 +510,28 @@ class Router:
     when a request is dispatched, ``remove_load`` as its work completes (``set_load`` for a
     router that polls its workers instead). Feed the indexer with each worker's events
     (``router.indexer.apply(worker, events)``); worker ids in the events are the ints
-    ``0 .. num_workers-1``.
+    ``0 .. num_workers-1``. Not thread-safe: serialise ``route`` with the load reports and the
+    indexer's ``apply``.
+
+    Args:
+        num_workers: How many workers, an int >= 1.
+        policy: One of ``ROUTING_POLICIES`` (default ``"cache-aware"``).
+        block_size: Tokens per block, the workers' page size (default: the ``indexer``'s,
+            or ``DEFAULT_BLOCK_SIZE``); ``prefix-hash`` and ``cache-aware`` count in blocks.
+        indexer: A ``KvIndexer`` to read overlaps from (default: a new one, ``router.indexer``).
+        seed: Seed of the ``random`` policy.
+        prefix_blocks: How many leading blocks ``prefix-hash`` hashes, an int >= 1.
+        prefill_weight: ``cache-aware``'s weight of the tokens a worker would prefill.
+        load_weight: ``cache-aware``'s weight of a worker's load (default
+            ``DEFAULT_LOAD_WEIGHT``: 10 tokens of queued work weigh as much as one token of
+            prefill saved).
+        virtual_nodes: Points per worker on ``prefix-hash``'s ring, an int >= 1.
+
+    Raises:
+        TypeError: an argument of the wrong type (``policy`` not a str, ``indexer`` not a
+            ``KvIndexer``, a count or weight that is not a number).
+        ValueError: an unknown policy, a count < 1, a negative or infinite weight, or a
+            ``block_size`` that differs from the ``indexer``'s.
     """
 
     def __init__(self, num_workers: int, policy: str = "cache-aware", *,
@@ -498,12 +604,31 @@ class Router:
         return int(tokens)
 
     def add_load(self, worker: int, tokens: int) -> None:
-        """``tokens`` more work queued or running on ``worker``."""
+        """Report ``tokens`` more work queued or running on ``worker`` (a dispatch).
+
+        Args:
+            worker: The worker, ``0 .. num_workers-1``.
+            tokens: Tokens of work, an int >= 0.
+
+        Raises:
+            TypeError: ``worker`` or ``tokens`` is not an int.
+            ValueError: ``worker`` out of range, or ``tokens`` < 0.
+        """
         worker = self._check_worker(worker)
         self._loads[worker] += self._check_tokens(tokens)
 
     def remove_load(self, worker: int, tokens: int) -> None:
-        """``tokens`` of ``worker``'s work completed; the load never goes below zero."""
+        """Report that ``tokens`` of ``worker``'s work completed.
+
+        Args:
+            worker: The worker, ``0 .. num_workers-1``.
+            tokens: Tokens of work done, an int >= 0, at most the worker's load.
+
+        Raises:
+            TypeError: ``worker`` or ``tokens`` is not an int.
+            ValueError: ``worker`` out of range, ``tokens`` < 0, or more than the worker's
+                load (the load never goes below zero).
+        """
         worker = self._check_worker(worker)
         tokens = self._check_tokens(tokens)
         if tokens > self._loads[worker]:
@@ -512,7 +637,16 @@ class Router:
         self._loads[worker] -= tokens
 
     def set_load(self, worker: int, tokens: int) -> None:
-        """``worker``'s load as measured (for routers that poll their workers)."""
+        """Set ``worker``'s load as measured (for routers that poll their workers).
+
+        Args:
+            worker: The worker, ``0 .. num_workers-1``.
+            tokens: Its load in tokens, an int >= 0.
+
+        Raises:
+            TypeError: ``worker`` or ``tokens`` is not an int.
+            ValueError: ``worker`` out of range, or ``tokens`` < 0.
+        """
         worker = self._check_worker(worker)
         self._loads[worker] = self._check_tokens(tokens)
 
@@ -528,10 +662,21 @@ class Router:
 
     # -- routing -------------------------------------------------------------------------
     def route(self, tokens: Any, extra_key: Any = None) -> int:
-        """The worker for a request of ``tokens`` (its prompt) in namespace ``extra_key``.
+        """Pick the worker for a request and count it as routed there.
 
-        ``tokens``: a 1-D integer sequence; ``extra_key``: None, str, bytes or int. Checked
-        under every policy (TypeError/OverflowError), before anything changes.
+        The inputs are checked under every policy, before anything changes.
+
+        Args:
+            tokens: The request's prompt, a 1-D integer sequence (list, tuple, numpy array,
+                CPU tensor).
+            extra_key: Its namespace: None, str, bytes or int.
+
+        Returns:
+            The worker, ``0 .. num_workers-1``.
+
+        Raises:
+            TypeError: tokens that are not integers, or an ``extra_key`` of another type.
+            OverflowError: a token that does not fit in int64.
         """
         data = tokens_le_bytes(tokens)
         namespace = encode_namespace(extra_key)
