@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -30,7 +32,7 @@ from .fleet import (
     simulate_pooled,
 )
 from .router import DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
-from .traces import TraceError, read_trace
+from .traces import Trace, TraceError, read_trace
 from .workloads import (INPUT_TYPES, Request, ServeResult, deep_exercise_ops, exercise_ops, serve,
                         synthetic_chat, time_cached_calls, walk_cost)
 
@@ -164,6 +166,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", metavar="OUT.png", help="write a hit-rate-vs-capacity PNG")
     sim.add_argument("--json", metavar="OUT.json", help="write the result rows as JSON")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    sim.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
+                     help="run the sweep's points in N processes that share the parsed trace "
+                          "(default: the number of cores, at most one per point; 1: serially)")
     fleet = sim.add_argument_group(
         "fleet (--workers N >= 2)",
         "Replay over N workers of --capacity slots each behind a router that learns what they "
@@ -257,7 +262,7 @@ def _format_table(headers: Sequence[str], rows: Sequence[Sequence[str]],
     return "\n".join(out)
 
 
-def _progress_bar(total: int, label: str, quiet: bool):
+def _progress_bar(total: int, label: str, quiet: bool, unit: str = "req"):
     """A tqdm bar on stderr, or None when quiet, not a terminal, or tqdm is missing."""
     if quiet or not sys.stderr.isatty():
         return None
@@ -265,7 +270,83 @@ def _progress_bar(total: int, label: str, quiet: bool):
         from tqdm import tqdm  # noqa: PLC0415 -- only needed on a terminal
     except ImportError:
         return None
-    return tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=False)
+    return tqdm(total=total, desc=label, unit=unit, file=sys.stderr, leave=False)
+
+
+# -- running a sweep's points ------------------------------------------------------------------
+# What the forked workers run: (run_point, points), set just before the pool forks them, so
+# that they share the parent's parsed trace (copy-on-write) instead of receiving a copy.
+_SWEEP: Any = None
+
+
+def _default_jobs() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on every platform
+        return os.cpu_count() or 1
+
+
+def _sweep_worker_init() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops the pool
+    try:
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(1)  # one core per worker
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+
+
+def _sweep_point(index: int) -> tuple[int, Any]:
+    run_point, points = _SWEEP
+    return index, run_point(points[index], None)
+
+
+def _run_sweep(points: list, run_point: Callable[[Any, Any], Any], jobs: int | None,
+               quiet: bool, label: Callable[[Any], str], total_requests: int) -> list:
+    """``run_point(point, progress)`` for every point, the results in the points' order.
+
+    With one job the points run here one after another, each with a bar over its requests.
+    With more, in that many forked processes (each point is independent and rows do not depend
+    on where they ran), under one bar that counts finished points; where a process cannot be
+    forked the points run here, and a note says so.
+    """
+    global _SWEEP
+    jobs = min(_default_jobs() if jobs is None else jobs, len(points))
+    if jobs > 1 and "fork" not in multiprocessing.get_all_start_methods():
+        print(f"radixcache: note: --jobs {jobs}: this platform cannot fork a process that "
+              "shares the parsed trace; running the points one after another",
+              file=sys.stderr)
+        jobs = 1
+    if jobs <= 1:
+        results = []
+        for point in points:
+            bar = _progress_bar(total_requests, label(point), quiet)
+            try:
+                results.append(run_point(point, bar.update if bar is not None else None))
+            finally:
+                if bar is not None:
+                    bar.close()
+        return results
+
+    results = [None] * len(points)
+    _SWEEP = (run_point, points)
+    bar = None
+    try:
+        context = multiprocessing.get_context("fork")
+        with context.Pool(jobs, initializer=_sweep_worker_init) as pool:
+            # The bar (and its monitor thread) only once the workers are forked.
+            bar = _progress_bar(len(points), f"{len(points)} points, {jobs} processes", quiet,
+                                unit="point")
+            for index, result in pool.imap_unordered(_sweep_point, range(len(points))):
+                results[index] = result
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        _SWEEP = None
+        if bar is not None:
+            bar.close()
+    return results
 
 
 # -- simulate ------------------------------------------------------------------------------------
@@ -372,7 +453,7 @@ def _simulate(args: argparse.Namespace) -> int:
     # Parse once; every (capacity, policy) replays the same requests.
     if args.trace is None:
         trace_name = EMBEDDED_NAME
-        requests: list[Request] = synthetic_chat(seed=args.seed)
+        requests: Trace = Trace.from_requests(synthetic_chat(seed=args.seed))
         if args.limit is not None:
             requests = requests[: args.limit]
     else:
@@ -388,26 +469,27 @@ def _simulate(args: argparse.Namespace) -> int:
             return 1
 
     core = _core.get_core(args.core).CORE_NAME
-    prompt_total = sum(len(r.prompt) for r in requests)
-    largest_need = max((len(r.prompt) + r.output_len for r in requests), default=0)
+    prompt_total = requests.prompt_tokens
+    largest_need = requests.largest_need
     print(f"trace: {trace_name}: {len(requests):,} requests, {prompt_total:,} prompt tokens; "
           f"page size {args.page_size}; core {core}")
     if args.workers > 1:
         return _simulate_fleet(args, requests, trace_name, core, largest_need)
 
+    def run_point(point: tuple, progress: Any) -> ServeResult:
+        capacity, policy = point
+        cache = RadixCache(page_size=args.page_size, eviction_policy=policy, core=core)
+        return serve(cache, requests, capacity, progress=progress)
+
+    points = [(capacity, policy) for capacity in args.capacity for policy in args.policy]
+    results = iter(_run_sweep(points, run_point, args.jobs, args.quiet,
+                              lambda point: f"{point[1]} @ {point[0]:,}", len(requests)))
     rows: list[dict] = []
     table: list[list[str]] = []
     notes: list[str] = []
     for capacity in args.capacity:
         for policy in args.policy:
-            cache = RadixCache(page_size=args.page_size, eviction_policy=policy, core=core)
-            bar = _progress_bar(len(requests), f"{policy} @ {capacity:,}", args.quiet)
-            try:
-                result = serve(cache, requests, capacity,
-                               progress=bar.update if bar is not None else None)
-            finally:
-                if bar is not None:
-                    bar.close()
+            result = next(results)
             rows.append(_result_row(capacity, policy, args.page_size, result))
             table.append([
                 f"{capacity:,}", policy, f"{result.requests:,}", f"{result.rejected:,}",
@@ -468,7 +550,7 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1000 * seconds:,.0f}"
 
 
-def _simulate_fleet(args: argparse.Namespace, requests: list[Request], trace_name: str,
+def _simulate_fleet(args: argparse.Namespace, requests: Trace, trace_name: str,
                     core: str, largest_need: int) -> int:
     try:
         arrivals = arrival_times(requests, args.interval)
@@ -486,28 +568,30 @@ def _simulate_fleet(args: argparse.Namespace, requests: list[Request], trace_nam
           + f"; cache-aware weights: prefill {args.prefill_weight:g}, load "
             f"{args.load_weight:g}")
 
+    def label(point: tuple) -> str:
+        capacity, policy, router = point
+        return f"{router} @ {capacity:,}" + (f" {policy}" if len(args.policy) > 1 else "")
+
+    def run_point(point: tuple, progress: Any) -> FleetResult:
+        capacity, policy, router = point
+        common = dict(page_size=args.page_size, eviction_policy=policy, core=core,
+                      arrivals=arrivals, time_model=time_model, progress=progress)
+        if router == POOLED:
+            return simulate_pooled(requests, args.workers, capacity, **common)
+        return simulate_fleet(requests, args.workers, capacity, router,
+                              event_lag=args.event_lag, router_options=router_options,
+                              **common)
+
+    points = [(capacity, policy, router) for capacity in args.capacity
+              for policy in args.policy for router in [*args.router, POOLED]]
+    results = iter(_run_sweep(points, run_point, args.jobs, args.quiet, label, len(requests)))
     rows: list[dict] = []
     table: list[list[str]] = []
     notes: list[str] = []
     for capacity in args.capacity:
         for policy in args.policy:
             for router in [*args.router, POOLED]:
-                label = f"{router} @ {capacity:,}" + (f" {policy}" if len(args.policy) > 1
-                                                      else "")
-                bar = _progress_bar(len(requests), label, args.quiet)
-                common = dict(page_size=args.page_size, eviction_policy=policy, core=core,
-                              arrivals=arrivals, time_model=time_model,
-                              progress=bar.update if bar is not None else None)
-                try:
-                    if router == POOLED:
-                        result = simulate_pooled(requests, args.workers, capacity, **common)
-                    else:
-                        result = simulate_fleet(requests, args.workers, capacity, router,
-                                                event_lag=args.event_lag,
-                                                router_options=router_options, **common)
-                finally:
-                    if bar is not None:
-                        bar.close()
+                result = next(results)
                 rows.append(_fleet_row(result))
                 table.append([
                     f"{capacity:,}", policy, router, f"{result.requests:,}",

@@ -104,6 +104,21 @@ class Request:
             object.__setattr__(self, "timestamp", float(self.timestamp))
 
 
+def _trusted_request(prompt: np.ndarray, output_len: int, output: np.ndarray | None = None,
+                     extra_key: object = None, timestamp: float | None = None) -> Request:
+    """A ``Request`` from fields already checked and converted (a parsed trace's): no pass
+    over the tokens. ``prompt`` and ``output`` must be 1-D int64 arrays of ids in
+    ``[0, FRESH_TOKEN_BASE)``, ``output_len`` an int, ``timestamp`` a float or None."""
+    request = object.__new__(Request)
+    set_field = object.__setattr__
+    set_field(request, "prompt", prompt)
+    set_field(request, "output_len", output_len)
+    set_field(request, "output", output)
+    set_field(request, "extra_key", extra_key)
+    set_field(request, "timestamp", timestamp)
+    return request
+
+
 def _between(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
     """A uniform int in the inclusive range ``bounds``."""
     low, high = bounds
