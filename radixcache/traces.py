@@ -210,13 +210,14 @@ class _MooncakeTrace(Trace):
     def _request(self, i: int) -> Request:
         ids = self._ids[self._offsets[i]:self._offsets[i + 1]]
         length = int(self._prompt_lengths[i])
-        if len(ids) == 1:
-            start = int(ids[0]) * self.block_size
-            prompt = np.arange(start, start + length, dtype=np.int64)
-        else:
-            prompt = np.add.outer(ids * self.block_size, self._block).reshape(-1)[:length]
-        return _trusted_request(prompt, int(self._output_lengths[i]), None, None,
-                                self._timestamp(i))
+        output_length = int(self._output_lengths[i])
+        size = len(ids) * self.block_size
+        # The blocks' tokens, in a buffer with room for the output (the serving loop's).
+        buffer = np.empty(max(size, length + output_length), dtype=np.int64)
+        np.add((ids * self.block_size)[:, None], self._block,
+               out=buffer[:size].reshape(len(ids), self.block_size))
+        return _trusted_request(buffer[:length], output_length, None, None,
+                                self._timestamp(i), spare=buffer)
 
     def _take(self, positions: np.ndarray, contiguous: bool) -> Trace:
         if contiguous and len(positions):
