@@ -235,6 +235,10 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
     caches = [RadixCache(page_size=page_size, eviction_policy=eviction_policy,
                          enable_events=with_events, core=core) for _ in range(num_workers)]
     loops = [ServingLoop(cache, capacity) for cache in caches]
+    # Events published once every request is routed reach no decision: an in-process
+    # channel drops them rather than hold them to the end (a given channel gets them all).
+    own_channels = channels is None
+    routing = True
     if with_events and channels is None:
         channels = [InProcessChannel() for _ in range(num_workers)]
     decode_tps = time_model.decode_tokens_per_s
@@ -262,7 +266,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
     def publish(worker: int, now: float) -> None:
         if with_events:
             events = caches[worker].take_events()
-            if events:
+            if events and (routing or not own_channels):
                 channels[worker].publish(events, now, steps)
 
     def start_next(worker: int, now: float) -> None:
@@ -347,6 +351,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
                 start_next(worker, now)
             if progress is not None:
                 progress(1)
+        routing = False
         while heap:
             handle(heapq.heappop(heap))
     finally:
