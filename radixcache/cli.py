@@ -62,6 +62,10 @@ class _UsageError(Exception):
     """A bad argument found after parsing (exit code 2)."""
 
 
+class _SweepError(Exception):
+    """The worker processes of a sweep failed (exit code 1)."""
+
+
 # -- argument parsing --------------------------------------------------------------------------
 def _positive_int(text: str) -> int:
     try:
@@ -289,12 +293,6 @@ def _default_jobs() -> int:
 
 def _sweep_worker_init() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops the pool
-    try:
-        import torch  # noqa: PLC0415
-
-        torch.set_num_threads(1)  # one core per worker
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
 
 
 def _sweep_point(index: int) -> tuple[int, Any]:
@@ -329,23 +327,38 @@ def _run_sweep(points: list, run_point: Callable[[Any, Any], Any], jobs: int | N
                     bar.close()
         return results
 
+    from concurrent.futures import ProcessPoolExecutor, as_completed  # noqa: PLC0415
+    from concurrent.futures.process import BrokenProcessPool  # noqa: PLC0415
+
     results = [None] * len(points)
     _SWEEP = (run_point, points)
     bar = None
+    executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=_sweep_worker_init)
+    done = False
     try:
-        context = multiprocessing.get_context("fork")
-        with context.Pool(jobs, initializer=_sweep_worker_init) as pool:
-            # The bar (and its monitor thread) only once the workers are forked.
-            bar = _progress_bar(len(points), f"{len(points)} points, {jobs} processes", quiet,
-                                unit="point")
-            for index, result in pool.imap_unordered(_sweep_point, range(len(points))):
-                results[index] = result
-                if bar is not None:
-                    bar.update(1)
+        futures = [executor.submit(_sweep_point, index) for index in range(len(points))]
+        # The bar (and its monitor thread) only once the workers are forked.
+        bar = _progress_bar(len(points), f"{len(points)} points, {jobs} processes", quiet,
+                            unit="point")
+        for future in as_completed(futures):
+            try:
+                index, result = future.result()
+            except BrokenProcessPool:
+                raise _SweepError("a worker process of --jobs died (out of memory?); "
+                                  "try fewer --jobs") from None
+            results[index] = result
+            if bar is not None:
+                bar.update(1)
+        done = True
     finally:
         _SWEEP = None
         if bar is not None:
             bar.close()
+        if not done:  # an error or Ctrl-C: stop the points still running
+            for process in list((getattr(executor, "_processes", None) or {}).values()):
+                process.terminate()
+        executor.shutdown(wait=True, cancel_futures=True)
     return results
 
 
@@ -827,6 +840,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"radixcache: error: {exc}", file=sys.stderr)
         return 2
+    except _SweepError as exc:
+        print(f"radixcache: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("radixcache: interrupted", file=sys.stderr)
         return 130

@@ -13,7 +13,7 @@ import pytest
 
 from radixcache import RadixCache
 from radixcache._core import CORES
-from radixcache.cli import _run_sweep, main
+from radixcache.cli import _run_sweep, _SweepError, main
 from radixcache.fleet import simulate_fleet, simulate_pooled
 from radixcache.traces import MOONCAKE, TOKENS, Trace, TraceError, _parse, read_trace
 from radixcache.workloads import Request, serve, synthetic_chat
@@ -319,6 +319,16 @@ def test_run_sweep_passes_a_workers_error_on():
 
     with pytest.raises(ValueError, match="point 2 failed"):
         _run_sweep([0, 1, 2, 3], run, 2, True, str, 0)
+
+
+def test_run_sweep_reports_a_dead_worker():
+    def run(point, progress):
+        if point == 1:
+            os._exit(3)  # as the kernel's out-of-memory killer would end it
+        return point
+
+    with pytest.raises(_SweepError, match="worker process of --jobs died"):
+        _run_sweep([0, 1, 2], run, 2, True, str, 0)
 
 
 def without_timing(rows):
