@@ -12,7 +12,8 @@ offset so that they keep increasing. Then, each in a fresh process of the real c
 2. the RSS growth from 1x to 3x and 10x, against the growth of the parsed trace;
 3. on the 1x trace, 4 capacities x 3 policies with ``--jobs 2`` and ``--jobs 1``, in
    interleaved rounds (best of ``--rounds``): the speedup, and whether the rows (all but the
-   timing columns) are identical.
+   timing columns) are identical. CPU seconds are printed too, with the speedup they imply on
+   two idle cores: on a machine that other sessions keep busy, wall times cannot show it.
 
     python benchmarks/bench_trace_scale.py                      # everything
     python benchmarks/bench_trace_scale.py --scales 1,3 --rounds 1
@@ -62,8 +63,9 @@ def build_scaled(source: Path, copies: int, dest: Path) -> tuple[int, int]:
     return requests, tokens
 
 
-def run_measured(args: list, env: dict | None = None) -> tuple[float, int, str]:
-    """Run a command; (wall seconds, peak RSS in bytes of that child, stdout)."""
+def run_measured(args: list, env: dict | None = None) -> tuple[float, int, str, float]:
+    """Run a command; (wall seconds, peak RSS in bytes of that child, stdout, CPU seconds of
+    the child and of the processes it waited for)."""
     with tempfile.TemporaryFile() as out:
         start = time.perf_counter()
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.PIPE, env=env)
@@ -76,13 +78,13 @@ def run_measured(args: list, env: dict | None = None) -> tuple[float, int, str]:
             raise RuntimeError(f"{args} failed ({proc.returncode}): {err[-2000:]}")
         out.seek(0)
         rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-        return wall, rss, out.read().decode()
+        return wall, rss, out.read().decode(), usage.ru_utime + usage.ru_stime
 
 
-def simulate(trace: Path, json_out: Path, extra: list) -> tuple[float, int, list]:
-    wall, rss, _ = run_measured([sys.executable, "-m", "radixcache", "simulate", str(trace),
-                                 "--quiet", "--json", str(json_out), *extra])
-    return wall, rss, json.loads(json_out.read_text())
+def simulate(trace: Path, json_out: Path, extra: list) -> tuple[float, int, list, float]:
+    wall, rss, _, cpu = run_measured([sys.executable, "-m", "radixcache", "simulate",
+                                      str(trace), "--quiet", "--json", str(json_out), *extra])
+    return wall, rss, json.loads(json_out.read_text()), cpu
 
 
 REPLAY_SNIPPET = """
@@ -160,7 +162,7 @@ def main() -> int:
                                        capture_output=True, text=True, check=True)
                 parse_s, nbytes = float(parse.stdout.split()[0]), int(parse.stdout.split()[1])
                 extra = ["--capacity", "2000000", "--policy", "lru", "--page-size", "16"]
-                wall, rss, rows = simulate(path, tmp_path / "one.json",
+                wall, rss, rows, _cpu = simulate(path, tmp_path / "one.json",
                                            extra + (["--jobs", "1"] if compact else []))
                 cache_s = rows[0]["seconds"]
                 replay = subprocess.run([sys.executable, "-c", REPLAY_SNIPPET, str(path)],
@@ -186,20 +188,33 @@ def main() -> int:
             grid = ["--capacity", "250000,500000,1000000,2000000", "--policy",
                     "lru,lfu,fifo", "--page-size", "16"]
             best = {1: float("inf"), 2: float("inf")}
+            cpu_of = {1: float("inf"), 2: float("inf")}
             rows_of = {}
+            # What does not run in parallel: interpreter, imports, parse, one tiny point.
+            _w, _r, _rows, serial_cpu = simulate(path, tmp_path / "tiny.json",
+                                                 ["--capacity", "1000", "--limit", "1"])
             print(f"\n4 capacities x 3 policies on the 1x trace: --jobs 2 vs --jobs 1, "
                   f"{args.rounds} interleaved round(s)")
             for round_ in range(args.rounds):
                 for jobs in (1, 2) if round_ % 2 == 0 else (2, 1):
-                    wall, _rss, rows = simulate(path, tmp_path / f"grid{jobs}.json",
-                                                grid + ["--jobs", str(jobs)])
+                    wall, _rss, rows, cpu = simulate(path, tmp_path / f"grid{jobs}.json",
+                                                     grid + ["--jobs", str(jobs)])
                     best[jobs] = min(best[jobs], wall)
+                    cpu_of[jobs] = min(cpu_of[jobs], cpu)
                     rows_of[jobs] = [{k: v for k, v in row.items() if k not in TIMING_KEYS}
                                      for row in rows]
-                    print(f"  round {round_ + 1}: --jobs {jobs}: {wall:.1f} s")
+                    print(f"  round {round_ + 1}: --jobs {jobs}: {wall:.1f} s wall, "
+                          f"{cpu:.1f} s CPU")
             same = rows_of[1] == rows_of[2]
             print(f"best: --jobs 1 {best[1]:.1f} s, --jobs 2 {best[2]:.1f} s: "
                   f"{best[1] / best[2]:.2f}x faster; rows identical: {same}")
+            # On a busy machine the wall times say little (another session's processes take
+            # the cores); the CPU seconds say what two idle cores would give.
+            parallel = cpu_of[2] - serial_cpu
+            estimate = cpu_of[1] / (serial_cpu + parallel / 2)
+            print(f"CPU: --jobs 1 {cpu_of[1]:.1f} s, --jobs 2 {cpu_of[2]:.1f} s, of which "
+                  f"{serial_cpu:.1f} s serial (start, imports, parse); on two idle cores "
+                  f"--jobs 2 would be {estimate:.2f}x faster")
             if not same:
                 return 1
     return 0
