@@ -280,8 +280,10 @@ class _TokenTrace(Trace):
         if contiguous and len(positions):
             first, last = int(positions[0]), int(positions[-1]) + 1
             po, oo = self._prompt_offsets, self._output_offsets
-            prompts, prompt_offsets = self._prompts[po[first]:po[last]], po[first:last + 1] - po[first]
-            outputs, output_offsets = self._outputs[oo[first]:oo[last]], oo[first:last + 1] - oo[first]
+            prompts = self._prompts[po[first]:po[last]]
+            prompt_offsets = po[first:last + 1] - po[first]
+            outputs = self._outputs[oo[first]:oo[last]]
+            output_offsets = oo[first:last + 1] - oo[first]
         else:
             prompts, prompt_offsets = _ragged_take(self._prompts, self._prompt_offsets, positions)
             outputs, output_offsets = _ragged_take(self._outputs, self._output_offsets, positions)
