@@ -120,8 +120,9 @@ def _trusted_request(prompt: np.ndarray, output_len: int, output: np.ndarray | N
     set_field(request, "extra_key", extra_key)
     set_field(request, "timestamp", timestamp)
     if spare is not None:
-        # Used (and dropped) by the serving loop: ``prompt`` is ``spare[:len(prompt)]``.
-        request.__dict__["_spare"] = spare
+        # Taken once by the serving loop: ``prompt`` is ``spare[:len(prompt)]``. In a list
+        # that a shallow copy of the request shares, so that only one admission writes to it.
+        request.__dict__["_spare"] = [spare]
     return request
 
 
@@ -597,7 +598,8 @@ class ServingLoop:
         output = request.output
         # A parsed trace's request may come with its prompt at the start of a buffer that has
         # room for the output: prompt + output are then made without copying the prompt.
-        spare = request.__dict__.pop("_spare", None)
+        holder = request.__dict__.get("_spare")
+        spare = holder.pop() if holder else None
         total = len(prompt) + request.output_len
         if output is None:
             fresh = np.arange(self._next_fresh, self._next_fresh + request.output_len,

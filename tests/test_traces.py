@@ -129,6 +129,24 @@ def test_token_trace_columns_keys_and_from_requests(tmp_path):
     assert packed.prompt_tokens == sum(len(r.prompt) for r in chat)
 
 
+def test_a_requests_buffer_is_used_by_one_admission_only(tmp_path):
+    import copy
+
+    from radixcache.workloads import ServingLoop
+
+    trace = read_trace(write_lines(tmp_path / "mc.jsonl", [
+        {"input_length": 6, "output_length": 3, "hash_ids": [0, 1]}]), block_size=4)
+    request = trace[0]
+    twin = copy.copy(request)
+    loop = ServingLoop(RadixCache(), 100)
+    first = loop.admit(request)
+    second = loop.admit(twin)  # while the first is in flight
+    assert first.tokens.tolist()[:6] == second.tokens.tolist()[:6] == list(range(6))
+    assert first.tokens[6:].tolist() != second.tokens[6:].tolist()  # their own fresh outputs
+    assert not np.shares_memory(first.tokens, second.tokens)
+    assert request.prompt.tolist() == twin.prompt.tolist() == list(range(6))
+
+
 def test_parsed_trace_is_proportional_to_the_file(tmp_path):
     rng = np.random.default_rng(0)
     records = []
