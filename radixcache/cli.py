@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -25,6 +27,7 @@ from ._options import (DEFAULT_DECODE_TPS, DEFAULT_INTERVAL_MS, DEFAULT_LOAD_WEI
 if TYPE_CHECKING:
     from .cache import RadixCache
     from .fleet import FleetResult
+    from .traces import Trace
     from .workloads import Request, ServeResult
 
 __all__ = ["main", "JSON_KEYS", "FLEET_JSON_KEYS"]
@@ -100,6 +103,10 @@ class _VersionAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         print(f"radixcache {_version()}")
         parser.exit()
+
+
+class _SweepError(Exception):
+    """The worker processes of a sweep failed (exit code 1)."""
 
 
 # -- argument parsing --------------------------------------------------------------------------
@@ -252,6 +259,9 @@ def _build_parser() -> argparse.ArgumentParser:
                           "names (.png, .pdf, .svg, ...)")
     sim.add_argument("--json", metavar="OUT.json", help="write the result rows as JSON")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    sim.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
+                     help="run the sweep's points in N processes that share the parsed trace "
+                          "(default: the number of cores, at most one per point; 1: serially)")
     fleet = sim.add_argument_group(
         "fleet (--workers N >= 2)",
         "Replay over N workers of --capacity slots each behind a router that learns what they "
@@ -380,7 +390,7 @@ def _format_table(headers: Sequence[str], rows: Sequence[Sequence[str]],
     return "\n".join(out)
 
 
-def _progress_bar(total: int, label: str, quiet: bool):
+def _progress_bar(total: int, label: str, quiet: bool, unit: str = "req"):
     """A tqdm bar on stderr, or None when quiet, not a terminal, or tqdm is missing."""
     if quiet or not sys.stderr.isatty():
         return None
@@ -388,7 +398,92 @@ def _progress_bar(total: int, label: str, quiet: bool):
         from tqdm import tqdm  # noqa: PLC0415 -- only needed on a terminal
     except ImportError:
         return None
-    return tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=False)
+    return tqdm(total=total, desc=label, unit=unit, file=sys.stderr, leave=False)
+
+
+# -- running a sweep's points ------------------------------------------------------------------
+# What the forked workers run: (run_point, points), set just before the pool forks them, so
+# that they share the parent's parsed trace (copy-on-write) instead of receiving a copy.
+_SWEEP: Any = None
+
+
+def _default_jobs() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on every platform
+        return os.cpu_count() or 1
+
+
+def _sweep_worker_init() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops the pool
+
+
+def _sweep_point(index: int) -> tuple[int, Any]:
+    run_point, points = _SWEEP
+    return index, run_point(points[index], None)
+
+
+def _run_sweep(points: list, run_point: Callable[[Any, Any], Any], jobs: int | None,
+               quiet: bool, label: Callable[[Any], str], total_requests: int) -> list:
+    """``run_point(point, progress)`` for every point, the results in the points' order.
+
+    With one job the points run here one after another, each with a bar over its requests.
+    With more, in that many forked processes (each point is independent and rows do not depend
+    on where they ran), under one bar that counts finished points; where a process cannot be
+    forked the points run here, and a note says so.
+    """
+    global _SWEEP
+    jobs = min(_default_jobs() if jobs is None else jobs, len(points))
+    if jobs > 1 and "fork" not in multiprocessing.get_all_start_methods():
+        print(f"radixcache: note: --jobs {jobs}: this platform cannot fork a process that "
+              "shares the parsed trace; running the points one after another",
+              file=sys.stderr)
+        jobs = 1
+    if jobs <= 1:
+        results = []
+        for point in points:
+            bar = _progress_bar(total_requests, label(point), quiet)
+            try:
+                results.append(run_point(point, bar.update if bar is not None else None))
+            finally:
+                if bar is not None:
+                    bar.close()
+        return results
+
+    from concurrent.futures import ProcessPoolExecutor, as_completed  # noqa: PLC0415
+    from concurrent.futures.process import BrokenProcessPool  # noqa: PLC0415
+
+    results = [None] * len(points)
+    _SWEEP = (run_point, points)
+    bar = None
+    executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=_sweep_worker_init)
+    done = False
+    try:
+        futures = [executor.submit(_sweep_point, index) for index in range(len(points))]
+        # The bar (and its monitor thread) only once the workers are forked.
+        bar = _progress_bar(len(points), f"{len(points)} points, {jobs} processes", quiet,
+                            unit="point")
+        for future in as_completed(futures):
+            try:
+                index, result = future.result()
+            except BrokenProcessPool:
+                raise _SweepError("a worker process of --jobs died (out of memory?); "
+                                  "try fewer --jobs") from None
+            results[index] = result
+            if bar is not None:
+                bar.update(1)
+        done = True
+    finally:
+        _SWEEP = None
+        if bar is not None:
+            bar.close()
+        if not done:  # an error or Ctrl-C: stop the points still running
+            for process in list((getattr(executor, "_processes", None) or {}).values()):
+                process.terminate()
+        executor.shutdown(wait=True, cancel_futures=True)
+    return results
 
 
 # -- simulate ------------------------------------------------------------------------------------
@@ -494,28 +589,6 @@ def _result_row(capacity: int, policy: str, page_size: int, result: ServeResult)
     }
 
 
-def unique_prompt_tokens(requests: Sequence[Request], block: int = 512) -> int:
-    """About how many distinct tokens the requests' prompts hold (a cache of unbounded
-    capacity would keep this many prompt tokens): prompts cut into blocks, each block
-    identified by a hash of everything before it, distinct blocks counted. Prompts that part
-    ways inside a block count that block twice, so this can only overestimate, by less than
-    a block per such prompt."""
-    import numpy as np  # noqa: PLC0415
-
-    seen: set = set()
-    total = 0
-    for request in requests:
-        prompt = np.ascontiguousarray(request.prompt, dtype=np.int64)
-        prefix = 0
-        for start in range(0, len(prompt), block):
-            part = prompt[start:start + block]
-            prefix = hash((prefix, part.tobytes()))
-            if prefix not in seen:
-                seen.add(prefix)
-                total += len(part)
-    return total
-
-
 def _nice(n: float) -> int:
     """``n`` rounded to two significant digits (1234567 -> 1200000), at least 1."""
     if n < 1:
@@ -595,7 +668,7 @@ def _simulate(args: argparse.Namespace) -> int:
     # The run starts: torch, numpy and the cores from here on.
     from . import _core  # noqa: PLC0415
     from .cache import RadixCache  # noqa: PLC0415
-    from .traces import TraceError, read_trace  # noqa: PLC0415
+    from .traces import Trace, TraceError, read_trace  # noqa: PLC0415
     from .workloads import serve, synthetic_chat  # noqa: PLC0415
 
     if args.core is not None and args.core not in _core.CORES:
@@ -605,7 +678,7 @@ def _simulate(args: argparse.Namespace) -> int:
     # Parse once; every (capacity, policy) replays the same requests.
     if args.trace is None:
         trace_name = EMBEDDED_NAME
-        requests: list[Request] = synthetic_chat(seed=args.seed)
+        requests: Trace = Trace.from_requests(synthetic_chat(seed=args.seed))
         if args.limit is not None:
             requests = requests[: args.limit]
     else:
@@ -621,17 +694,17 @@ def _simulate(args: argparse.Namespace) -> int:
             return 1
 
     core = _core.get_core(args.core).CORE_NAME
-    prompt_total = sum(len(r.prompt) for r in requests)
-    largest_need = max((len(r.prompt) + r.output_len for r in requests), default=0)
+    prompt_total = requests.prompt_tokens
+    largest_need = requests.largest_need
     capacities_note = ""
     if args.capacity is None:
         if args.trace is None:
             args.capacity = _capacity_list(DEFAULT_CAPACITIES)
         else:
-            unique = unique_prompt_tokens(requests)
+            unique = requests.unique_tokens
             args.capacity = default_capacities(unique, args.page_size)
             capacities_note = (f"; capacities {', '.join(_short_count(c) for c in args.capacity)}"
-                               f" (fractions of its ~{_short_count(unique)} unique prompt "
+                               f" (fractions of its {_short_count(unique)} unique prompt "
                                "tokens; --capacity sets others)")
     print(f"trace: {trace_name}: {len(requests):,} requests, {prompt_total:,} prompt tokens; "
           f"page size {args.page_size}; core {core}{capacities_note}")
@@ -639,19 +712,20 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.workers > 1:
         return _simulate_fleet(args, requests, trace_name, core, largest_need)
 
+    def run_point(point: tuple, progress: Any) -> ServeResult:
+        capacity, policy = point
+        cache = RadixCache(page_size=args.page_size, eviction_policy=policy, core=core)
+        return serve(cache, requests, capacity, progress=progress)
+
+    points = [(capacity, policy) for capacity in args.capacity for policy in args.policy]
+    results = iter(_run_sweep(points, run_point, args.jobs, args.quiet,
+                              lambda point: f"{point[1]} @ {point[0]:,}", len(requests)))
     rows: list[dict] = []
     table: list[list[str]] = []
     notes: list[str] = []
     for capacity in args.capacity:
         for policy in args.policy:
-            cache = RadixCache(page_size=args.page_size, eviction_policy=policy, core=core)
-            bar = _progress_bar(len(requests), f"{policy} @ {capacity:,}", args.quiet)
-            try:
-                result = serve(cache, requests, capacity,
-                               progress=bar.update if bar is not None else None)
-            finally:
-                if bar is not None:
-                    bar.close()
+            result = next(results)
             rows.append(_result_row(capacity, policy, args.page_size, result))
             table.append([
                 f"{capacity:,}", policy, f"{result.requests:,}", f"{result.rejected:,}",
@@ -715,7 +789,7 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1000 * seconds:,.0f}"
 
 
-def _simulate_fleet(args: argparse.Namespace, requests: list[Request], trace_name: str,
+def _simulate_fleet(args: argparse.Namespace, requests: Trace, trace_name: str,
                     core: str, largest_need: int) -> int:
     from .fleet import TimeModel, arrival_times, simulate_fleet, simulate_pooled  # noqa: PLC0415
 
@@ -735,28 +809,30 @@ def _simulate_fleet(args: argparse.Namespace, requests: list[Request], trace_nam
           + f"; cache-aware weights: prefill {args.prefill_weight:g}, load "
             f"{args.load_weight:g}")
 
+    def label(point: tuple) -> str:
+        capacity, policy, router = point
+        return f"{router} @ {capacity:,}" + (f" {policy}" if len(args.policy) > 1 else "")
+
+    def run_point(point: tuple, progress: Any) -> FleetResult:
+        capacity, policy, router = point
+        common = dict(page_size=args.page_size, eviction_policy=policy, core=core,
+                      arrivals=arrivals, time_model=time_model, progress=progress)
+        if router == POOLED:
+            return simulate_pooled(requests, args.workers, capacity, **common)
+        return simulate_fleet(requests, args.workers, capacity, router,
+                              event_lag=args.event_lag, router_options=router_options,
+                              **common)
+
+    points = [(capacity, policy, router) for capacity in args.capacity
+              for policy in args.policy for router in [*args.router, POOLED]]
+    results = iter(_run_sweep(points, run_point, args.jobs, args.quiet, label, len(requests)))
     rows: list[dict] = []
     table: list[list[str]] = []
     notes: list[str] = []
     for capacity in args.capacity:
         for policy in args.policy:
             for router in [*args.router, POOLED]:
-                label = f"{router} @ {capacity:,}" + (f" {policy}" if len(args.policy) > 1
-                                                      else "")
-                bar = _progress_bar(len(requests), label, args.quiet)
-                common = dict(page_size=args.page_size, eviction_policy=policy, core=core,
-                              arrivals=arrivals, time_model=time_model,
-                              progress=bar.update if bar is not None else None)
-                try:
-                    if router == POOLED:
-                        result = simulate_pooled(requests, args.workers, capacity, **common)
-                    else:
-                        result = simulate_fleet(requests, args.workers, capacity, router,
-                                                event_lag=args.event_lag,
-                                                router_options=router_options, **common)
-                finally:
-                    if bar is not None:
-                        bar.close()
+                result = next(results)
                 rows.append(_fleet_row(result))
                 table.append([
                     f"{capacity:,}", policy, router, f"{result.requests:,}",
@@ -1074,6 +1150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.parser.prog}: error: {exc}", file=sys.stderr)
         print(_usage_line(args.parser), file=sys.stderr)
         return 2
+    except _SweepError as exc:
+        print(f"radixcache: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("radixcache: interrupted", file=sys.stderr)
         return 130

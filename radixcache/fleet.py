@@ -47,6 +47,7 @@ from ._options import (DEFAULT_DECODE_TPS, DEFAULT_INTERVAL_MS, DEFAULT_PREFILL_
                        EventLag)
 from .cache import RadixCache
 from .router import Router
+from .traces import Trace
 from .workloads import Request, ServingLoop
 
 __all__ = [
@@ -169,15 +170,20 @@ def arrival_times(requests: Sequence[Request],
         raise TypeError(f"interval_ms must be a number, got {type(interval_ms).__name__}")
     if not 0 <= interval_ms < math.inf:
         raise ValueError(f"interval_ms must be >= 0 and finite, got {interval_ms}")
-    stamps = [r.timestamp for r in requests]
-    given = sum(s is not None for s in stamps)
+    if isinstance(requests, Trace):  # its column: no request is made
+        stamps = requests.timestamps
+    else:
+        stamps = np.array([math.nan if r.timestamp is None else r.timestamp for r in requests],
+                          dtype=np.float64)
+    missing = np.isnan(stamps)
+    given = len(stamps) - int(missing.sum())
     if given == 0:
         return np.arange(len(requests), dtype=np.float64) * (interval_ms / 1000.0)
     if given < len(stamps):
-        first = next(i for i, s in enumerate(stamps) if s is None)
+        first = int(np.flatnonzero(missing)[0])
         raise ValueError(f"{given} of {len(stamps)} requests carry a timestamp (request "
                          f"{first + 1} has none): give every request one, or none")
-    times = np.asarray(stamps, dtype=np.float64) / 1000.0
+    times = stamps / 1000.0
     earlier = np.flatnonzero(np.diff(times) < 0)
     if len(earlier):
         i = int(earlier[0]) + 1
@@ -249,6 +255,10 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
     caches = [RadixCache(page_size=page_size, eviction_policy=eviction_policy,
                          enable_events=with_events, core=core) for _ in range(num_workers)]
     loops = [ServingLoop(cache, capacity) for cache in caches]
+    # Events published once every request is routed reach no decision: an in-process
+    # channel drops them rather than hold them to the end (a given channel gets them all).
+    own_channels = channels is None
+    routing = True
     if with_events and channels is None:
         channels = [InProcessChannel() for _ in range(num_workers)]
     decode_tps = time_model.decode_tokens_per_s
@@ -265,11 +275,18 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
     tie = 0  # heap tie breaker: FIFO among events at the same time and kind
     steps = 0  # routing decisions made so far
     lag_s = event_lag.ms / 1000.0
+    # Requests are read (a Trace makes their tokens) when routed and when admitted, and held
+    # only while admitted: queues hold indices, so memory stays with the pools, not the trace.
+    if isinstance(requests, Trace):
+        prompt_lengths, output_lengths = requests.prompt_lengths, requests.output_lengths
+    else:
+        prompt_lengths = [len(r.prompt) for r in requests]
+        output_lengths = [r.output_len for r in requests]
 
     def publish(worker: int, now: float) -> None:
         if with_events:
             events = caches[worker].take_events()
-            if events:
+            if events and (routing or not own_channels):
                 channels[worker].publish(events, now, steps)
 
     def start_next(worker: int, now: float) -> None:
@@ -290,7 +307,8 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
                     blocked[worker] = True
                     break
                 if router is not None:
-                    router.remove_load(worker, len(request.prompt) + request.output_len)
+                    router.remove_load(worker, int(prompt_lengths[index])
+                                       + int(output_lengths[index]))
                 continue
             running[worker] += 1
             compute = len(request.prompt) - admission.cached
@@ -305,7 +323,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
     def handle(event: tuple) -> None:
         nonlocal tie
         now, kind, _, worker, index, admission = event
-        request = requests[index]
+        request = admission.request
         if kind == _PREFILLED:
             loops[worker].cache_prompt(admission)
             publish(worker, now)
@@ -331,10 +349,10 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             now = float(arrivals[index])
             while heap and heap[0][0] <= now:
                 handle(heapq.heappop(heap))
-            request = requests[index]
             if router is None:
                 worker = 0
             else:
+                request = requests[index]
                 if with_events:
                     if event_lag.ms:
                         max_time, max_step = now - lag_s, math.inf
@@ -345,6 +363,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
                             router.indexer.apply(w, events)
                 worker = router.route(request.prompt, request.extra_key)
                 router.add_load(worker, len(request.prompt) + request.output_len)
+                request = None  # made again when admitted
             steps += 1
             decisions.append(worker)
             queues[worker].append(index)
@@ -352,6 +371,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
                 start_next(worker, now)
             if progress is not None:
                 progress(1)
+        routing = False
         while heap:
             handle(heapq.heappop(heap))
     finally:
@@ -397,9 +417,11 @@ def _check_common(requests: Sequence[Request], num_workers: Any, capacity: Any,
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    for request in requests:
-        if not isinstance(request, Request):
-            raise TypeError(f"requests must be Request objects, got {type(request).__name__}")
+    if not isinstance(requests, Trace):  # a Trace makes Request objects only
+        for request in requests:
+            if not isinstance(request, Request):
+                raise TypeError(f"requests must be Request objects, got "
+                                f"{type(request).__name__}")
     if arrivals is None:
         arrivals = arrival_times(requests, interval_ms)
     arrivals = np.asarray(arrivals, dtype=np.float64)

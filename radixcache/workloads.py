@@ -114,6 +114,28 @@ class Request:
             object.__setattr__(self, "timestamp", float(self.timestamp))
 
 
+def _trusted_request(prompt: np.ndarray, output_len: int, output: np.ndarray | None = None,
+                     extra_key: object = None, timestamp: float | None = None,
+                     spare: np.ndarray | None = None) -> Request:
+    """A ``Request`` from fields already checked and converted (a parsed trace's): no pass
+    over the tokens. ``prompt`` and ``output`` must be 1-D int64 arrays of ids in
+    ``[0, FRESH_TOKEN_BASE)``, ``output_len`` an int, ``timestamp`` a float or None.
+    ``spare``: a buffer that starts with ``prompt`` (a view of it) and has room for the output,
+    which the serving loop fills instead of copying the prompt (once)."""
+    request = object.__new__(Request)
+    set_field = object.__setattr__
+    set_field(request, "prompt", prompt)
+    set_field(request, "output_len", output_len)
+    set_field(request, "output", output)
+    set_field(request, "extra_key", extra_key)
+    set_field(request, "timestamp", timestamp)
+    if spare is not None:
+        # Taken once by the serving loop: ``prompt`` is ``spare[:len(prompt)]``. In a list
+        # that a shallow copy of the request shares, so that only one admission writes to it.
+        request.__dict__["_spare"] = [spare]
+    return request
+
+
 def _between(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
     """A uniform int in the inclusive range ``bounds``."""
     low, high = bounds
@@ -572,6 +594,12 @@ class KVPool:
         self._top -= n
         return torch.from_numpy(self._free[self._top:self._top + n].copy())
 
+    def _take_into(self, out: np.ndarray) -> None:
+        """Allocate ``len(out)`` slots (the caller checked that they are free) into ``out``."""
+        n = len(out)
+        self._top -= n
+        out[:] = self._free[self._top:self._top + n]
+
     def free(self, slots: Any) -> None:
         """Return slots to the pool.
 
@@ -727,8 +755,7 @@ class ServingLoop:
             start = clock()
             self.evicted_tokens += cache.evict(short, pool.free)
             self.seconds += clock() - start
-        new_slots = pool.alloc(need)
-        if new_slots is None:
+        if need > pool.available:
             start = clock()
             cache.dec_lock_ref(match.last_node)
             self.seconds += clock() - start
@@ -739,17 +766,29 @@ class ServingLoop:
         self._count(request, cached)
 
         output = request.output
+        # A parsed trace's request may come with its prompt at the start of a buffer that has
+        # room for the output: prompt + output are then made without copying the prompt.
+        holder = request.__dict__.get("_spare")
+        spare = holder.pop() if holder else None
+        total = len(prompt) + request.output_len
         if output is None:
-            output = np.arange(self._next_fresh, self._next_fresh + request.output_len,
-                               dtype=np.int64)
+            fresh = np.arange(self._next_fresh, self._next_fresh + request.output_len,
+                              dtype=np.int64)
             self._next_fresh += request.output_len
-        full = np.concatenate((prompt, output))
-        if cached:
-            # numpy concatenation: large fresh torch allocations are much slower on some hosts.
-            kv = torch.from_numpy(np.concatenate((match.indices.numpy(), new_slots.numpy())))
+            if spare is not None and len(spare) >= total:
+                full = spare[:total]
+                full[len(prompt):] = fresh
+            else:
+                full = np.concatenate((prompt, fresh))
         else:
-            kv = new_slots
-        return Admission(request, cached, full, kv, match.last_node, cached)
+            full = np.concatenate((prompt, output))
+        # The slots in one buffer, filled once (numpy: large fresh torch allocations are much
+        # slower on some hosts).
+        slots = np.empty(cached + need, dtype=np.int64)
+        if cached:
+            slots[:cached] = match.indices.numpy()
+        pool._take_into(slots[cached:])
+        return Admission(request, cached, full, torch.from_numpy(slots), match.last_node, cached)
 
     def _count(self, request: Request, cached: int) -> None:
         self.requests += 1
