@@ -109,7 +109,11 @@ class Trace(Sequence):
 
     # -- sequence protocol --
     def __len__(self) -> int:
-        """The number of requests."""
+        """How many requests the trace holds.
+
+        Returns:
+            The number of requests.
+        """
         return len(self._prompt_lengths)
 
     def __getitem__(self, index: Any) -> Any:
