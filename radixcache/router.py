@@ -9,12 +9,14 @@ many leading blocks of a request each worker holds.
 Block keys are computed by the indexer itself, not taken from the publisher: a block's key
 chains its parent's key and the block's token ids (and, for a sequence's first block, the
 namespace), so any publisher that sends token ids (radixcache, vLLM, SGLang) indexes the
-same way and a query hashes its tokens the same way. Per worker, a map from the publisher's
-block hash to the indexer's key resolves ``parent_block_hash`` and ``BlockRemoved``.
-Memory is proportional to the blocks held: one entry per (worker, block) in that map and one
-per distinct block (a bit mask of its holders), freed when its last holder removes it. The
-keys use Python's own hash, so they are stable within a process only: each router process
-keeps its own index.
+same way and a query hashes its tokens the same way. Per copy (a worker's blocks on one
+tier, ``medium``, in one KV-cache group, ``group_idx``), a map from the publisher's block
+hash to the indexer's key resolves ``parent_block_hash`` and ``BlockRemoved``.
+Memory is proportional to the (block, copy) pairs held: one entry per pair in that map and
+one per distinct block (its holding copy, or a small map when several hold it), freed when
+its last holder removes it; a worker that holds nothing keeps nothing. The keys use
+Python's own hash, so they are stable within a process only: each router process keeps its
+own index.
 
 Bad input from the wire never raises: an event that cannot be applied (a removal of an
 unknown block, a stored block whose parent is unknown, a wrong block size, a malformed event
@@ -40,6 +42,7 @@ from typing import Any, Hashable, Iterable, Optional
 
 
 from .events import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -83,10 +86,11 @@ class IndexerStats:
     wrong_block_size: int = 0    #: ``BlockStored`` skipped: not the indexer's block size
     malformed_events: int = 0    #: events skipped: not an event, or inconsistent fields
     malformed_batches: int = 0   #: wire payloads that could not be decoded
+    restarts: int = 0            #: restarted publishers whose blocks were dropped
 
     @property
     def skipped(self) -> int:
-        """Events or blocks that could not be applied (everything but the first six counts)."""
+        """Events or blocks that could not be applied."""
         return (self.unknown_parent + self.unknown_removals + self.wrong_block_size
                 + self.malformed_events + self.malformed_batches)
 
@@ -144,88 +148,173 @@ def _namespace_bytes(namespace: Any) -> bytes:
         return b"R" + repr(namespace).encode("utf-8", "surrogatepass")
 
 
+class _Copy:
+    """One worker's blocks on one tier and KV-cache group: ``(worker, medium, group)``."""
+
+    __slots__ = ("worker", "medium", "group", "published")
+
+    def __init__(self, worker: Hashable, medium: str, group: Any) -> None:
+        self.worker = worker
+        self.medium = medium
+        self.group = group
+        self.published: dict = {}  # publisher hash -> indexer key
+
+    def __repr__(self) -> str:
+        return f"_Copy({self.worker!r}, {self.medium!r}, {self.group!r})"
+
+
+def _event_medium(event: Any) -> str:
+    """An event's tier: its ``medium``, ``"GPU"`` (the device tier) when it names none."""
+    medium = getattr(event, "medium", None)
+    if medium is None:
+        return MEDIUM_GPU
+    if not isinstance(medium, str):
+        raise TypeError("medium must be a str or None")
+    return medium
+
+
+def _event_group(event: Any) -> Any:
+    group = getattr(event, "group_idx", None)
+    if group is not None:
+        if isinstance(group, bool) or not isinstance(group, numbers.Integral):
+            raise TypeError("group_idx must be an int or None")
+        group = int(group)
+    return group
+
+
 class KvIndexer:
     """Which blocks each worker holds, learned from its KV events; see the module docstring.
 
     ``block_size`` is the workers' page size (tokens per block); workers are any hashable ids.
     Apply each worker's batches in the order it published them: ``apply(worker, events)``
     for event objects, ``apply_payload(worker, payload, seq)`` for a raw msgpack payload.
+
+    Blocks are held per copy: a worker's blocks on one tier (the event's ``medium``,
+    ``"GPU"`` when it names none) in one KV-cache group (``group_idx``). A removal removes
+    that copy only, and a block stays held while any of the copy's publisher hashes maps to
+    it. ``overlap`` counts the device tier (``"GPU"``) by default, any group; ``medium=``
+    reports another tier. Memory is one entry per (block, copy) and one per distinct block;
+    a worker holding nothing costs nothing.
     """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = _check_block_size(block_size)
         self._page_bytes = self.block_size * 8
-        # indexer key -> bit mask of the worker slots holding that block
+        # indexer key -> the _Copy holding it, or {_Copy: publisher hashes mapping to it}
+        # when more than one copy (or hash) holds it
         self._holders: dict = {}
-        # worker slot -> {publisher hash: indexer key}
-        self._published: list = []
-        self._slot_of: dict = {}
-        self._worker_of: list = []
-        self._free_slots: list = []
+        # worker -> {(medium, group): _Copy}; only copies holding at least one block
+        self._copies: dict = {}
         self.stats = IndexerStats()
 
     # -- workers -----------------------------------------------------------------------
-    def _slot(self, worker: Hashable) -> int:
+    @staticmethod
+    def _check_worker(worker: Hashable) -> None:
         try:
-            slot = self._slot_of.get(worker)
+            hash(worker)
         except TypeError:
             raise TypeError(f"worker must be a hashable id, got {type(worker).__name__}") from None
-        if slot is None:
-            if worker is None:
-                raise TypeError("worker must be a hashable id, not None")
-            if self._free_slots:
-                slot = self._free_slots.pop()
-                self._worker_of[slot] = worker
-            else:
-                slot = len(self._published)
-                self._published.append({})
-                self._worker_of.append(worker)
-            self._slot_of[worker] = slot
-        return slot
+        if worker is None:
+            raise TypeError("worker must be a hashable id, not None")
+
+    def _copy(self, worker: Hashable, medium: str, group: Any) -> _Copy:
+        copies = self._copies.get(worker)
+        if copies is None:
+            copies = self._copies[worker] = {}
+        copy = copies.get((medium, group))
+        if copy is None:
+            copy = copies[(medium, group)] = _Copy(worker, medium, group)
+        return copy
+
+    def _forget_if_empty(self, copy: _Copy) -> None:
+        if not copy.published:
+            copies = self._copies.get(copy.worker)
+            if copies is not None and copies.get((copy.medium, copy.group)) is copy:
+                del copies[(copy.medium, copy.group)]
+                if not copies:
+                    del self._copies[copy.worker]
 
     @property
     def workers(self) -> list:
-        """The workers the indexer knows (that sent at least one batch), in first-seen order
-        of their slot."""
-        return [w for w in self._worker_of if w is not None]
+        """The workers holding at least one block (any tier), in first-seen order."""
+        return list(self._copies)
 
-    def blocks_held(self, worker: Hashable) -> int:
-        """How many blocks ``worker`` holds (0 for an unknown worker)."""
-        slot = self._slot_of.get(worker)
-        return 0 if slot is None else len(self._published[slot])
+    def blocks_held(self, worker: Hashable, medium: Optional[str] = None) -> int:
+        """How many blocks ``worker`` holds (0 for an unknown worker), on every tier and
+        group, or only on tier ``medium``; a block held under two publisher hashes, tiers or
+        groups counts once per hash, tier and group."""
+        copies = self._copies.get(worker)
+        if not copies:
+            return 0
+        return sum(len(c.published) for c in copies.values()
+                   if medium is None or c.medium == medium)
 
     def __len__(self) -> int:
         """Distinct blocks held by at least one worker."""
         return len(self._holders)
 
     def remove_worker(self, worker: Hashable) -> None:
-        """Forget ``worker`` and every block it held (it left the fleet)."""
-        slot = self._slot_of.pop(worker, None)
-        if slot is None:
-            return
-        self._clear_slot(slot)
-        self._worker_of[slot] = None
-        self._free_slots.append(slot)
+        """Forget ``worker`` and every block it held on every tier (it left the fleet, or
+        restarted)."""
+        copies = self._copies.pop(worker, None)
+        if copies:
+            for copy in copies.values():
+                self._clear_copy(copy)
 
-    def _clear_slot(self, slot: int) -> None:
+    def _clear_copy(self, copy: _Copy) -> None:
+        for key in copy.published.values():
+            self._unhold(key, copy)
+        copy.published = {}
+
+    def _clear_worker(self, worker: Hashable) -> None:
+        copies = self._copies.pop(worker, None)
+        if copies:
+            for copy in copies.values():
+                self._clear_copy(copy)
+
+    def _hold(self, key: int, copy: _Copy) -> None:
         holders = self._holders
-        keep = ~(1 << slot)
-        for key in set(self._published[slot].values()):
-            mask = holders.get(key, 0) & keep
-            if mask:
-                holders[key] = mask
+        current = holders.get(key)
+        if current is None:
+            holders[key] = copy
+        elif type(current) is dict:
+            current[copy] = current.get(copy, 0) + 1
+        elif current is copy:
+            holders[key] = {copy: 2}
+        else:
+            holders[key] = {current: 1, copy: 1}
+
+    def _unhold(self, key: int, copy: _Copy) -> None:
+        holders = self._holders
+        current = holders.get(key)
+        if current is copy:
+            del holders[key]
+        elif type(current) is dict:
+            count = current.get(copy, 0)
+            if count > 1:
+                current[copy] = count - 1
             else:
-                holders.pop(key, None)
-        self._published[slot] = {}
+                current.pop(copy, None)
+                if len(current) == 1:
+                    (only, count), = current.items()
+                    if count == 1:
+                        holders[key] = only
+                elif not current:
+                    del holders[key]
 
     # -- events ------------------------------------------------------------------------
     def apply(self, worker: Hashable, events: Iterable[Any]) -> None:
         """Apply one batch of ``worker``'s events (a list, or a subscriber's
-        ``ReceivedBatch``), in order. Never raises for bad events."""
-        slot = self._slot(worker)
+        ``ReceivedBatch``), in order. Never raises for bad events. A ``ReceivedBatch``
+        marked ``restarted`` (its publisher restarted) first drops every block the worker
+        held."""
+        self._check_worker(worker)
         stats = self.stats
         stats.batches += 1
         if isinstance(events, ReceivedBatch):
+            if events.restarted:
+                self._clear_worker(worker)
+                stats.restarts += 1
             events = events.events
         try:
             events = list(events)
@@ -235,18 +324,19 @@ class KvIndexer:
         for event in events:
             stats.events += 1
             if isinstance(event, BlockStored):
-                self._stored(slot, event)
+                self._stored(worker, event)
             elif isinstance(event, BlockRemoved):
-                self._removed(slot, event)
+                self._removed(worker, event)
             elif isinstance(event, AllBlocksCleared):
-                self._clear_slot(slot)
+                self._clear_worker(worker)
                 stats.cleared += 1
             else:
                 stats.malformed_events += 1
 
     def apply_payload(self, worker: Hashable, payload: bytes, seq: int = -1) -> bool:
-        """Decode a wire payload (``decode_batch``) and apply it; False if it was malformed."""
-        self._slot(worker)
+        """Decode a wire payload (``decode_batch``) and apply it; False if it was malformed
+        (counted in ``stats.malformed_batches``; nothing is kept for the worker)."""
+        self._check_worker(worker)
         try:
             batch = decode_batch(payload, seq)
         except (ValueError, TypeError):
@@ -255,7 +345,7 @@ class KvIndexer:
         self.apply(worker, batch.events)
         return True
 
-    def _stored(self, slot: int, event: BlockStored) -> None:
+    def _stored(self, worker: Hashable, event: BlockStored) -> None:
         stats = self.stats
         hashes = event.block_hashes
         token_ids = event.token_ids
@@ -267,15 +357,17 @@ class KvIndexer:
             stats.wrong_block_size += 1
             return
         try:
+            medium = _event_medium(event)
+            group = _event_group(event)
             data = _event_token_bytes(token_ids)
             if len(data) != len(hashes) * self._page_bytes:
                 raise ValueError("token_ids do not fill the blocks")
-            published = self._published[slot]
+            copies = self._copies.get(worker)
+            copy = None if copies is None else copies.get((medium, group))
+            published = {} if copy is None else copy.published
             parent = event.parent_block_hash
-            namespace_key = None
             if parent is None:
-                namespace_key = _root_key(_namespace_bytes(_event_namespace(event)))
-                key = namespace_key
+                key = _root_key(_namespace_bytes(_event_namespace(event)))
             else:
                 key = published.get(parent)
                 if key is None:
@@ -288,12 +380,15 @@ class KvIndexer:
                     block_hash = operator.index(block_hash)
                 key = hash((key, data[start:start + page_bytes]))
                 pairs.append((block_hash, key))
-        except (TypeError, ValueError, OverflowError, LookupError):  # LookupError: extra_keys[0]
+        except (TypeError, ValueError, OverflowError, LookupError, RecursionError):
+            # LookupError: extra_keys[0]; RecursionError: a hand-built, absurdly deep namespace
             stats.malformed_events += 1
             return
-        holders = self._holders
-        holders_get = holders.get
-        bit = 1 << slot
+        if not pairs:
+            return
+        if copy is None:
+            copy = self._copy(worker, medium, group)
+            published = copy.published
         stored = 0
         for block_hash, key in pairs:
             known = published.get(block_hash)
@@ -302,44 +397,38 @@ class KvIndexer:
                     stats.duplicate_blocks += 1
                     continue
                 # The publisher reused a hash for other content: the newer block wins.
-                self._drop(slot, block_hash, known)
+                self._unhold(known, copy)
             published[block_hash] = key
-            holders[key] = holders_get(key, 0) | bit
+            self._hold(key, copy)
             stored += 1
         stats.stored_blocks += stored
 
-    def _drop(self, slot: int, block_hash: int, key: int) -> None:
-        del self._published[slot][block_hash]
-        mask = self._holders.get(key, 0) & ~(1 << slot)
-        if mask:
-            self._holders[key] = mask
-        else:
-            self._holders.pop(key, None)
-
-    def _removed(self, slot: int, event: BlockRemoved) -> None:
+    def _removed(self, worker: Hashable, event: BlockRemoved) -> None:
         stats = self.stats
-        published = self._published[slot]
         try:
+            medium = _event_medium(event)
+            group = _event_group(event)
             hashes = [h if type(h) in _HASH_TYPES else operator.index(h)
                       for h in event.block_hashes]
         except TypeError:
             stats.malformed_events += 1
             return
-        holders = self._holders
-        keep = ~(1 << slot)
+        copies = self._copies.get(worker)
+        copy = None if copies is None else copies.get((medium, group))
+        if copy is None:
+            stats.unknown_removals += len(hashes)
+            return
+        published = copy.published
         removed = 0
         for block_hash in hashes:
             key = published.pop(block_hash, None)
             if key is None:
                 stats.unknown_removals += 1
                 continue
-            mask = holders.get(key, 0) & keep
-            if mask:
-                holders[key] = mask
-            else:
-                holders.pop(key, None)
+            self._unhold(key, copy)
             removed += 1
         stats.removed_blocks += removed
+        self._forget_if_empty(copy)
 
     # -- queries -----------------------------------------------------------------------
     def block_keys(self, tokens: Any, extra_key: Any = None) -> list:
@@ -353,43 +442,54 @@ class KvIndexer:
             keys.append(key)
         return keys
 
-    def overlap(self, tokens: Any, extra_key: Any = None) -> dict:
+    def overlap(self, tokens: Any, extra_key: Any = None, medium: Optional[str] = MEDIUM_GPU
+                ) -> dict:
         """``{worker: leading blocks of tokens it holds}`` for every worker holding at least one.
 
         ``tokens``: a 1-D integer sequence (list, tuple, numpy array, CPU tensor);
         ``extra_key``: the namespace (None, str, bytes or int). Only full blocks count.
+        ``medium``: the tier counted, ``"GPU"`` (the device, also events naming no medium)
+        by default, e.g. ``"CPU"`` for a host tier; a block counts when any of the worker's
+        KV-cache groups holds it on that tier.
         """
-        return self._overlap(tokens_le_bytes(tokens), encode_namespace(extra_key))
+        if medium is None:
+            medium = MEDIUM_GPU
+        elif not isinstance(medium, str):
+            raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
+        return self._overlap(tokens_le_bytes(tokens), encode_namespace(extra_key), medium)
 
-    def _overlap(self, data: bytes, namespace: bytes) -> dict:
+    def _overlap(self, data: bytes, namespace: bytes, medium: str = MEDIUM_GPU) -> dict:
         key = _root_key(namespace)
-        holders = self._holders
+        holders_get = self._holders.get
         page_bytes = self._page_bytes
         counts: dict = {}
-        active = -1
+        active = None  # workers holding every block so far (None: before the first block)
         depth = 0
         for start in range(0, len(data) - page_bytes + 1, page_bytes):
             key = hash((key, data[start:start + page_bytes]))
-            mask = holders.get(key, 0) & active
-            if mask != active and depth:
-                self._credit(active & ~mask, depth, counts)
-            active = mask
+            current = holders_get(key)
+            if current is None:
+                break
+            if type(current) is _Copy:
+                held = {current.worker} if current.medium == medium else set()
+            else:
+                held = {copy.worker for copy in current if copy.medium == medium}
+            if active is None:
+                active = held
+            elif held != active:
+                for worker in active - held:
+                    counts[worker] = depth
+                active &= held
             if not active:
                 break
             depth += 1
-        if depth and active:
-            self._credit(active, depth, counts)  # held every full block of the query
+        if active:
+            for worker in active:
+                counts[worker] = depth  # held every full block of the query
         return counts
 
-    def _credit(self, mask: int, depth: int, counts: dict) -> None:
-        workers = self._worker_of
-        while mask:
-            low = mask & -mask
-            counts[workers[low.bit_length() - 1]] = depth
-            mask ^= low
-
     def __repr__(self) -> str:
-        return (f"KvIndexer(block_size={self.block_size}, workers={len(self._slot_of)}, "
+        return (f"KvIndexer(block_size={self.block_size}, workers={len(self._copies)}, "
                 f"blocks={len(self._holders)})")
 
 

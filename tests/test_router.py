@@ -155,8 +155,7 @@ def test_indexer_overlap_equals_workers_match_prefix_through_the_wire(make_cache
     each worker's own match_prefix length."""
     rng = random.Random(7)
     page_size = 4
-    # The positional layout has no extra_keys field: it cannot carry namespaces.
-    namespaces = (None, None, "a", 3) if encoding == "map" else (None,)
+    namespaces = (None, None, "a", 3)  # both layouts carry namespaces
     caches, sequences, steps = random_cache_steps(make_cache, rng, page_size, 3, 200,
                                                   namespaces=namespaces)
     indexer = KvIndexer(page_size)
@@ -209,7 +208,7 @@ def test_indexer_keys_its_own_hashes_not_the_publishers():
     assert indexer.overlap(tokens) == {"w1": 1}
     assert len(indexer) == 1  # the last holder's removal freed the entry
     indexer.remove_worker("w1")
-    assert len(indexer) == 0 and indexer.workers == ["w2"]
+    assert len(indexer) == 0 and indexer.workers == []  # w2 holds nothing: forgotten too
 
 
 def test_indexer_counts_bad_and_out_of_order_events_and_never_raises():
