@@ -46,9 +46,12 @@ DEFAULT_ROUTERS = "round-robin,prefix-hash,cache-aware"
 #: The options that only a fleet (--workers >= 2) uses, with their defaults.
 FLEET_DEFAULTS = {"router": DEFAULT_ROUTERS, "event_lag": "0", "prefill_tps": DEFAULT_PREFILL_TPS,
                   "decode_tps": DEFAULT_DECODE_TPS, "interval": DEFAULT_INTERVAL_MS,
-                  "load_weight": DEFAULT_LOAD_WEIGHT, "prefill_weight": 1.0}
+                  "load_weight": DEFAULT_LOAD_WEIGHT, "prefill_weight": 1.0,
+                  "prefix_blocks": "auto"}
 
 EMBEDDED_NAME = "synthetic chat (embedded)"
+#: Traces larger than this get a "reading" line first (parsing takes seconds).
+LARGE_TRACE_BYTES = 1_000_000
 DEFAULT_CAPACITIES = "32768,131072,524288"
 
 # Plot size in inches at PLOT_DPI: the PNG is 800 x 500 pixels.
@@ -104,6 +107,16 @@ def _policy_list(text: str) -> list[str]:
 
 def _router_list(text: str) -> list[str]:
     return _name_list(text, ROUTING_POLICIES, "router")
+
+
+def _prefix_blocks(text: str) -> int | str:
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number >= 1 or 'auto', got {text!r}") from None
 
 
 def _event_lag(text: str) -> EventLag:
@@ -194,6 +207,10 @@ def _build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--prefill-weight", type=_number(0, True), default=None, metavar="W",
                        help="cache-aware: weight of the prefill tokens the request would need "
                             "on the worker (default 1)")
+    fleet.add_argument("--prefix-blocks", type=_prefix_blocks, default=None, metavar="N|auto",
+                       help="prefix-hash: hash the first N blocks of --page-size tokens; 'auto' "
+                            "(default) hashes the shortest prefix shared by at most 1/N of the "
+                            "requests seen")
 
     bench = sub.add_parser(
         "bench", help="time the tree cores side by side",
@@ -378,6 +395,9 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         trace_name = os.path.basename(args.trace)
         try:
+            if not args.quiet and os.path.getsize(args.trace) > LARGE_TRACE_BYTES:
+                print(f"reading {trace_name} ({os.path.getsize(args.trace) / 1e6:,.1f} MB)...",
+                      file=sys.stderr, flush=True)
             requests = read_trace(args.trace, block_size=args.block_size, limit=args.limit)
         except TraceError as exc:
             print(f"radixcache: error: {exc}", file=sys.stderr)
@@ -478,7 +498,7 @@ def _simulate_fleet(args: argparse.Namespace, requests: list[Request], trace_nam
     timed = bool(requests) and requests[0].timestamp is not None
     time_model = TimeModel(args.prefill_tps, args.decode_tps)
     router_options = {"load_weight": args.load_weight, "prefill_weight": args.prefill_weight,
-                      "seed": args.seed}
+                      "seed": args.seed, "prefix_blocks": args.prefix_blocks}
     print(f"fleet: {args.workers} workers; routers {', '.join(args.router)}; event lag "
           f"{args.event_lag}; prefill {args.prefill_tps:g} tokens/s per worker, decode "
           f"{args.decode_tps:g} tokens/s per request; arrivals "
@@ -489,11 +509,17 @@ def _simulate_fleet(args: argparse.Namespace, requests: list[Request], trace_nam
     rows: list[dict] = []
     table: list[list[str]] = []
     notes: list[str] = []
+    runs = len(args.capacity) * len(args.policy) * (len(args.router) + 1)
+    run = 0
     for capacity in args.capacity:
         for policy in args.policy:
             for router in [*args.router, POOLED]:
                 label = f"{router} @ {capacity:,}" + (f" {policy}" if len(args.policy) > 1
                                                       else "")
+                run += 1
+                label = f"run {run} of {runs}: {label}"
+                if not args.quiet:
+                    print(label, file=sys.stderr, flush=True)
                 bar = _progress_bar(len(requests), label, args.quiet)
                 common = dict(page_size=args.page_size, eviction_policy=policy, core=core,
                               arrivals=arrivals, time_model=time_model,

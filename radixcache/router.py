@@ -519,8 +519,15 @@ class Router:
     - ``random``: uniformly at random from a ``random.Random(seed)``.
     - ``least-loaded``: the smallest reported load; ties go to the worker routed to least.
     - ``prefix-hash``: a consistent hash (a ring of ``virtual_nodes`` points per worker,
-      SHA-256, the same in every process) of the first ``prefix_blocks`` blocks of
-      ``block_size`` tokens and the namespace: a prefix always lands on the same worker.
+      SHA-256, the same in every process) of a prompt's first blocks of ``block_size``
+      tokens and the namespace: a prefix lands on the same worker. ``prefix_blocks=N``
+      hashes the first N blocks. The default, ``"auto"``, hashes the shortest prefix whose
+      family (the requests seen so far that start with it) is at most one worker's share of
+      the traffic (1 / ``num_workers``, and at least ``MIN_PREFIX_FAMILY`` requests, so a
+      young family stays on one worker): a first block every request shares (a system
+      prompt) is too big a family for one worker, so the next block decides, while a
+      conversation's turns, which share their first blocks, stay together. The counts are
+      kept per block prefix visited (at most ``MAX_PREFIX_FAMILIES``, halved when full).
     - ``cache-aware``: the lowest ``prefill_weight * (tokens not cached on the worker) +
       load_weight * load``, the cached tokens being the worker's overlap in ``indexer`` times
       ``block_size``; ties go to the lower load, then to the worker routed to least.
@@ -529,12 +536,19 @@ class Router:
     when a request is dispatched, ``remove_load`` as its work completes (``set_load`` for a
     router that polls its workers instead). Feed the indexer with each worker's events
     (``router.indexer.apply(worker, events)``); worker ids in the events are the ints
-    ``0 .. num_workers-1``.
+    ``0 .. num_workers-1``: ``cache-aware`` routing raises ValueError naming any other id
+    the indexer holds blocks for, rather than ignoring its blocks.
     """
+
+    #: The most block prefixes ``prefix_blocks="auto"`` counts before halving every count.
+    MAX_PREFIX_FAMILIES = 1 << 20
+    #: ``prefix_blocks="auto"`` never splits a family of fewer requests than this.
+    MIN_PREFIX_FAMILY = 64
 
     def __init__(self, num_workers: int, policy: str = "cache-aware", *,
                  block_size: Optional[int] = None,
-                 indexer: Optional[KvIndexer] = None, seed: int = 0, prefix_blocks: int = 1,
+                 indexer: Optional[KvIndexer] = None, seed: int = 0,
+                 prefix_blocks: Any = "auto",
                  prefill_weight: float = 1.0, load_weight: float = DEFAULT_LOAD_WEIGHT,
                  virtual_nodes: int = 64) -> None:
         self.num_workers = _check_worker_count(num_workers)
@@ -557,12 +571,23 @@ class Router:
         self.block_size = indexer.block_size
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        for name, value in (("prefix_blocks", prefix_blocks), ("virtual_nodes", virtual_nodes)):
+        if isinstance(prefix_blocks, str):
+            if prefix_blocks != "auto":
+                raise ValueError(f"prefix_blocks must be an int >= 1 or 'auto', got "
+                                 f"{prefix_blocks!r}")
+            checks = (("virtual_nodes", virtual_nodes),)
+        else:
+            checks = (("prefix_blocks", prefix_blocks), ("virtual_nodes", virtual_nodes))
+        for name, value in checks:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self.prefix_blocks = int(prefix_blocks)
+        #: blocks prefix-hash hashes: an int, or "auto" (see the class docstring)
+        self.prefix_blocks = prefix_blocks if isinstance(prefix_blocks, str) else int(
+            prefix_blocks)
+        self._families: dict = {}  # block prefix key -> requests seen starting with it
+        self._family_requests = 0
         self.prefill_weight = _check_weight("prefill_weight", prefill_weight)
         self.load_weight = _check_weight("load_weight", load_weight)
         self._rng = random.Random(int(seed))
@@ -656,14 +681,42 @@ class Router:
         return worker
 
     def _prefix_worker(self, data: bytes, namespace: bytes) -> int:
-        point = _stable_hash(b"prefix", namespace,
-                             data[: self.prefix_blocks * self.block_size * 8])
+        page_bytes = self.block_size * 8
+        if self.prefix_blocks == "auto":
+            depth = self._family_depth(data, namespace, page_bytes)
+        else:
+            depth = self.prefix_blocks
+        point = _stable_hash(b"prefix", namespace, data[: depth * page_bytes] if depth else data)
         i = bisect_right(self._ring, point)
         return self._ring_workers[i % len(self._ring_workers)]
+
+    def _family_depth(self, data: bytes, namespace: bytes, page_bytes: int) -> int:
+        """How many blocks ``auto`` hashes: the first prefix whose family is at most one
+        worker's share of the requests seen (0: the prompt has no full block)."""
+        families = self._families
+        share = max(self._family_requests / self.num_workers, self.MIN_PREFIX_FAMILY)
+        key = _root_key(namespace)
+        depth = 0
+        for start in range(0, len(data) - page_bytes + 1, page_bytes):
+            key = hash((key, data[start:start + page_bytes]))
+            seen = families.get(key, 0)
+            families[key] = seen + 1
+            depth += 1
+            if seen <= share:
+                break
+        self._family_requests += 1
+        if len(families) > self.MAX_PREFIX_FAMILIES:
+            # Halve: old families fade, and the table stays bounded.
+            self._families = {k: v // 2 for k, v in families.items() if v > 1}
+            self._family_requests //= 2
+        return depth
 
     def _cache_aware(self, data: bytes, namespace: bytes) -> int:
         data_len = len(data) // 8
         overlap = self.indexer._overlap(data, namespace)
+        for worker in overlap:
+            if type(worker) is not int or not 0 <= worker < self.num_workers:
+                self._check_overlap_worker(worker)
         self.last_overlap = overlap
         loads, routed = self._loads, self._routed
         block_size = self.block_size
@@ -677,6 +730,15 @@ class Router:
             if best_key is None or key < best_key:
                 best, best_key = worker, key
         return best
+
+    def _check_overlap_worker(self, worker: Any) -> None:
+        if (not isinstance(worker, bool) and isinstance(worker, numbers.Integral)
+                and 0 <= worker < self.num_workers):
+            return
+        raise ValueError(
+            f"the indexer holds blocks of worker {worker!r}, which is not one of this "
+            f"router's workers 0 .. {self.num_workers - 1}: apply each worker's events under "
+            f"its int id")
 
     def __repr__(self) -> str:
         return (f"Router(num_workers={self.num_workers}, policy={self.policy!r}, "
