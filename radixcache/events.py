@@ -102,7 +102,9 @@ receives batches in order, fills sequence gaps through replay and decodes either
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
+import functools
 import math
 import numbers
 import queue
@@ -128,6 +130,8 @@ __all__ = [
     "ReceivedBatch",
     "ZmqEventPublisher",
     "ZmqEventSubscriber",
+    "BLOCK_HASHES",
+    "TokenIds",
     "block_hash",
     "block_hashes",
     "tokens_le_bytes",
@@ -382,6 +386,70 @@ def _chain(parent_hash: Optional[int], namespace: bytes, data: bytes, page_bytes
     return hashes
 
 
+#: ``EventRecorder(block_hash=...)``: ``"sha256"`` (the default, see "Block hash") or
+#: ``"fast64"``: a 64-bit non-cryptographic chain, the tree core's ``page_hash_chain`` seeded
+#: by the first 8 bytes of SHA-256(b"radixcache-fast64" + N) for a sequence's first page,
+#: the same in every process and core. A consumer that keys blocks by their token ids (as
+#: ``KvIndexer`` does) reads either; ``fast64`` is for in-process simulation, where hashing
+#: every page with SHA-256 costs more than the cache does. Its events carry their token ids
+#: as ``TokenIds`` (a tuple-like view of the bytes, converted only when read).
+BLOCK_HASHES = ("sha256", "fast64")
+
+
+@functools.lru_cache(maxsize=4096)
+def _fast_root(namespace: bytes) -> int:
+    return int.from_bytes(sha256(b"radixcache-fast64" + namespace).digest()[:8], "big",
+                          signed=True)
+
+
+def _fast_chain(parent_hash: Optional[int], namespace: bytes, data: bytes,
+                page_bytes: int) -> list:
+    from ._core import core  # noqa: PLC0415 -- the tree core, loaded with the cache
+
+    seed = _fast_root(namespace) if parent_hash is None else parent_hash
+    return core.page_hash_chain(seed, data, page_bytes)
+
+
+class TokenIds(collections.abc.Sequence):
+    """Token ids kept as int64 little-endian bytes (``le_bytes``), read as a tuple of ints:
+    equal to (and hashing like) the tuple of the same ids; converted once, when read."""
+
+    __slots__ = ("le_bytes", "_items")
+
+    def __init__(self, le_bytes: bytes) -> None:
+        if type(le_bytes) is not bytes or len(le_bytes) % 8:
+            raise TypeError("TokenIds needs bytes of int64 little-endian token ids")
+        self.le_bytes = le_bytes
+        self._items: Optional[tuple] = None
+
+    def _tuple(self) -> tuple:
+        if self._items is None:
+            self._items = tuple(np.frombuffer(self.le_bytes, dtype="<i8").tolist())
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self.le_bytes) // 8
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._tuple()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tuple())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenIds):
+            return self.le_bytes == other.le_bytes
+        if isinstance(other, (tuple, list)):
+            return self._tuple() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._tuple())
+
+    def __repr__(self) -> str:
+        return repr(self._tuple())
+
+
 # -- recorder ---------------------------------------------------------------------------
 
 class EventRecorder:
@@ -392,11 +460,12 @@ class EventRecorder:
     up until taken.
     """
 
-    __slots__ = ("page_size", "lora_id", "medium", "lora_namespaces", "_page_bytes",
-                 "_last_hash", "_events")
+    __slots__ = ("page_size", "lora_id", "medium", "lora_namespaces", "block_hash",
+                 "_page_bytes", "_last_hash", "_events", "_chain")
 
     def __init__(self, page_size: int, *, lora_id: Optional[int] = None,
-                 medium: Optional[str] = MEDIUM_GPU, lora_namespaces: bool = False) -> None:
+                 medium: Optional[str] = MEDIUM_GPU, lora_namespaces: bool = False,
+                 block_hash: str = "sha256") -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral):
             raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
         if page_size < 1:
@@ -410,6 +479,11 @@ class EventRecorder:
             raise TypeError(
                 f"lora_namespaces must be a bool, got {type(lora_namespaces).__name__}"
             )
+        if block_hash not in BLOCK_HASHES:
+            raise ValueError(f"unknown block_hash {block_hash!r}; valid: "
+                             f"{', '.join(BLOCK_HASHES)}")
+        self.block_hash = block_hash
+        self._chain = _chain if block_hash == "sha256" else _fast_chain
         self.page_size = int(page_size)
         self.lora_id = None if lora_id is None else int(lora_id)
         self.medium = medium
@@ -430,8 +504,8 @@ class EventRecorder:
         extra_key = node.extra_key
         parent_hash = self._hash_through(node.parent)
         key = node.key
-        hashes = _chain(parent_hash, encode_namespace(extra_key), _key_bytes(key),
-                        self._page_bytes)
+        data = _key_bytes(key)
+        hashes = self._chain(parent_hash, encode_namespace(extra_key), data, self._page_bytes)
         if not hashes:
             return
         self._last_hash[node.id] = hashes[-1]
@@ -444,7 +518,8 @@ class EventRecorder:
                 lora_id = namespace
         entry = None if namespace is None else (namespace,)
         self._events.append(BlockStored(
-            tuple(hashes), parent_hash, tuple(key.tolist()), self.page_size,
+            tuple(hashes), parent_hash,
+            tuple(key.tolist()) if self._chain is _chain else TokenIds(data), self.page_size,
             lora_id, self.medium, lora_name, (entry,) * len(hashes),
         ))
 
@@ -455,8 +530,8 @@ class EventRecorder:
             # stored() refused this namespace, so its pages were never announced.
             self._last_hash.pop(node.id, None)
             return
-        hashes = _chain(self._hash_through(node.parent), namespace, _key_bytes(node.key),
-                        self._page_bytes)
+        hashes = self._chain(self._hash_through(node.parent), namespace, _key_bytes(node.key),
+                             self._page_bytes)
         self._last_hash.pop(node.id, None)
         if hashes:
             self._events.append(BlockRemoved(tuple(hashes), self.medium))
@@ -484,8 +559,8 @@ class EventRecorder:
         """The hashes of ``node``'s pages (the root has none)."""
         if node.parent is None:
             return []
-        return _chain(self._hash_through(node.parent), encode_namespace(node.extra_key),
-                      _key_bytes(node.key), self._page_bytes)
+        return self._chain(self._hash_through(node.parent), encode_namespace(node.extra_key),
+                           _key_bytes(node.key), self._page_bytes)
 
     def _hash_through(self, node: Any) -> Optional[int]:
         """Hash of the last page on the path root..node (None for the root), cached per node."""
@@ -500,8 +575,8 @@ class EventRecorder:
             missing.append(node)
             node = node.parent
         for node in reversed(missing):
-            hashes = _chain(last, encode_namespace(node.extra_key), _key_bytes(node.key),
-                            self._page_bytes)
+            hashes = self._chain(last, encode_namespace(node.extra_key), _key_bytes(node.key),
+                                 self._page_bytes)
             if hashes:
                 last = hashes[-1]
                 known[node.id] = last

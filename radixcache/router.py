@@ -37,16 +37,21 @@ import random
 import sys
 from array import array
 from bisect import bisect_right
+from collections import deque
+from itertools import repeat
 from dataclasses import dataclass, fields
 from typing import Any, Hashable, Iterable, Optional
 
 
+from . import _core
 from .events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     ReceivedBatch,
+    TokenIds,
+    _fast_root,
     decode_batch,
     encode_namespace,
     tokens_le_bytes,
@@ -98,6 +103,13 @@ class IndexerStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _all_hash_types(hashes: Any) -> bool:
+    return set(map(type, hashes)) <= _HASH_TYPE_SET
+
+
+_HASH_TYPE_SET = set(_HASH_TYPES)
+
+
 def _check_block_size(block_size: Any) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
         raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
@@ -109,6 +121,8 @@ def _check_block_size(block_size: Any) -> int:
 def _event_token_bytes(token_ids: Any) -> bytes:
     """An event's token ids as int64 little-endian bytes; a tuple or list (what events hold)
     goes through ``array('q')``, cheaper than numpy for Python ints."""
+    if type(token_ids) is TokenIds:
+        return token_ids.le_bytes
     if _LITTLE_ENDIAN and type(token_ids) in (tuple, list):
         return array("q", token_ids).tobytes()  # TypeError/OverflowError for non-int64 items
     return tokens_le_bytes(token_ids)
@@ -116,8 +130,13 @@ def _event_token_bytes(token_ids: Any) -> bytes:
 
 def _root_key(namespace: bytes) -> int:
     # The chain of a sequence starts from its namespace, so equal tokens in two namespaces
-    # get different keys.
-    return hash(("radixcache-root", namespace))
+    # get different keys: the seed of the fast64 block hash, so a fast64 publisher's hashes
+    # are the indexer's keys.
+    return _fast_root(namespace)
+
+
+# Block keys: the tree core's page hash chain (compiled when built), seeded by the namespace.
+_page_keys = _core.core.page_hash_chain
 
 
 def _event_namespace(event: BlockStored) -> Any:
@@ -151,13 +170,16 @@ def _namespace_bytes(namespace: Any) -> bytes:
 class _Copy:
     """One worker's blocks on one tier and KV-cache group: ``(worker, medium, group)``."""
 
-    __slots__ = ("worker", "medium", "group", "published")
+    __slots__ = ("worker", "medium", "group", "published", "size")
 
     def __init__(self, worker: Hashable, medium: str, group: Any) -> None:
         self.worker = worker
         self.medium = medium
         self.group = group
-        self.published: dict = {}  # publisher hash -> indexer key
+        # publisher hash -> indexer key, for hashes that are not the key itself; a block
+        # published under its own key (a ``fast64`` publisher) is held without an entry
+        self.published: dict = {}
+        self.size = 0  # (publisher hash, block) pairs held
 
     def __repr__(self) -> str:
         return f"_Copy({self.worker!r}, {self.medium!r}, {self.group!r})"
@@ -227,7 +249,7 @@ class KvIndexer:
         return copy
 
     def _forget_if_empty(self, copy: _Copy) -> None:
-        if not copy.published:
+        if not copy.size:
             copies = self._copies.get(copy.worker)
             if copies is not None and copies.get((copy.medium, copy.group)) is copy:
                 del copies[(copy.medium, copy.group)]
@@ -246,8 +268,7 @@ class KvIndexer:
         copies = self._copies.get(worker)
         if not copies:
             return 0
-        return sum(len(c.published) for c in copies.values()
-                   if medium is None or c.medium == medium)
+        return sum(c.size for c in copies.values() if medium is None or c.medium == medium)
 
     def __len__(self) -> int:
         """Distinct blocks held by at least one worker."""
@@ -264,7 +285,27 @@ class KvIndexer:
     def _clear_copy(self, copy: _Copy) -> None:
         for key in copy.published.values():
             self._unhold(key, copy)
+        if copy.size > len(copy.published):
+            # Blocks held under their own keys have no entry: find them (clears are rare).
+            holders = self._holders
+            for key in [k for k, v in holders.items() if v is copy]:
+                del holders[key]
+            for key in [k for k, v in holders.items() if type(v) is dict and copy in v]:
+                while self._holds(key, copy):
+                    self._unhold(key, copy)
         copy.published = {}
+        copy.size = 0
+
+    def _holds(self, key: Any, copy: _Copy) -> bool:
+        current = self._holders.get(key)
+        return current is copy or (type(current) is dict and copy in current)
+
+    def _key_of(self, copy: _Copy, block_hash: Any) -> Optional[int]:
+        """The indexer key ``copy`` holds under publisher hash ``block_hash``, or None."""
+        key = copy.published.get(block_hash)
+        if key is None and type(block_hash) is int and self._holds(block_hash, copy):
+            key = block_hash  # published under its own key
+        return key
 
     def _clear_worker(self, worker: Hashable) -> None:
         copies = self._copies.pop(worker, None)
@@ -364,33 +405,57 @@ class KvIndexer:
                 raise ValueError("token_ids do not fill the blocks")
             copies = self._copies.get(worker)
             copy = None if copies is None else copies.get((medium, group))
-            published = {} if copy is None else copy.published
             parent = event.parent_block_hash
             if parent is None:
                 key = _root_key(_namespace_bytes(_event_namespace(event)))
             else:
-                key = published.get(parent)
+                key = None if copy is None else self._key_of(copy, parent)
                 if key is None:
                     stats.unknown_parent += 1
                     return
-            page_bytes = self._page_bytes
-            pairs = []
-            for start, block_hash in zip(range(0, len(data), page_bytes), hashes):
-                if type(block_hash) not in _HASH_TYPES:
-                    block_hash = operator.index(block_hash)
-                key = hash((key, data[start:start + page_bytes]))
-                pairs.append((block_hash, key))
+            keys = _page_keys(key, data, self._page_bytes)
+            if not _all_hash_types(hashes):
+                hashes = [h if type(h) in _HASH_TYPES else operator.index(h) for h in hashes]
         except (TypeError, ValueError, OverflowError, LookupError, RecursionError):
             # LookupError: extra_keys[0]; RecursionError: a hand-built, absurdly deep namespace
             stats.malformed_events += 1
             return
-        if not pairs:
+        if not keys:
             return
         if copy is None:
             copy = self._copy(worker, medium, group)
-            published = copy.published
+        holders = self._holders
+        if keys == list(hashes):
+            # Published under the indexer's own keys (a fast64 publisher): no hash map, and
+            # new blocks take one dict operation each.
+            before = len(holders)
+            found = list(map(holders.setdefault, keys, repeat(copy)))
+            stored = len(holders) - before
+            duplicates = found.count(copy) - stored  # held by this copy already
+            if stored + duplicates != len(keys):
+                for key, current in zip(keys, found):
+                    if current is copy:
+                        continue
+                    if type(current) is dict and copy in current:
+                        duplicates += 1
+                    else:
+                        self._hold(key, copy)
+                        stored += 1
+            copy.size += stored
+            stats.stored_blocks += stored
+            stats.duplicate_blocks += duplicates
+            return
+        published = copy.published
+        if (published.keys().isdisjoint(hashes) and holders.keys().isdisjoint(keys)
+                and len(set(hashes)) == len(keys)):
+            # New blocks under new hashes (the common case): in bulk.
+            published.update(zip(hashes, keys))
+            holders.update(zip(keys, repeat(copy)))
+            copy.size += len(keys)
+            stats.stored_blocks += len(keys)
+            return
         stored = 0
-        for block_hash, key in pairs:
+        for block_hash, key in zip(hashes, keys):
             known = published.get(block_hash)
             if known is not None:
                 if known == key:
@@ -398,9 +463,11 @@ class KvIndexer:
                     continue
                 # The publisher reused a hash for other content: the newer block wins.
                 self._unhold(known, copy)
+                copy.size -= 1
             published[block_hash] = key
             self._hold(key, copy)
             stored += 1
+        copy.size += stored
         stats.stored_blocks += stored
 
     def _removed(self, worker: Hashable, event: BlockRemoved) -> None:
@@ -418,29 +485,45 @@ class KvIndexer:
         if copy is None:
             stats.unknown_removals += len(hashes)
             return
-        published = copy.published
-        removed = 0
-        for block_hash in hashes:
-            key = published.pop(block_hash, None)
-            if key is None:
-                stats.unknown_removals += 1
-                continue
-            self._unhold(key, copy)
-            removed += 1
+        holders = self._holders
+        removed = unknown = 0
+        if not copy.published:
+            # Every block held under its own key: one dict operation each.
+            popped = list(map(holders.pop, hashes, repeat(None)))
+            removed = popped.count(copy)
+            if removed != len(hashes):
+                for block_hash, current in zip(hashes, popped):
+                    if current is copy:
+                        continue
+                    if current is not None:
+                        holders[block_hash] = current  # not this copy's alone: put back
+                        if type(current) is dict and copy in current:
+                            self._unhold(block_hash, copy)
+                            removed += 1
+                            continue
+                    unknown += 1
+        else:
+            published = copy.published
+            for block_hash in hashes:
+                key = published.pop(block_hash, None)
+                if key is None:
+                    if type(block_hash) is int and self._holds(block_hash, copy):
+                        key = block_hash
+                    else:
+                        unknown += 1
+                        continue
+                self._unhold(key, copy)
+                removed += 1
+        copy.size -= removed
         stats.removed_blocks += removed
+        stats.unknown_removals += unknown
         self._forget_if_empty(copy)
 
     # -- queries -----------------------------------------------------------------------
     def block_keys(self, tokens: Any, extra_key: Any = None) -> list:
         """The indexer keys of the full blocks of ``tokens`` in namespace ``extra_key``."""
         data = tokens_le_bytes(tokens)
-        key = _root_key(encode_namespace(extra_key))
-        page_bytes = self._page_bytes
-        keys = []
-        for start in range(0, len(data) - page_bytes + 1, page_bytes):
-            key = hash((key, data[start:start + page_bytes]))
-            keys.append(key)
-        return keys
+        return _page_keys(_root_key(encode_namespace(extra_key)), data, self._page_bytes)
 
     def overlap(self, tokens: Any, extra_key: Any = None, medium: Optional[str] = MEDIUM_GPU
                 ) -> dict:
@@ -459,15 +542,11 @@ class KvIndexer:
         return self._overlap(tokens_le_bytes(tokens), encode_namespace(extra_key), medium)
 
     def _overlap(self, data: bytes, namespace: bytes, medium: str = MEDIUM_GPU) -> dict:
-        key = _root_key(namespace)
-        holders_get = self._holders.get
-        page_bytes = self._page_bytes
         counts: dict = {}
         active = None  # workers holding every block so far (None: before the first block)
         depth = 0
-        for start in range(0, len(data) - page_bytes + 1, page_bytes):
-            key = hash((key, data[start:start + page_bytes]))
-            current = holders_get(key)
+        for current in map(self._holders.get, _page_keys(_root_key(namespace), data,
+                                                          self._page_bytes)):
             if current is None:
                 break
             if type(current) is _Copy:

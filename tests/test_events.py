@@ -1417,3 +1417,78 @@ def math_ceil_ms(seconds: float) -> int:
     import math
 
     return math.ceil(seconds * 1000)
+
+
+def _reference_page_chain(seed: int, data: bytes, page_bytes: int) -> list:
+    """The page hash chain as the core's docstring states it, in numpy uint64 arithmetic."""
+    tokens = np.frombuffer(data, dtype="<u8")
+    h = np.uint64(seed % 2**64)
+    out = []
+    with np.errstate(over="ignore"):
+        for start in range(0, len(tokens) - page_bytes // 8 + 1, page_bytes // 8):
+            for t in tokens[start:start + page_bytes // 8]:
+                h = (h ^ t) * np.uint64(0x9E3779B97F4A7C15)
+                h ^= h >> np.uint64(32)
+            for mul in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53):
+                h ^= h >> np.uint64(33)
+                h = h * np.uint64(mul)
+            h ^= h >> np.uint64(33)
+            out.append(int(h.astype(np.int64)))
+    return out
+
+
+def test_page_hash_chain_is_the_documented_function_in_every_core():
+    rng = np.random.default_rng(5)
+    cases = [(0, b"", 8), (-1, bytes(8), 8), (2**70 + 3, b"\x01" * 24, 16)]
+    for n, page in ((17, 8), (64, 32), (100, 128)):
+        data = rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64).astype("<i8").tobytes()
+        cases.append((int(rng.integers(-2**63, 2**63 - 1)), data, page))
+    for seed, data, page in cases:
+        expected = _reference_page_chain(seed, data, page)
+        for name, module in CORES.items():
+            assert module.page_hash_chain(seed, data, page) == expected, name
+    for module in CORES.values():
+        with pytest.raises(TypeError, match="data must be bytes"):
+            module.page_hash_chain(0, bytearray(8), 8)
+        with pytest.raises(TypeError, match="seed must be an int"):
+            module.page_hash_chain(1.0, b"", 8)
+        with pytest.raises(ValueError, match="page_bytes must be a positive multiple of 8"):
+            module.page_hash_chain(0, b"", 12)
+        with pytest.raises(ValueError, match="page_bytes"):
+            module.page_hash_chain(0, b"", 0)
+
+
+def test_fast64_recorder_hashes_and_token_ids(core_name):
+    cache = RadixCache(page_size=2, enable_events=True, core=core_name,
+                       event_options={"block_hash": "fast64"})
+    sha = RadixCache(page_size=2, enable_events=True, core=core_name)
+    for c in (cache, sha):
+        c.insert([1, 2, 3, 4, 5], extra_key="t")
+        c.insert([1, 2, 3, 4, 9, 9], extra_key="t")
+        c.evict(100)
+    fast_events, sha_events = cache.take_events(), sha.take_events()
+    root = int.from_bytes(hashlib.sha256(b"radixcache-fast64"
+                                         + ev.encode_namespace("t")).digest()[:8], "big",
+                          signed=True)
+    data = np.array([1, 2, 3, 4], dtype="<i8").tobytes()
+    first = fast_events[0]
+    assert list(first.block_hashes) == _reference_page_chain(root, data, 16)
+    assert isinstance(first.token_ids, ev.TokenIds)
+    assert first.token_ids == (1, 2, 3, 4) and (1, 2, 3, 4) == first.token_ids
+    assert first.token_ids == [1, 2, 3, 4] and hash(first.token_ids) == hash((1, 2, 3, 4))
+    assert list(first.token_ids) == [1, 2, 3, 4] and first.token_ids[1:3] == (2, 3)
+    assert len(first.token_ids) == 4 and repr(first.token_ids) == "(1, 2, 3, 4)"
+    assert fast_events[1].parent_block_hash == first.block_hashes[-1]
+    # The same events, but for the hashes: shape, order, token ids, namespaces.
+    assert [type(e) for e in fast_events] == [type(e) for e in sha_events]
+    for f, s in zip(fast_events, sha_events):
+        assert dataclasses.replace(f, block_hashes=s.block_hashes, **(
+            {"parent_block_hash": s.parent_block_hash} if isinstance(f, ev.BlockStored)
+            else {})) == s
+    removed = {e.block_hashes for e in fast_events if isinstance(e, ev.BlockRemoved)}
+    stored = {h for e in fast_events if isinstance(e, ev.BlockStored) for h in e.block_hashes}
+    assert {h for hashes in removed for h in hashes} == stored
+    with pytest.raises(ValueError, match="unknown block_hash 'md5'; valid: sha256, fast64"):
+        RadixCache(page_size=2, enable_events=True, event_options={"block_hash": "md5"})
+    if msgspec is not None:
+        assert ev.decode_batch(ev.encode_batch(fast_events)).events == fast_events

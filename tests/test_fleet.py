@@ -515,3 +515,18 @@ def test_cli_prefix_blocks_and_run_counter(tmp_path, capsys):
     assert "--prefix-blocks applies to a fleet" in capsys.readouterr().err
     assert main(["simulate", str(trace), "--workers", "2", "--prefix-blocks", "0"]) == 2
     assert "expected a whole number >= 1 or 'auto'" in capsys.readouterr().err
+
+
+def test_fleet_results_do_not_depend_on_the_workers_block_hash(core_name):
+    """In-process channels make the workers hash pages with fast64; given channels, they
+    publish SHA-256 hashes: the router, which keys blocks by their tokens, decides alike."""
+    from radixcache.fleet import InProcessChannel
+
+    requests = synthetic_chat(num_conversations=20, num_system_prompts=3, seed=7)
+    common = dict(page_size=4, core=core_name, interval_ms=50.0)
+    fast = simulate_fleet(requests, 3, 3_000, "cache-aware", **common)
+    sha = simulate_fleet(requests, 3, 3_000, "cache-aware",
+                         channels=[InProcessChannel() for _ in range(3)], **common)
+    assert fast.decisions == sha.decisions and fast.hit_rate == sha.hit_rate
+    assert fast.indexer_stats == sha.indexer_stats and fast.indexer_stats["stored_blocks"] > 0
+    assert 0 < fast.hit_rate < 1

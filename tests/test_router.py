@@ -91,9 +91,10 @@ def wire_payload(events, encoding="map", ts=1.0):
 
 # -- indexer: events recorded from real caches, against the model ---------------------------
 def random_cache_steps(make_cache, rng, page_size, num_workers, steps, reset_every=0,
-                       namespaces=(None, None, "a", 3)):
+                       namespaces=(None, None, "a", 3), block_hash="sha256"):
     """Per step: (worker, events) from caches doing random inserts, evictions and resets."""
-    caches = [make_cache(page_size=page_size, enable_events=True) for _ in range(num_workers)]
+    caches = [make_cache(page_size=page_size, enable_events=True,
+                         event_options={"block_hash": block_hash}) for _ in range(num_workers)]
     pages = [[rng.randrange(4) for _ in range(page_size)] for _ in range(6)]
     sequences = []
     out = []
@@ -117,10 +118,12 @@ def random_cache_steps(make_cache, rng, page_size, num_workers, steps, reset_eve
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("lag, drop", [(0, 0.0), (3, 0.0), (2, 0.15)])
-def test_indexer_matches_model_under_random_streams(make_cache, page_size, lag, drop):
+@pytest.mark.parametrize("block_hash", ["sha256", "fast64"])
+def test_indexer_matches_model_under_random_streams(make_cache, page_size, lag, drop,
+                                                    block_hash):
     rng = random.Random(page_size * 100 + lag)
     caches, sequences, steps = random_cache_steps(make_cache, rng, page_size, 3, 300,
-                                                  reset_every=97)
+                                                  reset_every=97, block_hash=block_hash)
     indexer, model = KvIndexer(page_size), IndexModel(page_size)
     delivered = 0
     for now in range(len(steps)):
@@ -595,3 +598,49 @@ def test_prefix_hash_family_table_is_bounded(monkeypatch):
     for i in range(500):
         router.route([i, i + 1])
     assert len(router._families) <= 51
+
+
+def test_fast64_publishers_are_indexed_without_a_hash_map(make_cache):
+    """A fast64 publisher's hashes are the indexer's own keys: the copy keeps no map, and
+    overlaps, removals and clears come out as with SHA-256 hashes."""
+    rng = random.Random(64)
+    results = {}
+    for block_hash in ("sha256", "fast64"):
+        caches, sequences, steps = random_cache_steps(
+            make_cache, random.Random(64), 4, 3, 300, block_hash=block_hash)
+        indexer = KvIndexer(4)
+        for worker, events in steps:
+            indexer.apply(worker, events)
+        copies = [c for w in indexer._copies.values() for c in w.values()]
+        assert copies and all(bool(c.published) == (block_hash == "sha256") for c in copies)
+        assert indexer.stats.skipped == 0
+        for worker, cache in enumerate(caches):
+            assert indexer.blocks_held(worker) == cache.total_size() // 4
+        results[block_hash] = [indexer.overlap(q, ns) for q, ns in sequences]
+        for worker in range(3):
+            indexer.apply(worker, [AllBlocksCleared()])
+        assert len(indexer) == 0 and indexer.workers == []
+    assert results["sha256"] == results["fast64"] and rng
+
+
+def test_fast64_and_other_hashes_for_one_block_share_it():
+    """One worker publishing a block under its fast64 hash, another worker (or copy)
+    under other hashes: removals take only their own holding."""
+    from radixcache.events import block_hashes as sha_chain
+
+    indexer = KvIndexer(2)
+    tokens = (1, 2, 3, 4)
+    fast = indexer.block_keys(tokens)  # what a fast64 publisher sends
+    indexer.apply(0, [BlockStored(tuple(fast), None, tokens, 2)])
+    indexer.apply(1, [BlockStored(tuple(sha_chain(tokens, 2)), None, tokens, 2)])
+    indexer.apply(0, [BlockStored(tuple(fast), None, tokens, 2)])  # again: duplicates
+    assert indexer.stats.duplicate_blocks == 2
+    assert indexer.overlap(tokens) == {0: 2, 1: 2}
+    indexer.apply(0, [BlockRemoved((fast[1], 999))])
+    assert indexer.overlap(tokens) == {0: 1, 1: 2}
+    assert indexer.stats.unknown_removals == 1
+    indexer.apply(1, [AllBlocksCleared()])
+    assert indexer.overlap(tokens) == {0: 1} and len(indexer) == 1
+    indexer.apply(0, [BlockStored((fast[1],), fast[0], tokens[2:], 2)])
+    indexer.apply(0, [AllBlocksCleared()])
+    assert len(indexer) == 0 and indexer.workers == []
