@@ -11,12 +11,15 @@ chains its parent's key and the block's token ids (and, for a sequence's first b
 namespace), so any publisher that sends token ids (radixcache, vLLM, SGLang) indexes the
 same way and a query hashes its tokens the same way. Per copy (a worker's blocks on one
 tier, ``medium``, in one KV-cache group, ``group_idx``), a map from the publisher's block
-hash to the indexer's key resolves ``parent_block_hash`` and ``BlockRemoved``.
+hash to the indexer's key resolves ``parent_block_hash`` and ``BlockRemoved``. The keys are
+the ``fast64`` block hash (``radixcache.events.BLOCK_HASHES``: the tree core's
+``page_hash_chain``, compiled when built, seeded by the namespace), so a publisher recording
+with ``block_hash="fast64"`` sends the indexer's own keys: checked against the token ids,
+such blocks need no map entry. The keys are 64-bit and not collision resistant: a hostile
+publisher could make two prefixes share keys; feed the index from trusted workers.
 Memory is proportional to the (block, copy) pairs held: one entry per pair in that map and
-one per distinct block (its holding copy, or a small map when several hold it), freed when
-its last holder removes it; a worker that holds nothing keeps nothing. The keys use
-Python's own hash, so they are stable within a process only: each router process keeps its
-own index.
+one per distinct block (its holding copy, or a short list when several hold it), freed when
+its last holder removes it; a worker that holds nothing keeps nothing.
 
 Bad input from the wire never raises: an event that cannot be applied (a removal of an
 unknown block, a stored block whose parent is unknown, a wrong block size, a malformed event
@@ -222,10 +225,11 @@ class KvIndexer:
     def __init__(self, block_size: int) -> None:
         self.block_size = _check_block_size(block_size)
         self._page_bytes = self.block_size * 8
-        # indexer key -> the _Copy holding it, or {_Copy: publisher hashes mapping to it}
-        # when more than one copy (or hash) holds it
+        # indexer key -> the _Copy holding it, or a list of the copies holding it when more
+        # than one does (a copy appears once per publisher hash that maps to the block)
         self._holders: dict = {}
-        # worker -> {(medium, group): _Copy}; only copies holding at least one block
+        # worker -> its _Copy, or {(medium, group): _Copy} when it has several; only copies
+        # holding at least one block
         self._copies: dict = {}
         self.stats = IndexerStats()
 
@@ -240,21 +244,44 @@ class KvIndexer:
             raise TypeError("worker must be a hashable id, not None")
 
     def _copy(self, worker: Hashable, medium: str, group: Any) -> _Copy:
-        copies = self._copies.get(worker)
-        if copies is None:
-            copies = self._copies[worker] = {}
-        copy = copies.get((medium, group))
+        """``worker``'s copy on (medium, group), made when missing."""
+        copy = self._find(worker, medium, group)
         if copy is None:
-            copy = copies[(medium, group)] = _Copy(worker, medium, group)
+            copy = _Copy(worker, medium, group)
+            current = self._copies.get(worker)
+            if current is None:
+                self._copies[worker] = copy  # one copy: no map of them (the usual case)
+            elif type(current) is _Copy:
+                self._copies[worker] = {(current.medium, current.group): current,
+                                        (medium, group): copy}
+            else:
+                current[(medium, group)] = copy
         return copy
+
+    def _find(self, worker: Hashable, medium: str, group: Any) -> Optional[_Copy]:
+        current = self._copies.get(worker)
+        if type(current) is _Copy:
+            return current if current.medium == medium and current.group == group else None
+        return None if current is None else current.get((medium, group))
+
+    def _copies_of(self, worker: Hashable) -> list:
+        current = self._copies.get(worker)
+        if current is None:
+            return []
+        return [current] if type(current) is _Copy else list(current.values())
+
+    def _all_copies(self) -> list:
+        return [c for w in self._copies for c in self._copies_of(w)]
 
     def _forget_if_empty(self, copy: _Copy) -> None:
         if not copy.size:
-            copies = self._copies.get(copy.worker)
-            if copies is not None and copies.get((copy.medium, copy.group)) is copy:
-                del copies[(copy.medium, copy.group)]
-                if not copies:
-                    del self._copies[copy.worker]
+            current = self._copies.get(copy.worker)
+            if current is copy:
+                del self._copies[copy.worker]
+            elif type(current) is dict and current.get((copy.medium, copy.group)) is copy:
+                del current[(copy.medium, copy.group)]
+                if len(current) == 1:
+                    self._copies[copy.worker], = current.values()
 
     @property
     def workers(self) -> list:
@@ -265,10 +292,8 @@ class KvIndexer:
         """How many blocks ``worker`` holds (0 for an unknown worker), on every tier and
         group, or only on tier ``medium``; a block held under two publisher hashes, tiers or
         groups counts once per hash, tier and group."""
-        copies = self._copies.get(worker)
-        if not copies:
-            return 0
-        return sum(c.size for c in copies.values() if medium is None or c.medium == medium)
+        return sum(c.size for c in self._copies_of(worker)
+                   if medium is None or c.medium == medium)
 
     def __len__(self) -> int:
         """Distinct blocks held by at least one worker."""
@@ -277,10 +302,7 @@ class KvIndexer:
     def remove_worker(self, worker: Hashable) -> None:
         """Forget ``worker`` and every block it held on every tier (it left the fleet, or
         restarted)."""
-        copies = self._copies.pop(worker, None)
-        if copies:
-            for copy in copies.values():
-                self._clear_copy(copy)
+        self._clear_worker(worker)
 
     def _clear_copy(self, copy: _Copy) -> None:
         for key in copy.published.values():
@@ -290,7 +312,7 @@ class KvIndexer:
             holders = self._holders
             for key in [k for k, v in holders.items() if v is copy]:
                 del holders[key]
-            for key in [k for k, v in holders.items() if type(v) is dict and copy in v]:
+            for key in [k for k, v in holders.items() if type(v) is list and copy in v]:
                 while self._holds(key, copy):
                     self._unhold(key, copy)
         copy.published = {}
@@ -298,7 +320,7 @@ class KvIndexer:
 
     def _holds(self, key: Any, copy: _Copy) -> bool:
         current = self._holders.get(key)
-        return current is copy or (type(current) is dict and copy in current)
+        return current is copy or (type(current) is list and copy in current)
 
     def _key_of(self, copy: _Copy, block_hash: Any) -> Optional[int]:
         """The indexer key ``copy`` holds under publisher hash ``block_hash``, or None."""
@@ -308,40 +330,33 @@ class KvIndexer:
         return key
 
     def _clear_worker(self, worker: Hashable) -> None:
-        copies = self._copies.pop(worker, None)
-        if copies:
-            for copy in copies.values():
-                self._clear_copy(copy)
+        copies = self._copies_of(worker)
+        self._copies.pop(worker, None)
+        for copy in copies:
+            self._clear_copy(copy)
 
     def _hold(self, key: int, copy: _Copy) -> None:
         holders = self._holders
         current = holders.get(key)
         if current is None:
             holders[key] = copy
-        elif type(current) is dict:
-            current[copy] = current.get(copy, 0) + 1
-        elif current is copy:
-            holders[key] = {copy: 2}
+        elif type(current) is list:
+            current.append(copy)
         else:
-            holders[key] = {current: 1, copy: 1}
+            holders[key] = [current, copy]
 
     def _unhold(self, key: int, copy: _Copy) -> None:
         holders = self._holders
         current = holders.get(key)
         if current is copy:
             del holders[key]
-        elif type(current) is dict:
-            count = current.get(copy, 0)
-            if count > 1:
-                current[copy] = count - 1
-            else:
-                current.pop(copy, None)
-                if len(current) == 1:
-                    (only, count), = current.items()
-                    if count == 1:
-                        holders[key] = only
-                elif not current:
-                    del holders[key]
+        elif type(current) is list:
+            try:
+                current.remove(copy)
+            except ValueError:
+                return
+            if len(current) == 1:
+                holders[key] = current[0]
 
     # -- events ------------------------------------------------------------------------
     def apply(self, worker: Hashable, events: Iterable[Any]) -> None:
@@ -403,8 +418,7 @@ class KvIndexer:
             data = _event_token_bytes(token_ids)
             if len(data) != len(hashes) * self._page_bytes:
                 raise ValueError("token_ids do not fill the blocks")
-            copies = self._copies.get(worker)
-            copy = None if copies is None else copies.get((medium, group))
+            copy = self._find(worker, medium, group)
             parent = event.parent_block_hash
             if parent is None:
                 key = _root_key(_namespace_bytes(_event_namespace(event)))
@@ -414,7 +428,9 @@ class KvIndexer:
                     stats.unknown_parent += 1
                     return
             keys = _page_keys(key, data, self._page_bytes)
-            if not _all_hash_types(hashes):
+            # Published under the indexer's own keys (a fast64 publisher), or checked hashes.
+            identity = keys == list(hashes)
+            if not identity and not _all_hash_types(hashes):
                 hashes = [h if type(h) in _HASH_TYPES else operator.index(h) for h in hashes]
         except (TypeError, ValueError, OverflowError, LookupError, RecursionError):
             # LookupError: extra_keys[0]; RecursionError: a hand-built, absurdly deep namespace
@@ -425,9 +441,8 @@ class KvIndexer:
         if copy is None:
             copy = self._copy(worker, medium, group)
         holders = self._holders
-        if keys == list(hashes):
-            # Published under the indexer's own keys (a fast64 publisher): no hash map, and
-            # new blocks take one dict operation each.
+        if identity:
+            # No hash map, and new blocks take one dict operation each.
             before = len(holders)
             found = list(map(holders.setdefault, keys, repeat(copy)))
             stored = len(holders) - before
@@ -436,7 +451,7 @@ class KvIndexer:
                 for key, current in zip(keys, found):
                     if current is copy:
                         continue
-                    if type(current) is dict and copy in current:
+                    if type(current) is list and copy in current:
                         duplicates += 1
                     else:
                         self._hold(key, copy)
@@ -475,13 +490,17 @@ class KvIndexer:
         try:
             medium = _event_medium(event)
             group = _event_group(event)
-            hashes = [h if type(h) in _HASH_TYPES else operator.index(h)
-                      for h in event.block_hashes]
+            hashes = event.block_hashes
+            try:
+                array("q", hashes)  # every hash an int64 (cheaper than checking each type)
+            except (TypeError, OverflowError):
+                if not _all_hash_types(hashes):
+                    hashes = [h if type(h) in _HASH_TYPES else operator.index(h)
+                              for h in hashes]
         except TypeError:
             stats.malformed_events += 1
             return
-        copies = self._copies.get(worker)
-        copy = None if copies is None else copies.get((medium, group))
+        copy = self._find(worker, medium, group)
         if copy is None:
             stats.unknown_removals += len(hashes)
             return
@@ -497,7 +516,7 @@ class KvIndexer:
                         continue
                     if current is not None:
                         holders[block_hash] = current  # not this copy's alone: put back
-                        if type(current) is dict and copy in current:
+                        if type(current) is list and copy in current:
                             self._unhold(block_hash, copy)
                             removed += 1
                             continue
@@ -547,6 +566,10 @@ class KvIndexer:
         depth = 0
         for current in map(self._holders.get, _page_keys(_root_key(namespace), data,
                                                           self._page_bytes)):
+            if type(current) is _Copy and current.medium == medium and active is not None \
+                    and len(active) == 1 and current.worker in active:
+                depth += 1  # the common case: one worker's run goes on
+                continue
             if current is None:
                 break
             if type(current) is _Copy:

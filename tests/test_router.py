@@ -611,7 +611,7 @@ def test_fast64_publishers_are_indexed_without_a_hash_map(make_cache):
         indexer = KvIndexer(4)
         for worker, events in steps:
             indexer.apply(worker, events)
-        copies = [c for w in indexer._copies.values() for c in w.values()]
+        copies = indexer._all_copies()
         assert copies and all(bool(c.published) == (block_hash == "sha256") for c in copies)
         assert indexer.stats.skipped == 0
         for worker, cache in enumerate(caches):
