@@ -623,9 +623,9 @@ class Router:
     - ``prefix-hash``: a consistent hash (a ring of ``virtual_nodes`` points per worker,
       SHA-256, the same in every process) of a prompt's first blocks of ``block_size``
       tokens and the namespace: a prefix lands on the same worker. ``prefix_blocks=N``
-      hashes the first N blocks. The default, ``"auto"``, hashes the shortest prefix whose
-      family (the requests seen so far that start with it) is at most one worker's share of
-      the traffic (1 / ``num_workers``, and at least ``MIN_PREFIX_FAMILY`` requests, so a
+      hashes the first N blocks. The default, ``"auto"``, hashes the shortest prefix (of 1,
+      2, 3, 4, 6, 8, 12, 16, ... blocks, or the whole prompt) whose family (the requests
+      seen so far that start with it) is at most one worker's share of the traffic (1 / ``num_workers``, and at least ``MIN_PREFIX_FAMILY`` requests, so a
       young family stays on one worker): a first block every request shares (a system
       prompt) is too big a family for one worker, so the next block decides, while a
       conversation's turns, which share their first blocks, stay together. The counts are
@@ -793,25 +793,27 @@ class Router:
         return self._ring_workers[i % len(self._ring_workers)]
 
     def _family_depth(self, data: bytes, namespace: bytes, page_bytes: int) -> int:
-        """How many blocks ``auto`` hashes: the first prefix whose family is at most one
-        worker's share of the requests seen (0: the prompt has no full block)."""
+        """How many blocks ``auto`` hashes: the shortest candidate prefix (``_depths``: 1, 2,
+        3, 4, 6, 8, 12, ... blocks, and the whole prompt) whose family is at most one
+        worker's share of the requests seen (0: the prompt has no full block). Every
+        candidate of the prompt is counted, so a family's count is the requests that
+        reached it, however deep."""
+        keys = _page_keys(_root_key(namespace), data, page_bytes)
         families = self._families
         share = max(self._family_requests / self.num_workers, self.MIN_PREFIX_FAMILY)
-        key = _root_key(namespace)
-        depth = 0
-        for start in range(0, len(data) - page_bytes + 1, page_bytes):
-            key = hash((key, data[start:start + page_bytes]))
+        chosen = 0
+        for depth in _depths(len(keys)):
+            key = keys[depth - 1]
             seen = families.get(key, 0)
             families[key] = seen + 1
-            depth += 1
-            if seen <= share:
-                break
+            if not chosen and seen <= share:
+                chosen = depth
         self._family_requests += 1
         if len(families) > self.MAX_PREFIX_FAMILIES:
             # Halve: old families fade, and the table stays bounded.
             self._families = {k: v // 2 for k, v in families.items() if v > 1}
             self._family_requests //= 2
-        return depth
+        return chosen or len(keys)
 
     def _cache_aware(self, data: bytes, namespace: bytes) -> int:
         data_len = len(data) // 8
@@ -845,6 +847,18 @@ class Router:
     def __repr__(self) -> str:
         return (f"Router(num_workers={self.num_workers}, policy={self.policy!r}, "
                 f"block_size={self.block_size}, loads={list(self._loads)})")
+
+
+# Candidate prefix lengths of prefix_blocks="auto", in blocks: 1, 2, 3, 4, 6, 8, 12, 16, ...
+_DEPTHS = sorted({n for k in range(63) for n in (1 << k, 3 << k >> 1) if n >= 1})
+
+
+def _depths(blocks: int) -> list:
+    """The candidate prefix lengths of a prompt of ``blocks`` full blocks, the whole included."""
+    out = _DEPTHS[:bisect_right(_DEPTHS, blocks - 1)]
+    if blocks:
+        out.append(blocks)
+    return out
 
 
 def _stable_hash(tag: bytes, *parts: Any) -> int:
