@@ -209,8 +209,8 @@ def _build_parser() -> argparse.ArgumentParser:
                             "on the worker (default 1)")
     fleet.add_argument("--prefix-blocks", type=_prefix_blocks, default=None, metavar="N|auto",
                        help="prefix-hash: hash the first N blocks of --page-size tokens; 'auto' "
-                            "(default) hashes the shortest prefix shared by at most 1/N of the "
-                            "requests seen")
+                            "(default) hashes the shortest prefix that at most one worker's "
+                            "share of the requests seen starts with")
 
     bench = sub.add_parser(
         "bench", help="time the tree cores side by side",

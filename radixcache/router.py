@@ -625,11 +625,12 @@ class Router:
       tokens and the namespace: a prefix lands on the same worker. ``prefix_blocks=N``
       hashes the first N blocks. The default, ``"auto"``, hashes the shortest prefix (of 1,
       2, 3, 4, 6, 8, 12, 16, ... blocks, or the whole prompt) whose family (the requests
-      seen so far that start with it) is at most one worker's share of the traffic (1 / ``num_workers``, and at least ``MIN_PREFIX_FAMILY`` requests, so a
-      young family stays on one worker): a first block every request shares (a system
-      prompt) is too big a family for one worker, so the next block decides, while a
-      conversation's turns, which share their first blocks, stay together. The counts are
-      kept per block prefix visited (at most ``MAX_PREFIX_FAMILIES``, halved when full).
+      seen so far that start with it) is at most one worker's share of the traffic
+      (1 / ``num_workers``, and at least ``MIN_PREFIX_FAMILY`` requests, so a young family
+      stays on one worker): a first block every request shares (a system prompt) is too big
+      a family for one worker, so a deeper prefix decides, while a conversation's turns,
+      which share their first blocks, stay together. Each prompt counts once for each of
+      its candidate prefixes (at most ``MAX_PREFIX_FAMILIES`` counts, halved when full).
     - ``cache-aware``: the lowest ``prefill_weight * (tokens not cached on the worker) +
       load_weight * load``, the cached tokens being the worker's overlap in ``indexer`` times
       ``block_size``; ties go to the lower load, then to the worker routed to least.
