@@ -1290,8 +1290,8 @@ def test_a_restarted_publisher_on_the_same_endpoints_is_delivered_and_marked():
             assert batch is not None, "old batches missing"
             got.append(batch)
             indexer.apply("w", batch)
-        assert [b.seq for b in got] == list(range(60)) and sub.resets == 0
-        assert not any(b.restarted for b in got)
+        assert [b.seq for b in got] == list(range(60))
+        assert not any(getattr(b, "restarted", False) for b in got)
         assert indexer.blocks_held("w") == 60
         first.close()
         # The worker restarts: a new publisher on the same endpoints, sequence from 0,
@@ -1311,8 +1311,7 @@ def test_a_restarted_publisher_on_the_same_endpoints_is_delivered_and_marked():
                 continue
             received.append(batch)
             indexer.apply("w", batch)
-        assert sub.resets == 1
-        assert [b.seq for b in received] == [0, 1, 2]
+        assert [b.seq for b in received] == [0, 1, 2] and sub.resets == 1
         assert received[0].events == [ev.AllBlocksCleared()] and received[0].restarted
         assert not received[1].restarted and received[1].events == new[1]
         assert indexer.stats.restarts == 1
@@ -1358,12 +1357,12 @@ def collections_deque(maxlen=None):
 def test_gaps_are_bounded_and_counted():
     sub = ev.ZmqEventSubscriber("tcp://127.0.0.1:1")
     try:
-        for i in range(ev.ZmqEventSubscriber.MAX_GAPS + 500):
-            sub._accept(2 * i, b"")
-        assert len(sub.gaps) == ev.ZmqEventSubscriber.MAX_GAPS
-        assert sub.gap_count == ev.ZmqEventSubscriber.MAX_GAPS + 499
-        assert sub.missed == sub.gap_count
-        assert sub.gaps[-1] == (2 * (ev.ZmqEventSubscriber.MAX_GAPS + 499) - 1,) * 2
+        for i in range(5_000):
+            sub._accept(2 * i, b"")  # every other batch lost
+        assert len(sub.gaps) == 1_000  # the latest ones
+        assert ev.ZmqEventSubscriber.MAX_GAPS == 1_000
+        assert sub.gaps[-1] == (2 * 4_999 - 1,) * 2 and sub.gaps[0] == (2 * 4_000 - 1,) * 2
+        assert sub.gap_count == 4_999 and sub.missed == 4_999
     finally:
         sub.close()
 
@@ -1385,30 +1384,45 @@ class _RecordingSocket:
 
 @needs_transport
 def test_receive_never_waits_past_its_timeout_for_a_replay():
-    """A replay in flight (its publisher gone) is waited for only as long as the caller's
-    timeout allows; the replay goes on at the next call and ends after replay_timeout."""
+    """A gap starts a replay whose publisher never answers: every wait on it is bounded by
+    the caller's timeout (the replay goes on at the next call), and after replay_timeout
+    the gap is recorded and the batch after it delivered."""
     ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
     silent = ctx.socket(zmq.ROUTER)  # a replay endpoint that never answers
     silent.setsockopt(zmq.LINGER, 0)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    sub = ev.ZmqEventSubscriber("tcp://127.0.0.1:1", f"tcp://127.0.0.1:{port}", start_seq=0,
-                                replay_timeout=3600.0)
+    replay_port = silent.bind_to_random_port("tcp://127.0.0.1")
+    sub = ev.ZmqEventSubscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}",
+                                replay_timeout=0.5)
+    payload = ev.encode_batch([ev.AllBlocksCleared()], ts=1.0)
     try:
+        deadline = time.monotonic() + SOCKET_WAIT_S
+        seq = 0
+        while sub.receive(timeout=0.05) is None:  # wait for the subscription to be live
+            assert time.monotonic() < deadline, "subscriber never connected"
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            seq += 1
         recorder = _RecordingSocket(sub._replay)
         sub._replay = recorder
-        sub._initial_replay = False
-        sub._start_replay(0)
-        for timeout in (0.0, 0.1, 0.25):
-            assert sub.receive(timeout=timeout) is None
-            assert recorder.polls, "receive did not wait on the replay"
-            assert max(recorder.polls) <= math_ceil_ms(timeout)
-            recorder.polls.clear()
-        assert sub._replay_deadline is not None  # still in flight
-        sub._replay_deadline = time.monotonic() - 1  # replay_timeout is over
-        assert sub.receive(timeout=0.0) is None
-        assert sub._replay_deadline is None and sub._replay is not recorder
+        gap_seq = sub.next_seq + 3
+        pub.send_multipart([b"", gap_seq.to_bytes(8, "big"), payload])
+        batch = None
+        timeouts = []
+        while batch is None:
+            assert time.monotonic() < deadline, "the batch after the gap never came"
+            timeout = (0.0, 0.02, 0.05)[len(timeouts) % 3]
+            timeouts.append(timeout)
+            before = len(recorder.polls)
+            batch = sub.receive(timeout=timeout)
+            assert all(ms <= math_ceil_ms(timeout) for ms in recorder.polls[before:]), \
+                (timeout, recorder.polls[before:])
+        assert recorder.polls, "receive never waited on the replay"
+        assert batch.seq == gap_seq and sub.gaps == [(gap_seq - 3, gap_seq - 1)]
     finally:
         sub.close()
+        pub.close()
         silent.close()
         ctx.term()
 

@@ -93,8 +93,9 @@ def wire_payload(events, encoding="map", ts=1.0):
 def random_cache_steps(make_cache, rng, page_size, num_workers, steps, reset_every=0,
                        namespaces=(None, None, "a", 3), block_hash="sha256"):
     """Per step: (worker, events) from caches doing random inserts, evictions and resets."""
-    caches = [make_cache(page_size=page_size, enable_events=True,
-                         event_options={"block_hash": block_hash}) for _ in range(num_workers)]
+    options = {} if block_hash == "sha256" else {"event_options": {"block_hash": block_hash}}
+    caches = [make_cache(page_size=page_size, enable_events=True, **options)
+              for _ in range(num_workers)]
     pages = [[rng.randrange(4) for _ in range(page_size)] for _ in range(6)]
     sequences = []
     out = []
@@ -576,7 +577,6 @@ def test_prefix_hash_auto_spreads_a_trace_that_shares_its_first_block():
     rng.shuffle(order)
     auto = Router(4, "prefix-hash", block_size=4)
     first = Router(4, "prefix-hash", block_size=4, prefix_blocks=1)
-    assert auto.prefix_blocks == "auto"
     placed: dict = {}
     for c in order:
         prompt = system + conversations[c] + [rng.randrange(1000) for _ in range(6)]
@@ -588,6 +588,7 @@ def test_prefix_hash_auto_spreads_a_trace_that_shares_its_first_block():
     late = [c for c in set(order[Router.MIN_PREFIX_FAMILY * 2:])
             if order.index(c) >= Router.MIN_PREFIX_FAMILY * 2]
     assert late and all(len(set(placed[c])) == 1 for c in late)
+    assert auto.prefix_blocks == "auto"
     with pytest.raises(ValueError, match="prefix_blocks must be an int >= 1 or 'auto'"):
         Router(2, "prefix-hash", prefix_blocks="deep")
 
