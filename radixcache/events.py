@@ -1073,10 +1073,10 @@ class ZmqEventSubscriber:
     is abandoned (what it missed becomes a gap); ``receive(timeout)`` never waits past its
     own timeout for it, the replay goes on at the next call.
 
-    A publisher that restarts on the same endpoints starts its sequence again at 0: the
-    PUB stream, which one publisher sends in increasing order, going back is a reset (a
-    stale duplicate, from replay overlapping the stream, never goes back on the stream). It
-    is counted in ``resets``, the new publisher's batches are delivered from its first one
+    A publisher that restarts on the same endpoints starts its sequence again at 0. A
+    stream batch below what was already delivered is a stale duplicate only when replay
+    delivered that very batch (the same payload) ahead of the stream; one publisher's PUB
+    stream never goes back, so anything else is a reset. It is counted in ``resets``, the new publisher's batches are delivered from its first one
     on (replayed when the stream missed them), and the first of them is marked
     ``ReceivedBatch.restarted``, so ``KvIndexer.apply`` drops what the worker held before. A
     restart whose first batch the subscriber sees has a sequence number above every one the

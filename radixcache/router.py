@@ -40,9 +40,8 @@ import random
 import sys
 from array import array
 from bisect import bisect_right
-from collections import deque
-from itertools import repeat
 from dataclasses import dataclass, fields
+from itertools import repeat
 from typing import Any, Hashable, Iterable, Optional
 
 
