@@ -1867,7 +1867,7 @@ def page_hash_chain(seed, data, page_bytes):
     if type(data) is not bytes:
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
     for name, value in (("seed", seed), ("page_bytes", page_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if type(value) is not int:  # exactly int: a subclass could change // or &
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if page_bytes <= 0 or page_bytes % 8:
         raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")

@@ -81,8 +81,8 @@ ignored). ``h = seed mod 2**64``; per page, per token ``t`` (as uint64): ``h = (
 0x9E3779B97F4A7C15) mod 2**64; h ^= h >> 32``; then the page's hash is ``h = fmix64(h)``
 (MurmurHash3's finaliser), which also starts the next page; each is returned as a signed
 int64. Not cryptographic; the same in both cores and in every process. ``TypeError`` when
-``data`` is not bytes or ``seed``/``page_bytes`` not ints, ``ValueError`` for a bad
-``page_bytes``. The KV indexer keys blocks and the fleet simulation's workers hash pages
+``data`` is not exactly ``bytes`` or ``seed``/``page_bytes`` not exactly ``int`` (no
+subclass runs code during the call), ``ValueError`` for a bad ``page_bytes``. The KV indexer keys blocks and the fleet simulation's workers hash pages
 with it.
 
 Re-entrancy: the ``Guard`` is held for the duration of every ``Core`` call (and of every
@@ -988,7 +988,7 @@ def _check_chain_args(seed: Any, data: Any, page_bytes: Any) -> None:
     if type(data) is not bytes:
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
     for name, value in (("seed", seed), ("page_bytes", page_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if type(value) is not int:  # exactly int: a subclass could change // or &
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if page_bytes <= 0 or page_bytes % 8:
         raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")

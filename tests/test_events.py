@@ -1471,6 +1471,15 @@ def test_page_hash_chain_is_the_documented_function_in_every_core():
         with pytest.raises(ValueError, match="page_bytes"):
             module.page_hash_chain(0, b"", 0)
 
+        class Huge(int):  # would make the compiled loop read past the data
+            def __floordiv__(self, other):
+                return 10**9
+
+        with pytest.raises(TypeError, match="page_bytes must be an int, got Huge"):
+            module.page_hash_chain(0, bytes(16), Huge(8))
+        with pytest.raises(TypeError, match="seed must be an int, got bool"):
+            module.page_hash_chain(True, bytes(16), 8)
+
 
 def test_fast64_recorder_hashes_and_token_ids(core_name):
     cache = RadixCache(page_size=2, enable_events=True, core=core_name,
