@@ -1960,3 +1960,39 @@ _heap_base_traverse = (<TypeSlots*><void*>EvictionHeap).tp_traverse
 (<TypeSlots*><void*>EvictionHeap).tp_traverse = heap_traverse
 (<TypeSlots*><void*>EvictionHeap).tp_clear = heap_clear
 (<TypeSlots*><void*>Tree).tp_clear = tree_clear
+
+
+# -- page hash chain (spec: _core_py's module docstring) --------------------------------------
+def page_hash_chain(seed, data, page_bytes):
+    """The chained 64-bit hashes of the full pages of ``data``; see ``_core_py``."""
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    for name, value in (("seed", seed), ("page_bytes", page_bytes)):
+        if type(value) is not int:  # exactly int: a subclass could change // or &
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if page_bytes <= 0 or page_bytes % 8:
+        raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
+    cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
+    cdef Py_ssize_t per_page = page_bytes // 8
+    cdef bytes buffer = data  # immutable: its bytes cannot change under this loop
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(buffer)
+    cdef Py_ssize_t pages = len(buffer) // page_bytes
+    cdef Py_ssize_t page, i
+    cdef uint64_t t
+    cdef const unsigned char* w
+    out = [None] * pages
+    for page in range(pages):
+        for i in range(per_page):
+            w = p + (page * per_page + i) * 8
+            t = (<uint64_t>w[0] | (<uint64_t>w[1] << 8) | (<uint64_t>w[2] << 16)
+                 | (<uint64_t>w[3] << 24) | (<uint64_t>w[4] << 32) | (<uint64_t>w[5] << 40)
+                 | (<uint64_t>w[6] << 48) | (<uint64_t>w[7] << 56))
+            h = (h ^ t) * <uint64_t>0x9E3779B97F4A7C15
+            h ^= h >> 32
+        h ^= h >> 33
+        h *= <uint64_t>0xFF51AFD7ED558CCD
+        h ^= h >> 33
+        h *= <uint64_t>0xC4CEB9FE1A85EC53
+        h ^= h >> 33
+        out[page] = <int64_t>h
+    return out

@@ -88,6 +88,17 @@ checks its own layout; for tests). Its walks are the core's own.
 ``clear()``, ``key_of(node)`` and ``entries()`` (list of (stored key, node)) for consistency
 checks; see the class docstring.
 
+``page_hash_chain(seed, data, page_bytes) -> list[int]`` -- a module function, not part of
+the tree: the chained 64-bit hashes of the full pages of ``data`` (bytes holding int64
+little-endian token ids; ``page_bytes`` a positive multiple of 8; a trailing partial page is
+ignored). ``h = seed mod 2**64``; per page, per token ``t`` (as uint64): ``h = ((h ^ t) *
+0x9E3779B97F4A7C15) mod 2**64; h ^= h >> 32``; then the page's hash is ``h = fmix64(h)``
+(MurmurHash3's finaliser), which also starts the next page; each is returned as a signed
+int64. Not cryptographic; the same in both cores and in every process. ``TypeError`` when
+``data`` is not exactly ``bytes`` or ``seed``/``page_bytes`` not exactly ``int`` (no
+subclass runs code during the call), ``ValueError`` for a bad ``page_bytes``. The KV indexer keys blocks and the fleet simulation's workers hash pages
+with it.
+
 Re-entrancy: the ``Guard`` is held for the duration of every ``Core`` call (and of every
 public tree or heap call). A call into the cache while another runs -- from a token's
 ``__index__``, an extra_key's ``__hash__``/``__eq__``, a torch hook, a finalizer, or another
@@ -118,7 +129,7 @@ from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, MAX_LOCK_REF,
                       indices_from_key, reentered)
 from ._shared import check_state, id_order, node_not_copyable
 
-__all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME"]
+__all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME", "page_hash_chain"]
 
 CORE_NAME = "python"
 
@@ -1053,3 +1064,40 @@ class Core:
                 raise
         finally:
             self._leave()
+
+# -- page hash chain (see the module docstring) ---------------------------------------------
+_MASK64 = (1 << 64) - 1
+_CHAIN_MUL = 0x9E3779B97F4A7C15
+_FMIX_1 = 0xFF51AFD7ED558CCD
+_FMIX_2 = 0xC4CEB9FE1A85EC53
+
+
+def _check_chain_args(seed: Any, data: Any, page_bytes: Any) -> None:
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    for name, value in (("seed", seed), ("page_bytes", page_bytes)):
+        if type(value) is not int:  # exactly int: a subclass could change // or &
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if page_bytes <= 0 or page_bytes % 8:
+        raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
+
+
+def page_hash_chain(seed: int, data: bytes, page_bytes: int) -> list:
+    """The chained 64-bit hashes of the full pages of ``data``; see the module docstring."""
+    _check_chain_args(seed, data, page_bytes)
+    mask, mul, f1, f2 = _MASK64, _CHAIN_MUL, _FMIX_1, _FMIX_2
+    tokens = np.frombuffer(data, dtype="<u8", count=len(data) // 8).tolist()
+    per_page = page_bytes // 8
+    h = seed & mask
+    out = []
+    for start in range(0, len(tokens) - per_page + 1, per_page):
+        for t in tokens[start:start + per_page]:
+            h = ((h ^ t) * mul) & mask
+            h ^= h >> 32
+        h ^= h >> 33
+        h = (h * f1) & mask
+        h ^= h >> 33
+        h = (h * f2) & mask
+        h ^= h >> 33
+        out.append(h - (1 << 64) if h >> 63 else h)
+    return out

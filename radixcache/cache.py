@@ -143,7 +143,7 @@ def _checked(result: Any) -> Any:
 
 
 #: ``RadixCache(event_options=...)``: the ``EventRecorder`` options a cache passes on.
-_EVENT_OPTIONS = frozenset({"lora_id", "medium", "lora_namespaces"})
+_EVENT_OPTIONS = frozenset({"lora_id", "medium", "lora_namespaces", "block_hash"})
 
 
 class RadixCache:

@@ -45,9 +45,12 @@ DEFAULT_ROUTERS = "round-robin,prefix-hash,cache-aware"
 #: The options that only a fleet (--workers >= 2) uses, with their defaults.
 FLEET_DEFAULTS = {"router": DEFAULT_ROUTERS, "event_lag": "0", "prefill_tps": DEFAULT_PREFILL_TPS,
                   "decode_tps": DEFAULT_DECODE_TPS, "interval": DEFAULT_INTERVAL_MS,
-                  "load_weight": DEFAULT_LOAD_WEIGHT, "prefill_weight": 1.0}
+                  "load_weight": DEFAULT_LOAD_WEIGHT, "prefill_weight": 1.0,
+                  "prefix_blocks": "auto"}
 
 EMBEDDED_NAME = "synthetic chat (embedded)"
+#: Traces larger than this get a "reading" line first (parsing takes seconds).
+LARGE_TRACE_BYTES = 1_000_000
 #: Capacities for the embedded chat workload; a trace file gets fractions of its size.
 DEFAULT_CAPACITIES = "32768,131072,524288"
 #: Default capacities for a trace: these fractions of its unique prompt tokens.
@@ -191,6 +194,16 @@ def _router_list(text: str) -> list[str]:
     return _name_list(text, ROUTING_POLICIES, "router")
 
 
+def _prefix_blocks(text: str) -> int | str:
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number >= 1 or 'auto', got {text!r}") from None
+
+
 def _event_lag(text: str) -> EventLag:
     try:
         return EventLag.parse(text)
@@ -292,6 +305,10 @@ def _build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--prefill-weight", type=_number(0, True), default=None, metavar="W",
                        help="cache-aware: weight of the prefill tokens the request would need "
                             "on the worker (default 1)")
+    fleet.add_argument("--prefix-blocks", type=_prefix_blocks, default=None, metavar="N|auto",
+                       help="prefix-hash: hash the first N blocks of --page-size tokens; 'auto' "
+                            "(default) hashes the shortest prefix that at most one worker's "
+                            "share of the requests seen starts with")
 
     bench = sub.add_parser(
         "bench", prog="radixcache bench", help="time the tree cores side by side",
@@ -428,10 +445,11 @@ def _run_sweep(points: list, run_point: Callable[[Any, Any], Any], jobs: int | N
                quiet: bool, label: Callable[[Any], str], total_requests: int) -> list:
     """``run_point(point, progress)`` for every point, the results in the points' order.
 
-    With one job the points run here one after another, each with a bar over its requests.
-    With more, in that many forked processes (each point is independent and rows do not depend
+    With one job the points run here one after another, each announced as "run k of N: label"
+    and with a bar over its requests. With more, in that many forked processes (each point is independent and rows do not depend
     on where they ran), under one bar that counts finished points; where a process cannot be
-    forked the points run here, and a note says so.
+    forked the points run here, and a note says so. Each finished point is announced as
+    "done k of N: label".
     """
     global _SWEEP
     jobs = min(_default_jobs() if jobs is None else jobs, len(points))
@@ -442,8 +460,11 @@ def _run_sweep(points: list, run_point: Callable[[Any, Any], Any], jobs: int | N
         jobs = 1
     if jobs <= 1:
         results = []
-        for point in points:
-            bar = _progress_bar(total_requests, label(point), quiet)
+        for k, point in enumerate(points, 1):
+            text = f"run {k} of {len(points)}: {label(point)}"
+            if not quiet:
+                print(text, file=sys.stderr, flush=True)
+            bar = _progress_bar(total_requests, text, quiet)
             try:
                 results.append(run_point(point, bar.update if bar is not None else None))
             finally:
@@ -465,7 +486,7 @@ def _run_sweep(points: list, run_point: Callable[[Any, Any], Any], jobs: int | N
         # The bar (and its monitor thread) only once the workers are forked.
         bar = _progress_bar(len(points), f"{len(points)} points, {jobs} processes", quiet,
                             unit="point")
-        for future in as_completed(futures):
+        for finished, future in enumerate(as_completed(futures), 1):
             try:
                 index, result = future.result()
             except BrokenProcessPool:
@@ -474,6 +495,9 @@ def _run_sweep(points: list, run_point: Callable[[Any, Any], Any], jobs: int | N
             results[index] = result
             if bar is not None:
                 bar.update(1)
+            if not quiet:
+                print(f"done {finished} of {len(points)}: {label(points[index])}",
+                      file=sys.stderr, flush=True)
         done = True
     finally:
         _SWEEP = None
@@ -684,6 +708,9 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         trace_name = os.path.basename(args.trace)
         try:
+            if not args.quiet and os.path.getsize(args.trace) > LARGE_TRACE_BYTES:
+                print(f"reading {trace_name} ({os.path.getsize(args.trace) / 1e6:,.1f} MB)...",
+                      file=sys.stderr, flush=True)
             requests = read_trace(args.trace, block_size=args.block_size, limit=args.limit)
         except TraceError as exc:
             print(f"radixcache: error: {exc}", file=sys.stderr)
@@ -801,7 +828,7 @@ def _simulate_fleet(args: argparse.Namespace, requests: Trace, trace_name: str,
     timed = bool(requests) and requests[0].timestamp is not None
     time_model = TimeModel(args.prefill_tps, args.decode_tps)
     router_options = {"load_weight": args.load_weight, "prefill_weight": args.prefill_weight,
-                      "seed": args.seed}
+                      "seed": args.seed, "prefix_blocks": args.prefix_blocks}
     print(f"fleet: {args.workers} workers; routers {', '.join(args.router)}; event lag "
           f"{args.event_lag}; prefill {args.prefill_tps:g} tokens/s per worker, decode "
           f"{args.decode_tps:g} tokens/s per request; arrivals "

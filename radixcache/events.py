@@ -75,8 +75,13 @@ event is encoded one of two ways (``encode_batch(..., encoding=...)``,
 ``"positional"`` (the tagged arrays of earlier vLLM versions, for older consumers)::
 
     ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
-    ["BlockRemoved", block_hashes, medium]
+        (+ lora_name, extra_keys, group_idx when any is set: a namespace, a LoRA name or a
+         group; extra_keys with no namespace on any block count as unset)
+    ["BlockRemoved", block_hashes, medium]   (+ group_idx when set)
     ["AllBlocksCleared"]
+
+  The trailing places keep the namespace and the group in this layout too (consumers of
+  the six-field layout ignore them; vLLM's array structs ignore trailing fields).
 
 ``decode_batch`` reads both, event by event: map fields by name and positional fields by
 place, ignoring fields it does not know (later ones in an array, unknown keys in a map).
@@ -97,6 +102,10 @@ receives batches in order, fills sequence gaps through replay and decodes either
 from __future__ import annotations
 
 import collections
+import collections.abc
+import dataclasses
+import functools
+import math
 import numbers
 import queue
 import threading
@@ -121,6 +130,8 @@ __all__ = [
     "ReceivedBatch",
     "ZmqEventPublisher",
     "ZmqEventSubscriber",
+    "BLOCK_HASHES",
+    "TokenIds",
     "block_hash",
     "block_hashes",
     "tokens_le_bytes",
@@ -198,8 +209,17 @@ class BlockStored:
             ValueError: an unknown ``encoding``.
         """
         if _check_encoding(encoding) == "positional":
-            return ["BlockStored", list(self.block_hashes), self.parent_block_hash,
+            wire = ["BlockStored", list(self.block_hashes), self.parent_block_hash,
                     list(self.token_ids), self.block_size, self.lora_id, self.medium]
+            extra_keys = self.extra_keys
+            if extra_keys is not None and all(entry is None for entry in extra_keys):
+                extra_keys = None  # no namespace on any block: nothing to carry
+            if self.lora_name is not None or extra_keys is not None or self.group_idx is not None:
+                # Trailing places, ignored by consumers of the 6-field layout.
+                wire += [self.lora_name, None if extra_keys is None else
+                         [None if entry is None else list(entry) for entry in extra_keys],
+                         self.group_idx]
+            return wire
         wire = {"type": "BlockStored", "block_hashes": list(self.block_hashes),
                 "parent_block_hash": self.parent_block_hash, "token_ids": list(self.token_ids),
                 "block_size": self.block_size, "lora_id": self.lora_id, "medium": self.medium,
@@ -240,6 +260,8 @@ class BlockRemoved:
             ValueError: an unknown ``encoding``.
         """
         if _check_encoding(encoding) == "positional":
+            if self.group_idx is not None:
+                return ["BlockRemoved", list(self.block_hashes), self.medium, self.group_idx]
             return ["BlockRemoved", list(self.block_hashes), self.medium]
         wire = {"type": "BlockRemoved", "block_hashes": list(self.block_hashes),
                 "medium": self.medium}
@@ -498,6 +520,70 @@ def _chain(parent_hash: Optional[int], namespace: bytes, data: bytes, page_bytes
     return hashes
 
 
+#: ``EventRecorder(block_hash=...)``: ``"sha256"`` (the default, see "Block hash") or
+#: ``"fast64"``: a 64-bit non-cryptographic chain, the tree core's ``page_hash_chain`` seeded
+#: by the first 8 bytes of SHA-256(b"radixcache-fast64" + N) for a sequence's first page,
+#: the same in every process and core. A consumer that keys blocks by their token ids (as
+#: ``KvIndexer`` does) reads either; ``fast64`` is for in-process simulation, where hashing
+#: every page with SHA-256 costs more than the cache does. Its events carry their token ids
+#: as ``TokenIds`` (a tuple-like view of the bytes, converted only when read).
+BLOCK_HASHES = ("sha256", "fast64")
+
+
+@functools.lru_cache(maxsize=4096)
+def _fast_root(namespace: bytes) -> int:
+    return int.from_bytes(sha256(b"radixcache-fast64" + namespace).digest()[:8], "big",
+                          signed=True)
+
+
+def _fast_chain(parent_hash: Optional[int], namespace: bytes, data: bytes,
+                page_bytes: int) -> list:
+    from ._core import core  # noqa: PLC0415 -- the tree core, loaded with the cache
+
+    seed = _fast_root(namespace) if parent_hash is None else parent_hash
+    return core.page_hash_chain(seed, data, page_bytes)
+
+
+class TokenIds(collections.abc.Sequence):
+    """Token ids kept as int64 little-endian bytes (``le_bytes``), read as a tuple of ints:
+    equal to (and hashing like) the tuple of the same ids; converted once, when read."""
+
+    __slots__ = ("le_bytes", "_items")
+
+    def __init__(self, le_bytes: bytes) -> None:
+        if type(le_bytes) is not bytes or len(le_bytes) % 8:
+            raise TypeError("TokenIds needs bytes of int64 little-endian token ids")
+        self.le_bytes = le_bytes
+        self._items: Optional[tuple] = None
+
+    def _tuple(self) -> tuple:
+        if self._items is None:
+            self._items = tuple(np.frombuffer(self.le_bytes, dtype="<i8").tolist())
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self.le_bytes) // 8
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._tuple()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tuple())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenIds):
+            return self.le_bytes == other.le_bytes
+        if isinstance(other, (tuple, list)):
+            return self._tuple() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._tuple())
+
+    def __repr__(self) -> str:
+        return repr(self._tuple())
+
+
 # -- recorder ---------------------------------------------------------------------------
 
 class EventRecorder:
@@ -520,11 +606,12 @@ class EventRecorder:
         ValueError: ``page_size`` < 1.
     """
 
-    __slots__ = ("page_size", "lora_id", "medium", "lora_namespaces", "_page_bytes",
-                 "_last_hash", "_events")
+    __slots__ = ("page_size", "lora_id", "medium", "lora_namespaces", "block_hash",
+                 "_page_bytes", "_last_hash", "_events", "_chain")
 
     def __init__(self, page_size: int, *, lora_id: Optional[int] = None,
-                 medium: Optional[str] = MEDIUM_GPU, lora_namespaces: bool = False) -> None:
+                 medium: Optional[str] = MEDIUM_GPU, lora_namespaces: bool = False,
+                 block_hash: str = "sha256") -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral):
             raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
         if page_size < 1:
@@ -538,6 +625,11 @@ class EventRecorder:
             raise TypeError(
                 f"lora_namespaces must be a bool, got {type(lora_namespaces).__name__}"
             )
+        if block_hash not in BLOCK_HASHES:
+            raise ValueError(f"unknown block_hash {block_hash!r}; valid: "
+                             f"{', '.join(BLOCK_HASHES)}")
+        self.block_hash = block_hash
+        self._chain = _chain if block_hash == "sha256" else _fast_chain
         self.page_size = int(page_size)
         self.lora_id = None if lora_id is None else int(lora_id)
         self.medium = medium
@@ -570,8 +662,8 @@ class EventRecorder:
         extra_key = node.extra_key
         parent_hash = self._hash_through(node.parent)
         key = node.key
-        hashes = _chain(parent_hash, encode_namespace(extra_key), _key_bytes(key),
-                        self._page_bytes)
+        data = _key_bytes(key)
+        hashes = self._chain(parent_hash, encode_namespace(extra_key), data, self._page_bytes)
         if not hashes:
             return
         self._last_hash[node.id] = hashes[-1]
@@ -584,7 +676,8 @@ class EventRecorder:
                 lora_id = namespace
         entry = None if namespace is None else (namespace,)
         self._events.append(BlockStored(
-            tuple(hashes), parent_hash, tuple(key.tolist()), self.page_size,
+            tuple(hashes), parent_hash,
+            tuple(key.tolist()) if self._chain is _chain else TokenIds(data), self.page_size,
             lora_id, self.medium, lora_name, (entry,) * len(hashes),
         ))
 
@@ -600,8 +693,8 @@ class EventRecorder:
             # stored() refused this namespace, so its pages were never announced.
             self._last_hash.pop(node.id, None)
             return
-        hashes = _chain(self._hash_through(node.parent), namespace, _key_bytes(node.key),
-                        self._page_bytes)
+        hashes = self._chain(self._hash_through(node.parent), namespace, _key_bytes(node.key),
+                             self._page_bytes)
         self._last_hash.pop(node.id, None)
         if hashes:
             self._events.append(BlockRemoved(tuple(hashes), self.medium))
@@ -646,8 +739,8 @@ class EventRecorder:
         """
         if node.parent is None:
             return []
-        return _chain(self._hash_through(node.parent), encode_namespace(node.extra_key),
-                      _key_bytes(node.key), self._page_bytes)
+        return self._chain(self._hash_through(node.parent), encode_namespace(node.extra_key),
+                           _key_bytes(node.key), self._page_bytes)
 
     def _hash_through(self, node: Any) -> Optional[int]:
         """Hash of the last page on the path root..node (None for the root), cached per node."""
@@ -662,8 +755,8 @@ class EventRecorder:
             missing.append(node)
             node = node.parent
         for node in reversed(missing):
-            hashes = _chain(last, encode_namespace(node.extra_key), _key_bytes(node.key),
-                            self._page_bytes)
+            hashes = self._chain(last, encode_namespace(node.extra_key), _key_bytes(node.key),
+                                 self._page_bytes)
             if hashes:
                 last = hashes[-1]
                 known[node.id] = last
@@ -694,6 +787,9 @@ class ReceivedBatch:
     events: list
     data_parallel_rank: Optional[int]
     payload: bytes = field(default=b"", repr=False, compare=False)
+    #: the first batch of a restarted publisher: what the worker held before is gone
+    #: (``KvIndexer.apply`` drops it)
+    restarted: bool = field(default=False, compare=False)
 
 
 def _is_int(value: Any) -> bool:
@@ -731,10 +827,20 @@ def _wire_optional(value: Any, kind: type, what: str) -> Any:
     return value
 
 
-def _frozen(value: Any) -> Any:
-    """msgpack arrays decode as lists; events hold tuples so they compare and hash by value."""
+#: How deeply an ``extra_keys`` entry may nest arrays (vLLM's deepest is 2: a multimodal
+#: key ``("mm", 0)`` inside a block's tuple); deeper is malformed.
+MAX_EXTRA_KEYS_DEPTH = 8
+
+
+def _frozen(value: Any, depth: int = 0) -> Any:
+    """msgpack arrays decode as lists; events hold tuples so they compare and hash by value.
+    Nesting is bounded (``MAX_EXTRA_KEYS_DEPTH``), so this never recurses far."""
     if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
+        if depth >= MAX_EXTRA_KEYS_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_EXTRA_KEYS_DEPTH} arrays")
+        return tuple(_frozen(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        raise ValueError("a map is not a valid extra key")
     return value
 
 
@@ -744,7 +850,10 @@ def _wire_extra_keys(value: Any, what: str) -> Optional[tuple]:
     if not isinstance(value, (list, tuple)) or not all(
             entry is None or isinstance(entry, (list, tuple)) for entry in value):
         raise ValueError(f"{what} must be nil or an array of arrays or nils")
-    return _frozen(value)
+    try:
+        return _frozen(value)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
 
 
 class _Fields:
@@ -794,10 +903,11 @@ class _Positional:
     __slots__ = ("_item", "_places", "_tag")
 
     def __init__(self, item: Any, places: Tuple[str, ...], tag: str) -> None:
-        if len(item) < len(places) + 1:
+        needed = _POSITIONAL_NEEDED[tag]
+        if len(item) < needed + 1:
             raise ValueError(
-                f"{tag} array has {len(item) - 1} fields, needs {len(places)} "
-                f"({', '.join(places)})"
+                f"{tag} array has {len(item) - 1} fields, needs {needed} "
+                f"({', '.join(places[:needed])})"
             )
         self._item = item
         self._places = places
@@ -807,15 +917,21 @@ class _Positional:
         return self._item[1 + self._places.index(name)]
 
     def optional(self, name: str) -> Any:
-        return self._item[1 + self._places.index(name)] if name in self._places else None
+        if name not in self._places:
+            return None
+        place = 1 + self._places.index(name)
+        return self._item[place] if place < len(self._item) else None
 
 
+# Places of each event's fields in the positional layout; the trailing ones (past
+# _POSITIONAL_NEEDED) are sent only when set, so a namespace or group is never dropped.
 _POSITIONAL_PLACES = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
-                    "lora_id", "medium"),
-    "BlockRemoved": ("block_hashes", "medium"),
+                    "lora_id", "medium", "lora_name", "extra_keys", "group_idx"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
 }
+_POSITIONAL_NEEDED = {"BlockStored": 6, "BlockRemoved": 2, "AllBlocksCleared": 0}
 
 
 def _decode_event(item: Any) -> KVEvent:
@@ -881,10 +997,17 @@ def decode_batch(payload: bytes, seq: int = -1) -> ReceivedBatch:
         ImportError: msgspec is not installed.
     """
     _, msgspec = _transport("decode_batch")
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise ValueError(f"malformed event batch {seq}: a payload is bytes, got "
+                         f"{type(payload).__name__}")
     try:
         batch = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
         raise ValueError(f"malformed event batch {seq}: {exc}") from None
+    except RecursionError:
+        # msgspec guards its recursion with Python's limit: arrays or maps nested deeper
+        # than any event batch can be are malformed, however deep.
+        raise ValueError(f"malformed event batch {seq}: nested too deeply") from None
     if not isinstance(batch, list) or len(batch) not in (2, 3):
         raise ValueError(f"malformed event batch {seq}: expected [ts, events, dp_rank]")
     ts, events = batch[0], batch[1]
@@ -1216,13 +1339,27 @@ class ZmqEventSubscriber:
     first asks for every buffered batch from ``start_seq`` on, so one that joins late
     recovers the earlier batches. A batch that neither the stream nor the replay delivers
     (dropped by the publisher, or gone from its buffer) is skipped and listed in ``gaps`` as
-    an inclusive ``(first_seq, last_seq)`` range. ``replayed`` counts batches that came through
+    an inclusive ``(first_seq, last_seq)`` range (the latest ``MAX_GAPS``; ``gap_count`` and
+    ``missed`` count every gap and batch). ``replayed`` counts batches that came through
     replay, ``malformed`` frames that were ignored; ``hwm`` is the SUB socket's receive
     high-water mark. A replay that ends without its end marker for ``replay_timeout`` seconds
-    is abandoned (what it missed becomes a gap when the stream moves on). Payloads are decoded
-    by ``decode_batch``, so either encoding is read; one it rejects makes ``receive`` raise
-    its ValueError, and the next call goes on with the batch after it. Use it as a context
-    manager, or call ``close()``. Needs pyzmq and msgspec (``pip install radixcache[events]``).
+    is abandoned (what it missed becomes a gap); ``receive(timeout)`` never waits past its
+    own timeout for it, the replay goes on at the next call.
+
+    A publisher that restarts on the same endpoints starts its sequence again at 0. A
+    stream batch below what was already delivered is a stale duplicate only when replay
+    delivered that very batch (the same payload) ahead of the stream; one publisher's PUB
+    stream never goes back, so anything else is a reset. It is counted in ``resets``, the
+    new publisher's batches are delivered from its first one on (replayed when the stream missed them), and the first of them is marked
+    ``ReceivedBatch.restarted``, so ``KvIndexer.apply`` drops what the worker held before. A
+    restart whose first batch the subscriber sees has a sequence number above every one the
+    old publisher sent cannot be told from a gap: it is filled from the new publisher's
+    replay and recorded as a gap if it cannot be.
+
+    Payloads are decoded by ``decode_batch``, so either encoding is read; one it rejects
+    makes ``receive`` raise its ValueError, and the next call goes on with the batch after
+    it. Use it as a context manager, or call ``close()``. Needs pyzmq and msgspec
+    (``pip install radixcache[events]``).
 
     Args:
         endpoint: The publisher's PUB address to connect to (its ``endpoint``).
@@ -1277,9 +1414,30 @@ class ZmqEventSubscriber:
         self._expected = start_seq
         self._initial_replay = start_seq is not None and self._replay is not None
         self._pending: collections.deque = collections.deque()
-        self.gaps: list = []
+        # A replay in flight: when it gives up, and the stream frames that wait for it.
+        self._replay_deadline: Optional[float] = None
+        self._backlog: collections.deque = collections.deque()
+        self._stream_last: Optional[int] = None  # the last sequence number the stream sent
+        # seq -> hash of the payload, for batches replay delivered that the stream has not
+        # passed yet: how a stale duplicate is told from a restarted publisher's batch
+        self._replayed: dict = {}
+        self._restart_next = False
+        self._gaps: collections.deque = collections.deque(maxlen=self.MAX_GAPS)
+        self.gap_count = 0
+        self.missed = 0
         self.replayed = 0
         self.malformed = 0
+        self.resets = 0
+
+    #: How many gap ranges ``gaps`` keeps (the latest); ``gap_count`` and ``missed`` count all.
+    MAX_GAPS = 1000
+    #: How many replayed batches are remembered (a hash each) to recognise their stream copy.
+    MAX_REPLAYED = 100_000
+
+    @property
+    def gaps(self) -> list:
+        """The latest ``MAX_GAPS`` gaps, as inclusive ``(first_seq, last_seq)`` ranges."""
+        return list(self._gaps)
 
     def _new_replay_socket(self):
         # DEALER, not REQ: one request is answered by many messages.
@@ -1296,6 +1454,9 @@ class ZmqEventSubscriber:
     def receive(self, timeout: Optional[float] = None) -> Optional[ReceivedBatch]:
         """Receive the next batch in sequence order, filling gaps from the replay socket.
 
+        Returns within ``timeout`` in every state: every wait polls with the time left; a
+        replay in flight carries on at the next call.
+
         Args:
             timeout: The most seconds to wait (None: as long as it takes).
 
@@ -1309,21 +1470,57 @@ class ZmqEventSubscriber:
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._initial_replay:
             self._initial_replay = False
-            self._fill_from_replay(self._expected)
+            self._start_replay(self._expected)
         while not self._pending:
-            wait_ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._sub.poll(wait_ms):
+            if self._replay_deadline is not None:
+                if not self._step_replay(deadline):
+                    return None
+                continue
+            if not self._sub.poll(self._wait_ms(deadline)):
                 return None
             frames = self._sub.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
                 self.malformed += 1
                 continue
-            seq = int.from_bytes(frames[1], "big", signed=True)
-            if self._expected is not None and seq > self._expected and self._replay is not None:
-                self._fill_from_replay(self._expected)
-            self._accept(seq, frames[2])
-        seq, payload = self._pending.popleft()
-        return decode_batch(payload, seq)
+            self._on_stream(int.from_bytes(frames[1], "big", signed=True), frames[2])
+        seq, payload, restarted = self._pending.popleft()
+        batch = decode_batch(payload, seq)
+        if restarted:
+            batch = dataclasses.replace(batch, restarted=True)
+        return batch
+
+    @staticmethod
+    def _wait_ms(deadline: Optional[float], limit: Optional[float] = None) -> int:
+        """Milliseconds to poll: until the earlier of ``deadline`` and ``limit`` (-1: forever),
+        rounded up so a poll never returns before its deadline."""
+        ends = [t for t in (deadline, limit) if t is not None]
+        if not ends:
+            return -1
+        return max(0, math.ceil((min(ends) - time.monotonic()) * 1000))
+
+    def _on_stream(self, seq: int, payload: bytes) -> None:
+        """A batch from the PUB stream, which one publisher sends in increasing order."""
+        digests = self._replayed
+        if self._expected is not None and seq < self._expected:
+            # Below what was delivered: a stale duplicate is a batch that replay delivered
+            # ahead of the stream, byte for byte; anything else is a new publisher on the
+            # same endpoints (it starts again at 0). The stream itself never goes back.
+            stale = ((self._stream_last is None or seq > self._stream_last)
+                     and digests.get(seq) == hash(payload))
+            if not stale:
+                self.resets += 1
+                digests.clear()
+                self._expected = 0
+                self._restart_next = True
+        self._stream_last = seq
+        while digests and next(iter(digests)) <= seq:  # the stream is past them
+            del digests[next(iter(digests))]
+        if (self._expected is not None and seq > self._expected
+                and self._replay is not None):
+            self._backlog.append((seq, payload))
+            self._start_replay(self._expected)
+            return
+        self._accept(seq, payload)
 
     def _accept(self, seq: int, payload: bytes) -> bool:
         """Queue batch ``seq`` unless already delivered; record any gap it reveals."""
@@ -1332,29 +1529,48 @@ class ZmqEventSubscriber:
         if seq < self._expected:
             return False  # already delivered (replay and stream overlap)
         if seq > self._expected:
-            self.gaps.append((self._expected, seq - 1))
-        self._pending.append((seq, payload))
+            self._gaps.append((self._expected, seq - 1))
+            self.gap_count += 1
+            self.missed += seq - self._expected
+        self._pending.append((seq, payload, self._restart_next))
+        self._restart_next = False
         self._expected = seq + 1
         return True
 
-    def _fill_from_replay(self, start: int) -> None:
-        """Ask for every buffered batch from ``start`` on and queue the ones not yet seen."""
+    def _start_replay(self, start: int) -> None:
+        """Ask for every buffered batch from ``start`` on; ``_step_replay`` takes the answer."""
         self._replay.send_multipart((b"", start.to_bytes(8, "big", signed=True)))
-        while True:
-            if not self._replay.poll(int(self.replay_timeout * 1000)):
-                # No end marker: drop the socket so late replies cannot confuse the next ask.
-                self._replay.close(linger=0)
-                self._replay = self._new_replay_socket()
-                return
-            frames = self._replay.recv_multipart()
-            if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
-                self.malformed += 1
-                continue
-            seq = int.from_bytes(frames[1], "big", signed=True)
-            if seq == _END_SEQ:
-                return
-            if self._accept(seq, frames[2]):
-                self.replayed += 1
+        self._replay_deadline = time.monotonic() + self.replay_timeout
+
+    def _step_replay(self, deadline: Optional[float]) -> bool:
+        """Take one replay message, or end the replay; False when ``deadline`` came first."""
+        if not self._replay.poll(self._wait_ms(deadline, self._replay_deadline)):
+            if time.monotonic() < self._replay_deadline:
+                return False  # the caller's deadline; the replay carries on next call
+            # No end marker: drop the socket so late replies cannot confuse the next ask.
+            self._replay.close(linger=0)
+            self._replay = self._new_replay_socket()
+            self._end_replay()
+            return True
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
+            self.malformed += 1
+            return True
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        if seq == _END_SEQ:
+            self._end_replay()
+        elif self._accept(seq, frames[2]):
+            self.replayed += 1
+            if len(self._replayed) < self.MAX_REPLAYED:
+                self._replayed[seq] = hash(frames[2])
+        return True
+
+    def _end_replay(self) -> None:
+        # The stream frames that waited go on in order; a gap left now is a real gap.
+        self._replay_deadline = None
+        backlog = self._backlog
+        while backlog:
+            self._accept(*backlog.popleft())
 
     def __iter__(self) -> Iterator[ReceivedBatch]:
         """Yield batches in order until none comes within ``timeout`` seconds."""

@@ -252,8 +252,13 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             prefill_tps: float, event_lag: EventLag, progress: Optional[Callable[[int], Any]],
             channels: Optional[list], with_events: bool) -> FleetResult:
     wall_start = time.perf_counter()
+    # In-process channels carry the events as objects: the workers hash pages with the
+    # fast chain (the index keys blocks by their tokens, whatever the publisher's hash).
+    fast = {"event_options": {"block_hash": "fast64"}} if with_events and channels is None \
+        else {}
     caches = [RadixCache(page_size=page_size, eviction_policy=eviction_policy,
-                         enable_events=with_events, core=core) for _ in range(num_workers)]
+                         enable_events=with_events, core=core, **fast)
+              for _ in range(num_workers)]
     loops = [ServingLoop(cache, capacity) for cache in caches]
     # Events published once every request is routed reach no decision: an in-process
     # channel drops them rather than hold them to the end (a given channel gets them all).

@@ -9,12 +9,17 @@ many leading blocks of a request each worker holds.
 Block keys are computed by the indexer itself, not taken from the publisher: a block's key
 chains its parent's key and the block's token ids (and, for a sequence's first block, the
 namespace), so any publisher that sends token ids (radixcache, vLLM, SGLang) indexes the
-same way and a query hashes its tokens the same way. Per worker, a map from the publisher's
-block hash to the indexer's key resolves ``parent_block_hash`` and ``BlockRemoved``.
-Memory is proportional to the blocks held: one entry per (worker, block) in that map and one
-per distinct block (a bit mask of its holders), freed when its last holder removes it. The
-keys use Python's own hash, so they are stable within a process only: each router process
-keeps its own index.
+same way and a query hashes its tokens the same way. Per copy (a worker's blocks on one
+tier, ``medium``, in one KV-cache group, ``group_idx``), a map from the publisher's block
+hash to the indexer's key resolves ``parent_block_hash`` and ``BlockRemoved``. The keys are
+the ``fast64`` block hash (``radixcache.events.BLOCK_HASHES``: the tree core's
+``page_hash_chain``, compiled when built, seeded by the namespace), so a publisher recording
+with ``block_hash="fast64"`` sends the indexer's own keys: checked against the token ids,
+such blocks need no map entry. The keys are 64-bit and not collision resistant: a hostile
+publisher could make two prefixes share keys; feed the index from trusted workers.
+Memory is proportional to the (block, copy) pairs held: one entry per pair in that map and
+one per distinct block (its holding copy, or a short list when several hold it), freed when
+its last holder removes it; a worker that holds nothing keeps nothing.
 
 Bad input from the wire never raises: an event that cannot be applied (a removal of an
 unknown block, a stored block whose parent is unknown, a wrong block size, a malformed event
@@ -36,15 +41,20 @@ import sys
 from array import array
 from bisect import bisect_right
 from dataclasses import dataclass, fields
+from itertools import repeat
 from typing import Any, Hashable, Iterable, Optional
 
 
+from . import _core
 from ._options import DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
 from .events import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     ReceivedBatch,
+    TokenIds,
+    _fast_root,
     decode_batch,
     encode_namespace,
     tokens_le_bytes,
@@ -93,10 +103,11 @@ class IndexerStats:
     wrong_block_size: int = 0    #: ``BlockStored`` skipped: not the indexer's block size
     malformed_events: int = 0    #: events skipped: not an event, or inconsistent fields
     malformed_batches: int = 0   #: wire payloads that could not be decoded
+    restarts: int = 0            #: restarted publishers whose blocks were dropped
 
     @property
     def skipped(self) -> int:
-        """Events or blocks that could not be applied (everything but the first six counts)."""
+        """Events or blocks that could not be applied."""
         return (self.unknown_parent + self.unknown_removals + self.wrong_block_size
                 + self.malformed_events + self.malformed_batches)
 
@@ -107,6 +118,13 @@ class IndexerStats:
             ``{field name: count}`` for every field, in declaration order.
         """
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _all_hash_types(hashes: Any) -> bool:
+    return set(map(type, hashes)) <= _HASH_TYPE_SET
+
+
+_HASH_TYPE_SET = set(_HASH_TYPES)
 
 
 def _check_block_size(block_size: Any) -> int:
@@ -120,6 +138,8 @@ def _check_block_size(block_size: Any) -> int:
 def _event_token_bytes(token_ids: Any) -> bytes:
     """An event's token ids as int64 little-endian bytes; a tuple or list (what events hold)
     goes through ``array('q')``, cheaper than numpy for Python ints."""
+    if type(token_ids) is TokenIds:
+        return token_ids.le_bytes
     if _LITTLE_ENDIAN and type(token_ids) in (tuple, list):
         return array("q", token_ids).tobytes()  # TypeError/OverflowError for non-int64 items
     return tokens_le_bytes(token_ids)
@@ -127,8 +147,13 @@ def _event_token_bytes(token_ids: Any) -> bytes:
 
 def _root_key(namespace: bytes) -> int:
     # The chain of a sequence starts from its namespace, so equal tokens in two namespaces
-    # get different keys.
-    return hash(("radixcache-root", namespace))
+    # get different keys: the seed of the fast64 block hash, so a fast64 publisher's hashes
+    # are the indexer's keys.
+    return _fast_root(namespace)
+
+
+# Block keys: the tree core's page hash chain (compiled when built), seeded by the namespace.
+_page_keys = _core.core.page_hash_chain
 
 
 def _event_namespace(event: BlockStored) -> Any:
@@ -159,6 +184,43 @@ def _namespace_bytes(namespace: Any) -> bytes:
         return b"R" + repr(namespace).encode("utf-8", "surrogatepass")
 
 
+class _Copy:
+    """One worker's blocks on one tier and KV-cache group: ``(worker, medium, group)``."""
+
+    __slots__ = ("worker", "medium", "group", "published", "size")
+
+    def __init__(self, worker: Hashable, medium: str, group: Any) -> None:
+        self.worker = worker
+        self.medium = medium
+        self.group = group
+        # publisher hash -> indexer key, for hashes that are not the key itself; a block
+        # published under its own key (a ``fast64`` publisher) is held without an entry
+        self.published: dict = {}
+        self.size = 0  # (publisher hash, block) pairs held
+
+    def __repr__(self) -> str:
+        return f"_Copy({self.worker!r}, {self.medium!r}, {self.group!r})"
+
+
+def _event_medium(event: Any) -> str:
+    """An event's tier: its ``medium``, ``"GPU"`` (the device tier) when it names none."""
+    medium = getattr(event, "medium", None)
+    if medium is None:
+        return MEDIUM_GPU
+    if not isinstance(medium, str):
+        raise TypeError("medium must be a str or None")
+    return medium
+
+
+def _event_group(event: Any) -> Any:
+    group = getattr(event, "group_idx", None)
+    if group is not None:
+        if isinstance(group, bool) or not isinstance(group, numbers.Integral):
+            raise TypeError("group_idx must be an int or None")
+        group = int(group)
+    return group
+
+
 class KvIndexer:
     """Which blocks each worker holds, learned from its KV events; see the module docstring.
 
@@ -166,6 +228,13 @@ class KvIndexer:
     ``apply(worker, events)`` for event objects, ``apply_payload(worker, payload, seq)`` for
     a raw msgpack payload. ``len(indexer)`` is the number of distinct blocks held. Not
     thread-safe: serialise ``apply`` with the queries.
+
+    Blocks are held per copy: a worker's blocks on one tier (the event's ``medium``,
+    ``"GPU"`` when it names none) in one KV-cache group (``group_idx``). A removal removes
+    that copy only, and a block stays held while any of the copy's publisher hashes maps to
+    it. ``overlap`` counts the device tier (``"GPU"``) by default, any group; ``medium=``
+    reports another tier. Memory is one entry per (block, copy) and one per distinct block;
+    a worker holding nothing costs nothing.
 
     Args:
         block_size: The workers' page size (tokens per block), an int >= 1. Events of
@@ -179,51 +248,84 @@ class KvIndexer:
     def __init__(self, block_size: int) -> None:
         self.block_size = _check_block_size(block_size)
         self._page_bytes = self.block_size * 8
-        # indexer key -> bit mask of the worker slots holding that block
+        # indexer key -> the _Copy holding it, or a list of the copies holding it when more
+        # than one does (a copy appears once per publisher hash that maps to the block)
         self._holders: dict = {}
-        # worker slot -> {publisher hash: indexer key}
-        self._published: list = []
-        self._slot_of: dict = {}
-        self._worker_of: list = []
-        self._free_slots: list = []
+        # worker -> its _Copy, or {(medium, group): _Copy} when it has several; only copies
+        # holding at least one block
+        self._copies: dict = {}
         self.stats = IndexerStats()
 
     # -- workers -----------------------------------------------------------------------
-    def _slot(self, worker: Hashable) -> int:
+    @staticmethod
+    def _check_worker(worker: Hashable) -> None:
         try:
-            slot = self._slot_of.get(worker)
+            hash(worker)
         except TypeError:
             raise TypeError(f"worker must be a hashable id, got {type(worker).__name__}") from None
-        if slot is None:
-            if worker is None:
-                raise TypeError("worker must be a hashable id, not None")
-            if self._free_slots:
-                slot = self._free_slots.pop()
-                self._worker_of[slot] = worker
+        if worker is None:
+            raise TypeError("worker must be a hashable id, not None")
+
+    def _copy(self, worker: Hashable, medium: str, group: Any) -> _Copy:
+        """``worker``'s copy on (medium, group), made when missing."""
+        copy = self._find(worker, medium, group)
+        if copy is None:
+            copy = _Copy(worker, medium, group)
+            current = self._copies.get(worker)
+            if current is None:
+                self._copies[worker] = copy  # one copy: no map of them (the usual case)
+            elif type(current) is _Copy:
+                self._copies[worker] = {(current.medium, current.group): current,
+                                        (medium, group): copy}
             else:
-                slot = len(self._published)
-                self._published.append({})
-                self._worker_of.append(worker)
-            self._slot_of[worker] = slot
-        return slot
+                current[(medium, group)] = copy
+        return copy
+
+    def _find(self, worker: Hashable, medium: str, group: Any) -> Optional[_Copy]:
+        current = self._copies.get(worker)
+        if type(current) is _Copy:
+            return current if current.medium == medium and current.group == group else None
+        return None if current is None else current.get((medium, group))
+
+    def _copies_of(self, worker: Hashable) -> list:
+        current = self._copies.get(worker)
+        if current is None:
+            return []
+        return [current] if type(current) is _Copy else list(current.values())
+
+    def _all_copies(self) -> list:
+        return [c for w in self._copies for c in self._copies_of(w)]
+
+    def _forget_if_empty(self, copy: _Copy) -> None:
+        if not copy.size:
+            current = self._copies.get(copy.worker)
+            if current is copy:
+                del self._copies[copy.worker]
+            elif type(current) is dict and current.get((copy.medium, copy.group)) is copy:
+                del current[(copy.medium, copy.group)]
+                if len(current) == 1:
+                    self._copies[copy.worker], = current.values()
 
     @property
     def workers(self) -> list:
-        """The workers the indexer knows (that sent at least one batch), in first-seen order
-        of their slot."""
-        return [w for w in self._worker_of if w is not None]
+        """The workers holding at least one block (any tier), in first-seen order."""
+        return list(self._copies)
 
-    def blocks_held(self, worker: Hashable) -> int:
+    def blocks_held(self, worker: Hashable, medium: Optional[str] = None) -> int:
         """Count the blocks ``worker`` holds.
+
+        A block held under two publisher hashes, tiers or groups counts once per hash, tier
+        and group.
 
         Args:
             worker: The worker id.
+            medium: Count only this tier (e.g. ``"GPU"``, ``"CPU"``); None: every tier.
 
         Returns:
             The number of blocks (0 for an unknown worker).
         """
-        slot = self._slot_of.get(worker)
-        return 0 if slot is None else len(self._published[slot])
+        return sum(c.size for c in self._copies_of(worker)
+                   if medium is None or c.medium == medium)
 
     def __len__(self) -> int:
         """``len(indexer)``: the distinct blocks held by at least one worker.
@@ -234,35 +336,75 @@ class KvIndexer:
         return len(self._holders)
 
     def remove_worker(self, worker: Hashable) -> None:
-        """Forget ``worker`` and every block it held (it left the fleet, or restarted).
+        """Forget ``worker`` and every block it held on every tier (it left the fleet, or
+        restarted).
 
         Args:
             worker: The worker id; an unknown one is ignored.
         """
-        slot = self._slot_of.pop(worker, None)
-        if slot is None:
-            return
-        self._clear_slot(slot)
-        self._worker_of[slot] = None
-        self._free_slots.append(slot)
+        self._clear_worker(worker)
 
-    def _clear_slot(self, slot: int) -> None:
+    def _clear_copy(self, copy: _Copy) -> None:
+        for key in copy.published.values():
+            self._unhold(key, copy)
+        if copy.size > len(copy.published):
+            # Blocks held under their own keys have no entry: find them (clears are rare).
+            holders = self._holders
+            for key in [k for k, v in holders.items() if v is copy]:
+                del holders[key]
+            for key in [k for k, v in holders.items() if type(v) is list and copy in v]:
+                while self._holds(key, copy):
+                    self._unhold(key, copy)
+        copy.published = {}
+        copy.size = 0
+
+    def _holds(self, key: Any, copy: _Copy) -> bool:
+        current = self._holders.get(key)
+        return current is copy or (type(current) is list and copy in current)
+
+    def _key_of(self, copy: _Copy, block_hash: Any) -> Optional[int]:
+        """The indexer key ``copy`` holds under publisher hash ``block_hash``, or None."""
+        key = copy.published.get(block_hash)
+        if key is None and type(block_hash) is int and self._holds(block_hash, copy):
+            key = block_hash  # published under its own key
+        return key
+
+    def _clear_worker(self, worker: Hashable) -> None:
+        copies = self._copies_of(worker)
+        self._copies.pop(worker, None)
+        for copy in copies:
+            self._clear_copy(copy)
+
+    def _hold(self, key: int, copy: _Copy) -> None:
         holders = self._holders
-        keep = ~(1 << slot)
-        for key in set(self._published[slot].values()):
-            mask = holders.get(key, 0) & keep
-            if mask:
-                holders[key] = mask
-            else:
-                holders.pop(key, None)
-        self._published[slot] = {}
+        current = holders.get(key)
+        if current is None:
+            holders[key] = copy
+        elif type(current) is list:
+            current.append(copy)
+        else:
+            holders[key] = [current, copy]
+
+    def _unhold(self, key: int, copy: _Copy) -> None:
+        holders = self._holders
+        current = holders.get(key)
+        if current is copy:
+            del holders[key]
+        elif type(current) is list:
+            try:
+                current.remove(copy)
+            except ValueError:
+                return
+            if len(current) == 1:
+                holders[key] = current[0]
 
     # -- events ------------------------------------------------------------------------
     def apply(self, worker: Hashable, events: Iterable[Any]) -> None:
         """Apply one batch of ``worker``'s events, in order.
 
         Never raises for bad events: what cannot be applied is skipped and counted in
-        ``stats``.
+        ``stats``. A ``ReceivedBatch`` marked ``restarted`` (its publisher restarted) first
+        drops every block the worker held.
 
         Args:
             worker: The worker id (any hashable).
@@ -270,10 +412,13 @@ class KvIndexer:
                 ``AllBlocksCleared`` (as ``RadixCache.take_events()`` returns them), or a
                 subscriber's ``ReceivedBatch``.
         """
-        slot = self._slot(worker)
+        self._check_worker(worker)
         stats = self.stats
         stats.batches += 1
         if isinstance(events, ReceivedBatch):
+            if events.restarted:
+                self._clear_worker(worker)
+                stats.restarts += 1
             events = events.events
         try:
             events = list(events)
@@ -283,11 +428,11 @@ class KvIndexer:
         for event in events:
             stats.events += 1
             if isinstance(event, BlockStored):
-                self._stored(slot, event)
+                self._stored(worker, event)
             elif isinstance(event, BlockRemoved):
-                self._removed(slot, event)
+                self._removed(worker, event)
             elif isinstance(event, AllBlocksCleared):
-                self._clear_slot(slot)
+                self._clear_worker(worker)
                 stats.cleared += 1
             else:
                 stats.malformed_events += 1
@@ -302,9 +447,9 @@ class KvIndexer:
 
         Returns:
             True if the payload was applied, False if it was malformed (then counted in
-            ``stats.malformed_batches``).
+            ``stats.malformed_batches``; nothing is kept for the worker).
         """
-        self._slot(worker)
+        self._check_worker(worker)
         try:
             batch = decode_batch(payload, seq)
         except (ValueError, TypeError):
@@ -313,7 +458,7 @@ class KvIndexer:
         self.apply(worker, batch.events)
         return True
 
-    def _stored(self, slot: int, event: BlockStored) -> None:
+    def _stored(self, worker: Hashable, event: BlockStored) -> None:
         stats = self.stats
         hashes = event.block_hashes
         token_ids = event.token_ids
@@ -325,79 +470,130 @@ class KvIndexer:
             stats.wrong_block_size += 1
             return
         try:
+            medium = _event_medium(event)
+            group = _event_group(event)
             data = _event_token_bytes(token_ids)
             if len(data) != len(hashes) * self._page_bytes:
                 raise ValueError("token_ids do not fill the blocks")
-            published = self._published[slot]
+            copy = self._find(worker, medium, group)
             parent = event.parent_block_hash
-            namespace_key = None
             if parent is None:
-                namespace_key = _root_key(_namespace_bytes(_event_namespace(event)))
-                key = namespace_key
+                key = _root_key(_namespace_bytes(_event_namespace(event)))
             else:
-                key = published.get(parent)
+                key = None if copy is None else self._key_of(copy, parent)
                 if key is None:
                     stats.unknown_parent += 1
                     return
-            page_bytes = self._page_bytes
-            pairs = []
-            for start, block_hash in zip(range(0, len(data), page_bytes), hashes):
-                if type(block_hash) not in _HASH_TYPES:
-                    block_hash = operator.index(block_hash)
-                key = hash((key, data[start:start + page_bytes]))
-                pairs.append((block_hash, key))
-        except (TypeError, ValueError, OverflowError, LookupError):  # LookupError: extra_keys[0]
+            keys = _page_keys(key, data, self._page_bytes)
+            # Published under the indexer's own keys (a fast64 publisher), or checked hashes.
+            identity = keys == list(hashes)
+            if not identity and not _all_hash_types(hashes):
+                hashes = [h if type(h) in _HASH_TYPES else operator.index(h) for h in hashes]
+        except (TypeError, ValueError, OverflowError, LookupError, RecursionError):
+            # LookupError: extra_keys[0]; RecursionError: a hand-built, absurdly deep namespace
             stats.malformed_events += 1
             return
+        if not keys:
+            return
+        if copy is None:
+            copy = self._copy(worker, medium, group)
         holders = self._holders
-        holders_get = holders.get
-        bit = 1 << slot
+        if identity:
+            # No hash map, and new blocks take one dict operation each.
+            before = len(holders)
+            found = list(map(holders.setdefault, keys, repeat(copy)))
+            stored = len(holders) - before
+            duplicates = found.count(copy) - stored  # held by this copy already
+            if stored + duplicates != len(keys):
+                for key, current in zip(keys, found):
+                    if current is copy:
+                        continue
+                    if type(current) is list and copy in current:
+                        duplicates += 1
+                    else:
+                        self._hold(key, copy)
+                        stored += 1
+            copy.size += stored
+            stats.stored_blocks += stored
+            stats.duplicate_blocks += duplicates
+            return
+        published = copy.published
+        if (published.keys().isdisjoint(hashes) and holders.keys().isdisjoint(keys)
+                and len(set(hashes)) == len(keys)):
+            # New blocks under new hashes (the common case): in bulk.
+            published.update(zip(hashes, keys))
+            holders.update(zip(keys, repeat(copy)))
+            copy.size += len(keys)
+            stats.stored_blocks += len(keys)
+            return
         stored = 0
-        for block_hash, key in pairs:
+        for block_hash, key in zip(hashes, keys):
             known = published.get(block_hash)
             if known is not None:
                 if known == key:
                     stats.duplicate_blocks += 1
                     continue
                 # The publisher reused a hash for other content: the newer block wins.
-                self._drop(slot, block_hash, known)
+                self._unhold(known, copy)
+                copy.size -= 1
             published[block_hash] = key
-            holders[key] = holders_get(key, 0) | bit
+            self._hold(key, copy)
             stored += 1
+        copy.size += stored
         stats.stored_blocks += stored
 
-    def _drop(self, slot: int, block_hash: int, key: int) -> None:
-        del self._published[slot][block_hash]
-        mask = self._holders.get(key, 0) & ~(1 << slot)
-        if mask:
-            self._holders[key] = mask
-        else:
-            self._holders.pop(key, None)
-
-    def _removed(self, slot: int, event: BlockRemoved) -> None:
+    def _removed(self, worker: Hashable, event: BlockRemoved) -> None:
         stats = self.stats
-        published = self._published[slot]
         try:
-            hashes = [h if type(h) in _HASH_TYPES else operator.index(h)
-                      for h in event.block_hashes]
+            medium = _event_medium(event)
+            group = _event_group(event)
+            hashes = event.block_hashes
+            try:
+                array("q", hashes)  # every hash an int64 (cheaper than checking each type)
+            except (TypeError, OverflowError):
+                if not _all_hash_types(hashes):
+                    hashes = [h if type(h) in _HASH_TYPES else operator.index(h)
+                              for h in hashes]
         except TypeError:
             stats.malformed_events += 1
             return
+        copy = self._find(worker, medium, group)
+        if copy is None:
+            stats.unknown_removals += len(hashes)
+            return
         holders = self._holders
-        keep = ~(1 << slot)
-        removed = 0
-        for block_hash in hashes:
-            key = published.pop(block_hash, None)
-            if key is None:
-                stats.unknown_removals += 1
-                continue
-            mask = holders.get(key, 0) & keep
-            if mask:
-                holders[key] = mask
-            else:
-                holders.pop(key, None)
-            removed += 1
+        removed = unknown = 0
+        if not copy.published:
+            # Every block held under its own key: one dict operation each.
+            popped = list(map(holders.pop, hashes, repeat(None)))
+            removed = popped.count(copy)
+            if removed != len(hashes):
+                for block_hash, current in zip(hashes, popped):
+                    if current is copy:
+                        continue
+                    if current is not None:
+                        holders[block_hash] = current  # not this copy's alone: put back
+                        if type(current) is list and copy in current:
+                            self._unhold(block_hash, copy)
+                            removed += 1
+                            continue
+                    unknown += 1
+        else:
+            published = copy.published
+            for block_hash in hashes:
+                key = published.pop(block_hash, None)
+                if key is None:
+                    if type(block_hash) is int and self._holds(block_hash, copy):
+                        key = block_hash
+                    else:
+                        unknown += 1
+                        continue
+                self._unhold(key, copy)
+                removed += 1
+        copy.size -= removed
         stats.removed_blocks += removed
+        stats.unknown_removals += unknown
+        self._forget_if_empty(copy)
 
     # -- queries -----------------------------------------------------------------------
     def block_keys(self, tokens: Any, extra_key: Any = None) -> list:
@@ -416,61 +612,67 @@ class KvIndexer:
             OverflowError: a token that does not fit in int64.
         """
         data = tokens_le_bytes(tokens)
-        key = _root_key(encode_namespace(extra_key))
-        page_bytes = self._page_bytes
-        keys = []
-        for start in range(0, len(data) - page_bytes + 1, page_bytes):
-            key = hash((key, data[start:start + page_bytes]))
-            keys.append(key)
-        return keys
+        return _page_keys(_root_key(encode_namespace(extra_key)), data, self._page_bytes)
 
-    def overlap(self, tokens: Any, extra_key: Any = None) -> dict:
+    def overlap(self, tokens: Any, extra_key: Any = None, medium: Optional[str] = MEDIUM_GPU
+                ) -> dict:
         """Tell how many leading blocks of ``tokens`` each worker holds.
 
-        Only full blocks count.
+        Only full blocks count; a block counts when any of the worker's KV-cache groups
+        holds it on tier ``medium``.
 
         Args:
             tokens: A 1-D integer sequence (list, tuple, numpy array, CPU tensor).
             extra_key: The namespace: None, str, bytes or int.
+            medium: The tier counted: ``"GPU"`` (the device, also events naming no medium)
+                by default, e.g. ``"CPU"`` for a host tier.
 
         Returns:
             ``{worker: leading blocks held}`` for every worker that holds at least one.
 
         Raises:
-            TypeError: tokens that are not integers, or an ``extra_key`` of another type.
+            TypeError: tokens that are not integers, an ``extra_key`` of another type, or a
+                ``medium`` that is not a str.
             OverflowError: a token that does not fit in int64.
         """
-        return self._overlap(tokens_le_bytes(tokens), encode_namespace(extra_key))
+        if medium is None:
+            medium = MEDIUM_GPU
+        elif not isinstance(medium, str):
+            raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
+        return self._overlap(tokens_le_bytes(tokens), encode_namespace(extra_key), medium)
 
-    def _overlap(self, data: bytes, namespace: bytes) -> dict:
-        key = _root_key(namespace)
-        holders = self._holders
-        page_bytes = self._page_bytes
+    def _overlap(self, data: bytes, namespace: bytes, medium: str = MEDIUM_GPU) -> dict:
         counts: dict = {}
-        active = -1
+        active = None  # workers holding every block so far (None: before the first block)
         depth = 0
-        for start in range(0, len(data) - page_bytes + 1, page_bytes):
-            key = hash((key, data[start:start + page_bytes]))
-            mask = holders.get(key, 0) & active
-            if mask != active and depth:
-                self._credit(active & ~mask, depth, counts)
-            active = mask
+        for current in map(self._holders.get, _page_keys(_root_key(namespace), data,
+                                                          self._page_bytes)):
+            if type(current) is _Copy and current.medium == medium and active is not None \
+                    and len(active) == 1 and current.worker in active:
+                depth += 1  # the common case: one worker's run goes on
+                continue
+            if current is None:
+                break
+            if type(current) is _Copy:
+                held = {current.worker} if current.medium == medium else set()
+            else:
+                held = {copy.worker for copy in current if copy.medium == medium}
+            if active is None:
+                active = held
+            elif held != active:
+                for worker in active - held:
+                    counts[worker] = depth
+                active &= held
             if not active:
                 break
             depth += 1
-        if depth and active:
-            self._credit(active, depth, counts)  # held every full block of the query
+        if active:
+            for worker in active:
+                counts[worker] = depth  # held every full block of the query
         return counts
 
-    def _credit(self, mask: int, depth: int, counts: dict) -> None:
-        workers = self._worker_of
-        while mask:
-            low = mask & -mask
-            counts[workers[low.bit_length() - 1]] = depth
-            mask ^= low
-
     def __repr__(self) -> str:
-        return (f"KvIndexer(block_size={self.block_size}, workers={len(self._slot_of)}, "
+        return (f"KvIndexer(block_size={self.block_size}, workers={len(self._copies)}, "
                 f"blocks={len(self._holders)})")
 
 
@@ -500,8 +702,16 @@ class Router:
     - ``random``: uniformly at random from a ``random.Random(seed)``.
     - ``least-loaded``: the smallest reported load; ties go to the worker routed to least.
     - ``prefix-hash``: a consistent hash (a ring of ``virtual_nodes`` points per worker,
-      SHA-256, the same in every process) of the first ``prefix_blocks`` blocks of
-      ``block_size`` tokens and the namespace: a prefix always lands on the same worker.
+      SHA-256, the same in every process) of a prompt's first blocks of ``block_size``
+      tokens and the namespace: a prefix lands on the same worker. ``prefix_blocks=N``
+      hashes the first N blocks. The default, ``"auto"``, hashes the shortest prefix (of 1,
+      2, 3, 4, 6, 8, 12, 16, ... blocks, or the whole prompt) whose family (the requests
+      seen so far that start with it) is at most one worker's share of the traffic
+      (1 / ``num_workers``, and at least ``MIN_PREFIX_FAMILY`` requests, so a young family
+      stays on one worker): a first block every request shares (a system prompt) is too big
+      a family for one worker, so a deeper prefix decides, while a conversation's turns,
+      which share their first blocks, stay together. Each prompt counts once for each of
+      its candidate prefixes (at most ``MAX_PREFIX_FAMILIES`` counts, halved when full).
     - ``cache-aware``: the lowest ``prefill_weight * (tokens not cached on the worker) +
       load_weight * load``, the cached tokens being the worker's overlap in ``indexer`` times
       ``block_size``; ties go to the lower load, then to the worker routed to least.
@@ -510,7 +720,8 @@ class Router:
     when a request is dispatched, ``remove_load`` as its work completes (``set_load`` for a
     router that polls its workers instead). Feed the indexer with each worker's events
     (``router.indexer.apply(worker, events)``); worker ids in the events are the ints
-    ``0 .. num_workers-1``. Not thread-safe: serialise ``route`` with the load reports and the
+    ``0 .. num_workers-1``: ``cache-aware`` routing raises ValueError naming any other id
+    the indexer holds blocks for, rather than ignoring its blocks. Not thread-safe: serialise ``route`` with the load reports and the
     indexer's ``apply``.
 
     Args:
@@ -520,7 +731,9 @@ class Router:
             or ``DEFAULT_BLOCK_SIZE``); ``prefix-hash`` and ``cache-aware`` count in blocks.
         indexer: A ``KvIndexer`` to read overlaps from (default: a new one, ``router.indexer``).
         seed: Seed of the ``random`` policy.
-        prefix_blocks: How many leading blocks ``prefix-hash`` hashes, an int >= 1.
+        prefix_blocks: How many leading blocks ``prefix-hash`` hashes, an int >= 1, or
+            ``"auto"`` (the default): the shortest prefix (1, 2, 3, 4, 6, 8, 12, ... blocks)
+            whose family is at most one worker's share of the requests seen so far.
         prefill_weight: ``cache-aware``'s weight of the tokens a worker would prefill.
         load_weight: ``cache-aware``'s weight of a worker's load (default
             ``DEFAULT_LOAD_WEIGHT``: 10 tokens of queued work weigh as much as one token of
@@ -534,9 +747,15 @@ class Router:
             ``block_size`` that differs from the ``indexer``'s.
     """
 
+    #: The most block prefixes ``prefix_blocks="auto"`` counts before halving every count.
+    MAX_PREFIX_FAMILIES = 1 << 20
+    #: ``prefix_blocks="auto"`` never splits a family of fewer requests than this.
+    MIN_PREFIX_FAMILY = 64
+
     def __init__(self, num_workers: int, policy: str = "cache-aware", *,
                  block_size: Optional[int] = None,
-                 indexer: Optional[KvIndexer] = None, seed: int = 0, prefix_blocks: int = 1,
+                 indexer: Optional[KvIndexer] = None, seed: int = 0,
+                 prefix_blocks: Any = "auto",
                  prefill_weight: float = 1.0, load_weight: float = DEFAULT_LOAD_WEIGHT,
                  virtual_nodes: int = 64) -> None:
         self.num_workers = _check_worker_count(num_workers)
@@ -559,12 +778,23 @@ class Router:
         self.block_size = indexer.block_size
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        for name, value in (("prefix_blocks", prefix_blocks), ("virtual_nodes", virtual_nodes)):
+        if isinstance(prefix_blocks, str):
+            if prefix_blocks != "auto":
+                raise ValueError(f"prefix_blocks must be an int >= 1 or 'auto', got "
+                                 f"{prefix_blocks!r}")
+            checks = (("virtual_nodes", virtual_nodes),)
+        else:
+            checks = (("prefix_blocks", prefix_blocks), ("virtual_nodes", virtual_nodes))
+        for name, value in checks:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self.prefix_blocks = int(prefix_blocks)
+        #: blocks prefix-hash hashes: an int, or "auto" (see the class docstring)
+        self.prefix_blocks = prefix_blocks if isinstance(prefix_blocks, str) else int(
+            prefix_blocks)
+        self._families: dict = {}  # block prefix key -> requests seen starting with it
+        self._family_requests = 0
         self.prefill_weight = _check_weight("prefill_weight", prefill_weight)
         self.load_weight = _check_weight("load_weight", load_weight)
         self._rng = random.Random(int(seed))
@@ -697,14 +927,44 @@ class Router:
         return worker
 
     def _prefix_worker(self, data: bytes, namespace: bytes) -> int:
-        point = _stable_hash(b"prefix", namespace,
-                             data[: self.prefix_blocks * self.block_size * 8])
+        page_bytes = self.block_size * 8
+        if self.prefix_blocks == "auto":
+            depth = self._family_depth(data, namespace, page_bytes)
+        else:
+            depth = self.prefix_blocks
+        point = _stable_hash(b"prefix", namespace, data[: depth * page_bytes] if depth else data)
         i = bisect_right(self._ring, point)
         return self._ring_workers[i % len(self._ring_workers)]
+
+    def _family_depth(self, data: bytes, namespace: bytes, page_bytes: int) -> int:
+        """How many blocks ``auto`` hashes: the shortest candidate prefix (``_depths``: 1, 2,
+        3, 4, 6, 8, 12, ... blocks, and the whole prompt) whose family is at most one
+        worker's share of the requests seen (0: the prompt has no full block). Every
+        candidate of the prompt is counted, so a family's count is the requests that
+        reached it, however deep."""
+        keys = _page_keys(_root_key(namespace), data, page_bytes)
+        families = self._families
+        share = max(self._family_requests / self.num_workers, self.MIN_PREFIX_FAMILY)
+        chosen = 0
+        for depth in _depths(len(keys)):
+            key = keys[depth - 1]
+            seen = families.get(key, 0)
+            families[key] = seen + 1
+            if not chosen and seen <= share:
+                chosen = depth
+        self._family_requests += 1
+        if len(families) > self.MAX_PREFIX_FAMILIES:
+            # Halve: old families fade, and the table stays bounded.
+            self._families = {k: v // 2 for k, v in families.items() if v > 1}
+            self._family_requests //= 2
+        return chosen or len(keys)
 
     def _cache_aware(self, data: bytes, namespace: bytes) -> int:
         data_len = len(data) // 8
         overlap = self.indexer._overlap(data, namespace)
+        for worker in overlap:
+            if type(worker) is not int or not 0 <= worker < self.num_workers:
+                self._check_overlap_worker(worker)
         self.last_overlap = overlap
         loads, routed = self._loads, self._routed
         block_size = self.block_size
@@ -719,9 +979,30 @@ class Router:
                 best, best_key = worker, key
         return best
 
+    def _check_overlap_worker(self, worker: Any) -> None:
+        if (not isinstance(worker, bool) and isinstance(worker, numbers.Integral)
+                and 0 <= worker < self.num_workers):
+            return
+        raise ValueError(
+            f"the indexer holds blocks of worker {worker!r}, which is not one of this "
+            f"router's workers 0 .. {self.num_workers - 1}: apply each worker's events under "
+            f"its int id")
+
     def __repr__(self) -> str:
         return (f"Router(num_workers={self.num_workers}, policy={self.policy!r}, "
                 f"block_size={self.block_size}, loads={list(self._loads)})")
+
+
+# Candidate prefix lengths of prefix_blocks="auto", in blocks: 1, 2, 3, 4, 6, 8, 12, 16, ...
+_DEPTHS = sorted({n for k in range(63) for n in (1 << k, 3 << k >> 1) if n >= 1})
+
+
+def _depths(blocks: int) -> list:
+    """The candidate prefix lengths of a prompt of ``blocks`` full blocks, the whole included."""
+    out = _DEPTHS[:bisect_right(_DEPTHS, blocks - 1)]
+    if blocks:
+        out.append(blocks)
+    return out
 
 
 def _stable_hash(tag: bytes, *parts: Any) -> int:

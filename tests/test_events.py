@@ -253,7 +253,7 @@ for core in sys.argv[1].split(","):
         cache.insert(list(range(20)), extra_key=ns)
         cache.insert(list(range(9)) + [99, 98, 97, 96], extra_key=ns)
     cache.evict(10**6)
-    out.append([e.to_wire("positional") for e in cache.take_events()])
+    out.append([e.to_wire("positional")[:7] for e in cache.take_events()])
 print(json.dumps(out))
 """
 
@@ -274,7 +274,7 @@ def test_hashes_equal_across_processes_and_cores():
             cache.insert(list(range(20)), extra_key=ns)
             cache.insert(list(range(9)) + [99, 98, 97, 96], extra_key=ns)
         cache.evict(10**6)
-        here.append(json.loads(json.dumps([e.to_wire("positional")
+        here.append(json.loads(json.dumps([e.to_wire("positional")[:7]
                                            for e in cache.take_events()])))
     assert there == here
     stored_events = [e for e in here[0] if e[0] == "BlockStored"]
@@ -868,7 +868,9 @@ def test_positional_encoding_is_the_old_layout(core_name):
     t12, t34 = ref_chain(None, [1, 2, 3, 4], "t", 2)
     decoded = msgspec.msgpack.decode(payload)
     assert decoded[0] == 1.0 and decoded[2] is None
-    assert decoded[1][0] == ["BlockStored", [t12, t34], None, [1, 2, 3, 4], 2, None, "GPU"]
+    # A namespace travels in the trailing places (lora_name, extra_keys, group_idx).
+    assert decoded[1][0] == ["BlockStored", [t12, t34], None, [1, 2, 3, 4], 2, None, "GPU",
+                             None, [["t"], ["t"]], None]
     assert decoded[1][2][0] == "BlockRemoved" and len(decoded[1][2]) == 3
     assert decoded[1][4] == ["AllBlocksCleared"]
     assert [wire_fields(e) for e in WIRE_DECODER.decode(payload).events] == \
@@ -876,11 +878,11 @@ def test_positional_encoding_is_the_old_layout(core_name):
 
 
 def without_map_only_fields(event: Any) -> Any:
-    """What survives the positional layout: no lora_name, extra_keys or group_idx."""
-    if isinstance(event, ev.BlockStored):
-        return dataclasses.replace(event, lora_name=None, extra_keys=None, group_idx=None)
-    if isinstance(event, ev.BlockRemoved):
-        return dataclasses.replace(event, group_idx=None)
+    """What the positional layout gives back: every field, but extra_keys without a
+    namespace on any block come back as None (nothing to carry)."""
+    if isinstance(event, ev.BlockStored) and event.extra_keys is not None and all(
+            entry is None for entry in event.extra_keys):
+        return dataclasses.replace(event, extra_keys=None)
     return event
 
 
@@ -937,15 +939,20 @@ def test_decoder_reads_map_fields_by_name_and_ignores_unknown_ones():
     assert decode_one({"type": "BlockRemoved", "block_hashes": [3], "medium": None,
                        "locality": "LOCAL", "ownership": "x"}) == ev.BlockRemoved((3,))
     assert decode_one({"type": "AllBlocksCleared", "anything": 1}) == ev.AllBlocksCleared()
-    # Optional fields may be absent; trailing positional fields are ignored as before.
+    # Optional fields may be absent; positional places past the known ones are ignored.
     minimal = {k: v for k, v in map_stored().items()
                if k in ("type", "block_hashes", "parent_block_hash", "token_ids",
                         "block_size")}
     assert decode_one(minimal) == ev.BlockStored((11, -12), 10, (1, 2, 3, 4), 2)
     assert decode_one({"type": "BlockRemoved", "block_hashes": [3]}) == ev.BlockRemoved((3,))
-    assert decode_one(["BlockStored", [1], None, [7, 7], 2, 3, "CPU", "extra", [None]]) == \
+    assert decode_one(["BlockStored", [1], None, [7, 7], 2, 3, "CPU"]) == \
         ev.BlockStored((1,), None, (7, 7), 2, 3, "CPU")
-    assert decode_one(["BlockRemoved", [1], "CPU", 9]) == ev.BlockRemoved((1,), "CPU")
+    assert decode_one(["BlockStored", [1], None, [7, 7], 2, 3, "CPU", "name", [["ns"]], 4,
+                       "future"]) == \
+        ev.BlockStored((1,), None, (7, 7), 2, 3, "CPU", "name", (("ns",),), 4)
+    assert decode_one(["BlockRemoved", [1], "CPU"]) == ev.BlockRemoved((1,), "CPU")
+    assert decode_one(["BlockRemoved", [1], "CPU", 9, "future"]) == \
+        ev.BlockRemoved((1,), "CPU", 9)
     # One batch may even mix the two encodings; hashes may be bytes (vLLM's default).
     mixed = ev.decode_batch(msgspec.msgpack.encode(
         [1.0, [["AllBlocksCleared"], map_stored(block_hashes=[b"\x01" * 32, 5],
@@ -1046,8 +1053,8 @@ def test_a_namespace_msgpack_cannot_carry_fails_the_map_encoding_clearly(namespa
     assert events[0].extra_keys == ((namespace,), (namespace,))
     with pytest.raises(ValueError, match="cannot be encoded as msgpack"):
         ev.encode_batch(events)
-    assert ev.decode_batch(ev.encode_batch(events, encoding="positional")).events == \
-        [without_map_only_fields(events[0])]  # the old layout never carried namespaces
+    with pytest.raises(ValueError, match="cannot be encoded as msgpack"):
+        ev.encode_batch(events, encoding="positional")  # it carries the namespace too
     with ev.ZmqEventPublisher("tcp://127.0.0.1:*") as pub:
         assert pub.publish(events) == 0
         assert pub.publish([ev.AllBlocksCleared()]) == 1
@@ -1154,8 +1161,357 @@ def test_subscriber_reads_both_encodings():
             expected = events if encoding == "map" else [without_map_only_fields(e)
                                                          for e in events]
             assert batch.events == expected
-            assert (encoding == "map") == (batch.events[0].extra_keys == (("t",), ("t",)))
+            assert batch.events[0].extra_keys == (("t",), ("t",))  # in both encodings
         finally:
             if sub is not None:
                 sub.close()
             pub.close()
+
+
+# -- hostile payloads, restarts, deadlines ----------------------------------------------------
+def _nested(depth: int, opener: bytes = b"\x91", leaf: bytes = b"\x01") -> bytes:
+    """msgpack of ``depth`` nested one-element arrays (or maps, opener b"\\x81\\x01")."""
+    return opener * depth + leaf
+
+
+def _valid_payloads() -> list:
+    cache = RadixCache(page_size=2, enable_events=True)
+    cache.insert([1, 2, 3, 4, 5], extra_key="a")
+    cache.insert([1, 2, 9, 9], extra_key=7)
+    cache.evict(100)
+    cache.reset()
+    events = cache.take_events()
+    return [ev.encode_batch(events, encoding=encoding, ts=2.5) for encoding in ev.ENCODINGS]
+
+
+def _hostile_payloads(rng: random.Random) -> list:
+    payloads = []
+    for depth in (1_000, 5_000, 100_000):
+        for opener in (b"\x91", b"\x81\x01", b"\xdc\x00\x01", b"\xde\x00\x01\xa1k"):
+            payloads.append(_nested(depth, opener))
+            # ... at every level of a batch: as the events, as an event, in a field
+            payloads.append(b"\x93\xcb" + bytes(8) + _nested(depth, opener) + b"\x00")
+            payloads.append(b"\x93\xcb" + bytes(8) + b"\x91" + _nested(depth, opener) + b"\x00")
+            payloads.append(msgspec.msgpack.encode([0.0, [{
+                "type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                "token_ids": [1, 2], "block_size": 2, "extra_keys": [["ns"]]}], 0])
+                .replace(b"\x91\xa2ns", b"\x91" + _nested(depth, opener)))
+    # vLLM-shaped extra_keys nested deeper than any key, in both layouts
+    deep_key: Any = "x"
+    for _ in range(200):
+        deep_key = [deep_key]
+    payloads.append(msgspec.msgpack.encode([0.0, [
+        ["BlockStored", [1], None, [1, 2], 2, None, None, None, [[deep_key]], None]], 0]))
+    payloads.append(msgspec.msgpack.encode([0.0, [{
+        "type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+        "token_ids": [1, 2], "block_size": 2, "extra_keys": [[deep_key]]}], 0]))
+    for valid in _valid_payloads():
+        payloads.extend(valid[:cut] for cut in range(len(valid)))  # every truncation
+        for _ in range(300):  # random byte flips
+            data = bytearray(valid)
+            for _ in range(rng.randrange(1, 4)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            payloads.append(bytes(data))
+    payloads.extend(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+                    for _ in range(2000))
+    return payloads
+
+
+@needs_transport
+def test_no_payload_escapes_value_error_however_nested_truncated_or_random():
+    from radixcache.router import KvIndexer
+
+    rng = random.Random(18)
+    indexer = KvIndexer(2)
+    rejected = 0
+    for payload in _hostile_payloads(rng):
+        try:
+            ev.decode_batch(payload, 3)
+            accepted = True
+        except ValueError:
+            accepted = False
+            rejected += 1
+        before = indexer.stats.malformed_batches
+        assert indexer.apply_payload("w", payload, 3) is accepted
+        assert indexer.stats.malformed_batches == before + (not accepted)
+    assert rejected > 2000
+    # The deep ones are rejected outright, and named.
+    with pytest.raises(ValueError, match="nested too deeply|nested deeper"):
+        ev.decode_batch(_nested(1_000))
+    with pytest.raises(ValueError, match="nested deeper than"):
+        ev.decode_batch(msgspec.msgpack.encode([0.0, [{
+            "type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+            "token_ids": [1, 2], "block_size": 2, "extra_keys": [[[[[[[[[["x"]]]]]]]]]]}], 0]))
+
+
+@needs_transport
+def test_a_subscriber_turns_a_deeply_nested_payload_into_value_error():
+    pub_ctx = zmq.Context()
+    pub = pub_ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = ev.ZmqEventSubscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + SOCKET_WAIT_S
+        seq = 0
+        while True:
+            assert time.monotonic() < deadline, "subscriber never connected"
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), _nested(10_000)])
+            seq += 1
+            try:
+                if sub.receive(timeout=0.05) is not None:
+                    raise AssertionError("a nested payload was accepted")
+            except ValueError as exc:
+                assert "nested too deeply" in str(exc)
+                break
+    finally:
+        sub.close()
+        pub.close()
+        pub_ctx.term()
+
+
+@needs_transport
+def test_a_restarted_publisher_on_the_same_endpoints_is_delivered_and_marked():
+    from radixcache.router import KvIndexer
+
+    first = ev.ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    endpoint, replay_endpoint = first.endpoint, first.replay_endpoint
+    sub = ev.ZmqEventSubscriber(endpoint, replay_endpoint, start_seq=0)
+    indexer = KvIndexer(2)
+    second = None
+    try:
+        old = [[ev.BlockStored((100 + i,), None, (i, i), 2)] for i in range(60)]
+        for events in old:
+            first.publish(events)
+        assert first.flush(SOCKET_WAIT_S)
+        got = []
+        while len(got) < len(old):
+            batch = sub.receive(timeout=SOCKET_WAIT_S)
+            assert batch is not None, "old batches missing"
+            got.append(batch)
+            indexer.apply("w", batch)
+        assert [b.seq for b in got] == list(range(60))
+        assert not any(getattr(b, "restarted", False) for b in got)
+        assert indexer.blocks_held("w") == 60
+        first.close()
+        # The worker restarts: a new publisher on the same endpoints, sequence from 0,
+        # its first batch the clear of a fresh cache.
+        second = ev.ZmqEventPublisher(endpoint, replay_endpoint=replay_endpoint)
+        new = [[ev.AllBlocksCleared()]]
+        second.publish(new[0])
+        deadline = time.monotonic() + 4 * SOCKET_WAIT_S
+        received = []
+        while len(received) < 3:
+            assert time.monotonic() < deadline, "the restarted publisher never arrived"
+            batch = sub.receive(timeout=0.05)
+            if batch is None:
+                if len(new) < 40:  # the stream moves on until the subscriber reconnected
+                    new.append([ev.BlockStored((900 + len(new),), None, (7, len(new)), 2)])
+                    second.publish(new[-1])
+                continue
+            received.append(batch)
+            indexer.apply("w", batch)
+        assert [b.seq for b in received] == [0, 1, 2] and sub.resets == 1
+        assert received[0].events == [ev.AllBlocksCleared()] and received[0].restarted
+        assert not received[1].restarted and received[1].events == new[1]
+        assert indexer.stats.restarts == 1
+        assert indexer.overlap([1, 1]) == {}  # the old blocks are gone
+        assert indexer.overlap([7, 1]) == {"w": 1} and indexer.blocks_held("w") == 2
+    finally:
+        sub.close()
+        first.close()
+        if second is not None:
+            second.close()
+
+
+def test_a_stale_duplicate_is_not_a_reset():
+    """Replay ran ahead of the stream: the stream's older batches are duplicates, dropped
+    without a reset; the stream going back below what IT sent is a reset."""
+    sub = ev.ZmqEventSubscriber.__new__(ev.ZmqEventSubscriber)
+    sub._expected, sub._replay, sub._stream_last = None, None, None
+    sub._pending, sub._backlog = collections_deque(), collections_deque()
+    sub._restart_next, sub.resets, sub._replayed = False, 0, {}
+    sub._gaps = collections_deque(maxlen=10)
+    sub.gap_count = sub.missed = 0
+    sub._on_stream(3, b"p3")
+    for seq in (4, 5, 6):  # delivered through replay
+        sub._accept(seq, b"p%d" % seq)
+        sub._replayed[seq] = hash(b"p%d" % seq)
+    sub._on_stream(4, b"p4")  # the stream catching up: stale
+    sub._on_stream(5, b"p5")
+    assert sub.resets == 0 and [p[0] for p in sub._pending] == [3, 4, 5, 6]
+    sub._on_stream(6, b"other")  # seq 6 of another publisher (not what replay gave)
+    assert sub.resets == 1 and sub._pending[-1] == (6, b"other", True)
+    assert sub.gaps == [(0, 5)]
+    sub._on_stream(0, b"newer")  # below the stream's own 6: yet another publisher
+    assert sub.resets == 2 and sub._pending[-1] == (0, b"newer", True)
+
+
+def collections_deque(maxlen=None):
+    import collections
+
+    return collections.deque(maxlen=maxlen)
+
+
+@needs_transport
+def test_gaps_are_bounded_and_counted():
+    sub = ev.ZmqEventSubscriber("tcp://127.0.0.1:1")
+    try:
+        for i in range(5_000):
+            sub._accept(2 * i, b"")  # every other batch lost
+        assert len(sub.gaps) == 1_000  # the latest ones
+        assert ev.ZmqEventSubscriber.MAX_GAPS == 1_000
+        assert sub.gaps[-1] == (2 * 4_999 - 1,) * 2 and sub.gaps[0] == (2 * 4_000 - 1,) * 2
+        assert sub.gap_count == 4_999 and sub.missed == 4_999
+    finally:
+        sub.close()
+
+
+class _RecordingSocket:
+    """Stands in for a socket: records every poll's timeout and says nothing arrived."""
+
+    def __init__(self, real):
+        self.real = real
+        self.polls: list = []
+
+    def poll(self, timeout=None, flags=None):
+        self.polls.append(timeout)
+        return 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@needs_transport
+def test_receive_never_waits_past_its_timeout_for_a_replay():
+    """A gap starts a replay whose publisher never answers: every wait on it is bounded by
+    the caller's timeout (the replay goes on at the next call), and after replay_timeout
+    the gap is recorded and the batch after it delivered."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    silent = ctx.socket(zmq.ROUTER)  # a replay endpoint that never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    replay_port = silent.bind_to_random_port("tcp://127.0.0.1")
+    sub = ev.ZmqEventSubscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}",
+                                replay_timeout=0.5)
+    payload = ev.encode_batch([ev.AllBlocksCleared()], ts=1.0)
+    try:
+        deadline = time.monotonic() + SOCKET_WAIT_S
+        seq = 0
+        while sub.receive(timeout=0.05) is None:  # wait for the subscription to be live
+            assert time.monotonic() < deadline, "subscriber never connected"
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            seq += 1
+        recorder = _RecordingSocket(sub._replay)
+        sub._replay = recorder
+        gap_seq = sub.next_seq + 3
+        pub.send_multipart([b"", gap_seq.to_bytes(8, "big"), payload])
+        batch = None
+        timeouts = []
+        while batch is None:
+            assert time.monotonic() < deadline, "the batch after the gap never came"
+            timeout = (0.0, 0.02, 0.05)[len(timeouts) % 3]
+            timeouts.append(timeout)
+            before = len(recorder.polls)
+            batch = sub.receive(timeout=timeout)
+            assert all(ms <= math_ceil_ms(timeout) for ms in recorder.polls[before:]), \
+                (timeout, recorder.polls[before:])
+        assert recorder.polls, "receive never waited on the replay"
+        assert batch.seq == gap_seq and sub.gaps == [(gap_seq - 3, gap_seq - 1)]
+    finally:
+        sub.close()
+        pub.close()
+        silent.close()
+        ctx.term()
+
+
+def math_ceil_ms(seconds: float) -> int:
+    import math
+
+    return math.ceil(seconds * 1000)
+
+
+def _reference_page_chain(seed: int, data: bytes, page_bytes: int) -> list:
+    """The page hash chain as the core's docstring states it, in numpy uint64 arithmetic."""
+    tokens = np.frombuffer(data, dtype="<u8")
+    h = np.uint64(seed % 2**64)
+    out = []
+    with np.errstate(over="ignore"):
+        for start in range(0, len(tokens) - page_bytes // 8 + 1, page_bytes // 8):
+            for t in tokens[start:start + page_bytes // 8]:
+                h = (h ^ t) * np.uint64(0x9E3779B97F4A7C15)
+                h ^= h >> np.uint64(32)
+            for mul in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53):
+                h ^= h >> np.uint64(33)
+                h = h * np.uint64(mul)
+            h ^= h >> np.uint64(33)
+            out.append(int(h.astype(np.int64)))
+    return out
+
+
+def test_page_hash_chain_is_the_documented_function_in_every_core():
+    rng = np.random.default_rng(5)
+    cases = [(0, b"", 8), (-1, bytes(8), 8), (2**70 + 3, b"\x01" * 24, 16)]
+    for n, page in ((17, 8), (64, 32), (100, 128)):
+        data = rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64).astype("<i8").tobytes()
+        cases.append((int(rng.integers(-2**63, 2**63 - 1)), data, page))
+    for seed, data, page in cases:
+        expected = _reference_page_chain(seed, data, page)
+        for name, module in CORES.items():
+            assert module.page_hash_chain(seed, data, page) == expected, name
+    for module in CORES.values():
+        with pytest.raises(TypeError, match="data must be bytes"):
+            module.page_hash_chain(0, bytearray(8), 8)
+        with pytest.raises(TypeError, match="seed must be an int"):
+            module.page_hash_chain(1.0, b"", 8)
+        with pytest.raises(ValueError, match="page_bytes must be a positive multiple of 8"):
+            module.page_hash_chain(0, b"", 12)
+        with pytest.raises(ValueError, match="page_bytes"):
+            module.page_hash_chain(0, b"", 0)
+
+        class Huge(int):  # would make the compiled loop read past the data
+            def __floordiv__(self, other):
+                return 10**9
+
+        with pytest.raises(TypeError, match="page_bytes must be an int, got Huge"):
+            module.page_hash_chain(0, bytes(16), Huge(8))
+        with pytest.raises(TypeError, match="seed must be an int, got bool"):
+            module.page_hash_chain(True, bytes(16), 8)
+
+
+def test_fast64_recorder_hashes_and_token_ids(core_name):
+    cache = RadixCache(page_size=2, enable_events=True, core=core_name,
+                       event_options={"block_hash": "fast64"})
+    sha = RadixCache(page_size=2, enable_events=True, core=core_name)
+    for c in (cache, sha):
+        c.insert([1, 2, 3, 4, 5], extra_key="t")
+        c.insert([1, 2, 3, 4, 9, 9], extra_key="t")
+        c.evict(100)
+    fast_events, sha_events = cache.take_events(), sha.take_events()
+    root = int.from_bytes(hashlib.sha256(b"radixcache-fast64"
+                                         + ev.encode_namespace("t")).digest()[:8], "big",
+                          signed=True)
+    data = np.array([1, 2, 3, 4], dtype="<i8").tobytes()
+    first = fast_events[0]
+    assert list(first.block_hashes) == _reference_page_chain(root, data, 16)
+    assert isinstance(first.token_ids, ev.TokenIds)
+    assert first.token_ids == (1, 2, 3, 4) and (1, 2, 3, 4) == first.token_ids
+    assert first.token_ids == [1, 2, 3, 4] and hash(first.token_ids) == hash((1, 2, 3, 4))
+    assert list(first.token_ids) == [1, 2, 3, 4] and first.token_ids[1:3] == (2, 3)
+    assert len(first.token_ids) == 4 and repr(first.token_ids) == "(1, 2, 3, 4)"
+    assert fast_events[1].parent_block_hash == first.block_hashes[-1]
+    # The same events, but for the hashes: shape, order, token ids, namespaces.
+    assert [type(e) for e in fast_events] == [type(e) for e in sha_events]
+    for f, s in zip(fast_events, sha_events):
+        assert dataclasses.replace(f, block_hashes=s.block_hashes, **(
+            {"parent_block_hash": s.parent_block_hash} if isinstance(f, ev.BlockStored)
+            else {})) == s
+    removed = {e.block_hashes for e in fast_events if isinstance(e, ev.BlockRemoved)}
+    stored = {h for e in fast_events if isinstance(e, ev.BlockStored) for h in e.block_hashes}
+    assert {h for hashes in removed for h in hashes} == stored
+    with pytest.raises(ValueError, match="unknown block_hash 'md5'; valid: sha256, fast64"):
+        RadixCache(page_size=2, enable_events=True, event_options={"block_hash": "md5"})
+    if msgspec is not None:
+        assert ev.decode_batch(ev.encode_batch(fast_events)).events == fast_events

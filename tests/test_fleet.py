@@ -492,3 +492,43 @@ def test_a_request_waiting_for_room_is_retried_only_when_one_finishes(make_cache
     # finished), every other request once.
     assert lookups.count(50) == 2
     assert len(lookups) == 8
+
+
+def test_cli_prefix_blocks_and_run_counter(tmp_path, capsys):
+    trace, requests = write_conversation_trace(tmp_path / "conv.jsonl")
+    rows = {}
+    for blocks in ("1", "2", "auto"):
+        out_json = tmp_path / f"rows{blocks}.json"
+        assert main(["simulate", str(trace), "--workers", "2", "--capacity", "50,1000",
+                     "--router", "prefix-hash", "--page-size", "1", "--prefix-blocks", blocks,
+                     "--jobs", "1", "--json", str(out_json)]) == 0
+        captured = capsys.readouterr()
+        # Two capacities x (prefix-hash + pooled): four runs, each announced with its router.
+        assert [line for line in captured.err.splitlines() if line.startswith("run ")] == [
+            "run 1 of 4: prefix-hash @ 50", "run 2 of 4: pooled @ 50",
+            "run 3 of 4: prefix-hash @ 1,000", "run 4 of 4: pooled @ 1,000"]
+        rows[blocks] = json.loads(out_json.read_text())
+    reqs = read_trace(trace)
+    for blocks, parsed in (("1", 1), ("2", 2), ("auto", "auto")):
+        expected = simulate_fleet(reqs, 2, 1000, "prefix-hash", page_size=1,
+                                  router_options={"prefix_blocks": parsed})
+        assert rows[blocks][2]["hit_rate"] == expected.hit_rate
+    assert main(["simulate", str(trace), "--prefix-blocks", "2"]) == 2
+    assert "--prefix-blocks applies to a fleet" in capsys.readouterr().err
+    assert main(["simulate", str(trace), "--workers", "2", "--prefix-blocks", "0"]) == 2
+    assert "expected a whole number >= 1 or 'auto'" in capsys.readouterr().err
+
+
+def test_fleet_results_do_not_depend_on_the_workers_block_hash(core_name):
+    """In-process channels make the workers hash pages with fast64; given channels, they
+    publish SHA-256 hashes: the router, which keys blocks by their tokens, decides alike."""
+    from radixcache.fleet import InProcessChannel
+
+    requests = synthetic_chat(num_conversations=20, num_system_prompts=3, seed=7)
+    common = dict(page_size=4, core=core_name, interval_ms=50.0)
+    fast = simulate_fleet(requests, 3, 3_000, "cache-aware", **common)
+    sha = simulate_fleet(requests, 3, 3_000, "cache-aware",
+                         channels=[InProcessChannel() for _ in range(3)], **common)
+    assert fast.decisions == sha.decisions and fast.hit_rate == sha.hit_rate
+    assert fast.indexer_stats == sha.indexer_stats and fast.indexer_stats["stored_blocks"] > 0
+    assert 0 < fast.hit_rate < 1

@@ -91,9 +91,11 @@ def wire_payload(events, encoding="map", ts=1.0):
 
 # -- indexer: events recorded from real caches, against the model ---------------------------
 def random_cache_steps(make_cache, rng, page_size, num_workers, steps, reset_every=0,
-                       namespaces=(None, None, "a", 3)):
+                       namespaces=(None, None, "a", 3), block_hash="sha256"):
     """Per step: (worker, events) from caches doing random inserts, evictions and resets."""
-    caches = [make_cache(page_size=page_size, enable_events=True) for _ in range(num_workers)]
+    options = {} if block_hash == "sha256" else {"event_options": {"block_hash": block_hash}}
+    caches = [make_cache(page_size=page_size, enable_events=True, **options)
+              for _ in range(num_workers)]
     pages = [[rng.randrange(4) for _ in range(page_size)] for _ in range(6)]
     sequences = []
     out = []
@@ -117,10 +119,12 @@ def random_cache_steps(make_cache, rng, page_size, num_workers, steps, reset_eve
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("lag, drop", [(0, 0.0), (3, 0.0), (2, 0.15)])
-def test_indexer_matches_model_under_random_streams(make_cache, page_size, lag, drop):
+@pytest.mark.parametrize("block_hash", ["sha256", "fast64"])
+def test_indexer_matches_model_under_random_streams(make_cache, page_size, lag, drop,
+                                                    block_hash):
     rng = random.Random(page_size * 100 + lag)
     caches, sequences, steps = random_cache_steps(make_cache, rng, page_size, 3, 300,
-                                                  reset_every=97)
+                                                  reset_every=97, block_hash=block_hash)
     indexer, model = KvIndexer(page_size), IndexModel(page_size)
     delivered = 0
     for now in range(len(steps)):
@@ -155,8 +159,7 @@ def test_indexer_overlap_equals_workers_match_prefix_through_the_wire(make_cache
     each worker's own match_prefix length."""
     rng = random.Random(7)
     page_size = 4
-    # The positional layout has no extra_keys field: it cannot carry namespaces.
-    namespaces = (None, None, "a", 3) if encoding == "map" else (None,)
+    namespaces = (None, None, "a", 3)  # both layouts carry namespaces
     caches, sequences, steps = random_cache_steps(make_cache, rng, page_size, 3, 200,
                                                   namespaces=namespaces)
     indexer = KvIndexer(page_size)
@@ -209,7 +212,7 @@ def test_indexer_keys_its_own_hashes_not_the_publishers():
     assert indexer.overlap(tokens) == {"w1": 1}
     assert len(indexer) == 1  # the last holder's removal freed the entry
     indexer.remove_worker("w1")
-    assert len(indexer) == 0 and indexer.workers == ["w2"]
+    assert len(indexer) == 0 and indexer.workers == []  # w2 holds nothing: forgotten too
 
 
 def test_indexer_counts_bad_and_out_of_order_events_and_never_raises():
@@ -442,3 +445,202 @@ def test_indexer_namespaces_from_a_real_cache_match_match_prefix(make_cache):
         expected = cache.match_prefix(tokens, namespace).length // 2
         assert indexer.overlap(tokens, namespace).get(0, 0) == expected
     assert indexer.overlap(tokens, "lora-a") == {0: 2} and indexer.overlap(tokens) == {0: 3}
+
+
+# -- memory, tiers, worker ids, prefix families -----------------------------------------------
+def _traced_bytes(build):
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = build()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before, kept
+    finally:
+        tracemalloc.stop()
+
+
+def test_index_memory_is_per_block_whatever_the_worker_ids():
+    """A block costs the same held by worker 0 or by worker 29,999 after 30,000 workers came
+    and went; a worker that holds nothing, or only sent garbage, keeps nothing."""
+    blocks = 5_000
+
+    def stored_by(worker, churn):
+        indexer = KvIndexer(1)
+        for w in range(churn):  # workers that came and went
+            indexer.apply(w, [BlockStored((w,), None, (w,), 1)])
+            indexer.apply(w, [BlockRemoved((w,))])
+        indexer.apply(worker, [BlockStored(tuple(range(blocks)), None, tuple(range(blocks)), 1)])
+        return indexer
+
+    low, indexer = _traced_bytes(lambda: stored_by(0, 0))
+    high, indexer = _traced_bytes(lambda: stored_by(29_999, 30_000))
+    assert indexer.workers == [29_999] and len(indexer) == blocks
+    assert low / blocks < 400 and high / blocks < 400, (low / blocks, high / blocks)
+
+    def garbage():
+        indexer = KvIndexer(1)
+        for w in range(20_000):
+            indexer.apply_payload(w, b"\xc1")
+            indexer.apply(w, [])
+        return indexer
+
+    cost, indexer = _traced_bytes(garbage)
+    assert indexer.workers == [] and indexer.stats.malformed_batches == 20_000
+    assert cost < 50_000, cost
+
+
+def test_one_block_per_worker_costs_per_block():
+    def build():
+        indexer = KvIndexer(1)
+        for w in range(20_000):
+            indexer.apply(w, [BlockStored((1,), None, (w,), 1)])
+        return indexer
+
+    cost, indexer = _traced_bytes(build)
+    assert len(indexer.workers) == 20_000
+    assert cost / 20_000 < 1_000, cost / 20_000  # a copy (a worker's entry) + the block
+
+
+def test_tiers_and_groups_are_separate_copies():
+    tokens = tuple(range(8))
+    indexer = KvIndexer(2)
+    hashes = (1, 2, 3, 4)
+    indexer.apply(0, [BlockStored(hashes, None, tokens, 2, medium="GPU"),
+                      BlockStored(hashes, None, tokens, 2, medium="CPU"),
+                      BlockStored(hashes, None, tokens, 2, medium=None, group_idx=1)])
+    indexer.apply(1, [BlockStored(hashes[:2], None, tokens[:4], 2, medium="CPU")])
+    assert indexer.overlap(tokens) == {0: 4}
+    assert indexer.overlap(tokens, medium="CPU") == {0: 4, 1: 2}
+    indexer.apply(0, [BlockRemoved(hashes, medium="CPU")])
+    assert indexer.overlap(tokens) == {0: 4}
+    assert indexer.overlap(tokens, medium="CPU") == {1: 2}
+    indexer.apply(0, [BlockRemoved(hashes, medium="GPU")])  # group None; group 1 remains
+    assert indexer.overlap(tokens) == {0: 4}
+    indexer.apply(0, [BlockRemoved(hashes[2:], group_idx=1)])
+    assert indexer.overlap(tokens) == {0: 2}
+    assert indexer.blocks_held(0) == 2 and indexer.blocks_held(0, "CPU") == 0
+    indexer.apply(0, [AllBlocksCleared()])
+    assert indexer.workers == [1] and indexer.overlap(tokens, medium="CPU") == {1: 2}
+    with pytest.raises(TypeError, match="medium"):
+        indexer.overlap(tokens, medium=1)
+
+
+def test_two_publisher_hashes_for_one_block_keep_it_until_both_are_removed():
+    tokens = (5, 6, 7, 8)
+    indexer = KvIndexer(2)
+    indexer.apply(0, [BlockStored((1, 2), None, tokens, 2),
+                      BlockStored((3,), 1, tokens[2:], 2)])  # the second block again, as 3
+    assert indexer.blocks_held(0) == 3
+    indexer.apply(0, [BlockRemoved((2,))])
+    assert indexer.overlap(tokens) == {0: 2} and indexer.blocks_held(0) == 2
+    indexer.apply(0, [BlockRemoved((3,))])
+    assert indexer.overlap(tokens) == {0: 1}
+
+
+def test_a_restarted_batch_drops_what_the_worker_held():
+    from radixcache.events import ReceivedBatch
+
+    indexer = KvIndexer(2)
+    indexer.apply(0, [BlockStored((1,), None, (5, 6), 2)])
+    indexer.apply(0, ReceivedBatch(0, 0.0, [BlockStored((1,), None, (7, 8), 2)], 0,
+                                   restarted=True))
+    assert indexer.overlap([5, 6]) == {} and indexer.overlap([7, 8]) == {0: 1}
+    assert indexer.stats.restarts == 1
+
+
+def test_router_refuses_blocks_under_ids_it_does_not_route_to():
+    router = Router(2, "cache-aware", block_size=2)
+    router.indexer.apply("worker-1", [BlockStored((1,), None, (5, 6), 2)])
+    with pytest.raises(ValueError, match="worker 'worker-1'.*workers 0 .. 1"):
+        router.route([5, 6])
+    ok = Router(2, "cache-aware", block_size=2)
+    ok.indexer.apply(np.int64(1), [BlockStored((1,), None, (5, 6), 2)])
+    assert ok.route([5, 6]) == 1
+    out = Router(2, "cache-aware", block_size=2)
+    out.indexer.apply(2, [BlockStored((1,), None, (5, 6), 2)])
+    with pytest.raises(ValueError, match="worker 2"):
+        out.route([5, 6])
+
+
+def test_prefix_hash_auto_spreads_a_trace_that_shares_its_first_block():
+    """Every request starts with one system block; conversations differ in the next one and
+    return several times: auto spreads them and keeps each conversation on one worker,
+    where hashing the first block sends everything to one worker."""
+    rng = random.Random(18)
+    system = [rng.randrange(1000) for _ in range(4)]
+    conversations = [[rng.randrange(1000) for _ in range(4)] for _ in range(300)]
+    order = [c for c in range(300) for _ in range(3)]
+    rng.shuffle(order)
+    auto = Router(4, "prefix-hash", block_size=4)
+    first = Router(4, "prefix-hash", block_size=4, prefix_blocks=1)
+    placed: dict = {}
+    for c in order:
+        prompt = system + conversations[c] + [rng.randrange(1000) for _ in range(6)]
+        placed.setdefault(c, []).append(auto.route(prompt))
+        first.route(prompt)
+    assert sorted(first.routed)[:3] == [0, 0, 0]
+    assert min(auto.routed) > len(order) / 8, auto.routed
+    # Past the first MIN_PREFIX_FAMILY requests, a conversation's turns stay together.
+    late = [c for c in set(order[Router.MIN_PREFIX_FAMILY * 2:])
+            if order.index(c) >= Router.MIN_PREFIX_FAMILY * 2]
+    assert late and all(len(set(placed[c])) == 1 for c in late)
+    assert auto.prefix_blocks == "auto"
+    with pytest.raises(ValueError, match="prefix_blocks must be an int >= 1 or 'auto'"):
+        Router(2, "prefix-hash", prefix_blocks="deep")
+
+
+def test_prefix_hash_family_table_is_bounded(monkeypatch):
+    monkeypatch.setattr(Router, "MAX_PREFIX_FAMILIES", 50)
+    router = Router(2, "prefix-hash", block_size=1)
+    for i in range(500):
+        router.route([i, i + 1])
+    assert len(router._families) <= 51
+
+
+def test_fast64_publishers_are_indexed_without_a_hash_map(make_cache):
+    """A fast64 publisher's hashes are the indexer's own keys: the copy keeps no map, and
+    overlaps, removals and clears come out as with SHA-256 hashes."""
+    results = {}
+    for block_hash in ("sha256", "fast64"):
+        caches, sequences, steps = random_cache_steps(
+            make_cache, random.Random(64), 4, 3, 300, block_hash=block_hash)
+        indexer = KvIndexer(4)
+        for worker, events in steps:
+            indexer.apply(worker, events)
+        copies = indexer._all_copies()
+        assert copies and all(bool(c.published) == (block_hash == "sha256") for c in copies)
+        assert indexer.stats.skipped == 0
+        for worker, cache in enumerate(caches):
+            assert indexer.blocks_held(worker) == cache.total_size() // 4
+        results[block_hash] = [indexer.overlap(q, ns) for q, ns in sequences]
+        for worker in range(3):
+            indexer.apply(worker, [AllBlocksCleared()])
+        assert len(indexer) == 0 and indexer.workers == []
+    assert results["sha256"] == results["fast64"]
+
+
+def test_fast64_and_other_hashes_for_one_block_share_it():
+    """One worker publishing a block under its fast64 hash, another worker (or copy)
+    under other hashes: removals take only their own holding."""
+    from radixcache.events import block_hashes as sha_chain
+
+    indexer = KvIndexer(2)
+    tokens = (1, 2, 3, 4)
+    fast = indexer.block_keys(tokens)  # what a fast64 publisher sends
+    indexer.apply(0, [BlockStored(tuple(fast), None, tokens, 2)])
+    indexer.apply(1, [BlockStored(tuple(sha_chain(tokens, 2)), None, tokens, 2)])
+    indexer.apply(0, [BlockStored(tuple(fast), None, tokens, 2)])  # again: duplicates
+    assert indexer.stats.duplicate_blocks == 2
+    assert indexer.overlap(tokens) == {0: 2, 1: 2}
+    indexer.apply(0, [BlockRemoved((fast[1], 999))])
+    assert indexer.overlap(tokens) == {0: 1, 1: 2}
+    assert indexer.stats.unknown_removals == 1
+    indexer.apply(1, [AllBlocksCleared()])
+    assert indexer.overlap(tokens) == {0: 1} and len(indexer) == 1
+    indexer.apply(0, [BlockStored((fast[1],), fast[0], tokens[2:], 2)])
+    indexer.apply(0, [AllBlocksCleared()])
+    assert len(indexer) == 0 and indexer.workers == []

@@ -294,3 +294,67 @@ def test_publisher_batches_decode_with_vllms_schema(vllm, core_name):
         sub.close()
         ctx.term()
         pub.close()
+
+
+def _vllm_payload(vllm: Any, events: list) -> bytes:
+    return msgspec.msgpack.encode(vllm.KVEventBatch(ts=1.0, events=events,
+                                                    data_parallel_rank=0))
+
+
+def _vllm_stored(vllm: Any, hashes: list, tokens: list, **fields: Any) -> Any:
+    return vllm.BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens,
+                            block_size=2, lora_id=None, medium=fields.pop("medium", "GPU"),
+                            lora_name=None, **fields)
+
+
+def test_index_keeps_tiers_and_groups_apart_with_vllms_structs(vllm):
+    """A worker's copies on two tiers, or in two KV-cache groups, are two copies: removing
+    one leaves the other; overlap counts the device tier unless asked for another."""
+    from radixcache.router import KvIndexer
+
+    tokens = list(range(8))
+    indexer = KvIndexer(2)
+    for medium in ("GPU", "CPU"):
+        assert indexer.apply_payload(0, _vllm_payload(vllm, [
+            _vllm_stored(vllm, [11, 12, 13, 14], tokens, medium=medium)]))
+    assert indexer.overlap(tokens) == {0: 4}
+    assert indexer.overlap(tokens, medium="CPU") == {0: 4}
+    assert indexer.apply_payload(0, _vllm_payload(vllm, [
+        vllm.BlockRemoved(block_hashes=[11, 12, 13, 14], medium="CPU")]))
+    assert indexer.overlap(tokens) == {0: 4}
+    assert indexer.overlap(tokens, medium="CPU") == {}
+    assert indexer.blocks_held(0) == 4 and indexer.blocks_held(0, "CPU") == 0
+    # Two KV-cache groups of one worker (a hybrid model), group 1 removed.
+    groups = KvIndexer(2)
+    for group in (0, 1):
+        assert groups.apply_payload(1, _vllm_payload(vllm, [
+            _vllm_stored(vllm, [21, 22, 23, 24], tokens, group_idx=group)]))
+    assert groups.apply_payload(1, _vllm_payload(vllm, [
+        vllm.BlockRemoved(block_hashes=[21, 22, 23, 24], medium="GPU", group_idx=1)]))
+    assert groups.overlap(tokens) == {1: 4} and groups.blocks_held(1) == 4
+    assert groups.stats.unknown_removals == 0
+    # No medium is the device tier too.
+    none = KvIndexer(2)
+    assert none.apply_payload(2, _vllm_payload(vllm, [
+        _vllm_stored(vllm, [31, 32], tokens[:4], medium=None)]))
+    assert none.overlap(tokens) == {2: 2}
+
+
+def test_two_publisher_hashes_for_the_same_blocks_with_vllms_structs(vllm):
+    from radixcache.router import KvIndexer
+
+    tokens = list(range(4))
+    indexer = KvIndexer(2)
+    # The same two blocks stored twice under other hashes (the second chain from 41).
+    assert indexer.apply_payload(0, _vllm_payload(vllm, [
+        _vllm_stored(vllm, [41, 42], tokens),
+        vllm.BlockStored(block_hashes=[52], parent_block_hash=41, token_ids=tokens[2:],
+                         block_size=2, lora_id=None, medium="GPU", lora_name=None)]))
+    assert indexer.blocks_held(0) == 3
+    assert indexer.apply_payload(0, _vllm_payload(vllm, [
+        vllm.BlockRemoved(block_hashes=[42], medium="GPU")]))
+    assert indexer.overlap(tokens) == {0: 2}  # 52 still maps to the second block
+    assert indexer.blocks_held(0) == 2
+    assert indexer.apply_payload(0, _vllm_payload(vllm, [
+        vllm.BlockRemoved(block_hashes=[52], medium="GPU")]))
+    assert indexer.overlap(tokens) == {0: 1} and len(indexer) == 1
