@@ -545,8 +545,16 @@ def _fast_chain(parent_hash: Optional[int], namespace: bytes, data: bytes,
 
 
 class TokenIds(collections.abc.Sequence):
-    """Token ids kept as int64 little-endian bytes (``le_bytes``), read as a tuple of ints:
-    equal to (and hashing like) the tuple of the same ids; converted once, when read."""
+    """Token ids kept as int64 little-endian bytes, read as a tuple of ints.
+
+    Equal to (and hashing like) the tuple of the same ids; converted once, when first read.
+
+    Args:
+        le_bytes: The token ids as int64 little-endian bytes (kept as ``le_bytes``).
+
+    Raises:
+        TypeError: ``le_bytes`` is not bytes of a multiple of 8 in length.
+    """
 
     __slots__ = ("le_bytes", "_items")
 
@@ -562,6 +570,11 @@ class TokenIds(collections.abc.Sequence):
         return self._items
 
     def __len__(self) -> int:
+        """How many token ids.
+
+        Returns:
+            The number of ids.
+        """
         return len(self.le_bytes) // 8
 
     def __getitem__(self, index: Any) -> Any:
@@ -600,6 +613,9 @@ class EventRecorder:
         medium: The ``medium`` of every event (default ``MEDIUM_GPU``), or None.
         lora_namespaces: If True, a str namespace is sent as ``lora_name`` and an int one as
             ``lora_id``.
+        block_hash: How pages are hashed, one of ``BLOCK_HASHES``: ``"sha256"`` (the default,
+            stable and collision resistant) or ``"fast64"`` (the tree core's 64-bit chain, for
+            in-process simulation).
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -780,6 +796,8 @@ class ReceivedBatch:
         events: The decoded events, in order.
         data_parallel_rank: The publisher's data-parallel rank, or None.
         payload: The raw msgpack payload (not compared, not shown).
+        restarted: True for the first batch of a restarted publisher: what the worker held
+            before is gone (``KvIndexer.apply`` drops it).
     """
 
     seq: int

@@ -90,6 +90,7 @@ class IndexerStats:
         wrong_block_size: ``BlockStored`` events skipped: not the indexer's block size.
         malformed_events: Events skipped: not an event, or inconsistent fields.
         malformed_batches: Wire payloads that could not be decoded.
+        restarts: Restarted publishers whose blocks were dropped.
     """
 
     batches: int = 0             #: event batches applied (``apply`` calls)
