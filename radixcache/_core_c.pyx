@@ -33,12 +33,13 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport INT64_MAX, int64_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset
 
 import numpy as np
 import torch
 
+from ._shared import cat_tensors as _cat_tensors
 from ._shared import cat_values as _cat_values
 from ._shared import MAX_LOCK_REF, display_order, indices_from_key, reentered
 
@@ -1242,6 +1243,25 @@ cdef object new_empty_indices():
     return _from_dlpack(rc_int64_capsule(0, &unused))
 
 
+cdef object block_tensor(const int64_t* src, Py_ssize_t n):
+    """A new int64 tensor holding a copy of src[:n]: one block, one copy, as a match's. The
+    capsule is not tracked by the collector: no Python code runs before the copy is done."""
+    cdef int64_t* out
+    capsule = rc_int64_capsule(n, &out)
+    if n:
+        memcpy(out, src, n * sizeof(int64_t))
+    return _from_dlpack(capsule)
+
+
+cdef object victim_value(Node node):
+    """An evicted node's index tensor (before it is detached): as ``Node.value``, with CPU
+    values copied straight into a new block."""
+    if node.value_ptr == NULL and node.value_owner is not None:
+        return node.value  # a device tensor: a view of this node's span
+    return block_tensor(node.value_ptr if node.value_ptr != NULL else node.key_ptr,
+                        node.key_len)
+
+
 cdef inline bint int64_format(const char* fmt) noexcept:
     if fmt == NULL:
         return False
@@ -1779,6 +1799,102 @@ cdef class Core:
             return size
         finally:
             self.give(held)
+
+    def evict(self, num_tokens, free_callback=None, bint batch=False, on_remove=None):
+        """The whole evict loop (see ``_core_py``): victims popped, detached and counted
+        here; each victim's index tensor made as a match's (one block, one copy), or all of
+        them copied into one block for a ``batch`` callback. The guard is released around
+        each per-node callback; after it the loop reads everything afresh (the heap, the
+        next victim): nothing read before a callback is used after it."""
+        cdef int64_t target, freed = 0
+        cdef Py_ssize_t size
+        cdef Node node, parent
+        cdef bint per_node = free_callback is not None and not batch
+        cdef bint collect = free_callback is not None and batch
+        cdef bint holding
+        cdef int64_t* joined = NULL   # batch: CPU values so far (PyMem block)
+        cdef Py_ssize_t joined_len = 0, joined_cap = 0
+        if type(num_tokens) is not int:
+            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+        try:
+            target = PyLong_AsLongLong(num_tokens)
+        except OverflowError:
+            target = INT64_MAX if num_tokens > 0 else 0
+        garbage = []  # stale entries and dropped values: released outside the guard
+        parts = None  # batch with device values: the tensors, in order
+        value = None
+        self.guard.enter("evict")
+        holding = True
+        try:
+            while freed < target:
+                self.prefetch_victims()
+                node = self.heap.pop_entry(garbage)
+                if node is None:
+                    break
+                if on_remove is not None:
+                    try:
+                        on_remove(node)
+                    except BaseException:
+                        garbage.append(self.heap.push_entry(node))  # still an evictable leaf
+                        raise
+                if per_node:
+                    value = victim_value(node)
+                elif collect:
+                    if node.value_ptr == NULL and node.value_owner is not None:
+                        # A device value: CPU values so far become one tensor, then this one.
+                        if parts is None:
+                            parts = []
+                        if joined_len:
+                            parts.append(block_tensor(joined, joined_len))
+                            joined_len = 0
+                        parts.append(node.value)
+                    else:
+                        if joined_len + node.key_len > joined_cap:
+                            joined_cap = max(2 * joined_cap, joined_len + node.key_len, 256)
+                            joined = <int64_t*>PyMem_Realloc(joined,
+                                                             joined_cap * sizeof(int64_t))
+                            if joined == NULL:
+                                raise MemoryError()
+                        memcpy(joined + joined_len,
+                               node.value_ptr if node.value_ptr != NULL else node.key_ptr,
+                               node.key_len * sizeof(int64_t))
+                        joined_len += node.key_len
+                size = node.key_len
+                parent = self.tree.detach_leaf(node, garbage)
+                self.evictable -= size
+                self.evictions += 1
+                self.evicted_tokens += size
+                garbage.append(self.push_if_evictable(parent))
+                freed += size
+                if per_node:
+                    # The cache is consistent here: the callback may call it (even evict).
+                    self.guard.busy = 0
+                    holding = False
+                    node = parent = None
+                    del garbage[:]
+                    free_callback(value)
+                    value = None
+                    self.guard.enter("evict, after its free_callback")
+                    holding = True
+            if collect and (joined_len or parts is not None):
+                if parts is None:
+                    value = block_tensor(joined, joined_len)
+                else:
+                    if joined_len:
+                        parts.append(block_tensor(joined, joined_len))
+                        joined_len = 0
+                    value = parts
+        finally:
+            PyMem_Free(joined)
+            if holding:
+                self.guard.busy = 0
+        del garbage[:]
+        node = parent = None
+        if value is not None:  # batch: one call, outside the guard
+            if type(value) is list:
+                value = _cat_tensors(value)
+            free_callback(value)
+        return freed
 
     def set_value(self, Node node, values, bint held=False):
         self.take(held, "insert")

@@ -90,6 +90,14 @@ def cat_values(path: list) -> torch.Tensor:
     return torch.cat([v.to(device) for v in values])
 
 
+def cat_tensors(values: list) -> torch.Tensor:
+    """Concatenate index tensors of which some live on a device (CPU ones move to it)."""
+    device = next((v.device for v in values if v.device.type != "cpu"), None)
+    if device is None:
+        return torch.cat(values)
+    return torch.cat([v.to(device) for v in values])
+
+
 #: Eviction policy names (SGLang's spelling). Each core's ``EvictionHeap`` orders leaves by
 #: priority first (lower goes first), then: lru/priority least recently used; lfu fewest hits,
 #: then LRU; fifo oldest created; mru most recently used; filo newest created; slru nodes hit
