@@ -65,6 +65,8 @@ cdef int64_t _DECLINED = -2
 cdef Py_ssize_t _AHEAD_NODE = 12
 cdef Py_ssize_t _AHEAD_KEY = 6
 cdef Py_ssize_t _AHEAD_SLOT = 2
+# Reading a list of ints: prefetch the object this many items ahead.
+cdef Py_ssize_t _AHEAD_INT = 16
 _INT64_FORMATS = frozenset((b"q", b"l", b"<q", b"=q", b"<l", b"=l"))
 
 
@@ -1111,28 +1113,65 @@ cdef class EvictionHeap:
 cdef extern from *:
     """
     /* Reads an exact int that fits in int64 without a call; 0 for anything else (a subclass,
-       an __index__ object, a value out of range): the caller declines the input. */
+       an __index__ object, a value out of range): the caller declines the input. Ints of up
+       to 63 bits and their negatives are read from their digits (one pass, no call): on 3.12+
+       through the compact-value check, then the digit count and sign of the tag; before,
+       from the signed size. Other layouts (15-bit digits) take PyLong_AsLongLongAndOverflow,
+       which also runs no Python code for an exact int. */
+    static inline int rc_digits_int64(const digit* d, Py_ssize_t ndigits, int negative,
+                                      int64_t* out) {
+    #if PyLong_SHIFT == 30
+        /* Branch-free past the digit count (1 vs 2-3) and the sign: ids of mixed sizes or
+           signs cost no mispredicted branch. */
+        uint64_t mag, top, three, neg;
+        if (ndigits <= 1) {
+            mag = ndigits ? (uint64_t)d[0] : 0;
+            top = three = 0;
+        } else if (ndigits <= 3) {
+            top = (uint64_t)d[ndigits - 1];
+            three = (uint64_t)(ndigits == 3);
+            mag = (uint64_t)d[0] | ((uint64_t)d[1] << 30) | ((top << 60) & (0 - three));
+        } else {
+            return 0;  /* 4 digits: at least 2^90 */
+        }
+        /* 3 digits: 90 bits at most, fits when the top digit is below 2^4 (magnitude below
+           2^64); then the sign sets the limit (2^63 - 1, or 2^63 for a negative). */
+        if ((three & (uint64_t)((top >> 4) != 0))
+                | (uint64_t)(mag > (uint64_t)INT64_MAX + (uint64_t)(negative != 0)))
+            return 0;
+        neg = 0 - (uint64_t)(negative != 0);
+        *out = (int64_t)((mag ^ neg) - neg);
+        return 1;
+    #else
+        (void)d; (void)ndigits; (void)negative; (void)out;
+        return -1;  /* not handled here */
+    #endif
+    }
+
     static inline int rc_read_int(PyObject* o, int64_t* out) {
+        int done = -1;
         if (!PyLong_CheckExact(o)) return 0;
     #if PY_VERSION_HEX >= 0x030C0000
         if (PyUnstable_Long_IsCompact((PyLongObject*)o)) {
             *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject*)o);
             return 1;
         }
+    #if defined(_PyLong_NON_SIZE_BITS) && defined(_PyLong_SIGN_MASK)
+        {
+            uintptr_t tag = ((PyLongObject*)o)->long_value.lv_tag;
+            done = rc_digits_int64(((PyLongObject*)o)->long_value.ob_digit,
+                                   (Py_ssize_t)(tag >> _PyLong_NON_SIZE_BITS),
+                                   (tag & _PyLong_SIGN_MASK) == 2, out);
+        }
+    #endif
     #else
         {
             Py_ssize_t size = Py_SIZE(o);
-            const digit* d = ((PyLongObject*)o)->ob_digit;
-            switch (size) {
-            case 0: *out = 0; return 1;
-            case 1: *out = (int64_t)d[0]; return 1;
-            case -1: *out = -(int64_t)d[0]; return 1;
-            case 2: *out = (int64_t)d[0] | ((int64_t)d[1] << PyLong_SHIFT); return 1;
-            case -2: *out = -((int64_t)d[0] | ((int64_t)d[1] << PyLong_SHIFT)); return 1;
-            default: break;
-            }
+            done = rc_digits_int64(((PyLongObject*)o)->ob_digit, size < 0 ? -size : size,
+                                   size < 0, out);
         }
     #endif
+        if (done >= 0) return done;
         {
             int overflow = 0;
             long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
@@ -1370,6 +1409,8 @@ cdef class Core:
             out = self.scratch(for_kv, n)
             items = PySequence_Fast_ITEMS(obj)
             for i in range(n):  # exact ints only: nothing here runs Python code
+                if i + _AHEAD_INT < n:
+                    rc_prefetch(items[i + _AHEAD_INT])  # int objects can lie anywhere
                 if not rc_read_int(items[i], &out[i]):
                     return 0
             b.ptr = out
