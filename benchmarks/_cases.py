@@ -145,6 +145,22 @@ def run_tuple_loop(ops: list) -> None:
         tuple(tokens)
 
 
+def run_exercise_tree_touched(pairs: list, core: str) -> Any:
+    """The bare core on the arrays of ``pairs`` ((op, list, array) triples), with a ``tuple()``
+    of each call's list first: the arrays' run plus touching each int once, in the same
+    context as reading the lists (the tree competes with the ints for the caches)."""
+    bare = CORES[core].Core(1, "lru")
+    insert = bare.insert
+    exists = bare.exists
+    for op, tokens, arr in pairs:
+        tuple(tokens)
+        if op == "insert":
+            insert(arr)
+        else:
+            exists(arr)
+    return bare
+
+
 def inserted_sequences(ops: list) -> list:
     """The distinct inserted sequences of an op stream, in first-insert order."""
     seen: set = set()
