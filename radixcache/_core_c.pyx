@@ -1861,9 +1861,10 @@ cdef class Core:
             target = PyLong_AsLongLong(num_tokens)
         except OverflowError:
             target = INT64_MAX if num_tokens > 0 else 0
+        cdef int64_t* grown
         garbage = []  # stale entries and dropped values: released outside the guard
         parts = None  # batch with device values: the tensors, in order
-        value = None
+        value = error = None
         self.guard.enter("evict")
         holding = True
         try:
@@ -1872,34 +1873,37 @@ cdef class Core:
                 node = self.heap.pop_entry(garbage)
                 if node is None:
                     break
-                if on_remove is not None:
-                    try:
+                try:
+                    if on_remove is not None:
                         on_remove(node)
-                    except BaseException:
-                        garbage.append(self.heap.push_entry(node))  # still an evictable leaf
-                        raise
-                if per_node:
-                    value = victim_value(node)
-                elif collect:
-                    if node.value_ptr == NULL and node.value_owner is not None:
-                        # A device value: CPU values so far become one tensor, then this one.
-                        if parts is None:
-                            parts = []
-                        if joined_len:
-                            parts.append(block_tensor(joined, joined_len))
-                            joined_len = 0
-                        parts.append(node.value)
-                    else:
-                        if joined_len + node.key_len > joined_cap:
-                            joined_cap = max(2 * joined_cap, joined_len + node.key_len, 256)
-                            joined = <int64_t*>PyMem_Realloc(joined,
-                                                             joined_cap * sizeof(int64_t))
-                            if joined == NULL:
-                                raise MemoryError()
-                        memcpy(joined + joined_len,
-                               node.value_ptr if node.value_ptr != NULL else node.key_ptr,
-                               node.key_len * sizeof(int64_t))
-                        joined_len += node.key_len
+                    if per_node:
+                        value = victim_value(node)
+                    elif collect:
+                        if node.value_ptr == NULL and node.value_owner is not None:
+                            # A device value: CPU values so far become one tensor, then it.
+                            device_value = node.value
+                            if parts is None:
+                                parts = []
+                            if joined_len:
+                                parts.append(block_tensor(joined, joined_len))
+                                joined_len = 0
+                            parts.append(device_value)
+                            device_value = None
+                        else:
+                            if joined_len + node.key_len > joined_cap:
+                                joined_cap = max(2 * joined_cap, joined_len + node.key_len, 256)
+                                grown = <int64_t*>PyMem_Realloc(joined,
+                                                                joined_cap * sizeof(int64_t))
+                                if grown == NULL:
+                                    raise MemoryError()
+                                joined = grown
+                            memcpy(joined + joined_len,
+                                   node.value_ptr if node.value_ptr != NULL else node.key_ptr,
+                                   node.key_len * sizeof(int64_t))
+                            joined_len += node.key_len
+                except BaseException:
+                    garbage.append(self.heap.push_entry(node))  # still an evictable leaf
+                    raise
                 size = node.key_len
                 parent = self.tree.detach_leaf(node, garbage)
                 self.evictable -= size
@@ -1917,24 +1921,37 @@ cdef class Core:
                     value = None
                     self.guard.enter("evict, after its free_callback")
                     holding = True
-            if collect and (joined_len or parts is not None):
-                if parts is None:
-                    value = block_tensor(joined, joined_len)
-                else:
-                    if joined_len:
-                        parts.append(block_tensor(joined, joined_len))
-                        joined_len = 0
-                    value = parts
+        except BaseException as exc:
+            if not collect:
+                raise
+            error = exc  # batch: what was evicted is still handed over, then it re-raises
         finally:
-            PyMem_Free(joined)
-            if holding:
-                self.guard.busy = 0
+            try:
+                if collect and (joined_len or parts is not None):
+                    if parts is None:
+                        value = block_tensor(joined, joined_len)
+                    else:
+                        if joined_len:
+                            parts.append(block_tensor(joined, joined_len))
+                            joined_len = 0
+                        value = parts
+            finally:
+                PyMem_Free(joined)
+                if holding:
+                    self.guard.busy = 0
         del garbage[:]
         node = parent = None
         if value is not None:  # batch: one call, outside the guard
-            if type(value) is list:
-                value = _cat_tensors(value)
-            free_callback(value)
+            try:
+                if type(value) is list:
+                    value = _cat_tensors(value)
+                free_callback(value)
+            except BaseException as exc:
+                if error is not None and exc.__context__ is None:
+                    exc.__context__ = error
+                raise
+        if error is not None:
+            raise error
         return freed
 
     def set_value(self, Node node, values, bint held=False):

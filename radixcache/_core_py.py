@@ -58,7 +58,9 @@ the documented exception) and calls again with canonical inputs and ``held=True`
   loop re-takes the guard after it (``RuntimeError`` if another call holds it then). With
   ``batch``, ``free_callback`` is called once, after the loop and outside the guard, with the
   victims' indices concatenated in eviction order (one new tensor; not called when nothing
-  was freed). No node, pointer or size read before a callback is trusted after it.
+  was freed), also when the loop stops on an exception (which it then re-raises): freed
+  indices are never lost. No node, pointer or size read before a callback is trusted after
+  it.
 - ``set_value(node, values, held=False)``: a fresh leaf's device values (kept as given).
 - ``reset(held=False)``, ``reset_stats()``; attributes ``tree``, ``heap``, ``guard``,
   ``evictable``, ``protected``, ``lookups``, ``matched_tokens``, ``queried_tokens``,
@@ -988,6 +990,7 @@ class Core:
         parts: list | None = [] if batch and free_callback is not None else None
         per_node = free_callback is not None and not batch
         freed = 0
+        error = None
         try:
             tree = self.tree
             heap = self.heap
@@ -995,15 +998,15 @@ class Core:
                 node = heap._pop(garbage)
                 if node is None:
                     break
-                if on_remove is not None:
-                    try:
+                try:
+                    if on_remove is not None:
                         on_remove(node)
-                    except BaseException:
-                        garbage.append(heap._push(node))  # still an evictable leaf
-                        raise
-                if per_node:
-                    value = node.value
-                elif parts is not None:
+                    if per_node:
+                        value = node.value
+                except BaseException:
+                    garbage.append(heap._push(node))  # still an evictable leaf
+                    raise
+                if parts is not None:
                     value = node._value
                     parts.append(node._key if value is None else value)
                 size = node.num_tokens
@@ -1023,12 +1026,23 @@ class Core:
                     del value
                     self._take(False, "evict, after its free_callback")
                     holding = True
+        except BaseException as exc:
+            if parts is None:
+                raise
+            error = exc  # batch: what was evicted is still handed over, then it re-raises
         finally:
             if holding:
                 self._leave()
         garbage.clear()
         if parts:
-            free_callback(_joined_values(parts))
+            try:
+                free_callback(_joined_values(parts))
+            except BaseException as exc:
+                if error is not None and exc.__context__ is None:
+                    exc.__context__ = error
+                raise
+        if error is not None:
+            raise error
         return freed
 
     def set_value(self, node: Node, values: Any, held: bool = False) -> None:

@@ -364,7 +364,8 @@ class RadixCache:
             batch: call ``free_callback`` once, after the loop, with every evicted node's
                 indices concatenated in eviction order (the same values, in the same order,
                 as the per-node calls); not called when nothing was freed. Suits allocators
-                that group their frees.
+                that group their frees. Should the loop stop on an error, the nodes evicted
+                until then are still handed over before the error propagates.
 
         Returns:
             The number of tokens freed (at least ``num_tokens`` unless nothing evictable was

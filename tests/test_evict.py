@@ -300,3 +300,42 @@ def test_raising_events_hook_keeps_the_victim(make_cache, monkeypatch):
     assert got[0].tolist() == [1, 2, 3, 4]
     assert len(cache.take_events()) == 2
     check_invariants(cache)
+
+
+def test_batch_hands_over_what_was_evicted_when_the_loop_stops(make_cache, monkeypatch):
+    from radixcache.events import EventRecorder
+
+    cache = make_cache(enable_events=True)
+    for i in range(5):
+        cache.insert([i, i], [10 * i, 10 * i + 1])
+    real = EventRecorder.removed
+    seen = []
+
+    def flaky(self, node):
+        seen.append(node)
+        if len(seen) == 3:
+            raise RuntimeError("recorder broke")
+        real(self, node)
+
+    got = []
+    with monkeypatch.context() as patch:
+        patch.setattr(EventRecorder, "removed", flaky)
+        with pytest.raises(RuntimeError, match="recorder broke"):
+            cache.evict(100, got.append, batch=True)
+    assert [t.tolist() for t in got] == [[0, 1, 10, 11]]  # the two evicted before it
+    assert cache.stats().evictions == 2 and cache.total_size() == 6
+    check_invariants(cache)
+
+    def refuse(indices):
+        got.append(indices.tolist())
+        raise ValueError("pool closed")
+
+    seen.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(EventRecorder, "removed", flaky)
+        with pytest.raises(ValueError, match="pool closed") as excinfo:
+            cache.evict(100, refuse, batch=True)
+    assert isinstance(excinfo.value.__context__, RuntimeError)  # the loop's error, kept
+    assert got[-1] == [20, 21, 30, 31]
+    assert cache.total_size() == 2
+    check_invariants(cache)
