@@ -188,7 +188,8 @@ def run_reading(sizes: cases.Sizes, cores: list[str], repeat: int) -> dict:
     inputs = {"lists": ops, "arrays": cases.ops_as_arrays(ops)}
     inputs["pairs"] = [(op, tokens, arr) for (op, tokens), (_, arr)
                        in zip(inputs["lists"], inputs["arrays"])]
-    runs = [("set", cases.run_exercise_set, "lists"), ("tuple-loop", cases.run_tuple_loop, "lists")]
+    runs = [("set", cases.run_exercise_set, "lists"),
+            ("tuple-loop", cases.run_tuple_loop, "lists")]
     for core in cores:
         runs.append((f"touched:{core}", lambda pairs, core=core:
                      cases.run_exercise_tree_touched(pairs, core), "pairs"))
@@ -460,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
                 lists, arrays = res[f"{kind}:{core}:lists"], res[f"{kind}:{core}:arrays"]
                 rows.append([f"{label}, core={core}: lists / `array('q')`",
                              f"{fmt_time(lists)} / {fmt_time(arrays)}",
-                             f"{fmt_time(lists - arrays)} ({fmt_ratio(ratio(lists - arrays, floor))})"])
+                             f"{fmt_time(lists - arrays)} "
+                             f"({fmt_ratio(ratio(lists - arrays, floor))})"])
             touched = res[f"touched:{core}"] - res[f"tree:{core}:arrays"]
             rows.append([f"bare core, core={core}: `array('q')` + `tuple()` of the list first",
                          fmt_time(res[f"touched:{core}"]),

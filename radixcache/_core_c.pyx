@@ -1343,7 +1343,7 @@ cdef class Core:
         PyMem_Free(self.kv_buf)
         PyMem_Free(self.path)
 
-    # -- the guard, for cache.py's slow paths and evict loop -------------------------------
+    # -- the guard, for cache.py's slow paths -----------------------------------------
     def enter(self, str what):
         self.guard.enter(what)
 

@@ -788,7 +788,7 @@ class Core:
     """One cache's tree, eviction heap, sizes and counters, and its whole-call operations.
 
     Every call holds the tree's guard (shared with the heap) unless ``held`` says the caller
-    (cache.py's validation or evict loop) holds it already. References a call lets go are
+    (cache.py's validation path) holds it already. References a call lets go are
     released after the guard."""
 
     __slots__ = ("tree", "heap", "guard", "page_size", "evictable", "protected", "lookups",
@@ -808,7 +808,7 @@ class Core:
         self.new_leaf = None
         self.reset_stats()
 
-    # -- the guard, for cache.py's slow paths and evict loop -------------------------------
+    # -- the guard, for cache.py's slow paths -----------------------------------------
     def enter(self, what: str) -> None:
         if not self._enter(False):
             raise reentered(what)
