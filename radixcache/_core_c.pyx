@@ -65,8 +65,6 @@ cdef int64_t _DECLINED = -2
 cdef Py_ssize_t _AHEAD_NODE = 12
 cdef Py_ssize_t _AHEAD_KEY = 6
 cdef Py_ssize_t _AHEAD_SLOT = 2
-# Reading a list of ints: prefetch the object this many items ahead.
-cdef Py_ssize_t _AHEAD_INT = 16
 _INT64_FORMATS = frozenset((b"q", b"l", b"<q", b"=q", b"<l", b"=l"))
 
 
@@ -1121,9 +1119,15 @@ cdef extern from *:
     static inline int rc_digits_int64(const digit* d, Py_ssize_t ndigits, int negative,
                                       int64_t* out) {
     #if PyLong_SHIFT == 30
-        /* Branch-free past the digit count (1 vs 2-3) and the sign: ids of mixed sizes or
-           signs cost no mispredicted branch. */
+        /* Two digits (ids below 2^60) first; otherwise branch-free past the digit count and
+           the sign: ids of mixed signs cost no mispredicted branch. */
         uint64_t mag, top, three, neg;
+        if (ndigits == 2) {  /* below 2^60: always fits */
+            mag = (uint64_t)d[0] | ((uint64_t)d[1] << 30);
+            neg = 0 - (uint64_t)(negative != 0);
+            *out = (int64_t)((mag ^ neg) - neg);
+            return 1;
+        }
         if (ndigits <= 1) {
             mag = ndigits ? (uint64_t)d[0] : 0;
             top = three = 0;
@@ -1409,8 +1413,6 @@ cdef class Core:
             out = self.scratch(for_kv, n)
             items = PySequence_Fast_ITEMS(obj)
             for i in range(n):  # exact ints only: nothing here runs Python code
-                if i + _AHEAD_INT < n:
-                    rc_prefetch(items[i + _AHEAD_INT])  # int objects can lie anywhere
                 if not rc_read_int(items[i], &out[i]):
                     return 0
             b.ptr = out
