@@ -131,6 +131,43 @@ def exercise_ops_of(shape: str, num_ops: int) -> list:
     raise ValueError(f"unknown exercise shape {shape!r}")
 
 
+def ops_as_arrays(ops: list) -> list:
+    """The same ops with each token list as an ``array('q')`` (one array per list object, so
+    repeated calls still share their input)."""
+    from array import array  # noqa: PLC0415
+
+    made: dict = {}
+    out = []
+    for op, tokens in ops:
+        arr = made.get(id(tokens))
+        if arr is None:
+            arr = made[id(tokens)] = array("q", tokens)
+        out.append((op, arr))
+    return out
+
+
+def run_tuple_loop(ops: list) -> None:
+    """The floor of reading the ops' lists: ``tuple()`` of every call's tokens, nothing else."""
+    for _op, tokens in ops:
+        tuple(tokens)
+
+
+def run_exercise_tree_touched(pairs: list, core: str) -> Any:
+    """The bare core on the arrays of ``pairs`` ((op, list, array) triples), with a ``tuple()``
+    of each call's list first: the arrays' run plus touching each int once, in the same
+    context as reading the lists (the tree competes with the ints for the caches)."""
+    bare = CORES[core].Core(1, "lru")
+    insert = bare.insert
+    exists = bare.exists
+    for op, tokens, arr in pairs:
+        tuple(tokens)
+        if op == "insert":
+            insert(arr)
+        else:
+            exists(arr)
+    return bare
+
+
 def inserted_sequences(ops: list) -> list:
     """The distinct inserted sequences of an op stream, in first-insert order."""
     seen: set = set()
@@ -261,6 +298,10 @@ def long_prompt(core: str, num_tokens: int, seed: int = 0) -> LongPrompt:
 EVICTION_SEQ_LEN = 8
 
 
+def _ignore(indices: Any) -> None:
+    """A free callback that does nothing: what remains is the cache's own cost."""
+
+
 class EvictionScenario:
     """A cache of ``num_leaves`` distinct random 8-token sequences (32k vocabulary).
 
@@ -303,15 +344,22 @@ class EvictionScenario:
         self._evictions_before = None
         self.insert_fresh(nodes)
 
-    def evict_round(self) -> int:
-        """The timed call: one ``evict`` freeing about ``nodes_per_round`` leaves."""
-        return self.cache.evict(self.nodes_per_round * EVICTION_SEQ_LEN)
+    #: ``callback`` values: no free callback, a no-op one per node, a no-op batched one.
+    CALLBACKS = ("none", "per-node", "batch")
 
-    def timed_round(self, timer: Callable[[], float]) -> tuple[float, int]:
+    def evict_round(self, callback: str = "none") -> int:
+        """The timed call: one ``evict`` freeing about ``nodes_per_round`` leaves."""
+        num_tokens = self.nodes_per_round * EVICTION_SEQ_LEN
+        if callback == "none":
+            return self.cache.evict(num_tokens)
+        return self.cache.evict(num_tokens, _ignore, batch=callback == "batch")
+
+    def timed_round(self, timer: Callable[[], float],
+                    callback: str = "none") -> tuple[float, int]:
         """(seconds, nodes evicted) of one round timed with ``timer``, refill included untimed."""
         self.prepare()
         start = timer()
-        self.evict_round()
+        self.evict_round(callback)
         elapsed = timer() - start
         self.finish()
         return elapsed, self.evicted_per_round[-1]

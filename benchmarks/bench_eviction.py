@@ -7,6 +7,11 @@ fresh sequences, so the cache size stays put. The table's time is per round (~20
 
 Groups are per size (python vs c). To see how one core scales with size instead, run with
 ``--benchmark-group-by=param:core``.
+
+``test_evict_callbacks``: the same rounds in a cache of 10^5 leaves with no free callback, a
+no-op callback per node (each node's index tensor is made and handed over) and a no-op
+batched callback (``batch=True``: one tensor for the round): the cache's cost per evicted
+node, the callback's own work excluded.
 """
 
 from __future__ import annotations
@@ -37,3 +42,22 @@ def test_evict_per_node(benchmark, note, core, num_leaves):
         note(f"{best / nodes * 1e9:.0f} ns per evicted node (best round, "
              f"{nodes:.0f} nodes per round)")
     assert scenario.cache.node_count() >= num_leaves  # refilled, not drained
+
+
+CALLBACK_LEAVES = 10**5
+
+
+@pytest.mark.parametrize("callback", EvictionScenario.CALLBACKS)
+def test_evict_callbacks(benchmark, note, core, callback):
+    scenario = EvictionScenario(core, CALLBACK_LEAVES, NODES_PER_ROUND)
+    benchmark.group = (f"eviction: {NODES_PER_ROUND} nodes per round, cache of "
+                       f"{CALLBACK_LEAVES} leaves, by free callback")
+    benchmark.pedantic(lambda: scenario.evict_round(callback), setup=scenario.prepare,
+                       rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    scenario.finish()
+    assert min(scenario.evicted_per_round) >= NODES_PER_ROUND
+    nodes = sum(scenario.evicted_per_round) / len(scenario.evicted_per_round)
+    best = benchmark_min_seconds(benchmark)
+    if best is not None:
+        benchmark.extra_info["min_ns_per_node"] = best / nodes * 1e9
+        note(f"callback {callback}: {best / nodes * 1e9:.0f} ns per evicted node (best round)")

@@ -28,11 +28,19 @@ process's memory pays page faults for SGLang's per-split tensor copies, which ma
 rounds vary several-fold.
 
 Workloads (sizes from ``_cases.FULL``): synthetic chat (300 conversations, pool 65,536 tokens)
-and the first 2,000 requests of the Mooncake trace (pool 2^22 tokens), page sizes 1 and 16.
-Skipped without SGLang (``bash tests/install_sglang.sh``)::
+and the first 2,000 requests of the Mooncake trace (pool 2^22 tokens), page sizes 1 and 16;
+and the eviction-heavy case: the chat's first 3,000 requests in a 65,536-token pool, page
+size 1 (about half the prompt tokens hit; evict runs on most requests), where
+``radixcache-batch`` is radixcache with ``evict(..., batch=True)`` (one free per evict call,
+as an engine that groups its frees would use it). Skipped without SGLang
+(``bash tests/install_sglang.sh``)::
 
     python -m pytest benchmarks/bench_vs_sglang.py --benchmark-group-by=group \\
         --benchmark-columns=min,mean,rounds
+
+``python benchmarks/bench_vs_sglang.py [--rounds N] [--cases chat-heavy,chat,mooncake]`` runs
+the same loops with the implementations' rounds interleaved (steadier ratios on a loaded
+machine) and prints each one's best cache-call time and its ratio to radixcache's.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ import torch
 from _cases import FULL, SERVE_PAGE_SIZES
 from radixcache import RadixCache
 from radixcache._core import CORES
-from radixcache.workloads import FRESH_TOKEN_BASE, KVPool
+from radixcache.workloads import FRESH_TOKEN_BASE, KVPool, synthetic_chat
 
 try:
     from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InsertParams,
@@ -183,8 +191,22 @@ class _SGLangRust(_SGLangPython):
         return self.cache.evictable_size() + self.cache.protected_size()
 
 
+class _RadixcacheBatch(_Radixcache):
+    def evict(self, num_tokens: int) -> int:
+        return self.cache.evict(num_tokens, self.pool.free, batch=True)
+
+
 _ADAPTERS = {"radixcache": _Radixcache, "sglang-python": _SGLangPython,
-             "sglang-rust": _SGLangRust}
+             "sglang-rust": _SGLangRust, "radixcache-batch": _RadixcacheBatch}
+
+#: The eviction-heavy case: the chat's first HEAVY_REQUESTS requests, pool FULL.chat_capacity.
+HEAVY_REQUESTS = 3000
+HEAVY_IMPLEMENTATIONS = IMPLEMENTATIONS + ("radixcache-batch",)
+
+
+def heavy_chat_requests() -> list:
+    return synthetic_chat(num_conversations=HEAVY_REQUESTS // 4 + 50,
+                          num_system_prompts=FULL.chat_system_prompts, seed=0)[:HEAVY_REQUESTS]
 
 
 def _fixed_requests(requests) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -288,3 +310,66 @@ def test_vs_sglang_mooncake(benchmark, note, implementation, page_size, trace):
                        f"page_size={page_size}")
     _run(benchmark, note, implementation, "mooncake", page_size, trace,
          FULL.trace_capacity, TRACE_ROUNDS)
+
+
+@pytest.fixture(scope="module")
+def chat_heavy():
+    requests = heavy_chat_requests()
+    assert len(requests) == HEAVY_REQUESTS
+    return requests
+
+
+@pytest.mark.skipif("c" not in CORES, reason="the compiled core is not built")
+@pytest.mark.parametrize("implementation", HEAVY_IMPLEMENTATIONS)
+def test_vs_sglang_chat_eviction_heavy(benchmark, note, implementation, chat_heavy):
+    benchmark.group = (f"vs SGLang: serving loop, synthetic chat, {HEAVY_REQUESTS} requests, "
+                       f"pool {FULL.chat_capacity}, page_size=1 (eviction-heavy)")
+    _run(benchmark, note, implementation, "chat-heavy", 1, chat_heavy, FULL.chat_capacity,
+         CHAT_ROUNDS)
+
+
+def _interleaved(cases: list[str], rounds: int) -> None:
+    """Each case's implementations one round each in turn, ``rounds`` times; best of each."""
+    import gc  # noqa: PLC0415
+
+    from _cases import chat_requests, trace_requests  # noqa: PLC0415
+
+    plans = {"chat-heavy": [(1, heavy_chat_requests, FULL.chat_capacity, HEAVY_IMPLEMENTATIONS)]}
+    plans["chat"] = [(p, lambda: chat_requests(FULL), FULL.chat_capacity, IMPLEMENTATIONS)
+                     for p in SERVE_PAGE_SIZES]
+    plans["mooncake"] = [(p, lambda: trace_requests(FULL.trace_limit), FULL.trace_capacity,
+                          IMPLEMENTATIONS) for p in SERVE_PAGE_SIZES]
+    for case in cases:
+        for page_size, make, capacity, implementations in plans[case]:
+            fixed = _fixed_requests(make())
+            best: dict = {}
+            for rnd in range(rounds + 1):  # round 0: warm-up, not counted
+                for name in implementations:
+                    pool = KVPool(capacity)
+                    side = _ADAPTERS[name](page_size, pool)
+                    keyed = [(side.key(prompt), side.key(full), len(prompt), len(full))
+                             for prompt, full in fixed]
+                    gc.collect()
+                    run = serve_with(side, keyed, page_size, pool)
+                    if rnd:
+                        old = best.get(name)
+                        if old is None or run["seconds"] < old["seconds"]:
+                            best[name] = run
+                    del side, keyed, pool
+            base = best["radixcache"]["seconds"]
+            print(f"{case}, {len(fixed)} requests, pool {capacity}, page {page_size}, best of "
+                  f"{rounds} interleaved rounds (cache calls only):")
+            for name, run in best.items():
+                print(f"  {name:17s} {run['seconds'] * 1e3:9.1f} ms  {run['seconds'] / base:6.2f}x"
+                      f" radixcache's time  hit rate {run['hit_rate']:.4f}  evicted "
+                      f"{run['evicted']}")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="radixcache vs SGLang, interleaved rounds")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cases", default="chat-heavy,chat,mooncake")
+    args = parser.parse_args()
+    _interleaved([c for c in args.cases.split(",") if c], args.rounds)

@@ -1,7 +1,7 @@
 """Run the benchmark workloads with time.perf_counter (best of N) and print Markdown tables.
 
     python benchmarks/report.py [--quick] [--repeat N]
-                                [--cases serve,incache,trace,exercise,walk,match,evict]
+                                [--cases serve,incache,trace,exercise,reading,walk,match,evict]
                                 [--trace-limit N] [--json PATH]
 
 Same workloads as the pytest-benchmark files (``benchmarks/_cases.py``), every core of this
@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 import _cases as cases  # noqa: E402
 
-CASE_NAMES = ("serve", "incache", "trace", "exercise", "walk", "match", "evict")
+CASE_NAMES = ("serve", "incache", "trace", "exercise", "reading", "walk", "match", "evict")
 clock = time.perf_counter
 
 
@@ -181,6 +181,56 @@ def run_exercise(sizes: cases.Sizes, cores: list[str], repeat: int,
     return out
 
 
+def run_reading(sizes: cases.Sizes, cores: list[str], repeat: int) -> dict:
+    """{name: best seconds} on the deep exercise with ids up to 2^40: set of tuples, the
+    tuple() loop, and per core the bare core and RadixCache on lists and on array('q')."""
+    ops = cases.exercise_ops_of("deep-big-ids", sizes.exercise_ops)
+    inputs = {"lists": ops, "arrays": cases.ops_as_arrays(ops)}
+    inputs["pairs"] = [(op, tokens, arr) for (op, tokens), (_, arr)
+                       in zip(inputs["lists"], inputs["arrays"])]
+    runs = [("set", cases.run_exercise_set, "lists"),
+            ("tuple-loop", cases.run_tuple_loop, "lists")]
+    for core in cores:
+        runs.append((f"touched:{core}", lambda pairs, core=core:
+                     cases.run_exercise_tree_touched(pairs, core), "pairs"))
+        for kind in ("tree", "cache"):
+            for tokens in ("lists", "arrays"):
+                runs.append((f"{kind}:{core}:{tokens}", cases.exercise_runner(kind, core),
+                             tokens))
+    out = {name: float("inf") for name, _, _ in runs}
+    for rep in range(repeat):
+        for name, run, tokens in runs:  # interleaved: background load hits all alike
+            progress(f"reading (deep, ids to 2^40): {name} run {rep + 1}/{repeat}")
+            gc.collect()
+            start = clock()
+            built = run(inputs[tokens])
+            out[name] = min(out[name], clock() - start)
+            del built
+    return out
+
+
+def run_evict_callbacks(sizes: cases.Sizes, cores: list[str], rounds: int) -> dict:
+    """{core: {callback: s per evicted node (best round)}} in a cache of the second-largest
+    eviction size, rounds of the three callback kinds interleaved."""
+    num_leaves = sizes.eviction_leaves[-2]
+    out: dict = {core: {} for core in cores}
+    for core in cores:
+        progress(f"evict callbacks: building {num_leaves} leaves on core={core}")
+        scenario = cases.EvictionScenario(core, num_leaves, sizes.eviction_nodes)
+        best = {callback: float("inf") for callback in scenario.CALLBACKS}
+        for callback in scenario.CALLBACKS:
+            scenario.timed_round(clock, callback)  # warm-up
+        for _ in range(rounds):
+            for callback in scenario.CALLBACKS:
+                elapsed, nodes = scenario.timed_round(clock, callback)
+                if nodes:
+                    best[callback] = min(best[callback], elapsed / nodes)
+        out[core] = best
+        del scenario
+        gc.collect()
+    return out
+
+
 def run_match(sizes: cases.Sizes, cores: list[str], repeat: int) -> dict:
     out: dict = {}
     for core in cores:
@@ -246,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="replay the first N trace requests (0: all; default 2000, "
                              "200 with --quick)")
     parser.add_argument("--json", type=Path, default=None, help="also write raw numbers here")
+    parser.add_argument("--cores", default=None,
+                        help="comma-separated subset of the built cores (default: all; the "
+                             "cases that compare cores need both)")
     parser.add_argument("--timer", choices=("perf_counter", "process_time"),
                         default="perf_counter",
                         help="clock for this script's timings; process_time (CPU time) is "
@@ -268,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
 
     trace_limit = sizes.trace_limit if args.trace_limit is None else (args.trace_limit or None)
     cores = cases.core_names()
+    if args.cores is not None:
+        chosen = [c.strip() for c in args.cores.split(",") if c.strip()]
+        unknown = set(chosen) - set(cores)
+        if unknown:
+            parser.error(f"unknown or unbuilt core(s): {', '.join(sorted(unknown))}")
+        cores = chosen
     compiled = "c" in cores
     raw: dict = {"cores": cores, "sizes": sizes.__dict__, "quick": args.quick}
     out: list[str] = []
@@ -391,6 +450,42 @@ def main(argv: list[str] | None = None) -> int:
             del res
             gc.collect()
 
+    if "reading" in wanted:
+        res = run_reading(sizes, cores, reps(3))
+        raw["reading"] = res
+        floor = res["tuple-loop"]
+        rows = [["`set` of tuples", fmt_time(res["set"]), "-"],
+                ["`tuple()` of each call's list (the floor)", fmt_time(floor), "-"]]
+        for core in cores:
+            for kind, label in (("tree", "bare core"), ("cache", "RadixCache")):
+                lists, arrays = res[f"{kind}:{core}:lists"], res[f"{kind}:{core}:arrays"]
+                rows.append([f"{label}, core={core}: lists / `array('q')`",
+                             f"{fmt_time(lists)} / {fmt_time(arrays)}",
+                             f"{fmt_time(lists - arrays)} "
+                             f"({fmt_ratio(ratio(lists - arrays, floor))})"])
+            touched = res[f"touched:{core}"] - res[f"tree:{core}:arrays"]
+            rows.append([f"bare core, core={core}: `array('q')` + `tuple()` of the list first",
+                         fmt_time(res[f"touched:{core}"]),
+                         f"{fmt_time(touched)} ({fmt_ratio(ratio(touched, floor))}): the "
+                         "floor in context"])
+        out.append(f"### 3c. Reading token lists: deep exercise, ids up to 2^40\n\n"
+                   f"{sizes.exercise_ops} insert/exists calls of the deep exercise with ids up "
+                   "to 2^40, on lists and on the same calls as `array('q')`; reading cost = "
+                   "lists - arrays, against a `tuple()` of every call's list (touching each int "
+                   "once), alone and in context (before each call on the arrays: the tree and "
+                   f"the ints then compete for the caches). Best of {reps(3)} interleaved "
+                   "rounds.\n")
+        out.append(table(["contender", "time", "reading cost (vs tuple loop)"], rows) + "\n")
+        if compiled:
+            lists, arrays = res["tree:c:lists"], res["tree:c:arrays"]
+            targets.add("deep exercise, ids to 2^40: c reading cost of lists / tuple() loop",
+                        ratio(lists - arrays, floor), "<= 1.2x", lambda v: v <= 1.2)
+            targets.add("deep exercise, ids to 2^40: c reading cost of lists / tuple() in "
+                        "context", ratio(lists - arrays, res["touched:c"] - arrays), "(none)",
+                        None)
+            targets.add("deep exercise, ids to 2^40, lists: c (RadixCache) vs set of tuples",
+                        ratio(res["set"], res["cache:c:lists"]), ">= 1x", lambda v: v >= 1)
+
     if "walk" in wanted:
         res = run_walk(sizes, cores)
         raw["walk"] = res
@@ -449,6 +544,19 @@ def main(argv: list[str] | None = None) -> int:
             targets.add(f"eviction per node, {leaves[-1]:,} vs {leaves[0]:,} leaves, "
                         f"core={core}", ratio(res[core][leaves[-1]], res[core][leaves[0]]),
                         "<= 2x", lambda v: v <= 2)
+        res = run_evict_callbacks(sizes, cores, reps(10))
+        raw["evict_callbacks"] = res
+        callbacks = cases.EvictionScenario.CALLBACKS
+        rows = [[core] + [fmt_time(res[core][cb]) for cb in callbacks] for core in cores]
+        out.append(f"Per evicted node by free callback, {sizes.eviction_leaves[-2]:,} leaves: "
+                   "none, a no-op callback per node (each node's index tensor made and handed "
+                   "over), a no-op batched callback (`batch=True`). Rounds interleaved.\n")
+        out.append(table(["core", "no callback", "per-node callback", "batched callback"],
+                         rows) + "\n")
+        if compiled:
+            targets.add("evict per node, no-op per-node callback (c)",
+                        res["c"]["per-node"] * 1e9, "<= 1500 ns", lambda v: v <= 1500,
+                        unit="ns")
 
     out.append("### Targets\n")
     out.append(table(["ratio", "measured", "target", "met"], targets.rows) + "\n")

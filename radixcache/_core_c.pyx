@@ -33,12 +33,13 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport INT64_MAX, int64_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset
 
 import numpy as np
 import torch
 
+from ._shared import cat_tensors as _cat_tensors
 from ._shared import cat_values as _cat_values
 from ._shared import MAX_LOCK_REF, display_order, indices_from_key, reentered
 from ._shared import check_state, id_order, node_not_copyable
@@ -1114,28 +1115,71 @@ cdef class EvictionHeap:
 cdef extern from *:
     """
     /* Reads an exact int that fits in int64 without a call; 0 for anything else (a subclass,
-       an __index__ object, a value out of range): the caller declines the input. */
+       an __index__ object, a value out of range): the caller declines the input. Ints of up
+       to 63 bits and their negatives are read from their digits (one pass, no call): on 3.12+
+       through the compact-value check, then the digit count and sign of the tag; before,
+       from the signed size. Other layouts (15-bit digits) take PyLong_AsLongLongAndOverflow,
+       which also runs no Python code for an exact int. */
+    static inline int rc_digits_int64(const digit* d, Py_ssize_t ndigits, int negative,
+                                      int64_t* out) {
+    #if PyLong_SHIFT == 30
+        /* Two digits (ids below 2^60) first; otherwise branch-free past the digit count and
+           the sign: ids of mixed signs cost no mispredicted branch. */
+        uint64_t mag, top, three, neg;
+        if (ndigits == 2) {  /* below 2^60: always fits */
+            mag = (uint64_t)d[0] | ((uint64_t)d[1] << 30);
+            neg = 0 - (uint64_t)(negative != 0);
+            *out = (int64_t)((mag ^ neg) - neg);
+            return 1;
+        }
+        if (ndigits <= 1) {
+            mag = ndigits ? (uint64_t)d[0] : 0;
+            top = three = 0;
+        } else if (ndigits <= 3) {
+            top = (uint64_t)d[ndigits - 1];
+            three = (uint64_t)(ndigits == 3);
+            mag = (uint64_t)d[0] | ((uint64_t)d[1] << 30) | ((top << 60) & (0 - three));
+        } else {
+            return 0;  /* 4 digits: at least 2^90 */
+        }
+        /* 3 digits: 90 bits at most, fits when the top digit is below 2^4 (magnitude below
+           2^64); then the sign sets the limit (2^63 - 1, or 2^63 for a negative). */
+        if ((three & (uint64_t)((top >> 4) != 0))
+                | (uint64_t)(mag > (uint64_t)INT64_MAX + (uint64_t)(negative != 0)))
+            return 0;
+        neg = 0 - (uint64_t)(negative != 0);
+        *out = (int64_t)((mag ^ neg) - neg);
+        return 1;
+    #else
+        (void)d; (void)ndigits; (void)negative; (void)out;
+        return -1;  /* not handled here */
+    #endif
+    }
+
     static inline int rc_read_int(PyObject* o, int64_t* out) {
+        int done = -1;
         if (!PyLong_CheckExact(o)) return 0;
     #if PY_VERSION_HEX >= 0x030C0000
         if (PyUnstable_Long_IsCompact((PyLongObject*)o)) {
             *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject*)o);
             return 1;
         }
+    #if defined(_PyLong_NON_SIZE_BITS) && defined(_PyLong_SIGN_MASK)
+        {
+            uintptr_t tag = ((PyLongObject*)o)->long_value.lv_tag;
+            done = rc_digits_int64(((PyLongObject*)o)->long_value.ob_digit,
+                                   (Py_ssize_t)(tag >> _PyLong_NON_SIZE_BITS),
+                                   (tag & _PyLong_SIGN_MASK) == 2, out);
+        }
+    #endif
     #else
         {
             Py_ssize_t size = Py_SIZE(o);
-            const digit* d = ((PyLongObject*)o)->ob_digit;
-            switch (size) {
-            case 0: *out = 0; return 1;
-            case 1: *out = (int64_t)d[0]; return 1;
-            case -1: *out = -(int64_t)d[0]; return 1;
-            case 2: *out = (int64_t)d[0] | ((int64_t)d[1] << PyLong_SHIFT); return 1;
-            case -2: *out = -((int64_t)d[0] | ((int64_t)d[1] << PyLong_SHIFT)); return 1;
-            default: break;
-            }
+            done = rc_digits_int64(((PyLongObject*)o)->ob_digit, size < 0 ? -size : size,
+                                   size < 0, out);
         }
     #endif
+        if (done >= 0) return done;
         {
             int overflow = 0;
             long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
@@ -1246,6 +1290,25 @@ cdef object new_empty_indices():
     return _from_dlpack(rc_int64_capsule(0, &unused))
 
 
+cdef object block_tensor(const int64_t* src, Py_ssize_t n):
+    """A new int64 tensor holding a copy of src[:n]: one block, one copy, as a match's. The
+    capsule is not tracked by the collector: no Python code runs before the copy is done."""
+    cdef int64_t* out
+    capsule = rc_int64_capsule(n, &out)
+    if n:
+        memcpy(out, src, n * sizeof(int64_t))
+    return _from_dlpack(capsule)
+
+
+cdef object victim_value(Node node):
+    """An evicted node's index tensor (before it is detached): as ``Node.value``, with CPU
+    values copied straight into a new block."""
+    if node.value_ptr == NULL and node.value_owner is not None:
+        return node.value  # a device tensor: a view of this node's span
+    return block_tensor(node.value_ptr if node.value_ptr != NULL else node.key_ptr,
+                        node.key_len)
+
+
 cdef inline bint int64_format(const char* fmt) noexcept:
     if fmt == NULL:
         return False
@@ -1288,7 +1351,7 @@ cdef class Core:
         PyMem_Free(self.kv_buf)
         PyMem_Free(self.path)
 
-    # -- the guard, for cache.py's slow paths and evict loop -------------------------------
+    # -- the guard, for cache.py's slow paths -----------------------------------------
     def enter(self, str what):
         self.guard.enter(what)
 
@@ -1783,6 +1846,119 @@ cdef class Core:
             return size
         finally:
             self.give(held)
+
+    def evict(self, num_tokens, free_callback=None, bint batch=False, on_remove=None):
+        """The whole evict loop (see ``_core_py``): victims popped, detached and counted
+        here; each victim's index tensor made as a match's (one block, one copy), or all of
+        them copied into one block for a ``batch`` callback. The guard is released around
+        each per-node callback; after it the loop reads everything afresh (the heap, the
+        next victim): nothing read before a callback is used after it."""
+        cdef int64_t target, freed = 0
+        cdef Py_ssize_t size
+        cdef Node node, parent
+        cdef bint per_node = free_callback is not None and not batch
+        cdef bint collect = free_callback is not None and batch
+        cdef bint holding
+        cdef int64_t* joined = NULL   # batch: CPU values so far (PyMem block)
+        cdef Py_ssize_t joined_len = 0, joined_cap = 0
+        if type(num_tokens) is not int:
+            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+        try:
+            target = PyLong_AsLongLong(num_tokens)
+        except OverflowError:
+            target = INT64_MAX if num_tokens > 0 else 0
+        cdef int64_t* grown
+        garbage = []  # stale entries and dropped values: released outside the guard
+        parts = None  # batch with device values: the tensors, in order
+        value = error = None
+        self.guard.enter("evict")
+        holding = True
+        try:
+            while freed < target:
+                self.prefetch_victims()
+                node = self.heap.pop_entry(garbage)
+                if node is None:
+                    break
+                try:
+                    if on_remove is not None:
+                        on_remove(node)
+                    if per_node:
+                        value = victim_value(node)
+                    elif collect:
+                        if node.value_ptr == NULL and node.value_owner is not None:
+                            # A device value: CPU values so far become one tensor, then it.
+                            device_value = node.value
+                            if parts is None:
+                                parts = []
+                            if joined_len:
+                                parts.append(block_tensor(joined, joined_len))
+                                joined_len = 0
+                            parts.append(device_value)
+                            device_value = None
+                        else:
+                            if joined_len + node.key_len > joined_cap:
+                                joined_cap = max(2 * joined_cap, joined_len + node.key_len, 256)
+                                grown = <int64_t*>PyMem_Realloc(joined,
+                                                                joined_cap * sizeof(int64_t))
+                                if grown == NULL:
+                                    raise MemoryError()
+                                joined = grown
+                            memcpy(joined + joined_len,
+                                   node.value_ptr if node.value_ptr != NULL else node.key_ptr,
+                                   node.key_len * sizeof(int64_t))
+                            joined_len += node.key_len
+                except BaseException:
+                    garbage.append(self.heap.push_entry(node))  # still an evictable leaf
+                    raise
+                size = node.key_len
+                parent = self.tree.detach_leaf(node, garbage)
+                self.evictable -= size
+                self.evictions += 1
+                self.evicted_tokens += size
+                garbage.append(self.push_if_evictable(parent))
+                freed += size
+                if per_node:
+                    # The cache is consistent here: the callback may call it (even evict).
+                    self.guard.busy = 0
+                    holding = False
+                    node = parent = None
+                    del garbage[:]
+                    free_callback(value)
+                    value = None
+                    self.guard.enter("evict, after its free_callback")
+                    holding = True
+        except BaseException as exc:
+            if not collect:
+                raise
+            error = exc  # batch: what was evicted is still handed over, then it re-raises
+        finally:
+            try:
+                if collect and (joined_len or parts is not None):
+                    if parts is None:
+                        value = block_tensor(joined, joined_len)
+                    else:
+                        if joined_len:
+                            parts.append(block_tensor(joined, joined_len))
+                            joined_len = 0
+                        value = parts
+            finally:
+                PyMem_Free(joined)
+                if holding:
+                    self.guard.busy = 0
+        del garbage[:]
+        node = parent = None
+        if value is not None:  # batch: one call, outside the guard
+            try:
+                if type(value) is list:
+                    value = _cat_tensors(value)
+                free_callback(value)
+            except BaseException as exc:
+                if error is not None and exc.__context__ is None:
+                    exc.__context__ = error
+                raise
+        if error is not None:
+            raise error
+        return freed
 
     def set_value(self, Node node, values, bint held=False):
         self.take(held, "insert")

@@ -7,8 +7,8 @@ Interface shared by both cores
 ------------------------------
 ``Core(page_size, policy)`` -- one per cache: the tree, the eviction heap, the sizes and the
 counters, and every per-call operation, each one call into the core. ``cache.py`` keeps the
-public class, input validation (the slow path), device tensors, the evict loop with its free
-callback, events hooks and stats assembly.
+public class, input validation (the slow path), device tensors, the events hook and
+stats assembly.
 
 The fast-path contract: ``match``, ``insert`` and ``exists`` accept the common inputs --
 tokens as a list or tuple of ints, a 1-D int64 numpy array, ``array('q')`` or a 1-D CPU int64
@@ -46,6 +46,21 @@ the documented exception) and calls again with canonical inputs and ``held=True`
   (tokens freed): the evict loop's two steps; ``remove_leaf`` detaches the leaf, marks it
   evicted, drops its value, counts the eviction and pushes the parent if it became an
   evictable leaf.
+- ``evict(num_tokens, free_callback=None, batch=False, on_remove=None) -> int``: the whole
+  evict loop in one call (never ``held``: it takes the guard itself). Pops victims and
+  removes them as the two steps above until ``num_tokens`` are freed or none is left; returns
+  the tokens freed. ``on_remove(node)`` (cache.py's events hook) runs under the guard for
+  each victim before it is detached; if it raises, the victim stays (pushed back) and the
+  exception propagates. Per node (``batch`` false), each victim's index tensor (a new int64
+  tensor, as a match's) goes to ``free_callback`` once the victim is detached and counted,
+  with the guard released around the call: the callback may call the cache; if it raises,
+  the victims detached so far stay evicted and counted and the exception propagates; the
+  loop re-takes the guard after it (``RuntimeError`` if another call holds it then). With
+  ``batch``, ``free_callback`` is called once, after the loop and outside the guard, with the
+  victims' indices concatenated in eviction order (one new tensor; not called when nothing
+  was freed), also when the loop stops on an exception (which it then re-raises): freed
+  indices are never lost. No node, pointer or size read before a callback is trusted after
+  it.
 - ``set_value(node, values, held=False)``: a fresh leaf's device values (kept as given).
 - ``export_state() -> dict`` and ``import_state(state)``: copies and pickles of a cache.
   ``export_state`` returns plain data: ``nodes``, a list with one tuple per node (root
@@ -125,8 +140,8 @@ import numpy as np
 import torch
 
 from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, MAX_LOCK_REF,
-                      InsertResult, MatchResult, cat_values, display_order, empty_indices,
-                      indices_from_key, reentered)
+                      InsertResult, MatchResult, cat_tensors, cat_values, display_order,
+                      empty_indices, indices_from_key, reentered)
 from ._shared import check_state, id_order, node_not_copyable
 
 __all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME", "page_hash_chain"]
@@ -197,6 +212,14 @@ def _hashable(extra_key: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _joined_values(parts: list) -> torch.Tensor:
+    """Evicted nodes' values (int64 bytes, or device tensors) as one new int64 tensor."""
+    if all(type(part) is bytes for part in parts):
+        return torch.frombuffer(bytearray().join(parts), dtype=torch.int64)
+    return cat_tensors([indices_from_key(np.frombuffer(part, dtype=np.int64))
+                        if type(part) is bytes else part for part in parts])
 
 
 def _first_mismatch(a: bytes, b: bytes) -> int:
@@ -794,7 +817,7 @@ class Core:
     """One cache's tree, eviction heap, sizes and counters, and its whole-call operations.
 
     Every call holds the tree's guard (shared with the heap) unless ``held`` says the caller
-    (cache.py's validation or evict loop) holds it already. References a call lets go are
+    (cache.py's validation path) holds it already. References a call lets go are
     released after the guard."""
 
     __slots__ = ("tree", "heap", "guard", "page_size", "evictable", "protected", "lookups",
@@ -814,7 +837,7 @@ class Core:
         self.new_leaf = None
         self.reset_stats()
 
-    # -- the guard, for cache.py's slow paths and evict loop -------------------------------
+    # -- the guard, for cache.py's slow paths -----------------------------------------
     def enter(self, what: str) -> None:
         if not self._enter(False):
             raise reentered(what)
@@ -985,6 +1008,71 @@ class Core:
         finally:
             if not held:
                 self._leave()
+
+    def evict(self, num_tokens: int, free_callback: Any = None, batch: bool = False,
+              on_remove: Any = None) -> int:
+        """The whole evict loop; see the module docstring. Takes the guard itself (never
+        ``held``): it lets go of it around each per-node callback."""
+        self._take(False, "evict")
+        holding = True
+        garbage: list = []  # stale entries, dropped values: released outside the guard
+        parts: list | None = [] if batch and free_callback is not None else None
+        per_node = free_callback is not None and not batch
+        freed = 0
+        error = None
+        try:
+            tree = self.tree
+            heap = self.heap
+            while freed < num_tokens:
+                node = heap._pop(garbage)
+                if node is None:
+                    break
+                try:
+                    if on_remove is not None:
+                        on_remove(node)
+                    if per_node:
+                        value = node.value
+                except BaseException:
+                    garbage.append(heap._push(node))  # still an evictable leaf
+                    raise
+                if parts is not None:
+                    value = node._value
+                    parts.append(node._key if value is None else value)
+                size = node.num_tokens
+                parent, dropped = tree._detach_leaf(node)
+                garbage.append(dropped)
+                self.evictable -= size
+                self.evictions += 1
+                self.evicted_tokens += size
+                garbage.append(self._push_if_evictable(parent))
+                freed += size
+                if per_node:
+                    # The cache is consistent here: the callback may call it (even evict).
+                    self._leave()
+                    holding = False
+                    garbage.clear()
+                    free_callback(value)
+                    del value
+                    self._take(False, "evict, after its free_callback")
+                    holding = True
+        except BaseException as exc:
+            if parts is None:
+                raise
+            error = exc  # batch: what was evicted is still handed over, then it re-raises
+        finally:
+            if holding:
+                self._leave()
+        garbage.clear()
+        if parts:
+            try:
+                free_callback(_joined_values(parts))
+            except BaseException as exc:
+                if error is not None and exc.__context__ is None:
+                    exc.__context__ = error
+                raise
+        if error is not None:
+            raise error
+        return freed
 
     def set_value(self, node: Node, values: Any, held: bool = False) -> None:
         self._take(held, "insert")

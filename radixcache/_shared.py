@@ -115,6 +115,14 @@ def cat_values(path: list) -> torch.Tensor:
     return torch.cat([v.to(device) for v in values])
 
 
+def cat_tensors(values: list) -> torch.Tensor:
+    """Concatenate index tensors of which some live on a device (CPU ones move to it)."""
+    device = next((v.device for v in values if v.device.type != "cpu"), None)
+    if device is None:
+        return torch.cat(values)
+    return torch.cat([v.to(device) for v in values])
+
+
 #: Policies whose key can fall when a leaf is touched: the touched leaf is pushed anew.
 KEY_FALLS_ON_ACCESS = frozenset({"mru"})
 

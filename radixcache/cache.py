@@ -5,7 +5,7 @@ When the core declines an input (returns None, having changed nothing), this mod
 it -- raising the documented exception -- and calls again with canonical inputs, holding
 the core's guard across both (so a nested call from a token's ``__index__`` or an extra_key's
 ``__hash__`` raises ``RuntimeError`` on either path). It keeps what only Python should do:
-device tensors, the evict loop with its free callback, events hooks and stats assembly.
+device tensors, events hooks and stats assembly; the evict loop runs in the core.
 """
 
 from __future__ import annotations
@@ -521,55 +521,41 @@ class RadixCache:
         return self._core.lock(node, -1)
 
     def evict(self, num_tokens: int,
-              free_callback: Callable[[torch.Tensor], Any] | None = None) -> int:
-        """Evict unlocked leaves in policy order until ``num_tokens`` tokens are freed.
+              free_callback: Callable[[torch.Tensor], Any] | None = None, *,
+              batch: bool = False) -> int:
+        """Evict unlocked leaves in policy order until ``num_tokens`` are freed.
 
-        A parent that becomes an unlocked leaf joins the candidates. Evicted nodes leave the
-        tree (a held handle reports ``evicted``). Frees less when nothing unlocked is left.
+        A parent that becomes an evictable leaf joins in. The loop runs in the tree core, one
+        call like ``match_prefix``; the callback runs outside it and may call the cache.
 
         Args:
-            num_tokens: How many tokens to free, an int (0 or less frees nothing).
-            free_callback: Called with each evicted node's index tensor (its KV slots, to
-                return to the pool), one node at a time, in eviction order. It runs between
-                two evictions with the cache consistent, and may call the cache.
+            num_tokens: tokens to free; 0 or less frees nothing.
+            free_callback: called with the freed KV indices (a new 1-D int64 tensor). Per
+                node by default: once per evicted node, right after that node is detached.
+                If it raises, the nodes evicted so far (the current one included) stay
+                evicted and counted, the rest stay cached, and the exception propagates.
+            batch: call ``free_callback`` once, after the loop, with every evicted node's
+                indices concatenated in eviction order (the same values, in the same order,
+                as the per-node calls); not called when nothing was freed. Suits allocators
+                that group their frees. Should the loop stop on an error, the nodes evicted
+                until then are still handed over before the error propagates.
 
         Returns:
-            The tokens freed: at least ``num_tokens`` unless the cache ran out of unlocked
-            leaves (whole nodes are evicted, so it may be more).
+            The number of tokens freed (at least ``num_tokens`` unless nothing evictable was
+            left).
 
         Raises:
-            TypeError: ``num_tokens`` is not an int.
+            TypeError: ``num_tokens`` is not an int, or ``free_callback`` is not callable.
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
         num_tokens = _check_int("num_tokens", num_tokens)
-        core = self._core
+        if free_callback is not None and not callable(free_callback):
+            raise TypeError(
+                f"free_callback must be callable, got {type(free_callback).__name__}")
         events = self._events
-        core.enter("evict")
-        held = True
-        try:
-            pop_victim = core.pop_victim
-            remove_leaf = core.remove_leaf
-            freed = 0
-            while freed < num_tokens:
-                node = pop_victim(True)
-                if node is None:
-                    break
-                value = node.value if free_callback is not None else None
-                if events is not None:
-                    events.removed(node)
-                freed += remove_leaf(node, True)
-                if free_callback is not None:
-                    # The cache is consistent here: the callback may call it (even evict).
-                    core.leave()
-                    held = False
-                    free_callback(value)
-                    core.enter("evict, after its free_callback")
-                    held = True
-            return freed
-        finally:
-            if held:
-                core.leave()
+        return self._core.evict(num_tokens, free_callback, bool(batch),
+                                None if events is None else events.removed)
 
     def evictable_size(self) -> int:
         """Tokens in unlocked nodes (what ``evict`` could free).

@@ -393,3 +393,30 @@ def test_changing_a_miss_result_in_place_changes_no_later_result(make_cache, cha
             assert later.indices.shape == (0,) and later.indices.dtype == torch.int64
     assert cache.match_prefix(SEQ).indices.tolist() == SEQ
     check_invariants(cache)
+
+
+# Around every boundary of an int's digits (30-bit digits: 1, 2 and 3 of them) and of int64.
+_EDGES = sorted({s * (2**b + d) for b in (0, 29, 30, 31, 40, 59, 60, 61, 62, 63, 64, 89, 90)
+                 for d in (-1, 0, 1) for s in (1, -1)}
+                | {7 * 2**60, 8 * 2**60, -8 * 2**60, 15 * 2**60, 16 * 2**60, 0})
+
+
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_int_reader_at_digit_and_int64_edges(core_name, kind):
+    """The fast list reader takes exactly the ints in int64 (read exactly) and declines the
+    rest, whatever their size and sign; lists mixing sizes and signs read alike."""
+    core = CORES[core_name].Core(1, "lru")
+    for value in _EDGES:
+        got = core.token_array(kind([value]))
+        if -(2**63) <= value < 2**63:
+            assert got is not None and got.tolist() == [value], value
+        else:
+            assert got is None, value
+    fits = [v for v in _EDGES if -(2**63) <= v < 2**63]
+    mixed = [fits[(i * 7919) % len(fits)] for i in range(3 * len(fits))]
+    assert core.token_array(kind(mixed)).tolist() == mixed
+    assert core.token_array(kind(mixed + [2**63])) is None
+    cache = RadixCache(core=core_name)
+    cache.insert(kind(mixed), kind(range(len(mixed))))
+    assert cache.match_prefix(np.array(mixed, dtype=np.int64)).length == len(mixed)
+    assert cache.exists(kind(mixed))
