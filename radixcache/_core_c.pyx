@@ -2013,6 +2013,7 @@ cdef class Core:
         cdef Node parent, node
         cdef Tree tree = self.tree
         cdef int64_t ns
+        cdef uint64_t h
         cdef Py_ssize_t i
         dropped = []
         self.take(False, "import_state")
@@ -2043,7 +2044,14 @@ cdef class Core:
                     node.priority = priority
                     node.hit_count = hits
                     node.terminal = terminal
-                    add_child(parent, node, tree.page_hash(node.key_ptr, node.ns))
+                    h = tree.page_hash(node.key_ptr, node.ns)
+                    # The state's check ran the extra_keys' __eq__; they may answer otherwise
+                    # now: the tree itself must hold one child per (namespace, first page).
+                    if probe(parent.slots, parent.slot_mask, node.key_ptr, tree.page_size, h,
+                             node.ns, parent is tree.root) != NULL:
+                        raise ValueError(f"bad tree state: node {len(nodes)} starts with the "
+                                         "same page as a sibling")
+                    add_child(parent, node, h)
                     tree.node_count += 1
                     self.evictable += node.key_len
                     nodes.append(node)

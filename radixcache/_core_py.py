@@ -1131,7 +1131,12 @@ class Core:
                     node._hit_count = hits
                     node._terminal = terminal
                     node._value = value
-                    parent._children[tree._child_key(parent, extra_key, key[:page_bytes])] = node
+                    # The state's check ran the extra_keys' __eq__; they may answer otherwise
+                    # now: the tree itself must hold one child per (namespace, first page).
+                    child_key = tree._child_key(parent, extra_key, key[:page_bytes])
+                    if parent._children.setdefault(child_key, node) is not node:
+                        raise ValueError(f"bad tree state: node {len(nodes)} starts with the "
+                                         "same page as a sibling")
                     nodes.append(node)
                     evictable += len(key) // _TOKEN_BYTES
                 fresh = sorted(node._id for node in nodes)

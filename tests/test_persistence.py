@@ -319,3 +319,39 @@ def test_extra_key_code_during_a_copy(make_cache):
         Moody.call = None
     check_invariants(cache)
     assert cache.exists([1, 2, 3], extra_key=key)
+
+
+class Fickle:
+    """An extra_key that stops telling instances apart once validation has passed."""
+
+    same = False
+
+    def __hash__(self):
+        return 7
+
+    def __eq__(self, other):
+        return isinstance(other, Fickle) and Fickle.same
+
+
+def test_extra_keys_that_become_equal_during_an_import(make_cache, monkeypatch):
+    # Two namespaces starting with the same page pass the validation; if their keys compare
+    # equal by the time the tree is built, the import refuses instead of making two children
+    # of the root for one (namespace, first page).
+    cache = make_cache()
+    cache.insert([1, 2], [10, 11], extra_key=Fickle())
+    cache.insert([1, 2], [20, 21], extra_key=Fickle())
+    func, (cls, state) = cache.__reduce_ex__(4)
+
+    def check_then_merge(*args, check=CORES["python"].check_state):
+        records = check(*args)
+        Fickle.same = True
+        return records
+
+    for module in CORES.values():
+        monkeypatch.setattr(module, "check_state", check_then_merge, raising=False)
+    try:
+        with pytest.raises(ValueError, match="same page as a sibling"):
+            func(cls, state)
+    finally:
+        Fickle.same = False
+    check_invariants(cache)
