@@ -2156,6 +2156,8 @@ def page_hash_chain(seed, data, page_bytes):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if page_bytes <= 0 or page_bytes % 8:
         raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
+    if page_bytes > len(data):
+        return []  # no full page; page_bytes may not even fit in a Py_ssize_t
     cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
     cdef Py_ssize_t per_page = page_bytes // 8
     cdef bytes buffer = data  # immutable: its bytes cannot change under this loop

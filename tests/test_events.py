@@ -1453,7 +1453,8 @@ def _reference_page_chain(seed: int, data: bytes, page_bytes: int) -> list:
 
 def test_page_hash_chain_is_the_documented_function_in_every_core():
     rng = np.random.default_rng(5)
-    cases = [(0, b"", 8), (-1, bytes(8), 8), (2**70 + 3, b"\x01" * 24, 16)]
+    cases = [(0, b"", 8), (-1, bytes(8), 8), (2**70 + 3, b"\x01" * 24, 16),
+             (5, bytes(16), 2**70)]  # a page longer than any data: no pages
     for n, page in ((17, 8), (64, 32), (100, 128)):
         data = rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64).astype("<i8").tobytes()
         cases.append((int(rng.integers(-2**63, 2**63 - 1)), data, page))
