@@ -2020,7 +2020,8 @@ cdef class Core:
         try:
             if tree.node_count or tree.clock or tree.empty_inserted:
                 raise ValueError("import_state needs an empty core")
-            records = check_state(state, self.page_size)
+            state = check_state(state, self.page_size)  # a copy: user code runs below
+            records = state["nodes"]
             nodes = []
             try:
                 for (at, key, value, extra_key, priority, last, created, hits, terminal,

@@ -1116,7 +1116,8 @@ class Core:
             tree = self.tree
             if tree.node_count or tree.clock or tree._empty_inserted:
                 raise ValueError("import_state needs an empty core")
-            records = check_state(state, self.page_size)
+            state = check_state(state, self.page_size)  # a copy: user code runs below
+            records = state["nodes"]
             page_bytes = tree._page_bytes
             nodes = []
             evictable = 0

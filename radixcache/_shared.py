@@ -143,16 +143,18 @@ def _state_int(value, what: str, low: int = 0) -> int:
     return value
 
 
-def check_state(state, page_size: int) -> list:
+def check_state(state, page_size: int) -> dict:
     """Validate a tree state (``Core.export_state()``'s dict) for a core of ``page_size``;
-    returns its node records with CPU values as int64 bytes. Raises ValueError naming the
-    first problem. Nothing here touches a tree: a core imports only what passed."""
+    returns a copy of what passed, its node records with CPU values as int64 bytes (user
+    code, such as an extra_key's ``__hash__``, may change ``state`` once read: a core
+    imports the copy). Raises ValueError naming the first problem. Nothing here touches a
+    tree."""
     if not isinstance(state, dict):
         raise ValueError(f"bad tree state: expected a dict, got {type(state).__name__}")
     try:
         records = state["nodes"]
-        _state_int(state["clock"], "clock")
-        _state_int(state["num_splits"], "num_splits")
+        clock = _state_int(state["clock"], "clock")
+        num_splits = _state_int(state["num_splits"], "num_splits")
         counters = state["counters"]
         empty_inserted = state["empty_inserted"]
     except KeyError as exc:
@@ -161,6 +163,7 @@ def check_state(state, page_size: int) -> list:
         raise ValueError("bad tree state: 'nodes' and 'empty_inserted' must be lists")
     if not isinstance(counters, (list, tuple)) or len(counters) != len(COUNTER_FIELDS):
         raise ValueError(f"bad tree state: 'counters' must hold {len(COUNTER_FIELDS)} ints")
+    counters, empty_inserted = tuple(counters), list(empty_inserted)
     for name, value in zip(COUNTER_FIELDS, counters):
         _state_int(value, name)
     page_bytes = 8 * page_size
@@ -217,7 +220,8 @@ def check_state(state, page_size: int) -> list:
         ids.add(old_id)
         out.append((parent, key, value, extra_key, priority, last, created, hits, terminal,
                     old_id))
-    return out
+    return {"nodes": out, "clock": clock, "num_splits": num_splits,
+            "empty_inserted": empty_inserted, "counters": counters}
 
 
 def id_order(records: list) -> list:

@@ -355,3 +355,38 @@ def test_extra_keys_that_become_equal_during_an_import(make_cache, monkeypatch):
     finally:
         Fickle.same = False
     check_invariants(cache)
+
+
+class Meddler:
+    """An extra_key whose __hash__, once armed, rewrites the state being imported."""
+
+    state = None
+
+    def __hash__(self):
+        if Meddler.state is not None:
+            Meddler.state["clock"] = -7
+            Meddler.state["num_splits"] = "many"
+            Meddler.state["counters"][0] = -1
+        return 11
+
+    def __eq__(self, other):
+        return isinstance(other, Meddler)
+
+
+def test_state_changed_by_extra_key_code_during_an_import(make_cache):
+    # The import builds the tree from what it validated, not from the state read again
+    # after user code (an extra_key's __hash__) ran.
+    cache = make_cache()
+    cache.insert([1, 2, 3], extra_key=Meddler())
+    cache.match_prefix([1, 2], extra_key=Meddler())
+    func, (cls, state) = cache.__reduce_ex__(4)
+    tree_state = state["tree"]
+    tree_state["counters"] = list(tree_state["counters"])
+    try:
+        Meddler.state = tree_state
+        loaded = func(cls, state)
+    finally:
+        Meddler.state = None
+    check_invariants(loaded)
+    assert sizes(loaded) == sizes(cache) and loaded.stats() == cache.stats()
+    assert dump(loaded) == dump(cache)
