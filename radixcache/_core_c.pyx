@@ -41,6 +41,7 @@ import torch
 
 from ._shared import cat_tensors as _cat_tensors
 from ._shared import cat_values as _cat_values
+from ._shared import hand_over_batch as _hand_over_batch
 from ._shared import MAX_LOCK_REF, display_order, indices_from_key, reentered
 from ._shared import check_state, id_order, node_not_copyable
 
@@ -1947,17 +1948,9 @@ cdef class Core:
                     self.guard.busy = 0
         del garbage[:]
         node = parent = None
-        if value is not None:  # batch: one call, outside the guard
-            try:
-                if type(value) is list:
-                    value = _cat_tensors(value)
-                free_callback(value)
-            except BaseException as exc:
-                if error is not None and exc.__context__ is None:
-                    exc.__context__ = error
-                raise
-        if error is not None:
-            raise error
+        # batch: one call with every freed index, outside the guard; then the loop's error
+        _hand_over_batch(free_callback, value, error,
+                         _cat_tensors if type(value) is list else None)
         return freed
 
     def set_value(self, Node node, values, bint held=False):

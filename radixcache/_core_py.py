@@ -141,7 +141,7 @@ import torch
 
 from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, MAX_LOCK_REF,
                       InsertResult, MatchResult, cat_tensors, cat_values, display_order,
-                      empty_indices, indices_from_key, reentered)
+                      empty_indices, hand_over_batch, indices_from_key, reentered)
 from ._shared import check_state, id_order, node_not_copyable
 
 __all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME", "page_hash_chain"]
@@ -1063,15 +1063,7 @@ class Core:
             if holding:
                 self._leave()
         garbage.clear()
-        if parts:
-            try:
-                free_callback(_joined_values(parts))
-            except BaseException as exc:
-                if error is not None and exc.__context__ is None:
-                    exc.__context__ = error
-                raise
-        if error is not None:
-            raise error
+        hand_over_batch(free_callback, parts or None, error, _joined_values)
         return freed
 
     def set_value(self, node: Node, values: Any, held: bool = False) -> None:

@@ -108,19 +108,35 @@ def display_order(node) -> tuple:
     return (extra_key is not None, repr(extra_key), node.key[:16].tolist())
 
 
-def cat_values(path: list) -> torch.Tensor:
-    """Concatenate the path's index tensors when some live on a device (CPU ones follow)."""
-    values = [node.value for node in path]
-    device = next(v.device for v in values if v.device.type != "cpu")
-    return torch.cat([v.to(device) for v in values])
-
-
 def cat_tensors(values: list) -> torch.Tensor:
     """Concatenate index tensors of which some live on a device (CPU ones move to it)."""
     device = next((v.device for v in values if v.device.type != "cpu"), None)
     if device is None:
         return torch.cat(values)
     return torch.cat([v.to(device) for v in values])
+
+
+def cat_values(path: list) -> torch.Tensor:
+    """Concatenate the path's index tensors when some live on a device (CPU ones follow)."""
+    return cat_tensors([node.value for node in path])
+
+
+def hand_over_batch(free_callback, value, error, join=None) -> None:
+    """The end of ``evict(batch=True)``, the same on both cores: one call with every freed
+    index (``value``, made one tensor by ``join`` when given; None: nothing was freed), then
+    the loop's ``error``, if any, re-raised; an exception from ``join`` or the callback
+    carries that error as its ``__context__``."""
+    if value is not None:
+        try:
+            if join is not None:
+                value = join(value)
+            free_callback(value)
+        except BaseException as exc:
+            if error is not None and exc.__context__ is None:
+                exc.__context__ = error
+            raise
+    if error is not None:
+        raise error
 
 
 #: Policies whose key can fall when a leaf is touched: the touched leaf is pushed anew.
