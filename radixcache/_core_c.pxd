@@ -187,3 +187,32 @@ cdef class Core:
     cdef void prefetch_victims(self) noexcept
     cdef int note_path(self, Py_ssize_t depth, Node node) except -1
     cdef Py_ssize_t walk_length(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept
+
+
+# -- block index (KvIndexer's table of held blocks; spec: _core_py's module docstring) -------
+cdef struct BIEntry:
+    int64_t key
+    int32_t n          # holdings of the key (0: an empty slot)
+    int32_t cap        # capacity of ``many`` (0 while it is unused)
+    int32_t one        # the holding copy while n == 1
+    int32_t* many      # the holding copies while n >= 2 (a copy once per holding)
+
+
+cdef class BlockIndex:
+    # Open addressing, linear probing, backward-shift deletion; power-of-two capacity.
+    cdef BIEntry* table
+    cdef Py_ssize_t mask
+    cdef Py_ssize_t size       # distinct keys held
+    cdef Py_ssize_t n_pairs    # holdings
+    cdef int32_t* marks        # overlap's scratch: a stamp per owner
+    cdef Py_ssize_t marks_cap
+    cdef int32_t stamp
+
+    cdef Py_ssize_t find(self, int64_t key) noexcept
+    cdef int reserve(self, Py_ssize_t keys) except -1
+    cdef int rebuild(self, Py_ssize_t capacity) except -1
+    cdef Py_ssize_t slot_of(self, int64_t key) noexcept
+    cdef int hold_key(self, int64_t key, int32_t copy) except -1
+    cdef bint drop_key(self, int64_t key, int32_t copy) noexcept
+    cdef void delete_slot(self, Py_ssize_t i) noexcept
+    cdef void maybe_shrink(self) noexcept

@@ -2176,3 +2176,516 @@ def page_hash_chain(seed, data, page_bytes):
         h ^= h >> 33
         out[page] = <int64_t>h
     return out
+
+
+# -- block index (spec: _core_py's module docstring) ------------------------------------------
+# KvIndexer's table: 64-bit block key -> the copies (small ints) holding it, a copy once per
+# holding. Inputs are read into owned buffers before anything changes, and no Python code
+# runs while the table is written (exact ints only; nothing allocated that could collect).
+
+from libc.string cimport memmove
+
+cdef extern from *:
+    void __builtin_prefetch(const void* addr) noexcept nogil
+
+# How many keys ahead a batch prefetches its table slot (the table is larger than the cache).
+DEF _BI_AHEAD = 8
+
+
+cdef inline uint64_t _bi_page(uint64_t h, const unsigned char* w, Py_ssize_t per_page) noexcept:
+    # One page of page_hash_chain: ``per_page`` int64 little-endian tokens at ``w``.
+    cdef Py_ssize_t i
+    cdef uint64_t t
+    for i in range(per_page):
+        t = (<uint64_t>w[0] | (<uint64_t>w[1] << 8) | (<uint64_t>w[2] << 16)
+             | (<uint64_t>w[3] << 24) | (<uint64_t>w[4] << 32) | (<uint64_t>w[5] << 40)
+             | (<uint64_t>w[6] << 48) | (<uint64_t>w[7] << 56))
+        h = (h ^ t) * <uint64_t>0x9E3779B97F4A7C15
+        h ^= h >> 32
+        w += 8
+    h ^= h >> 33
+    h *= <uint64_t>0xFF51AFD7ED558CCD
+    h ^= h >> 33
+    h *= <uint64_t>0xC4CEB9FE1A85EC53
+    h ^= h >> 33
+    return h
+
+
+def page_hash_bytes(seed, data, page_bytes):
+    """``page_hash_chain`` as native int64 bytes (no int objects); see ``_core_py``."""
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    for name, value in (("seed", seed), ("page_bytes", page_bytes)):
+        if type(value) is not int:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if page_bytes <= 0 or page_bytes % 8:
+        raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
+    if page_bytes > len(<bytes>data):
+        return b""
+    cdef bytes buffer = data
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(buffer)
+    cdef Py_ssize_t per_page = page_bytes // 8
+    cdef Py_ssize_t pages = len(buffer) // page_bytes, page
+    cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, pages * 8)
+    cdef int64_t* q = <int64_t*>PyBytes_AS_STRING(out)
+    for page in range(pages):
+        h = _bi_page(h, p + page * per_page * 8, per_page)
+        q[page] = <int64_t>h
+    return out
+
+cdef inline uint64_t _bi_mix(int64_t key) noexcept:
+    cdef uint64_t h = <uint64_t>key ^ <uint64_t>0x5BD1E9955BD1E995
+    h ^= h >> 33
+    h *= <uint64_t>0xFF51AFD7ED558CCD
+    h ^= h >> 33
+    h *= <uint64_t>0xC4CEB9FE1A85EC53
+    h ^= h >> 33
+    return h
+
+
+cdef bytes _bi_keys(object keys):
+    """``keys`` as int64 native-order bytes: a list or tuple of ints, or bytes."""
+    cdef Py_ssize_t n, i
+    cdef bytes out
+    cdef int64_t* p
+    if type(keys) is bytes:
+        if len(<bytes>keys) % 8:
+            raise ValueError(f"keys as bytes must hold int64 values (a multiple of 8 bytes), "
+                             f"got {len(<bytes>keys)} bytes")
+        return <bytes>keys
+    if type(keys) is not list and type(keys) is not tuple:
+        raise TypeError(f"keys must be a list or tuple of ints, or bytes, got "
+                        f"{type(keys).__name__}")
+    n = len(keys)
+    out = PyBytes_FromStringAndSize(NULL, n * 8)
+    p = <int64_t*>PyBytes_AS_STRING(out)
+    for i in range(n):
+        item = keys[i]  # a reference: the sequence may not be changed by anything below
+        if type(item) is not int:
+            raise TypeError(f"keys must be ints, got {type(item).__name__} at position {i}")
+        try:
+            p[i] = PyLong_AsLongLong(item)
+        except OverflowError:
+            raise OverflowError(f"key {item} at position {i} does not fit in int64") from None
+    return out
+
+
+cdef int32_t _bi_copy(object copy) except -1:
+    if type(copy) is not int:
+        raise TypeError(f"copy must be an int, got {type(copy).__name__}")
+    if not 0 <= copy < 0x7FFFFFFF:
+        raise ValueError(f"copy must be in [0, 2**31 - 1), got {copy}")
+    return <int32_t>copy
+
+
+cdef int64_t _bi_key(object key) except? -1:
+    if type(key) is not int:
+        raise TypeError(f"key must be an int, got {type(key).__name__}")
+    try:
+        return PyLong_AsLongLong(key)
+    except OverflowError:
+        raise OverflowError(f"key {key} does not fit in int64") from None
+
+
+@cython.final
+cdef class BlockIndex:
+    """Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_core_py``."""
+
+    def __cinit__(self):
+        self.table = <BIEntry*>PyMem_Malloc(8 * sizeof(BIEntry))
+        if self.table == NULL:
+            raise MemoryError()
+        memset(self.table, 0, 8 * sizeof(BIEntry))
+        self.mask = 7
+        self.size = 0
+        self.n_pairs = 0
+        self.marks = NULL
+        self.marks_cap = 0
+        self.stamp = 0
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.table != NULL:
+            for i in range(self.mask + 1):
+                if self.table[i].cap:
+                    PyMem_Free(self.table[i].many)
+            PyMem_Free(self.table)
+            self.table = NULL
+        PyMem_Free(self.marks)
+        self.marks = NULL
+
+    def __reduce__(self):
+        raise TypeError("a BlockIndex cannot be pickled")
+
+    cdef Py_ssize_t find(self, int64_t key) noexcept:
+        cdef Py_ssize_t i = <Py_ssize_t>(_bi_mix(key) & <uint64_t>self.mask)
+        while self.table[i].n:
+            if self.table[i].key == key:
+                return i
+            i = (i + 1) & self.mask
+        return -1
+
+    cdef Py_ssize_t slot_of(self, int64_t key) noexcept:
+        # The key's slot, or the empty slot where it goes (the table has room).
+        cdef Py_ssize_t i = <Py_ssize_t>(_bi_mix(key) & <uint64_t>self.mask)
+        while self.table[i].n and self.table[i].key != key:
+            i = (i + 1) & self.mask
+        return i
+
+    cdef int rebuild(self, Py_ssize_t capacity) except -1:
+        cdef BIEntry* old = self.table
+        cdef Py_ssize_t old_cap = self.mask + 1, i, j
+        cdef BIEntry* fresh = <BIEntry*>PyMem_Malloc(capacity * sizeof(BIEntry))
+        if fresh == NULL:
+            raise MemoryError()
+        memset(fresh, 0, capacity * sizeof(BIEntry))
+        self.table = fresh
+        self.mask = capacity - 1
+        for i in range(old_cap):
+            if old[i].n:
+                j = self.slot_of(old[i].key)
+                fresh[j] = old[i]
+        PyMem_Free(old)
+        return 0
+
+    cdef int reserve(self, Py_ssize_t keys) except -1:
+        # Room for ``keys`` distinct keys at a load of at most 3/4.
+        cdef Py_ssize_t capacity = self.mask + 1
+        if keys * 4 <= capacity * 3:
+            return 0
+        while keys * 4 > capacity * 3:
+            capacity *= 2
+        return self.rebuild(capacity)
+
+    cdef void maybe_shrink(self) noexcept:
+        cdef Py_ssize_t capacity = self.mask + 1
+        if capacity > 8 and self.size * 8 < capacity:
+            while capacity > 8 and self.size * 4 < capacity:
+                capacity //= 2
+            try:
+                self.rebuild(capacity)
+            except MemoryError:
+                pass  # stays larger
+
+    cdef int hold_key(self, int64_t key, int32_t copy) except -1:
+        # One more holding of ``key`` by ``copy``; the table has room for a new key.
+        cdef Py_ssize_t i = self.slot_of(key)
+        cdef BIEntry* e = &self.table[i]
+        cdef int32_t* grown
+        cdef int32_t cap
+        if e.n == 0:
+            e.key = key
+            e.n = 1
+            e.one = copy
+            e.cap = 0
+            e.many = NULL
+            self.size += 1
+        elif e.n == 1:
+            grown = <int32_t*>PyMem_Malloc(4 * sizeof(int32_t))
+            if grown == NULL:
+                raise MemoryError()
+            grown[0] = e.one
+            grown[1] = copy
+            e.many = grown
+            e.cap = 4
+            e.n = 2
+        else:
+            if e.n == e.cap:
+                if e.cap >= 0x3FFFFFFF:
+                    raise OverflowError("too many holdings of one block")
+                cap = e.cap * 2
+                grown = <int32_t*>PyMem_Realloc(e.many, cap * sizeof(int32_t))
+                if grown == NULL:
+                    raise MemoryError()
+                e.many = grown
+                e.cap = cap
+            e.many[e.n] = copy
+            e.n += 1
+        self.n_pairs += 1
+        return 0
+
+    cdef bint drop_key(self, int64_t key, int32_t copy) noexcept:
+        # One holding of ``key`` by ``copy`` less; False when it holds none. No shrinking.
+        cdef Py_ssize_t i = self.find(key), j
+        cdef BIEntry* e
+        if i < 0:
+            return False
+        e = &self.table[i]
+        if e.n == 1:
+            if e.one != copy:
+                return False
+            self.delete_slot(i)
+            self.size -= 1
+            self.n_pairs -= 1
+            return True
+        for j in range(e.n):
+            if e.many[j] == copy:
+                break
+        else:
+            return False
+        # Keep the holders' order: the earliest holding first.
+        memmove(&e.many[j], &e.many[j + 1], (e.n - j - 1) * sizeof(int32_t))
+        e.n -= 1
+        if e.n == 1:
+            e.one = e.many[0]
+            PyMem_Free(e.many)
+            e.many = NULL
+            e.cap = 0
+        self.n_pairs -= 1
+        return True
+
+    cdef void delete_slot(self, Py_ssize_t i) noexcept:
+        # Backward-shift deletion: no tombstones.
+        cdef Py_ssize_t mask = self.mask, j = i, home
+        cdef BIEntry* t = self.table
+        if t[i].cap:
+            PyMem_Free(t[i].many)
+        while True:
+            j = (j + 1) & mask
+            if t[j].n == 0:
+                break
+            home = <Py_ssize_t>(_bi_mix(t[j].key) & <uint64_t>mask)
+            # Move j back to i unless its home lies cyclically in (i, j].
+            if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
+                t[i] = t[j]
+                i = j
+        memset(&t[i], 0, sizeof(BIEntry))
+
+    def __len__(self):
+        return self.size
+
+    @property
+    def pairs(self):
+        """Holdings: (key, copy) pairs, a copy counted once per holding."""
+        return self.n_pairs
+
+    def hold(self, key, copy):
+        cdef int64_t k = _bi_key(key)
+        cdef int32_t c = _bi_copy(copy)
+        self.reserve(self.size + 1)
+        self.hold_key(k, c)
+
+    def unhold(self, key, copy):
+        cdef int64_t k = _bi_key(key)
+        cdef int32_t c = _bi_copy(copy)
+        cdef bint done = self.drop_key(k, c)
+        if done:
+            self.maybe_shrink()
+        return done
+
+    def holds(self, key, copy):
+        cdef int64_t k = _bi_key(key)
+        cdef int32_t c = _bi_copy(copy)
+        cdef Py_ssize_t i = self.find(k), j
+        if i < 0:
+            return False
+        if self.table[i].n == 1:
+            return self.table[i].one == c
+        for j in range(self.table[i].n):
+            if self.table[i].many[j] == c:
+                return True
+        return False
+
+    def holders(self, key):
+        cdef int64_t k = _bi_key(key)
+        cdef Py_ssize_t i = self.find(k), j, n
+        if i < 0:
+            return []
+        n = self.table[i].n
+        if n == 1:
+            return [self.table[i].one]
+        # Copy first: making the list may run the garbage collector (and finalizers).
+        cdef bytes snapshot = PyBytes_FromStringAndSize(<char*>self.table[i].many,
+                                                        n * sizeof(int32_t))
+        cdef const int32_t* p = <const int32_t*>PyBytes_AS_STRING(snapshot)
+        return [p[j] for j in range(n)]
+
+    def add(self, copy, keys):
+        cdef int32_t c = _bi_copy(copy)
+        cdef bytes data = _bi_keys(keys)
+        cdef const int64_t* p = <const int64_t*>PyBytes_AS_STRING(data)
+        cdef Py_ssize_t n = len(data) // 8, i
+        self.reserve(self.size + n)
+        for i in range(n):
+            if i + _BI_AHEAD < n:
+                __builtin_prefetch(&self.table[_bi_mix(p[i + _BI_AHEAD]) & <uint64_t>self.mask])
+            self.hold_key(p[i], c)
+        return n
+
+    def store(self, copy, keys):
+        cdef int32_t c = _bi_copy(copy)
+        cdef bytes data = _bi_keys(keys)
+        cdef const int64_t* p = <const int64_t*>PyBytes_AS_STRING(data)
+        cdef Py_ssize_t n = len(data) // 8, i, j, s
+        cdef Py_ssize_t stored = 0, duplicates = 0
+        cdef BIEntry* e
+        cdef bint held
+        self.reserve(self.size + n)
+        for i in range(n):
+            if i + _BI_AHEAD < n:
+                __builtin_prefetch(&self.table[_bi_mix(p[i + _BI_AHEAD]) & <uint64_t>self.mask])
+            s = self.slot_of(p[i])
+            e = &self.table[s]
+            held = False
+            if e.n == 1:
+                held = e.one == c
+            elif e.n > 1:
+                for j in range(e.n):
+                    if e.many[j] == c:
+                        held = True
+                        break
+            if held:
+                duplicates += 1
+            else:
+                self.hold_key(p[i], c)
+                stored += 1
+        return stored, duplicates
+
+    def remove(self, copy, keys):
+        cdef int32_t c = _bi_copy(copy)
+        cdef bytes data = _bi_keys(keys)
+        cdef const int64_t* p = <const int64_t*>PyBytes_AS_STRING(data)
+        cdef Py_ssize_t n = len(data) // 8, i
+        cdef Py_ssize_t removed = 0
+        for i in range(n):
+            if i + _BI_AHEAD < n:
+                __builtin_prefetch(&self.table[_bi_mix(p[i + _BI_AHEAD]) & <uint64_t>self.mask])
+            if self.drop_key(p[i], c):
+                removed += 1
+        self.maybe_shrink()
+        return removed, n - removed
+
+    def clear_copy(self, copy):
+        cdef int32_t c = _bi_copy(copy)
+        cdef Py_ssize_t i, j, k, dropped = 0, cap = self.mask + 1
+        cdef BIEntry* e
+        for i in range(cap):
+            e = &self.table[i]
+            if e.n == 1:
+                if e.one == c:
+                    e.n = 0  # emptied; the table is rebuilt below
+                    dropped += 1
+                    self.size -= 1
+            elif e.n > 1:
+                k = 0
+                for j in range(e.n):
+                    if e.many[j] != c:
+                        e.many[k] = e.many[j]
+                        k += 1
+                dropped += e.n - k
+                e.n = <int32_t>k
+                if k == 0:
+                    PyMem_Free(e.many)
+                    e.many = NULL
+                    e.cap = 0
+                    self.size -= 1
+                elif k == 1:
+                    e.one = e.many[0]
+                    PyMem_Free(e.many)
+                    e.many = NULL
+                    e.cap = 0
+        self.n_pairs -= dropped
+        if dropped:
+            # Emptied slots break probe runs: re-place every key (clears are rare).
+            while cap > 8 and self.size * 4 < cap:
+                cap //= 2
+            self.rebuild(cap)  # skips the emptied slots: probe runs come out whole
+        return dropped
+
+    def overlap(self, seed, data, page_bytes, owners):
+        if type(data) is not bytes:
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        for name, value in (("seed", seed), ("page_bytes", page_bytes)):
+            if type(value) is not int:
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if page_bytes <= 0 or page_bytes % 8:
+            raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
+        cdef bytes owner_data = _bi_keys(owners)
+        cdef Py_ssize_t n_owners = len(owner_data) // 8, i
+        cdef const int64_t* own = <const int64_t*>PyBytes_AS_STRING(owner_data)
+        for i in range(n_owners):
+            if not -1 <= own[i] < n_owners:
+                raise ValueError(f"owners must be -1 or in [0, {n_owners}), got {own[i]} at "
+                                 f"position {i}")
+        if page_bytes > len(<bytes>data):
+            return []
+        cdef bytes buffer = data
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(buffer)
+        cdef Py_ssize_t per_page = page_bytes // 8
+        cdef Py_ssize_t pages = len(buffer) // page_bytes
+        cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
+        cdef Py_ssize_t page, j, slot, n_active = -1, depth = 0, n_out = 0, k
+        cdef int32_t* marks
+        cdef int32_t* scratch
+        cdef int32_t stamp, cid
+        cdef int64_t o
+        cdef BIEntry* e
+        # scratch: the active owners (n_owners), then the results (2 * n_owners)
+        scratch = <int32_t*>PyMem_Malloc((3 * n_owners + 1) * sizeof(int32_t))
+        if scratch == NULL:
+            raise MemoryError()
+        if self.marks_cap < n_owners:
+            marks = <int32_t*>PyMem_Realloc(self.marks, (n_owners + 1) * sizeof(int32_t))
+            if marks == NULL:
+                PyMem_Free(scratch)
+                raise MemoryError()
+            memset(marks, 0, (n_owners + 1) * sizeof(int32_t))
+            self.marks = marks
+            self.marks_cap = n_owners
+            self.stamp = 0
+        marks = self.marks
+        cdef int32_t* active = scratch
+        cdef int32_t* out = scratch + n_owners
+        for page in range(pages):
+            h = _bi_page(h, p + page * per_page * 8, per_page)
+            slot = self.find(<int64_t>h)
+            if slot < 0:
+                break
+            e = &self.table[slot]
+            if self.stamp >= 0x3FFFFFF0:
+                memset(marks, 0, (self.marks_cap + 1) * sizeof(int32_t))
+                self.stamp = 0
+            self.stamp += 2
+            stamp = self.stamp
+            # mark the owners holding this block
+            for k in range(e.n):
+                cid = e.one if e.n == 1 else e.many[k]
+                if cid < n_owners:
+                    o = own[cid]
+                    if o >= 0:
+                        marks[o] = stamp
+            if n_active < 0:
+                n_active = 0
+                for k in range(e.n):
+                    cid = e.one if e.n == 1 else e.many[k]
+                    if cid < n_owners:
+                        o = own[cid]
+                        if o >= 0 and marks[o] == stamp:
+                            marks[o] = stamp + 1  # listed once
+                            active[n_active] = <int32_t>o
+                            n_active += 1
+            else:
+                k = 0
+                for j in range(n_active):
+                    if marks[active[j]] == stamp:
+                        active[k] = active[j]
+                        k += 1
+                    else:
+                        out[2 * n_out] = active[j]
+                        out[2 * n_out + 1] = <int32_t>depth
+                        n_out += 1
+                n_active = k
+            if n_active == 0:
+                break
+            depth += 1
+        for j in range(n_active if n_active > 0 else 0):
+            out[2 * n_out] = active[j]
+            out[2 * n_out + 1] = <int32_t>depth
+            n_out += 1
+        try:
+            snapshot = PyBytes_FromStringAndSize(<char*>out, 2 * n_out * sizeof(int32_t))
+        finally:
+            PyMem_Free(scratch)
+        cdef const int32_t* q = <const int32_t*>PyBytes_AS_STRING(snapshot)
+        return [(q[2 * j], q[2 * j + 1]) for j in range(n_out)]

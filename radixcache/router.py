@@ -41,7 +41,6 @@ import sys
 from array import array
 from bisect import bisect_right
 from dataclasses import dataclass, fields
-from itertools import repeat
 from typing import Any, Hashable, Iterable, Optional
 
 
@@ -63,6 +62,7 @@ from .events import (
 __all__ = ["DEFAULT_LOAD_WEIGHT", "ROUTING_POLICIES", "IndexerStats", "KvIndexer", "Router"]
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # A publisher's block hashes are only looked up, never computed with: vLLM sends ints or
 # bytes (its ExternalBlockHash).
 _HASH_TYPES = (int, bytes)
@@ -188,7 +188,7 @@ def _namespace_bytes(namespace: Any) -> bytes:
 class _Copy:
     """One worker's blocks on one tier and KV-cache group: ``(worker, medium, group)``."""
 
-    __slots__ = ("worker", "medium", "group", "published", "size")
+    __slots__ = ("worker", "medium", "group", "published", "size", "cid")
 
     def __init__(self, worker: Hashable, medium: str, group: Any) -> None:
         self.worker = worker
@@ -198,6 +198,7 @@ class _Copy:
         # published under its own key (a ``fast64`` publisher) is held without an entry
         self.published: dict = {}
         self.size = 0  # (publisher hash, block) pairs held
+        self.cid = -1  # its id in the indexer's BlockIndex, set by KvIndexer._copy
 
     def __repr__(self) -> str:
         return f"_Copy({self.worker!r}, {self.medium!r}, {self.group!r})"
@@ -249,9 +250,13 @@ class KvIndexer:
     def __init__(self, block_size: int) -> None:
         self.block_size = _check_block_size(block_size)
         self._page_bytes = self.block_size * 8
-        # indexer key -> the _Copy holding it, or a list of the copies holding it when more
-        # than one does (a copy appears once per publisher hash that maps to the block)
-        self._holders: dict = {}
+        # indexer key -> the ids (``_Copy.cid``) of the copies holding it, a copy once per
+        # publisher hash that maps to the block: the tree core's BlockIndex (compiled when
+        # built); copy ids are reused once their copy is dropped
+        self._index = _core.core.BlockIndex()
+        self._free_cids: list = []
+        self._next_cid = 0
+        self._owner_tables: dict = {}  # medium -> (owners by copy id, workers); see _owners
         # worker -> its _Copy, or {(medium, group): _Copy} when it has several; only copies
         # holding at least one block
         self._copies: dict = {}
@@ -272,6 +277,7 @@ class KvIndexer:
         copy = self._find(worker, medium, group)
         if copy is None:
             copy = _Copy(worker, medium, group)
+            self._new_cid(copy)
             current = self._copies.get(worker)
             if current is None:
                 self._copies[worker] = copy  # one copy: no map of them (the usual case)
@@ -299,6 +305,7 @@ class KvIndexer:
 
     def _forget_if_empty(self, copy: _Copy) -> None:
         if not copy.size:
+            self._drop_cid(copy)
             current = self._copies.get(copy.worker)
             if current is copy:
                 del self._copies[copy.worker]
@@ -334,7 +341,7 @@ class KvIndexer:
         Returns:
             The number of blocks.
         """
-        return len(self._holders)
+        return len(self._index)
 
     def remove_worker(self, worker: Hashable) -> None:
         """Forget ``worker`` and every block it held on every tier (it left the fleet, or
@@ -346,22 +353,15 @@ class KvIndexer:
         self._clear_worker(worker)
 
     def _clear_copy(self, copy: _Copy) -> None:
-        for key in copy.published.values():
-            self._unhold(key, copy)
-        if copy.size > len(copy.published):
-            # Blocks held under their own keys have no entry: find them (clears are rare).
-            holders = self._holders
-            for key in [k for k, v in holders.items() if v is copy]:
-                del holders[key]
-            for key in [k for k, v in holders.items() if type(v) is list and copy in v]:
-                while self._holds(key, copy):
-                    self._unhold(key, copy)
+        if copy.size:
+            self._index.clear_copy(copy.cid)
         copy.published = {}
         copy.size = 0
+        self._drop_cid(copy)
 
     def _holds(self, key: Any, copy: _Copy) -> bool:
-        current = self._holders.get(key)
-        return current is copy or (type(current) is list and copy in current)
+        return (type(key) is int and _INT64_MIN <= key <= _INT64_MAX
+                and self._index.holds(key, copy.cid))
 
     def _key_of(self, copy: _Copy, block_hash: Any) -> Optional[int]:
         """The indexer key ``copy`` holds under publisher hash ``block_hash``, or None."""
@@ -374,30 +374,46 @@ class KvIndexer:
         copies = self._copies_of(worker)
         self._copies.pop(worker, None)
         for copy in copies:
-            self._clear_copy(copy)
+            self._clear_copy(copy)  # drops its id too
 
     def _hold(self, key: int, copy: _Copy) -> None:
-        holders = self._holders
-        current = holders.get(key)
-        if current is None:
-            holders[key] = copy
-        elif type(current) is list:
-            current.append(copy)
-        else:
-            holders[key] = [current, copy]
+        self._index.hold(key, copy.cid)
 
     def _unhold(self, key: int, copy: _Copy) -> None:
-        holders = self._holders
-        current = holders.get(key)
-        if current is copy:
-            del holders[key]
-        elif type(current) is list:
-            try:
-                current.remove(copy)
-            except ValueError:
-                return
-            if len(current) == 1:
-                holders[key] = current[0]
+        self._index.unhold(key, copy.cid)
+
+    def _new_cid(self, copy: _Copy) -> None:
+        if self._free_cids:
+            copy.cid = self._free_cids.pop()
+        else:
+            copy.cid = self._next_cid
+            self._next_cid += 1
+        self._owner_tables.clear()
+
+    def _drop_cid(self, copy: _Copy) -> None:
+        # The copy is being dropped, holding nothing: its id may serve another copy.
+        if copy.cid >= 0:
+            self._free_cids.append(copy.cid)
+            copy.cid = -1
+            self._owner_tables.clear()
+
+    def _owners(self, medium: str) -> tuple:
+        """``(owners, workers)`` for ``BlockIndex.overlap``: ``owners[cid]`` is the position
+        in ``workers`` of the worker of the copy ``cid`` if it is on ``medium``, else -1."""
+        table = self._owner_tables.get(medium)
+        if table is None:
+            owners = [-1] * self._next_cid
+            workers: list = []
+            slots: dict = {}
+            for copy in self._all_copies():
+                if copy.medium == medium and copy.cid >= 0:
+                    slot = slots.get(copy.worker)
+                    if slot is None:
+                        slot = slots[copy.worker] = len(workers)
+                        workers.append(copy.worker)
+                    owners[copy.cid] = slot
+            table = self._owner_tables[medium] = (owners, workers)
+        return table
 
     # -- events ------------------------------------------------------------------------
     def apply(self, worker: Hashable, events: Iterable[Any]) -> None:
@@ -498,32 +514,18 @@ class KvIndexer:
             return
         if copy is None:
             copy = self._copy(worker, medium, group)
-        holders = self._holders
         if identity:
-            # No hash map, and new blocks take one dict operation each.
-            before = len(holders)
-            found = list(map(holders.setdefault, keys, repeat(copy)))
-            stored = len(holders) - before
-            duplicates = found.count(copy) - stored  # held by this copy already
-            if stored + duplicates != len(keys):
-                for key, current in zip(keys, found):
-                    if current is copy:
-                        continue
-                    if type(current) is list and copy in current:
-                        duplicates += 1
-                    else:
-                        self._hold(key, copy)
-                        stored += 1
+            # No hash map: the blocks this copy does not hold yet, in one call.
+            stored, duplicates = self._index.store(copy.cid, keys)
             copy.size += stored
             stats.stored_blocks += stored
             stats.duplicate_blocks += duplicates
             return
         published = copy.published
-        if (published.keys().isdisjoint(hashes) and holders.keys().isdisjoint(keys)
-                and len(set(hashes)) == len(keys)):
-            # New blocks under new hashes (the common case): in bulk.
+        if published.keys().isdisjoint(hashes) and len(set(hashes)) == len(keys):
+            # New hashes (the common case): in bulk.
             published.update(zip(hashes, keys))
-            holders.update(zip(keys, repeat(copy)))
+            self._index.add(copy.cid, keys)
             copy.size += len(keys)
             stats.stored_blocks += len(keys)
             return
@@ -562,23 +564,22 @@ class KvIndexer:
         if copy is None:
             stats.unknown_removals += len(hashes)
             return
-        holders = self._holders
         removed = unknown = 0
         if not copy.published:
-            # Every block held under its own key: one dict operation each.
-            popped = list(map(holders.pop, hashes, repeat(None)))
-            removed = popped.count(copy)
-            if removed != len(hashes):
-                for block_hash, current in zip(hashes, popped):
-                    if current is copy:
-                        continue
-                    if current is not None:
-                        holders[block_hash] = current  # not this copy's alone: put back
-                        if type(current) is list and copy in current:
-                            self._unhold(block_hash, copy)
-                            removed += 1
-                            continue
-                    unknown += 1
+            # Every block held under its own key: one call.
+            if type(hashes) is not list and type(hashes) is not tuple:
+                hashes = list(hashes)
+            try:
+                removed, unknown = self._index.remove(copy.cid, hashes)
+            except (TypeError, OverflowError):  # a hash that is no int64 key: not held
+                for block_hash in hashes:
+                    if isinstance(block_hash, int) and not isinstance(block_hash, bool):
+                        block_hash = int(block_hash)
+                    if self._holds(block_hash, copy):
+                        self._unhold(block_hash, copy)
+                        removed += 1
+                    else:
+                        unknown += 1
         else:
             published = copy.published
             for block_hash in hashes:
@@ -643,38 +644,15 @@ class KvIndexer:
         return self._overlap(tokens_le_bytes(tokens), encode_namespace(extra_key), medium)
 
     def _overlap(self, data: bytes, namespace: bytes, medium: str = MEDIUM_GPU) -> dict:
-        counts: dict = {}
-        active = None  # workers holding every block so far (None: before the first block)
-        depth = 0
-        for current in map(self._holders.get, _page_keys(_root_key(namespace), data,
-                                                          self._page_bytes)):
-            if type(current) is _Copy and current.medium == medium and active is not None \
-                    and len(active) == 1 and current.worker in active:
-                depth += 1  # the common case: one worker's run goes on
-                continue
-            if current is None:
-                break
-            if type(current) is _Copy:
-                held = {current.worker} if current.medium == medium else set()
-            else:
-                held = {copy.worker for copy in current if copy.medium == medium}
-            if active is None:
-                active = held
-            elif held != active:
-                for worker in active - held:
-                    counts[worker] = depth
-                active &= held
-            if not active:
-                break
-            depth += 1
-        if active:
-            for worker in active:
-                counts[worker] = depth  # held every full block of the query
-        return counts
+        # The index hashes the query's blocks and walks them in one call, as far as any
+        # worker's run goes; workers reach it as positions in ``workers``.
+        owners, workers = self._owners(medium)
+        return {workers[owner]: depth for owner, depth in self._index.overlap(
+            _root_key(namespace), data, self._page_bytes, owners)}
 
     def __repr__(self) -> str:
         return (f"KvIndexer(block_size={self.block_size}, workers={len(self._copies)}, "
-                f"blocks={len(self._holders)})")
+                f"blocks={len(self._index)})")
 
 
 def _check_worker_count(num_workers: Any) -> int:
