@@ -191,11 +191,10 @@ cdef class Core:
 
 # -- block index (KvIndexer's table of held blocks; spec: _core_py's module docstring) -------
 cdef struct BIEntry:
+    # 16 bytes: a table of a few hundred thousand keys stays in the last-level cache.
     int64_t key
     int32_t n          # holdings of the key (0: an empty slot)
-    int32_t cap        # capacity of ``many`` (0 while it is unused)
-    int32_t one        # the holding copy while n == 1
-    int32_t* many      # the holding copies while n >= 2 (a copy once per holding)
+    int32_t one        # n == 1: the holding copy; n >= 2: its list in BlockIndex.lists
 
 
 cdef class BlockIndex:
@@ -204,6 +203,13 @@ cdef class BlockIndex:
     cdef Py_ssize_t mask
     cdef Py_ssize_t size       # distinct keys held
     cdef Py_ssize_t n_pairs    # holdings
+    # Holder lists of keys held more than once (a copy once per holding, earliest first),
+    # of capacity max(4, n rounded up to a power of two); free list positions are reused.
+    cdef int32_t** lists
+    cdef Py_ssize_t lists_cap
+    cdef Py_ssize_t lists_used
+    cdef int32_t* free_lists
+    cdef Py_ssize_t n_free
     cdef int32_t* marks        # overlap's scratch: a stamp per owner
     cdef Py_ssize_t marks_cap
     cdef int32_t stamp
@@ -212,6 +218,9 @@ cdef class BlockIndex:
     cdef int reserve(self, Py_ssize_t keys) except -1
     cdef int rebuild(self, Py_ssize_t capacity) except -1
     cdef Py_ssize_t slot_of(self, int64_t key) noexcept
+    cdef const int32_t* copies(self, BIEntry* e) noexcept
+    cdef int32_t new_list(self, int32_t first, int32_t second) except -1
+    cdef void free_list(self, int32_t li) noexcept
     cdef int hold_key(self, int64_t key, int32_t copy) except -1
     cdef bint drop_key(self, int64_t key, int32_t copy) noexcept
     cdef void delete_slot(self, Py_ssize_t i) noexcept

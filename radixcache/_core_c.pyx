@@ -2189,7 +2189,7 @@ cdef extern from *:
     void __builtin_prefetch(const void* addr) noexcept nogil
 
 # How many keys ahead a batch prefetches its table slot (the table is larger than the cache).
-DEF _BI_AHEAD = 8
+DEF _BI_AHEAD = 16
 
 
 cdef inline uint64_t _bi_page(uint64_t h, const unsigned char* w, Py_ssize_t per_page) noexcept:
@@ -2213,26 +2213,46 @@ cdef inline uint64_t _bi_page(uint64_t h, const unsigned char* w, Py_ssize_t per
 
 def page_hash_bytes(seed, data, page_bytes):
     """``page_hash_chain`` as native int64 bytes (no int objects); see ``_core_py``."""
-    if type(data) is not bytes:
-        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    cdef bint is_array = type(data) is _ndarray
+    if not is_array and type(data) is not bytes:
+        raise TypeError(f"data must be bytes or an int64 numpy array, got {type(data).__name__}")
+    if is_array and (data.dtype.str != "<i8" or data.ndim != 1
+                     or not data.flags.c_contiguous):
+        raise TypeError(f"data as an array must be 1-D contiguous little-endian int64, got "
+                        f"{data.ndim}-D {data.dtype}")
     for name, value in (("seed", seed), ("page_bytes", page_bytes)):
         if type(value) is not int:
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if page_bytes <= 0 or page_bytes % 8:
         raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
-    if page_bytes > len(<bytes>data):
-        return b""
-    cdef bytes buffer = data
-    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(buffer)
-    cdef Py_ssize_t per_page = page_bytes // 8
-    cdef Py_ssize_t pages = len(buffer) // page_bytes, page
+    cdef Py_buffer view
+    cdef bytes out
+    cdef const unsigned char* p
+    cdef Py_ssize_t per_page = 0, pages = 0, page, length
     cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
-    cdef bytes out = PyBytes_FromStringAndSize(NULL, pages * 8)
-    cdef int64_t* q = <int64_t*>PyBytes_AS_STRING(out)
-    for page in range(pages):
-        h = _bi_page(h, p + page * per_page * 8, per_page)
-        q[page] = <int64_t>h
+    cdef int64_t* q
+    if is_array:
+        # Held for the call (nothing runs meanwhile): its memory stays where it is.
+        PyObject_GetBuffer(data, &view, PyBUF_C_CONTIGUOUS)
+        p = <const unsigned char*>view.buf
+        length = view.len
+    else:
+        p = <const unsigned char*>PyBytes_AS_STRING(<bytes>data)
+        length = len(<bytes>data)
+    try:
+        if page_bytes <= length:
+            per_page = page_bytes // 8
+            pages = length // page_bytes
+        out = PyBytes_FromStringAndSize(NULL, pages * 8)
+        q = <int64_t*>PyBytes_AS_STRING(out)
+        for page in range(pages):
+            h = _bi_page(h, p + page * per_page * 8, per_page)
+            q[page] = <int64_t>h
+    finally:
+        if is_array:
+            PyBuffer_Release(&view)
     return out
+
 
 cdef inline uint64_t _bi_mix(int64_t key) noexcept:
     cdef uint64_t h = <uint64_t>key ^ <uint64_t>0x5BD1E9955BD1E995
@@ -2300,19 +2320,26 @@ cdef class BlockIndex:
         self.mask = 7
         self.size = 0
         self.n_pairs = 0
+        self.lists = NULL
+        self.lists_cap = 0
+        self.lists_used = 0
+        self.free_lists = NULL
+        self.n_free = 0
         self.marks = NULL
         self.marks_cap = 0
         self.stamp = 0
 
     def __dealloc__(self):
         cdef Py_ssize_t i
-        if self.table != NULL:
-            for i in range(self.mask + 1):
-                if self.table[i].cap:
-                    PyMem_Free(self.table[i].many)
-            PyMem_Free(self.table)
-            self.table = NULL
+        for i in range(self.lists_used):
+            PyMem_Free(self.lists[i])  # NULL for a free position
+        PyMem_Free(self.lists)
+        PyMem_Free(self.free_lists)
+        PyMem_Free(self.table)
         PyMem_Free(self.marks)
+        self.lists = NULL
+        self.free_lists = NULL
+        self.table = NULL
         self.marks = NULL
 
     def __reduce__(self):
@@ -2332,6 +2359,49 @@ cdef class BlockIndex:
         while self.table[i].n and self.table[i].key != key:
             i = (i + 1) & self.mask
         return i
+
+    cdef const int32_t* copies(self, BIEntry* e) noexcept:
+        return &e.one if e.n == 1 else self.lists[e.one]
+
+    cdef int32_t new_list(self, int32_t first, int32_t second) except -1:
+        cdef int32_t* items = <int32_t*>PyMem_Malloc(4 * sizeof(int32_t))
+        cdef int32_t** grown
+        cdef int32_t* grown_free
+        cdef Py_ssize_t li, cap
+        if items == NULL:
+            raise MemoryError()
+        if self.n_free:
+            self.n_free -= 1
+            li = self.free_lists[self.n_free]
+        else:
+            if self.lists_used == self.lists_cap:
+                cap = max(16, self.lists_cap * 2)
+                if cap > 0x7FFFFFFF:
+                    PyMem_Free(items)
+                    raise OverflowError("too many blocks held more than once")
+                grown = <int32_t**>PyMem_Realloc(self.lists, cap * sizeof(int32_t*))
+                if grown == NULL:
+                    PyMem_Free(items)
+                    raise MemoryError()
+                self.lists = grown
+                grown_free = <int32_t*>PyMem_Realloc(self.free_lists, cap * sizeof(int32_t))
+                if grown_free == NULL:
+                    PyMem_Free(items)
+                    raise MemoryError()
+                self.free_lists = grown_free
+                self.lists_cap = cap
+            li = self.lists_used
+            self.lists_used += 1
+        items[0] = first
+        items[1] = second
+        self.lists[li] = items
+        return <int32_t>li
+
+    cdef void free_list(self, int32_t li) noexcept:
+        PyMem_Free(self.lists[li])
+        self.lists[li] = NULL
+        self.free_lists[self.n_free] = li
+        self.n_free += 1
 
     cdef int rebuild(self, Py_ssize_t capacity) except -1:
         cdef BIEntry* old = self.table
@@ -2372,36 +2442,28 @@ cdef class BlockIndex:
         # One more holding of ``key`` by ``copy``; the table has room for a new key.
         cdef Py_ssize_t i = self.slot_of(key)
         cdef BIEntry* e = &self.table[i]
+        cdef int32_t* items
         cdef int32_t* grown
-        cdef int32_t cap
-        if e.n == 0:
+        cdef int32_t n = e.n
+        if n == 0:
             e.key = key
-            e.n = 1
             e.one = copy
-            e.cap = 0
-            e.many = NULL
+            e.n = 1
             self.size += 1
-        elif e.n == 1:
-            grown = <int32_t*>PyMem_Malloc(4 * sizeof(int32_t))
-            if grown == NULL:
-                raise MemoryError()
-            grown[0] = e.one
-            grown[1] = copy
-            e.many = grown
-            e.cap = 4
+        elif n == 1:
+            e.one = self.new_list(e.one, copy)
             e.n = 2
         else:
-            if e.n == e.cap:
-                if e.cap >= 0x3FFFFFFF:
-                    raise OverflowError("too many holdings of one block")
-                cap = e.cap * 2
-                grown = <int32_t*>PyMem_Realloc(e.many, cap * sizeof(int32_t))
+            if n >= 0x3FFFFFFF:
+                raise OverflowError("too many holdings of one block")
+            items = self.lists[e.one]
+            if n >= 4 and (n & (n - 1)) == 0:  # full: capacity max(4, n rounded up)
+                grown = <int32_t*>PyMem_Realloc(items, 2 * n * sizeof(int32_t))
                 if grown == NULL:
                     raise MemoryError()
-                e.many = grown
-                e.cap = cap
-            e.many[e.n] = copy
-            e.n += 1
+                self.lists[e.one] = items = grown
+            items[n] = copy
+            e.n = n + 1
         self.n_pairs += 1
         return 0
 
@@ -2409,6 +2471,8 @@ cdef class BlockIndex:
         # One holding of ``key`` by ``copy`` less; False when it holds none. No shrinking.
         cdef Py_ssize_t i = self.find(key), j
         cdef BIEntry* e
+        cdef int32_t* items
+        cdef int32_t last
         if i < 0:
             return False
         e = &self.table[i]
@@ -2419,28 +2483,26 @@ cdef class BlockIndex:
             self.size -= 1
             self.n_pairs -= 1
             return True
+        items = self.lists[e.one]
         for j in range(e.n):
-            if e.many[j] == copy:
+            if items[j] == copy:
                 break
         else:
             return False
         # Keep the holders' order: the earliest holding first.
-        memmove(&e.many[j], &e.many[j + 1], (e.n - j - 1) * sizeof(int32_t))
+        memmove(&items[j], &items[j + 1], (e.n - j - 1) * sizeof(int32_t))
         e.n -= 1
         if e.n == 1:
-            e.one = e.many[0]
-            PyMem_Free(e.many)
-            e.many = NULL
-            e.cap = 0
+            last = items[0]
+            self.free_list(e.one)
+            e.one = last
         self.n_pairs -= 1
         return True
 
     cdef void delete_slot(self, Py_ssize_t i) noexcept:
-        # Backward-shift deletion: no tombstones.
+        # Backward-shift deletion (no tombstones) of a slot holding no list.
         cdef Py_ssize_t mask = self.mask, j = i, home
         cdef BIEntry* t = self.table
-        if t[i].cap:
-            PyMem_Free(t[i].many)
         while True:
             j = (j + 1) & mask
             if t[j].n == 0:
@@ -2478,12 +2540,12 @@ cdef class BlockIndex:
         cdef int64_t k = _bi_key(key)
         cdef int32_t c = _bi_copy(copy)
         cdef Py_ssize_t i = self.find(k), j
+        cdef const int32_t* items
         if i < 0:
             return False
-        if self.table[i].n == 1:
-            return self.table[i].one == c
+        items = self.copies(&self.table[i])
         for j in range(self.table[i].n):
-            if self.table[i].many[j] == c:
+            if items[j] == c:
                 return True
         return False
 
@@ -2493,10 +2555,8 @@ cdef class BlockIndex:
         if i < 0:
             return []
         n = self.table[i].n
-        if n == 1:
-            return [self.table[i].one]
         # Copy first: making the list may run the garbage collector (and finalizers).
-        cdef bytes snapshot = PyBytes_FromStringAndSize(<char*>self.table[i].many,
+        cdef bytes snapshot = PyBytes_FromStringAndSize(<char*>self.copies(&self.table[i]),
                                                         n * sizeof(int32_t))
         cdef const int32_t* p = <const int32_t*>PyBytes_AS_STRING(snapshot)
         return [p[j] for j in range(n)]
@@ -2520,6 +2580,7 @@ cdef class BlockIndex:
         cdef Py_ssize_t n = len(data) // 8, i, j, s
         cdef Py_ssize_t stored = 0, duplicates = 0
         cdef BIEntry* e
+        cdef const int32_t* items
         cdef bint held
         self.reserve(self.size + n)
         for i in range(n):
@@ -2528,11 +2589,10 @@ cdef class BlockIndex:
             s = self.slot_of(p[i])
             e = &self.table[s]
             held = False
-            if e.n == 1:
-                held = e.one == c
-            elif e.n > 1:
+            if e.n:
+                items = self.copies(e)
                 for j in range(e.n):
-                    if e.many[j] == c:
+                    if items[j] == c:
                         held = True
                         break
             if held:
@@ -2560,6 +2620,8 @@ cdef class BlockIndex:
         cdef int32_t c = _bi_copy(copy)
         cdef Py_ssize_t i, j, k, dropped = 0, cap = self.mask + 1
         cdef BIEntry* e
+        cdef int32_t* items
+        cdef int32_t last
         for i in range(cap):
             e = &self.table[i]
             if e.n == 1:
@@ -2568,26 +2630,27 @@ cdef class BlockIndex:
                     dropped += 1
                     self.size -= 1
             elif e.n > 1:
+                items = self.lists[e.one]
                 k = 0
                 for j in range(e.n):
-                    if e.many[j] != c:
-                        e.many[k] = e.many[j]
+                    if items[j] != c:
+                        items[k] = items[j]
                         k += 1
                 dropped += e.n - k
-                e.n = <int32_t>k
                 if k == 0:
-                    PyMem_Free(e.many)
-                    e.many = NULL
-                    e.cap = 0
+                    self.free_list(e.one)
+                    e.n = 0
                     self.size -= 1
                 elif k == 1:
-                    e.one = e.many[0]
-                    PyMem_Free(e.many)
-                    e.many = NULL
-                    e.cap = 0
+                    last = items[0]
+                    self.free_list(e.one)
+                    e.one = last
+                    e.n = 1
+                else:
+                    # The list keeps its capacity (a power of two >= 4 at least k).
+                    e.n = <int32_t>k
         self.n_pairs -= dropped
         if dropped:
-            # Emptied slots break probe runs: re-place every key (clears are rare).
             while cap > 8 and self.size * 4 < cap:
                 cap //= 2
             self.rebuild(cap)  # skips the emptied slots: probe runs come out whole
@@ -2621,6 +2684,7 @@ cdef class BlockIndex:
         cdef int32_t stamp, cid
         cdef int64_t o
         cdef BIEntry* e
+        cdef const int32_t* items
         # scratch: the active owners (n_owners), then the results (2 * n_owners)
         scratch = <int32_t*>PyMem_Malloc((3 * n_owners + 1) * sizeof(int32_t))
         if scratch == NULL:
@@ -2648,9 +2712,10 @@ cdef class BlockIndex:
                 self.stamp = 0
             self.stamp += 2
             stamp = self.stamp
+            items = self.copies(e)
             # mark the owners holding this block
             for k in range(e.n):
-                cid = e.one if e.n == 1 else e.many[k]
+                cid = items[k]
                 if cid < n_owners:
                     o = own[cid]
                     if o >= 0:
@@ -2658,7 +2723,7 @@ cdef class BlockIndex:
             if n_active < 0:
                 n_active = 0
                 for k in range(e.n):
-                    cid = e.one if e.n == 1 else e.many[k]
+                    cid = items[k]
                     if cid < n_owners:
                         o = own[cid]
                         if o >= 0 and marks[o] == stamp:

@@ -115,7 +115,9 @@ subclass runs code during the call), ``ValueError`` for a bad ``page_bytes``. Th
 with it.
 
 ``page_hash_bytes(seed, data, page_bytes) -> bytes`` -- ``page_hash_chain``'s hashes as
-native int64 bytes (8 per full page; no int objects made), with the same checks.
+native int64 bytes (8 per full page; no int objects made), with the same checks, except that
+``data`` may also be a 1-D little-endian int64 numpy array (exactly ``numpy.ndarray``; its
+memory is read in place; another dtype, shape or a strided array is a ``TypeError``).
 
 ``BlockIndex()`` -- a class, not part of the tree: ``KvIndexer``'s table of held blocks, a
 map from a 64-bit block key (an ``int`` in int64) to the copies holding it (``copy``: an
@@ -1403,6 +1405,13 @@ class BlockIndex:
         return out
 
 
-def page_hash_bytes(seed: int, data: bytes, page_bytes: int) -> bytes:
+def page_hash_bytes(seed: int, data: Any, page_bytes: int) -> bytes:
     """``page_hash_chain`` as native int64 bytes; see the module docstring."""
+    if type(data) is np.ndarray:
+        if data.dtype.str != "<i8" or data.ndim != 1 or not data.flags.c_contiguous:
+            raise TypeError(f"data as an array must be 1-D contiguous little-endian int64, got "
+                            f"{data.ndim}-D {data.dtype}")
+        data = data.tobytes()
+    elif type(data) is not bytes:
+        raise TypeError(f"data must be bytes or an int64 numpy array, got {type(data).__name__}")
     return np.array(page_hash_chain(seed, data, page_bytes), dtype=np.int64).tobytes()

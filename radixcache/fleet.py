@@ -45,6 +45,7 @@ import numpy as np
 
 from ._options import (DEFAULT_DECODE_TPS, DEFAULT_INTERVAL_MS, DEFAULT_PREFILL_TPS, POOLED,
                        EventLag)
+from . import _keyfeed
 from .cache import RadixCache
 from .router import Router
 from .traces import Trace
@@ -259,6 +260,12 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
     caches = [RadixCache(page_size=page_size, eviction_policy=eviction_policy,
                          enable_events=with_events, core=core, **fast)
               for _ in range(num_workers)]
+    # In-process channels feed the index the workers' block keys directly (_keyfeed): no
+    # event objects, keys hashed once per stored leaf, applied in one call per record.
+    direct = with_events and channels is None
+    if direct:
+        for cache in caches:
+            _keyfeed.attach(cache)
     loops = [ServingLoop(cache, capacity) for cache in caches]
     # Events published once every request is routed reach no decision: an in-process
     # channel drops them rather than hold them to the end (a given channel gets them all).
@@ -363,9 +370,10 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
                         max_time, max_step = now - lag_s, math.inf
                     else:
                         max_time, max_step = math.inf, steps - event_lag.requests
+                    apply = router.indexer._apply_own if direct else router.indexer.apply
                     for w in range(num_workers):
                         for events in channels[w].take(max_time, max_step):
-                            router.indexer.apply(w, events)
+                            apply(w, events)
                 worker = router.route(request.prompt, request.extra_key)
                 router.add_load(worker, len(request.prompt) + request.output_len)
                 request = None  # made again when admitted
