@@ -258,6 +258,7 @@ class KvIndexer:
         self._free_cids: list = []
         self._next_cid = 0
         self._owner_tables: dict = {}  # medium -> (owners by copy id, workers); see _owners
+        self._cid_version = 0  # changes with the copies (the owner tables' validity)
         # worker -> its _Copy, or {(medium, group): _Copy} when it has several; only copies
         # holding at least one block
         self._copies: dict = {}
@@ -389,6 +390,7 @@ class KvIndexer:
         else:
             copy.cid = self._next_cid
             self._next_cid += 1
+        self._cid_version += 1
         self._owner_tables.clear()
 
     def _drop_cid(self, copy: _Copy) -> None:
@@ -396,6 +398,7 @@ class KvIndexer:
         if copy.cid >= 0:
             self._free_cids.append(copy.cid)
             copy.cid = -1
+            self._cid_version += 1
             self._owner_tables.clear()
 
     def _owners(self, medium: str) -> tuple:
@@ -403,6 +406,7 @@ class KvIndexer:
         in ``workers`` of the worker of the copy ``cid`` if it is on ``medium``, else -1."""
         table = self._owner_tables.get(medium)
         if table is None:
+            version = self._cid_version
             owners = [-1] * self._next_cid
             workers: list = []
             slots: dict = {}
@@ -413,7 +417,9 @@ class KvIndexer:
                         slot = slots[copy.worker] = len(workers)
                         workers.append(copy.worker)
                     owners[copy.cid] = slot
-            table = self._owner_tables[medium] = (owners, workers)
+            table = (owners, workers)
+            if version == self._cid_version:  # a worker id's __eq__ changed no copy
+                self._owner_tables[medium] = table
         return table
 
     # -- events ------------------------------------------------------------------------

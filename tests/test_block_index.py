@@ -1,0 +1,462 @@
+"""The tree cores' ``BlockIndex`` (``KvIndexer``'s table of held blocks) and the fleet's
+direct feed of block keys (``_keyfeed``), on every available core.
+
+The index is checked against a plain model (key -> list of copies) over random operation
+sequences, its errors on bad input (each leaving it unchanged), and ``KvIndexer`` over the
+compiled index against ``KvIndexer`` over the pure one on the same events. The fleet's
+direct feed must decide, hit and count exactly as the event path does.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import numpy as np
+import pytest
+
+from radixcache import _core, _core_py
+from radixcache._core import CORES
+from radixcache.events import AllBlocksCleared, BlockRemoved, BlockStored, _fast_root
+from radixcache.fleet import EventLag, InProcessChannel, TimeModel, simulate_fleet
+from radixcache.router import KvIndexer
+from radixcache.workloads import Request, synthetic_chat
+
+I64 = (1 << 63) - 1
+
+
+@pytest.fixture
+def index_core(core_name):
+    return CORES[core_name]
+
+
+class Model:
+    """What a BlockIndex must answer: key -> the copies holding it, a copy per holding."""
+
+    def __init__(self):
+        self.holders = {}
+
+    def hold(self, key, copy):
+        self.holders.setdefault(key, []).append(copy)
+
+    def unhold(self, key, copy):
+        held = self.holders.get(key, [])
+        if copy not in held:
+            return False
+        held.remove(copy)
+        if not held:
+            del self.holders[key]
+        return True
+
+    def store(self, copy, keys):
+        stored = duplicates = 0
+        for key in keys:
+            if copy in self.holders.get(key, []):
+                duplicates += 1
+            else:
+                self.hold(key, copy)
+                stored += 1
+        return stored, duplicates
+
+    def remove(self, copy, keys):
+        removed = sum(self.unhold(key, copy) for key in keys)
+        return removed, len(keys) - removed
+
+    def clear_copy(self, copy):
+        dropped = 0
+        for key in list(self.holders):
+            while self.unhold(key, copy):
+                dropped += 1
+        return dropped
+
+    def overlap(self, keys, owners):
+        out, active, depth = [], None, 0
+        for key in keys:
+            held = [owners[c] for c in self.holders.get(key, []) if c < len(owners)
+                    and owners[c] >= 0]
+            if key not in self.holders:
+                break
+            if active is None:
+                active = list(dict.fromkeys(held))
+            else:
+                out += [(o, depth) for o in active if o not in held]
+                active = [o for o in active if o in held]
+            if not active:
+                break
+            depth += 1
+        return out + [(o, depth) for o in active or ()]
+
+    @property
+    def pairs(self):
+        return sum(len(v) for v in self.holders.values())
+
+
+def state(index, keys):
+    return len(index), index.pairs, {k: index.holders(k) for k in keys}
+
+
+def check_same(index, model, keys):
+    assert len(index) == len(model.holders)
+    assert index.pairs == model.pairs
+    for key in keys:
+        assert index.holders(key) == model.holders.get(key, [])
+        for copy in range(4):
+            assert index.holds(key, copy) == (copy in model.holders.get(key, []))
+
+
+def as_input(keys, rng):
+    kind = rng.randrange(3)
+    if kind == 0:
+        return list(keys)
+    if kind == 1:
+        return tuple(keys)
+    return np.array(keys, dtype=np.int64).tobytes()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operations_match_the_model(index_core, seed):
+    rng = random.Random(seed)
+    # Few keys (collisions, several holders, a copy holding a key twice), and bursts of many
+    # (the table grows, and shrinks as they leave); extreme int64 values included.
+    pool = [rng.randrange(-I64 - 1, I64 + 1) for _ in range(40)] + [0, -1, I64, -I64 - 1]
+    index, model = index_core.BlockIndex(), Model()
+    for step in range(600):
+        op = rng.randrange(9)
+        copy = rng.randrange(4)
+        if op == 0:
+            key = rng.choice(pool)
+            index.hold(key, copy)
+            model.hold(key, copy)
+        elif op == 1:
+            key = rng.choice(pool)
+            assert index.unhold(key, copy) == model.unhold(key, copy)
+        elif op in (2, 3):
+            keys = [rng.choice(pool) for _ in range(rng.randrange(8))]
+            assert index.store(copy, as_input(keys, rng)) == model.store(copy, keys)
+        elif op == 4:
+            keys = [rng.choice(pool) for _ in range(rng.randrange(8))]
+            assert index.add(copy, as_input(keys, rng)) == len(keys)
+            for key in keys:
+                model.hold(key, copy)
+        elif op == 5:
+            keys = [rng.choice(pool) for _ in range(rng.randrange(8))]
+            assert index.remove(copy, as_input(keys, rng)) == model.remove(copy, keys)
+        elif op == 6 and rng.random() < 0.2:
+            assert index.clear_copy(copy) == model.clear_copy(copy)
+        elif op == 7 and rng.random() < 0.1:
+            burst = [rng.randrange(-I64 - 1, I64 + 1) for _ in range(rng.randrange(1, 3000))]
+            assert index.store(copy, burst) == model.store(copy, burst)
+            check_same(index, model, pool + burst)
+            assert index.remove(copy, burst) == model.remove(copy, burst)
+        elif op == 8:
+            # A chain of hashed pages, partly held by some copies; owners map copies to
+            # 0..2 (two copies may share an owner, one may count for none).
+            data = np.array([rng.randrange(50) for _ in range(4 * rng.randrange(12))],
+                            dtype="<i8").tobytes()
+            seed_key = rng.randrange(-I64 - 1, I64 + 1)
+            keys = index_core.page_hash_chain(seed_key, data, 32)
+            for c in range(4):
+                if rng.random() < 0.5 and keys:
+                    prefix = keys[:rng.randrange(len(keys) + 1)]
+                    index.add(c, prefix)
+                    for key in prefix:
+                        model.hold(key, c)
+            owners = [rng.choice((-1, 0, 1, 2)) for _ in range(rng.randrange(5))]
+            owners = [min(o, len(owners) - 1) for o in owners]
+            got = index.overlap(seed_key, data, 32, owners)
+            assert sorted(got) == sorted(model.overlap(keys, owners))
+            assert got == model.overlap(keys, owners)  # dropouts in order, then the rest
+        check_same(index, model, pool)
+    # Everything can leave: the table ends empty.
+    for copy in range(4):
+        assert index.clear_copy(copy) == model.clear_copy(copy)
+    assert len(index) == 0 and index.pairs == 0
+
+
+
+def test_both_cores_agree_on_one_sequence():
+    if len(CORES) < 2:
+        pytest.skip("only one tree core is available")
+    rng = random.Random(7)
+    indexes = [core.BlockIndex() for core in CORES.values()]
+    pool = [rng.randrange(-I64 - 1, I64 + 1) for _ in range(30)]
+    for _ in range(2000):
+        copy, keys = rng.randrange(5), [rng.choice(pool) for _ in range(rng.randrange(6))]
+        name = rng.choice(("store", "add", "remove", "remove", "clear_copy"))
+        args = (copy,) if name == "clear_copy" else (copy, keys)
+        results = {repr(getattr(index, name)(*args)) for index in indexes}
+        assert len(results) == 1, (name, results)
+        assert len({repr(state(index, pool)) for index in indexes}) == 1
+
+
+def test_overlap_stops_where_no_owner_holds_on(index_core):
+    index = index_core.BlockIndex()
+    data = np.arange(64, dtype="<i8").tobytes()  # 8 pages of 8 tokens
+    keys = index_core.page_hash_chain(5, data, 64)
+    index.add(0, keys[:6])        # copy 0: pages 0-5
+    index.add(1, keys[:2])        # copy 1: pages 0-1
+    index.add(2, keys[:8])        # copy 2: all, but on another tier (owner -1)
+    index.add(3, keys[1:8])       # copy 3: misses page 0: never in the run
+    assert index.overlap(5, data, 64, [0, 1, -1, 2]) == [(1, 2), (0, 6)]
+    assert index.overlap(5, data, 64, [0, 0, -1, 2]) == [(0, 6)]   # two copies, one owner
+    assert index.overlap(5, data, 64, [-1, -1, 0, 1]) == [(0, 8)]
+    assert index.overlap(5, data, 64, [0]) == [(0, 6)]             # copies 1.. not counted
+    assert index.overlap(5, data, 64, []) == []
+    assert index.overlap(6, data, 64, [0, 1, 2, 3]) == []          # another seed: nothing
+    assert index.overlap(5, data[:-8], 64, [0, 1]) == [(1, 2), (0, 6)]  # 7 full pages
+    assert index.overlap(5, data[:60], 8 * 64, [0, 1]) == []       # no full page
+
+
+BAD_CALLS = [
+    ("hold", ("1", 0), TypeError, "key must be an int"),
+    ("hold", (1.0, 0), TypeError, "key must be an int"),
+    ("hold", (True, 0), TypeError, "key must be an int"),
+    ("hold", (np.int64(1), 0), TypeError, "key must be an int"),
+    ("hold", (1 << 63, 0), OverflowError, "does not fit in int64"),
+    ("hold", (-(1 << 63) - 1, 0), OverflowError, "does not fit in int64"),
+    ("hold", (1, -1), ValueError, "copy must be in"),
+    ("hold", (1, 1 << 31), ValueError, "copy must be in"),
+    ("hold", (1, False), TypeError, "copy must be an int"),
+    ("hold", (1, "0"), TypeError, "copy must be an int"),
+    ("unhold", (None, 0), TypeError, "key must be an int"),
+    ("holds", (1 << 64, 0), OverflowError, "does not fit in int64"),
+    ("holders", ("k",), TypeError, "key must be an int"),
+    ("store", (0, [1, 2, "3"]), TypeError, "keys must be ints, got str at position 2"),
+    ("store", (0, [1, 2, 1 << 63]), OverflowError, "at position 2 does not fit in int64"),
+    ("store", (0, [1, True]), TypeError, "got bool at position 1"),
+    ("store", (0, [1, 2.0]), TypeError, "got float at position 1"),
+    ("store", (0, {1, 2}), TypeError, "keys must be a list or tuple of ints, or bytes"),
+    ("store", (0, np.array([1, 2])), TypeError, "keys must be a list or tuple"),
+    ("store", (0, b"1234567"), ValueError, "multiple of 8 bytes"),
+    ("add", (0, [1, 2, None]), TypeError, "keys must be ints, got NoneType at position 2"),
+    ("add", (-1, [1]), ValueError, "copy must be in"),
+    ("remove", (0, [1, 2, "x"]), TypeError, "at position 2"),
+    ("remove", (0, iter([1])), TypeError, "keys must be a list or tuple"),
+    ("clear_copy", (None,), TypeError, "copy must be an int"),
+    ("overlap", (1.0, b"", 8, []), TypeError, "seed must be an int"),
+    ("overlap", (1, bytearray(8), 8, []), TypeError, "data must be bytes"),
+    ("overlap", (1, b"", 12, []), ValueError, "page_bytes must be a positive multiple of 8"),
+    ("overlap", (1, b"", 0, []), ValueError, "page_bytes must be a positive multiple of 8"),
+    ("overlap", (1, b"", 8, [0, 2]), ValueError, "owners must be -1 or in [0, 2)"),
+    ("overlap", (1, b"", 8, [-2]), ValueError, "owners must be -1 or in [0, 1)"),
+    ("overlap", (1, b"", 8, [0.0]), TypeError, "keys must be ints"),
+]
+
+
+@pytest.mark.parametrize("name,args,error,message", BAD_CALLS,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_CALLS)])
+def test_bad_input_raises_and_changes_nothing(index_core, name, args, error, message):
+    index = index_core.BlockIndex()
+    index.store(0, [1, 2, 3])
+    index.store(1, [2, 5])
+    index.hold(2, 0)
+    before = state(index, [1, 2, 3, 5])
+    with pytest.raises(error, match=__import__("re").escape(message)):
+        getattr(index, name)(*args)
+    assert state(index, [1, 2, 3, 5]) == before
+
+
+def test_page_hash_bytes_matches_the_chain(index_core):
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(-2**63, 2**63 - 1, 100, dtype=np.int64)
+    data = tokens.astype("<i8").tobytes()
+    for seed in (0, -1, 12345, I64):
+        expected = np.array(index_core.page_hash_chain(seed, data, 32), dtype=np.int64)
+        assert index_core.page_hash_bytes(seed, data, 32) == expected.tobytes()
+        view = tokens.astype("<i8")
+        view.flags.writeable = False
+        assert index_core.page_hash_bytes(seed, view, 32) == expected.tobytes()
+    assert index_core.page_hash_bytes(0, data[:31], 32) == b""
+    for bad, message in ((tokens.astype(np.int32), "1-D contiguous little-endian int64"),
+                         (tokens[::2], "1-D contiguous"), (tokens.reshape(10, 10), "2-D"),
+                         (list(tokens), "data must be bytes or an int64 numpy array")):
+        with pytest.raises(TypeError, match=message):
+            index_core.page_hash_bytes(0, bad, 32)
+    with pytest.raises(ValueError, match="page_bytes"):
+        index_core.page_hash_bytes(0, data, 12)
+
+
+def test_not_picklable(index_core):
+    index = index_core.BlockIndex()
+    index.hold(1, 0)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(index)
+
+
+# -- KvIndexer over each index -------------------------------------------------------------
+def random_events(rng, block_size, tokens, held):
+    """One batch of a worker's events: sequences stored from their first block or continued
+    from a stored one (``held``: what the worker stored, (hashes, keys, end block, medium,
+    group)), under the indexer's own keys or SHA-like publisher hashes, on two tiers and
+    two groups; removals of known and unknown blocks, bytes hashes, clears."""
+    events = []
+    blocks = len(tokens) // block_size
+    for _ in range(rng.randrange(1, 6)):
+        kind = rng.random()
+        if kind < 0.55 or not held:
+            n = rng.randrange(1, 4)
+            base = rng.choice(held) if held and rng.random() < 0.5 else None
+            if base is not None and base[2] + n <= blocks:
+                _, base_keys, start, medium, group = base
+                parent, seed = base[0][-1], base_keys[-1]
+            else:
+                start, parent, seed = 0, None, _fast_root(b"")
+                medium, group = rng.choice((None, "GPU", "CPU")), rng.choice((None, 1))
+            toks = tokens[start * block_size:(start + n) * block_size]
+            keys = _core.core.page_hash_chain(
+                seed, np.array(toks, dtype="<i8").tobytes(), block_size * 8)
+            own = rng.random() < 0.5
+            hashes = tuple(keys) if own else tuple(rng.randrange(1 << 62) for _ in keys)
+            if rng.random() < 0.05:
+                parent = rng.randrange(1 << 62)  # a parent the index never saw: counted
+            events.append(BlockStored(hashes, parent, tuple(toks), block_size, medium=medium,
+                                      group_idx=group))
+            held.append((hashes, keys, start + n, medium, group))
+        elif kind < 0.9:
+            hashes, _, _, medium, group = rng.choice(held)
+            part = list(hashes[rng.randrange(len(hashes)):])
+            if rng.random() < 0.2:
+                part.append(rng.randrange(1 << 62))  # unknown
+            events.append(BlockRemoved(tuple(part), medium, group_idx=group))
+        elif kind < 0.95:
+            events.append(AllBlocksCleared())
+            held.clear()
+        else:
+            events.append(BlockRemoved((b"\x01" * 32,)))  # a bytes hash: never held
+    return events
+
+
+def test_indexer_on_the_compiled_index_equals_the_pure_one():
+    if len(CORES) < 2:
+        pytest.skip("only one tree core is available")
+    rng = random.Random(11)
+    block_size = 2
+    tokens = [rng.randrange(6) for _ in range(40)]
+    fast, pure = KvIndexer(block_size), KvIndexer(block_size)
+    pure._index = _core_py.BlockIndex()
+    assert type(fast._index) is CORES["c"].BlockIndex
+    held = {w: [] for w in (0, 1, 2, "w3")}
+    for _ in range(400):
+        worker = rng.choice((0, 1, 2, "w3"))
+        events = random_events(rng, block_size, tokens, held[worker])
+        fast.apply(worker, events)
+        pure.apply(worker, events)
+        assert fast.stats == pure.stats
+        assert len(fast) == len(pure)
+        for w in (0, 1, 2, "w3"):
+            for medium in (None, "GPU", "CPU"):
+                assert fast.blocks_held(w, medium) == pure.blocks_held(w, medium)
+        query = tokens[:rng.randrange(len(tokens))]
+        for medium in ("GPU", "CPU"):
+            assert fast.overlap(query, medium=medium) == pure.overlap(query, medium=medium)
+    stats = fast.stats
+    assert stats.stored_blocks and stats.removed_blocks and stats.cleared
+    assert stats.unknown_parent and stats.unknown_removals and stats.duplicate_blocks
+
+
+class HostileWorker:
+    """A worker id whose __hash__/__eq__ run code: they must never reach the compiled part.
+    The ``countdown``-th __eq__ call once armed runs ``action``."""
+
+    calls = 0
+    countdown = 0
+    action = None
+
+    def __init__(self, name):
+        self.name = name
+
+    def __hash__(self):
+        HostileWorker.calls += 1
+        return 7  # every such worker collides
+
+    def __eq__(self, other):
+        HostileWorker.calls += 1
+        if HostileWorker.action is not None:
+            HostileWorker.countdown -= 1
+            if HostileWorker.countdown == 0:
+                action, HostileWorker.action = HostileWorker.action, None
+                action()
+        return isinstance(other, HostileWorker) and other.name == self.name
+
+
+@pytest.mark.parametrize("countdown", range(1, 7))
+def test_hostile_worker_ids_stay_in_python(index_core, monkeypatch, countdown):
+    monkeypatch.setattr(_core, "core", index_core)
+    monkeypatch.setattr(HostileWorker, "action", None)
+    indexer = KvIndexer(2)
+    tokens = [1, 2, 3, 4, 5, 6]
+
+    def store(worker, n):
+        keys = indexer.block_keys(tokens[:n])
+        indexer.apply(worker, [BlockStored(tuple(keys), None, tuple(tokens[:n]), 2)])
+
+    a, b = HostileWorker("a"), HostileWorker("b")
+    for worker, n in ((a, 6), (b, 4), (1, 2)):
+        store(worker, n)
+
+    def reenter():
+        # While the indexer looks its workers up: one leaves (its copy id is freed) and
+        # another arrives (a copy id is taken).
+        indexer.remove_worker(1)
+        store(5, 4)
+
+    HostileWorker.calls = 0
+    HostileWorker.countdown, HostileWorker.action = countdown, reenter
+    first = indexer.overlap(tokens)
+    assert HostileWorker.calls > 0  # their methods ran (in Python)
+    # The answer is the state before or after (or between); the next is the state after.
+    assert first in ({a: 3, b: 2, 1: 1}, {a: 3, b: 2, 5: 2}, {a: 3, b: 2})
+    if HostileWorker.action is None:  # it re-entered
+        assert indexer.blocks_held(1) == 0
+        assert indexer.overlap(tokens) == {a: 3, b: 2, 5: 2}
+    else:
+        assert indexer.overlap(tokens) == {a: 3, b: 2, 1: 1}
+        HostileWorker.action = None
+    store(2, 6)
+    assert indexer.overlap(tokens)[2] == 3
+    assert indexer.overlap(tokens, medium="CPU") == {}
+
+
+# -- the fleet's direct feed ----------------------------------------------------------------
+def namespaced_chat():
+    requests = synthetic_chat(num_conversations=30, num_system_prompts=3, seed=9,
+                              system_prompt_len=(30, 90), user_len=(3, 20),
+                              output_len=(3, 20))
+    # Two tenants share the token ids of some conversations: the namespace must key them.
+    return [Request(r.prompt, r.output_len, r.output, extra_key=("t1" if i % 3 else None))
+            for i, r in enumerate(requests)]
+
+
+def comparable(result):
+    return {k: v for k, v in result.__dict__.items() if k not in ("seconds", "wall_seconds")}
+
+
+@pytest.mark.parametrize("lag", [EventLag(), EventLag(requests=3), EventLag(ms=40.0)],
+                         ids=["no-lag", "3-requests", "40ms"])
+@pytest.mark.parametrize("capacity", [120, 2000], ids=["evicting", "roomy"])
+def test_direct_feed_decides_like_the_event_path(core_name, lag, capacity):
+    requests = namespaced_chat()
+    common = dict(page_size=4, core=core_name, interval_ms=20, event_lag=lag,
+                  time_model=TimeModel(prefill_tokens_per_s=3000.0, decode_tokens_per_s=300.0))
+    direct = simulate_fleet(requests, 3, capacity, "cache-aware", **common)
+    events = simulate_fleet(requests, 3, capacity, "cache-aware",
+                            channels=[InProcessChannel() for _ in range(3)], **common)
+    assert comparable(direct) == comparable(events)
+    stats = direct.indexer_stats
+    assert stats["stored_blocks"] > 0 and direct.cached_tokens > 0
+    if capacity == 120:
+        assert stats["removed_blocks"] > 0 and direct.evicted_tokens > 0
+    assert stats["unknown_parent"] == stats["unknown_removals"] == 0
+    assert len(set(direct.decisions)) == 3
+
+
+def test_direct_feed_on_the_pure_index_decides_like_the_compiled_one(monkeypatch):
+    if len(CORES) < 2:
+        pytest.skip("only one tree core is available")
+    requests = namespaced_chat()
+    common = dict(page_size=4, interval_ms=20, event_lag=EventLag(requests=1))
+    results = []
+    for name in ("c", "python"):
+        monkeypatch.setattr(_core, "core", CORES[name])  # the caches' and the index's core
+        results.append(simulate_fleet(requests, 3, 150, "cache-aware", **common))
+    assert comparable(results[0]) == comparable(results[1])
