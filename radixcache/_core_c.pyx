@@ -2254,6 +2254,62 @@ def page_hash_bytes(seed, data, page_bytes):
     return out
 
 
+cdef extern from "Python.h":
+    int PyTraceMalloc_Track(unsigned int domain, uintptr_t ptr, size_t size)
+    int PyTraceMalloc_Untrack(unsigned int domain, uintptr_t ptr)
+
+cdef extern from *:
+    """
+    #if defined(__linux__)
+    #include <stdlib.h>
+    #include <sys/mman.h>
+    /* 2 MiB aligned, advised into transparent huge pages (advice only). */
+    static void* rc_bi_huge_alloc(size_t size) {
+        void* p = NULL;
+        if (posix_memalign(&p, 2097152, size) != 0) return NULL;
+    #ifdef MADV_HUGEPAGE
+        madvise(p, size, MADV_HUGEPAGE);
+    #endif
+        return p;
+    }
+    #else
+    #include <stdlib.h>
+    static void* rc_bi_huge_alloc(size_t size) { return malloc(size); }
+    #endif
+    static void rc_bi_huge_free(void* p) { free(p); }
+    """
+    void* rc_bi_huge_alloc(size_t size) nogil
+    void rc_bi_huge_free(void* p) nogil
+
+# Tables of at least this many bytes live in huge pages where the system offers them (fewer
+# TLB misses: every lookup lands on a random slot); tracemalloc still sees them.
+DEF _BI_HUGE = 2097152
+
+
+cdef BIEntry* _bi_alloc(Py_ssize_t capacity) noexcept:
+    cdef size_t size = capacity * sizeof(BIEntry)
+    cdef void* p = NULL
+    if size < _BI_HUGE:
+        p = PyMem_Malloc(size)
+    else:
+        p = rc_bi_huge_alloc(size)
+        if p != NULL:
+            PyTraceMalloc_Track(0, <uintptr_t>p, size)
+    if p != NULL:
+        memset(p, 0, size)
+    return <BIEntry*>p
+
+
+cdef void _bi_free(BIEntry* table, Py_ssize_t capacity) noexcept:
+    if table == NULL:
+        return
+    if capacity * sizeof(BIEntry) < _BI_HUGE:
+        PyMem_Free(table)
+    else:
+        PyTraceMalloc_Untrack(0, <uintptr_t>table)
+        rc_bi_huge_free(table)
+
+
 cdef inline uint64_t _bi_mix(int64_t key) noexcept:
     cdef uint64_t h = <uint64_t>key ^ <uint64_t>0x5BD1E9955BD1E995
     h ^= h >> 33
@@ -2313,10 +2369,9 @@ cdef class BlockIndex:
     """Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_core_py``."""
 
     def __cinit__(self):
-        self.table = <BIEntry*>PyMem_Malloc(8 * sizeof(BIEntry))
+        self.table = _bi_alloc(8)
         if self.table == NULL:
             raise MemoryError()
-        memset(self.table, 0, 8 * sizeof(BIEntry))
         self.mask = 7
         self.size = 0
         self.n_pairs = 0
@@ -2335,7 +2390,7 @@ cdef class BlockIndex:
             PyMem_Free(self.lists[i])  # NULL for a free position
         PyMem_Free(self.lists)
         PyMem_Free(self.free_lists)
-        PyMem_Free(self.table)
+        _bi_free(self.table, self.mask + 1)
         PyMem_Free(self.marks)
         self.lists = NULL
         self.free_lists = NULL
@@ -2406,17 +2461,16 @@ cdef class BlockIndex:
     cdef int rebuild(self, Py_ssize_t capacity) except -1:
         cdef BIEntry* old = self.table
         cdef Py_ssize_t old_cap = self.mask + 1, i, j
-        cdef BIEntry* fresh = <BIEntry*>PyMem_Malloc(capacity * sizeof(BIEntry))
+        cdef BIEntry* fresh = _bi_alloc(capacity)
         if fresh == NULL:
             raise MemoryError()
-        memset(fresh, 0, capacity * sizeof(BIEntry))
         self.table = fresh
         self.mask = capacity - 1
         for i in range(old_cap):
             if old[i].n:
                 j = self.slot_of(old[i].key)
                 fresh[j] = old[i]
-        PyMem_Free(old)
+        _bi_free(old, old_cap)
         return 0
 
     cdef int reserve(self, Py_ssize_t keys) except -1:

@@ -460,3 +460,19 @@ def test_direct_feed_on_the_pure_index_decides_like_the_compiled_one(monkeypatch
         monkeypatch.setattr(_core, "core", CORES[name])  # the caches' and the index's core
         results.append(simulate_fleet(requests, 3, 150, "cache-aware", **common))
     assert comparable(results[0]) == comparable(results[1])
+
+
+def test_a_large_table_grows_and_empties(index_core):
+    # Past a few MiB the compiled table lives in its own (huge-page) allocation.
+    keys = np.random.default_rng(5).integers(-2**63, 2**63 - 1, 200_000, dtype=np.int64)
+    data = keys.tobytes()
+    index = index_core.BlockIndex()
+    assert index.store(3, data) == (len(set(keys.tolist())), len(keys) - len(set(keys.tolist())))
+    assert index.store(3, data[:800]) == (0, 100)
+    assert index.add(4, data[:80]) == 10
+    assert index.holders(int(keys[0])) == [3, 4]
+    assert index.remove(3, data) == (len(index) and len(set(keys.tolist())), 0)
+    assert len(index) == 10 and index.pairs == 10
+    assert index.clear_copy(4) == 10
+    assert len(index) == 0 and index.pairs == 0
+    assert index.store(3, data[:80]) == (10, 0)
