@@ -395,9 +395,12 @@ class RadixCache:
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
-        if self._events is None:
+        events = self._events
+        if events is None or extra_key is None:  # None: a namespace events always carry
             result = self._core.insert(token_ids, kv_indices, extra_key, priority)
             if result is not None:
+                if events is not None and result.prefix_len < self._aligned(len(token_ids)):
+                    events.stored(result.last_node)  # the new leaf, where the tokens end
                 return result
         # An unusual input, a bad one, or events on (the recorder has its own rules for
         # extra_key): every check first, then the core with canonical inputs.

@@ -476,3 +476,34 @@ def test_a_large_table_grows_and_empties(index_core):
     assert index.clear_copy(4) == 10
     assert len(index) == 0 and index.pairs == 0
     assert index.store(3, data[:80]) == (10, 0)
+
+
+@pytest.mark.parametrize("block_hash", ["sha256", "fast64"])
+def test_insert_records_the_same_events_on_the_fast_and_the_checked_path(make_cache,
+                                                                         block_hash):
+    # int64 arrays take the core's fast path, int32 ones the checked path: with events on,
+    # both must record the same stream (a new leaf's BlockStored, evictions, splits).
+    rng = random.Random(4)
+    options = {"block_hash": block_hash}
+    fast = make_cache(page_size=4, enable_events=True, event_options=options)
+    checked = make_cache(page_size=4, enable_events=True, event_options=options)
+    stems = [[rng.randrange(9) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
+    stored = removed = 0
+    for step in range(300):
+        tokens = rng.choice(stems)[:rng.randrange(0, 30)] + [
+            rng.randrange(9) for _ in range(rng.randrange(0, 9))]
+        kv = np.arange(len(tokens), dtype=np.int64) + 1000 * step
+        fast.insert(np.array(tokens, dtype=np.int64), kv)
+        checked.insert(np.array(tokens, dtype=np.int32), kv)
+        if rng.random() < 0.2:
+            fast.match_prefix(np.array(tokens, dtype=np.int64))
+            checked.match_prefix(np.array(tokens, dtype=np.int64))
+        if rng.random() < 0.15:
+            count = rng.randrange(1, 40)
+            fast.evict(count)
+            checked.evict(count)
+        events = fast.take_events()
+        assert events == checked.take_events()
+        stored += sum(type(e) is BlockStored for e in events)
+        removed += sum(type(e) is BlockRemoved for e in events)
+    assert stored > 50 and removed > 10
