@@ -18,8 +18,11 @@ with ``block_hash="fast64"`` sends the indexer's own keys: checked against the t
 such blocks need no map entry. The keys are 64-bit and not collision resistant: a hostile
 publisher could make two prefixes share keys; feed the index from trusted workers.
 Memory is proportional to the (block, copy) pairs held: one entry per pair in that map and
-one per distinct block (its holding copy, or a short list when several hold it), freed when
-its last holder removes it; a worker that holds nothing keeps nothing.
+one per distinct block in the tree core's block table (``BlockIndex``, compiled when built:
+16 bytes a slot, and a short list when several copies hold the block), freed when its last
+holder removes it; a worker that holds nothing keeps nothing. Stores, removals and overlap
+queries are one call into that table each (a query hashes its blocks there, as far as any
+worker's run of held blocks goes).
 
 Bad input from the wire never raises: an event that cannot be applied (a removal of an
 unknown block, a stored block whose parent is unknown, a wrong block size, a malformed event
