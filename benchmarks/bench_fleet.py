@@ -1,8 +1,8 @@
 """Fleet simulation against the single-cache replay, side by side, on the Mooncake
 conversation trace (``../shared/traces/mooncake_conversation_trace.jsonl``, skipped without
-it): one 4-worker ``cache-aware`` run (``simulate_fleet``: the workers record KV events, the
-router's ``KvIndexer`` applies them before every decision) and one ``round-robin`` run (no
-events), against ``serve()`` of one cache, all at 2,000,000 slots (per worker for the fleet)
+it): one 4-worker ``cache-aware`` run (``simulate_fleet``: the workers hand their blocks'
+keys to the router's ``KvIndexer``, which applies them before every decision) and one
+``round-robin`` run (no events), against ``serve()`` of one cache, all at 2,000,000 slots (per worker for the fleet)
 and 16-token pages, compiled core. Rounds alternate between the three, so machine noise hits
 them alike; the summary gives each fleet run's best time over the single replay's best::
 

@@ -2398,7 +2398,29 @@ cdef class BlockIndex:
         self.marks = NULL
 
     def __reduce__(self):
-        raise TypeError("a BlockIndex cannot be pickled")
+        # Every holding as (key, copy), a key's copies earliest first: holding them again in
+        # this order rebuilds the index (native byte order).
+        cdef Py_ssize_t i, j, k
+        cdef bytes keys, copies
+        cdef int64_t* kp
+        cdef int32_t* cp
+        cdef const int32_t* items
+        while True:
+            keys = PyBytes_FromStringAndSize(NULL, self.n_pairs * 8)
+            copies = PyBytes_FromStringAndSize(NULL, self.n_pairs * 4)
+            if len(keys) == self.n_pairs * 8 and len(copies) == self.n_pairs * 4:
+                break  # a finalizer run by those allocations changed nothing
+        kp = <int64_t*>PyBytes_AS_STRING(keys)
+        cp = <int32_t*>PyBytes_AS_STRING(copies)
+        k = 0
+        for i in range(self.mask + 1):
+            if self.table[i].n:
+                items = self.copies(&self.table[i])
+                for j in range(self.table[i].n):
+                    kp[k] = self.table[i].key
+                    cp[k] = items[j]
+                    k += 1
+        return (_block_index_from, (keys, copies))
 
     cdef Py_ssize_t find(self, int64_t key) noexcept:
         cdef Py_ssize_t i = <Py_ssize_t>(_bi_mix(key) & <uint64_t>self.mask)
@@ -2808,3 +2830,21 @@ cdef class BlockIndex:
             PyMem_Free(scratch)
         cdef const int32_t* q = <const int32_t*>PyBytes_AS_STRING(snapshot)
         return [(q[2 * j], q[2 * j + 1]) for j in range(n_out)]
+
+
+def _block_index_from(keys, copies):
+    """A ``BlockIndex`` holding ``keys[i]`` for ``copies[i]`` (int64 and int32 bytes), in order."""
+    if (type(keys) is not bytes or type(copies) is not bytes or len(keys) % 8
+            or len(copies) % 4 or len(keys) // 8 != len(copies) // 4):
+        raise ValueError("malformed BlockIndex state")
+    cdef Py_ssize_t n = len(keys) // 8, i
+    cdef const int64_t* kp = <const int64_t*>PyBytes_AS_STRING(keys)
+    cdef const int32_t* cp = <const int32_t*>PyBytes_AS_STRING(copies)
+    for i in range(n):
+        if not 0 <= cp[i] < 0x7FFFFFFF:
+            raise ValueError("malformed BlockIndex state")
+    cdef BlockIndex index = BlockIndex()
+    index.reserve(n)
+    for i in range(n):
+        index.hold_key(kp[i], cp[i])
+    return index

@@ -140,7 +140,8 @@ depth)]``, the leading pages each owner holding the first page holds, and stops 
 first page that no owner still in the run holds (unhashed pages are never hashed). Errors:
 ``TypeError`` for a key, copy or keys of another type (``bool`` included), ``OverflowError``
 for a key outside int64, ``ValueError`` for a copy or owner out of range or bytes not a
-multiple of 8, each leaving the index unchanged; a ``BlockIndex`` cannot be pickled. No
+multiple of 8, each leaving the index unchanged. It pickles and copies (its holdings, in
+native byte order; a compiled one loads where the compiled core is built). No
 Python code runs while the compiled one is written; it frees a table slot with its last
 holding and shrinks as keys leave.
 
@@ -1266,7 +1267,13 @@ class BlockIndex:
         self._pairs = 0
 
     def __reduce__(self) -> Any:
-        raise TypeError("a BlockIndex cannot be pickled")
+        keys, copies = [], []
+        for key, current in self._holders.items():
+            for copy in current if type(current) is list else (current,):
+                keys.append(key)
+                copies.append(copy)
+        return (_block_index_from, (np.array(keys, dtype=np.int64).tobytes(),
+                                    np.array(copies, dtype=np.int32).tobytes()))
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -1415,3 +1422,17 @@ def page_hash_bytes(seed: int, data: Any, page_bytes: int) -> bytes:
     elif type(data) is not bytes:
         raise TypeError(f"data must be bytes or an int64 numpy array, got {type(data).__name__}")
     return np.array(page_hash_chain(seed, data, page_bytes), dtype=np.int64).tobytes()
+
+
+def _block_index_from(keys: Any, copies: Any) -> BlockIndex:
+    """A ``BlockIndex`` holding ``keys[i]`` for ``copies[i]`` (int64 and int32 bytes), in order."""
+    if (type(keys) is not bytes or type(copies) is not bytes or len(keys) % 8
+            or len(copies) % 4 or len(keys) // 8 != len(copies) // 4):
+        raise ValueError("malformed BlockIndex state")
+    copy_list = np.frombuffer(copies, dtype=np.int32).tolist()
+    if any(not 0 <= c < 0x7FFFFFFF for c in copy_list):
+        raise ValueError("malformed BlockIndex state")
+    index = BlockIndex()
+    for key, copy in zip(np.frombuffer(keys, dtype=np.int64).tolist(), copy_list):
+        index._hold(key, copy)
+    return index

@@ -276,11 +276,27 @@ def test_page_hash_bytes_matches_the_chain(index_core):
         index_core.page_hash_bytes(0, data, 12)
 
 
-def test_not_picklable(index_core):
+def test_pickle_and_copy_keep_every_holding(index_core):
+    import copy as copy_module
     index = index_core.BlockIndex()
-    index.hold(1, 0)
-    with pytest.raises(TypeError, match="cannot be pickled"):
-        pickle.dumps(index)
+    index.store(0, [1, 2, 3, -(1 << 63), I64])
+    index.add(1, [2, 2])
+    index.hold(2, 0)
+    keys = [1, 2, 3, -(1 << 63), I64, 4]
+    for clone in (pickle.loads(pickle.dumps(index)), copy_module.deepcopy(index),
+                  copy_module.copy(index)):
+        assert type(clone) is type(index)
+        assert state(clone, keys) == state(index, keys)
+        assert clone.holders(2) == [0, 1, 1, 0]  # order kept
+        clone.clear_copy(0)
+        assert index.holders(2) == [0, 1, 1, 0]  # independent
+    assert state(pickle.loads(pickle.dumps(index_core.BlockIndex())), keys) == (0, 0, {
+        k: [] for k in keys})
+    restore = index.__reduce__()[0]
+    for bad in ((b"1234567", b""), (b"12345678", b""), (b"12345678", b"\xff" * 4),
+                ("12345678", b"1234"), (b"12345678", b"12345")):
+        with pytest.raises(ValueError, match="malformed BlockIndex state"):
+            restore(*bad)
 
 
 # -- KvIndexer over each index -------------------------------------------------------------
@@ -352,6 +368,15 @@ def test_indexer_on_the_compiled_index_equals_the_pure_one():
     stats = fast.stats
     assert stats.stored_blocks and stats.removed_blocks and stats.cleared
     assert stats.unknown_parent and stats.unknown_removals and stats.duplicate_blocks
+    # An indexer pickles and copies with its block table.
+    import copy as copy_module
+    for clone in (pickle.loads(pickle.dumps(fast)), copy_module.deepcopy(pure)):
+        assert clone.stats == fast.stats and len(clone) == len(fast)
+        for w in (0, 1, 2, "w3"):
+            assert clone.blocks_held(w) == fast.blocks_held(w)
+            assert clone.overlap(tokens) == fast.overlap(tokens)
+        clone.remove_worker(0)
+        assert fast.blocks_held(0) == pure.blocks_held(0)
 
 
 class HostileWorker:
