@@ -637,7 +637,14 @@ def _warn_meaningless(args: argparse.Namespace, requests: Sequence[Request]) -> 
     if not requests:
         _warn("the trace holds no requests: every number will be 0")
         return
-    longest = max(len(r.prompt) for r in requests)
+    # A parsed trace has its lengths as columns: reading them makes no request's tokens.
+    prompt_lengths = getattr(requests, "prompt_lengths", None)
+    if prompt_lengths is not None:
+        longest = int(prompt_lengths.max())
+        smallest = int((prompt_lengths + requests.output_lengths).min())
+    else:
+        longest = max(len(r.prompt) for r in requests)
+        smallest = min(len(r.prompt) + r.output_len for r in requests)
     if args.page_size > longest:
         _warn(f"the page size ({args.page_size:,} tokens) is larger than every prompt (the "
               f"longest has {longest:,} tokens): nothing can be cached, the hit rate is 0")
@@ -647,7 +654,6 @@ def _warn_meaningless(args: argparse.Namespace, requests: Sequence[Request]) -> 
         if below_page:
             _warn(f"{_capacities(below_page)} smaller than one page ({args.page_size:,} "
                   "tokens): no page fits, nothing can be cached")
-    smallest = min(len(r.prompt) + r.output_len for r in requests)
     too_small = [c for c in args.capacity if c < smallest and c not in below_page]
     if too_small:
         _warn(f"{_capacities(too_small)} smaller than every request (the smallest needs "
