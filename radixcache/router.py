@@ -375,6 +375,20 @@ class KvIndexer:
             key = block_hash  # published under its own key
         return key
 
+    def _parent_on_other_tier(self, worker: Hashable, group: Any, copy: Optional[_Copy],
+                              parent: Any) -> Optional[int]:
+        """The key of ``parent`` as another tier of ``worker`` (same group) holds it, or None.
+
+        A host copy of a block is often made while its parent is only on the device (the
+        leaves leave the device first), so its ``BlockStored`` names a parent this tier does
+        not hold. Keys come from the tokens alone, so the other tier's key is this one's."""
+        for other in self._copies_of(worker):
+            if other is not copy and other.group == group:
+                key = self._key_of(other, parent)
+                if key is not None:
+                    return key
+        return None
+
     def _clear_worker(self, worker: Hashable) -> None:
         copies = self._copies_of(worker)
         self._copies.pop(worker, None)
@@ -548,6 +562,8 @@ class KvIndexer:
                 key = _root_key(_namespace_bytes(_event_namespace(event)))
             else:
                 key = None if copy is None else self._key_of(copy, parent)
+                if key is None:
+                    key = self._parent_on_other_tier(worker, group, copy, parent)
                 if key is None:
                     stats.unknown_parent += 1
                     return

@@ -529,6 +529,23 @@ def test_tiers_and_groups_are_separate_copies():
         indexer.overlap(tokens, medium=1)
 
 
+def test_a_host_copy_below_a_parent_held_only_on_the_device_is_indexed():
+    # A leaf's host copy is made while its parent is still only on the device: its
+    # BlockStored(medium="CPU") names a parent that only the GPU tier holds.
+    tokens = tuple(range(6))
+    indexer = KvIndexer(2)
+    indexer.apply(0, [BlockStored((1, 2, 3), None, tokens, 2, medium="GPU"),
+                      BlockStored((3,), 2, tokens[4:], 2, medium="CPU"),
+                      BlockRemoved((3,), medium="GPU")])
+    assert indexer.stats.unknown_parent == 0
+    assert indexer.blocks_held(0, "CPU") == 1 and indexer.blocks_held(0, "GPU") == 2
+    assert indexer.overlap(tokens) == {0: 2}  # blocks
+    # Another group's copy does not resolve it, nor another worker's.
+    indexer.apply(0, [BlockStored((9,), 2, tokens[4:], 2, medium="CPU", group_idx=1)])
+    indexer.apply(1, [BlockStored((9,), 2, tokens[4:], 2, medium="CPU")])
+    assert indexer.stats.unknown_parent == 2
+
+
 def test_two_publisher_hashes_for_one_block_keep_it_until_both_are_removed():
     tokens = (5, 6, 7, 8)
     indexer = KvIndexer(2)
