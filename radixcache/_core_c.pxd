@@ -78,6 +78,17 @@ cdef class Node:
     cdef readonly object extra_key
     cdef readonly bint evicted
     cdef readonly bint terminal
+    # Host tier. The host indices: int64 bytes (host_owner) that host_ptr points into, shared
+    # across splits like CPU values; host_ptr is NULL when the node has no host copy.
+    cdef object host_owner
+    cdef const int64_t* host_ptr
+    # Only on the host: no device value, still in the tree (never set without a host tier).
+    cdef bint host_only
+    # In its core's write-through queue.
+    cdef bint queued
+    # How many children are only on the host: a node on the device whose children are all
+    # host-only (n_children == n_host_kids) is a device leaf.
+    cdef int32_t n_host_kids
 
 
 
@@ -137,6 +148,8 @@ cdef class EvictionHeap:
     cdef Py_ssize_t run_cap
     cdef Py_ssize_t limit
     cdef int policy
+    # The host tier's heap: its entries are host leaves (else device leaves).
+    cdef bint host
     cdef Guard guard
 
     cdef void release(self) noexcept
@@ -148,6 +161,7 @@ cdef class EvictionHeap:
     cdef list push_entry(self, Node node)
     cdef object pop_entry(self, list stale)
     cdef list compact(self)
+    cdef bint usable(self, Node node) noexcept
 
 
 cdef class Core:
@@ -167,6 +181,19 @@ cdef class Core:
     cdef readonly int64_t evicted_tokens
     cdef object new_leaf
     cdef bint push_on_access
+    # Host tier (see _core_py): the host leaves' heap, the host size and counters, the
+    # write-through queue (a deque of nodes, FIFO) and the nodes a held insert adopted.
+    cdef readonly bint host_tier
+    cdef readonly int write_through_hits
+    cdef readonly EvictionHeap host_heap
+    cdef readonly int64_t host_size
+    cdef readonly int64_t host_hit_tokens
+    cdef readonly int64_t loaded_tokens
+    cdef readonly int64_t backed_up_tokens
+    cdef readonly int64_t host_evictions
+    cdef readonly int64_t host_evicted_tokens
+    cdef object wt_queue
+    cdef object adopted
     # Scratch buffers reused across calls (the guard makes them the call's own): converted
     # or copied tokens and kv, the matched path.
     cdef int64_t* tokens_buf
@@ -187,3 +214,12 @@ cdef class Core:
     cdef void prefetch_victims(self) noexcept
     cdef int note_path(self, Py_ssize_t depth, Node node) except -1
     cdef Py_ssize_t walk_length(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept
+    cdef Py_ssize_t walk_device(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept
+    cdef object push_host_leaf(self, Node node)
+    cdef int queue_if_due(self, Node node) except -1
+    cdef object demote(self, Node node, list garbage)
+    cdef object host_match_result(self, Py_ssize_t depth)
+    cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
+                             object on_remove, object backup, object on_backup)
+    cdef int tiered_insert_end(self, Py_ssize_t depth, Py_ssize_t first_host,
+                               Py_ssize_t start, Node lower, Node leaf, bint held) except -1
