@@ -2251,6 +2251,7 @@ cdef class Core:
         cdef int64_t* grown
         garbage = []  # stale entries and dropped values: released outside the guard
         skipped = []  # device leaves that cannot leave the tree: pushed back after the loop
+        skipping = set()  # the same nodes, to drop their other heap entries
         parts = None  # batch with device values: the tensors, in order
         value = error = host = None
         self.guard.enter("evict")
@@ -2260,6 +2261,8 @@ cdef class Core:
                 node = self.heap.pop_entry(garbage)
                 if node is None:
                     break
+                if node in skipping:
+                    continue  # another entry of a node skipped already
                 value = None
                 try:
                     if node.host_ptr == NULL:
@@ -2272,6 +2275,8 @@ cdef class Core:
                         if host is None:
                             if node.n_children:  # host-only children: it cannot leave the tree
                                 skipped.append(node)
+                                skipping.add(node)
+                                value = None
                                 continue
                         else:
                             # Read afresh after the calls: the bytes must fit the node now.
@@ -2366,7 +2371,10 @@ cdef class Core:
                     self.guard.busy = 0
         del garbage[:]
         del skipped[:]
+        skipping.clear()
         node = parent = None
+        if not collect:
+            value = None
         # batch: one call with every freed index, outside the guard; then the loop's error
         _hand_over_batch(free_callback, value, error,
                          _cat_tensors if type(value) is list else None)
