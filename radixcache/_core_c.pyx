@@ -1389,6 +1389,20 @@ cdef object block_tensor(const int64_t* src, Py_ssize_t n):
     return _from_dlpack(capsule)
 
 
+cdef bytes host_bytes(object host, Py_ssize_t n):
+    """What ``backup`` returned for a node of ``n`` tokens, checked (``_shared``'s
+    checks and messages), as int64 bytes of exactly ``n`` indices: the conversion runs torch
+    code (a tensor subclass can answer anything), so its result is checked again."""
+    data = host_indices_bytes(host, n)
+    if type(data) is not bytes:
+        raise TypeError("backup must return a torch.Tensor of host indices (or None when the "
+                        f"host is full), got {type(host).__name__}")
+    if len(<bytes>data) != n * <Py_ssize_t>sizeof(int64_t):
+        raise ValueError(f"backup returned {len(<bytes>data) // 8} host indices for {n} "
+                         "device slots: one per slot expected")
+    return <bytes>data
+
+
 cdef object victim_value(Node node):
     """An evicted node's index tensor (before it is detached): as ``Node.value``, with CPU
     values copied straight into a new block."""
@@ -2271,7 +2285,7 @@ cdef class Core:
                             value = victim_value(node)  # the tensor backup and free_callback get
                             host = backup(value)
                             if host is not None:
-                                host = host_indices_bytes(host, node.key_len)
+                                host = host_bytes(host, node.key_len)
                         if host is None:
                             if node.n_children:  # host-only children: it cannot leave the tree
                                 skipped.append(node)
@@ -2280,8 +2294,7 @@ cdef class Core:
                                 continue
                         else:
                             # Read afresh after the calls: the bytes must fit the node now.
-                            if (type(host) is not bytes or node.evicted or node.host_only
-                                    or node.host_ptr != NULL
+                            if (node.evicted or node.host_only or node.host_ptr != NULL
                                     or len(<bytes>host) != node.key_len * <Py_ssize_t>sizeof(int64_t)):
                                 raise RuntimeError(f"evict: node {node.id} changed during "
                                                    "its backup")
@@ -2478,9 +2491,9 @@ cdef class Core:
                 host = backup(victim_value(node))  # an error: the node stays queued, first
                 if host is None:
                     break  # the host is full: the rest waits for the next call
-                host = host_indices_bytes(host, node.key_len)
+                host = host_bytes(host, node.key_len)
                 # Read afresh after the calls.
-                if (type(host) is not bytes or not queue or queue[0] is not node
+                if (not queue or queue[0] is not node
                         or node.evicted or node.host_only or node.host_ptr != NULL
                         or len(<bytes>host) != node.key_len * <Py_ssize_t>sizeof(int64_t)):
                     raise RuntimeError(f"write_through: node {node.id} changed during its "
