@@ -1140,7 +1140,10 @@ class Core:
             if new_leaf is not None:
                 added = new_leaf.num_tokens
                 if values is not None:
-                    tree._store_value(new_leaf, values[prefix_len:prefix_len + added])
+                    # The leaf ends the aligned sequence (prefix_len skips adopted tokens).
+                    end = len(buf) // _TOKEN_BYTES
+                    end -= end % self.page_size
+                    tree._store_value(new_leaf, values[end - added:end])
                 self.evictable += added
                 self.inserted_tokens += added
                 dropped = self.heap._push(new_leaf)  # noqa: F841

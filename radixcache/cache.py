@@ -484,7 +484,7 @@ class RadixCache:
             if leaf is not None:
                 if on_device:
                     # Values on a device stay there: a copy on the caller's device.
-                    start = result.prefix_len
+                    start = self._aligned(len(tokens)) - leaf.num_tokens  # the tail
                     core.set_value(leaf, kv[start:start + leaf.num_tokens].to(
                         torch.int64, copy=True), True)
                 if self._events is not None:
