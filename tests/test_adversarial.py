@@ -905,7 +905,7 @@ def host_consistent(cache):
     consistent(cache)
 """
 
-case("h1_backup_calls_the_cache", HOST + """
+case("h1_backup_calls_the_cache", HOST + textwrap.dedent("""
     def run(core):
         outcomes = []
         for call in ("insert", "match_prefix", "evict", "evict_host", "load_back", "reset"):
@@ -931,18 +931,9 @@ case("h1_backup_calls_the_cache", HOST + """
             host_consistent(cache)
         return outcomes
     same_as_pure(run)
-""")
+"""))
 
-case("h2_backup_returns_odd_tensors", HOST + """
-    class Lying(torch.Tensor):
-        # Answers the checks like a good tensor, then converts to something else.
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            out = super().__torch_function__(func, types, args, kwargs or {})
-            if getattr(func, "__name__", "") == "numpy":
-                return np.arange(1000, dtype=np.int64)
-            return out
-
+case("h2_backup_returns_odd_tensors", HOST + textwrap.dedent("""
     class Calls(torch.Tensor):
         # Calls the cache from inside a torch function (the checks of the returned tensor).
         cache = None
@@ -955,7 +946,6 @@ case("h2_backup_returns_odd_tensors", HOST + """
     def run(core):
         outcomes = []
         makers = [
-            lambda d: (d + 100).as_subclass(Lying),
             lambda d: (d + 100).as_subclass(Calls),
             lambda d: (d + 100).tolist(),
             lambda d: (d + 100).to(torch.int32),
@@ -985,9 +975,31 @@ case("h2_backup_returns_odd_tensors", HOST + """
         check_invariants(cache)
         return outcomes, tiered(cache)
     same_as_pure(run)
-""")
+"""))
 
-case("h3_evict_host_callback_calls_the_cache", HOST + """
+case("h2_backup_tensor_converts_to_another_length", HOST + textwrap.dedent("""
+    class Lying(torch.Tensor):
+        # Answers every check like a good tensor, then converts to another length.
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            out = super().__torch_function__(func, types, args, kwargs or {})
+            if getattr(func, "__name__", "") == "numpy":
+                return np.arange(1000, dtype=np.int64)
+            return out
+
+    cache = host_cache(CORE)
+    before = tiered(cache)
+    try:
+        cache.evict(100, backup=lambda d: (d + 100).as_subclass(Lying))
+    except ValueError as exc:
+        assert "host indices for" in str(exc), exc
+    else:
+        raise AssertionError("a host value of the wrong length was kept")
+    assert tiered(cache) == before, (tiered(cache), before)
+    host_consistent(cache)
+"""))
+
+case("h3_evict_host_callback_calls_the_cache", HOST + textwrap.dedent("""
     def run(core):
         cache = host_cache(core)
         cache.evict(10**6, backup=lambda d: d + 100)   # everything on the host only
@@ -1009,9 +1021,9 @@ case("h3_evict_host_callback_calls_the_cache", HOST + """
         host_consistent(cache)
         return freed, seen, [b[0] for b in batched]
     same_as_pure(run)
-""")
+"""))
 
-case("h4_finalizer_during_demotion", HOST + """
+case("h4_finalizer_during_demotion", HOST + textwrap.dedent("""
     class Trap:
         # Set off by a collection inside a host-tier call: calls the cache from a finalizer.
         cache = None
@@ -1049,9 +1061,9 @@ case("h4_finalizer_during_demotion", HOST + """
     gc.collect()
     only_reentry_errors()
     host_consistent(cache)
-""")
+"""))
 
-case("h5_backup_meets_another_thread", HOST + """
+case("h5_backup_meets_another_thread", HOST + textwrap.dedent("""
     def run(core):
         cache = host_cache(core)
         before = tiered(cache)
@@ -1070,9 +1082,9 @@ case("h5_backup_meets_another_thread", HOST + """
         host_consistent(cache)
         return freed, errors, before
     same_as_pure(run)
-""")
+"""))
 
-case("h6_write_through_backup_calls_the_cache", HOST + """
+case("h6_write_through_backup_calls_the_cache", HOST + textwrap.dedent("""
     def run(core):
         cache = RadixCache(core=core, host_tier=True, write_policy="write_through")
         cache.insert([1, 2, 3, 4], [11, 12, 13, 14])
@@ -1100,7 +1112,7 @@ case("h6_write_through_backup_calls_the_cache", HOST + """
         host_consistent(cache)
         return first, copied, second, third, calls
     same_as_pure(run)
-""")
+"""))
 
 
 def run_case(core_name: str, body: str, timeout: float = 300) -> str:
