@@ -3,7 +3,7 @@
 
 from cpython.buffer cimport Py_buffer
 from cpython.ref cimport PyObject
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 
 cdef struct ChildSlot:
@@ -71,6 +71,13 @@ cdef class Node:
     cdef uint32_t slot_hash
     # 32 bits, beside slot_hash (one word): lock_path refuses a lock beyond INT32_MAX.
     cdef readonly int32_t lock_ref
+    # Host tier, read with lock_ref by a heap's validity check (8 bytes, one word): how many
+    # children are only on the host (a node on the device whose children all are, that is
+    # n_children == n_host_kids, is a device leaf); only on the host (no device value, still
+    # in the tree; never set without a host tier); in its core's write-through queue.
+    cdef int32_t n_host_kids
+    cdef uint8_t host_only
+    cdef uint8_t queued
     cdef readonly int64_t created_time
     cdef readonly int64_t priority
     cdef readonly int64_t hit_count
@@ -78,17 +85,10 @@ cdef class Node:
     cdef readonly object extra_key
     cdef readonly bint evicted
     cdef readonly bint terminal
-    # Host tier. The host indices: int64 bytes (host_owner) that host_ptr points into, shared
-    # across splits like CPU values; host_ptr is NULL when the node has no host copy.
+    # Host tier, cold: the host indices as int64 bytes of exactly key_len entries (a split
+    # copies them into its two halves: one field, not an owner and a pointer, keeps a node
+    # the size class it has without a host tier); None when the node has no host copy.
     cdef object host_owner
-    cdef const int64_t* host_ptr
-    # Only on the host: no device value, still in the tree (never set without a host tier).
-    cdef bint host_only
-    # In its core's write-through queue.
-    cdef bint queued
-    # How many children are only on the host: a node on the device whose children are all
-    # host-only (n_children == n_host_kids) is a device leaf.
-    cdef int32_t n_host_kids
 
 
 

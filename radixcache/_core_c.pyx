@@ -237,6 +237,13 @@ cdef inline void release_tokens(TokenBuf* tb) noexcept:
 
 
 # -- nodes ---------------------------------------------------------------------------------
+cdef inline const int64_t* host_data(Node node) noexcept:
+    """A node's host indices (key_len of them), or NULL when it has no host copy."""
+    if node.host_owner is None:
+        return NULL
+    return <const int64_t*>PyBytes_AS_STRING(node.host_owner)
+
+
 cdef void drop_subtree(Node top) noexcept:
     """Empty ``top``'s child table and release its descendants (marked evicted) without
     recursion: a node's children move onto a stack before its table goes, so no DECREF ever
@@ -266,7 +273,6 @@ cdef void drop_subtree(Node top) noexcept:
         node.evicted = True
         node.value_ptr = NULL
         node.value_owner = None
-        node.host_ptr = NULL
         node.host_owner = None
 
 
@@ -284,7 +290,6 @@ cdef class Node:
         self.key_len = 0
         self.value_ptr = NULL
         self.value_off = 0
-        self.host_ptr = NULL
 
     def __dealloc__(self):
         if self.slots != NULL:
@@ -330,15 +335,15 @@ cdef class Node:
 
     @property
     def host_value(self):
-        if self.host_ptr == NULL or self.evicted:
+        if self.host_owner is None or self.evicted:
             return None
-        return block_tensor(self.host_ptr, self.key_len)
+        return block_tensor(host_data(self), self.key_len)
 
     @property
     def tier(self):
         if self.host_only:
             return "host"
-        return "device" if self.host_ptr == NULL else "device+host"
+        return "device" if self.host_owner is None else "device+host"
 
     @property
     def parent(self):
@@ -550,7 +555,14 @@ cdef class Tree:
         cdef Node upper = self.new_node(None, child.last_access_time)
         cdef Node parent
         cdef ChildSlot* slot
+        cdef const int64_t* host
         grow(upper)  # detached: nothing to mirror yet
+        upper_host = lower_host = None
+        if child.host_owner is not None:  # the host copy's halves (bytes: no Python code)
+            host = host_data(child)
+            upper_host = PyBytes_FromStringAndSize(<const char*>host, at * sizeof(int64_t))
+            lower_host = PyBytes_FromStringAndSize(<const char*>(host + at),
+                                                   (child.key_len - at) * sizeof(int64_t))
         parent = <Node>child.parent_ptr
         slot = &parent.slots[slot_of(parent, child, child.slot_hash)]
         upper.key_owner = child.key_owner
@@ -571,11 +583,9 @@ cdef class Tree:
             child.value_ptr = child.value_ptr + at
         elif child.value_owner is not None:
             child.value_off += at
-        # The host copy likewise; a host-only node splits into two host-only halves.
-        upper.host_owner = child.host_owner
-        upper.host_ptr = child.host_ptr
-        if child.host_ptr != NULL:
-            child.host_ptr = child.host_ptr + at
+        # The host copy in halves; a host-only node splits into two host-only halves.
+        upper.host_owner = upper_host
+        child.host_owner = lower_host  # the old bytes go (no finalizer: plain bytes)
         upper.host_only = child.host_only
         upper.n_host_kids = 1 if child.host_only else 0
         # Upper takes child's slot in the parent (same first page, same hash): the slot's
@@ -725,7 +735,6 @@ cdef class Tree:
         node.value_owner = None
         if node.host_owner is not None:
             dropped.append(node.host_owner)
-            node.host_ptr = NULL
             node.host_owner = None
         self.node_count -= 1
         Py_DECREF(node)  # the table's reference; the caller still holds one
@@ -1602,7 +1611,7 @@ cdef class Core:
     cdef int queue_if_due(self, Node node) except -1:
         """Append ``node`` to the write-through queue if it is due for a copy."""
         if (node.hit_count >= self.write_through_hits and not node.queued
-                and not node.host_only and node.host_ptr == NULL and not node.evicted):
+                and not node.host_only and node.host_owner is None and not node.evicted):
             self.wt_queue.append(node)
             node.queued = True
         return 0
@@ -2279,7 +2288,7 @@ cdef class Core:
                     continue  # another entry of a node skipped already
                 value = None
                 try:
-                    if node.host_ptr == NULL:
+                    if node.host_owner is None:
                         host = None
                         if use_backup:
                             value = victim_value(node)  # the tensor backup and free_callback get
@@ -2294,12 +2303,11 @@ cdef class Core:
                                 continue
                         else:
                             # Read afresh after the calls: the bytes must fit the node now.
-                            if (node.evicted or node.host_only or node.host_ptr != NULL
+                            if (node.evicted or node.host_only or node.host_owner is not None
                                     or len(<bytes>host) != node.key_len * <Py_ssize_t>sizeof(int64_t)):
                                 raise RuntimeError(f"evict: node {node.id} changed during "
                                                    "its backup")
                             node.host_owner = host
-                            node.host_ptr = <const int64_t*>PyBytes_AS_STRING(host)
                             host = None
                             self.host_size += node.key_len
                             self.backed_up_tokens += node.key_len
@@ -2332,14 +2340,14 @@ cdef class Core:
                                    node.key_len * sizeof(int64_t))
                             joined_len += node.key_len
                     # The last call out is behind: the node must still be this heap's victim.
-                    if not self.heap.usable(node) or (node.host_ptr == NULL
+                    if not self.heap.usable(node) or (node.host_owner is None
                                                       and node.n_children):
                         raise RuntimeError(f"evict: node {node.id} changed during a callback")
                 except BaseException:
                     garbage.append(self.heap.push_entry(node))  # still a device leaf
                     raise
                 size = node.key_len
-                if node.host_ptr != NULL:
+                if node.host_owner is not None:
                     parent = self.demote(node, garbage)
                 else:
                     parent = self.tree.detach_leaf(node, garbage)
@@ -2370,6 +2378,7 @@ cdef class Core:
                 if holding:
                     for node in skipped:
                         garbage.append(self.push_if_evictable(node))
+                value = None  # a victim's tensor for backup is not the batch's
                 if collect and (joined_len or parts is not None):
                     if parts is None:
                         value = block_tensor(joined, joined_len)
@@ -2386,8 +2395,6 @@ cdef class Core:
         del skipped[:]
         skipping.clear()
         node = parent = None
-        if not collect:
-            value = None
         # batch: one call with every freed index, outside the guard; then the loop's error
         _hand_over_batch(free_callback, value, error,
                          _cat_tensors if type(value) is list else None)
@@ -2425,8 +2432,8 @@ cdef class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        value = block_tensor(node.host_ptr, node.key_len)
-                    if not self.host_heap.usable(node) or node.host_ptr == NULL:
+                        value = block_tensor(host_data(node), node.key_len)
+                    if not self.host_heap.usable(node) or node.host_owner is None:
                         raise RuntimeError(f"evict_host: node {node.id} changed during a "
                                            "callback")
                     if collect:
@@ -2436,7 +2443,7 @@ cdef class Core:
                             if grown == NULL:
                                 raise MemoryError()
                             joined = grown
-                        memcpy(joined + joined_len, node.host_ptr, node.key_len * sizeof(int64_t))
+                        memcpy(joined + joined_len, host_data(node), node.key_len * sizeof(int64_t))
                         joined_len += node.key_len
                 except BaseException:
                     garbage.append(self.host_heap.push_entry(node))  # still a host leaf
@@ -2484,7 +2491,7 @@ cdef class Core:
             queue = self.wt_queue
             while queue:
                 node = <Node>queue[0]
-                if node.evicted or node.host_only or node.host_ptr != NULL:
+                if node.evicted or node.host_only or node.host_owner is not None:
                     garbage.append(queue.popleft())
                     node.queued = False
                     continue
@@ -2494,14 +2501,13 @@ cdef class Core:
                 host = host_bytes(host, node.key_len)
                 # Read afresh after the calls.
                 if (not queue or queue[0] is not node
-                        or node.evicted or node.host_only or node.host_ptr != NULL
+                        or node.evicted or node.host_only or node.host_owner is not None
                         or len(<bytes>host) != node.key_len * <Py_ssize_t>sizeof(int64_t)):
                     raise RuntimeError(f"write_through: node {node.id} changed during its "
                                        "backup")
                 garbage.append(queue.popleft())
                 node.queued = False
                 node.host_owner = host
-                node.host_ptr = <const int64_t*>PyBytes_AS_STRING(host)
                 host = None
                 self.host_size += node.key_len
                 self.backed_up_tokens += node.key_len
@@ -2578,7 +2584,7 @@ cdef class Core:
                     if not isinstance(node_obj, Node) or node_obj is root:
                         raise stale_match("its host nodes do not lead up to its last_node")
                     node = <Node>node_obj
-                    if node.evicted or not node.host_only or node.host_ptr == NULL:
+                    if node.evicted or not node.host_only or node.host_owner is None:
                         raise stale_match(f"node {node.id} is no longer only on the host")
                     self.note_path(depth, node)
                     depth += 1
@@ -2602,7 +2608,7 @@ cdef class Core:
             start = 0
             for i in range(depth):
                 node = <Node>nodes[i]
-                memcpy(out + start, node.host_ptr, node.key_len * sizeof(int64_t))
+                memcpy(out + start, host_data(node), node.key_len * sizeof(int64_t))
                 start += node.key_len
             if type(owner) is bytes:
                 base = <const int64_t*>PyBytes_AS_STRING(owner)
