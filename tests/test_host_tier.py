@@ -31,7 +31,8 @@ class HostPool:
 
     def backup(self, device_indices: torch.Tensor):
         n = device_indices.shape[0]
-        self.copied.append(device_indices.tolist())
+        meta = device_indices.device.type == "meta"  # no data to show
+        self.copied.append(None if meta else device_indices.tolist())
         if self.used + n > self.capacity:
             return None
         out = torch.arange(self.next, self.next + n, dtype=torch.int64)
@@ -720,3 +721,65 @@ def test_events_replayed_give_each_tier(make_cache):
     else:  # the host copy of [3,4] came before its parent's: unknown there
         assert indexer.blocks_held(0, medium="CPU") == 2
         assert indexer.overlap([1, 2, 5, 6], medium="CPU") == {0: 2}
+
+
+# -- values on a device (the meta device stands in for a GPU here; test_cuda.py has CUDA) ------
+def meta_tensor(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.int64, device="meta")
+
+
+def test_device_values_through_both_tiers(make_cache):
+    cache = make_cache(page_size=2, host_tier=True)
+    cache.insert([1, 2, 3, 4], meta_tensor(4))
+    pool = HostPool()
+    seen = []
+
+    def backup(device_indices):
+        seen.append(device_indices.device.type)
+        return torch.arange(100, 100 + device_indices.shape[0])
+
+    freed = []
+    assert cache.evict(4, freed.append, backup=backup) == 4
+    assert seen == ["meta"] and [t.device.type for t in freed] == ["meta"]
+    # Adoption by an insert with device values: the adopted node gets its slice there.
+    result = cache.insert([1, 2, 3, 4, 5, 6], meta_tensor(6))
+    assert result.prefix_len == 0
+    for node, depth in cache._tree.iter_nodes():
+        if depth:
+            assert node.value.device.type == "meta"
+            assert node.value.shape[0] == node.num_tokens
+    assert node_at(cache, [1, 2, 3, 4]).tier == "device+host"
+    check_invariants(cache)
+    cache.evict(6, backup=pool.backup)
+    m = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert (m.length, m.host_length) == (0, 6)
+    assert cache.load_back(m, meta_tensor(6)).tolist() == [100, 101, 102, 103, 100, 101]
+    whole = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert whole.length == 6 and whole.indices.device.type == "meta"
+    check_invariants(cache)
+
+
+def test_free_callbacks_may_call_the_cache(make_cache):
+    cache = two_branches(make_cache)
+    pool = HostPool()
+    seen = []
+
+    def free_device(indices):  # the guard is released around it, as without a host tier
+        seen.append(cache.match_prefix([1, 2, 3, 4]).host_length)
+        cache.evict_host(100, pool.free)
+
+    assert cache.evict(100, free_device, backup=pool.backup) == 6
+    check_invariants(cache)
+    assert cache.node_count() == 0 and cache.host_size() == 0 == pool.used
+    assert seen[0] == 2  # [3,4] was on the host when its device slots were freed
+
+    cache = two_branches(make_cache)
+    cache.evict(100, backup=pool.backup)
+
+    def free_host(indices):
+        cache.insert([1, 2, 9, 9], [1, 2, 3, 4])  # adopts [1,2] while evict_host runs
+
+    assert cache.evict_host(100, free_host) == 4  # [3,4] and [5,6]; [1,2] is on the device
+    assert tiers(cache) == {(1, 2): ("device+host", [1, 2], [110, 111]),
+                            (1, 2, 9, 9): ("device", [3, 4], None)}
+    check_invariants(cache)
