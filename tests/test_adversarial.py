@@ -1115,6 +1115,29 @@ case("h6_write_through_backup_calls_the_cache", HOST + textwrap.dedent("""
 """))
 
 
+case("h7_evict_free_callback_uses_both_tiers", HOST + textwrap.dedent("""
+    def run(core):
+        cache = host_cache(core)
+        seen = []
+        def free(device):
+            # Allowed: the guard is released around a per-node callback. Adopt, load back,
+            # evict the host, evict again (nested), while the outer loop is between victims.
+            seen.append(device.tolist())
+            cache.insert([1, 2, 3, 4], [31, 32, 33, 34])
+            m = cache.match_prefix([1, 2, 5, 6])
+            seen.append((m.length, m.host_length))
+            if m.host_length:
+                seen.append(cache.load_back(m, list(range(60, 60 + m.host_length))).tolist())
+            seen.append(cache.evict_host(1))
+            seen.append(cache.evict(1, backup=lambda d: d + 300))
+            check_invariants(cache)
+        freed = cache.evict(12, free, backup=lambda d: d + 100)
+        host_consistent(cache)
+        return freed, seen
+    same_as_pure(run)
+"""))
+
+
 def run_case(core_name: str, body: str, timeout: float = 300) -> str:
     script = PRELUDE + "\n" + body + "\nprint('CASE-OK')\n"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]),
