@@ -1682,7 +1682,7 @@ cdef class Core:
         last_host = <Node>self.path[depth - 1] if host_length else node
         self.matched_tokens += length
         self.host_hit_tokens += host_length
-        path = [<Node>self.path[i] for i in range(depth)]  # strong references from here
+        # The path's nodes stay in the tree (the guard): self.path is read as match reads it.
         if self.push_on_access:
             dropped = self.push_if_evictable(node)
             dropped_host = self.push_host_leaf(last_host)
@@ -1690,17 +1690,17 @@ cdef class Core:
             indices = new_empty_indices()
         else:
             for i in range(ndev):
-                child = <Node>path[i]
+                child = <Node>self.path[i]
                 if child.value_ptr == NULL and child.value_owner is not None:
                     device = True
                     break
             if device:
-                indices = _cat_values(path[:ndev])
+                indices = _cat_values([<Node>self.path[i] for i in range(ndev)])
             else:
                 capsule = rc_int64_capsule(length, <int64_t**>&out)
                 total = 0
                 for i in range(ndev):
-                    child = <Node>path[i]
+                    child = <Node>self.path[i]
                     memcpy(out + total,
                            child.value_ptr if child.value_ptr != NULL else child.key_ptr,
                            child.key_len * sizeof(int64_t))
@@ -1936,12 +1936,13 @@ cdef class Core:
         ``take_adopted`` (held)."""
         cdef Py_ssize_t i
         cdef Node child
-        path = [<Node>self.path[i] for i in range(depth)]  # strong references from here
+        # The path's nodes stay in the tree (the guard holds): self.path is read as match
+        # reads it after its own allocations.
         if held:
             adopted = []
             if first_host >= 0:
                 for i in range(first_host, depth):
-                    child = <Node>path[i]
+                    child = <Node>self.path[i]
                     adopted.append((child, start))
                     start += child.key_len
             self.adopted = adopted
@@ -1949,12 +1950,12 @@ cdef class Core:
             # A split of a queued node queued its upper half first (as the split itself
             # does in a match), then the path's nodes due, top-down.
             if lower is not None and lower.queued and depth:
-                child = <Node>path[depth - 1]
+                child = <Node>self.path[depth - 1]
                 if not child.queued:
                     self.wt_queue.append(child)
                     child.queued = True
             for i in range(depth):
-                self.queue_if_due(<Node>path[i])
+                self.queue_if_due(<Node>self.path[i])
             if leaf is not None:
                 self.queue_if_due(leaf)
         return 0
