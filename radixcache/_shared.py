@@ -199,7 +199,18 @@ def host_indices_bytes(host, num_tokens: int) -> bytes:
     if host.shape[0] != num_tokens:
         raise ValueError(f"backup returned {host.shape[0]} host indices for {num_tokens} "
                          "device slots: one per slot expected")
-    return host.detach().cpu().contiguous().numpy().tobytes()
+    # A tensor subclass may answer the checks above and convert to something else: the
+    # bytes themselves are checked.
+    arr = host.detach().cpu().contiguous().numpy()
+    data = arr.tobytes() if type(arr) is np.ndarray and arr.dtype == np.int64 else None
+    if type(data) is not bytes:
+        raise TypeError("backup must return a torch.Tensor of host indices (or None when the "
+                        f"host is full), got {type(host).__name__} converting to "
+                        f"{type(arr).__name__}")
+    if len(data) != 8 * num_tokens:
+        raise ValueError(f"backup returned {len(data) // 8} host indices for {num_tokens} "
+                         "device slots: one per slot expected")
+    return data
 
 
 def stale_match(why: str) -> ValueError:
