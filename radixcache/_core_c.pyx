@@ -1376,8 +1376,8 @@ cdef object _N_PREFIX_LEN = "prefix_len"
 cdef object _ZERO = 0
 # MatchResult's slots, in rc_make_match's order.
 cdef Py_ssize_t _MATCH_SLOTS[5]
-for _i, _name in enumerate(("indices", "last_node", "length", "host_length",
-                            "last_host_node")):
+for _i, _name in enumerate(("indices", "last_node", "length", "_host_length",
+                            "_last_host_node")):
     _MATCH_SLOTS[_i] = rc_slot_offset(_MatchResult.__dict__[_name])
 
 
