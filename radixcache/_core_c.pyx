@@ -1401,7 +1401,18 @@ cdef object block_tensor(const int64_t* src, Py_ssize_t n):
 cdef bytes host_bytes(object host, Py_ssize_t n):
     """What ``backup`` returned for a node of ``n`` tokens, checked (``_shared``'s
     checks and messages), as int64 bytes of exactly ``n`` indices: the conversion runs torch
-    code (a tensor subclass can answer anything), so its result is checked again."""
+    code (a tensor subclass can answer anything), so its result is checked again.
+
+    The common answer -- a plain CPU int64 tensor, 1-D, contiguous, of ``n`` elements, with
+    no torch function mode active (its accessors then run no Python code) -- is copied
+    straight from its memory; anything else goes through the shared check."""
+    cdef const int64_t* src
+    if type(host) is _Tensor and not _mode_enabled():
+        if (host.is_cpu and host.dtype is _int64 and host.dim() == 1
+                and host.is_contiguous() and not host.is_neg() and host.numel() == n):
+            src = <const int64_t*><uintptr_t>host.data_ptr()
+            if src != NULL:  # (a zero tensor has no memory: the shared path copes)
+                return PyBytes_FromStringAndSize(<const char*>src, n * sizeof(int64_t))
     data = host_indices_bytes(host, n)
     if type(data) is not bytes:
         raise TypeError("backup must return a torch.Tensor of host indices (or None when the "
