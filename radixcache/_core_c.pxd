@@ -3,7 +3,7 @@
 
 from cpython.buffer cimport Py_buffer
 from cpython.ref cimport PyObject
-from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 
 cdef struct ChildSlot:
@@ -71,6 +71,13 @@ cdef class Node:
     cdef uint32_t slot_hash
     # 32 bits, beside slot_hash (one word): lock_path refuses a lock beyond INT32_MAX.
     cdef readonly int32_t lock_ref
+    # Host tier, read with lock_ref by a heap's validity check (8 bytes, one word): how many
+    # children are only on the host (a node on the device whose children all are, that is
+    # n_children == n_host_kids, is a device leaf); only on the host (no device value, still
+    # in the tree; never set without a host tier); in its core's write-through queue.
+    cdef int32_t n_host_kids
+    cdef uint8_t host_only
+    cdef uint8_t queued
     cdef readonly int64_t created_time
     cdef readonly int64_t priority
     cdef readonly int64_t hit_count
@@ -78,6 +85,10 @@ cdef class Node:
     cdef readonly object extra_key
     cdef readonly bint evicted
     cdef readonly bint terminal
+    # Host tier, cold: the host indices as int64 bytes of exactly key_len entries (a split
+    # copies them into its two halves: one field, not an owner and a pointer, keeps a node
+    # the size class it has without a host tier); None when the node has no host copy.
+    cdef object host_owner
 
 
 
@@ -137,6 +148,8 @@ cdef class EvictionHeap:
     cdef Py_ssize_t run_cap
     cdef Py_ssize_t limit
     cdef int policy
+    # The host tier's heap: its entries are host leaves (else device leaves).
+    cdef bint host
     cdef Guard guard
 
     cdef void release(self) noexcept
@@ -148,6 +161,7 @@ cdef class EvictionHeap:
     cdef list push_entry(self, Node node)
     cdef object pop_entry(self, list stale)
     cdef list compact(self)
+    cdef bint usable(self, Node node) noexcept
 
 
 cdef class Core:
@@ -167,6 +181,19 @@ cdef class Core:
     cdef readonly int64_t evicted_tokens
     cdef object new_leaf
     cdef bint push_on_access
+    # Host tier (see _core_py): the host leaves' heap, the host size and counters, the
+    # write-through queue (a deque of nodes, FIFO) and the nodes a held insert adopted.
+    cdef readonly bint host_tier
+    cdef readonly int write_through_hits
+    cdef readonly EvictionHeap host_heap
+    cdef readonly int64_t host_size
+    cdef readonly int64_t host_hit_tokens
+    cdef readonly int64_t loaded_tokens
+    cdef readonly int64_t backed_up_tokens
+    cdef readonly int64_t host_evictions
+    cdef readonly int64_t host_evicted_tokens
+    cdef object wt_queue
+    cdef object adopted
     # Scratch buffers reused across calls (the guard makes them the call's own): converted
     # or copied tokens and kv, the matched path.
     cdef int64_t* tokens_buf
@@ -187,6 +214,15 @@ cdef class Core:
     cdef void prefetch_victims(self) noexcept
     cdef int note_path(self, Py_ssize_t depth, Node node) except -1
     cdef Py_ssize_t walk_length(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept
+    cdef Py_ssize_t walk_device(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept
+    cdef object push_host_leaf(self, Node node)
+    cdef int queue_if_due(self, Node node) except -1
+    cdef object demote(self, Node node, list garbage)
+    cdef object host_match_result(self, Py_ssize_t depth)
+    cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
+                             object on_remove, object backup, object on_backup)
+    cdef int tiered_insert_end(self, Py_ssize_t depth, Py_ssize_t first_host,
+                               Py_ssize_t start, Node lower, Node leaf, bint held) except -1
 
 
 # -- block index (KvIndexer's table of held blocks; spec: _core_py's module docstring) -------

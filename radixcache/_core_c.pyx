@@ -36,6 +36,8 @@ from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport INT64_MAX, int64_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset
 
+from collections import deque as _deque
+
 import numpy as np
 import torch
 
@@ -44,6 +46,7 @@ from ._shared import cat_values as _cat_values
 from ._shared import hand_over_batch as _hand_over_batch
 from ._shared import MAX_LOCK_REF, display_order, indices_from_key, reentered
 from ._shared import check_state, id_order, node_not_copyable
+from ._shared import host_indices_bytes, lock_host_only, stale_match
 
 _int64 = torch.int64
 
@@ -234,6 +237,13 @@ cdef inline void release_tokens(TokenBuf* tb) noexcept:
 
 
 # -- nodes ---------------------------------------------------------------------------------
+cdef inline const int64_t* host_data(Node node) noexcept:
+    """A node's host indices (key_len of them), or NULL when it has no host copy."""
+    if node.host_owner is None:
+        return NULL
+    return <const int64_t*>PyBytes_AS_STRING(node.host_owner)
+
+
 cdef void drop_subtree(Node top) noexcept:
     """Empty ``top``'s child table and release its descendants (marked evicted) without
     recursion: a node's children move onto a stack before its table goes, so no DECREF ever
@@ -263,6 +273,7 @@ cdef void drop_subtree(Node top) noexcept:
         node.evicted = True
         node.value_ptr = NULL
         node.value_owner = None
+        node.host_owner = None
 
 
 @cython.final
@@ -304,7 +315,7 @@ cdef class Node:
     @property
     def value(self):
         cdef Py_ssize_t start = self.value_off, length = self.key_len
-        if self.evicted:
+        if self.evicted or self.host_only:
             return None
         if self.value_ptr != NULL:
             base = <const int64_t*>PyBytes_AS_STRING(self.value_owner)
@@ -317,6 +328,22 @@ cdef class Node:
                 return owner
             return owner[start:start + length]  # a view: split halves share the tensor
         return indices_from_key(self.key)
+
+    @property
+    def on_device(self):
+        return not self.host_only
+
+    @property
+    def host_value(self):
+        if self.host_owner is None or self.evicted:
+            return None
+        return block_tensor(host_data(self), self.key_len)
+
+    @property
+    def tier(self):
+        if self.host_only:
+            return "host"
+        return "device" if self.host_owner is None else "device+host"
 
     @property
     def parent(self):
@@ -528,7 +555,14 @@ cdef class Tree:
         cdef Node upper = self.new_node(None, child.last_access_time)
         cdef Node parent
         cdef ChildSlot* slot
+        cdef const int64_t* host
         grow(upper)  # detached: nothing to mirror yet
+        upper_host = lower_host = None
+        if child.host_owner is not None:  # the host copy's halves (bytes: no Python code)
+            host = host_data(child)
+            upper_host = PyBytes_FromStringAndSize(<const char*>host, at * sizeof(int64_t))
+            lower_host = PyBytes_FromStringAndSize(<const char*>(host + at),
+                                                   (child.key_len - at) * sizeof(int64_t))
         parent = <Node>child.parent_ptr
         slot = &parent.slots[slot_of(parent, child, child.slot_hash)]
         upper.key_owner = child.key_owner
@@ -549,6 +583,11 @@ cdef class Tree:
             child.value_ptr = child.value_ptr + at
         elif child.value_owner is not None:
             child.value_off += at
+        # The host copy in halves; a host-only node splits into two host-only halves.
+        upper.host_owner = upper_host
+        child.host_owner = lower_host  # the old bytes go (no finalizer: plain bytes)
+        upper.host_only = child.host_only
+        upper.n_host_kids = 1 if child.host_only else 0
         # Upper takes child's slot in the parent (same first page, same hash): the slot's
         # reference to child moves into upper's table below.
         Py_INCREF(upper)
@@ -646,6 +685,8 @@ cdef class Tree:
             return 0
         self._check_member(node)
         cur = <Node>node
+        if delta > 0 and cur.host_only:
+            raise lock_host_only(cur.id)
         if delta < 0:
             # Locks taken on descendants show in this node's count too; only its own may go.
             own = cur.lock_ref
@@ -685,11 +726,16 @@ cdef class Tree:
             raise ValueError(f"node {node.id} is not an attached leaf")
         parent = <Node>node.parent_ptr
         remove_slot(parent, slot_of(parent, node, node.slot_hash))
+        if node.host_only:
+            parent.n_host_kids -= 1
         node.parent_ptr = NULL
         node.evicted = True
         dropped.append(node.value_owner)
         node.value_ptr = NULL
         node.value_owner = None
+        if node.host_owner is not None:
+            dropped.append(node.host_owner)
+            node.host_owner = None
         self.node_count -= 1
         Py_DECREF(node)  # the table's reference; the caller still holds one
         if parent is self.root and node.ns:
@@ -822,8 +868,9 @@ cdef class EvictionHeap:
     ``guard`` is the tree's (``Tree.guard``), so that a call into either while one of them
     works raises; without one the heap has its own."""
 
-    def __cinit__(self, str policy, Guard guard=None):
+    def __cinit__(self, str policy, Guard guard=None, bint host=False):
         self.policy = _POLICY_IDS[policy]
+        self.host = host
         self.guard = guard if guard is not None else Guard()
         self.items = NULL
         self.size = 0
@@ -1028,7 +1075,7 @@ cdef class EvictionHeap:
             node = <Node>top.node
             stale.append(node)
             Py_DECREF(node)  # the heap's reference; ``stale`` holds one
-            if node.evicted or node.n_children or node.lock_ref:
+            if not self.usable(node):
                 continue  # pushed again if it becomes an evictable leaf
             self.fill_key(node, &current)
             if entry_same_key(&current, &top):
@@ -1046,6 +1093,16 @@ cdef class EvictionHeap:
             return self.pop_entry(stale)
         finally:
             self.guard.busy = 0
+
+    cdef inline bint usable(self, Node node) noexcept:
+        """Whether ``node`` is a leaf of this heap's tier: a device leaf (on the device,
+        unlocked, no child on the device; without a host tier: an unlocked leaf), or for the
+        host heap a host leaf (only on the host, no children)."""
+        if node.evicted:
+            return False
+        if self.host:
+            return node.host_only and node.n_children == 0
+        return not (node.n_children != node.n_host_kids or node.lock_ref or node.host_only)
 
     cdef list compact(self):
         """Keep one usable entry per evictable leaf; amortised O(1) per push. The run is
@@ -1072,7 +1129,7 @@ cdef class EvictionHeap:
         for i in range(total):
             e = &self.items[i] if i < heap_before else &self.run[i - heap_before]
             node = <Node>e.node
-            if node.evicted or node.n_children or node.lock_ref:
+            if not self.usable(node):
                 continue
             self.fill_key(node, &current)
             if entry_less(&current, e):
@@ -1255,7 +1312,41 @@ cdef extern from *:
         }
         return obj;
     }
+
+    #include "structmember.h"
+    /* The offset of a __slots__ member in its objects, from its member descriptor. */
+    static Py_ssize_t rc_slot_offset(PyObject* descr) {
+        if (Py_TYPE(descr) != &PyMemberDescr_Type) {
+            PyErr_SetString(PyExc_TypeError, "not a __slots__ member");
+            return -1;
+        }
+        return ((PyMemberDescrObject*)descr)->d_member->offset;
+    }
+
+    /* A MatchResult with its five slots filled (offsets from rc_slot_offset): no
+       attribute lookup, no Python-level __init__. */
+    static PyObject* rc_make_match(PyObject* type, const Py_ssize_t* offsets,
+                                   PyObject* indices, PyObject* node, PyObject* length,
+                                   PyObject* host_length, PyObject* last_host) {
+        PyObject* values[5];
+        PyObject* obj = ((PyTypeObject*)type)->tp_alloc((PyTypeObject*)type, 0);
+        int i;
+        if (obj == NULL) return NULL;
+        values[0] = indices; values[1] = node; values[2] = length;
+        values[3] = host_length; values[4] = last_host;
+        for (i = 0; i < 5; i++) {
+            PyObject** slot = (PyObject**)((char*)obj + offsets[i]);
+            PyObject* old = *slot;
+            Py_INCREF(values[i]);
+            *slot = values[i];
+            Py_XDECREF(old);  /* NULL: tp_alloc zeroes the object */
+        }
+        return obj;
+    }
     """
+    Py_ssize_t rc_slot_offset(object descr) except -1
+    object rc_make_match(object type, const Py_ssize_t* offsets, object indices, object node,
+                         object length, object host_length, object last_host)
     bint rc_read_int(PyObject* o, int64_t* out) noexcept
     object rc_int64_capsule(Py_ssize_t n, int64_t** data)
     object rc_make_result(object type, object n0, object v0, object n1, object v1,
@@ -1282,6 +1373,12 @@ cdef object _N_INDICES = "indices"
 cdef object _N_LAST_NODE = "last_node"
 cdef object _N_LENGTH = "length"
 cdef object _N_PREFIX_LEN = "prefix_len"
+cdef object _ZERO = 0
+# MatchResult's slots, in rc_make_match's order.
+cdef Py_ssize_t _MATCH_SLOTS[5]
+for _i, _name in enumerate(("indices", "last_node", "length", "_host_length",
+                            "_last_host_node")):
+    _MATCH_SLOTS[_i] = rc_slot_offset(_MatchResult.__dict__[_name])
 
 
 cdef object new_empty_indices():
@@ -1299,6 +1396,31 @@ cdef object block_tensor(const int64_t* src, Py_ssize_t n):
     if n:
         memcpy(out, src, n * sizeof(int64_t))
     return _from_dlpack(capsule)
+
+
+cdef bytes host_bytes(object host, Py_ssize_t n):
+    """What ``backup`` returned for a node of ``n`` tokens, checked (``_shared``'s
+    checks and messages), as int64 bytes of exactly ``n`` indices: the conversion runs torch
+    code (a tensor subclass can answer anything), so its result is checked again.
+
+    The common answer -- a plain CPU int64 tensor, 1-D, contiguous, of ``n`` elements, with
+    no torch function mode active (its accessors then run no Python code) -- is copied
+    straight from its memory; anything else goes through the shared check."""
+    cdef const int64_t* src
+    if type(host) is _Tensor and not _mode_enabled():
+        if (host.is_cpu and host.dtype is _int64 and host.dim() == 1
+                and host.is_contiguous() and not host.is_neg() and host.numel() == n):
+            src = <const int64_t*><uintptr_t>host.data_ptr()
+            if src != NULL:  # (a zero tensor has no memory: the shared path copes)
+                return PyBytes_FromStringAndSize(<const char*>src, n * sizeof(int64_t))
+    data = host_indices_bytes(host, n)
+    if type(data) is not bytes:
+        raise TypeError("backup must return a torch.Tensor of host indices (or None when the "
+                        f"host is full), got {type(host).__name__}")
+    if len(<bytes>data) != n * <Py_ssize_t>sizeof(int64_t):
+        raise ValueError(f"backup returned {len(<bytes>data) // 8} host indices for {n} "
+                         "device slots: one per slot expected")
+    return <bytes>data
 
 
 cdef object victim_value(Node node):
@@ -1333,11 +1455,17 @@ cdef class Core:
     before any change, for cache.py to validate.
     """
 
-    def __cinit__(self, Py_ssize_t page_size, str policy):
+    def __cinit__(self, Py_ssize_t page_size, str policy, bint host_tier=False,
+                  int write_through_hits=0):
         self.page_size = page_size
         self.tree = Tree(page_size)
         self.guard = self.tree.guard
         self.heap = EvictionHeap(policy, self.guard)
+        self.host_heap = EvictionHeap(policy, self.guard, True)
+        self.host_tier = host_tier
+        self.write_through_hits = write_through_hits if host_tier else 0
+        self.wt_queue = _deque()
+        self.adopted = None
         self.push_on_access = policy in _KEY_FALLS_ON_ACCESS
         self.new_leaf = None
         self.tokens_buf = NULL
@@ -1371,20 +1499,29 @@ cdef class Core:
     def reset_stats(self):
         self.lookups = self.matched_tokens = self.queried_tokens = 0
         self.inserts = self.inserted_tokens = self.evictions = self.evicted_tokens = 0
+        self.host_hit_tokens = self.loaded_tokens = self.backed_up_tokens = 0
+        self.host_evictions = self.host_evicted_tokens = 0
         self.tree.num_splits = 0
 
     def reset(self, bint held=False):
         self.take(held, "reset")
         try:
+            fresh_queue = _deque()
             old_tables = self.tree.clear()
             self.heap.limit = 1024
+            self.host_heap.limit = 1024
             self.evictable = 0
             self.protected = 0
+            self.host_size = 0
+            old_queue, self.wt_queue = self.wt_queue, fresh_queue
             self.new_leaf = None
+            self.adopted = None
             self.reset_stats()
         finally:
             self.give(held)
+        old_queue = None
         self.heap.release()  # detaches first; its finalizers may use the empty cache
+        self.host_heap.release()
 
     # -- inputs ----------------------------------------------------------------------------
     cdef int64_t* scratch(self, bint for_kv, Py_ssize_t n) except NULL:
@@ -1462,19 +1599,53 @@ cdef class Core:
 
     # -- results and heap ------------------------------------------------------------------
     cdef object match_result(self, object indices, object node, Py_ssize_t length):
-        cdef object n = length
-        return rc_make_result(_MatchResult, _N_INDICES, indices, _N_LAST_NODE, node,
-                              <PyObject*>_N_LENGTH, <PyObject*>n)
+        return rc_make_match(_MatchResult, _MATCH_SLOTS, indices, node, length, _ZERO, node)
 
     cdef object insert_result(self, Py_ssize_t prefix_len, object node):
         return rc_make_result(_InsertResult, _N_PREFIX_LEN, prefix_len, _N_LAST_NODE, node,
                               NULL, NULL)
 
     cdef object push_if_evictable(self, Node node):
-        """Push an evictable leaf; returns what a compaction dropped (to release later)."""
-        if node.n_children or node.lock_ref or node.evicted or node is self.tree.root:
+        """Push an evictable (device) leaf; returns what a compaction dropped (to release
+        later)."""
+        if (node.n_children != node.n_host_kids or node.lock_ref or node.evicted
+                or node.host_only or node is self.tree.root):
             return None
         return self.heap.push_entry(node)
+
+    cdef object push_host_leaf(self, Node node):
+        """Push a host leaf on the host heap; returns what a compaction dropped."""
+        if node.n_children or node.evicted or not node.host_only:
+            return None
+        return self.host_heap.push_entry(node)
+
+    cdef int queue_if_due(self, Node node) except -1:
+        """Append ``node`` to the write-through queue if it is due for a copy."""
+        if (node.hit_count >= self.write_through_hits and not node.queued
+                and not node.host_only and node.host_owner is None and not node.evicted):
+            self.wt_queue.append(node)
+            node.queued = True
+        return 0
+
+    cdef object demote(self, Node node, list garbage):
+        """``node`` (with a host copy) leaves the device: the device value goes to
+        ``garbage``, sizes and counters follow, the node and its parent are pushed on the
+        heap they now belong to. Calls nothing but pushes (no Python code before every write
+        is done). Returns the parent."""
+        cdef Node parent = <Node>node.parent_ptr
+        cdef Py_ssize_t size = node.key_len
+        garbage.append(node.value_owner)
+        node.value_owner = None
+        node.value_ptr = NULL
+        node.value_off = 0
+        node.host_only = True
+        parent.n_host_kids += 1
+        self.evictable -= size
+        self.evictions += 1
+        self.evicted_tokens += size
+        garbage.append(self.push_host_leaf(node))
+        garbage.append(self.push_if_evictable(parent))
+        return parent
 
     cdef int note_path(self, Py_ssize_t depth, Node node) except -1:
         cdef PyObject** grown
@@ -1503,13 +1674,59 @@ cdef class Core:
         except TypeError:
             return _DECLINED
 
+    cdef object host_match_result(self, Py_ssize_t depth):
+        """The end of a match with a host tier: the path's first ``depth`` nodes are in
+        ``self.path``; those on the device come first (the invariant), the host-only ones
+        after them are the host continuation."""
+        cdef Py_ssize_t i, ndev = 0, length = 0, host_length = 0, total
+        cdef Node child, node = self.tree.root, last_host
+        cdef bint device = False
+        cdef char* out
+        for i in range(depth):
+            child = <Node>self.path[i]
+            if child.host_only:
+                host_length += child.key_len
+            else:
+                ndev = i + 1
+                length += child.key_len
+                node = child
+        last_host = <Node>self.path[depth - 1] if host_length else node
+        self.matched_tokens += length
+        self.host_hit_tokens += host_length
+        # The path's nodes stay in the tree (the guard): self.path is read as match reads it.
+        if self.push_on_access:
+            dropped = self.push_if_evictable(node)
+            dropped_host = self.push_host_leaf(last_host)
+        if ndev == 0:
+            indices = new_empty_indices()
+        else:
+            for i in range(ndev):
+                child = <Node>self.path[i]
+                if child.value_ptr == NULL and child.value_owner is not None:
+                    device = True
+                    break
+            if device:
+                indices = _cat_values([<Node>self.path[i] for i in range(ndev)])
+            else:
+                capsule = rc_int64_capsule(length, <int64_t**>&out)
+                total = 0
+                for i in range(ndev):
+                    child = <Node>self.path[i]
+                    memcpy(out + total,
+                           child.value_ptr if child.value_ptr != NULL else child.key_ptr,
+                           child.key_len * sizeof(int64_t))
+                    total += child.key_len * sizeof(int64_t)
+                indices = _from_dlpack(capsule)
+        return rc_make_match(_MatchResult, _MATCH_SLOTS, indices, node, length, host_length,
+                             last_host)
+
     def match(self, tokens, extra_key=None, bint held=False):
         cdef TokenBuf b
         cdef int64_t ns
         cdef Py_ssize_t end, pos = 0, common, depth = 0, i, total
         cdef int64_t now
         cdef bint device = False
-        cdef Node node, child
+        cdef Node node, child, lower
         cdef char* out
         b.held = False
         self.take(held, "match_prefix")
@@ -1532,7 +1749,12 @@ cdef class Core:
                     break
                 if common < child.key_len:
                     release_tokens(&b)
+                    lower = child
                     child = self.tree.split(child, common)  # allocates: tokens are done
+                    if lower.queued:
+                        self.wt_queue.append(child)
+                        child.queued = True
+                    lower = None
                     pos = end  # (the walk ends on the split)
                 else:
                     pos += common
@@ -1540,10 +1762,12 @@ cdef class Core:
                 self.note_path(depth, child)
                 depth += 1
                 node = child
+            release_tokens(&b)
+            if self.host_tier:
+                return self.host_match_result(depth)
             pos = 0
             for i in range(depth):
                 pos += (<Node>self.path[i]).key_len
-            release_tokens(&b)
             if depth == 0:
                 return self.match_result(new_empty_indices(), self.tree.root, 0)
             self.matched_tokens += pos
@@ -1580,6 +1804,9 @@ cdef class Core:
         cdef Py_ssize_t end, pos = 0, common, prefix_len
         cdef bint whole, split_here, private = extra_key is not None
         cdef Node node, child, leaf = None
+        cdef bint tiered = self.host_tier
+        cdef Py_ssize_t depth = 0, first_host = -1, adopt_base = 0, i
+        cdef Node lower = None
         b.held = False
         v.held = False
         if type(priority) is not int:
@@ -1617,12 +1844,20 @@ cdef class Core:
             self.tree.clock += 1
             now = self.tree.clock
             node.last_access_time = now
-            leaf_key = leaf_values = None
+            leaf_key = leaf_values = adopt_values = None
             while pos < end:
                 child = self.tree.find_match(node, b.ptr + pos, end - pos, ns, &common)
                 if child is None:
                     break
                 split_here = common < child.key_len
+                if tiered and child.host_only and first_host < 0:
+                    # Host-only from here on (the invariant): the caller's values for the
+                    # rest, read now (before anything allocates), for the nodes adopted.
+                    first_host = depth
+                    adopt_base = pos
+                    if kv is not None:
+                        adopt_values = PyBytes_FromStringAndSize(
+                            <const char*>(v.ptr + pos), (end - pos) * sizeof(int64_t))
                 if split_here:
                     if pos + common < end:
                         # The new leaf's tokens and values, read before the split allocates.
@@ -1633,16 +1868,31 @@ cdef class Core:
                             leaf_values = PyBytes_FromStringAndSize(
                                 <const char*>(v.ptr + pos + common),
                                 (end - pos - common) * sizeof(int64_t))
+                    lower = child
                     child = self.tree.split(child, common)
                 child.last_access_time = now
                 child.hit_count += 1
                 if prio > child.priority:
                     child.priority = prio
+                if tiered:
+                    self.note_path(depth, child)
+                    depth += 1
+                    if child.host_only:  # adopted: the caller's slots for its tokens
+                        if adopt_values is not None:
+                            child.value_owner = adopt_values
+                            child.value_ptr = (<const int64_t*>PyBytes_AS_STRING(adopt_values)
+                                               + (pos - adopt_base))
+                        child.value_off = 0
+                        child.host_only = False
+                        node.n_host_kids -= 1
+                        self.evictable += child.key_len
                 pos += common
                 node = child
                 if split_here:
                     break
             prefix_len = pos
+            if first_host >= 0:
+                prefix_len = adopt_base
             if pos < end:
                 if leaf_key is None:
                     leaf_key = PyBytes_FromStringAndSize(<const char*>(b.ptr + pos),
@@ -1672,19 +1922,61 @@ cdef class Core:
                 node.terminal = True
             release_tokens(&b)
             release_tokens(&v)
+            if tiered:
+                self.tiered_insert_end(depth, first_host, adopt_base, lower, leaf, held)
             if leaf is not None:
                 if held:
                     self.new_leaf = leaf  # for cache.py's take_new_leaf()
                 self.evictable += leaf.key_len
                 self.inserted_tokens += leaf.key_len
                 dropped = self.push_if_evictable(leaf)
-            elif self.push_on_access:
+            elif self.push_on_access or first_host >= 0:
                 dropped = self.push_if_evictable(node)
             return self.insert_result(prefix_len, node)
+
         finally:
             release_tokens(&b)
             release_tokens(&v)
             self.give(held)
+
+    cdef int tiered_insert_end(self, Py_ssize_t depth, Py_ssize_t first_host,
+                               Py_ssize_t start, Node lower, Node leaf, bint held) except -1:
+        """An insert's host-tier bookkeeping, after its walk (which allocated nothing):
+        the write-through queue in path order (a split node's upper half follows the lower
+        half when that was queued), then the new leaf; the nodes adopted, for
+        ``take_adopted`` (held)."""
+        cdef Py_ssize_t i
+        cdef Node child
+        # The path's nodes stay in the tree (the guard holds): self.path is read as match
+        # reads it after its own allocations.
+        if held:
+            adopted = []
+            if first_host >= 0:
+                for i in range(first_host, depth):
+                    child = <Node>self.path[i]
+                    adopted.append((child, start))
+                    start += child.key_len
+            self.adopted = adopted
+        if self.write_through_hits > 0:
+            # A split of a queued node queued its upper half first (as the split itself
+            # does in a match), then the path's nodes due, top-down.
+            if lower is not None and lower.queued and depth:
+                child = <Node>self.path[depth - 1]
+                if not child.queued:
+                    self.wt_queue.append(child)
+                    child.queued = True
+            for i in range(depth):
+                self.queue_if_due(<Node>self.path[i])
+            if leaf is not None:
+                self.queue_if_due(leaf)
+        return 0
+
+    def take_adopted(self):
+        """The ``(node, start)`` of the nodes the last ``held`` insert adopted (a list,
+        empty if none), forgotten here."""
+        adopted = self.adopted
+        self.adopted = None
+        return [] if adopted is None else adopted
 
     def exists(self, tokens, extra_key=None, bint held=False):
         cdef TokenBuf b
@@ -1752,6 +2044,22 @@ cdef class Core:
             node = child
         return pos
 
+    cdef Py_ssize_t walk_device(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept:
+        """``walk_length`` with a host tier: the length on the device (a match stops
+        counting at the first host-only node; a partly matched one counts as a split would)."""
+        cdef Py_ssize_t pos = 0, common
+        cdef Node node = self.tree.root
+        cdef Node child
+        while ns >= 0 and pos < end:
+            child = self.tree.find_match(node, buf + pos, end - pos, ns, &common)
+            if child is None or child.host_only:
+                break
+            pos += common
+            if common < child.key_len:
+                break
+            node = child
+        return pos
+
     def token_array(self, tokens):
         """The common token inputs as a new int64 array; None for anything else. Called by
         cache.py's validation path, which holds the guard (the scratch buffer is its own)."""
@@ -1780,6 +2088,8 @@ cdef class Core:
             if not self.acquire(tokens, &b, False, extra_key is not None):
                 raise TypeError("walk takes the common token inputs only")
             ns = self.tree.find_namespace(extra_key)
+            if self.host_tier:
+                return self.walk_device(b.ptr, b.len - b.len % self.page_size, ns)
             return self.walk_length(b.ptr, b.len - b.len % self.page_size, ns)
         finally:
             release_tokens(&b)
@@ -1848,7 +2158,8 @@ cdef class Core:
         finally:
             self.give(held)
 
-    def evict(self, num_tokens, free_callback=None, bint batch=False, on_remove=None):
+    def evict(self, num_tokens, free_callback=None, bint batch=False, on_remove=None,
+              backup=None, on_backup=None):
         """The whole evict loop (see ``_core_py``): victims popped, detached and counted
         here; each victim's index tensor made as a match's (one block, one copy), or all of
         them copied into one block for a ``batch`` callback. The guard is released around
@@ -1869,6 +2180,9 @@ cdef class Core:
         except OverflowError:
             target = INT64_MAX if num_tokens > 0 else 0
         cdef int64_t* grown
+        if self.host_tier:
+            return self.evict_tiered(target, free_callback, batch, on_remove, backup,
+                                     on_backup)
         garbage = []  # stale entries and dropped values: released outside the guard
         parts = None  # batch with device values: the tensors, in order
         value = error = None
@@ -1953,6 +2267,388 @@ cdef class Core:
                          _cat_tensors if type(value) is list else None)
         return freed
 
+    cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
+                             object on_remove, object backup, object on_backup):
+        """``evict`` with a host tier (see ``_core_py``): a victim with a host copy, or
+        given one by ``backup`` (write_back), is demoted to the host; one without is deleted,
+        or skipped (pushed back after the loop) when it has host-only children. Every call
+        out (backup, on_backup, on_remove, free_callback, torch) comes before the writes of
+        its victim, which re-read the node: nothing read before a call is used after it."""
+        cdef int64_t freed = 0
+        cdef Py_ssize_t size
+        cdef Node node, parent
+        cdef bint per_node = free_callback is not None and not batch
+        cdef bint collect = free_callback is not None and batch
+        cdef bint use_backup = backup is not None and self.write_through_hits == 0
+        cdef bint holding
+        cdef int64_t* joined = NULL   # batch: CPU values so far (PyMem block)
+        cdef Py_ssize_t joined_len = 0, joined_cap = 0
+        cdef int64_t* grown
+        garbage = []  # stale entries and dropped values: released outside the guard
+        skipped = []  # device leaves that cannot leave the tree: pushed back after the loop
+        skipping = set()  # the same nodes, to drop their other heap entries
+        parts = None  # batch with device values: the tensors, in order
+        value = error = host = None
+        self.guard.enter("evict")
+        holding = True
+        try:
+            while freed < target:
+                node = self.heap.pop_entry(garbage)
+                if node is None:
+                    break
+                if node in skipping:
+                    continue  # another entry of a node skipped already
+                value = None
+                try:
+                    if node.host_owner is None:
+                        host = None
+                        if use_backup:
+                            value = victim_value(node)  # the tensor backup and free_callback get
+                            host = backup(value)
+                            if host is not None:
+                                host = host_bytes(host, node.key_len)
+                        if host is None:
+                            if node.n_children:  # host-only children: it cannot leave the tree
+                                skipped.append(node)
+                                skipping.add(node)
+                                value = None
+                                continue
+                        else:
+                            # Read afresh after the calls: the bytes must fit the node now.
+                            if (node.evicted or node.host_only or node.host_owner is not None
+                                    or len(<bytes>host) != node.key_len * <Py_ssize_t>sizeof(int64_t)):
+                                raise RuntimeError(f"evict: node {node.id} changed during "
+                                                   "its backup")
+                            node.host_owner = host
+                            host = None
+                            self.host_size += node.key_len
+                            self.backed_up_tokens += node.key_len
+                            if on_backup is not None:
+                                on_backup(node)
+                    if on_remove is not None:
+                        on_remove(node)
+                    if per_node and value is None:
+                        value = victim_value(node)
+                    if collect:
+                        if node.value_ptr == NULL and node.value_owner is not None:
+                            device_value = node.value
+                            if parts is None:
+                                parts = []
+                            if joined_len:
+                                parts.append(block_tensor(joined, joined_len))
+                                joined_len = 0
+                            parts.append(device_value)
+                            device_value = None
+                        else:
+                            if joined_len + node.key_len > joined_cap:
+                                joined_cap = max(2 * joined_cap, joined_len + node.key_len, 256)
+                                grown = <int64_t*>PyMem_Realloc(joined,
+                                                                joined_cap * sizeof(int64_t))
+                                if grown == NULL:
+                                    raise MemoryError()
+                                joined = grown
+                            memcpy(joined + joined_len,
+                                   node.value_ptr if node.value_ptr != NULL else node.key_ptr,
+                                   node.key_len * sizeof(int64_t))
+                            joined_len += node.key_len
+                    # The last call out is behind: the node must still be this heap's victim.
+                    if not self.heap.usable(node) or (node.host_owner is None
+                                                      and node.n_children):
+                        raise RuntimeError(f"evict: node {node.id} changed during a callback")
+                except BaseException:
+                    garbage.append(self.heap.push_entry(node))  # still a device leaf
+                    raise
+                size = node.key_len
+                if node.host_owner is not None:
+                    parent = self.demote(node, garbage)
+                else:
+                    parent = self.tree.detach_leaf(node, garbage)
+                    self.evictable -= size
+                    self.evictions += 1
+                    self.evicted_tokens += size
+                    garbage.append(self.push_if_evictable(parent))
+                freed += size
+                if per_node:
+                    # The cache is consistent here: the callback may call it (even evict).
+                    self.guard.busy = 0
+                    holding = False
+                    node = parent = None
+                    del garbage[:]
+                    free_callback(value)
+                    value = None
+                    self.guard.enter("evict, after its free_callback")
+                    holding = True
+        except BaseException as exc:
+            if not collect:
+                raise
+            error = exc  # batch: what was evicted is still handed over, then it re-raises
+        finally:
+            try:
+                if skipped and not holding and not self.guard.busy:
+                    self.guard.busy = 1
+                    holding = True
+                if holding:
+                    for node in skipped:
+                        garbage.append(self.push_if_evictable(node))
+                value = None  # a victim's tensor for backup is not the batch's
+                if collect and (joined_len or parts is not None):
+                    if parts is None:
+                        value = block_tensor(joined, joined_len)
+                    else:
+                        if joined_len:
+                            parts.append(block_tensor(joined, joined_len))
+                            joined_len = 0
+                        value = parts
+            finally:
+                PyMem_Free(joined)
+                if holding:
+                    self.guard.busy = 0
+        del garbage[:]
+        del skipped[:]
+        skipping.clear()
+        node = parent = None
+        # batch: one call with every freed index, outside the guard; then the loop's error
+        _hand_over_batch(free_callback, value, error,
+                         _cat_tensors if type(value) is list else None)
+        return freed
+
+    def evict_host(self, num_tokens, free_callback=None, bint batch=False, on_remove=None):
+        """Evict host leaves in policy order (see ``_core_py``): each victim's host indices
+        (a new CPU int64 tensor) go to ``free_callback``, per node with the guard released
+        around the call, or all at once with ``batch``."""
+        cdef int64_t target, freed = 0
+        cdef Py_ssize_t size
+        cdef Node node, parent
+        cdef bint per_node = free_callback is not None and not batch
+        cdef bint collect = free_callback is not None and batch
+        cdef bint holding
+        cdef int64_t* joined = NULL
+        cdef Py_ssize_t joined_len = 0, joined_cap = 0
+        cdef int64_t* grown
+        if type(num_tokens) is not int:
+            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+        try:
+            target = PyLong_AsLongLong(num_tokens)
+        except OverflowError:
+            target = INT64_MAX if num_tokens > 0 else 0
+        garbage = []
+        value = error = None
+        self.guard.enter("evict_host")
+        holding = True
+        try:
+            while freed < target:
+                node = self.host_heap.pop_entry(garbage)
+                if node is None:
+                    break
+                try:
+                    if on_remove is not None:
+                        on_remove(node)
+                    if per_node:
+                        value = block_tensor(host_data(node), node.key_len)
+                    if not self.host_heap.usable(node) or node.host_owner is None:
+                        raise RuntimeError(f"evict_host: node {node.id} changed during a "
+                                           "callback")
+                    if collect:
+                        if joined_len + node.key_len > joined_cap:
+                            joined_cap = max(2 * joined_cap, joined_len + node.key_len, 256)
+                            grown = <int64_t*>PyMem_Realloc(joined, joined_cap * sizeof(int64_t))
+                            if grown == NULL:
+                                raise MemoryError()
+                            joined = grown
+                        memcpy(joined + joined_len, host_data(node), node.key_len * sizeof(int64_t))
+                        joined_len += node.key_len
+                except BaseException:
+                    garbage.append(self.host_heap.push_entry(node))  # still a host leaf
+                    raise
+                size = node.key_len
+                parent = self.tree.detach_leaf(node, garbage)  # drops the host value too
+                self.host_size -= size
+                self.host_evictions += 1
+                self.host_evicted_tokens += size
+                garbage.append(self.push_host_leaf(parent))
+                freed += size
+                if per_node:
+                    self.guard.busy = 0
+                    holding = False
+                    node = parent = None
+                    del garbage[:]
+                    free_callback(value)
+                    value = None
+                    self.guard.enter("evict_host, after its free_callback")
+                    holding = True
+        except BaseException as exc:
+            if not collect:
+                raise
+            error = exc
+        finally:
+            try:
+                if collect and joined_len:
+                    value = block_tensor(joined, joined_len)
+            finally:
+                PyMem_Free(joined)
+                if holding:
+                    self.guard.busy = 0
+        del garbage[:]
+        node = parent = None
+        _hand_over_batch(free_callback, value, error, None)
+        return freed
+
+    def write_through(self, backup, on_backup=None):
+        """Copy the queued nodes to the host, FIFO (see ``_core_py``); the tokens copied."""
+        cdef int64_t copied = 0
+        cdef Node node
+        garbage = []
+        self.guard.enter("write_through")
+        try:
+            queue = self.wt_queue
+            while queue:
+                node = <Node>queue[0]
+                if node.evicted or node.host_only or node.host_owner is not None:
+                    garbage.append(queue.popleft())
+                    node.queued = False
+                    continue
+                host = backup(victim_value(node))  # an error: the node stays queued, first
+                if host is None:
+                    break  # the host is full: the rest waits for the next call
+                host = host_bytes(host, node.key_len)
+                # Read afresh after the calls.
+                if (not queue or queue[0] is not node
+                        or node.evicted or node.host_only or node.host_owner is not None
+                        or len(<bytes>host) != node.key_len * <Py_ssize_t>sizeof(int64_t)):
+                    raise RuntimeError(f"write_through: node {node.id} changed during its "
+                                       "backup")
+                garbage.append(queue.popleft())
+                node.queued = False
+                node.host_owner = host
+                host = None
+                self.host_size += node.key_len
+                self.backed_up_tokens += node.key_len
+                copied += node.key_len
+                if on_backup is not None:
+                    on_backup(node)
+            return copied
+        finally:
+            self.guard.busy = 0
+            node = None
+            del garbage[:]
+
+    def load_back(self, match, device_values, on_load=None):
+        """Put a match's host continuation back on the device (see ``_core_py``); returns
+        its host indices, top-down, as a new CPU int64 tensor."""
+        cdef Node node, last, root
+        cdef Py_ssize_t depth = 0, total = 0, i, count, start
+        cdef int64_t* out
+        cdef const int64_t* base = NULL
+        cdef TokenBuf tb
+        tb.held = False
+        self.guard.enter("load_back")
+        try:
+            if not isinstance(match, _MatchResult):
+                raise TypeError(f"load_back needs a MatchResult, got {type(match).__name__}")
+            # Every read of the caller's objects first (they can run code), then the tree.
+            last_obj = match.last_node
+            bottom_obj = match.last_host_node
+            host_length = match.host_length
+            values = device_values
+            if isinstance(values, np.ndarray):
+                borrow_buffer(values, &tb, "device_values")
+                owner = PyBytes_FromStringAndSize(<const char*>tb.ptr, tb.len * sizeof(int64_t))
+                release_tokens(&tb)
+                count = len(<bytes>owner) // sizeof(int64_t)
+            elif isinstance(values, _Tensor):
+                if values.dim() != 1 or values.dtype != _int64:
+                    raise TypeError("device_values must be a 1-D int64 tensor")
+                if values.device.type == "cpu":
+                    owner = values.detach().contiguous().numpy().tobytes()
+                    if type(owner) is not bytes:
+                        raise TypeError("device_values must be a 1-D int64 tensor")
+                    count = len(<bytes>owner) // sizeof(int64_t)
+                else:
+                    owner = values  # kept as given (cache.py hands a copy), shared by offset
+                    count = values.shape[0]
+            else:
+                raise TypeError("device_values must be a 1-D int64 numpy array or tensor, got "
+                                f"{type(values).__name__}")
+            values = None
+            # The tree, in C from here: the continuation's nodes into self.path, bottom-up.
+            root = self.tree.root
+            if type(host_length) is not int or host_length < 0:
+                raise stale_match(f"host_length {host_length!r} is not a token count")
+            if last_obj is not root:
+                if not isinstance(last_obj, Node):
+                    raise stale_match("its last_node is no longer on the device")
+                last = <Node>last_obj
+                if last.evicted or last.host_only:
+                    raise stale_match("its last_node is no longer on the device")
+                node = last
+                while node.parent_ptr != NULL:
+                    node = <Node>node.parent_ptr
+                if node is not root:
+                    raise stale_match("its last_node is not in this cache")
+            else:
+                last = root
+            if host_length == 0:
+                if bottom_obj is not last_obj and bottom_obj is not None:
+                    raise stale_match("host_length is 0 but last_host_node is not last_node")
+            else:
+                node_obj = bottom_obj
+                while node_obj is not last:
+                    if not isinstance(node_obj, Node) or node_obj is root:
+                        raise stale_match("its host nodes do not lead up to its last_node")
+                    node = <Node>node_obj
+                    if node.evicted or not node.host_only or node.host_owner is None:
+                        raise stale_match(f"node {node.id} is no longer only on the host")
+                    self.note_path(depth, node)
+                    depth += 1
+                    total += node.key_len
+                    if total > host_length:
+                        break
+                    node_obj = node.parent
+                node_obj = None
+                if total != host_length:
+                    raise stale_match(f"its host nodes hold {total} tokens, not host_length "
+                                      f"{host_length}")
+            if count != host_length:
+                raise ValueError(f"load_back got {count} device slots for a host match of "
+                                 f"{host_length} tokens")
+            if depth == 0:
+                return new_empty_indices()
+            nodes = [<Node>self.path[i] for i in range(depth - 1, -1, -1)]  # top-down
+            # The host indices, top-down (a capsule: no Python code runs until the copy is
+            # done); then the writes, in C; then the hooks.
+            capsule = rc_int64_capsule(total, &out)
+            start = 0
+            for i in range(depth):
+                node = <Node>nodes[i]
+                memcpy(out + start, host_data(node), node.key_len * sizeof(int64_t))
+                start += node.key_len
+            if type(owner) is bytes:
+                base = <const int64_t*>PyBytes_AS_STRING(owner)
+            start = 0
+            for i in range(depth):
+                node = <Node>nodes[i]
+                node.value_owner = owner
+                if base != NULL:
+                    node.value_ptr = base + start
+                    node.value_off = 0
+                else:
+                    node.value_ptr = NULL
+                    node.value_off = start
+                node.host_only = False
+                (<Node>node.parent_ptr).n_host_kids -= 1
+                self.evictable += node.key_len
+                start += node.key_len
+            self.loaded_tokens += host_length
+            dropped = self.push_if_evictable(<Node>nodes[depth - 1])
+            result = _from_dlpack(capsule)
+            if on_load is not None:
+                for node in nodes:
+                    on_load(node)
+            return result
+        finally:
+            release_tokens(&tb)
+            self.guard.busy = 0
+
     def set_value(self, Node node, values, bint held=False):
         self.take(held, "insert")
         try:
@@ -1965,6 +2661,9 @@ cdef class Core:
         """The tree, its clock and the counters as plain data; locks are not carried."""
         cdef Node node, child
         cdef Py_ssize_t k = 0
+        if self.host_tier:
+            raise TypeError("export_state: a cache with a host tier cannot be exported or "
+                            "copied (its host indices belong to the engine's host pool)")
         self.take(False, "export_state")
         try:
             # Every node into a list first (strong references, parent before child); the

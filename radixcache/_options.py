@@ -15,6 +15,11 @@ from dataclasses import dataclass
 #: fewer than 2 times before the rest, LRU inside each segment. Node id breaks every tie.
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "slru", "priority")
 
+#: ``RadixCache(host_tier=True, write_policy=...)``: when a node gets its host copy.
+#: ``write_back`` when it is evicted from the device; ``write_through`` once it has been hit
+#: (inserted through, or made) once; ``write_through_selective`` once hit twice.
+WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+
 #: The ``Router`` policies, in the order the command lists them.
 ROUTING_POLICIES = ("round-robin", "random", "least-loaded", "prefix-hash", "cache-aware")
 

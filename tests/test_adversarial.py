@@ -868,6 +868,276 @@ case("t2_index_tensor_outlives_and_owns_its_memory", """
 """)
 
 
+
+# -- 9: the host tier's callbacks (backup, evict_host's free_callback) -----------------------
+# backup is user code called under the guard, like on_remove: a call into the cache from it
+# raises RuntimeError and the victim stays; whatever torch code a returned tensor runs, the
+# core checks what it got after the last call, and nothing read before a call is trusted.
+HOST = """
+def tiered(cache):
+    \"\"\"Everything a host-tier cache holds, comparable across cores.\"\"\"
+    out = []
+    for node, _depth in cache._tree.iter_nodes():
+        if node.parent is None:
+            continue
+        value, host = node.value, node.host_value
+        out.append((tuple(node_tokens(node)), node.tier, node.lock_ref,
+                    None if value is None else tuple(value.tolist()),
+                    None if host is None else tuple(host.tolist())))
+    return sorted(out), cache.evictable_size(), cache.host_size(), cache.stats()
+
+
+def host_cache(core, policy="write_back"):
+    \"\"\"Three prompts sharing a prefix, one of them on the host only.\"\"\"
+    cache = RadixCache(core=core, host_tier=True, write_policy=policy)
+    cache.insert([1, 2, 3, 4], [11, 12, 13, 14])
+    cache.insert([1, 2, 5, 6], [11, 12, 15, 16])
+    cache.insert([7, 8], [17, 18])
+    cache.evict(2, backup=lambda d: d + 100)   # one leaf demoted to the host
+    return cache
+
+
+def host_consistent(cache):
+    check_invariants(cache)
+    cache.evict(10**6, backup=lambda d: d + 1000)
+    cache.evict_host(10**6)
+    assert cache.evictable_size() == 0 and cache.host_size() == 0, tiered(cache)
+    consistent(cache)
+"""
+
+case("h1_backup_calls_the_cache", HOST + textwrap.dedent("""
+    def run(core):
+        outcomes = []
+        for call in ("insert", "match_prefix", "evict", "evict_host", "load_back", "reset"):
+            cache = host_cache(core)
+            before = tiered(cache)
+            def backup(device, cache=cache, call=call):
+                if call == "insert":
+                    cache.insert([9, 9])
+                elif call == "match_prefix":
+                    cache.match_prefix([1, 2])
+                elif call == "evict":
+                    cache.evict(100)
+                elif call == "evict_host":
+                    cache.evict_host(100)
+                elif call == "load_back":
+                    cache.load_back(cache.match_prefix([1, 2]), [])
+                else:
+                    cache.reset()
+                return device + 100
+            outcomes.append(outcome(lambda: cache.evict(100, backup=backup)))
+            assert outcomes[-1] == ("RuntimeError", True), outcomes
+            assert tiered(cache) == before, (tiered(cache), before)   # the victim stayed
+            host_consistent(cache)
+        return outcomes
+    same_as_pure(run)
+"""))
+
+case("h2_backup_returns_odd_tensors", HOST + textwrap.dedent("""
+    class Calls(torch.Tensor):
+        # Calls the cache from inside a torch function (the checks of the returned tensor).
+        cache = None
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if cls.cache is not None:
+                cls.cache.insert([5, 5])
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    def run(core):
+        outcomes = []
+        makers = [
+            lambda d: (d + 100).as_subclass(Calls),
+            lambda d: (d + 100).tolist(),
+            lambda d: (d + 100).to(torch.int32),
+            lambda d: (d + 100)[:1],
+            lambda d: (d + 100).unsqueeze(0),
+            lambda d: np.asarray(d + 100),
+        ]
+        for make in makers:
+            cache = host_cache(core)
+            Calls.cache = cache
+            before = tiered(cache)
+            outcomes.append(outcome(lambda: cache.evict(100, backup=make)))
+            Calls.cache = None
+            assert outcomes[-1][0] != "ok", outcomes
+            assert tiered(cache) == before, (tiered(cache), before)
+            host_consistent(cache)
+        # A good tensor on which a hook ran: the node keeps the values it saw.
+        cache = host_cache(core)
+        kept = []
+        def backup(device):
+            host = device + 100
+            kept.append(host)
+            return host
+        cache.evict(100, backup=backup)
+        for host in kept:
+            host.fill_(-1)   # the caller's tensor: the cache kept a copy
+        check_invariants(cache)
+        return outcomes, tiered(cache)
+    same_as_pure(run)
+"""))
+
+case("h2_backup_tensor_converts_to_another_length", HOST + textwrap.dedent("""
+    class Lying(torch.Tensor):
+        # Answers every check like a good tensor, then converts to another length.
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            out = super().__torch_function__(func, types, args, kwargs or {})
+            if getattr(func, "__name__", "") == "numpy":
+                return np.arange(1000, dtype=np.int64)
+            return out
+
+    cache = host_cache(CORE)
+    before = tiered(cache)
+    try:
+        cache.evict(100, backup=lambda d: (d + 100).as_subclass(Lying))
+    except ValueError as exc:
+        assert "host indices for" in str(exc), exc
+    else:
+        raise AssertionError("a host value of the wrong length was kept")
+    assert tiered(cache) == before, (tiered(cache), before)
+    host_consistent(cache)
+"""))
+
+case("h3_evict_host_callback_calls_the_cache", HOST + textwrap.dedent("""
+    def run(core):
+        cache = host_cache(core)
+        cache.evict(10**6, backup=lambda d: d + 100)   # everything on the host only
+        seen = []
+        def free(host):
+            seen.append(host.tolist())
+            # Allowed: the guard is released around a per-node callback.
+            cache.insert([1, 2, 40 + len(seen)], [21, 22, 23])
+            seen.append(cache.match_prefix([1, 2, 3, 4]).host_length)
+            cache.evict_host(2)
+        freed = cache.evict_host(10**6, free)
+        host_consistent(cache)
+        # batch: called once, after the loop, outside the guard
+        cache = host_cache(core)
+        cache.evict(10**6, backup=lambda d: d + 100)
+        batched = []
+        cache.evict_host(10**6, lambda h: batched.append((h.tolist(), cache.insert([3, 3]))),
+                         batch=True)
+        host_consistent(cache)
+        return freed, seen, [b[0] for b in batched]
+    same_as_pure(run)
+"""))
+
+case("h4_finalizer_during_demotion", HOST + textwrap.dedent("""
+    class Trap:
+        # Set off by a collection inside a host-tier call: calls the cache from a finalizer.
+        cache = None
+        def __del__(self):
+            if Trap.cache is not None:
+                Trap.cache.insert([6, 6, 6])
+
+    def make_garbage():
+        for _ in range(50):
+            a, b = Trap(), Trap()
+            a.other, b.other = b, a   # a cycle: only a collection frees it
+
+    cache = RadixCache(core=CORE, host_tier=True, write_policy="write_through")
+    Trap.cache = cache
+    old = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        for round in range(30):
+            for i in range(20):
+                cache.insert([round, i, 1, 2], list(range(4)))
+                cache.match_prefix([round, i, 1, 2])
+            make_garbage()
+            cache.write_through(lambda d: (make_garbage(), d + 500)[1])
+            make_garbage()
+            cache.evict(40, lambda v: make_garbage(), backup=lambda d: d + 900)
+            m = cache.match_prefix([round, 0, 1, 2])
+            make_garbage()
+            if m.host_length:
+                cache.load_back(m, list(range(900, 900 + m.host_length)))
+            cache.evict_host(10, lambda h: make_garbage())
+            check_invariants(cache)
+    finally:
+        gc.set_threshold(*old)
+        Trap.cache = None
+    gc.collect()
+    only_reentry_errors()
+    host_consistent(cache)
+"""))
+
+case("h5_backup_meets_another_thread", HOST + textwrap.dedent("""
+    def run(core):
+        cache = host_cache(core)
+        before = tiered(cache)
+        errors = []
+        def backup(device):
+            def other():
+                try:
+                    cache.insert([4, 4])
+                except RuntimeError as exc:
+                    errors.append(REENTERED in str(exc))
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join()
+            return None   # the host is full: the victim is deleted as without a host tier
+        freed = cache.evict(3, backup=backup)
+        host_consistent(cache)
+        return freed, errors, before
+    same_as_pure(run)
+"""))
+
+case("h6_write_through_backup_calls_the_cache", HOST + textwrap.dedent("""
+    def run(core):
+        cache = RadixCache(core=core, host_tier=True, write_policy="write_through")
+        cache.insert([1, 2, 3, 4], [11, 12, 13, 14])
+        cache.insert([1, 2, 5, 6], [11, 12, 15, 16])
+        before = tiered(cache)
+        def backup(device):
+            cache.match_prefix([1, 2])
+            return device + 100
+        first = outcome(lambda: cache.write_through(backup))
+        assert first == ("RuntimeError", True), first
+        assert tiered(cache) == before
+        copied = cache.write_through(lambda d: d + 100)   # the queue was kept
+        check_invariants(cache)
+        # raising half way: the copies made so far stay, the rest stays queued
+        cache.insert([8, 8, 8], [1, 2, 3])
+        cache.insert([9, 9], [4, 5])
+        calls = []
+        def flaky(device):
+            calls.append(device.tolist())
+            if len(calls) == 2:
+                raise KeyError("host pool")
+            return device + 200
+        second = outcome(lambda: cache.write_through(flaky))
+        third = cache.write_through(lambda d: d + 300)
+        host_consistent(cache)
+        return first, copied, second, third, calls
+    same_as_pure(run)
+"""))
+
+
+case("h7_evict_free_callback_uses_both_tiers", HOST + textwrap.dedent("""
+    def run(core):
+        cache = host_cache(core)
+        seen = []
+        def free(device):
+            # Allowed: the guard is released around a per-node callback. Adopt, load back,
+            # evict the host, evict again (nested), while the outer loop is between victims.
+            seen.append(device.tolist())
+            cache.insert([1, 2, 3, 4], [31, 32, 33, 34])
+            m = cache.match_prefix([1, 2, 5, 6])
+            seen.append((m.length, m.host_length))
+            if m.host_length:
+                seen.append(cache.load_back(m, list(range(60, 60 + m.host_length))).tolist())
+            seen.append(cache.evict_host(1))
+            seen.append(cache.evict(1, backup=lambda d: d + 300))
+            check_invariants(cache)
+        freed = cache.evict(12, free, backup=lambda d: d + 100)
+        host_consistent(cache)
+        return freed, seen
+    same_as_pure(run)
+"""))
+
+
 def run_case(core_name: str, body: str, timeout: float = 300) -> str:
     script = PRELUDE + "\n" + body + "\nprint('CASE-OK')\n"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]),
