@@ -132,6 +132,7 @@ from __future__ import annotations
 
 import array
 import heapq
+from collections import deque
 import struct
 import threading
 from typing import Any, Iterator
@@ -142,7 +143,8 @@ import torch
 from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, MAX_LOCK_REF,
                       InsertResult, MatchResult, cat_tensors, cat_values, display_order,
                       empty_indices, hand_over_batch, indices_from_key, reentered)
-from ._shared import check_state, id_order, node_not_copyable
+from ._shared import (check_state, host_indices_bytes, id_order, lock_host_only,
+                      node_not_copyable, stale_match)
 
 __all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME", "page_hash_chain"]
 
@@ -255,7 +257,7 @@ class Node:
     __slots__ = (
         "_key", "_value", "_parent", "_children", "_lock_ref", "_last_access_time",
         "_created_time", "_priority", "_hit_count", "_extra_key", "_id", "_evicted",
-        "_terminal",
+        "_terminal", "_host", "_on_device", "_queued",
     )
 
     def __init__(self, key: bytes, parent: "Node | None", extra_key: Any, now: int,
@@ -273,6 +275,9 @@ class Node:
         self._id = _new_id()
         self._evicted = False
         self._terminal = False
+        self._host = None  # host indices as int64 bytes (host tier only)
+        self._on_device = True
+        self._queued = False  # in the write-through queue
 
     # -- read-only public view -------------------------------------------------------
     @property
@@ -285,13 +290,13 @@ class Node:
 
     @property
     def stored_value(self):
-        if self._value is None:
+        if self._value is None or not self._on_device:
             return None
         return self.value
 
     @property
     def value(self):
-        if self._evicted:
+        if self._evicted or not self._on_device:
             return None
         value = self._value
         if value is None:
@@ -299,6 +304,23 @@ class Node:
         if type(value) is bytes:
             return indices_from_key(np.frombuffer(value, dtype=np.int64))
         return value
+
+    @property
+    def on_device(self) -> bool:
+        return self._on_device
+
+    @property
+    def host_value(self):
+        host = self._host
+        if host is None:
+            return None
+        return torch.frombuffer(bytearray(host), dtype=torch.int64)
+
+    @property
+    def tier(self) -> str:
+        if not self._on_device:
+            return "host"
+        return "device" if self._host is None else "device+host"
 
     @property
     def parent(self) -> "Node | None":
@@ -360,7 +382,7 @@ class Tree:
     """The pure-Python radix tree: walks, splits, locks; no tensors, no heap."""
 
     __slots__ = ("page_size", "root", "clock", "node_count", "num_splits", "_page_bytes",
-                 "_empty_inserted", "guard", "_enter", "_leave")
+                 "_empty_inserted", "guard", "_enter", "_leave", "_queue")
 
     def __init__(self, page_size: int) -> None:
         self.guard = Guard()
@@ -374,6 +396,9 @@ class Tree:
         self.root = Node(b"", None, None, 0)
         # Namespaces in which the empty sequence was inserted (it has no node to mark).
         self._empty_inserted: set = set()
+        # The write-through queue (nodes due for a host copy, FIFO); a split of a queued
+        # node appends its new upper half.
+        self._queue: deque = deque()
 
     # -- helpers ---------------------------------------------------------------------
     def _child_key(self, parent: Node, extra_key: Any, first_page: bytes):
@@ -407,10 +432,19 @@ class Tree:
         if value is not None:  # torch code for a device value: before any write
             cut = at if type(value) is bytes else at // _TOKEN_BYTES
             upper_value, lower_value = value[:cut], value[cut:]
+        host = upper_host = lower_host = node._host
+        if host is not None:
+            upper_host, lower_host = host[:at], host[at:]
         ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
         parent._children[ckey] = upper  # hashes extra_key: raising here changes nothing
         upper._value = upper_value
         node._value = lower_value
+        upper._host = upper_host
+        node._host = lower_host
+        upper._on_device = node._on_device
+        if node._queued:
+            upper._queued = True
+            self._queue.append(upper)
         node._key = node._key[at:]
         upper._children[node._key[: self._page_bytes]] = node
         node._parent = upper
@@ -469,11 +503,12 @@ class Tree:
         if end == 0:
             if whole:
                 self._empty_inserted.add(extra_key)
-            return 0, node, None
+            return 0, node, None, None
         self.clock += 1
         now = self.clock
         node._last_access_time = now
         pos = 0
+        adopted = None
         while pos < end:
             child, common = self._descend(node, buf, pos, end, extra_key)
             if child is None:
@@ -482,9 +517,14 @@ class Tree:
             child._hit_count += 1
             if priority > child._priority:
                 child._priority = priority
+            if not child._on_device:  # host only: the Core adopts it (the caller's slots)
+                if adopted is None:
+                    adopted = []
+                adopted.append((child, pos // _TOKEN_BYTES))
             pos += common
             node = child
-        prefix_len = pos // _TOKEN_BYTES
+        # Adopted tokens are not duplicates: only what was on the device counts.
+        prefix_len = pos // _TOKEN_BYTES if adopted is None else adopted[0][1]
         new_leaf = None
         if pos < end:
             new_leaf = Node(buf[pos:end], node, extra_key, now, priority)
@@ -495,7 +535,7 @@ class Tree:
             node = new_leaf
         if whole:
             node._terminal = True
-        return prefix_len, node, new_leaf
+        return prefix_len, node, new_leaf, adopted
 
     def _exists(self, buf: bytes, extra_key: Any = None) -> bool:
         end = len(buf)
@@ -524,7 +564,7 @@ class Tree:
         pos = 0
         while pos < end:
             child = self._find_child(node, buf, pos, extra_key)
-            if child is None:
+            if child is None or not child._on_device:
                 break
             key = child._key
             klen = len(key)
@@ -591,6 +631,8 @@ class Tree:
                 )
         root = self.root
         if delta > 0:
+            if not node._on_device:
+                raise lock_host_only(node._id)
             # Checked before any change (an ancestor's count is the largest).
             top = node
             while top._parent is not root:
@@ -641,6 +683,8 @@ class Tree:
             node._parent = None
             node._evicted = True
             node._value = None
+            node._host = None
+            node._queued = False
         return old_root
 
     def check_layout(self) -> None:
@@ -695,6 +739,23 @@ def _slru_key(n: Node) -> int:
             | (n._last_access_time << 64) | n._id)
 
 
+def _device_leaf(node: Node) -> bool:
+    """With a host tier: a node the device heap may evict (on the device, not evicted,
+    unlocked, no child on the device; the root is never pushed)."""
+    if node._evicted or node._lock_ref or not node._on_device:
+        return False
+    for child in node._children.values():
+        if child._on_device:
+            return False
+    return True
+
+
+def _host_leaf(node: Node) -> bool:
+    """A node the host heap may evict: only on the host, not evicted, no children."""
+    return (not node._on_device and node._host is not None and not node._evicted
+            and not node._children)
+
+
 _POLICY_KEYS = {
     "lru": _lru_key, "lfu": _lfu_key, "fifo": _fifo_key, "mru": _mru_key,
     "filo": _filo_key, "slru": _slru_key, "priority": _lru_key,
@@ -711,9 +772,12 @@ class EvictionHeap:
     stale entries pile up, so it stays within twice the live entries (amortised O(1)).
     """
 
-    __slots__ = ("_key", "_heap", "_nodes", "_limit", "_enter", "_leave")
+    __slots__ = ("_key", "_heap", "_nodes", "_limit", "_enter", "_leave", "_valid")
 
-    def __init__(self, policy: str, guard: Guard | None = None) -> None:
+    def __init__(self, policy: str, guard: Guard | None = None, valid: Any = None) -> None:
+        # valid(node): whether a node may be evicted now; None: an evictable leaf of a tree
+        # without a host tier (unlocked, childless, not evicted), tested inline.
+        self._valid = valid
         guard = Guard() if guard is None else guard  # the tree's: one guard for both
         self._enter = guard.acquire
         self._leave = guard.release
@@ -778,14 +842,18 @@ class EvictionHeap:
         heap = self._heap
         nodes = self._nodes
         sort_key = self._key
+        valid = self._valid
         while heap:
             stored = heapq.heappop(heap)
             node = nodes.pop(stored, None)
             if node is None:
                 continue  # a duplicate of an entry already handled
             stale.append(node)
-            if node._evicted or node._children or node._lock_ref:
-                continue  # pushed again if it becomes an evictable leaf
+            if valid is None:
+                if node._evicted or node._children or node._lock_ref:
+                    continue  # pushed again if it becomes an evictable leaf
+            elif not valid(node):
+                continue
             current = sort_key(node)
             if current == stored:
                 return node
@@ -798,9 +866,13 @@ class EvictionHeap:
     def _compact(self) -> dict:
         """Keep one usable entry per leaf; returns the old table for the caller to release."""
         sort_key = self._key
+        valid = self._valid
         best: dict = {}
         for stored, node in self._nodes.items():
-            if node._evicted or node._children or node._lock_ref:
+            if valid is None:
+                if node._evicted or node._children or node._lock_ref:
+                    continue
+            elif not valid(node):
                 continue
             if stored <= sort_key(node) and (node._id not in best or stored < best[node._id][0]):
                 best[node._id] = (stored, node)
@@ -822,19 +894,31 @@ class Core:
 
     __slots__ = ("tree", "heap", "guard", "page_size", "evictable", "protected", "lookups",
                  "matched_tokens", "queried_tokens", "inserts", "inserted_tokens", "evictions",
-                 "evicted_tokens", "new_leaf", "_push_on_access", "_enter", "_leave")
+                 "evicted_tokens", "new_leaf", "_push_on_access", "_enter", "_leave",
+                 "host_tier", "write_through_hits", "host_heap", "host_size",
+                 "host_hit_tokens", "loaded_tokens", "backed_up_tokens", "host_evictions",
+                 "host_evicted_tokens", "adopted")
 
-    def __init__(self, page_size: int, policy: str) -> None:
+    def __init__(self, page_size: int, policy: str, host_tier: bool = False,
+                 write_through_hits: int = 0) -> None:
+        if type(write_through_hits) is not int or write_through_hits not in (0, 1, 2):
+            raise ValueError(f"write_through_hits must be 0, 1 or 2, got "
+                             f"{write_through_hits!r}")
         self.page_size = page_size
         self.tree = Tree(page_size)
         self.guard = self.tree.guard
         self._enter = self.guard.acquire
         self._leave = self.guard.release
-        self.heap = EvictionHeap(policy, self.guard)
+        self.host_tier = bool(host_tier)
+        self.write_through_hits = write_through_hits if self.host_tier else 0
+        self.heap = EvictionHeap(policy, self.guard, _device_leaf if self.host_tier else None)
+        self.host_heap = EvictionHeap(policy, self.guard, _host_leaf)
         self._push_on_access = policy in KEY_FALLS_ON_ACCESS
         self.evictable = 0
         self.protected = 0
+        self.host_size = 0
         self.new_leaf = None
+        self.adopted = None
         self.reset_stats()
 
     # -- the guard, for cache.py's slow paths -----------------------------------------
@@ -852,26 +936,37 @@ class Core:
     def reset_stats(self) -> None:
         self.lookups = self.matched_tokens = self.queried_tokens = 0
         self.inserts = self.inserted_tokens = self.evictions = self.evicted_tokens = 0
+        self.host_hit_tokens = self.loaded_tokens = self.backed_up_tokens = 0
+        self.host_evictions = self.host_evicted_tokens = 0
         self.tree.num_splits = 0
 
     def reset(self, held: bool = False) -> None:
         self._take(held, "reset")
         try:
             old_root = self.tree._clear()  # noqa: F841 -- released after the guard
-            heap = self.heap
-            old_entries = heap._nodes  # noqa: F841
-            heap._heap = []
-            heap._nodes = {}
-            heap._limit = 1024
+            old_queue = self.tree._queue  # noqa: F841
+            self.tree._queue = deque()
+            old_entries = []
+            for heap in (self.heap, self.host_heap):
+                old_entries.append(heap._nodes)
+                heap._heap = []
+                heap._nodes = {}
+                heap._limit = 1024
             self.evictable = 0
             self.protected = 0
+            self.host_size = 0
             self.new_leaf = None
+            self.adopted = None
             self.reset_stats()
         finally:
             if not held:
                 self._leave()
 
     def _push_if_evictable(self, node: Node) -> Any:
+        if self.host_tier:
+            if node is not self.tree.root and _device_leaf(node):
+                return self.heap._push(node)
+            return None
         if (not node._children and not node._lock_ref and not node._evicted
                 and node is not self.tree.root):
             return self.heap._push(node)
@@ -891,6 +986,8 @@ class Core:
             self.queried_tokens += n - n % self.page_size
             if not path:
                 return MatchResult(empty_indices(), tree.root, 0)
+            if self.host_tier:
+                return self._tiered_match(path, length)
             self.matched_tokens += length
             last = path[-1]
             if self._push_on_access:
@@ -899,6 +996,31 @@ class Core:
         finally:
             if not held:
                 self._leave()
+
+    def _tiered_match(self, path: list, length: int) -> MatchResult:
+        """A match's result with a host tier: the device part of ``path``, then its host-only
+        continuation (the device nodes form a prefix of the path by the tier invariant)."""
+        tree = self.tree
+        cut = len(path)
+        for i, node in enumerate(path):
+            if not node._on_device:
+                cut = i
+                break
+        device = path[:cut]
+        device_length = 0
+        for node in device:
+            device_length += node.num_tokens
+        host_length = length - device_length
+        self.matched_tokens += device_length
+        self.host_hit_tokens += host_length
+        last = device[-1] if device else tree.root
+        last_host = path[-1] if host_length else None
+        if self._push_on_access:
+            dropped = self._push_if_evictable(last)  # noqa: F841
+            if last_host is not None and _host_leaf(last_host):
+                dropped = self.host_heap._push(last_host)  # noqa: F841
+        indices = tree._gather(device) if device else empty_indices()
+        return MatchResult(indices, last, device_length, host_length, last_host)
 
     def insert(self, tokens: Any, kv: Any = None, extra_key: Any = None, priority: Any = 0,
                held: bool = False) -> InsertResult | None:
@@ -918,10 +1040,18 @@ class Core:
                 if values is None:
                     return None
             tree = self.tree
-            prefix_len, last, new_leaf = tree._insert(buf, extra_key, priority)
+            prefix_len, last, new_leaf, adopted = tree._insert(buf, extra_key, priority)
             self.inserts += 1
             if held:
                 self.new_leaf = new_leaf  # for cache.py's take_new_leaf()
+                self.adopted = adopted  # for cache.py's take_adopted()
+            if adopted is not None:
+                for node, start in adopted:  # top-down: the tier invariant holds throughout
+                    size = node.num_tokens
+                    node._value = (None if values is None
+                                   else values[start:start + size].tobytes())
+                    node._on_device = True
+                    self.evictable += size
             dropped = None
             if new_leaf is not None:
                 added = new_leaf.num_tokens
@@ -930,8 +1060,10 @@ class Core:
                 self.evictable += added
                 self.inserted_tokens += added
                 dropped = self.heap._push(new_leaf)  # noqa: F841
-            elif self._push_on_access:
+            elif self._push_on_access or adopted is not None:
                 dropped = self._push_if_evictable(last)  # noqa: F841
+            if self.write_through_hits:
+                self._queue_due(last)
             return InsertResult(prefix_len, last)
         finally:
             if not held:
@@ -952,6 +1084,30 @@ class Core:
         """The common token inputs as a new int64 array; None for anything else."""
         buf = _token_bytes(tokens)
         return None if buf is None else np.frombuffer(buf, dtype=np.int64)
+
+    def _queue_due(self, last: Node) -> None:
+        """Append the nodes of the path root..``last`` now due for a write-through copy
+        (on the device, no host copy, not queued, hit often enough), top-down."""
+        need = self.write_through_hits
+        root = self.tree.root
+        due = []
+        node = last
+        while node is not root:
+            if (node._on_device and node._host is None and not node._queued
+                    and node._hit_count >= need):
+                due.append(node)
+            node = node._parent
+        queue = self.tree._queue
+        for node in reversed(due):
+            node._queued = True
+            queue.append(node)
+
+    def take_adopted(self) -> list:
+        """The ``(node, start)`` of the host-only nodes the last ``held`` insert adopted
+        (``start``: the offset of the node's first token in the inserted sequence), top-down;
+        forgotten here."""
+        adopted, self.adopted = self.adopted, None
+        return [] if adopted is None else adopted
 
     def take_new_leaf(self) -> Node | None:
         """The leaf the last ``held`` insert made (None if none), forgotten here."""
@@ -1010,9 +1166,12 @@ class Core:
                 self._leave()
 
     def evict(self, num_tokens: int, free_callback: Any = None, batch: bool = False,
-              on_remove: Any = None) -> int:
+              on_remove: Any = None, backup: Any = None, on_backup: Any = None) -> int:
         """The whole evict loop; see the module docstring. Takes the guard itself (never
         ``held``): it lets go of it around each per-node callback."""
+        if self.host_tier:
+            return self._evict_tiered(num_tokens, free_callback, batch, on_remove, backup,
+                                      on_backup)
         self._take(False, "evict")
         holding = True
         garbage: list = []  # stale entries, dropped values: released outside the guard
@@ -1066,6 +1225,265 @@ class Core:
         hand_over_batch(free_callback, parts or None, error, _joined_values)
         return freed
 
+    def _evict_tiered(self, num_tokens: int, free_callback: Any, batch: bool, on_remove: Any,
+                      backup: Any, on_backup: Any) -> int:
+        """``evict`` with a host tier: victims with a host copy (or given one by ``backup``)
+        are demoted to the host, the others deleted (or skipped when they have host-only
+        children); see the module docstring."""
+        self._take(False, "evict")
+        holding = True
+        garbage: list = []  # stale entries, dropped values: released outside the guard
+        parts: list | None = [] if batch and free_callback is not None else None
+        per_node = free_callback is not None and not batch
+        use_backup = backup is not None and self.write_through_hits == 0
+        skipped: list = []  # device leaves that could not leave: pushed back at the end
+        freed = 0
+        error = None
+        try:
+            tree = self.tree
+            heap = self.heap
+            while freed < num_tokens:
+                node = heap._pop(garbage)
+                if node is None:
+                    break
+                size = node.num_tokens
+                value = None
+                if node._host is None:
+                    host = None
+                    if use_backup:
+                        value = node.value  # the tensor backup and free_callback both get
+                        try:
+                            host = backup(value)
+                            if host is not None:
+                                host = host_indices_bytes(host, size)
+                        except BaseException:
+                            garbage.append(heap._push(node))  # still a device leaf
+                            raise
+                    if host is None:
+                        if node._children:  # host-only children: it cannot leave the tree
+                            skipped.append(node)
+                            continue
+                    else:
+                        node._host = host
+                        self.host_size += size
+                        self.backed_up_tokens += size
+                        if on_backup is not None:
+                            try:
+                                on_backup(node)
+                            except BaseException:
+                                garbage.append(heap._push(node))
+                                raise
+                try:
+                    if on_remove is not None:
+                        on_remove(node)
+                    if per_node and value is None:
+                        value = node.value
+                except BaseException:
+                    garbage.append(heap._push(node))
+                    raise
+                if parts is not None:
+                    raw = node._value
+                    parts.append(node._key if raw is None else raw)
+                if node._host is not None:  # demoted: stays in the tree, host only
+                    parent = node._parent
+                    garbage.append(node._value)
+                    node._value = None
+                    node._on_device = False
+                    if not node._children:
+                        garbage.append(self.host_heap._push(node))
+                else:
+                    parent, dropped = tree._detach_leaf(node)
+                    garbage.append(dropped)
+                self.evictable -= size
+                self.evictions += 1
+                self.evicted_tokens += size
+                garbage.append(self._push_if_evictable(parent))
+                freed += size
+                if per_node:
+                    self._leave()
+                    holding = False
+                    garbage.clear()
+                    free_callback(value)
+                    del value
+                    self._take(False, "evict, after its free_callback")
+                    holding = True
+        except BaseException as exc:
+            if parts is None:
+                raise
+            error = exc
+        finally:
+            if skipped and not holding and self._enter(False):
+                holding = True
+            if holding:
+                if skipped:
+                    for node in skipped:
+                        garbage.append(self._push_if_evictable(node))
+                self._leave()
+        garbage.clear()
+        skipped.clear()
+        hand_over_batch(free_callback, parts or None, error, _joined_values)
+        return freed
+
+    def evict_host(self, num_tokens: int, free_callback: Any = None, batch: bool = False,
+                   on_remove: Any = None) -> int:
+        """Evict host leaves in policy order; see the module docstring."""
+        self._take(False, "evict_host")
+        holding = True
+        garbage: list = []
+        parts: list | None = [] if batch and free_callback is not None else None
+        per_node = free_callback is not None and not batch
+        freed = 0
+        error = None
+        try:
+            tree = self.tree
+            heap = self.host_heap
+            while freed < num_tokens:
+                node = heap._pop(garbage)
+                if node is None:
+                    break
+                try:
+                    if on_remove is not None:
+                        on_remove(node)
+                    if per_node:
+                        value = node.host_value
+                except BaseException:
+                    garbage.append(heap._push(node))  # still a host leaf
+                    raise
+                host = node._host
+                if parts is not None:
+                    parts.append(host)
+                size = node.num_tokens
+                parent, dropped = tree._detach_leaf(node)
+                garbage.append(dropped)
+                node._host = None
+                self.host_size -= size
+                self.host_evictions += 1
+                self.host_evicted_tokens += size
+                if _host_leaf(parent):
+                    garbage.append(heap._push(parent))
+                freed += size
+                if per_node:
+                    self._leave()
+                    holding = False
+                    garbage.clear()
+                    free_callback(value)
+                    del value
+                    self._take(False, "evict_host, after its free_callback")
+                    holding = True
+        except BaseException as exc:
+            if parts is None:
+                raise
+            error = exc
+        finally:
+            if holding:
+                self._leave()
+        garbage.clear()
+        hand_over_batch(free_callback, parts or None, error, _joined_values)
+        return freed
+
+    def write_through(self, backup: Any, on_backup: Any = None) -> int:
+        """Copy the queued nodes to the host, FIFO; see the module docstring."""
+        self._take(False, "write_through")
+        garbage: list = []
+        try:
+            queue = self.tree._queue
+            copied = 0
+            while queue:
+                node = queue[0]
+                if node._evicted or not node._on_device or node._host is not None:
+                    garbage.append(queue.popleft())
+                    node._queued = False
+                    continue
+                size = node.num_tokens
+                host = backup(node.value)  # an error leaves the node queued, at the front
+                if host is None:
+                    break  # the host is full: the rest waits for the next call
+                host = host_indices_bytes(host, size)
+                queue.popleft()
+                node._queued = False
+                node._host = host
+                self.host_size += size
+                self.backed_up_tokens += size
+                copied += size
+                if on_backup is not None:
+                    on_backup(node)
+            return copied
+        finally:
+            self._leave()
+            garbage.clear()
+
+    def load_back(self, match: Any, device_values: Any, on_load: Any = None) -> torch.Tensor:
+        """Put a match's host continuation back on the device; see the module docstring."""
+        self._take(False, "load_back")
+        try:
+            if not isinstance(match, MatchResult):
+                raise TypeError(f"load_back needs a MatchResult, got {type(match).__name__}")
+            nodes = self._host_continuation(match)
+            count = len(device_values)
+            if count != match.host_length:
+                raise ValueError(f"load_back got {count} device slots for a host match of "
+                                 f"{match.host_length} tokens")
+            if not nodes:
+                return empty_indices()
+            nodes.reverse()  # top-down
+            hosts = []
+            start = 0
+            for node in nodes:
+                size = node.num_tokens
+                part = device_values[start:start + size]
+                node._value = part.tobytes() if isinstance(part, np.ndarray) else part
+                node._on_device = True
+                self.evictable += size
+                hosts.append(node._host)
+                start += size
+            self.loaded_tokens += match.host_length
+            dropped = self._push_if_evictable(nodes[-1])  # noqa: F841
+            if on_load is not None:
+                for node in nodes:
+                    on_load(node)
+            return torch.frombuffer(bytearray().join(hosts), dtype=torch.int64)
+        finally:
+            self._leave()
+
+    def _host_continuation(self, match: MatchResult) -> list:
+        """The host-only nodes from ``match.last_host_node`` up to ``match.last_node``
+        (bottom-up), checked to be exactly as the match found them; ValueError if not."""
+        last = match.last_node
+        bottom = match.last_host_node
+        host_length = match.host_length
+        root = self.tree.root
+        if type(host_length) is not int or host_length < 0:
+            raise stale_match(f"host_length {host_length!r} is not a token count")
+        if last is not root:
+            if not isinstance(last, Node) or last._evicted or not last._on_device:
+                raise stale_match("its last_node is no longer on the device")
+            top = last
+            while top._parent is not None:
+                top = top._parent
+            if top is not root:
+                raise stale_match("its last_node is not in this cache")
+        if host_length == 0:
+            if bottom is not last and bottom is not None:
+                raise stale_match("host_length is 0 but last_host_node is not last_node")
+            return []
+        nodes = []
+        total = 0
+        node = bottom
+        while node is not last:
+            if not isinstance(node, Node) or node is root:
+                raise stale_match("its host nodes do not lead up to its last_node")
+            if node._evicted or node._on_device or node._host is None:
+                raise stale_match(f"node {node._id} is no longer only on the host")
+            nodes.append(node)
+            total += node.num_tokens
+            if total > host_length:
+                break
+            node = node._parent
+        if total != host_length:
+            raise stale_match(f"its host nodes hold {total} tokens, not host_length "
+                              f"{host_length}")
+        return nodes
+
     def set_value(self, node: Node, values: Any, held: bool = False) -> None:
         self._take(held, "insert")
         try:
@@ -1077,6 +1495,9 @@ class Core:
     # -- copies and persistence (the state format: see the module docstring) -------------------
     def export_state(self) -> dict:
         """The tree, its clock and the counters as plain data; locks are not carried."""
+        if self.host_tier:
+            raise TypeError("export_state: a cache with a host tier cannot be exported or "
+                            "copied (its host indices belong to the engine's host pool)")
         self._take(False, "export_state")
         try:
             tree = self.tree

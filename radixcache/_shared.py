@@ -36,14 +36,22 @@ class MatchResult:
         last_node: The ``RadixTreeNode`` where the match ends (the root on a miss): lock it
             with ``inc_lock_ref`` while a request uses the prefix.
         length: Tokens matched, a multiple of the page size.
+        host_length: With a host tier: the page-aligned tokens after ``length`` that are
+            cached only in host memory (``RadixCache.load_back`` brings them back); 0
+            otherwise.
+        last_host_node: The node where that host continuation ends; ``None`` (the default)
+            means ``last_node``, which it is whenever ``host_length`` is 0.
     """
 
-    __slots__ = ("indices", "last_node", "length")
+    __slots__ = ("indices", "last_node", "length", "host_length", "last_host_node")
 
-    def __init__(self, indices: torch.Tensor, last_node, length: int) -> None:
+    def __init__(self, indices: torch.Tensor, last_node, length: int, host_length: int = 0,
+                 last_host_node=None) -> None:
         self.indices = indices
         self.last_node = last_node
         self.length = length
+        self.host_length = host_length
+        self.last_host_node = last_node if last_host_node is None else last_host_node
 
     def __len__(self) -> int:
         """``len(result)``: the tokens matched.
@@ -64,6 +72,10 @@ class MatchResult:
         self.close()
 
     def __repr__(self) -> str:
+        if self.host_length:
+            return (f"MatchResult(length={self.length}, last_node={self.last_node!r}, "
+                    f"host_length={self.host_length}, "
+                    f"last_host_node={self.last_host_node!r})")
         return f"MatchResult(length={self.length}, last_node={self.last_node!r})"
 
 
@@ -137,6 +149,42 @@ def hand_over_batch(free_callback, value, error, join=None) -> None:
             raise
     if error is not None:
         raise error
+
+
+def host_indices_bytes(host, num_tokens: int) -> bytes:
+    """Check what an engine's ``backup(device_indices)`` returned for a node of
+    ``num_tokens`` tokens and give its host indices as native int64 bytes (a copy, so the
+    caller's tensor may change afterwards). The same checks and messages on both cores.
+
+    Raises:
+        TypeError: ``host`` is not a ``torch.Tensor``, or not of dtype ``torch.int64``.
+        ValueError: ``host`` is not 1-D, or does not hold exactly ``num_tokens`` indices.
+    """
+    if not isinstance(host, torch.Tensor):
+        raise TypeError("backup must return a torch.Tensor of host indices (or None when the "
+                        f"host is full), got {type(host).__name__}")
+    if host.dtype != torch.int64:
+        raise TypeError(f"backup must return host indices of dtype torch.int64, got "
+                        f"{host.dtype}")
+    if host.dim() != 1:
+        raise ValueError(f"backup must return a 1-D tensor of host indices, got "
+                         f"{host.dim()}-D")
+    if host.shape[0] != num_tokens:
+        raise ValueError(f"backup returned {host.shape[0]} host indices for {num_tokens} "
+                         "device slots: one per slot expected")
+    return host.detach().cpu().contiguous().numpy().tobytes()
+
+
+def stale_match(why: str) -> ValueError:
+    """The error of ``load_back`` for a match whose host continuation is no longer there."""
+    return ValueError(f"stale match: {why}; the tree changed since match_prefix made it "
+                      "(match again)")
+
+
+def lock_host_only(node_id: int) -> ValueError:
+    """The error of ``inc_lock_ref`` on a node that is only on the host."""
+    return ValueError(f"inc_lock_ref on node {node_id}: it is only on the host: load it back "
+                      "first (load_back)")
 
 
 #: Policies whose key can fall when a leaf is touched: the touched leaf is pushed anew.

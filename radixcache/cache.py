@@ -21,9 +21,11 @@ import numpy as np
 import torch
 
 from . import _core
+from ._options import WRITE_POLICIES
 from ._shared import EVICTION_POLICIES, InsertResult, MatchResult
 
-__all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "EVICTION_POLICIES"]
+__all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "EVICTION_POLICIES",
+           "WRITE_POLICIES"]
 
 _INT64_MAX = 2**63 - 1
 _INT64_MIN = -(2**63)
@@ -50,6 +52,17 @@ class CacheStats:
         protected_size: tokens in locked nodes, now.
         total_size: ``evictable_size + protected_size``.
         node_count: nodes in the tree, the root excluded.
+        host_hit_tokens: with a host tier, tokens ``match_prefix`` found only in host memory
+            (its ``host_length``; not in ``matched_tokens``).
+        loaded_tokens: tokens ``load_back`` brought back to the device.
+        backed_up_tokens: tokens copied to the host (by ``evict`` or ``write_through``).
+        host_evictions: nodes ``evict_host`` removed.
+        host_evicted_tokens: tokens ``evict_host`` freed.
+        host_size: tokens with a host copy, now (``host_size()``).
+
+    Without a host tier, the host fields are 0 and the sizes are those of the whole tree;
+    with one, ``evictable_size``, ``protected_size`` and ``total_size`` count tokens on the
+    device, ``evictions`` and ``evicted_tokens`` the nodes and tokens that left it.
     """
 
     lookups: int
@@ -65,6 +78,12 @@ class CacheStats:
     protected_size: int
     total_size: int
     node_count: int
+    host_hit_tokens: int = 0
+    loaded_tokens: int = 0
+    backed_up_tokens: int = 0
+    host_evictions: int = 0
+    host_evicted_tokens: int = 0
+    host_size: int = 0
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -187,17 +206,35 @@ class RadixCache:
             reference), or ``None`` for the default (compiled unless the environment variable
             ``RADIXCACHE_NO_EXTENSIONS`` is set or it was not built; see
             ``radixcache.core_name()``).
+        host_tier: Give the cache a second tier, host memory (see "Host tier" below). Off by
+            default: then the cache behaves exactly as a one-tier cache.
+        write_policy: When a node gets its host copy, with ``host_tier=True``: one of
+            ``WRITE_POLICIES``: ``"write_back"`` (default) when ``evict`` pushes it off the
+            device (its ``backup`` callback copies it); ``"write_through"`` once it has been
+            hit (inserted through) once, and ``"write_through_selective"`` once hit twice --
+            ``write_through(backup)`` copies the nodes that became due.
+
+    Host tier: a node holds a device value (its KV slots on the GPU), a host value (slots in
+    a host pool), or both (``RadixTreeNode.tier``). The cache owns no pool and copies no
+    data: it tells the engine what to copy and takes the indices the engine hands back.
+    ``evict(..., backup=...)`` demotes victims to the host; ``match_prefix`` reports the
+    host-only continuation (``MatchResult.host_length``, ``last_host_node``);
+    ``load_back`` puts it on the device again; ``insert`` through a host-only node adopts
+    the caller's device slots for it; ``evict_host`` frees host memory. Sizes
+    (``evictable_size``, ``protected_size``, ``total_size``) count the device tier;
+    ``host_size`` the tokens with a host copy. A host-tier cache cannot be pickled or copied.
 
     Raises:
-        TypeError: ``page_size`` is not an int, ``event_options`` not a dict, or an event
-            option is unknown.
-        ValueError: ``page_size`` < 1, an unknown ``eviction_policy`` or ``core``, or
-            ``event_options`` without ``enable_events=True``.
+        TypeError: ``page_size`` is not an int, ``event_options`` not a dict, an event
+            option is unknown, ``host_tier`` is not a bool or ``write_policy`` not a str.
+        ValueError: ``page_size`` < 1, an unknown ``eviction_policy``, ``core`` or
+            ``write_policy``, or ``event_options`` without ``enable_events=True``.
     """
 
     def __init__(self, page_size: int = 1, eviction_policy: str = "lru", *,
                  enable_events: bool = False, event_options: dict | None = None,
-                 core: str | None = None) -> None:
+                 core: str | None = None, host_tier: bool = False,
+                 write_policy: str = "write_back") -> None:
         page_size = _check_int("page_size", page_size)
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -206,8 +243,17 @@ class RadixCache:
                 f"unknown eviction_policy {eviction_policy!r}; valid: "
                 + ", ".join(EVICTION_POLICIES)
             )
+        if type(host_tier) is not bool:
+            raise TypeError(f"host_tier must be a bool, got {type(host_tier).__name__}")
+        if not isinstance(write_policy, str):
+            raise TypeError(f"write_policy must be a str, got {type(write_policy).__name__}")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write_policy {write_policy!r}; valid: "
+                             + ", ".join(WRITE_POLICIES))
         self.page_size = page_size
         self.eviction_policy = eviction_policy
+        self.host_tier = host_tier
+        self.write_policy = write_policy
         self._core_module = _core.get_core(core)
         self._events = None
         if event_options is not None:
@@ -225,7 +271,11 @@ class RadixCache:
                 raise TypeError(f"unknown event option {unknown[0]!r}; valid: "
                                 + ", ".join(sorted(_EVENT_OPTIONS)))
             self._events = EventRecorder(page_size, **options)
-        self._core = self._core_module.Core(page_size, eviction_policy)
+        if host_tier:
+            self._core = self._core_module.Core(page_size, eviction_policy, True,
+                                                WRITE_POLICIES[write_policy])
+        else:
+            self._core = self._core_module.Core(page_size, eviction_policy)
 
     @property
     def core_name(self) -> str:
@@ -290,7 +340,7 @@ class RadixCache:
             ) from None
         return _list_tokens(items)
     @staticmethod
-    def _kv_values(kv_indices: Any, needed: int) -> Any:
+    def _kv_values(kv_indices: Any, needed: int, what: str = "kv_indices") -> Any:
         """Validate kv_indices as 1-D integers, at least ``needed`` of them.
 
         Returns a contiguous int64 numpy array for CPU values (the core copies slices of it)
@@ -298,28 +348,28 @@ class RadixCache:
         """
         if isinstance(kv_indices, torch.Tensor):
             if kv_indices.dim() != 1:
-                raise ValueError(f"kv_indices must be 1-D, got {kv_indices.dim()}-D")
-            _check_tensor_dtype(kv_indices, "kv_indices")
+                raise ValueError(f"{what} must be 1-D, got {kv_indices.dim()}-D")
+            _check_tensor_dtype(kv_indices, what)
             values = kv_indices
             if kv_indices.device.type == "cpu":
-                values = _int64_array(kv_indices.detach().numpy(), "kv_indices")
+                values = _int64_array(kv_indices.detach().numpy(), what)
         else:
             if isinstance(kv_indices, (str, bytes)):
-                raise TypeError("kv_indices must be a sequence of ints, got str/bytes")
+                raise TypeError(f"{what} must be a sequence of ints, got str/bytes")
             try:
                 arr = np.asarray(kv_indices)
             except OverflowError as exc:
-                raise OverflowError(f"kv_indices do not fit in int64: {exc}") from None
+                raise OverflowError(f"{what} do not fit in int64: {exc}") from None
             except ValueError as exc:  # ragged nesting
-                raise ValueError(f"kv_indices must be 1-D: {exc}") from None
+                raise ValueError(f"{what} must be 1-D: {exc}") from None
             if arr.dtype == object:
                 arr = _kv_from_objects(arr)
             if arr.ndim == 1 and arr.size == 0:
                 arr = arr.astype(np.int64)
-            values = _int64_array(arr, "kv_indices")
+            values = _int64_array(arr, what)
         if values.shape[0] < needed:
             raise ValueError(
-                f"kv_indices has {values.shape[0]} entries, fewer than the {needed} "
+                f"{what} has {values.shape[0]} entries, fewer than the {needed} "
                 "page-aligned tokens"
             )
         return values
@@ -380,10 +430,15 @@ class RadixCache:
             priority: An int64; with every eviction policy a lower priority is evicted
                 before a higher one.
 
+        With a host tier, a node on the path that is only on the host is adopted: it takes
+        the caller's slots for its tokens (a copy of that slice of ``kv_indices``) and is on
+        the device again, keeping its host copy. Adopted tokens do not count in
+        ``prefix_len``: their slots are used by the cache, not duplicates.
+
         Returns:
-            An ``InsertResult``: ``prefix_len``, how many leading tokens were cached already
-            (their slots in ``kv_indices`` are duplicates the caller may free), and
-            ``last_node``, the node where the sequence ends.
+            An ``InsertResult``: ``prefix_len``, how many leading tokens were cached on the
+            device already (their slots in ``kv_indices`` are duplicates the caller may
+            free), and ``last_node``, the node where the sequence ends.
 
         Raises:
             TypeError: tokens or indices that are not integers, an unhashable ``extra_key``,
@@ -417,6 +472,14 @@ class RadixCache:
             on_device = isinstance(kv, torch.Tensor)
             result = _checked(core.insert(tokens, None if on_device else kv, extra_key,
                                           priority, True))
+            if self.host_tier:
+                # Host-only nodes on the path took the caller's slots (adopted), top-down.
+                for node, start in core.take_adopted():
+                    if on_device:
+                        core.set_value(node, kv[start:start + node.num_tokens].to(
+                            torch.int64, copy=True), True)
+                    if self._events is not None:
+                        self._events.stored(node)
             leaf = core.take_new_leaf()
             if leaf is not None:
                 if on_device:
@@ -496,7 +559,8 @@ class RadixCache:
 
         Raises:
             TypeError: ``node`` is not a node of this cache's core.
-            ValueError: ``node`` belongs to another cache or was evicted.
+            ValueError: ``node`` belongs to another cache, was evicted, or is only on the host
+                (``load_back`` it first).
             OverflowError: the node already holds the most locks (2**31 - 1); nothing changes.
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
@@ -522,7 +586,8 @@ class RadixCache:
 
     def evict(self, num_tokens: int,
               free_callback: Callable[[torch.Tensor], Any] | None = None, *,
-              batch: bool = False) -> int:
+              batch: bool = False,
+              backup: Callable[[torch.Tensor], Any] | None = None) -> int:
         """Evict unlocked leaves in policy order until ``num_tokens`` are freed.
 
         A parent that becomes an evictable leaf joins in. The loop runs in the tree core, one
@@ -539,13 +604,30 @@ class RadixCache:
                 as the per-node calls); not called when nothing was freed. Suits allocators
                 that group their frees. Should the loop stop on an error, the nodes evicted
                 until then are still handed over before the error propagates.
+            backup: With a host tier and the ``write_back`` policy: called with a victim's
+                device indices (the tensor ``free_callback`` gets next) when it has no host
+                copy yet. The engine allocates host slots, copies the KV there and returns
+                their indices (a 1-D ``torch.int64`` tensor, one per device slot), or None
+                when the host is full. It runs inside the call: it must not call the cache.
+
+        With a host tier, a victim leaves the device only: one that has a host copy (or gets
+        one from ``backup``) stays in the tree, host only, and its device slots go to
+        ``free_callback``; one that gets none is deleted as without a host tier, except that
+        a node with host-only children stays on the device (free host memory with
+        ``evict_host`` first, or copy it with ``write_through``). A parent whose children
+        all left the device can follow in the same call. A ``backup`` that raises, or
+        returns something else than None or a valid tensor, leaves its victim as it was.
 
         Returns:
-            The number of tokens freed (at least ``num_tokens`` unless nothing evictable was
-            left).
+            The number of tokens freed from the device (at least ``num_tokens`` unless
+            nothing evictable was left).
 
         Raises:
-            TypeError: ``num_tokens`` is not an int, or ``free_callback`` is not callable.
+            TypeError: ``num_tokens`` is not an int, ``free_callback`` or ``backup`` is not
+                callable, or ``backup`` returned something else than None or an int64
+                tensor.
+            ValueError: ``backup`` given to a cache without a host tier, or ``backup``
+                returned a tensor that is not 1-D or of another length than the victim's.
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
@@ -554,8 +636,144 @@ class RadixCache:
             raise TypeError(
                 f"free_callback must be callable, got {type(free_callback).__name__}")
         events = self._events
+        if not self.host_tier:
+            if backup is not None:
+                raise ValueError("evict(backup=...) needs a cache with a host tier "
+                                 "(RadixCache(host_tier=True))")
+            return self._core.evict(num_tokens, free_callback, bool(batch),
+                                    None if events is None else events.removed)
+        if backup is not None and not callable(backup):
+            raise TypeError(f"backup must be callable, got {type(backup).__name__}")
         return self._core.evict(num_tokens, free_callback, bool(batch),
-                                None if events is None else events.removed)
+                                None if events is None else events.removed, backup,
+                                None if events is None else events.stored_host)
+
+    def _need_host_tier(self, what: str) -> None:
+        if not self.host_tier:
+            raise ValueError(f"{what} needs a cache with a host tier "
+                             "(RadixCache(host_tier=True))")
+
+    def evict_host(self, num_tokens: int,
+                   free_callback: Callable[[torch.Tensor], Any] | None = None, *,
+                   batch: bool = False) -> int:
+        """Free host memory: remove host-only leaves in policy order.
+
+        Only nodes held on the host alone and without children are victims: a node on the
+        device, or with a node below it, never is (so neither is a locked path). A victim
+        leaves the tree; a parent left host-only and childless can follow in the same call.
+
+        Args:
+            num_tokens: Host tokens to free; 0 or less frees nothing.
+            free_callback: Called with the freed host indices (a new 1-D CPU int64 tensor),
+                per node (the callback may call the cache) or, with ``batch``, once at the
+                end with all of them concatenated, as in ``evict``.
+            batch: One call of ``free_callback`` for the whole eviction, as in ``evict``.
+
+        Returns:
+            The number of host tokens freed.
+
+        Raises:
+            TypeError: ``num_tokens`` is not an int, or ``free_callback`` is not callable.
+            ValueError: the cache has no host tier.
+            RuntimeError: the cache was called from inside one of its own calls or from
+                another thread meanwhile.
+        """
+        num_tokens = _check_int("num_tokens", num_tokens)
+        if free_callback is not None and not callable(free_callback):
+            raise TypeError(
+                f"free_callback must be callable, got {type(free_callback).__name__}")
+        self._need_host_tier("evict_host")
+        events = self._events
+        return self._core.evict_host(num_tokens, free_callback, bool(batch),
+                                     None if events is None else events.removed_host)
+
+    def write_through(self, backup: Callable[[torch.Tensor], Any]) -> int:
+        """Copy to the host the nodes the write policy made due (call once per step).
+
+        With ``write_policy="write_through"`` a node is due once it has been hit (inserted
+        through, or made) once, with ``"write_through_selective"`` once hit twice; with
+        ``"write_back"`` nothing ever is, and this returns 0. Due nodes are copied in the
+        order they became due, each with one ``backup`` call; they stay on the device too.
+
+        Args:
+            backup: Called with a due node's device indices; allocates host slots, copies
+                the KV there and returns their indices (a 1-D ``torch.int64`` tensor, one per
+                device slot), or None when the host is full: the call then stops and the
+                rest stays due for the next one. It runs inside the call: it must not call
+                the cache. If it raises or returns a bad value, the node stays due and the
+                error propagates.
+
+        Returns:
+            The number of tokens copied.
+
+        Raises:
+            TypeError: ``backup`` is not callable, or returned something else than None or
+                an int64 tensor.
+            ValueError: the cache has no host tier, or ``backup`` returned a tensor that is
+                not 1-D or of another length than the node's.
+            RuntimeError: the cache was called from inside one of its own calls or from
+                another thread meanwhile.
+        """
+        if not callable(backup):
+            raise TypeError(f"backup must be callable, got {type(backup).__name__}")
+        self._need_host_tier("write_through")
+        events = self._events
+        return self._core.write_through(backup,
+                                        None if events is None else events.stored_host)
+
+    def load_back(self, match: MatchResult, device_indices: Any) -> torch.Tensor:
+        """Put the host-only continuation of a match back on the device.
+
+        The engine allocated ``match.host_length`` device slots; the nodes from
+        ``match.last_node`` down to ``match.last_host_node`` take them, in order, and are on
+        both tiers again. The engine then copies the KV from the returned host indices to
+        those slots; ``match_prefix`` now returns the whole prefix from the device (lock
+        ``match.last_host_node`` while a request uses it).
+
+        Args:
+            match: What ``match_prefix`` of this cache returned, with the tree unchanged
+                along its path since (no eviction, load or insert through it).
+            device_indices: The new device slots, ``match.host_length`` of them: a 1-D
+                integer torch tensor on any device, a numpy array or a sequence of ints.
+
+        Returns:
+            The host indices of the same tokens in the same order, a new 1-D CPU
+            ``torch.int64`` tensor (empty when ``match.host_length`` is 0).
+
+        Raises:
+            TypeError: ``match`` is not a ``MatchResult``, or ``device_indices`` do not hold
+                integers.
+            ValueError: the cache has no host tier, a stale ``match`` (its host
+                continuation is no longer exactly there), or not exactly
+                ``match.host_length`` device indices, or not 1-D.
+            OverflowError: a device index does not fit in int64.
+            RuntimeError: the cache was called from inside one of its own calls or from
+                another thread meanwhile.
+        """
+        if not isinstance(match, MatchResult):
+            raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
+        self._need_host_tier("load_back")
+        values = self._kv_values(device_indices, 0, "device_indices")
+        wanted = match.host_length
+        if values.shape[0] != wanted:
+            raise ValueError(f"load_back got {values.shape[0]} device indices for a host "
+                             f"match of {wanted} tokens")
+        if isinstance(values, torch.Tensor):  # on a device: kept there, a copy of it
+            values = values.to(torch.int64, copy=True)
+        events = self._events
+        return self._core.load_back(match, values, None if events is None else events.stored)
+
+    def host_size(self) -> int:
+        """Tokens with a copy in host memory (host only, or on both tiers).
+
+        Returns:
+            The number of tokens.
+
+        Raises:
+            ValueError: the cache has no host tier.
+        """
+        self._need_host_tier("host_size")
+        return self._core.host_size
 
     def evictable_size(self) -> int:
         """Tokens in unlocked nodes (what ``evict`` could free).
@@ -594,7 +812,8 @@ class RadixCache:
 
         Returns:
             A ``CacheStats`` (lookups, matched and queried tokens, hit rate, inserts,
-            inserted tokens, evictions, evicted tokens, splits, and the sizes).
+            inserted tokens, evictions, evicted tokens, splits, the sizes, and with a host
+            tier its counters and size).
         """
         c = self._core
         return CacheStats(
@@ -611,7 +830,16 @@ class RadixCache:
             protected_size=c.protected,
             total_size=c.evictable + c.protected,
             node_count=c.tree.node_count,
+            **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict:
+        if not self.host_tier:
+            return {}
+        c = self._core
+        return {"host_hit_tokens": c.host_hit_tokens, "loaded_tokens": c.loaded_tokens,
+                "backed_up_tokens": c.backed_up_tokens, "host_evictions": c.host_evictions,
+                "host_evicted_tokens": c.host_evicted_tokens, "host_size": c.host_size}
 
     def reset_stats(self) -> None:
         """Zero the counters of ``stats()``; the tree is untouched."""
@@ -650,8 +878,10 @@ class RadixCache:
         """Print the tree: one line per node, indented 2 per level, then the token count.
 
         Each line shows the node's key length, at most its first 10 tokens and its lock
-        count; siblings are listed by namespace, then tokens; the last line is
-        ``#tokens: N`` (``total_size()``).
+        count (and, with a host tier, its tier: ``device``, ``host`` or ``device+host``);
+        siblings are listed by namespace, then tokens; the last line is ``#tokens: N``
+        (``total_size()``), followed with a host tier by ``#host tokens: N``
+        (``host_size()``).
 
         Args:
             file: Where to write (a text stream); ``None``: standard output.
@@ -664,21 +894,27 @@ class RadixCache:
         core.enter("pretty_print")
         try:
             out = sys.stdout if file is None else file
+            tiers = self.host_tier
             for node, depth in core.tree.iter_nodes():
                 key = node.key
                 shown = ", ".join(str(int(t)) for t in key[:10])
                 if len(key) > 10:
                     shown += ", ..."
+                tier = f" tier={node.tier}" if tiers and depth else ""
                 out.write(f"{'  ' * depth}[len={len(key)} key=[{shown}] "
-                          f"lock_ref={node.lock_ref}]\n")
+                          f"lock_ref={node.lock_ref}{tier}]\n")
             out.write(f"#tokens: {self.total_size()}\n")
+            if tiers:
+                out.write(f"#host tokens: {core.host_size}\n")
         finally:
             core.leave()
 
     def __repr__(self) -> str:
+        host = (f", write_policy={self.write_policy!r}, host_size={self._core.host_size}"
+                if self.host_tier else "")
         return (f"RadixCache(page_size={self.page_size}, eviction_policy="
                 f"{self.eviction_policy!r}, core={self.core_name!r}, "
-                f"total_size={self.total_size()}, nodes={self.node_count()})")
+                f"total_size={self.total_size()}, nodes={self.node_count()}{host})")
 
     # -- copies and persistence ---------------------------------------------------------
     def __reduce_ex__(self, protocol: Any) -> tuple:
@@ -703,8 +939,13 @@ class RadixCache:
 
         Raises:
             TypeError: The cache records KV events (``enable_events=True``): its event stream
-                cannot continue on a copy.
+                cannot continue on a copy; or it has a host tier: its host indices belong to
+                the engine's host pool, which a copy would share.
         """
+        if self.host_tier:
+            raise TypeError("cannot pickle or copy a RadixCache with host_tier=True: its host "
+                            "indices point into the engine's host pool, which a copy cannot "
+                            "own")
         if self._events is not None:
             raise TypeError("cannot pickle or copy a RadixCache with enable_events=True: its "
                             "KV event stream cannot continue on a copy")

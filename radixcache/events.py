@@ -604,7 +604,11 @@ class EventRecorder:
 
     Hooks: ``stored(leaf)`` after a new leaf got its value, ``removed(leaf)`` just before an
     evicted leaf is detached, ``cleared()`` on reset; ``take()`` drains the queue. Events pile
-    up until taken. ``len(recorder)`` is the number of events waiting.
+    up until taken. ``len(recorder)`` is the number of events waiting. A cache with a host
+    tier also calls ``stored(node)`` when a node comes back to the device (loaded back or
+    adopted), ``removed(node)`` when one leaves the device (also when it stays on the host),
+    and ``stored_host(node)``/``removed_host(node)`` (``medium="CPU"``) when a node gets a
+    host copy or loses it.
 
     Args:
         page_size: Tokens per page (the cache's), an int >= 1.
@@ -672,9 +676,26 @@ class EventRecorder:
     def stored(self, node: Any) -> None:
         """Record a ``BlockStored`` for a new leaf's full pages (none if it has no full page).
 
+        With a host tier, also for a node that came back to the device (loaded back or
+        adopted by an insert).
+
         Args:
             node: The new leaf, its value set.
         """
+        self._stored(node, self.medium)
+
+    def stored_host(self, node: Any) -> None:
+        """Record a ``BlockStored`` with ``medium="CPU"``: a node's pages got a host copy.
+
+        The block hashes are the same as on the device: a page's hash depends on its tokens
+        and prefix only, not on where it is held.
+
+        Args:
+            node: The node, its host value set.
+        """
+        self._stored(node, MEDIUM_CPU)
+
+    def _stored(self, node: Any, medium: Optional[str]) -> None:
         extra_key = node.extra_key
         parent_hash = self._hash_through(node.parent)
         key = node.key
@@ -694,15 +715,28 @@ class EventRecorder:
         self._events.append(BlockStored(
             tuple(hashes), parent_hash,
             tuple(key.tolist()) if self._chain is _chain else TokenIds(data), self.page_size,
-            lora_id, self.medium, lora_name, (entry,) * len(hashes),
+            lora_id, medium, lora_name, (entry,) * len(hashes),
         ))
 
     def removed(self, node: Any) -> None:
         """Record a ``BlockRemoved`` for a leaf about to be evicted (still in the tree).
 
+        With a host tier: for a node about to leave the device (it may stay on the host).
+
         Args:
             node: The leaf.
         """
+        self._removed(node, self.medium)
+
+    def removed_host(self, node: Any) -> None:
+        """Record a ``BlockRemoved`` with ``medium="CPU"``: a node leaves host memory.
+
+        Args:
+            node: The host-only leaf about to be evicted from the host (still in the tree).
+        """
+        self._removed(node, MEDIUM_CPU)
+
+    def _removed(self, node: Any, medium: Optional[str]) -> None:
         try:
             namespace = encode_namespace(node.extra_key)
         except TypeError:
@@ -713,7 +747,7 @@ class EventRecorder:
                              self._page_bytes)
         self._last_hash.pop(node.id, None)
         if hashes:
-            self._events.append(BlockRemoved(tuple(hashes), self.medium))
+            self._events.append(BlockRemoved(tuple(hashes), medium))
 
     def cleared(self) -> None:
         """Record an ``AllBlocksCleared`` (the cache was reset) and forget every hash."""
