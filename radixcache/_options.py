@@ -42,9 +42,6 @@ DEFAULT_INTERVAL_MS = 100.0
 #: x16 link (32 GB/s raw) carries in practice, or about half of a Gen5 x16 link's (64 GB/s
 #: raw): on the safe side for an H100-class GPU, and 10x ``DEFAULT_PREFILL_TPS``.
 DEFAULT_LOAD_TPS = 200_000.0
-#: The cache's write policies (``RadixCache(host_tier=True, write_policy=...)``): copy a
-#: prefix to the host when it leaves the device, on its first hit, or on its second hit.
-WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 #: ``Router``'s default weight of a block held only on a worker's host tier, as a fraction of
 #: a device block: a host hit costs a load instead of a prefill, so it saves
 #: ``1 - DEFAULT_PREFILL_TPS / DEFAULT_LOAD_TPS`` = 0.9 of the prefill a device hit saves.

@@ -808,6 +808,12 @@ def _simulate(args: argparse.Namespace) -> int:
             return 1
 
     core = _core.get_core(args.core).CORE_NAME
+    if any(args.host_capacity):
+        try:
+            RadixCache(core=core, host_tier=True)
+        except TypeError:  # a compiled core built before it had the host tier
+            raise _UsageError(f"--host-capacity: the {core!r} tree core of this build has no "
+                              "host tier; use --core python") from None
     prompt_total = requests.prompt_tokens
     largest_need = requests.largest_need
     capacities_note = ""

@@ -459,8 +459,10 @@ def host_cache(core, write_policy="write_back", **options):
     """A ``RadixCache`` with a host tier on ``core`` (skipped where the core has none yet)."""
     try:
         return RadixCache(core=core, host_tier=True, write_policy=write_policy, **options)
-    except NotImplementedError as exc:  # a core built without the host tier
-        pytest.skip(str(exc))
+    except TypeError as exc:  # a compiled core built before it had the host tier
+        if core != "c" or "positional argument" not in str(exc):
+            raise
+        pytest.skip(f"the compiled core of this build has no host tier ({exc})")
 
 
 def host_slots(cache):
@@ -576,9 +578,15 @@ def test_finite_host_lies_between_device_only_and_the_ceiling(core):
     ceiling = serve(RadixCache(core=core), requests, 10**6).cached_tokens
     device_only = serve(RadixCache(core=core), requests, 1500).cached_tokens
     for write_policy in WRITE_POLICIES:
-        result = checking_host_serve(host_cache(core, write_policy), requests, 1500, 1500)
+        # Write-through copies what is on the device too: the host needs more room than the
+        # device to hold anything else, so it gets twice as much here.
+        result = checking_host_serve(host_cache(core, write_policy), requests, 1500, 3000)
         assert device_only < result.cached_tokens < ceiling, write_policy
-        assert result.host_evicted_tokens > 0  # the host filled up and was evicted
+        if write_policy != "write_through_selective":
+            assert result.host_evicted_tokens > 0  # the host filled up and was evicted
+    # A host no larger than the device holds only copies of the device under write-through.
+    mirror = serve(host_cache(core, "write_through"), requests, 1500, host_capacity=1500)
+    assert mirror.cached_tokens == device_only and mirror.host_cached_tokens == 0
     # Selective write-through copies only what was hit twice: below the unlimited ceiling.
     selective = checking_host_serve(host_cache(core, "write_through_selective"), requests,
                                     1500, 10**9)
