@@ -1025,7 +1025,7 @@ def _simulate_fleet(args: argparse.Namespace, requests: Trace, trace_name: str,
     if args.show_host:
         headers += ["host hit", "loaded"]
     headers += ["prefill tokens", "imbalance", "TTFT p50 ms", "TTFT p99 ms", "wall s"]
-    print(_format_table(headers, table, left=(1, 2, 3, 4) if args.show_host else (1, 2)))
+    print(_format_table(headers, table, left=(1, 3, 4) if args.show_host else (1, 2)))
     for note in notes:
         print(note)
 
