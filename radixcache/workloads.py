@@ -892,6 +892,7 @@ class ServingLoop:
         self._write_back = host_pool is not None and cache.write_policy == "write_back"
         self._write_through = host_pool is not None and not self._write_back
         self._wanted = 0  # host slots a write-through copy could not get
+        self._largest = 0  # the most tokens a request has had: no node is larger
 
     def admit(self, request: Request, *, wait: bool = False) -> Admission | None:
         """Admit a request: match, lock, evict if the pool is short, allocate.
@@ -979,6 +980,8 @@ class ServingLoop:
         self.seconds += clock() - start
         cached = match.length
 
+        if len(prompt) + request.output_len > self._largest:
+            self._largest = len(prompt) + request.output_len
         # The host part needs device slots too: it is loaded back.
         need = len(prompt) - cached + request.output_len
         short = need - pool.available
@@ -1042,9 +1045,12 @@ class ServingLoop:
         cache = self.cache
         if self._write_back:
             # A backup cannot evict from the host itself (it runs inside the cache's call):
-            # make the room first. Victims that already have a host copy need none, and the
-            # last victim may free more than ``short``: its copy is dropped if it misses room.
-            room = short - self.host_pool.available
+            # make the room first. The victims free at least ``short`` tokens and less than
+            # one node more (no node is larger than the largest request), and no more than
+            # is evictable: with that much room every copy fits (victims that already have a
+            # host copy need none).
+            room = (min(short + self._largest - 1, cache.evictable_size())
+                    - self.host_pool.available)
             if room > 0:
                 self._evict_host(room)
             self.evicted_tokens += cache.evict(short, self.pool.free, backup=self._backup)

@@ -17,6 +17,7 @@ from radixcache.workloads import (
     HostPool,
     KVPool,
     Request,
+    ServingLoop,
     as_input_type,
     deep_exercise_ops,
     exercise_ops,
@@ -591,6 +592,24 @@ def test_finite_host_lies_between_device_only_and_the_ceiling(core):
     selective = checking_host_serve(host_cache(core, "write_through_selective"), requests,
                                     1500, 10**9)
     assert device_only < selective.cached_tokens < ceiling
+
+
+def test_write_back_makes_room_for_a_victim_larger_than_the_shortfall(core):
+    # Device 100, host 100, page 1. A (30), B (30), C (60) tokens, then D (60): D is short
+    # of 50 slots, so B (30) and C (60) leave the device. The host holds A (30): the room
+    # made first must cover C whole (a shortfall of 50 is not enough), so A goes and both
+    # copies fit; C is not dropped.
+    a, b, c, d = (np.arange(n) + 1000 * i for i, n in enumerate((30, 30, 60, 60), 1))
+    cache = host_cache(core)
+    loop = ServingLoop(cache, 100, host_capacity=100)
+    for prompt in (a, b, c, d):
+        loop.finish(loop.admit(Request(prompt, 0)))
+    assert loop.backed_up_tokens == 30 + 30 + 60 and loop.host_evicted_tokens == 30
+    assert cache.host_size() == 90 and cache.total_size() == 60
+    assert cache.match_prefix(c).host_length == 60
+    assert cache.match_prefix(b).host_length == 30 and cache.match_prefix(a).host_length == 0
+    result = loop.result()
+    assert result.host_capacity == 100 and result.host_evicted_tokens == 30
 
 
 def test_host_tier_needs_a_host_cache_and_good_arguments(core):
