@@ -1058,7 +1058,7 @@ class ServingLoop:
             self.evicted_tokens += cache.evict(short, self.pool.free)
 
     def _evict_host(self, num_tokens: int) -> int:
-        freed = self.cache.evict_host(num_tokens, self.host_pool.free)
+        freed = self.cache.evict_host(num_tokens, self.host_pool.free, batch=True)
         self.host_evicted_tokens += freed
         return freed
 
