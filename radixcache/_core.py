@@ -47,6 +47,11 @@ class RadixTreeNode(ABC):
         terminal: True if a sequence inserted exactly ends here (what ``exists`` looks for).
         num_tokens: ``len(key)``.
         num_children: ``len(children)``.
+        on_device: False when the node is held only in host memory (a cache with a host
+            tier); then ``value`` is None. Always True without a host tier.
+        host_value: Its host indices, a new 1-D CPU ``torch.int64`` tensor, or None when it
+            has no host copy.
+        tier: ``"device"``, ``"host"`` or ``"device+host"``.
     """
 
 

@@ -5,8 +5,10 @@ whichever one ``_core.py`` chose and never walks the tree itself.
 
 Interface shared by both cores
 ------------------------------
-``Core(page_size, policy)`` -- one per cache: the tree, the eviction heap, the sizes and the
-counters, and every per-call operation, each one call into the core. ``cache.py`` keeps the
+``Core(page_size, policy, host_tier=False, write_through_hits=0)`` -- one per cache: the
+tree, the eviction heap(s), the sizes and the counters, and every per-call operation, each
+one call into the core. The host tier (``host_tier``; see "Host tier" below) is off by
+default; without it everything below behaves, and costs, as in a one-tier cache. ``cache.py`` keeps the
 public class, input validation (the slow path), device tensors, the events hook and
 stats assembly.
 
@@ -78,6 +80,88 @@ the documented exception) and calls again with canonical inputs and ``held=True`
 - ``reset(held=False)``, ``reset_stats()``; attributes ``tree``, ``heap``, ``guard``,
   ``evictable``, ``protected``, ``lookups``, ``matched_tokens``, ``queried_tokens``,
   ``inserts``, ``inserted_tokens``, ``evictions``, ``evicted_tokens``.
+
+Host tier
+---------
+With ``host_tier`` a node holds a device value (its KV slots on the GPU), a host value (slots
+in the engine's host pool, kept as int64 bytes; a split slices it as it slices a CPU device
+value), or both. The core owns no pool and copies no data.
+
+- Node: ``on_device`` (always True without a host tier; a host-only node has ``value`` and
+  ``stored_value`` None but is not ``evicted``), ``host_value`` (a new 1-D CPU int64 tensor,
+  or None), ``tier`` (``"device"``, ``"host"`` or ``"device+host"``).
+- Invariants: every node but the root has a device or a host value; no node on the device
+  below a host-only node; a locked node is on the device; ``evictable + protected`` = tokens
+  on the device; ``host_size`` = tokens with a host copy.
+- A device leaf: on the device, not the root, not evicted, unlocked, no child on the device
+  (host-only children allowed). ``heap`` holds device leaves; its lazy validity check is that
+  predicate. A host leaf: host only, not evicted, no children at all; ``host_heap`` (same
+  class, policy and guard) holds them.
+- ``write_through_hits``: 0 (``write_back``: nothing is due for write-through), 1
+  (``write_through``) or 2 (``write_through_selective``). Attributes ``host_tier``,
+  ``write_through_hits``, ``host_heap``, ``host_size`` and the counters ``host_hit_tokens``,
+  ``loaded_tokens``, ``backed_up_tokens``, ``host_evictions``, ``host_evicted_tokens``
+  (zeroed by ``reset_stats``; ``reset`` also drops every host value and the queue).
+- ``match``: ``indices``/``length``/``last_node`` cover the device nodes of the path (a prefix
+  of it); the walk goes on through host-only nodes (splitting one where the match ends inside
+  it). ``MatchResult.host_length``: the tokens of that host-only continuation;
+  ``last_host_node``: where it ends (``last_node`` when ``host_length`` is 0). Every node of the
+  path gets the call's clock tick; ``matched_tokens += length``, ``host_hit_tokens +=
+  host_length``. For ``KEY_FALLS_ON_ACCESS`` policies the host leaf it ends on is pushed on
+  ``host_heap`` too. ``walk`` counts the device prefix only; ``exists`` sees either tier.
+- ``insert``: each host-only node of the walked path is adopted, top-down: it takes the
+  caller's slots for its tokens (its slice of ``kv``, or the key when ``kv`` is None), is on
+  the device again (keeping its host copy) and ``evictable`` grows by its tokens. ``prefix_len``
+  counts only the tokens that were on the device before the call. With ``held``,
+  ``take_adopted()`` returns (and forgets) the adopted ``(node, start)`` pairs, ``start`` the
+  offset of the node's first token in the sequence; ``set_value`` accepts them (device
+  values). With ``write_through_hits > 0``, the path's nodes and the new leaf that are on the
+  device, have no host copy, are not queued and have ``hit_count >= write_through_hits`` are
+  appended to the write-through queue, top-down; a split of a queued node appends its new
+  upper half.
+- ``evict(num_tokens, free_callback=None, batch=False, on_remove=None, backup=None,
+  on_backup=None)``: for each victim (a device leaf): (1) with a host copy it is demoted:
+  ``on_remove(node)``, then its device value is dropped (``on_device`` False, ``evictable``,
+  ``evictions`` and ``evicted_tokens`` as for a removal); it stays in the tree and goes on
+  ``host_heap`` if childless. (2) Else, with ``backup`` and ``write_through_hits == 0``,
+  ``backup(device_indices)`` runs under the guard (``device_indices``: the tensor
+  ``free_callback`` gets); it returns None (the host is full) or host indices, checked by
+  ``_shared.host_indices_bytes`` (a 1-D ``torch.int64`` tensor of exactly the node's length,
+  any device; TypeError or ValueError otherwise); a valid one becomes the host value
+  (``host_size`` and ``backed_up_tokens`` grow), ``on_backup(node)`` runs and the node is
+  demoted as in (1). (3) Else it is deleted as without a host tier -- unless it has
+  (host-only) children: then it is skipped, left unchanged, and pushed back on ``heap`` when
+  the loop ends. If ``backup``, ``on_backup`` or ``on_remove`` raises (or ``backup`` returns a
+  bad value), the victim stays (pushed back; a host copy it got stays) and the exception
+  propagates. The device slots of every victim that left go to ``free_callback`` as without a
+  host tier; a parent that became a device leaf is pushed (it can follow in the same call).
+- ``evict_host(num_tokens, free_callback=None, batch=False, on_remove=None) -> int``: host
+  tokens freed, host leaves in policy order: ``on_remove(node)`` (if it raises, the victim
+  stays and the exception propagates), the node is detached and marked evicted, ``host_size``
+  shrinks, ``host_evictions``/``host_evicted_tokens`` count it, its host indices (a new CPU
+  int64 tensor) go to ``free_callback`` exactly as ``evict`` hands device indices (per node
+  with the guard released, or batched). A parent left host-only and childless is pushed on
+  ``host_heap``.
+- ``write_through(backup, on_backup=None) -> int``: tokens copied. Takes the queue in FIFO
+  order, dropping entries that are evicted, not on the device or already copied. For each
+  other one ``backup(device_indices)`` runs under the guard: None stops the call (that node
+  and the rest stay queued); an exception or a bad value (same checks as ``evict``) leaves
+  the node at the front and propagates; a valid tensor becomes its host value (``host_size``,
+  ``backed_up_tokens``) and ``on_backup(node)`` runs. The node stays on the device.
+- ``load_back(match, device_values, on_load=None) -> torch.Tensor``: ``match`` must be a
+  ``MatchResult`` whose host continuation is still exactly there (from ``last_host_node`` up to,
+  excluding, ``last_node``: in this tree, not evicted, host only, parent by parent, their
+  tokens summing to ``host_length``; ``last_node`` the root or on the device), else
+  ``ValueError("stale match: ...")``. ``device_values`` (cache.py validated it: a 1-D int64
+  numpy array or tensor) must hold ``host_length`` entries (ValueError). The nodes, top-down,
+  take their slices (a CPU array as int64 bytes, a tensor kept), are on the device again
+  (``evictable`` grows) and the deepest is pushed on ``heap`` if a device leaf;
+  ``loaded_tokens += host_length``; then ``on_load(node)`` runs for each, top-down. Returns
+  their host indices, top-down, as one new CPU int64 tensor (empty for ``host_length`` 0).
+- ``lock(node, +1)`` on a host-only node raises ValueError (load it back first), changing
+  nothing.
+- ``export_state`` raises TypeError with a host tier (cache.py refuses to pickle or copy
+  such a cache first).
 
 The tokens are read once per call, at its start, before it runs any other Python code (the
 extra_key's hashing): a call sees them as they were when it began.
@@ -1056,7 +1140,10 @@ class Core:
             if new_leaf is not None:
                 added = new_leaf.num_tokens
                 if values is not None:
-                    tree._store_value(new_leaf, values[prefix_len:prefix_len + added])
+                    # The leaf ends the aligned sequence (prefix_len skips adopted tokens).
+                    end = len(buf) // _TOKEN_BYTES
+                    end -= end % self.page_size
+                    tree._store_value(new_leaf, values[end - added:end])
                 self.evictable += added
                 self.inserted_tokens += added
                 dropped = self.heap._push(new_leaf)  # noqa: F841

@@ -119,17 +119,18 @@ def _int64_array(arr: np.ndarray, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _kv_from_objects(arr: np.ndarray) -> np.ndarray:
+def _kv_from_objects(arr: np.ndarray, what: str = "kv_indices") -> np.ndarray:
     """An object array of kv indices (numpy's result for ints beyond 64 bits, objects with
     ``__index__`` or mixed items) as int64, or the error it deserves: the first item that is
     not an integer (TypeError) or that does not fit in int64 (OverflowError)."""
     values = []
     for item in arr.ravel().tolist():
         if isinstance(item, (bool, np.bool_)) or not hasattr(type(item), "__index__"):
-            raise TypeError(f"kv_indices must hold integers, got {type(item).__name__}")
+            raise TypeError(f"{what} must hold integers, got {type(item).__name__}")
         value = operator.index(item)
         if not _INT64_MIN <= value <= _INT64_MAX:
-            raise OverflowError(f"kv index {value} does not fit in int64")
+            name = "kv index" if what == "kv_indices" else f"a value of {what}"
+            raise OverflowError(f"{name} {value} does not fit in int64")
         values.append(value)
     return np.array(values, dtype=np.int64).reshape(arr.shape)
 
@@ -363,7 +364,7 @@ class RadixCache:
             except ValueError as exc:  # ragged nesting
                 raise ValueError(f"{what} must be 1-D: {exc}") from None
             if arr.dtype == object:
-                arr = _kv_from_objects(arr)
+                arr = _kv_from_objects(arr, what)
             if arr.ndim == 1 and arr.size == 0:
                 arr = arr.astype(np.int64)
             values = _int64_array(arr, what)
@@ -484,7 +485,7 @@ class RadixCache:
             if leaf is not None:
                 if on_device:
                     # Values on a device stay there: a copy on the caller's device.
-                    start = result.prefix_len
+                    start = self._aligned(len(tokens)) - leaf.num_tokens  # the tail
                     core.set_value(leaf, kv[start:start + leaf.num_tokens].to(
                         torch.int64, copy=True), True)
                 if self._events is not None:

@@ -13,6 +13,12 @@ With ``RadixCache(..., enable_events=True)`` the cache records, per full page of
 ``cache.take_events()`` returns them in order and empties the queue. A split emits nothing:
 it moves a node boundary, never a page, and a page's hash does not depend on node boundaries.
 
+With a host tier (``RadixCache(..., host_tier=True)``) each event names its tier in
+``medium``: a copy to the host is a ``BlockStored`` with ``medium="CPU"``; a node leaving the
+device (even if it stays on the host) a ``BlockRemoved`` with the device medium (``"GPU"``); a
+host eviction a ``BlockRemoved`` with ``"CPU"``; a load-back, an adoption by ``insert`` or a
+new leaf a ``BlockStored`` with the device medium. A page's hash is the same on both tiers.
+
 Fields the recorder fills
 -------------------------
 - ``extra_keys``: one entry per block, ``None`` when the namespace (the cache's

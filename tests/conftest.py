@@ -52,12 +52,15 @@ def check_invariants(cache: RadixCache) -> None:
     assert root.parent is None
     assert root.num_tokens == 0
 
+    tiered = cache.host_tier
     seen: set[int] = set()
     depth_of: dict[int, int] = {}
     evictable_leaves = []
+    host_leaves = []
     node_count = 0
     total_tokens = 0
     locked_tokens = 0
+    host_tokens = 0
     for node, depth in tree.iter_nodes():
         node_key = id(node)
         assert node_key not in seen, f"node {node.id} visited twice"
@@ -89,10 +92,29 @@ def check_invariants(cache: RadixCache) -> None:
         assert num_tokens > 0, f"node {node.id} has an empty key"
         assert len(node.key) == num_tokens
         assert num_tokens % page_size == 0, f"node {node.id} key length {num_tokens} unaligned"
-        value = node.value
-        assert isinstance(value, torch.Tensor) and value.dim() == 1
-        assert value.dtype == torch.int64
-        assert value.shape[0] == num_tokens, f"node {node.id} value/key length mismatch"
+        on_device = node.on_device if tiered else True
+        if tiered:
+            host = node.host_value
+            tier = {(True, False): "device", (False, True): "host",
+                    (True, True): "device+host"}.get((on_device, host is not None))
+            assert tier is not None, f"node {node.id} has neither a device nor a host value"
+            assert node.tier == tier
+            if host is not None:
+                assert isinstance(host, torch.Tensor) and host.dim() == 1
+                assert host.dtype == torch.int64 and host.device.type == "cpu"
+                assert host.shape[0] == num_tokens, f"node {node.id} host/key length mismatch"
+                host_tokens += num_tokens
+            if on_device and node.parent is not root:
+                assert node.parent.on_device, (
+                    f"node {node.id} is on the device below host-only node {node.parent.id}")
+            if not on_device:
+                assert node.value is None and node.stored_value is None
+                assert node.lock_ref == 0, f"host-only node {node.id} is locked"
+        if on_device:
+            value = node.value
+            assert isinstance(value, torch.Tensor) and value.dim() == 1
+            assert value.dtype == torch.int64
+            assert value.shape[0] == num_tokens, f"node {node.id} value/key length mismatch"
         if node.parent is not root:
             # A subtree never mixes namespaces.
             assert node.extra_key == node.parent.extra_key
@@ -103,10 +125,14 @@ def check_invariants(cache: RadixCache) -> None:
             f"node {node.id} lock_ref {node.lock_ref} < its children's {child_lock_sum}"
         )
         node_count += 1
+        if tiered and not on_device:
+            if not children:
+                host_leaves.append(node)
+            continue
         total_tokens += num_tokens
         if node.lock_ref > 0:
             locked_tokens += num_tokens
-        elif not children:
+        elif not children or (tiered and not any(c.on_device for c in children)):
             evictable_leaves.append(node)
 
     assert cache.node_count() == node_count == tree.node_count
@@ -114,19 +140,24 @@ def check_invariants(cache: RadixCache) -> None:
     assert cache.total_size() == total_tokens
     assert cache.protected_size() == locked_tokens == cache._protected
     assert cache.evictable_size() == total_tokens - locked_tokens == cache._evictable
+    if tiered:
+        assert cache.host_size() == host_tokens == cache.stats().host_size
 
     # The lazy heap: every evictable leaf needs an entry whose stored key is not above its
     # current key (an entry above it is discarded as stale, which would strand the leaf).
-    heap = cache._heap
-    stored_keys = defaultdict(list)
-    for stored, node in heap.entries():
-        stored_keys[id(node)].append(stored)
-    for leaf in evictable_leaves:
-        current = heap.key_of(leaf)
-        assert any(stored <= current for stored in stored_keys.get(id(leaf), ())), (
-            f"evictable leaf {leaf.id} has no usable heap entry (current key {current}, "
-            f"stored {stored_keys.get(id(leaf))})"
-        )
+    heaps = [(cache._heap, evictable_leaves, "evictable")]
+    if tiered:
+        heaps.append((cache._core.host_heap, host_leaves, "host"))
+    for heap, leaves, kind in heaps:
+        stored_keys = defaultdict(list)
+        for stored, node in heap.entries():
+            stored_keys[id(node)].append(stored)
+        for leaf in leaves:
+            current = heap.key_of(leaf)
+            assert any(stored <= current for stored in stored_keys.get(id(leaf), ())), (
+                f"{kind} leaf {leaf.id} has no usable heap entry (current key {current}, "
+                f"stored {stored_keys.get(id(leaf))})"
+            )
 
 
 def node_tokens(node) -> list[int]:

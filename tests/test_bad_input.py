@@ -322,3 +322,95 @@ def test_evict_accepts_numpy_ints(make_cache):
     cache = populated(make_cache)
     assert cache.evict(np.int64(1)) >= 1
     check_invariants(cache)
+
+
+# -- the host tier -----------------------------------------------------------------------------
+@pytest.mark.parametrize("policy, exc", [("write_around", ValueError), ("", ValueError),
+                                         ("WRITE_BACK", ValueError), (None, TypeError),
+                                         (2, TypeError)])
+def test_unknown_write_policy_lists_the_valid_ones(make_cache, policy, exc):
+    from radixcache.cache import WRITE_POLICIES
+
+    with pytest.raises(exc, match="write_policy") as excinfo:
+        make_cache(host_tier=True, write_policy=policy)
+    if exc is ValueError:
+        for name in WRITE_POLICIES:
+            assert name in str(excinfo.value)
+
+
+@pytest.mark.parametrize("method, args, kwargs", [
+    ("evict", (2,), {"backup": lambda d: d}),
+    ("evict_host", (2,), {}),
+    ("write_through", (lambda d: d,), {}),
+    ("host_size", (), {}),
+])
+def test_host_tier_calls_without_a_host_tier(make_cache, method, args, kwargs):
+    cache = populated(make_cache)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="host tier"):
+        call(cache, method, *args, **kwargs)
+    assert_untouched(cache, before)
+
+
+def test_load_back_without_a_host_tier(make_cache):
+    cache = populated(make_cache)
+    match = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="host tier"):
+        cache.load_back(match, [])
+    assert_untouched(cache, before)
+
+
+def host_populated(make_cache):
+    """``populated`` with a host tier, [1..4]+[7, 8] moved to the host (page size 1)."""
+    cache = make_cache(page_size=1, host_tier=True)
+    cache.insert([1, 2, 3, 4, 5, 6], kv_indices=[10, 11, 12, 13, 14, 15])
+    cache.insert([1, 2, 3, 4, 7, 8], kv_indices=[20, 21, 22, 23, 24, 25])
+    locked = cache.insert([9, 9], kv_indices=[30, 31], extra_key="ns").last_node
+    cache.inc_lock_ref(locked)
+    cache.match_prefix([1, 2, 3, 4, 5, 6])  # [7, 8] is the least recently used leaf
+    cache.evict(2, backup=lambda d: d + 500)
+    return cache
+
+
+@pytest.mark.parametrize("result, exc, pattern", [
+    ([500, 501], TypeError, "torch.Tensor"),
+    ((500, 501), TypeError, "torch.Tensor"),
+    ("500", TypeError, "torch.Tensor"),
+    (np.array([500, 501]), TypeError, "torch.Tensor"),
+    (torch.tensor([500.0, 501.0]), TypeError, "int64"),
+    (torch.tensor([500, 501], dtype=torch.int32), TypeError, "int64"),
+    (torch.tensor([True, False]), TypeError, "int64"),
+    (torch.tensor([[500, 501]]), ValueError, "1-D"),
+    (torch.tensor(500), ValueError, "1-D"),
+    (torch.tensor([500]), ValueError, "1 host indices for 2"),
+    (torch.tensor([], dtype=torch.int64), ValueError, "0 host indices for 2"),
+])
+def test_bad_backup_result(make_cache, result, exc, pattern):
+    cache = host_populated(make_cache)
+    before = snapshot(cache)
+    with pytest.raises(exc, match=pattern):
+        cache.evict(2, backup=lambda d: result)
+    assert snapshot(cache) == before
+    check_invariants(cache)
+
+
+@pytest.mark.parametrize("slots, exc, pattern", [
+    ([1], ValueError, "1 device indices"),
+    ([1, 2, 3], ValueError, "3 device indices"),
+    ([[1, 2]], ValueError, "1-D"),
+    (torch.tensor([1.0, 2.0]), TypeError, "integers"),
+    (["a", "b"], TypeError, "integers"),
+    ([2**64, 1], OverflowError, "device_indices .*int64"),
+    (None, TypeError, "device_indices must hold integers"),
+])
+def test_bad_load_back_slots(make_cache, slots, exc, pattern):
+    cache = host_populated(make_cache)
+    match = cache.match_prefix([1, 2, 3, 4, 7, 8])
+    assert (match.length, match.host_length) == (4, 2)
+    before = snapshot(cache)
+    with pytest.raises(exc, match=pattern):
+        cache.load_back(match, slots)
+    assert snapshot(cache) == before
+    check_invariants(cache)
+    assert cache.load_back(match, [40, 41]).tolist() == [524, 525]  # still good

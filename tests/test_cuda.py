@@ -113,3 +113,32 @@ def test_copies_and_pickles_keep_device_values(make_cache):
         other.evict(100, freed.append)
         assert sorted(t.device.type for t in freed) == ["cuda"] * 3
     assert cache.match_prefix([1, 2, 3, 4]).indices.tolist() == [10, 11, 12, 13]
+
+
+def test_host_tier_with_device_values(make_cache):
+    cache = make_cache(page_size=2, host_tier=True)
+    cache.insert([1, 2, 3, 4], kv_indices=cuda_tensor([10, 11, 12, 13]))
+    host = iter(range(100, 1000))
+
+    def backup(device_indices):
+        assert device_indices.device.type == "cuda"
+        return torch.tensor([next(host) for _ in range(device_indices.shape[0])])
+
+    freed = []
+    assert cache.evict(4, freed.append, backup=backup) == 4
+    assert [t.tolist() for t in freed] == [[10, 11, 12, 13]]
+    # Adoption: the host-only node takes its slice of the caller's device values.
+    result = cache.insert([1, 2, 3, 4, 5, 6], kv_indices=cuda_tensor([20, 21, 22, 23, 24, 25]))
+    assert result.prefix_len == 0
+    whole = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert whole.indices.device.type == "cuda"
+    assert whole.indices.tolist() == [20, 21, 22, 23, 24, 25]
+    check_invariants(cache)
+    cache.evict(6, backup=backup)
+    m = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert cache.load_back(m, cuda_tensor([30, 31, 32, 33, 34, 35])).tolist() == [
+        100, 101, 102, 103, 104, 105]
+    again = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert again.indices.device.type == "cuda"
+    assert again.indices.tolist() == [30, 31, 32, 33, 34, 35]
+    check_invariants(cache)

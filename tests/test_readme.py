@@ -65,3 +65,10 @@ def test_readme_links_to_local_files_exist():
 def test_examples_use_no_checkout_relative_trace():
     for name, text in PAGES.items():
         assert "../shared" not in text, f"{name} points at a folder a clone does not have"
+
+
+def test_host_tier_example_prints_what_the_readme_says():
+    example = next(block for block in BLOCKS if "copy_to_host" in block)
+    after = README[README.index(example) + len(example):]
+    documented = re.search(r"prints\n\n```\n(.*?)```", after, re.S).group(1)
+    assert _run(example) == documented
