@@ -1053,9 +1053,17 @@ class ServingLoop:
                     - self.host_pool.available)
             if room > 0:
                 self._evict_host(room)
-            self.evicted_tokens += cache.evict(short, self.pool.free, backup=self._backup)
+            backup = self._backup
         else:
-            self.evicted_tokens += cache.evict(short, self.pool.free)
+            backup = None
+        freed = cache.evict(short, self.pool.free, backup=backup)
+        self.evicted_tokens += freed
+        # A victim that gets no host copy but has host-only children stays on the device (it
+        # cannot leave the tree before them): free host memory and evict again while it helps.
+        while freed < short and self._evict_host(short - freed):
+            more = cache.evict(short - freed, self.pool.free, backup=backup)
+            self.evicted_tokens += more
+            freed += more
 
     def _evict_host(self, num_tokens: int) -> int:
         freed = self.cache.evict_host(num_tokens, self.host_pool.free, batch=True)

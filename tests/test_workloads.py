@@ -612,6 +612,16 @@ def test_write_back_makes_room_for_a_victim_larger_than_the_shortfall(core):
     assert result.host_capacity == 100 and result.host_evicted_tokens == 30
 
 
+def test_a_victim_held_by_host_only_children_does_not_reject_a_request(core):
+    # A tiny host: some device victims get no copy, and those with host-only children stay on
+    # the device; the loop frees host memory and evicts again instead of rejecting.
+    requests = small_chat(seed=5)
+    assert serve(RadixCache(core=core), requests, 800).rejected == 0
+    for write_policy in WRITE_POLICIES:
+        result = checking_host_serve(host_cache(core, write_policy), requests, 800, 200)
+        assert result.rejected == 0, write_policy
+
+
 def test_host_tier_needs_a_host_cache_and_good_arguments(core):
     with pytest.raises(ValueError, match="host tier"):
         serve(RadixCache(core=core), [], 10, host_capacity=10)
