@@ -1056,12 +1056,13 @@ class ServingLoop:
             backup = self._backup
         else:
             backup = None
-        freed = cache.evict(short, self.pool.free, backup=backup)
+        # The device slots of every victim in one call (``batch``): fewer calls into the pool.
+        freed = cache.evict(short, self.pool.free, batch=True, backup=backup)
         self.evicted_tokens += freed
         # A victim that gets no host copy but has host-only children stays on the device (it
         # cannot leave the tree before them): free host memory and evict again while it helps.
         while freed < short and self._evict_host(short - freed):
-            more = cache.evict(short - freed, self.pool.free, backup=backup)
+            more = cache.evict(short - freed, self.pool.free, batch=True, backup=backup)
             self.evicted_tokens += more
             freed += more
 
@@ -1072,7 +1073,7 @@ class ServingLoop:
 
     def _backup(self, device_indices: torch.Tensor) -> torch.Tensor | None:
         """Host slots for a copy of ``device_indices`` (None: the host is full)."""
-        n = len(device_indices)
+        n = device_indices.shape[0]
         host = self.host_pool.alloc(n)
         if host is None:
             self._wanted = n
