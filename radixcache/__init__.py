@@ -9,6 +9,7 @@ __all__ = [
     "MatchResult",
     "RadixCache",
     "RadixTreeNode",
+    "WRITE_POLICIES",
     "core_name",
 ]
 __version__ = "0.1.0"
@@ -17,11 +18,12 @@ __version__ = "0.1.0"
 # command's ``--help`` -- do not import torch and the tree cores until they are needed.
 _LAZY = {"RadixTreeNode": "._core", "core_name": "._core", "EVICTION_POLICIES": ".cache",
          "CacheStats": ".cache", "InsertResult": ".cache", "MatchResult": ".cache",
-         "RadixCache": ".cache"}
+         "RadixCache": ".cache", "WRITE_POLICIES": ".cache"}
 
 if TYPE_CHECKING:
     from ._core import RadixTreeNode, core_name
-    from .cache import EVICTION_POLICIES, CacheStats, InsertResult, MatchResult, RadixCache
+    from .cache import (EVICTION_POLICIES, WRITE_POLICIES, CacheStats, InsertResult,
+                        MatchResult, RadixCache)
 
 
 def __getattr__(name: str):

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 #: fewer than 2 times before the rest, LRU inside each segment. Node id breaks every tie.
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "slru", "priority")
 
-#: ``RadixCache(host_tier=True, write_policy=...)``: when a node gets a host copy, mapped to
-#: the hits a node needs before it is due for write-through (0: only when evicted from the
-#: device, ``write_back``; 1: on its first hit, ``write_through``; 2: once hit twice,
-#: ``write_through_selective``).
-WRITE_POLICIES = {"write_back": 0, "write_through": 1, "write_through_selective": 2}
+#: ``RadixCache(host_tier=True, write_policy=...)``: when a node gets its host copy.
+#: ``write_back`` when it is evicted from the device; ``write_through`` once it has been hit
+#: (inserted through, or made) once; ``write_through_selective`` once hit twice.
+WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 
 #: The ``Router`` policies, in the order the command lists them.
 ROUTING_POLICIES = ("round-robin", "random", "least-loaded", "prefix-hash", "cache-aware")

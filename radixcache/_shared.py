@@ -43,15 +43,42 @@ class MatchResult:
             means ``last_node``, which it is whenever ``host_length`` is 0.
     """
 
-    __slots__ = ("indices", "last_node", "length", "host_length", "last_host_node")
+    __slots__ = ("indices", "last_node", "length", "_host_length", "_last_host_node")
 
     def __init__(self, indices: torch.Tensor, last_node, length: int, host_length: int = 0,
                  last_host_node=None) -> None:
         self.indices = indices
         self.last_node = last_node
         self.length = length
-        self.host_length = host_length
-        self.last_host_node = last_node if last_host_node is None else last_host_node
+        self._host_length = host_length
+        self._last_host_node = last_host_node
+
+    # A core may fill the slots without running __init__ (the compiled core fills the first
+    # three): an unset host part reads as none.
+    @property
+    def host_length(self) -> int:
+        """Tokens after ``length`` held only in host memory (0 without a host tier)."""
+        try:
+            return self._host_length
+        except AttributeError:
+            return 0
+
+    @host_length.setter
+    def host_length(self, value: int) -> None:
+        self._host_length = value
+
+    @property
+    def last_host_node(self):
+        """The node where the host-only continuation ends (``last_node`` without one)."""
+        try:
+            node = self._last_host_node
+        except AttributeError:
+            node = None
+        return self.last_node if node is None else node
+
+    @last_host_node.setter
+    def last_host_node(self, node) -> None:
+        self._last_host_node = node
 
     def __len__(self) -> int:
         """``len(result)``: the tokens matched.
@@ -172,7 +199,18 @@ def host_indices_bytes(host, num_tokens: int) -> bytes:
     if host.shape[0] != num_tokens:
         raise ValueError(f"backup returned {host.shape[0]} host indices for {num_tokens} "
                          "device slots: one per slot expected")
-    return host.detach().cpu().contiguous().numpy().tobytes()
+    # A tensor subclass may answer the checks above and convert to something else: the
+    # bytes themselves are checked.
+    arr = host.detach().cpu().contiguous().numpy()
+    data = arr.tobytes() if type(arr) is np.ndarray and arr.dtype == np.int64 else None
+    if type(data) is not bytes:
+        raise TypeError("backup must return a torch.Tensor of host indices (or None when the "
+                        f"host is full), got {type(host).__name__} converting to "
+                        f"{type(arr).__name__}")
+    if len(data) != 8 * num_tokens:
+        raise ValueError(f"backup returned {len(data) // 8} host indices for {num_tokens} "
+                         "device slots: one per slot expected")
+    return data
 
 
 def stale_match(why: str) -> ValueError:

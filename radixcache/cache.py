@@ -29,6 +29,9 @@ __all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "EVICTION_
 
 _INT64_MAX = 2**63 - 1
 _INT64_MIN = -(2**63)
+#: A write policy as the core takes it: the hits that make a node due for write-through
+#: (0: never, write_back).
+_WRITE_THROUGH_HITS = dict(zip(WRITE_POLICIES, (0, 1, 2)))
 _INT_TYPECODES = frozenset("bBhHiIlLqQ")
 
 
@@ -274,7 +277,7 @@ class RadixCache:
             self._events = EventRecorder(page_size, **options)
         if host_tier:
             self._core = self._core_module.Core(page_size, eviction_policy, True,
-                                                WRITE_POLICIES[write_policy])
+                                                _WRITE_THROUGH_HITS[write_policy])
         else:
             self._core = self._core_module.Core(page_size, eviction_policy)
 

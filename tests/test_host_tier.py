@@ -783,3 +783,29 @@ def test_free_callbacks_may_call_the_cache(make_cache):
     assert tiers(cache) == {(1, 2): ("device+host", [1, 2], [110, 111]),
                             (1, 2, 9, 9): ("device", [3, 4], None)}
     check_invariants(cache)
+
+
+class ShortTensor(torch.Tensor):
+    """Passes every check of a host-index tensor, then converts to one index too few."""
+
+    def numpy(self, *args, **kwargs):
+        return np.arange(1, dtype=np.int64)
+
+
+class FloatArrayTensor(torch.Tensor):
+    def numpy(self, *args, **kwargs):
+        return np.zeros(2)
+
+
+@pytest.mark.parametrize("cls, error, message", [
+    (ShortTensor, ValueError, "1 host indices for 2"),
+    (FloatArrayTensor, TypeError, "converting to ndarray"),
+])
+def test_backup_tensor_that_converts_to_something_else(make_cache, cls, error, message):
+    cache = two_branches(make_cache)
+    before = snapshot(cache)
+    odd = torch.tensor([100, 101]).as_subclass(cls)
+    with pytest.raises(error, match=message):
+        cache.evict(2, backup=lambda d: odd)
+    assert snapshot(cache) == before
+    check_invariants(cache)

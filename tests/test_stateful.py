@@ -319,13 +319,16 @@ class HostTierMachine(RuleBasedStateMachine):
 
     @initialize(page_size=st.sampled_from([1, 4]),
                 write_policy=st.sampled_from(["write_back", "write_through",
-                                              "write_through_selective"]))
-    def start(self, page_size, write_policy):
+                                              "write_through_selective"]),
+                policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "filo", "slru",
+                                        "priority"]))
+    def start(self, page_size, write_policy, policy):
         from radixcache.router import KvIndexer
 
         self.page_size = page_size
         self.cache = type(self).make_cache(page_size=page_size, host_tier=True,
-                                           write_policy=write_policy, enable_events=True)
+                                           eviction_policy=policy, write_policy=write_policy,
+                                           enable_events=True)
         self.model = {ns: {} for ns in NAMESPACES}  # prefix -> [device, host]
         self.terminals = {ns: set() for ns in NAMESPACES}
         self.locks = []  # (node handle, namespace, locked prefix)
