@@ -18,7 +18,7 @@ in this build are skipped.
 
 Run::
 
-    python -m pytest benchmarks/bench_host_tier.py --benchmark-group-by=group \\
+    python -m pytest benchmarks/bench_host_serving.py --benchmark-group-by=group \\
         --benchmark-columns=min,mean,rounds
 """
 
