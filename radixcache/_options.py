@@ -34,6 +34,17 @@ DEFAULT_PREFILL_TPS = 20_000.0
 DEFAULT_DECODE_TPS = 50.0
 #: Arrival interval for traces without timestamps, ms.
 DEFAULT_INTERVAL_MS = 100.0
+
+#: Host-to-device load speed per worker, tokens/s, for KV loaded back from a host tier. An
+#: 8B model of the Llama-3 shape (32 layers, 8 KV heads of 128 dims, K and V in fp16) holds
+#: 32 * 8 * 128 * 2 * 2 = 128 KiB per token; 200,000 tokens/s is 26 GB/s, what a PCIe Gen4
+#: x16 link (32 GB/s raw) carries in practice, or about half of a Gen5 x16 link's (64 GB/s
+#: raw): on the safe side for an H100-class GPU, and 10x ``DEFAULT_PREFILL_TPS``.
+DEFAULT_LOAD_TPS = 200_000.0
+#: ``Router``'s default weight of a block held only on a worker's host tier, as a fraction of
+#: a device block: a host hit costs a load instead of a prefill, so it saves
+#: ``1 - DEFAULT_PREFILL_TPS / DEFAULT_LOAD_TPS`` = 0.9 of the prefill a device hit saves.
+DEFAULT_HOST_WEIGHT = 1.0 - DEFAULT_PREFILL_TPS / DEFAULT_LOAD_TPS
 #: The ``router`` name of the pooled-bound rows.
 POOLED = "pooled"
 

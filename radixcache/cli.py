@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 # Light modules only: torch, numpy and the cores are imported inside the run functions.
 from ._options import (DEFAULT_DECODE_TPS, DEFAULT_INTERVAL_MS, DEFAULT_LOAD_WEIGHT,
                        DEFAULT_PREFILL_TPS, EVICTION_POLICIES, POOLED, ROUTING_POLICIES, EventLag)
+from ._options import DEFAULT_HOST_WEIGHT, DEFAULT_LOAD_TPS, WRITE_POLICIES
 
 if TYPE_CHECKING:
     from .cache import RadixCache
@@ -35,7 +36,8 @@ __all__ = ["main", "JSON_KEYS", "FLEET_JSON_KEYS"]
 #: Keys of every object ``simulate --json`` writes, in order: every column of the table.
 JSON_KEYS = ("capacity", "policy", "page_size", "requests", "rejected", "prompt_tokens",
              "cached_tokens", "hit_rate", "evicted_tokens", "peak_tokens", "seconds",
-             "requests_per_second")
+             "requests_per_second", "host_capacity", "write_policy", "device_hit_rate",
+             "host_hit_rate", "loaded_tokens", "backed_up_tokens")
 #: Keys of the rows ``simulate --workers N --json`` writes (N >= 2), in order.
 FLEET_JSON_KEYS = JSON_KEYS + ("workers", "router", "prefill_tokens", "load_imbalance",
                                "ttft_p50", "ttft_p99", "wall_seconds")
@@ -46,7 +48,8 @@ DEFAULT_ROUTERS = "round-robin,prefix-hash,cache-aware"
 FLEET_DEFAULTS = {"router": DEFAULT_ROUTERS, "event_lag": "0", "prefill_tps": DEFAULT_PREFILL_TPS,
                   "decode_tps": DEFAULT_DECODE_TPS, "interval": DEFAULT_INTERVAL_MS,
                   "load_weight": DEFAULT_LOAD_WEIGHT, "prefill_weight": 1.0,
-                  "prefix_blocks": "auto"}
+                  "prefix_blocks": "auto", "load_tps": DEFAULT_LOAD_TPS,
+                  "host_weight": DEFAULT_HOST_WEIGHT}
 
 EMBEDDED_NAME = "synthetic chat (embedded)"
 #: Traces larger than this get a "reading" line first (parsing takes seconds).
@@ -170,6 +173,25 @@ def _capacity_list(text: str) -> list[int]:
     return sorted(set(values))
 
 
+def _host_capacity_list(text: str) -> list[int]:
+    """Host capacities: sizes >= 0 (0: no host tier), duplicates dropped, sorted."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            value = parse_size(part)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"host capacity {part!r}: {exc}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"host capacity {part!r}: must be >= 0")
+        values.append(value)
+    return sorted(set(values))
+
+
+def _write_policy_list(text: str) -> list[str]:
+    return _name_list(text, WRITE_POLICIES, "write policy")
+
+
 def _name_list(text: str, valid: Sequence[str], what: str) -> list[str]:
     """A comma-separated list of names from ``valid`` (or ``all``), duplicates dropped."""
     if text.strip() == "all":
@@ -272,6 +294,21 @@ def _build_parser() -> argparse.ArgumentParser:
                           "names (.png, .pdf, .svg, ...)")
     sim.add_argument("--json", metavar="OUT.json", help="write the result rows as JSON")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    host = sim.add_argument_group(
+        "host tier",
+        "Back each cache with host memory: evicted prefixes are copied there (per the write "
+        "policy) and host hits are loaded back before the request runs; they count in the "
+        "hit rate (split into device and host hit rates).")
+    host.add_argument("--host-capacity", type=_host_capacity_list, default=None,
+                      metavar="H[,H...]",
+                      help="host memory in token slots per cache (per worker with --workers), "
+                           "such as 0, 4M, 1e8; several make a sweep dimension (default: no "
+                           "host tier, the same as 0)")
+    host.add_argument("--write-policy", type=_write_policy_list, default=None,
+                      metavar="NAME[,NAME...]",
+                      help=f"when a prefix is copied to the host: {', '.join(WRITE_POLICIES)} "
+                           "(on eviction, on its first hit, on its second hit) or 'all' "
+                           "(default write_back)")
     sim.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
                      help="run the sweep's points in N processes that share the parsed trace "
                           "(default: the number of cores, at most one per point; 1: serially)")
@@ -309,6 +346,14 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="prefix-hash: hash the first N blocks of --page-size tokens; 'auto' "
                             "(default) hashes the shortest prefix that at most one worker's "
                             "share of the requests seen starts with")
+    fleet.add_argument("--load-tps", type=_number(0, False), default=None, metavar="T",
+                       help="host tier: host-to-device load speed per worker, tokens/s, added "
+                            f"to TTFT (default {DEFAULT_LOAD_TPS:g}: 128 KiB per token of a "
+                            "Llama-3-8B-shaped model over ~26 GB/s of PCIe)")
+    fleet.add_argument("--host-weight", type=_number(0, True), default=None, metavar="W",
+                       help="cache-aware: weight of a block held only on a worker's host "
+                            f"tier, as a fraction of a device block, 0..1 (default "
+                            f"{DEFAULT_HOST_WEIGHT:g})")
 
     bench = sub.add_parser(
         "bench", prog="radixcache bench", help="time the tree cores side by side",
@@ -583,12 +628,16 @@ def _write_plot(path: str, rows: list[dict], trace_name: str, page_size: int) ->
 
     fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
     ax = fig.add_subplot()
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    # One line per eviction policy (and write policy, when a host tier has several).
+    policies = list(dict.fromkeys((r["policy"], r.get("write_policy")) for r in rows))
+    several = len({w for _, w in policies}) > 1
     markers, styles = "os^Dvx*", ("-", "--", "-.", ":")
-    for i, policy in enumerate(policies):
-        points = sorted((r["capacity"], r["hit_rate"]) for r in rows if r["policy"] == policy)
+    for i, (policy, write_policy) in enumerate(policies):
+        points = sorted((r["capacity"], r["hit_rate"]) for r in rows if r["policy"] == policy
+                        and r.get("write_policy") == write_policy)
         # Policies often tie: shrinking markers and varied dashes keep every line visible.
-        ax.plot([c for c, _ in points], [100 * h for _, h in points], label=policy,
+        ax.plot([c for c, _ in points], [100 * h for _, h in points],
+                label=f"{policy}, {write_policy}" if several else policy,
                 marker=markers[i % len(markers)], linestyle=styles[i % len(styles)],
                 markersize=max(3, 10 - 1.5 * i), fillstyle="none" if i % 2 else "full")
     _finish_plot(path, fig, ax, rows, "KV pool capacity (token slots)",
@@ -596,7 +645,8 @@ def _write_plot(path: str, rows: list[dict], trace_name: str, page_size: int) ->
                  "eviction policy")
 
 
-def _result_row(capacity: int, policy: str, page_size: int, result: ServeResult) -> dict:
+def _result_row(capacity: int, policy: str, page_size: int, result: ServeResult,
+                write_policy: str | None = None) -> dict:
     return {
         "capacity": capacity,
         "policy": policy,
@@ -610,6 +660,12 @@ def _result_row(capacity: int, policy: str, page_size: int, result: ServeResult)
         "peak_tokens": result.peak_tokens,
         "seconds": result.seconds,
         "requests_per_second": result.requests_per_second,
+        "host_capacity": result.host_capacity,
+        "write_policy": write_policy if result.host_capacity else None,
+        "device_hit_rate": result.device_hit_rate,
+        "host_hit_rate": result.host_hit_rate,
+        "loaded_tokens": result.loaded_tokens,
+        "backed_up_tokens": result.backed_up_tokens,
     }
 
 
@@ -685,7 +741,38 @@ def _fleet_options(args: argparse.Namespace) -> None:
             setattr(args, name, value)
 
 
+def _host_options(args: argparse.Namespace) -> None:
+    """Fill the host tier's defaults; a write policy without host memory is an error."""
+    has_host = args.host_capacity is not None and any(args.host_capacity)
+    if args.write_policy is not None and not has_host:
+        raise _UsageError("--write-policy applies to a host tier: add --host-capacity H "
+                          "(H > 0)")
+    for option, value in (("--load-tps", args.load_tps), ("--host-weight", args.host_weight)):
+        if args.workers > 1 and value is not None and not has_host:
+            raise _UsageError(f"{option} applies to a host tier: add --host-capacity H (H > 0)")
+    if args.workers > 1 and args.host_weight is not None and args.host_weight > 1:
+        raise _UsageError(f"--host-weight must lie in [0, 1] (a fraction of a device "
+                          f"block), got {args.host_weight:g}")
+    if args.write_policy is None:
+        args.write_policy = ["write_back"]
+    args.show_host = args.host_capacity is not None
+    if args.host_capacity is None:
+        args.host_capacity = [0]
+
+
+def _host_points(args: argparse.Namespace) -> list[tuple[int, str | None]]:
+    """(host capacity, write policy) pairs of the sweep: host 0 (no host tier) once."""
+    return [(host, None) if not host else (host, write_policy)
+            for host in args.host_capacity
+            for write_policy in (args.write_policy if host else [None])]
+
+
+def _host_label(host: int, write_policy: str | None) -> str:
+    return f", host {host:,} {write_policy}" if host else ", no host"
+
+
 def _simulate(args: argparse.Namespace) -> int:
+    _host_options(args)  # first: it tells the options given from the defaults filled next
     _fleet_options(args)
     _check_output_path(args.json, "--json")
     _check_output_path(args.plot, "--plot")
@@ -727,6 +814,12 @@ def _simulate(args: argparse.Namespace) -> int:
             return 1
 
     core = _core.get_core(args.core).CORE_NAME
+    if any(args.host_capacity):
+        try:
+            RadixCache(core=core, host_tier=True)
+        except TypeError:  # a compiled core built before it had the host tier
+            raise _UsageError(f"--host-capacity: the {core!r} tree core of this build has no "
+                              "host tier; use --core python") from None
     prompt_total = requests.prompt_tokens
     largest_need = requests.largest_need
     capacities_note = ""
@@ -746,39 +839,58 @@ def _simulate(args: argparse.Namespace) -> int:
         return _simulate_fleet(args, requests, trace_name, core, largest_need)
 
     def run_point(point: tuple, progress: Any) -> ServeResult:
-        capacity, policy = point
-        cache = RadixCache(page_size=args.page_size, eviction_policy=policy, core=core)
-        return serve(cache, requests, capacity, progress=progress)
+        capacity, policy, host, write_policy = point
+        if not host:
+            cache = RadixCache(page_size=args.page_size, eviction_policy=policy, core=core)
+            return serve(cache, requests, capacity, progress=progress)
+        cache = RadixCache(page_size=args.page_size, eviction_policy=policy, core=core,
+                           host_tier=True, write_policy=write_policy)
+        return serve(cache, requests, capacity, progress=progress, host_capacity=host)
 
-    points = [(capacity, policy) for capacity in args.capacity for policy in args.policy]
-    results = iter(_run_sweep(points, run_point, args.jobs, args.quiet,
-                              lambda point: f"{point[1]} @ {point[0]:,}", len(requests)))
+    host_points = _host_points(args)
+    points = [(capacity, policy, host, write_policy) for capacity in args.capacity
+              for policy in args.policy for host, write_policy in host_points]
+
+    def label(point: tuple) -> str:
+        capacity, policy, host, write_policy = point
+        return f"{policy} @ {capacity:,}" + (_host_label(host, write_policy)
+                                               if args.show_host else "")
+
+    results = iter(_run_sweep(points, run_point, args.jobs, args.quiet, label, len(requests)))
     rows: list[dict] = []
     table: list[list[str]] = []
     notes: list[str] = []
-    for capacity in args.capacity:
-        for policy in args.policy:
-            result = next(results)
-            rows.append(_result_row(capacity, policy, args.page_size, result))
-            table.append([
-                f"{capacity:,}", policy, f"{result.requests:,}", f"{result.rejected:,}",
-                f"{result.prompt_tokens:,}", f"{result.cached_tokens:,}",
-                f"{100 * result.hit_rate:.2f}%", f"{result.evicted_tokens:,}",
-                f"{result.peak_tokens:,}", f"{result.seconds:.3f}",
-                f"{result.requests_per_second:,.0f}",
-            ])
-            if result.rejected:
-                notes.append(
-                    f"rejected: capacity {capacity:,} ({policy}): {result.rejected:,} of "
-                    f"{result.requests:,} requests did not fit in the pool even after "
-                    f"evicting every unlocked entry (the largest request needs "
-                    f"{largest_need:,} slots)"
-                )
-    print(_format_table(
-        ["capacity", "policy", "requests", "rejected", "prompt tokens", "cached tokens",
-         "hit rate", "evicted tokens", "peak tokens", "cache s", "req/s"],
-        table, left=(1,),
-    ))
+    for capacity, policy, host, write_policy in points:
+        result = next(results)
+        rows.append(_result_row(capacity, policy, args.page_size, result, write_policy))
+        line = [f"{capacity:,}", policy]
+        if args.show_host:
+            line += [f"{host:,}", write_policy or "-"]
+        line += [f"{result.requests:,}", f"{result.rejected:,}",
+                 f"{result.prompt_tokens:,}", f"{result.cached_tokens:,}",
+                 f"{100 * result.hit_rate:.2f}%"]
+        if args.show_host:
+            line += [f"{100 * result.device_hit_rate:.2f}%",
+                     f"{100 * result.host_hit_rate:.2f}%", f"{result.loaded_tokens:,}",
+                     f"{result.backed_up_tokens:,}"]
+        line += [f"{result.evicted_tokens:,}", f"{result.peak_tokens:,}",
+                 f"{result.seconds:.3f}", f"{result.requests_per_second:,.0f}"]
+        table.append(line)
+        if result.rejected:
+            notes.append(
+                f"rejected: capacity {capacity:,} ({policy}): {result.rejected:,} of "
+                f"{result.requests:,} requests did not fit in the pool even after "
+                f"evicting every unlocked entry (the largest request needs "
+                f"{largest_need:,} slots)"
+            )
+    headers = ["capacity", "policy"]
+    if args.show_host:
+        headers += ["host", "write policy"]
+    headers += ["requests", "rejected", "prompt tokens", "cached tokens", "hit rate"]
+    if args.show_host:
+        headers += ["device hit", "host hit", "loaded", "backed up"]
+    headers += ["evicted tokens", "peak tokens", "cache s", "req/s"]
+    print(_format_table(headers, table, left=(1, 3) if args.show_host else (1,)))
     for note in notes:
         print(note)
 
@@ -786,7 +898,10 @@ def _simulate(args: argparse.Namespace) -> int:
         if args.json:
             _write_json(args.json, rows)
         if args.plot:
-            _write_plot(args.plot, rows, trace_name, args.page_size)
+            if len(args.host_capacity) > 1:
+                _write_host_plot(args.plot, rows, trace_name, args.page_size)
+            else:
+                _write_plot(args.plot, rows, trace_name, args.page_size)
     except OSError as exc:
         print(f"radixcache: error: cannot write output: {exc}", file=sys.stderr)
         return 1
@@ -807,6 +922,12 @@ def _fleet_row(result: FleetResult) -> dict:
         "peak_tokens": result.peak_tokens,
         "seconds": result.seconds,
         "requests_per_second": result.requests / result.seconds if result.seconds > 0 else 0.0,
+        "host_capacity": result.host_capacity,
+        "write_policy": result.write_policy,
+        "device_hit_rate": result.device_hit_rate,
+        "host_hit_rate": result.host_hit_rate,
+        "loaded_tokens": result.loaded_tokens,
+        "backed_up_tokens": result.backed_up_tokens,
         "workers": result.workers,
         "router": result.router,
         "prefill_tokens": result.prefill_tokens,
@@ -832,70 +953,85 @@ def _simulate_fleet(args: argparse.Namespace, requests: Trace, trace_name: str,
         print(f"radixcache: error: {trace_name}: {exc}", file=sys.stderr)
         return 1
     timed = bool(requests) and requests[0].timestamp is not None
-    time_model = TimeModel(args.prefill_tps, args.decode_tps)
+    time_model = TimeModel(args.prefill_tps, args.decode_tps, args.load_tps)
     router_options = {"load_weight": args.load_weight, "prefill_weight": args.prefill_weight,
-                      "seed": args.seed, "prefix_blocks": args.prefix_blocks}
+                      "seed": args.seed, "prefix_blocks": args.prefix_blocks,
+                      "host_weight": args.host_weight}
+    host_note = ""
+    if args.show_host:
+        host_note = (f"; host load {args.load_tps:g} tokens/s per worker; cache-aware host "
+                     f"block weight {args.host_weight:g}")
     print(f"fleet: {args.workers} workers; routers {', '.join(args.router)}; event lag "
           f"{args.event_lag}; prefill {args.prefill_tps:g} tokens/s per worker, decode "
           f"{args.decode_tps:g} tokens/s per request; arrivals "
           + ("from the trace's timestamps" if timed else f"every {args.interval:g} ms")
           + f"; cache-aware weights: prefill {args.prefill_weight:g}, load "
-            f"{args.load_weight:g}")
+            f"{args.load_weight:g}" + host_note)
 
     def label(point: tuple) -> str:
-        capacity, policy, router = point
-        return f"{router} @ {capacity:,}" + (f" {policy}" if len(args.policy) > 1 else "")
+        capacity, policy, host, write_policy, router = point
+        return (f"{router} @ {capacity:,}" + (f" {policy}" if len(args.policy) > 1 else "")
+                + (_host_label(host, write_policy) if args.show_host else ""))
 
     def run_point(point: tuple, progress: Any) -> FleetResult:
-        capacity, policy, router = point
+        capacity, policy, host, write_policy, router = point
         common = dict(page_size=args.page_size, eviction_policy=policy, core=core,
                       arrivals=arrivals, time_model=time_model, progress=progress)
+        if host:
+            common.update(host_capacity=host, write_policy=write_policy)
         if router == POOLED:
             return simulate_pooled(requests, args.workers, capacity, **common)
         return simulate_fleet(requests, args.workers, capacity, router,
                               event_lag=args.event_lag, router_options=router_options,
                               **common)
 
-    points = [(capacity, policy, router) for capacity in args.capacity
-              for policy in args.policy for router in [*args.router, POOLED]]
+    points = [(capacity, policy, host, write_policy, router) for capacity in args.capacity
+              for policy in args.policy for host, write_policy in _host_points(args)
+              for router in [*args.router, POOLED]]
     results = iter(_run_sweep(points, run_point, args.jobs, args.quiet, label, len(requests)))
     rows: list[dict] = []
     table: list[list[str]] = []
     notes: list[str] = []
-    for capacity in args.capacity:
-        for policy in args.policy:
-            for router in [*args.router, POOLED]:
-                result = next(results)
-                rows.append(_fleet_row(result))
-                table.append([
-                    f"{capacity:,}", policy, router, f"{result.requests:,}",
-                    f"{result.rejected:,}", f"{result.prompt_tokens:,}",
-                    f"{result.cached_tokens:,}", f"{100 * result.hit_rate:.2f}%",
-                    f"{result.prefill_tokens:,}", f"{result.load_imbalance:.2f}",
-                    _ms(result.ttft_p50), _ms(result.ttft_p99),
-                    f"{result.wall_seconds:.1f}",
-                ])
-                if result.rejected:
-                    where = (f"one cache of {args.workers} x {capacity:,} slots"
-                             if router == POOLED else f"{capacity:,} slots per worker")
-                    notes.append(
-                        f"rejected: {router}, {where} ({policy}): {result.rejected:,} of "
-                        f"{result.requests:,} requests did not fit in their worker's pool even "
-                        f"after evicting every unlocked entry (the largest request needs "
-                        f"{largest_need:,} slots)"
-                    )
-                skipped = (result.indexer_stats or {})
-                bad = {k: v for k, v in skipped.items()
-                       if v and k not in ("batches", "events", "stored_blocks",
-                                          "removed_blocks", "cleared", "duplicate_blocks")}
-                if bad:
-                    notes.append(f"indexer ({router} @ {capacity:,}): skipped events {bad}")
-    print(_format_table(
-        ["capacity", "policy", "router", "requests", "rejected", "prompt tokens",
-         "cached tokens", "hit rate", "prefill tokens", "imbalance", "TTFT p50 ms",
-         "TTFT p99 ms", "wall s"],
-        table, left=(1, 2),
-    ))
+    for capacity, policy, host, write_policy, router in points:
+        result = next(results)
+        rows.append(_fleet_row(result))
+        line = [f"{capacity:,}", policy]
+        if args.show_host:
+            line += [f"{host:,}", write_policy or "-"]
+        line += [router, f"{result.requests:,}",
+                 f"{result.rejected:,}", f"{result.prompt_tokens:,}",
+                 f"{result.cached_tokens:,}", f"{100 * result.hit_rate:.2f}%"]
+        if args.show_host:
+            line += [f"{100 * result.host_hit_rate:.2f}%", f"{result.loaded_tokens:,}"]
+        line += [f"{result.prefill_tokens:,}", f"{result.load_imbalance:.2f}",
+                 _ms(result.ttft_p50), _ms(result.ttft_p99),
+                 f"{result.wall_seconds:.1f}"]
+        table.append(line)
+        if result.rejected:
+            where = (f"one cache of {args.workers} x {capacity:,} slots"
+                     if router == POOLED else f"{capacity:,} slots per worker")
+            notes.append(
+                f"rejected: {router}, {where} ({policy}): {result.rejected:,} of "
+                f"{result.requests:,} requests did not fit in their worker's pool even "
+                f"after evicting every unlocked entry (the largest request needs "
+                f"{largest_need:,} slots)"
+            )
+        skipped = (result.indexer_stats or {})
+        bad = {k: v for k, v in skipped.items()
+               if v and k not in ("batches", "events", "stored_blocks",
+                                  "removed_blocks", "cleared", "duplicate_blocks")}
+        if bad:
+            notes.append(f"indexer ({router} @ {capacity:,}"
+                         + (_host_label(host, write_policy) if args.show_host else "")
+                         + f"): skipped events {bad}")
+    headers = ["capacity", "policy"]
+    if args.show_host:
+        headers += ["host", "write policy"]
+    headers += ["router", "requests", "rejected", "prompt tokens", "cached tokens", "hit rate"]
+    if args.show_host:
+        headers += ["host hit", "loaded"]
+    headers += ["prefill tokens", "imbalance", "TTFT p50 ms", "TTFT p99 ms", "wall s"]
+    print(_format_table(headers, table, left=(1, 3, 4) if args.show_host else (1, 2)))
     for note in notes:
         print(note)
 
@@ -903,7 +1039,10 @@ def _simulate_fleet(args: argparse.Namespace, requests: Trace, trace_name: str,
         if args.json:
             _write_json(args.json, rows)
         if args.plot:
-            _write_fleet_plot(args.plot, rows, trace_name, args.page_size, args.workers)
+            if len(args.host_capacity) > 1:
+                _write_host_plot(args.plot, rows, trace_name, args.page_size, args.workers)
+            else:
+                _write_fleet_plot(args.plot, rows, trace_name, args.page_size, args.workers)
     except OSError as exc:
         print(f"radixcache: error: cannot write output: {exc}", file=sys.stderr)
         return 1
@@ -917,13 +1056,17 @@ def _write_fleet_plot(path: str, rows: list[dict], trace_name: str, page_size: i
     fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
     ax = fig.add_subplot()
     policies = list(dict.fromkeys(r["policy"] for r in rows))
-    lines = list(dict.fromkeys((r["router"], r["policy"]) for r in rows))
+    lines = list(dict.fromkeys((r["router"], r["policy"], r.get("write_policy")) for r in rows))
+    several = len({line[2] for line in lines}) > 1  # write policies of a host tier
     markers = "os^Dvx*"
     routers = [name for name in dict.fromkeys(r["router"] for r in rows) if name != POOLED]
-    for router, policy in lines:
+    for router, policy, write_policy in lines:
         points = sorted((r["capacity"], r["hit_rate"]) for r in rows
-                        if r["router"] == router and r["policy"] == policy)
+                        if r["router"] == router and r["policy"] == policy
+                        and r.get("write_policy") == write_policy)
         label = router if len(policies) == 1 else f"{router} ({policy})"
+        if several:
+            label += f", {write_policy}"
         if router == POOLED:
             label = f"pooled: one cache of {workers} x capacity" + (
                 "" if len(policies) == 1 else f" ({policy})")
@@ -938,6 +1081,57 @@ def _write_fleet_plot(path: str, rows: list[dict], trace_name: str, page_size: i
     _finish_plot(path, fig, ax, rows, "KV pool capacity per worker (token slots)",
                  f"Hit rate over {workers} workers by router: {trace_name} (page {page_size})",
                  "router")
+
+
+def _write_host_plot(path: str, rows: list[dict], trace_name: str, page_size: int,
+                     workers: int = 1) -> None:
+    """Hit rate against host capacity: one line per device capacity (and eviction policy,
+    write policy and router when there are several); host 0 (no host tier) starts every line."""
+    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.ticker import NullLocator  # noqa: PLC0415
+
+    fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
+    ax = fig.add_subplot()
+    capacities = list(dict.fromkeys(r["capacity"] for r in rows))
+    varying = [key for key in ("policy", "write_policy", "router")
+               if len({r.get(key) for r in rows if r["host_capacity"]}) > 1]
+    lines = list(dict.fromkeys((r["capacity"], *(r.get(k) for k in varying))
+                               for r in rows if r["host_capacity"]))
+    markers, styles = "os^Dvx*", ("-", "--", "-.", ":")
+    others = list(dict.fromkeys(line[1:] for line in lines))
+    for line in lines:
+        capacity, rest = line[0], dict(zip(varying, line[1:]))
+
+        def on_line(r: dict, host_too: bool) -> bool:
+            return r["capacity"] == capacity and all(
+                r.get(k) == v for k, v in rest.items() if host_too or k != "write_policy")
+
+        points = sorted((r["host_capacity"], r["hit_rate"]) for r in rows
+                        if on_line(r, bool(r["host_capacity"])))
+        label = f"device {_short_count(capacity)}" + "".join(
+            f", {v}" for v in rest.values())
+        i, j = capacities.index(capacity), others.index(line[1:])
+        ax.plot([h for h, _ in points], [100 * h for _, h in points], label=label,
+                marker=markers[i % len(markers)], linestyle=styles[j % len(styles)],
+                color=f"C{i}" if len(others) > 1 else None)
+    hosts = sorted({r["host_capacity"] for r in rows})
+    positive = [h for h in hosts if h]
+    if positive and positive[-1] >= 10 * positive[0]:
+        ax.set_xscale("symlog", linthresh=positive[0])
+    ax.set_xticks(hosts, [_short_count(h) for h in hosts])
+    ax.xaxis.set_minor_locator(NullLocator())
+    per = " per worker" if workers > 1 else ""
+    ax.set_xlabel(f"host memory{per} (token slots; 0: no host tier)")
+    ax.set_ylabel("prefix cache hit rate, device + host (%)")
+    ax.set_ylim(*_hit_rate_limits([r["hit_rate"] for r in rows]))
+    fleet = f" over {workers} workers" if workers > 1 else ""
+    ax.set_title(f"Hit rate vs host memory{fleet}: {trace_name} (page {page_size})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(title="device capacity" + per, fontsize="small")
+    fig.tight_layout()
+    file_format = _plot_format(path)
+    _atomic_write(path, lambda temp_path: fig.savefig(temp_path, format=file_format,
+                                                      dpi=PLOT_DPI))
 
 
 # -- bench ---------------------------------------------------------------------------------------

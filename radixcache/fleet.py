@@ -24,6 +24,11 @@ Time model (simulated seconds; arrivals from the trace's ``timestamp`` in ms, or
   request adds prompt + output tokens when routed, its prompt tokens leave when its prefill
   ends and its output tokens when it finishes.
 
+With a host tier (``host_capacity`` slots of host memory per worker), a worker's serving loop
+backs evicted prefixes up to its host pool and loads the prompt's host hits back when it
+admits a request: the load takes (tokens loaded) / ``load_tokens_per_s`` on the worker, before
+its prefill (the worker is busy for both), so TTFT includes it.
+
 A request that does not fit in its worker's pool when its turn comes (even after evicting
 every unlocked entry) waits, at the head of the queue, until a running request on that worker
 finishes and releases its locks and slots; with nothing running it is rejected, as ``serve``
@@ -46,6 +51,7 @@ import numpy as np
 from ._options import (DEFAULT_DECODE_TPS, DEFAULT_INTERVAL_MS, DEFAULT_PREFILL_TPS, POOLED,
                        EventLag)
 from . import _keyfeed
+from ._options import DEFAULT_LOAD_TPS, WRITE_POLICIES
 from .cache import RadixCache
 from .router import Router
 from .traces import Trace
@@ -54,6 +60,7 @@ from .workloads import Request, ServingLoop
 __all__ = [
     "DEFAULT_DECODE_TPS",
     "DEFAULT_INTERVAL_MS",
+    "DEFAULT_LOAD_TPS",
     "DEFAULT_PREFILL_TPS",
     "POOLED",
     "EventLag",
@@ -77,6 +84,9 @@ class TimeModel:
             ``DEFAULT_PREFILL_TPS``); a worker prefills one request at a time.
         decode_tokens_per_s: Decode speed per running request, tokens/s (default
             ``DEFAULT_DECODE_TPS``); decoding requests run concurrently.
+        load_tokens_per_s: Host-to-device load speed per worker, tokens/s (default
+            ``DEFAULT_LOAD_TPS``: 128 KiB per token of a Llama-3-8B-shaped model over
+            about 26 GB/s of PCIe); a worker loads a request's host hits before its prefill.
 
     Raises:
         TypeError: a field that is not a number.
@@ -85,9 +95,10 @@ class TimeModel:
 
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TPS
     decode_tokens_per_s: float = DEFAULT_DECODE_TPS
+    load_tokens_per_s: float = DEFAULT_LOAD_TPS
 
     def __post_init__(self) -> None:
-        for name in ("prefill_tokens_per_s", "decode_tokens_per_s"):
+        for name in ("prefill_tokens_per_s", "decode_tokens_per_s", "load_tokens_per_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -124,6 +135,12 @@ class FleetResult:
         worker_prefill_tokens: Prefill tokens per worker.
         decisions: The worker of each request, in arrival order.
         indexer_stats: The router's ``KvIndexer`` counters (None for the pooled bound).
+        host_capacity: Host slots per worker (0: no host tier).
+        write_policy: The caches' write policy (None without a host tier).
+        host_cached_tokens: Of ``cached_tokens``, those found only on a host tier (loaded
+            back, or counted in a rejected request's lookup).
+        loaded_tokens: Tokens loaded back from the host tiers.
+        backed_up_tokens: Tokens copied to the host tiers.
     """
 
     router: str
@@ -147,6 +164,22 @@ class FleetResult:
     worker_prefill_tokens: tuple
     decisions: tuple
     indexer_stats: Optional[dict]
+    host_capacity: int = 0
+    write_policy: Optional[str] = None
+    host_cached_tokens: int = 0
+    loaded_tokens: int = 0
+    backed_up_tokens: int = 0
+
+    @property
+    def host_hit_rate(self) -> float:
+        """``host_cached_tokens / prompt_tokens``."""
+        return self.host_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def device_hit_rate(self) -> float:
+        """The share of prompt tokens found on the device (``hit_rate - host_hit_rate``)."""
+        device = self.cached_tokens - self.host_cached_tokens
+        return device / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 def arrival_times(requests: Sequence[Request],
@@ -251,22 +284,28 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             capacity: int, router: Optional[Router], router_name: str, *, page_size: int,
             eviction_policy: str, core: Optional[str], time_model: TimeModel,
             prefill_tps: float, event_lag: EventLag, progress: Optional[Callable[[int], Any]],
-            channels: Optional[list], with_events: bool) -> FleetResult:
+            channels: Optional[list], with_events: bool, host_capacity: int = 0,
+            write_policy: str = "write_back", load_tps: float = DEFAULT_LOAD_TPS
+            ) -> FleetResult:
     wall_start = time.perf_counter()
     # In-process channels carry the events as objects: the workers hash pages with the
     # fast chain (the index keys blocks by their tokens, whatever the publisher's hash).
     fast = {"event_options": {"block_hash": "fast64"}} if with_events and channels is None \
         else {}
+    if host_capacity:
+        fast = dict(fast, host_tier=True, write_policy=write_policy)
     caches = [RadixCache(page_size=page_size, eviction_policy=eviction_policy,
                          enable_events=with_events, core=core, **fast)
               for _ in range(num_workers)]
     # In-process channels feed the index the workers' block keys directly (_keyfeed): no
-    # event objects, keys hashed once per stored leaf, applied in one call per record.
-    direct = with_events and channels is None
+    # event objects, keys hashed once per stored leaf, applied in one call per record. The
+    # key feed knows one tier: with a host tier the workers publish events per medium.
+    direct = with_events and channels is None and not host_capacity
     if direct:
         for cache in caches:
             _keyfeed.attach(cache)
-    loops = [ServingLoop(cache, capacity) for cache in caches]
+    loops = [ServingLoop(cache, capacity, host_capacity=host_capacity or None)
+             for cache in caches]
     # Events published once every request is routed reach no decision: an in-process
     # channel drops them rather than hold them to the end (a given channel gets them all).
     own_channels = channels is None
@@ -327,7 +366,10 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             worker_prefill[worker] += compute
             busy[worker] = True
             tie += 1
-            heapq.heappush(heap, (now + compute / prefill_tps, _PREFILLED, tie, worker,
+            duration = compute / prefill_tps
+            if admission.loaded:
+                duration += admission.loaded / load_tps  # host hits are loaded back first
+            heapq.heappush(heap, (now + duration, _PREFILLED, tie, worker,
                                   index, admission))
             return
         busy[worker] = False
@@ -420,7 +462,25 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
         worker_prefill_tokens=tuple(worker_prefill),
         decisions=tuple(decisions),
         indexer_stats=router.indexer.stats.as_dict() if with_events else None,
+        host_capacity=host_capacity,
+        write_policy=write_policy if host_capacity else None,
+        host_cached_tokens=sum(r.host_cached_tokens for r in results),
+        loaded_tokens=sum(r.loaded_tokens for r in results),
+        backed_up_tokens=sum(r.backed_up_tokens for r in results),
     )
+
+
+def _check_host(host_capacity: Any, write_policy: Any) -> int:
+    if isinstance(host_capacity, bool) or not isinstance(host_capacity, numbers.Integral):
+        raise TypeError(f"host_capacity must be an int, got {type(host_capacity).__name__}")
+    if host_capacity < 0:
+        raise ValueError(f"host_capacity must be >= 0, got {host_capacity}")
+    if not isinstance(write_policy, str):
+        raise TypeError(f"write_policy must be a str, got {type(write_policy).__name__}")
+    if write_policy not in WRITE_POLICIES:
+        raise ValueError(f"unknown write policy {write_policy!r}; valid: "
+                         f"{', '.join(WRITE_POLICIES)}")
+    return int(host_capacity)
 
 
 def _check_common(requests: Sequence[Request], num_workers: Any, capacity: Any,
@@ -454,7 +514,8 @@ def simulate_fleet(requests: Sequence[Request], num_workers: int, capacity: int,
                    router_options: Optional[dict] = None,
                    progress: Optional[Callable[[int], Any]] = None,
                    channels: Optional[list] = None,
-                   publish_events: Optional[bool] = None) -> FleetResult:
+                   publish_events: Optional[bool] = None, host_capacity: int = 0,
+                   write_policy: str = "write_back") -> FleetResult:
     """Replay ``requests`` over ``num_workers`` workers of ``capacity`` slots behind a router.
 
     ``router`` is a policy name (``radixcache.router.ROUTING_POLICIES``; ``router_options``
@@ -487,6 +548,10 @@ def simulate_fleet(requests: Sequence[Request], num_workers: int, capacity: int,
         progress: Called with 1 per request routed, or None.
         channels: One channel per worker, or None (see above).
         publish_events: Whether the workers record and send KV events (None: see above).
+        host_capacity: Host slots per worker, an int >= 0 (0: no host tier). With a host
+            tier the workers' events report its blocks (``medium="CPU"``) and ``cache-aware``
+            counts them at ``Router.host_weight``.
+        write_policy: The workers' write policy with a host tier (``WRITE_POLICIES``).
 
     Returns:
         A ``FleetResult``.
@@ -496,9 +561,11 @@ def simulate_fleet(requests: Sequence[Request], num_workers: int, capacity: int,
             not ``Request``, a ``time_model`` or ``event_lag`` of another class).
         ValueError: a count < 1, arrivals that are not one finite non-decreasing time per
             request, a ``Router`` whose workers or block size do not match, options with a
-            ``Router``, or not one channel per worker.
+            ``Router``, not one channel per worker, a negative ``host_capacity`` or an
+            unknown ``write_policy``.
     """
     arrivals = _check_common(requests, num_workers, capacity, arrivals, interval_ms)
+    host_capacity = _check_host(host_capacity, write_policy)
     if not isinstance(time_model, TimeModel):
         raise TypeError(f"time_model must be a TimeModel, got {type(time_model).__name__}")
     if not isinstance(event_lag, EventLag):
@@ -520,7 +587,8 @@ def simulate_fleet(requests: Sequence[Request], num_workers: int, capacity: int,
                    page_size=page_size, eviction_policy=eviction_policy, core=core,
                    time_model=time_model, prefill_tps=time_model.prefill_tokens_per_s,
                    event_lag=event_lag, progress=progress, channels=channels,
-                   with_events=bool(publish_events))
+                   with_events=bool(publish_events), host_capacity=host_capacity,
+                   write_policy=write_policy, load_tps=time_model.load_tokens_per_s)
 
 
 def simulate_pooled(requests: Sequence[Request], num_workers: int, capacity: int, *,
@@ -528,11 +596,13 @@ def simulate_pooled(requests: Sequence[Request], num_workers: int, capacity: int
                     core: Optional[str] = None, arrivals: Any = None,
                     interval_ms: float = DEFAULT_INTERVAL_MS,
                     time_model: TimeModel = TimeModel(),
-                    progress: Optional[Callable[[int], Any]] = None) -> FleetResult:
+                    progress: Optional[Callable[[int], Any]] = None, host_capacity: int = 0,
+                    write_policy: str = "write_back") -> FleetResult:
     """Replay the pooled bound: one cache with the whole fleet's memory and throughput.
 
-    One cache of ``num_workers * capacity`` slots that prefills at ``num_workers`` times the
-    throughput: the hit rate no router can beat by placement alone.
+    One cache of ``num_workers * capacity`` slots (and ``num_workers * host_capacity`` host
+    slots) that prefills and loads at ``num_workers`` times the throughput: the hit rate no
+    router can beat by placement alone.
 
     Args:
         requests: The ``Request`` objects, in arrival order.
@@ -546,16 +616,20 @@ def simulate_pooled(requests: Sequence[Request], num_workers: int, capacity: int
         interval_ms: The arrival spacing when the requests have no timestamps.
         time_model: The per-worker ``TimeModel``.
         progress: Called with 1 per request, or None.
+        host_capacity: Host slots per worker, an int >= 0 (0: no host tier).
+        write_policy: The cache's write policy with a host tier (``WRITE_POLICIES``).
 
     Returns:
-        A ``FleetResult`` with ``router == POOLED``; its ``capacity`` is the per-worker one.
+        A ``FleetResult`` with ``router == POOLED``; its ``capacity`` and
+        ``host_capacity`` are the per-worker ones.
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: a count < 1, or arrivals that are not one finite non-decreasing time
-            per request.
+        ValueError: a count < 1, arrivals that are not one finite non-decreasing time
+            per request, a negative ``host_capacity`` or an unknown ``write_policy``.
     """
     arrivals = _check_common(requests, num_workers, capacity, arrivals, interval_ms)
+    host_capacity = _check_host(host_capacity, write_policy)
     if not isinstance(time_model, TimeModel):
         raise TypeError(f"time_model must be a TimeModel, got {type(time_model).__name__}")
     result = _replay(requests, arrivals, 1, int(num_workers) * int(capacity), None, POOLED,
@@ -563,8 +637,11 @@ def simulate_pooled(requests: Sequence[Request], num_workers: int, capacity: int
                      time_model=time_model,
                      prefill_tps=time_model.prefill_tokens_per_s * num_workers,
                      event_lag=EventLag(), progress=progress, channels=None,
-                     with_events=False)
-    return _with(result, workers=int(num_workers), capacity=int(capacity))
+                     with_events=False, host_capacity=int(num_workers) * host_capacity,
+                     write_policy=write_policy,
+                     load_tps=time_model.load_tokens_per_s * num_workers)
+    return _with(result, workers=int(num_workers), capacity=int(capacity),
+                 host_capacity=host_capacity)
 
 
 def _with(result: FleetResult, **changes: Any) -> FleetResult:

@@ -10,6 +10,9 @@
 - ``walk_cost``: time of ``exists`` per node visited on a built tree.
 - ``KVPool`` and ``serve``: a KV pool of token slots and the serving loop that replays requests
   against a cache the way an inference server does (match, lock, evict, insert, unlock).
+- ``HostPool``: a host-memory pool of token slots for a cache with a host tier; ``serve`` and
+  ``ServingLoop`` back evicted prefixes up into it and load host hits back
+  (``host_capacity=``).
 
 Token ids of prompts must lie in ``[0, FRESH_TOKEN_BASE)``: ``serve`` numbers the fresh output
 tokens it generates from ``FRESH_TOKEN_BASE`` up, so they never equal a prompt token.
@@ -29,6 +32,7 @@ import torch
 __all__ = [
     "FRESH_TOKEN_BASE",
     "Admission",
+    "HostPool",
     "KVPool",
     "Request",
     "ServeResult",
@@ -632,12 +636,107 @@ class KVPool:
         return f"KVPool(capacity={self.capacity}, used={self.used})"
 
 
+class HostPool:
+    """A host-memory pool of ``capacity`` token slots for a cache's host tier.
+
+    It hands out the same kind of slot ids as ``KVPool`` (``0 .. capacity-1``, int64) but
+    keeps only the slots ever handed out: its memory follows the slots in use, not the
+    capacity, so a pool larger than any trace ("unlimited" host memory) costs nothing.
+    Freed slots are handed out again first.
+
+    Args:
+        capacity: How many slots, an int >= 0.
+
+    Raises:
+        TypeError: ``capacity`` is not an int.
+        ValueError: ``capacity`` < 0.
+    """
+
+    __slots__ = ("capacity", "_free", "_top", "_next")
+
+    def __init__(self, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+            raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = int(capacity)
+        self._free = np.empty(0, dtype=np.int64)  # freed slots: a stack, top at _top
+        self._top = 0
+        self._next = 0  # slots >= _next were never handed out
+
+    @property
+    def available(self) -> int:
+        """Free slots."""
+        return self.capacity - self._next + self._top
+
+    @property
+    def used(self) -> int:
+        """Allocated slots."""
+        return self._next - self._top
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """Take ``n`` free slots.
+
+        Args:
+            n: How many slots, an int >= 0.
+
+        Returns:
+            Their ids as a new 1-D int64 tensor, or None (nothing taken) if fewer are free.
+
+        Raises:
+            ValueError: ``n`` < 0.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} slots")
+        if n > self.available:
+            return None
+        reused = min(n, self._top)
+        self._top -= reused
+        out = np.empty(n, dtype=np.int64)
+        out[:reused] = self._free[self._top:self._top + reused]
+        fresh = n - reused
+        if fresh:
+            out[reused:] = np.arange(self._next, self._next + fresh, dtype=np.int64)
+            self._next += fresh
+        return torch.from_numpy(out)
+
+    def free(self, slots: Any) -> None:
+        """Return slots to the pool.
+
+        Args:
+            slots: Their ids, a tensor, numpy array or sequence of ints.
+
+        Raises:
+            ValueError: more slots than are in use, or ids never handed out.
+        """
+        arr = slots.numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+        n = len(arr)
+        if n == 0:
+            return
+        if n > self.used:
+            raise ValueError(f"freeing {n} slots overfills the pool ({self.used} in use)")
+        if int(arr.min()) < 0 or int(arr.max()) >= self._next:
+            raise ValueError(f"slot ids outside [0, {self._next}) (never handed out)")
+        if self._top + n > len(self._free):
+            grown = np.empty(max(2 * len(self._free), self._top + n, 1024), dtype=np.int64)
+            grown[:self._top] = self._free[:self._top]
+            self._free = grown
+        self._free[self._top:self._top + n] = arr
+        self._top += n
+
+    def __repr__(self) -> str:
+        return f"HostPool(capacity={self.capacity}, used={self.used})"
+
+
 @dataclass(frozen=True)
 class ServeResult:
     """What one replay did (``serve``, ``ServingLoop.result``).
 
     Rejected requests (too big for the pool even after evicting everything unlocked) are
     counted in ``requests``, ``prompt_tokens`` and ``cached_tokens`` too: their lookup was made.
+    With a host tier, ``cached_tokens`` counts the prompt tokens found on the device and those
+    found only on the host (loaded back before the request runs): ``host_cached_tokens`` says
+    how many of them were on the host.
 
     Attributes:
         requests: Requests replayed.
@@ -649,6 +748,11 @@ class ServeResult:
         peak_tokens: The largest tree size reached, in tokens.
         seconds: Time spent inside cache calls only.
         stats: ``cache.stats()`` at the end (a ``CacheStats``).
+        host_capacity: Host slots (0: no host tier).
+        host_cached_tokens: Of ``cached_tokens``, those found only on the host.
+        loaded_tokens: Tokens loaded back from the host to the device.
+        backed_up_tokens: Tokens copied from the device to the host.
+        host_evicted_tokens: Tokens evicted from the host.
     """
 
     requests: int
@@ -660,11 +764,28 @@ class ServeResult:
     peak_tokens: int
     seconds: float
     stats: Any
+    host_capacity: int = 0
+    host_cached_tokens: int = 0
+    loaded_tokens: int = 0
+    backed_up_tokens: int = 0
+    host_evicted_tokens: int = 0
 
     @property
     def requests_per_second(self) -> float:
         """Requests per second of cache time (0.0 when no time was measured)."""
         return self.requests / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        """``host_cached_tokens / prompt_tokens``: the share of prompt tokens found only on
+        the host."""
+        return self.host_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def device_hit_rate(self) -> float:
+        """The share of prompt tokens found on the device (``hit_rate - host_hit_rate``)."""
+        device = self.cached_tokens - self.host_cached_tokens
+        return device / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass(eq=False)
@@ -679,6 +800,7 @@ class Admission:
         lock_node: The node it holds locked.
         owned_from: ``kv[owned_from:]`` still belong to the request (the tree holds the slots
             before it).
+        loaded: Of ``cached``, the tokens loaded back from the host tier (0 without one).
     """
 
     request: Request
@@ -687,6 +809,7 @@ class Admission:
     kv: torch.Tensor
     lock_node: Any
     owned_from: int
+    loaded: int = 0
 
 
 class ServingLoop:
@@ -701,29 +824,75 @@ class ServingLoop:
     ``admit`` then ``finish`` per request; the fleet simulation interleaves the steps of many
     requests over time. Counters accumulate until ``result()``.
 
+    With ``host_capacity`` (a cache made with ``host_tier=True``), the loop also runs a host
+    pool of that many slots (``HostPool``), as an engine with host memory does:
+
+    - ``admit`` first hands the cache's due write-through copies to the host
+      (``write_through``, once per admission: the scheduler step; write-through policies
+      only), evicting host-only entries when the host is full;
+    - when the device pool is short, it first evicts from the host as many tokens as the
+      device eviction may back up (``write_back``: a device victim without a host copy is
+      copied to the host, and dropped only when the host is still full), then evicts from
+      the device;
+    - the prompt's tokens found only on the host (``host_length``) count as cached: they get
+      device slots and are loaded back (``load_back``) before the request runs; the request
+      then holds its lock on the whole prefix.
+
+    Without ``host_capacity`` the loop is exactly the one-tier loop.
+
     Args:
         cache: An empty ``RadixCache`` (every slot it holds must come from the pool).
         capacity: The KV pool's size in token slots.
         pool: A fresh ``KVPool(capacity)`` to use (default: a new one).
+        host_capacity: Host slots, an int >= 0, or None (default): no host tier. Needs a
+            cache with a host tier.
+        host_pool: A fresh ``HostPool(host_capacity)`` to use (default: a new one).
 
     Raises:
-        ValueError: a non-empty cache, or a ``pool`` that is used or of another capacity.
+        TypeError: a ``host_capacity`` that is not an int.
+        ValueError: a non-empty cache, a ``pool`` that is used or of another capacity, a
+            ``host_capacity`` < 0 or on a cache without a host tier, or a ``host_pool`` that
+            is used, of another capacity, or given without ``host_capacity``.
     """
 
-    def __init__(self, cache: Any, capacity: int, *, pool: KVPool | None = None) -> None:
+    def __init__(self, cache: Any, capacity: int, *, pool: KVPool | None = None,
+                 host_capacity: int | None = None, host_pool: HostPool | None = None) -> None:
         if pool is None:
             pool = KVPool(capacity)
         elif pool.capacity != capacity or pool.used:
             raise ValueError("pool must be an unused KVPool of the given capacity")
         if cache.total_size():
             raise ValueError("serve needs an empty cache (its slots must come from the pool)")
+        if host_capacity is None:
+            if host_pool is not None:
+                raise ValueError("host_pool needs host_capacity")
+        else:
+            if host_pool is None:
+                host_pool = HostPool(host_capacity)  # checks host_capacity
+            elif host_pool.capacity != host_capacity or host_pool.used:
+                raise ValueError("host_pool must be an unused HostPool of the given capacity")
+            if not getattr(cache, "host_tier", False):
+                raise ValueError("host_capacity needs a cache with a host tier "
+                                 "(RadixCache(host_tier=True))")
+            if cache.host_size():
+                raise ValueError("serve needs an empty cache (its host slots must come from "
+                                 "the host pool)")
         self.cache = cache
         self.pool = pool
+        self.host_pool = host_pool
         self._page_size = cache.page_size
         self._next_fresh = FRESH_TOKEN_BASE
         self.seconds = 0.0
         self.requests = self.rejected = self.prompt_tokens = self.cached_tokens = 0
         self.evicted_tokens = self.peak_tokens = 0
+        self.host_cached_tokens = self.loaded_tokens = self.backed_up_tokens = 0
+        self.host_evicted_tokens = 0
+        # write_back: device victims are backed up on eviction; the write-through policies
+        # copy what the cache queued, once per step.
+        self._write_back = host_pool is not None and cache.write_policy == "write_back"
+        self._write_through = host_pool is not None and not self._write_back
+        self._wanted = 0  # host slots a write-through copy could not get
+        self._largest = 0  # the most tokens a request has had: no node is larger
 
     def admit(self, request: Request, *, wait: bool = False) -> Admission | None:
         """Admit a request: match, lock, evict if the pool is short, allocate.
@@ -739,6 +908,8 @@ class ServingLoop:
             An ``Admission`` (hand it to ``cache_prompt`` and ``finish``), or None when the
             request cannot fit now (its lock is released, nothing evicted).
         """
+        if self.host_pool is not None:
+            return self._admit_tiered(request, wait)
         cache, pool, clock = self.cache, self.pool, time.perf_counter
         prompt = request.prompt
         start = clock()
@@ -794,6 +965,136 @@ class ServingLoop:
         self.requests += 1
         self.prompt_tokens += len(request.prompt)
         self.cached_tokens += cached
+
+    # -- the host tier ---------------------------------------------------------------------
+    def _admit_tiered(self, request: Request, wait: bool) -> Admission | None:
+        """``admit`` with a host pool (see the class docstring)."""
+        cache, pool, clock = self.cache, self.pool, time.perf_counter
+        prompt = request.prompt
+        start = clock()
+        if self._write_through:
+            self._copy_due()
+        match = cache.match_prefix(prompt, request.extra_key)
+        locked = match.last_node
+        cache.inc_lock_ref(locked)
+        self.seconds += clock() - start
+        cached = match.length
+
+        if len(prompt) + request.output_len > self._largest:
+            self._largest = len(prompt) + request.output_len
+        # The host part needs device slots too: it is loaded back.
+        need = len(prompt) - cached + request.output_len
+        short = need - pool.available
+        if 0 < short <= cache.evictable_size():
+            start = clock()
+            host_evicted = self.host_evicted_tokens
+            self._evict_device(short)
+            if match.host_length and self.host_evicted_tokens != host_evicted:
+                # The room made on the host may have taken part of the match's host-only
+                # continuation (it is not locked): match again (the device part is locked).
+                match = cache.match_prefix(prompt, request.extra_key)
+            self.seconds += clock() - start
+        host = match.host_length
+        if need > pool.available:
+            start = clock()
+            cache.dec_lock_ref(locked)
+            self.seconds += clock() - start
+            if not wait:
+                self._count(request, cached + host)
+                self.host_cached_tokens += host
+                self.rejected += 1
+            return None
+        self._count(request, cached + host)
+        self.host_cached_tokens += host
+
+        output = request.output
+        holder = request.__dict__.get("_spare")
+        spare = holder.pop() if holder else None
+        total = len(prompt) + request.output_len
+        if output is None:
+            fresh = np.arange(self._next_fresh, self._next_fresh + request.output_len,
+                              dtype=np.int64)
+            self._next_fresh += request.output_len
+            if spare is not None and len(spare) >= total:
+                full = spare[:total]
+                full[len(prompt):] = fresh
+            else:
+                full = np.concatenate((prompt, fresh))
+        else:
+            full = np.concatenate((prompt, output))
+        slots = np.empty(cached + need, dtype=np.int64)
+        if cached:
+            slots[:cached] = match.indices.numpy()
+        pool._take_into(slots[cached:])
+        kv = torch.from_numpy(slots)
+        lock_node = locked
+        if host:
+            # Load the host part back into the first slots after the device part, and hold
+            # the lock on the whole prefix (the engine copies host -> device here).
+            start = clock()
+            cache.load_back(match, kv[cached:cached + host])
+            cache.inc_lock_ref(match.last_host_node)
+            cache.dec_lock_ref(locked)
+            self.seconds += clock() - start
+            self.loaded_tokens += host
+            lock_node = match.last_host_node
+        return Admission(request, cached + host, full, kv, lock_node, cached + host, host)
+
+    def _evict_device(self, short: int) -> None:
+        """Evict ``short`` device tokens, backing victims up to the host (write_back)."""
+        cache = self.cache
+        if self._write_back:
+            # A backup cannot evict from the host itself (it runs inside the cache's call):
+            # make the room first. The victims free at least ``short`` tokens and less than
+            # one node more (no node is larger than the largest request), and no more than
+            # is evictable: with that much room every copy fits (victims that already have a
+            # host copy need none).
+            room = (min(short + self._largest - 1, cache.evictable_size())
+                    - self.host_pool.available)
+            if room > 0:
+                self._evict_host(room)
+            backup = self._backup
+        else:
+            backup = None
+        # The device slots of every victim in one call (``batch``): fewer calls into the pool.
+        freed = cache.evict(short, self.pool.free, batch=True, backup=backup)
+        self.evicted_tokens += freed
+        # A victim that gets no host copy but has host-only children stays on the device (it
+        # cannot leave the tree before them): free host memory and evict again while it helps.
+        while freed < short and self._evict_host(short - freed):
+            more = cache.evict(short - freed, self.pool.free, batch=True, backup=backup)
+            self.evicted_tokens += more
+            freed += more
+
+    def _evict_host(self, num_tokens: int) -> int:
+        freed = self.cache.evict_host(num_tokens, self.host_pool.free, batch=True)
+        self.host_evicted_tokens += freed
+        return freed
+
+    def _backup(self, device_indices: torch.Tensor) -> torch.Tensor | None:
+        """Host slots for a copy of ``device_indices`` (None: the host is full)."""
+        n = device_indices.shape[0]
+        host = self.host_pool.alloc(n)
+        if host is None:
+            self._wanted = n
+        else:
+            self.backed_up_tokens += n
+        return host
+
+    def _copy_due(self) -> None:
+        """Hand the write-through copies due to the host, evicting from the host for room."""
+        cache, host_pool = self.cache, self.host_pool
+        while True:
+            self._wanted = 0
+            cache.write_through(self._backup)
+            wanted = self._wanted
+            # A copy that missed room: evict host-only entries for it, unless it can never
+            # fit (it then waits at the head of the queue, as the cache keeps it).
+            if not wanted or wanted > host_pool.capacity:
+                return
+            self._evict_host(wanted - host_pool.available)
+            if host_pool.available < wanted:
+                return
 
     def cache_prompt(self, admission: Admission) -> None:
         """Insert the prompt (its prefill is done) and move the request's lock onto it.
@@ -867,12 +1168,18 @@ class ServingLoop:
             peak_tokens=self.peak_tokens,
             seconds=self.seconds,
             stats=self.cache.stats(),
+            host_capacity=0 if self.host_pool is None else self.host_pool.capacity,
+            host_cached_tokens=self.host_cached_tokens,
+            loaded_tokens=self.loaded_tokens,
+            backed_up_tokens=self.backed_up_tokens,
+            host_evicted_tokens=self.host_evicted_tokens,
         )
 
 
 def serve(cache: Any, requests: Iterable[Request], capacity: int,
           progress: Callable[[int], Any] | None = None, *,
-          pool: KVPool | None = None) -> ServeResult:
+          pool: KVPool | None = None, host_capacity: int | None = None,
+          host_pool: HostPool | None = None) -> ServeResult:
     """Replay ``requests`` through ``cache`` over a ``KVPool(capacity)``, as a server would.
 
     Per request: match the prompt, lock the match, evict when the pool is short, allocate slots
@@ -883,23 +1190,33 @@ def serve(cache: Any, requests: Iterable[Request], capacity: int,
     caller watch the pool (its capacity must equal ``capacity``). The cache must start empty:
     every slot it holds has to come from the pool. ``ServingLoop`` holds the steps.
 
+    ``host_capacity`` (a cache made with ``host_tier=True``) adds a host pool of that many
+    slots: evicted prefixes are backed up there (per the cache's write policy) and host hits
+    are loaded back before the request runs; they count in ``cached_tokens`` and
+    ``hit_rate`` (``host_cached_tokens`` says how many). See ``ServingLoop``.
+
     Args:
         cache: An empty ``RadixCache``.
         requests: The ``Request`` objects, in arrival order.
         capacity: The KV pool's size in token slots, an int >= 0.
         progress: Called with 1 after each request, or None.
         pool: A fresh ``KVPool(capacity)`` to use (default: a new one).
+        host_capacity: Host slots, an int >= 0, or None (default): no host tier.
+        host_pool: A fresh ``HostPool(host_capacity)`` to use (default: a new one).
 
     Returns:
         A ``ServeResult``: hit rate, rejected requests, evicted tokens, peak tree size and
-        the time spent in cache calls.
+        the time spent in cache calls (and, with a host tier, the host's share of the hits,
+        tokens loaded back and backed up).
 
     Raises:
-        TypeError: ``capacity`` is not an int.
-        ValueError: a negative ``capacity``, a non-empty cache, or a ``pool`` that is used
-            or of another capacity.
+        TypeError: ``capacity`` or ``host_capacity`` is not an int.
+        ValueError: a negative ``capacity`` or ``host_capacity``, a non-empty cache, a
+            ``pool`` or ``host_pool`` that is used or of another capacity, or a
+            ``host_capacity`` on a cache without a host tier.
     """
-    loop = ServingLoop(cache, capacity, pool=pool)
+    loop = ServingLoop(cache, capacity, pool=pool, host_capacity=host_capacity,
+                       host_pool=host_pool)
     for request in requests:
         admission = loop.admit(request)
         if admission is not None:

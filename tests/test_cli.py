@@ -25,7 +25,8 @@ MOONCAKE, MOONCAKE_MISSING = mooncake_trace("synthetic")
 # The keys of --json rows, in order: every column of the table.
 EXPECTED_KEYS = ["capacity", "policy", "page_size", "requests", "rejected", "prompt_tokens",
                  "cached_tokens", "hit_rate", "evicted_tokens", "peak_tokens", "seconds",
-                 "requests_per_second"]
+                 "requests_per_second", "host_capacity", "write_policy", "device_hit_rate",
+                 "host_hit_rate", "loaded_tokens", "backed_up_tokens"]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -316,7 +317,10 @@ HEAVY = ("torch", "numpy", "radixcache.cache", "radixcache._core", "radixcache._
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["simulate", "--help"],
                                   ["simulate", "--capacity", "junk"], ["trace", "list",
-                                                                       "--help"], ["nope"]])
+                                                                       "--help"], ["nope"],
+                                  ["simulate", "--host-capacity", "-1"],
+                                  ["simulate", "--write-policy", "write_back"],
+                                  ["simulate", "--workers", "2", "--load-tps", "1000"]])
 def test_help_version_and_errors_import_no_torch(args):
     # The real entry point, with Python's own record of every module it imported.
     env = dict(os.environ)
@@ -394,3 +398,110 @@ def test_unavailable_core_is_a_usage_error(monkeypatch, capsys):
     assert main(["simulate", "--core", "c", "--limit", "5"]) == 2
     err = capsys.readouterr().err
     assert "the compiled core is not built here" in err and "usage: radixcache simulate" in err
+
+
+# -- the host tier ---------------------------------------------------------------------------
+def skip_without_host_tier(core):
+    try:
+        RadixCache(core=core, host_tier=True)
+    except TypeError as exc:
+        if core != "c":
+            raise
+        pytest.skip(f"the compiled core of this build has no host tier ({exc})")
+
+
+def host_table(stdout: str) -> list:
+    """The result table's rows with host columns, as lists of cells."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("capacity "))
+    assert lines[start].split()[:6] == ["capacity", "policy", "host", "write", "policy",
+                                        "requests"]
+    rows = []
+    for line in lines[start + 2:]:
+        cells = line.split()
+        if not cells or not cells[0][0].isdigit():
+            break
+        rows.append(cells)
+    return rows
+
+
+def test_simulate_host_capacity_sweep_rows_table_and_plot(tmp_path, capsys, core_name):
+    skip_without_host_tier(core_name)
+    from PIL import Image
+
+    out_json, out_png = tmp_path / "rows.json", tmp_path / "host.png"
+    assert main(["simulate", "--limit", "300", "--capacity", "8k,32k", "--host-capacity",
+                 "0,16k,1G", "--write-policy", "all", "--core", core_name, "--jobs", "1",
+                 "--json", str(out_json), "--plot", str(out_png), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out_json.read_text())
+    # Host 0 (no host tier) once per device capacity, then every write policy per host size.
+    policies = ["write_back", "write_through", "write_through_selective"]
+    assert [(r["capacity"], r["host_capacity"], r["write_policy"]) for r in rows] == [
+        (c, h, w) for c in (8000, 32000)
+        for h, w in [(0, None)] + [(h, w) for h in (16000, 10**9) for w in policies]]
+    requests = synthetic_chat()[:300]
+    for row in rows:
+        assert list(row) == EXPECTED_KEYS
+        assert row["hit_rate"] == pytest.approx(row["device_hit_rate"] + row["host_hit_rate"])
+        if not row["host_capacity"]:
+            plain = serve(RadixCache(core=core_name), requests, row["capacity"])
+            assert row["hit_rate"] == row["device_hit_rate"] == plain.hit_rate
+            assert row["host_hit_rate"] == row["loaded_tokens"] == row["backed_up_tokens"] == 0
+            continue
+        cache = RadixCache(core=core_name, host_tier=True, write_policy=row["write_policy"])
+        expected = serve(cache, requests, row["capacity"], host_capacity=row["host_capacity"])
+        for key in ("cached_tokens", "hit_rate", "device_hit_rate", "host_hit_rate",
+                    "loaded_tokens", "backed_up_tokens", "evicted_tokens"):
+            assert row[key] == getattr(expected, key), key
+    ceiling = serve(RadixCache(core=core_name), requests, 10**9).hit_rate
+    unlimited = {(r["capacity"], r["write_policy"]): r["hit_rate"] for r in rows
+                 if r["host_capacity"] == 10**9}
+    assert unlimited[8000, "write_back"] == unlimited[8000, "write_through"] == ceiling
+    table = host_table(out)
+    assert len(table) == len(rows)
+    for cells, row in zip(table, rows):
+        assert cells[2] == f"{row['host_capacity']:,}"
+        assert cells[3] == (row["write_policy"] or "-")
+        assert cells[8] == f"{100 * row['hit_rate']:.2f}%"
+        assert cells[9] == f"{100 * row['device_hit_rate']:.2f}%"
+        assert cells[10] == f"{100 * row['host_hit_rate']:.2f}%"
+        assert cells[11] == f"{row['loaded_tokens']:,}"
+    with Image.open(out_png) as image:
+        assert image.format == "PNG" and image.size == (800, 500)
+
+
+def test_simulate_host_jobs_rows_equal_serial(tmp_path, core_name):
+    skip_without_host_tier(core_name)
+    rows = {}
+    for jobs in ("1", "3"):
+        out_json = tmp_path / f"rows{jobs}.json"
+        assert main(["simulate", "--limit", "200", "--capacity", "8k", "--host-capacity",
+                     "0,8k,64k", "--write-policy", "write_back,write_through_selective",
+                     "--core", core_name, "--jobs", jobs, "--json", str(out_json),
+                     "--quiet"]) == 0
+        rows[jobs] = [{k: v for k, v in r.items() if k not in ("seconds",
+                                                                "requests_per_second")}
+                      for r in json.loads(out_json.read_text())]
+    assert rows["1"] == rows["3"] and len(rows["1"]) == 5
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host-capacity", "-1"], "host capacity '-1': must be >= 0"),
+    (["--host-capacity", "1.5"], "host capacity '1.5'"),
+    (["--host-capacity", "1M", "--write-policy", "write_around"],
+     "unknown write policy 'write_around'"),
+    (["--write-policy", "write_through"], "--write-policy applies to a host tier"),
+    (["--host-capacity", "0", "--write-policy", "all"], "--write-policy applies to a host tier"),
+    (["--load-tps", "1000"], "--load-tps applies to a fleet"),
+])
+def test_host_bad_arguments_exit_2(args, message, capsys):
+    assert main(["simulate", "--limit", "5", "--core", "python", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_host_capacity_without_host_option_keeps_the_table(capsys):
+    assert main(["simulate", "--limit", "20", "--capacity", "1000", "--quiet"]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("capacity"))
+    assert "host" not in header and "write policy" not in header

@@ -532,3 +532,138 @@ def test_fleet_results_do_not_depend_on_the_workers_block_hash(core_name):
     assert fast.decisions == sha.decisions and fast.hit_rate == sha.hit_rate
     assert fast.indexer_stats == sha.indexer_stats and fast.indexer_stats["stored_blocks"] > 0
     assert 0 < fast.hit_rate < 1
+
+
+# -- the host tier ------------------------------------------------------------------------
+def skip_without_host_tier(core_name):
+    try:
+        RadixCache(core=core_name, host_tier=True)
+    except TypeError as exc:
+        if core_name != "c":
+            raise
+        pytest.skip(f"the compiled core of this build has no host tier ({exc})")
+
+
+def test_ttft_includes_the_load_back_time(core_name):
+    skip_without_host_tier(core_name)
+    # One worker of 150 slots. A (100 tokens) is evicted to the host by B (100 others);
+    # C repeats A's prompt plus 10 tokens: 100 tokens are loaded back, 10 prefilled.
+    a, b = np.arange(100), np.arange(100) + 1000
+    requests = [Request(a, 0, timestamp=0), Request(b, 0, timestamp=10_000),
+                Request(np.concatenate([a, np.arange(10) + 5000]), 0, timestamp=20_000)]
+    model = TimeModel(prefill_tokens_per_s=1000.0, load_tokens_per_s=100.0)
+    result = simulate_fleet(requests, 1, 150, "round-robin", page_size=1, core=core_name,
+                            time_model=model, host_capacity=1000)
+    assert (result.host_cached_tokens, result.loaded_tokens) == (100, 100)
+    assert result.backed_up_tokens == 200  # A, then B (evicted for C's slots)
+    assert result.cached_tokens == 100 and result.prefill_tokens == 210
+    assert result.host_hit_rate == pytest.approx(100 / 310) == result.hit_rate
+    assert result.device_hit_rate == 0.0
+    # TTFTs 0.1, 0.1 and 10 / 1000 + 100 / 100 = 1.01 s.
+    p50, p99 = np.percentile([0.1, 0.1, 1.01], [50, 99])
+    assert (result.ttft_p50, result.ttft_p99) == (pytest.approx(p50), pytest.approx(p99))
+    assert (result.host_capacity, result.write_policy) == (1000, "write_back")
+    # Without a host tier C prefills all 110 tokens: TTFT 0.11 s; host 0 is the same run.
+    plain = simulate_fleet(requests, 1, 150, "round-robin", page_size=1, core=core_name,
+                           time_model=model)
+    zero = simulate_fleet(requests, 1, 150, "round-robin", page_size=1, core=core_name,
+                          time_model=model, host_capacity=0, write_policy="write_through")
+    assert plain.ttft_p99 == pytest.approx(np.percentile([0.1, 0.1, 0.11], 99))
+    assert plain.cached_tokens == 0 and plain.write_policy is None and plain.loaded_tokens == 0
+    assert (zero.ttft_p50, zero.ttft_p99, zero.cached_tokens, zero.write_policy) == (
+        plain.ttft_p50, plain.ttft_p99, plain.cached_tokens, None)
+
+
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
+def test_fleet_host_tier_pooled_equals_the_serving_loop_and_reaches_the_ceiling(
+        core_name, write_policy):
+    skip_without_host_tier(core_name)
+    requests = synthetic_chat(num_conversations=30, num_system_prompts=3, seed=2,
+                              system_prompt_len=(50, 120), user_len=(5, 20),
+                              output_len=(5, 30))
+    ceiling = serve(RadixCache(page_size=4, core=core_name), requests, 10**6)
+    single = serve(RadixCache(page_size=4, core=core_name, host_tier=True,
+                              write_policy=write_policy), requests, 3 * 300,
+                   host_capacity=3 * 10**6)
+    pooled = simulate_pooled(requests, 3, 300, page_size=4, core=core_name,
+                             interval_ms=FAR_APART_MS, host_capacity=10**6,
+                             write_policy=write_policy)
+    assert pooled.cached_tokens == single.cached_tokens == ceiling.cached_tokens
+    assert pooled.host_cached_tokens == single.host_cached_tokens > 0
+    assert pooled.loaded_tokens == single.loaded_tokens
+    assert (pooled.host_capacity, pooled.write_policy) == (10**6, write_policy)
+    fleet = simulate_fleet(requests, 3, 300, "cache-aware", page_size=4, core=core_name,
+                           interval_ms=FAR_APART_MS, host_capacity=10**6,
+                           write_policy=write_policy)
+    no_host = simulate_fleet(requests, 3, 300, "cache-aware", page_size=4, core=core_name,
+                             interval_ms=FAR_APART_MS)
+    assert fleet.hit_rate > no_host.hit_rate and fleet.host_cached_tokens > 0
+
+
+def test_fleet_host_argument_errors():
+    requests = [Request(np.arange(10), 1)]
+    with pytest.raises(ValueError, match="host_capacity must be >= 0"):
+        simulate_fleet(requests, 2, 100, host_capacity=-1)
+    with pytest.raises(TypeError, match="host_capacity must be an int"):
+        simulate_pooled(requests, 2, 100, host_capacity=1.5)
+    with pytest.raises(ValueError, match="unknown write policy 'write_around'"):
+        simulate_fleet(requests, 2, 100, host_capacity=10, write_policy="write_around")
+    with pytest.raises(TypeError, match="write_policy must be a str"):
+        simulate_pooled(requests, 2, 100, write_policy=None)
+    with pytest.raises(ValueError, match="load_tokens_per_s must be > 0"):
+        TimeModel(load_tokens_per_s=0)
+
+
+def test_cli_fleet_host_rows_and_plot(tmp_path, capsys, core_name):
+    skip_without_host_tier(core_name)
+    from PIL import Image
+
+    trace, _ = write_conversation_trace(tmp_path / "conv.jsonl")
+    out_json, out_png = tmp_path / "rows.json", tmp_path / "host.png"
+    code = main(["simulate", str(trace), "--workers", "2", "--capacity", "40", "--router",
+                 "round-robin", "--page-size", "1", "--core", core_name, "--host-capacity",
+                 "0,1000", "--write-policy", "all", "--load-tps", "5000", "--json",
+                 str(out_json), "--plot", str(out_png), "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "host load 5000 tokens/s per worker" in out
+    rows = json.loads(out_json.read_text())
+    assert [(r["host_capacity"], r["write_policy"], r["router"]) for r in rows] == [
+        (0, None, "round-robin"), (0, None, "pooled")] + [
+        (1000, w, r) for w in ("write_back", "write_through", "write_through_selective")
+        for r in ("round-robin", "pooled")]
+    requests = read_trace(trace)
+    for row in rows:
+        assert tuple(row) == FLEET_JSON_KEYS
+        assert row["hit_rate"] == pytest.approx(row["device_hit_rate"] + row["host_hit_rate"])
+        if row["router"] == "pooled" or not row["host_capacity"]:
+            continue
+        expected = simulate_fleet(requests, 2, 40, "round-robin", page_size=1, core=core_name,
+                                  arrivals=arrival_times(requests),
+                                  time_model=TimeModel(load_tokens_per_s=5000.0),
+                                  host_capacity=1000, write_policy=row["write_policy"])
+        for key in ("cached_tokens", "host_hit_rate", "device_hit_rate", "loaded_tokens",
+                    "backed_up_tokens", "ttft_p50", "ttft_p99"):
+            assert row[key] == getattr(expected, key), key
+    # Round-robin splits each conversation over both workers' 40 slots: host hits; the
+    # pooled cache (80 slots) holds everything on the device.
+    by_key = {(r["host_capacity"], r["write_policy"], r["router"]): r for r in rows}
+    hosted = by_key[1000, "write_back", "round-robin"]
+    assert hosted["host_hit_rate"] > 0 and hosted["loaded_tokens"] > 0
+    assert hosted["hit_rate"] > by_key[0, None, "round-robin"]["hit_rate"]
+    assert by_key[1000, "write_back", "pooled"]["host_hit_rate"] == 0
+    with Image.open(out_png) as image:
+        assert image.format == "PNG" and image.size == (800, 500)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workers", "2", "--load-tps", "1000"], "--load-tps applies to a host tier"),
+    (["--workers", "2", "--host-weight", "0.5"], "--host-weight applies to a host tier"),
+    (["--workers", "2", "--host-capacity", "1k", "--host-weight", "2"],
+     "--host-weight must lie in [0, 1]"),
+    (["--workers", "2", "--host-capacity", "1k", "--load-tps", "0"], "must be > 0"),
+    (["--host-capacity", "1k", "--load-tps", "1000"], "--load-tps applies to a fleet"),
+])
+def test_cli_fleet_host_bad_arguments_exit_2(args, message, capsys):
+    assert main(["simulate", "--limit", "5", "--core", "python", *args]) == 2
+    assert message in capsys.readouterr().err

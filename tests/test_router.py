@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 
+from radixcache import RadixCache
 from radixcache.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -391,6 +393,9 @@ def test_cache_aware_prefers_cached_worker_until_load_outweighs_it():
     (dict(num_workers=2, indexer=object()), TypeError, "indexer must be a KvIndexer"),
     (dict(num_workers=2, block_size=16, indexer=KvIndexer(8)), ValueError,
      "differs from block_size 16"),
+    (dict(num_workers=2, host_weight=1.5), ValueError, r"host_weight must lie in \[0, 1\]"),
+    (dict(num_workers=2, host_weight=-0.1), ValueError, "host_weight must be a finite"),
+    (dict(num_workers=2, host_weight="0.5"), TypeError, "host_weight must be a number"),
 ])
 def test_router_argument_errors(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -661,3 +666,78 @@ def test_fast64_and_other_hashes_for_one_block_share_it():
     indexer.apply(0, [BlockStored((fast[1],), fast[0], tokens[2:], 2)])
     indexer.apply(0, [AllBlocksCleared()])
     assert len(indexer) == 0 and indexer.workers == []
+
+
+# -- host tiers ------------------------------------------------------------------------------
+def test_cache_aware_credits_a_host_continuation_of_a_device_prefix():
+    # The shape write-back leaves: a device prefix whose continuation is only on the host
+    # (its host copies name a parent that only the device tier holds).
+    block = 4
+    prompt = list(range(32))  # 8 blocks
+    indexer = KvIndexer(block)
+    indexer.apply(0, [BlockStored(tuple(range(100, 108)), None, tuple(prompt), block),
+                      BlockStored(tuple(range(103, 108)), 102, tuple(prompt[12:]), block,
+                                  medium="CPU"),
+                      BlockRemoved(tuple(range(103, 108)), medium="GPU")])
+    indexer.apply(1, [BlockStored(tuple(range(200, 204)), None, tuple(prompt[:16]), block)])
+    assert indexer.overlap(prompt) == {0: 3, 1: 4}
+    assert indexer.blocks_held(0, "CPU") == 5
+    router = Router(2, "cache-aware", indexer=indexer, host_weight=0.5)
+    # worker 0: 3 + 0.5 * 5 = 5.5 blocks beat worker 1's 4 device blocks.
+    assert router.route(prompt) == 0
+    assert router.last_host_overlap == {0: 8, 1: 4}
+    assert Router(2, "cache-aware", indexer=indexer, host_weight=0.1).route(prompt) == 1
+
+
+def test_cache_aware_counts_host_blocks_at_host_weight():
+    block = 4
+    prompt = list(range(32))  # 8 blocks
+    indexer = KvIndexer(block)
+    # Worker 0 holds the first 3 blocks on the device; worker 1 holds all 8 only on the host.
+    indexer.apply(0, [BlockStored(tuple(range(100, 103)), None, tuple(prompt[:12]), block)])
+    indexer.apply(1, [BlockStored(tuple(range(200, 208)), None, tuple(prompt), block,
+                                  medium="CPU")])
+    assert indexer.overlap(prompt) == {0: 3}
+    assert indexer.overlap(prompt, medium="CPU") == {1: 8}
+    # Device blocks only: worker 0 (3 blocks) wins.
+    assert Router(2, "cache-aware", indexer=indexer, host_weight=0.0).route(prompt) == 0
+    # At the default (0.9) worker 1's 8 host blocks weigh 7.2 blocks: it wins.
+    default = Router(2, "cache-aware", indexer=indexer)
+    assert default.host_weight == pytest.approx(0.9)
+    assert default.route(prompt) == 1
+    assert default.last_overlap == {0: 3} and default.last_host_overlap == {0: 3, 1: 8}
+    # The crossover: 8 * w > 3 blocks, i.e. w > 0.375.
+    assert Router(2, "cache-aware", indexer=indexer, host_weight=0.37).route(prompt) == 0
+    assert Router(2, "cache-aware", indexer=indexer, host_weight=0.38).route(prompt) == 1
+    # A worker's host blocks count only beyond its own device overlap.
+    indexer.apply(0, [BlockStored(tuple(range(100, 104)), None, tuple(prompt[:16]), block,
+                                  medium="CPU")])
+    router = Router(2, "cache-aware", indexer=indexer, host_weight=0.5)
+    router.add_load(1, 10)  # 10 tokens of load at 0.1: one token of prefill
+    # worker 0: 3 + 0.5 * (4 - 3) = 3.5 blocks; worker 1: 0.5 * 8 = 4 blocks.
+    assert router.route(prompt) == 1
+    router.add_load(1, 30)  # now worker 1 pays 4 tokens of load for 2 tokens saved
+    assert router.route(prompt) == 0
+
+
+def test_cache_aware_reads_the_host_tier_from_a_caches_events(core_name):
+    block = 4
+    try:
+        cache = RadixCache(page_size=block, enable_events=True, core=core_name,
+                           host_tier=True)
+    except TypeError as exc:
+        if core_name != "c":
+            raise
+        pytest.skip(f"the compiled core of this build has no host tier ({exc})")
+    prompt = list(range(32))
+    cache.insert(prompt)
+    next_host = iter(range(10**6))
+    cache.evict(32, backup=lambda idx: torch.tensor([next(next_host) for _ in idx]))
+    assert cache.total_size() == 0 and cache.host_size() == 32  # all on the host now
+    router = Router(2, "cache-aware", block_size=block)
+    router.indexer.apply(1, cache.take_events())
+    assert router.indexer.overlap(prompt) == {}
+    assert router.indexer.overlap(prompt, medium="CPU") == {1: 8}
+    router.add_load(1, 100)
+    assert router.route(prompt) == 1  # 8 host blocks outweigh the load
+    assert Router(2, "cache-aware", indexer=router.indexer, host_weight=0).route(prompt) == 0

@@ -14,8 +14,10 @@ from radixcache.traces import TraceError, read_trace
 from radixcache.workloads import (
     FRESH_TOKEN_BASE,
     INPUT_TYPES,
+    HostPool,
     KVPool,
     Request,
+    ServingLoop,
     as_input_type,
     deep_exercise_ops,
     exercise_ops,
@@ -447,3 +449,215 @@ def test_read_real_mooncake_lines():
         blocks = -(-row["input_length"] // 512)
         expected = (np.array(row["hash_ids"][:blocks])[:, None] * 512 + np.arange(512)).ravel()
         assert np.array_equal(req.prompt, expected[: row["input_length"]])
+
+
+# -- the host tier -----------------------------------------------------------------------------
+CONVERSATION, CONVERSATION_MISSING = mooncake_trace("conversation")
+WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+
+
+def host_cache(core, write_policy="write_back", **options):
+    """A ``RadixCache`` with a host tier on ``core`` (skipped where the core has none yet)."""
+    try:
+        return RadixCache(core=core, host_tier=True, write_policy=write_policy, **options)
+    except TypeError as exc:  # a compiled core built before it had the host tier
+        if core != "c" or "positional argument" not in str(exc):
+            raise
+        pytest.skip(f"the compiled core of this build has no host tier ({exc})")
+
+
+def host_slots(cache):
+    """Every host slot id the tree holds."""
+    slots = []
+    stack = list(cache.root_node.children)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.host_value is not None:
+            slots.append(node.host_value.numpy())
+    return np.concatenate(slots) if slots else np.empty(0, dtype=np.int64)
+
+
+def device_slots(cache):
+    slots = []
+    stack = list(cache.root_node.children)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.on_device:
+            slots.append(node.stored_value.numpy())
+    return np.concatenate(slots) if slots else np.empty(0, dtype=np.int64)
+
+
+def checking_host_serve(cache, requests, capacity, host_capacity):
+    """serve() with a host pool, checking after every request that both pools and the tree
+    account for every slot (no leak, no double use)."""
+    pool, host_pool = KVPool(capacity), HostPool(host_capacity)
+    done = [0]
+
+    def check(n):
+        done[0] += n
+        assert pool.used == cache.total_size()
+        assert host_pool.used == cache.host_size()
+        assert cache.protected_size() == 0
+        if done[0] % 5 == 0 or done[0] == len(requests):
+            held = np.concatenate([device_slots(cache), pool.free_slots()])
+            assert np.array_equal(np.sort(held), np.arange(capacity))
+            on_host = host_slots(cache)
+            assert len(np.unique(on_host)) == len(on_host) == host_pool.used
+            assert host_pool.used <= host_capacity
+
+    result = serve(cache, requests, capacity, progress=check, pool=pool,
+                   host_capacity=host_capacity, host_pool=host_pool)
+    assert done[0] == len(requests)
+    return result
+
+
+def test_host_pool_alloc_and_free():
+    pool = HostPool(10**15)  # memory follows the slots in use, not the capacity
+    first = pool.alloc(4)
+    assert first.dtype == torch.int64 and first.tolist() == [0, 1, 2, 3]
+    assert pool.used == 4 and pool.available == 10**15 - 4
+    pool.free(first[1:3])
+    assert pool.used == 2
+    again = pool.alloc(3)
+    assert sorted(again.tolist()) == [1, 2, 4]  # freed slots first, then new ones
+    with pytest.raises(ValueError, match="never handed out"):
+        pool.free(torch.tensor([5]))
+    small = HostPool(3)
+    assert small.alloc(4) is None and small.used == 0
+    taken = small.alloc(3)
+    assert small.alloc(1) is None
+    small.free(taken)
+    with pytest.raises(ValueError, match="overfills"):
+        small.free(taken[:1])
+    assert small.available == 3 and small.alloc(0).numel() == 0
+    with pytest.raises(ValueError, match=">= 0"):
+        HostPool(-1)
+    with pytest.raises(TypeError, match="int"):
+        HostPool(2.5)
+    with pytest.raises(ValueError, match="cannot allocate"):
+        small.alloc(-1)
+
+
+@pytest.mark.parametrize("write_policy", WRITE_POLICIES)
+def test_host_capacity_zero_equals_one_tier(core, write_policy):
+    requests = small_chat(seed=3)
+    plain = serve(RadixCache(core=core), requests, 2000)
+    tiered = checking_host_serve(host_cache(core, write_policy), requests, 2000, 0)
+    assert (tiered.cached_tokens, tiered.evicted_tokens, tiered.peak_tokens, tiered.rejected,
+            tiered.prompt_tokens) == (plain.cached_tokens, plain.evicted_tokens,
+                                      plain.peak_tokens, plain.rejected, plain.prompt_tokens)
+    assert plain.evicted_tokens > 0  # the pool was short: eviction ran
+    assert tiered.host_cached_tokens == tiered.loaded_tokens == tiered.backed_up_tokens == 0
+    assert tiered.hit_rate == tiered.device_hit_rate == plain.hit_rate
+    assert tiered.host_hit_rate == 0.0 and tiered.host_capacity == 0
+    # No host tier at all: the one-tier result, with the host fields zero.
+    assert plain.host_capacity == plain.host_cached_tokens == plain.loaded_tokens == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
+def test_unlimited_host_reaches_the_reuse_ceiling(core, write_policy, page_size):
+    requests = small_chat(seed=4)
+    ceiling = serve(RadixCache(core=core, page_size=page_size), requests, 10**6)
+    assert ceiling.evicted_tokens == 0
+    device_only = serve(RadixCache(core=core, page_size=page_size), requests, 1500)
+    result = checking_host_serve(host_cache(core, write_policy, page_size=page_size),
+                                 requests, 1500, 10**9)
+    assert device_only.hit_rate < ceiling.hit_rate
+    assert result.cached_tokens == ceiling.cached_tokens  # exactly the ceiling
+    assert result.hit_rate == ceiling.hit_rate
+    assert result.host_cached_tokens > 0 and result.loaded_tokens == result.host_cached_tokens
+    assert result.device_hit_rate + result.host_hit_rate == pytest.approx(result.hit_rate)
+    assert result.backed_up_tokens > 0 and result.host_evicted_tokens == 0
+    assert result.rejected == 0
+
+
+def test_finite_host_lies_between_device_only_and_the_ceiling(core):
+    requests = small_chat(seed=5)
+    ceiling = serve(RadixCache(core=core), requests, 10**6).cached_tokens
+    device_only = serve(RadixCache(core=core), requests, 1500).cached_tokens
+    for write_policy in WRITE_POLICIES:
+        # Write-through copies what is on the device too: the host needs more room than the
+        # device to hold anything else, so it gets twice as much here.
+        result = checking_host_serve(host_cache(core, write_policy), requests, 1500, 3000)
+        assert device_only < result.cached_tokens < ceiling, write_policy
+        if write_policy != "write_through_selective":
+            assert result.host_evicted_tokens > 0  # the host filled up and was evicted
+    # A host no larger than the device holds only copies of the device under write-through.
+    mirror = serve(host_cache(core, "write_through"), requests, 1500, host_capacity=1500)
+    assert mirror.cached_tokens == device_only and mirror.host_cached_tokens == 0
+    # Selective write-through copies only what was hit twice: below the unlimited ceiling.
+    selective = checking_host_serve(host_cache(core, "write_through_selective"), requests,
+                                    1500, 10**9)
+    assert device_only < selective.cached_tokens < ceiling
+
+
+def test_write_back_makes_room_for_a_victim_larger_than_the_shortfall(core):
+    # Device 100, host 100, page 1. A (30), B (30), C (60) tokens, then D (60): D is short
+    # of 50 slots, so B (30) and C (60) leave the device. The host holds A (30): the room
+    # made first must cover C whole (a shortfall of 50 is not enough), so A goes and both
+    # copies fit; C is not dropped.
+    a, b, c, d = (np.arange(n) + 1000 * i for i, n in enumerate((30, 30, 60, 60), 1))
+    cache = host_cache(core)
+    loop = ServingLoop(cache, 100, host_capacity=100)
+    for prompt in (a, b, c, d):
+        loop.finish(loop.admit(Request(prompt, 0)))
+    assert loop.backed_up_tokens == 30 + 30 + 60 and loop.host_evicted_tokens == 30
+    assert cache.host_size() == 90 and cache.total_size() == 60
+    assert cache.match_prefix(c).host_length == 60
+    assert cache.match_prefix(b).host_length == 30 and cache.match_prefix(a).host_length == 0
+    result = loop.result()
+    assert result.host_capacity == 100 and result.host_evicted_tokens == 30
+
+
+def test_a_victim_held_by_host_only_children_does_not_reject_a_request(core):
+    # A tiny host: some device victims get no copy, and those with host-only children stay on
+    # the device; the loop frees host memory and evicts again instead of rejecting.
+    requests = small_chat(seed=5)
+    assert serve(RadixCache(core=core), requests, 800).rejected == 0
+    for write_policy in WRITE_POLICIES:
+        result = checking_host_serve(host_cache(core, write_policy), requests, 800, 200)
+        assert result.rejected == 0, write_policy
+
+
+def test_host_tier_needs_a_host_cache_and_good_arguments(core):
+    with pytest.raises(ValueError, match="host tier"):
+        serve(RadixCache(core=core), [], 10, host_capacity=10)
+    with pytest.raises(ValueError, match=">= 0"):
+        serve(host_cache(core), [], 10, host_capacity=-1)
+    with pytest.raises(TypeError, match="int"):
+        serve(host_cache(core), [], 10, host_capacity="10")
+    with pytest.raises(ValueError, match="host_pool"):
+        serve(host_cache(core), [], 10, host_capacity=10, host_pool=HostPool(11))
+    with pytest.raises(ValueError, match="host_pool needs"):
+        serve(host_cache(core), [], 10, host_pool=HostPool(10))
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="only one tree core is available")
+def test_host_tier_results_agree_across_cores():
+    requests = small_chat(seed=6)
+    results = []
+    for core in sorted(CORES):
+        for write_policy in WRITE_POLICIES:
+            result = serve(host_cache(core, write_policy), requests, 1500, host_capacity=2000)
+            results.append((core, write_policy, result.cached_tokens,
+                            result.host_cached_tokens, result.backed_up_tokens,
+                            result.evicted_tokens, result.host_evicted_tokens))
+    per_core = {}
+    for core, *fields in results:
+        per_core.setdefault(core, []).append(fields)
+    assert len({repr(v) for v in per_core.values()}) == 1
+
+
+@pytest.mark.skipif(CONVERSATION is None, reason=CONVERSATION_MISSING)
+def test_unlimited_host_reaches_the_ceiling_on_the_mooncake_conversation_trace(core):
+    requests = read_trace(CONVERSATION, limit=1500)
+    ceiling = serve(RadixCache(core=core, page_size=16), requests, 10**9)
+    capacity = 300_000
+    device_only = serve(RadixCache(core=core, page_size=16), requests, capacity)
+    result = serve(host_cache(core, page_size=16), requests, capacity, host_capacity=10**9)
+    assert device_only.hit_rate < ceiling.hit_rate
+    assert result.cached_tokens == ceiling.cached_tokens
+    assert result.rejected == ceiling.rejected == 0
