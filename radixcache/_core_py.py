@@ -372,7 +372,7 @@ class Node:
     __slots__ = (
         "_key", "_value", "_parent", "_children", "_lock_ref", "_last_access_time",
         "_created_time", "_priority", "_hit_count", "_extra_key", "_id", "_evicted",
-        "_terminal", "_host", "_on_device", "_queued",
+        "_terminal", "_host", "_on_device", "_queued", "_own_locks",
     )
 
     def __init__(self, key: bytes, parent: "Node | None", extra_key: Any, now: int,
@@ -382,6 +382,7 @@ class Node:
         self._parent = parent
         self._children: dict = {}
         self._lock_ref = 0
+        self._own_locks = 0  # the locks taken on this node itself (not on a descendant)
         self._last_access_time = now
         self._created_time = now
         self._priority = priority
@@ -738,8 +739,7 @@ class Tree:
         self._check_member(node)
         if delta < 0:
             # Locks taken on descendants show in this node's count too; only its own may go.
-            own = node._lock_ref - sum(child._lock_ref for child in node._children.values())
-            if own <= 0:
+            if node._own_locks <= 0:
                 raise ValueError(
                     f"dec_lock_ref on node {node._id}: no lock_ref was taken on it "
                     f"(lock_ref {node._lock_ref} comes from its descendants)"
@@ -755,6 +755,7 @@ class Tree:
             if top._lock_ref >= MAX_LOCK_REF:
                 raise OverflowError(f"inc_lock_ref on node {node._id}: node {top._id} already "
                                     f"has lock_ref {MAX_LOCK_REF}, the most a node can hold")
+        node._own_locks += 1 if delta > 0 else -1
         moved = 0
         while node is not root:
             if delta > 0:

@@ -759,6 +759,16 @@ class RadixCache:
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
+        if (type(device_indices) is torch.Tensor and type(match) is MatchResult
+                and self.host_tier and device_indices.dtype is torch.int64
+                and device_indices.is_cpu and device_indices.dim() == 1
+                and device_indices.shape[0] == match.host_length
+                and device_indices.is_contiguous()):
+            # The common call (a CPU int64 tensor of the right length): the checks below
+            # would pass; the core copies the array.
+            events = self._events
+            return self._core.load_back(match, device_indices.detach().numpy(),
+                                        None if events is None else events.stored)
         if not isinstance(match, MatchResult):
             raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
         self._need_host_tier("load_back")

@@ -686,10 +686,18 @@ class HostPool:
         Raises:
             ValueError: ``n`` < 0.
         """
+        top = self._top
+        if 0 <= n <= top:  # the common case once the pool has cycled: freed slots only
+            self._top = top - n
+            return torch.from_numpy(self._free[top - n:top].copy())
         if n < 0:
             raise ValueError(f"cannot allocate {n} slots")
         if n > self.available:
             return None
+        if not top:  # fresh slots only
+            start = self._next
+            self._next = start + n
+            return torch.from_numpy(np.arange(start, start + n, dtype=np.int64))
         reused = min(n, self._top)
         self._top -= reused
         out = np.empty(n, dtype=np.int64)
@@ -715,7 +723,11 @@ class HostPool:
             return
         if n > self.used:
             raise ValueError(f"freeing {n} slots overfills the pool ({self.used} in use)")
-        if int(arr.min()) < 0 or int(arr.max()) >= self._next:
+        if arr.dtype == np.int64:  # one pass: a negative id reads as a huge unsigned one
+            outside = int(arr.view(np.uint64).max()) >= self._next
+        else:
+            outside = int(arr.min()) < 0 or int(arr.max()) >= self._next
+        if outside:
             raise ValueError(f"slot ids outside [0, {self._next}) (never handed out)")
         if self._top + n > len(self._free):
             grown = np.empty(max(2 * len(self._free), self._top + n, 1024), dtype=np.int64)
@@ -723,6 +735,15 @@ class HostPool:
             self._free = grown
         self._free[self._top:self._top + n] = arr
         self._top += n
+
+    def _alloc_shared(self, n: int) -> torch.Tensor | None:
+        """``alloc(n)`` for a caller that copies the ids at once (a cache's ``backup``
+        answer): freed slots come as a view of the pool's own stack, no copy."""
+        top = self._top
+        if 0 <= n <= top:
+            self._top = top - n
+            return torch.from_numpy(self._free[top - n:top])
+        return self.alloc(n)
 
     def __repr__(self) -> str:
         return f"HostPool(capacity={self.capacity}, used={self.used})"
@@ -1074,7 +1095,8 @@ class ServingLoop:
     def _backup(self, device_indices: torch.Tensor) -> torch.Tensor | None:
         """Host slots for a copy of ``device_indices`` (None: the host is full)."""
         n = device_indices.shape[0]
-        host = self.host_pool.alloc(n)
+        # The cache copies the answer before anything else runs: a view of the pool will do.
+        host = self.host_pool._alloc_shared(n)
         if host is None:
             self._wanted = n
         else:
