@@ -40,7 +40,7 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-TIMING_KEYS = {"seconds", "wall_seconds"}
+TIMING_KEYS = {"seconds", "wall_seconds", "requests_per_second"}
 
 
 def build_scaled(source: Path, copies: int, dest: Path) -> tuple[int, int]:
