@@ -164,6 +164,21 @@ cdef class EvictionHeap:
     cdef bint usable(self, Node node) noexcept
 
 
+cdef class FreedBatch:
+    # A batch eviction's freed indices: CPU values in one PyMem block, device tensors kept.
+    cdef int64_t* joined
+    cdef Py_ssize_t joined_len
+    cdef Py_ssize_t joined_cap
+    cdef list parts
+
+    cdef int add_ints(self, const int64_t* data, Py_ssize_t n) except -1
+    cdef int add_tensor(self, object tensor) except -1
+    cdef object take(self)
+
+
+cdef int collect_value(FreedBatch batch, Node node) except -1
+
+
 cdef class Core:
     cdef readonly Tree tree
     cdef readonly EvictionHeap heap

@@ -1398,6 +1398,62 @@ cdef object block_tensor(const int64_t* src, Py_ssize_t n):
     return _from_dlpack(capsule)
 
 
+@cython.final
+cdef class FreedBatch:
+    """A batch eviction's freed indices, in eviction order: CPU values (and keys doubling as
+    indices) are copied into one growing PyMem block; a device value ends the block so far
+    (made a tensor) and is kept as given. ``take()``: None when nothing was added, one
+    tensor, or a list of tensors to join. Runs no Python code but torch's allocation."""
+
+    def __dealloc__(self):
+        PyMem_Free(self.joined)
+
+    cdef int add_ints(self, const int64_t* data, Py_ssize_t n) except -1:
+        cdef int64_t* grown
+        cdef Py_ssize_t cap
+        if self.joined_len + n > self.joined_cap:
+            cap = max(2 * self.joined_cap, self.joined_len + n, 256)
+            grown = <int64_t*>PyMem_Realloc(self.joined, cap * sizeof(int64_t))
+            if grown == NULL:
+                raise MemoryError()
+            self.joined = grown
+            self.joined_cap = cap
+        memcpy(self.joined + self.joined_len, data, n * sizeof(int64_t))
+        self.joined_len += n
+        return 0
+
+    cdef int add_tensor(self, object tensor) except -1:
+        if self.parts is None:
+            self.parts = []
+        if self.joined_len:
+            self.parts.append(block_tensor(self.joined, self.joined_len))
+            self.joined_len = 0
+        self.parts.append(tensor)
+        return 0
+
+    cdef object take(self):
+        if self.parts is None:
+            if not self.joined_len:
+                return None
+            value = block_tensor(self.joined, self.joined_len)
+        else:
+            if self.joined_len:
+                self.parts.append(block_tensor(self.joined, self.joined_len))
+            value = self.parts
+            self.parts = None
+        self.joined_len = 0
+        return value
+
+
+cdef int collect_value(FreedBatch batch, Node node) except -1:
+    """Add a device victim's indices to ``batch``: its device tensor (read first, through
+    ``node.value``), else its CPU values or its key."""
+    if node.value_ptr == NULL and node.value_owner is not None:
+        return batch.add_tensor(node.value)
+    return batch.add_ints(node.value_ptr if node.value_ptr != NULL else node.key_ptr,
+                          node.key_len)
+
+
 cdef bytes host_bytes(object host, Py_ssize_t n):
     """What ``backup`` returned for a node of ``n`` tokens, checked (``_shared``'s
     checks and messages), as int64 bytes of exactly ``n`` indices: the conversion runs torch
@@ -2171,20 +2227,17 @@ cdef class Core:
         cdef bint per_node = free_callback is not None and not batch
         cdef bint collect = free_callback is not None and batch
         cdef bint holding
-        cdef int64_t* joined = NULL   # batch: CPU values so far (PyMem block)
-        cdef Py_ssize_t joined_len = 0, joined_cap = 0
         if type(num_tokens) is not int:
             raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
         try:
             target = PyLong_AsLongLong(num_tokens)
         except OverflowError:
             target = INT64_MAX if num_tokens > 0 else 0
-        cdef int64_t* grown
         if self.host_tier:
             return self.evict_tiered(target, free_callback, batch, on_remove, backup,
                                      on_backup)
         garbage = []  # stale entries and dropped values: released outside the guard
-        parts = None  # batch with device values: the tensors, in order
+        cdef FreedBatch freed_batch = FreedBatch() if collect else None
         value = error = None
         self.guard.enter("evict")
         holding = True
@@ -2200,28 +2253,7 @@ cdef class Core:
                     if per_node:
                         value = victim_value(node)
                     elif collect:
-                        if node.value_ptr == NULL and node.value_owner is not None:
-                            # A device value: CPU values so far become one tensor, then it.
-                            device_value = node.value
-                            if parts is None:
-                                parts = []
-                            if joined_len:
-                                parts.append(block_tensor(joined, joined_len))
-                                joined_len = 0
-                            parts.append(device_value)
-                            device_value = None
-                        else:
-                            if joined_len + node.key_len > joined_cap:
-                                joined_cap = max(2 * joined_cap, joined_len + node.key_len, 256)
-                                grown = <int64_t*>PyMem_Realloc(joined,
-                                                                joined_cap * sizeof(int64_t))
-                                if grown == NULL:
-                                    raise MemoryError()
-                                joined = grown
-                            memcpy(joined + joined_len,
-                                   node.value_ptr if node.value_ptr != NULL else node.key_ptr,
-                                   node.key_len * sizeof(int64_t))
-                            joined_len += node.key_len
+                        collect_value(freed_batch, node)
                 except BaseException:
                     garbage.append(self.heap.push_entry(node))  # still an evictable leaf
                     raise
@@ -2248,16 +2280,9 @@ cdef class Core:
             error = exc  # batch: what was evicted is still handed over, then it re-raises
         finally:
             try:
-                if collect and (joined_len or parts is not None):
-                    if parts is None:
-                        value = block_tensor(joined, joined_len)
-                    else:
-                        if joined_len:
-                            parts.append(block_tensor(joined, joined_len))
-                            joined_len = 0
-                        value = parts
+                if collect:
+                    value = freed_batch.take()
             finally:
-                PyMem_Free(joined)
                 if holding:
                     self.guard.busy = 0
         del garbage[:]
@@ -2281,13 +2306,10 @@ cdef class Core:
         cdef bint collect = free_callback is not None and batch
         cdef bint use_backup = backup is not None and self.write_through_hits == 0
         cdef bint holding
-        cdef int64_t* joined = NULL   # batch: CPU values so far (PyMem block)
-        cdef Py_ssize_t joined_len = 0, joined_cap = 0
-        cdef int64_t* grown
+        cdef FreedBatch freed_batch = FreedBatch() if collect else None
         garbage = []  # stale entries and dropped values: released outside the guard
         skipped = []  # device leaves that cannot leave the tree: pushed back after the loop
         skipping = set()  # the same nodes, to drop their other heap entries
-        parts = None  # batch with device values: the tensors, in order
         value = error = host = None
         self.guard.enter("evict")
         holding = True
@@ -2330,27 +2352,7 @@ cdef class Core:
                     if per_node and value is None:
                         value = victim_value(node)
                     if collect:
-                        if node.value_ptr == NULL and node.value_owner is not None:
-                            device_value = node.value
-                            if parts is None:
-                                parts = []
-                            if joined_len:
-                                parts.append(block_tensor(joined, joined_len))
-                                joined_len = 0
-                            parts.append(device_value)
-                            device_value = None
-                        else:
-                            if joined_len + node.key_len > joined_cap:
-                                joined_cap = max(2 * joined_cap, joined_len + node.key_len, 256)
-                                grown = <int64_t*>PyMem_Realloc(joined,
-                                                                joined_cap * sizeof(int64_t))
-                                if grown == NULL:
-                                    raise MemoryError()
-                                joined = grown
-                            memcpy(joined + joined_len,
-                                   node.value_ptr if node.value_ptr != NULL else node.key_ptr,
-                                   node.key_len * sizeof(int64_t))
-                            joined_len += node.key_len
+                        collect_value(freed_batch, node)
                     # The last call out is behind: the node must still be this heap's victim.
                     if not self.heap.usable(node) or (node.host_owner is None
                                                       and node.n_children):
@@ -2391,16 +2393,9 @@ cdef class Core:
                     for node in skipped:
                         garbage.append(self.push_if_evictable(node))
                 value = None  # a victim's tensor for backup is not the batch's
-                if collect and (joined_len or parts is not None):
-                    if parts is None:
-                        value = block_tensor(joined, joined_len)
-                    else:
-                        if joined_len:
-                            parts.append(block_tensor(joined, joined_len))
-                            joined_len = 0
-                        value = parts
+                if collect:
+                    value = freed_batch.take()
             finally:
-                PyMem_Free(joined)
                 if holding:
                     self.guard.busy = 0
         del garbage[:]
@@ -2422,9 +2417,6 @@ cdef class Core:
         cdef bint per_node = free_callback is not None and not batch
         cdef bint collect = free_callback is not None and batch
         cdef bint holding
-        cdef int64_t* joined = NULL
-        cdef Py_ssize_t joined_len = 0, joined_cap = 0
-        cdef int64_t* grown
         if type(num_tokens) is not int:
             raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
         try:
@@ -2432,6 +2424,7 @@ cdef class Core:
         except OverflowError:
             target = INT64_MAX if num_tokens > 0 else 0
         garbage = []
+        cdef FreedBatch freed_batch = FreedBatch() if collect else None
         value = error = None
         self.guard.enter("evict_host")
         holding = True
@@ -2449,14 +2442,7 @@ cdef class Core:
                         raise RuntimeError(f"evict_host: node {node.id} changed during a "
                                            "callback")
                     if collect:
-                        if joined_len + node.key_len > joined_cap:
-                            joined_cap = max(2 * joined_cap, joined_len + node.key_len, 256)
-                            grown = <int64_t*>PyMem_Realloc(joined, joined_cap * sizeof(int64_t))
-                            if grown == NULL:
-                                raise MemoryError()
-                            joined = grown
-                        memcpy(joined + joined_len, host_data(node), node.key_len * sizeof(int64_t))
-                        joined_len += node.key_len
+                        freed_batch.add_ints(host_data(node), node.key_len)
                 except BaseException:
                     garbage.append(self.host_heap.push_entry(node))  # still a host leaf
                     raise
@@ -2482,10 +2468,9 @@ cdef class Core:
             error = exc
         finally:
             try:
-                if collect and joined_len:
-                    value = block_tensor(joined, joined_len)
+                if collect:
+                    value = freed_batch.take()
             finally:
-                PyMem_Free(joined)
                 if holding:
                     self.guard.busy = 0
         del garbage[:]
