@@ -957,30 +957,39 @@ class ServingLoop:
             return None
         self._count(request, cached)
 
-        output = request.output
+        full = self._sequence(request)
+        return Admission(request, cached, full, self._slots(match, cached, need),
+                         match.last_node, cached)
+
+    def _sequence(self, request: Request) -> np.ndarray:
+        """The request's prompt + output as one int64 array (fresh ids for an output the
+        request does not give)."""
+        prompt, output = request.prompt, request.output
         # A parsed trace's request may come with its prompt at the start of a buffer that has
         # room for the output: prompt + output are then made without copying the prompt.
         holder = request.__dict__.get("_spare")
         spare = holder.pop() if holder else None
+        if output is not None:
+            return np.concatenate((prompt, output))
         total = len(prompt) + request.output_len
-        if output is None:
-            fresh = np.arange(self._next_fresh, self._next_fresh + request.output_len,
-                              dtype=np.int64)
-            self._next_fresh += request.output_len
-            if spare is not None and len(spare) >= total:
-                full = spare[:total]
-                full[len(prompt):] = fresh
-            else:
-                full = np.concatenate((prompt, fresh))
-        else:
-            full = np.concatenate((prompt, output))
-        # The slots in one buffer, filled once (numpy: large fresh torch allocations are much
-        # slower on some hosts).
+        fresh = np.arange(self._next_fresh, self._next_fresh + request.output_len,
+                          dtype=np.int64)
+        self._next_fresh += request.output_len
+        if spare is not None and len(spare) >= total:
+            full = spare[:total]
+            full[len(prompt):] = fresh
+            return full
+        return np.concatenate((prompt, fresh))
+
+    def _slots(self, match: Any, cached: int, need: int) -> torch.Tensor:
+        """The request's KV slots: the match's ``cached`` indices, then ``need`` taken from
+        the pool, in one buffer filled once (numpy: large fresh torch allocations are much
+        slower on some hosts)."""
         slots = np.empty(cached + need, dtype=np.int64)
         if cached:
             slots[:cached] = match.indices.numpy()
-        pool._take_into(slots[cached:])
-        return Admission(request, cached, full, torch.from_numpy(slots), match.last_node, cached)
+        self.pool._take_into(slots[cached:])
+        return torch.from_numpy(slots)
 
     def _count(self, request: Request, cached: int) -> None:
         self.requests += 1
@@ -1028,26 +1037,8 @@ class ServingLoop:
         self._count(request, cached + host)
         self.host_cached_tokens += host
 
-        output = request.output
-        holder = request.__dict__.get("_spare")
-        spare = holder.pop() if holder else None
-        total = len(prompt) + request.output_len
-        if output is None:
-            fresh = np.arange(self._next_fresh, self._next_fresh + request.output_len,
-                              dtype=np.int64)
-            self._next_fresh += request.output_len
-            if spare is not None and len(spare) >= total:
-                full = spare[:total]
-                full[len(prompt):] = fresh
-            else:
-                full = np.concatenate((prompt, fresh))
-        else:
-            full = np.concatenate((prompt, output))
-        slots = np.empty(cached + need, dtype=np.int64)
-        if cached:
-            slots[:cached] = match.indices.numpy()
-        pool._take_into(slots[cached:])
-        kv = torch.from_numpy(slots)
+        full = self._sequence(request)
+        kv = self._slots(match, cached, need)
         lock_node = locked
         if host:
             # Load the host part back into the first slots after the device part, and hold
