@@ -132,6 +132,12 @@ class Trace(Sequence):
         for i in range(len(self)):
             yield make(i)
 
+    def _replay(self) -> Iterator[Request]:
+        """The requests, for a caller that is done with each one before it takes the next
+        (``serve``): a request's token arrays may then be overwritten by the next one's.
+        ``iter(self)`` here; a kind that makes its tokens makes them into one reused buffer."""
+        return iter(self)
+
     def __repr__(self) -> str:
         return (f"Trace({self.kind}, {len(self):,} requests, {self.prompt_tokens:,} prompt "
                 f"tokens, {self.nbytes:,} bytes)")
@@ -242,6 +248,46 @@ class _MooncakeTrace(Trace):
                out=buffer[:size].reshape(len(ids), self.block_size))
         return _trusted_request(buffer[:length], output_length, None, None,
                                 self._timestamp(i), spare=buffer)
+
+    def _runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """The requests' blocks as runs of consecutive ids, whose tokens are one range each:
+        per run (its first token's place in the request, its tokens, its first token), and
+        where each request's runs start in that table."""
+        ids, offsets, block_size = self._ids, self._offsets, self.block_size
+        first = np.ones(len(ids), dtype=bool)
+        if len(ids) > 1:
+            np.not_equal(ids[1:], ids[:-1] + 1, out=first[1:])
+        first[offsets[:-1][offsets[:-1] < len(ids)]] = True  # a request's first block
+        starts = np.flatnonzero(first)
+        lengths = np.diff(np.append(starts, len(ids)))
+        owner = np.searchsorted(offsets, starts, side="right") - 1
+        table = np.empty((len(starts), 3), dtype=np.int64)
+        table[:, 0] = (starts - offsets[owner]) * block_size
+        table[:, 1] = lengths * block_size
+        table[:, 2] = ids[starts] * block_size
+        return table, np.searchsorted(starts, offsets)
+
+    def _replay(self) -> Iterator[Request]:
+        # One buffer for every request, written while it is still in the CPU's caches (no
+        # allocation, no fresh pages), a run of consecutive block ids at a time: its tokens
+        # are one range, added to a shared arange in one flat pass.
+        if not len(self):
+            return
+        table, run_offsets = self._runs()
+        longest = int(table[:, 1].max()) if len(table) else 0
+        ramp = np.arange(longest, dtype=np.int64)
+        blocks = int(np.diff(self._offsets).max())
+        buffer = np.empty(max(blocks * self.block_size, self.largest_need), dtype=np.int64)
+        add = np.add
+        lengths, output_lengths = self._prompt_lengths.tolist(), self._output_lengths.tolist()
+        stamps = self._timestamps.tolist()
+        run_offsets = run_offsets.tolist()
+        for i, length in enumerate(lengths):
+            for place, count, start in table[run_offsets[i]:run_offsets[i + 1]].tolist():
+                add(ramp[:count], start, out=buffer[place:place + count])
+            stamp = stamps[i]
+            yield _trusted_request(buffer[:length], output_lengths[i], None, None,
+                                   None if stamp != stamp else stamp, spare=buffer)
 
     def _take(self, positions: np.ndarray, contiguous: bool) -> Trace:
         if contiguous and len(positions):

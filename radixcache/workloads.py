@@ -54,6 +54,8 @@ FRESH_TOKEN_BASE = 1 << 62
 #: Vocabulary of the synthetic workloads (a Llama-sized tokenizer).
 _VOCAB = 32000
 
+_max_of = np.maximum.reduce  # an array's largest element, without ndarray.max's wrappers
+
 
 def _token_array(tokens: Any, what: str) -> np.ndarray:
     """``tokens`` as a 1-D int64 numpy array (no copy when it already is one)."""
@@ -617,12 +619,17 @@ class KVPool:
         n = len(arr)
         if n == 0:
             return
-        if self._top + n > self.capacity:
+        top = self._top
+        if top + n > self.capacity:
             raise ValueError(f"freeing {n} slots overfills the pool ({self.used} in use)")
-        if int(arr.min()) < 0 or int(arr.max()) >= self.capacity:
+        if arr.dtype == np.int64:  # one pass: a negative id reads as a huge unsigned one
+            outside = int(_max_of(arr.view(np.uint64))) >= self.capacity
+        else:
+            outside = int(arr.min()) < 0 or int(arr.max()) >= self.capacity
+        if outside:
             raise ValueError(f"slot ids outside [0, {self.capacity})")
-        self._free[self._top:self._top + n] = arr
-        self._top += n
+        self._free[top:top + n] = arr
+        self._top = top + n
 
     def free_slots(self) -> np.ndarray:
         """List the free slots (for consistency checks).
@@ -1146,13 +1153,15 @@ class ServingLoop:
         inserted = cache.insert(full, kv, admission.request.extra_key)
         self.seconds += clock() - start
 
+        # The frees below read the slots as numpy (slicing a tensor costs more).
+        slots = kv.numpy() if type(kv) is torch.Tensor else kv
         # Slots of tokens the tree already held (a longer match than the prompt's) are spare.
         if inserted.prefix_len > admission.owned_from:
-            pool.free(kv[admission.owned_from:inserted.prefix_len])
+            pool.free(slots[admission.owned_from:inserted.prefix_len])
         # The tail past the last full page is not cached: its slots go back too.
         aligned_len = len(full) - len(full) % self._page_size
         if aligned_len < len(full):
-            pool.free(kv[aligned_len:])
+            pool.free(slots[aligned_len:])
 
         start = clock()
         cache.dec_lock_ref(admission.lock_node)
@@ -1230,7 +1239,10 @@ def serve(cache: Any, requests: Iterable[Request], capacity: int,
     """
     loop = ServingLoop(cache, capacity, pool=pool, host_capacity=host_capacity,
                        host_pool=host_pool)
-    for request in requests:
+    # A parsed trace can make each request into one reused buffer: every request is done
+    # with (inserted, its slots taken or freed) before the next is made.
+    replay = getattr(requests, "_replay", None)
+    for request in (replay() if replay is not None else requests):
         admission = loop.admit(request)
         if admission is not None:
             loop.finish(admission)

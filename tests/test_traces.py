@@ -147,6 +147,61 @@ def test_a_requests_buffer_is_used_by_one_admission_only(tmp_path):
     assert request.prompt.tolist() == twin.prompt.tolist() == list(range(6))
 
 
+def runs_trace(tmp_path, block_size=4):
+    """Requests whose block ids run consecutively, jump, repeat, go down, are cut short, or
+    are missing (an empty prompt): every way a run of ids can start or end."""
+    records = [
+        {"input_length": 12, "output_length": 3, "hash_ids": [5, 6, 7]},
+        {"input_length": 10, "output_length": 0, "hash_ids": [5, 6, 9], "timestamp": 2.5},
+        {"input_length": 0, "output_length": 4, "hash_ids": []},
+        {"input_length": 16, "output_length": 1, "hash_ids": [3, 3, 2, 1]},
+        {"input_length": 5, "output_length": 40, "hash_ids": [8, 9, 10]},
+        {"input_length": 1, "output_length": 2, "hash_ids": [0], "timestamp": 7},
+        {"input_length": 8, "output_length": 2, "hash_ids": [1, 2]},
+        {"input_length": 0, "output_length": 1, "hash_ids": [4]},
+        {"input_length": 24, "output_length": 5, "hash_ids": [11, 12, 13, 20, 21, 22]},
+    ]
+    return read_trace(write_lines(tmp_path / "runs.jsonl", records), block_size=block_size)
+
+
+def test_replay_makes_the_requests_iteration_makes(tmp_path):
+    trace = runs_trace(tmp_path)
+    made = list(trace)
+    replayed = 0
+    for i, request in enumerate(trace._replay()):
+        # Checked before the next is made: the replay reuses one buffer.
+        assert same_request(request, made[i]), i
+        spare = request.__dict__["_spare"][0]
+        assert len(spare) >= len(request.prompt) + request.output_len
+        assert np.shares_memory(spare, request.prompt) or not len(request.prompt)
+        replayed += 1
+    assert replayed == len(trace)
+    for part in (trace[2:], trace[::2], trace[5:6], trace[3:3]):
+        listed = list(part)
+        assert [same_request(r, listed[i]) for i, r in enumerate(part._replay())] == \
+            [True] * len(part)
+    tokens = Trace.from_requests(made)
+    assert [same_request(r, made[i]) for i, r in enumerate(tokens._replay())] == \
+        [True] * len(made)
+
+
+def test_serve_gives_a_traces_rows_and_a_lists(tmp_path, core):
+    # serve reads a parsed trace through its reused buffer, a list as it is.
+    trace = read_trace(big_mooncake_trace(tmp_path / "big.jsonl", requests=300),
+                       block_size=256)
+    materialized = [Request(r.prompt.copy(), r.output_len, timestamp=r.timestamp)
+                    for r in trace]
+    for page_size, capacity in ((16, 30_000), (1, 12_000)):
+        streamed = serve(RadixCache(page_size=page_size, core=core), trace, capacity)
+        listed = serve(RadixCache(page_size=page_size, core=core), materialized, capacity)
+        assert serve_key(streamed) == serve_key(listed)
+        assert streamed.evicted_tokens > 0 and streamed.cached_tokens > 0
+    small = runs_trace(tmp_path)
+    streamed = serve(RadixCache(page_size=2, core=core), small, 64)
+    listed = serve(RadixCache(page_size=2, core=core), list(small), 64)
+    assert serve_key(streamed) == serve_key(listed) and streamed.cached_tokens > 0
+
+
 def test_parsed_trace_is_proportional_to_the_file(tmp_path):
     rng = np.random.default_rng(0)
     records = []

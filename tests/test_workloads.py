@@ -268,6 +268,18 @@ def test_kv_pool_alloc_and_free():
     assert pool.available == 10
 
 
+def test_kv_pool_free_refuses_every_id_outside_and_keeps_its_state():
+    pool = KVPool(8)
+    taken = pool.alloc(6)
+    for bad in (torch.tensor([-1]), np.array([3, -(2**63)]), torch.tensor([8]),
+                np.array([2**62]), np.array([-1], dtype=np.int32), [9], np.array([1.5e9])):
+        with pytest.raises(ValueError, match="outside"):
+            pool.free(bad)
+        assert pool.used == 6 and sorted(pool.free_slots().tolist()) == [6, 7]
+    pool.free(np.array(taken[:2].tolist(), dtype=np.int32))  # other int types are fine
+    assert pool.used == 4
+
+
 # -- serve -------------------------------------------------------------------------------------
 def test_serve_same_prompt_ten_times(core):
     prompt = np.arange(100, 400, dtype=np.int64)
