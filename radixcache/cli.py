@@ -9,7 +9,6 @@ argument errors answer at once); a run imports them when it starts.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import multiprocessing
@@ -524,10 +523,6 @@ def _run_sweep(points: list, run_point: Callable[[Any, Any], Any], jobs: int | N
     results = [None] * len(points)
     _SWEEP = (run_point, points)
     bar = None
-    # The objects made so far (modules, the parsed trace) move out of the collector's reach:
-    # a collection in a worker would otherwise touch every one of them, copying the pages
-    # they share with this process.
-    gc.freeze()
     executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
                                    initializer=_sweep_worker_init)
     done = False
@@ -551,7 +546,6 @@ def _run_sweep(points: list, run_point: Callable[[Any, Any], Any], jobs: int | N
         done = True
     finally:
         _SWEEP = None
-        gc.unfreeze()
         if bar is not None:
             bar.close()
         if not done:  # an error or Ctrl-C: stop the points still running

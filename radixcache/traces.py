@@ -249,45 +249,53 @@ class _MooncakeTrace(Trace):
         return _trusted_request(buffer[:length], output_length, None, None,
                                 self._timestamp(i), spare=buffer)
 
-    def _runs(self) -> tuple[np.ndarray, np.ndarray]:
-        """The requests' blocks as runs of consecutive ids, whose tokens are one range each:
-        per run (its first token's place in the request, its tokens, its first token), and
-        where each request's runs start in that table."""
-        ids, offsets, block_size = self._ids, self._offsets, self.block_size
-        first = np.ones(len(ids), dtype=bool)
+    def _runs(self, first: int, last: int) -> tuple[np.ndarray, list]:
+        """Requests ``first`` to ``last - 1``'s blocks as runs of consecutive ids, whose
+        tokens are one range each: a row per run (its first token's place in its request,
+        its tokens, its first token), and where each request's rows start."""
+        offsets = self._offsets[first:last + 1]
+        ids = self._ids[offsets[0]:offsets[-1]]
+        offsets = offsets - offsets[0]
+        block_size = self.block_size
+        starts_here = np.ones(len(ids), dtype=bool)
         if len(ids) > 1:
-            np.not_equal(ids[1:], ids[:-1] + 1, out=first[1:])
-        first[offsets[:-1][offsets[:-1] < len(ids)]] = True  # a request's first block
-        starts = np.flatnonzero(first)
-        lengths = np.diff(np.append(starts, len(ids)))
+            np.not_equal(ids[1:], ids[:-1] + 1, out=starts_here[1:])
+        starts_here[offsets[:-1][offsets[:-1] < len(ids)]] = True  # a request's first block
+        starts = np.flatnonzero(starts_here)
         owner = np.searchsorted(offsets, starts, side="right") - 1
         table = np.empty((len(starts), 3), dtype=np.int64)
         table[:, 0] = (starts - offsets[owner]) * block_size
-        table[:, 1] = lengths * block_size
+        table[:, 1] = np.diff(np.append(starts, len(ids))) * block_size
         table[:, 2] = ids[starts] * block_size
-        return table, np.searchsorted(starts, offsets)
+        return table, np.searchsorted(starts, offsets).tolist()
 
     def _replay(self) -> Iterator[Request]:
         # One buffer for every request, written while it is still in the CPU's caches (no
         # allocation, no fresh pages), a run of consecutive block ids at a time: its tokens
-        # are one range, added to a shared arange in one flat pass.
+        # are one range, a shared arange plus its first token, in one flat pass. The
+        # requests' numbers are read as Python lists, a chunk at a time.
         if not len(self):
             return
-        table, run_offsets = self._runs()
-        longest = int(table[:, 1].max()) if len(table) else 0
-        ramp = np.arange(longest, dtype=np.int64)
-        blocks = int(np.diff(self._offsets).max())
-        buffer = np.empty(max(blocks * self.block_size, self.largest_need), dtype=np.int64)
+        block_size = self.block_size
+        blocks = np.diff(self._offsets)
+        ramp = np.arange(int(blocks.max()) * block_size, dtype=np.int64)
+        buffer = np.empty(max(len(ramp), self.largest_need), dtype=np.int64)
         add = np.add
-        lengths, output_lengths = self._prompt_lengths.tolist(), self._output_lengths.tolist()
-        stamps = self._timestamps.tolist()
-        run_offsets = run_offsets.tolist()
-        for i, length in enumerate(lengths):
-            for place, count, start in table[run_offsets[i]:run_offsets[i + 1]].tolist():
-                add(ramp[:count], start, out=buffer[place:place + count])
-            stamp = stamps[i]
-            yield _trusted_request(buffer[:length], output_lengths[i], None, None,
-                                   None if stamp != stamp else stamp, spare=buffer)
+        chunk = 4096
+        for first in range(0, len(self), chunk):
+            last = min(first + chunk, len(self))
+            runs, run_starts = self._runs(first, last)
+            lengths = self._prompt_lengths[first:last].tolist()
+            output_lengths = self._output_lengths[first:last].tolist()
+            stamps = self._timestamps[first:last].tolist()
+            for i, length in enumerate(lengths):
+                # (A few small lists per request, not one per run of the chunk: containers
+                # that pile up set off the garbage collector.)
+                for place, count, start in runs[run_starts[i]:run_starts[i + 1]].tolist():
+                    add(ramp[:count], start, out=buffer[place:place + count])
+                stamp = stamps[i]
+                yield _trusted_request(buffer[:length], output_lengths[i], None, None,
+                                       None if stamp != stamp else stamp, spare=buffer)
 
     def _take(self, positions: np.ndarray, contiguous: bool) -> Trace:
         if contiguous and len(positions):
