@@ -311,6 +311,22 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"radixcache {version('radixcache')}\n"
 
 
+def test_a_command_line_run_keeps_what_is_left_out_of_the_collections_at_exit(monkeypatch,
+                                                                                capsys):
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    try:
+        assert main(["--version"]) == 0
+        assert gc.get_freeze_count() == 0  # called with arguments (as here): nothing changes
+        monkeypatch.setattr(sys, "argv", ["radixcache", "--version"])
+        assert main() == 0  # the command line's run: the process exits next
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert capsys.readouterr().out.count("radixcache ") == 2
+
+
 HEAVY = ("torch", "numpy", "radixcache.cache", "radixcache._core", "radixcache._core_c",
          "radixcache._core_py", "radixcache.workloads", "radixcache.fleet")
 
