@@ -1355,18 +1355,18 @@ def _usage_line(parser: argparse.ArgumentParser) -> str:
     return f"{usage}  (see '{parser.prog} --help')"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    code = _main(argv)
-    if argv is None:
-        # The command line's run is over and the process exits next: what is left (torch's
-        # modules, the parsed trace, the last caches) is kept out of the collections at exit,
-        # which would otherwise walk all of it (about a quarter of a second with torch).
-        gc.freeze()
+def entry_point() -> int:
+    """The ``radixcache`` command (and ``python -m radixcache``): ``main()`` on
+    ``sys.argv[1:]``, in a process that exits next; returns the exit code."""
+    code = main()
+    # What is left (torch's modules, the parsed trace) is kept out of the collections at
+    # exit, which would otherwise walk all of it: about a quarter of a second with torch.
+    gc.freeze()
     return code
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     parser = _build_parser()
     try:
         args, extras = parser.parse_known_args(argv)
@@ -1397,4 +1397,4 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(entry_point())

@@ -311,20 +311,21 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"radixcache {version('radixcache')}\n"
 
 
-def test_a_command_line_run_keeps_what_is_left_out_of_the_collections_at_exit(monkeypatch,
-                                                                                capsys):
+def test_the_command_keeps_what_is_left_out_of_the_collections_at_exit(monkeypatch, capsys):
     import gc
 
+    from radixcache.cli import entry_point
+
     assert gc.get_freeze_count() == 0
+    monkeypatch.setattr(sys, "argv", ["radixcache", "--version"])
     try:
-        assert main(["--version"]) == 0
-        assert gc.get_freeze_count() == 0  # called with arguments (as here): nothing changes
-        monkeypatch.setattr(sys, "argv", ["radixcache", "--version"])
-        assert main() == 0  # the command line's run: the process exits next
+        assert main() == 0 and main(["--version"]) == 0
+        assert gc.get_freeze_count() == 0  # main() itself changes nothing
+        assert entry_point() == 0  # the command: the process exits next
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
-    assert capsys.readouterr().out.count("radixcache ") == 2
+    assert capsys.readouterr().out.count("radixcache ") == 3
 
 
 HEAVY = ("torch", "numpy", "radixcache.cache", "radixcache._core", "radixcache._core_c",
