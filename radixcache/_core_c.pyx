@@ -34,6 +34,7 @@ from cpython.long cimport PyLong_AsLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport INT64_MAX, int64_t, uint64_t
+from libc.stdlib cimport free, realloc
 from libc.string cimport memcmp, memcpy, memset
 
 from collections import deque as _deque
@@ -1272,12 +1273,20 @@ cdef extern from *:
         }
     }
 
-    static PyObject* rc_int64_capsule(Py_ssize_t n, int64_t** data) {
-        size_t head = (sizeof(rc_dl_head) + 63) & ~(size_t)63;
-        char* mem = (char*)malloc(head + (size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+    /* The header's size, rounded up: the int64 data of a block starts there. */
+    #define RC_DL_HEAD (((size_t)sizeof(rc_dl_head) + 63) & ~(size_t)63)
+
+    /* A block of the capsule layout (header, then room for n int64), or NULL. */
+    static char* rc_int64_block(Py_ssize_t n) {
+        return (char*)malloc(RC_DL_HEAD + (size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+    }
+
+    /* A capsule over a malloc'd block of the capsule layout holding n int64 after its
+       header: the capsule (then torch's tensor) owns the block from here, on failure too. */
+    static PyObject* rc_adopt_block(char* mem, Py_ssize_t n) {
+        size_t head = RC_DL_HEAD;
         rc_dl_head* h;
         PyObject* capsule;
-        if (mem == NULL) { PyErr_NoMemory(); return NULL; }
         h = (rc_dl_head*)mem;
         h->shape[0] = n;
         h->strides[0] = 1;
@@ -1295,8 +1304,14 @@ cdef extern from *:
         h->managed.deleter = rc_dl_deleter;
         capsule = PyCapsule_New(&h->managed, "dltensor", rc_dl_capsule_destructor);
         if (capsule == NULL) { free(mem); return NULL; }
-        *data = (int64_t*)(mem + head);
         return capsule;
+    }
+
+    static PyObject* rc_int64_capsule(Py_ssize_t n, int64_t** data) {
+        char* mem = rc_int64_block(n);
+        if (mem == NULL) { PyErr_NoMemory(); return NULL; }
+        *data = (int64_t*)(mem + RC_DL_HEAD);
+        return rc_adopt_block(mem, n);
     }
 
     /* A result object (MatchResult/InsertResult: __slots__ classes) with its slots filled,
@@ -1349,6 +1364,9 @@ cdef extern from *:
                          object length, object host_length, object last_host)
     bint rc_read_int(PyObject* o, int64_t* out) noexcept
     object rc_int64_capsule(Py_ssize_t n, int64_t** data)
+    size_t RC_DL_HEAD
+    char* rc_int64_block(Py_ssize_t n) noexcept
+    object rc_adopt_block(char* mem, Py_ssize_t n)
     object rc_make_result(object type, object n0, object v0, object n1, object v1,
                           PyObject* n2, PyObject* v2)
 
@@ -1401,33 +1419,54 @@ cdef object block_tensor(const int64_t* src, Py_ssize_t n):
 @cython.final
 cdef class FreedBatch:
     """A batch eviction's freed indices, in eviction order: CPU values (and keys doubling as
-    indices) are copied into one growing PyMem block; a device value ends the block so far
-    (made a tensor) and is kept as given. ``take()``: None when nothing was added, one
-    tensor, or a list of tensors to join. Runs no Python code but torch's allocation."""
+    indices) are copied into one growing block, laid out as a result tensor's (a header,
+    then the int64 data), which becomes that tensor without another copy; a device value
+    ends the block so far (made a tensor) and is kept as given. ``take()``: None when
+    nothing was added, one tensor, or a list of tensors to join. Runs no Python code but
+    torch's tensor making. ``hint``: the tokens the loop means to free (the first block's
+    size, bounded), so that a call's victims rarely grow the block."""
+
+    def __cinit__(self, int64_t hint=0):
+        self.block = NULL
+        self.hint = <Py_ssize_t>min(max(hint, 256), 1 << 18)
 
     def __dealloc__(self):
-        PyMem_Free(self.joined)
+        free(self.block)
 
     cdef int add_ints(self, const int64_t* data, Py_ssize_t n) except -1:
-        cdef int64_t* grown
+        cdef char* grown
         cdef Py_ssize_t cap
-        if self.joined_len + n > self.joined_cap:
-            cap = max(2 * self.joined_cap, self.joined_len + n, 256)
-            grown = <int64_t*>PyMem_Realloc(self.joined, cap * sizeof(int64_t))
+        if self.block == NULL or self.joined_len + n > self.joined_cap:
+            cap = max(2 * self.joined_cap, self.joined_len + n, self.hint)
+            grown = <char*>realloc(self.block, RC_DL_HEAD + <size_t>cap * sizeof(int64_t))
             if grown == NULL:
                 raise MemoryError()
-            self.joined = grown
+            self.block = grown
             self.joined_cap = cap
-        memcpy(self.joined + self.joined_len, data, n * sizeof(int64_t))
+        memcpy(<int64_t*>(self.block + RC_DL_HEAD) + self.joined_len, data,
+               n * sizeof(int64_t))
         self.joined_len += n
         return 0
+
+    cdef object joined_tensor(self):
+        """The block so far as a tensor (the block is handed over: no copy)."""
+        cdef char* mem = self.block
+        cdef char* smaller
+        cdef Py_ssize_t n = self.joined_len, cap = self.joined_cap
+        self.block = NULL
+        self.joined_len = self.joined_cap = 0
+        # Give back the room of a block grown well past what it holds (realloc in place).
+        if cap - n > max(n // 4, 4096):
+            smaller = <char*>realloc(mem, RC_DL_HEAD + <size_t>max(n, 1) * sizeof(int64_t))
+            if smaller != NULL:
+                mem = smaller
+        return _from_dlpack(rc_adopt_block(mem, n))
 
     cdef int add_tensor(self, object tensor) except -1:
         if self.parts is None:
             self.parts = []
         if self.joined_len:
-            self.parts.append(block_tensor(self.joined, self.joined_len))
-            self.joined_len = 0
+            self.parts.append(self.joined_tensor())
         self.parts.append(tensor)
         return 0
 
@@ -1435,13 +1474,12 @@ cdef class FreedBatch:
         if self.parts is None:
             if not self.joined_len:
                 return None
-            value = block_tensor(self.joined, self.joined_len)
+            value = self.joined_tensor()
         else:
             if self.joined_len:
-                self.parts.append(block_tensor(self.joined, self.joined_len))
+                self.parts.append(self.joined_tensor())
             value = self.parts
             self.parts = None
-        self.joined_len = 0
         return value
 
 
@@ -2237,7 +2275,7 @@ cdef class Core:
             return self.evict_tiered(target, free_callback, batch, on_remove, backup,
                                      on_backup)
         garbage = []  # stale entries and dropped values: released outside the guard
-        cdef FreedBatch freed_batch = FreedBatch() if collect else None
+        cdef FreedBatch freed_batch = FreedBatch(target) if collect else None
         value = error = None
         self.guard.enter("evict")
         holding = True
@@ -2306,7 +2344,7 @@ cdef class Core:
         cdef bint collect = free_callback is not None and batch
         cdef bint use_backup = backup is not None and self.write_through_hits == 0
         cdef bint holding
-        cdef FreedBatch freed_batch = FreedBatch() if collect else None
+        cdef FreedBatch freed_batch = FreedBatch(target) if collect else None
         garbage = []  # stale entries and dropped values: released outside the guard
         skipped = []  # device leaves that cannot leave the tree: pushed back after the loop
         skipping = set()  # the same nodes, to drop their other heap entries
@@ -2424,7 +2462,7 @@ cdef class Core:
         except OverflowError:
             target = INT64_MAX if num_tokens > 0 else 0
         garbage = []
-        cdef FreedBatch freed_batch = FreedBatch() if collect else None
+        cdef FreedBatch freed_batch = FreedBatch(target) if collect else None
         value = error = None
         self.guard.enter("evict_host")
         holding = True

@@ -640,6 +640,10 @@ class RadixCache:
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
+        if (type(num_tokens) is int and backup is None and self._events is None
+                and not self.host_tier and (free_callback is None or callable(free_callback))):
+            # The common call, already valid: straight to the core.
+            return self._core.evict(num_tokens, free_callback, bool(batch))
         num_tokens = _check_int("num_tokens", num_tokens)
         if free_callback is not None and not callable(free_callback):
             raise TypeError(
