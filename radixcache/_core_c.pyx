@@ -2449,8 +2449,9 @@ cdef class Core:
         del garbage[:]
         node = parent = None
         # batch: one call with every freed index, outside the guard; then the loop's error
-        _hand_over_batch(free_callback, value, error,
-                         _cat_tensors if type(value) is list else None)
+        if collect:
+            _hand_over_batch(free_callback, value, error,
+                             _cat_tensors if type(value) is list else None)
         return freed
 
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
@@ -2582,8 +2583,9 @@ cdef class Core:
         skipping.clear()
         node = parent = None
         # batch: one call with every freed index, outside the guard; then the loop's error
-        _hand_over_batch(free_callback, value, error,
-                         _cat_tensors if type(value) is list else None)
+        if collect:
+            _hand_over_batch(free_callback, value, error,
+                             _cat_tensors if type(value) is list else None)
         return freed
 
     def evict_host(self, num_tokens, free_callback=None, bint batch=False, on_remove=None):
@@ -2654,7 +2656,8 @@ cdef class Core:
                     self.guard.busy = 0
         del garbage[:]
         node = parent = None
-        _hand_over_batch(free_callback, value, error, None)
+        if collect:
+            _hand_over_batch(free_callback, value, error, None)
         return freed
 
     def write_through(self, backup, on_backup=None):
