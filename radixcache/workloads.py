@@ -619,7 +619,11 @@ class KVPool:
             return
         if self._top + n > self.capacity:
             raise ValueError(f"freeing {n} slots overfills the pool ({self.used} in use)")
-        if int(arr.min()) < 0 or int(arr.max()) >= self.capacity:
+        if arr.dtype == np.int64:  # one pass: a negative id reads as a huge unsigned one
+            outside = int(arr.view(np.uint64).max()) >= self.capacity
+        else:
+            outside = int(arr.min()) < 0 or int(arr.max()) >= self.capacity
+        if outside:
             raise ValueError(f"slot ids outside [0, {self.capacity})")
         self._free[self._top:self._top + n] = arr
         self._top += n
