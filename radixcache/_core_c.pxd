@@ -165,13 +165,19 @@ cdef class EvictionHeap:
 
 
 cdef class FreedBatch:
-    # A batch eviction's freed indices: CPU values in one PyMem block, device tensors kept.
-    cdef int64_t* joined
+    # A batch eviction's freed indices: CPU values in one malloc'd, reference-counted block
+    # laid out as a result tensor's (it becomes that tensor), device tensors kept.
+    cdef char* block
     cdef Py_ssize_t joined_len
     cdef Py_ssize_t joined_cap
+    cdef Py_ssize_t hint
     cdef list parts
 
     cdef int add_ints(self, const int64_t* data, Py_ssize_t n) except -1
+    cdef object tail(self, Py_ssize_t n)
+    cdef int drop_tail(self, Py_ssize_t n) except -1
+    cdef int seal(self) except -1
+    cdef object joined_tensor(self)
     cdef int add_tensor(self, object tensor) except -1
     cdef object take(self)
 

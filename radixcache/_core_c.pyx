@@ -34,6 +34,7 @@ from cpython.long cimport PyLong_AsLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport INT64_MAX, int64_t, uint64_t
+from libc.stdlib cimport free, realloc
 from libc.string cimport memcmp, memcpy, memset
 
 from collections import deque as _deque
@@ -1260,7 +1261,10 @@ cdef extern from *:
     typedef struct rc_DLManagedTensor {
         rc_DLTensor dl_tensor; void* manager_ctx; void (*deleter)(struct rc_DLManagedTensor*);
     } rc_DLManagedTensor;
-    typedef struct { rc_DLManagedTensor managed; int64_t shape[1]; int64_t strides[1]; } rc_dl_head;
+    /* refs: only for a batch eviction's shared block (rc_share_block). */
+    typedef struct {
+        rc_DLManagedTensor managed; int64_t shape[1]; int64_t strides[1]; int64_t refs;
+    } rc_dl_head;
 
     static void rc_dl_deleter(rc_DLManagedTensor* self) { free(self->manager_ctx); }
 
@@ -1272,12 +1276,20 @@ cdef extern from *:
         }
     }
 
-    static PyObject* rc_int64_capsule(Py_ssize_t n, int64_t** data) {
-        size_t head = (sizeof(rc_dl_head) + 63) & ~(size_t)63;
-        char* mem = (char*)malloc(head + (size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+    /* The header's size, rounded up: the int64 data of a block starts there. */
+    #define RC_DL_HEAD (((size_t)sizeof(rc_dl_head) + 63) & ~(size_t)63)
+
+    /* A block of the capsule layout (header, then room for n int64), or NULL. */
+    static char* rc_int64_block(Py_ssize_t n) {
+        return (char*)malloc(RC_DL_HEAD + (size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+    }
+
+    /* A capsule over a malloc'd block of the capsule layout holding n int64 after its
+       header: the capsule (then torch's tensor) owns the block from here, on failure too. */
+    static PyObject* rc_adopt_block(char* mem, Py_ssize_t n) {
+        size_t head = RC_DL_HEAD;
         rc_dl_head* h;
         PyObject* capsule;
-        if (mem == NULL) { PyErr_NoMemory(); return NULL; }
         h = (rc_dl_head*)mem;
         h->shape[0] = n;
         h->strides[0] = 1;
@@ -1295,8 +1307,90 @@ cdef extern from *:
         h->managed.deleter = rc_dl_deleter;
         capsule = PyCapsule_New(&h->managed, "dltensor", rc_dl_capsule_destructor);
         if (capsule == NULL) { free(mem); return NULL; }
-        *data = (int64_t*)(mem + head);
         return capsule;
+    }
+
+    /* A batch eviction's block is shared: by the batch while it grows, by tensors over
+       part of it (a backup's argument) and in the end by the batch's tensor. Each holds one
+       of its refs (atomic: torch may drop a tensor on any thread); the last one frees it.
+       The batch grows (reallocs) or reuses it only while it holds the only ref. */
+    static void rc_block_release(char* mem) {
+        if (__atomic_sub_fetch(&((rc_dl_head*)mem)->refs, 1, __ATOMIC_ACQ_REL) == 0)
+            free(mem);
+    }
+
+    static int rc_block_alone(char* mem) {
+        return __atomic_load_n(&((rc_dl_head*)mem)->refs, __ATOMIC_ACQUIRE) == 1;
+    }
+
+    static void rc_shared_deleter(rc_DLManagedTensor* self) {
+        rc_block_release((char*)self->manager_ctx);
+    }
+
+    /* The whole block's tensor capsule over n int64, taking over the caller's ref. */
+    static PyObject* rc_share_block(char* mem, Py_ssize_t n) {
+        rc_dl_head* h = (rc_dl_head*)mem;
+        PyObject* capsule;
+        h->shape[0] = n;
+        h->strides[0] = 1;
+        h->managed.dl_tensor.data = mem + RC_DL_HEAD;
+        h->managed.dl_tensor.device.device_type = 1;
+        h->managed.dl_tensor.device.device_id = 0;
+        h->managed.dl_tensor.ndim = 1;
+        h->managed.dl_tensor.dtype.code = 0;
+        h->managed.dl_tensor.dtype.bits = 64;
+        h->managed.dl_tensor.dtype.lanes = 1;
+        h->managed.dl_tensor.shape = h->shape;
+        h->managed.dl_tensor.strides = h->strides;
+        h->managed.dl_tensor.byte_offset = 0;
+        h->managed.manager_ctx = mem;
+        h->managed.deleter = rc_shared_deleter;
+        capsule = PyCapsule_New(&h->managed, "dltensor", rc_dl_capsule_destructor);
+        if (capsule == NULL) rc_block_release(mem);
+        return capsule;
+    }
+
+    typedef struct {
+        rc_DLManagedTensor managed; int64_t shape[1]; int64_t strides[1]; char* block;
+    } rc_dl_view;
+
+    static void rc_view_deleter(rc_DLManagedTensor* self) {
+        rc_dl_view* v = (rc_dl_view*)self->manager_ctx;
+        rc_block_release(v->block);
+        free(v);
+    }
+
+    /* A capsule over n int64 of a shared block from offset start, holding a new ref. */
+    static PyObject* rc_view_block(char* mem, Py_ssize_t start, Py_ssize_t n) {
+        rc_dl_view* v = (rc_dl_view*)malloc(sizeof(rc_dl_view));
+        PyObject* capsule;
+        if (v == NULL) { PyErr_NoMemory(); return NULL; }
+        __atomic_add_fetch(&((rc_dl_head*)mem)->refs, 1, __ATOMIC_ACQ_REL);
+        v->block = mem;
+        v->shape[0] = n;
+        v->strides[0] = 1;
+        v->managed.dl_tensor.data = (int64_t*)(mem + RC_DL_HEAD) + start;
+        v->managed.dl_tensor.device.device_type = 1;
+        v->managed.dl_tensor.device.device_id = 0;
+        v->managed.dl_tensor.ndim = 1;
+        v->managed.dl_tensor.dtype.code = 0;
+        v->managed.dl_tensor.dtype.bits = 64;
+        v->managed.dl_tensor.dtype.lanes = 1;
+        v->managed.dl_tensor.shape = v->shape;
+        v->managed.dl_tensor.strides = v->strides;
+        v->managed.dl_tensor.byte_offset = 0;
+        v->managed.manager_ctx = v;
+        v->managed.deleter = rc_view_deleter;
+        capsule = PyCapsule_New(&v->managed, "dltensor", rc_dl_capsule_destructor);
+        if (capsule == NULL) { rc_block_release(mem); free(v); }
+        return capsule;
+    }
+
+    static PyObject* rc_int64_capsule(Py_ssize_t n, int64_t** data) {
+        char* mem = rc_int64_block(n);
+        if (mem == NULL) { PyErr_NoMemory(); return NULL; }
+        *data = (int64_t*)(mem + RC_DL_HEAD);
+        return rc_adopt_block(mem, n);
     }
 
     /* A result object (MatchResult/InsertResult: __slots__ classes) with its slots filled,
@@ -1349,6 +1443,15 @@ cdef extern from *:
                          object length, object host_length, object last_host)
     bint rc_read_int(PyObject* o, int64_t* out) noexcept
     object rc_int64_capsule(Py_ssize_t n, int64_t** data)
+    size_t RC_DL_HEAD
+    char* rc_int64_block(Py_ssize_t n) noexcept
+    object rc_adopt_block(char* mem, Py_ssize_t n)
+    void rc_block_release(char* mem) noexcept
+    bint rc_block_alone(char* mem) noexcept
+    object rc_share_block(char* mem, Py_ssize_t n)
+    object rc_view_block(char* mem, Py_ssize_t start, Py_ssize_t n)
+    ctypedef struct rc_dl_head:
+        int64_t refs
     object rc_make_result(object type, object n0, object v0, object n1, object v1,
                           PyObject* n2, PyObject* v2)
 
@@ -1401,33 +1504,92 @@ cdef object block_tensor(const int64_t* src, Py_ssize_t n):
 @cython.final
 cdef class FreedBatch:
     """A batch eviction's freed indices, in eviction order: CPU values (and keys doubling as
-    indices) are copied into one growing PyMem block; a device value ends the block so far
-    (made a tensor) and is kept as given. ``take()``: None when nothing was added, one
-    tensor, or a list of tensors to join. Runs no Python code but torch's allocation."""
+    indices) are copied into one growing block, laid out as a result tensor's (a header,
+    then the int64 data), which becomes that tensor without another copy; a device value
+    ends the block so far (made a tensor) and is kept as given. ``take()``: None when
+    nothing was added, one tensor, or a list of tensors to join. Runs no Python code but
+    torch's tensor making. ``hint``: the tokens the loop means to free (the first block's
+    size, bounded), so that a call's victims rarely grow the block.
+
+    ``tail(n)`` is a tensor over the last ``n`` indices added, sharing the block (a
+    backup's argument: the same values the batch hands over, without a copy). The block is
+    reference-counted: it grows in place only while no such tensor is alive; otherwise the
+    batch goes on in a new block (a part of its own), and never writes where a live tensor
+    looks."""
+
+    def __cinit__(self, int64_t hint=0):
+        self.block = NULL
+        self.hint = <Py_ssize_t>min(max(hint, 256), 1 << 18)
 
     def __dealloc__(self):
-        PyMem_Free(self.joined)
+        if self.block != NULL:
+            rc_block_release(self.block)
 
     cdef int add_ints(self, const int64_t* data, Py_ssize_t n) except -1:
-        cdef int64_t* grown
+        cdef char* grown
         cdef Py_ssize_t cap
-        if self.joined_len + n > self.joined_cap:
-            cap = max(2 * self.joined_cap, self.joined_len + n, 256)
-            grown = <int64_t*>PyMem_Realloc(self.joined, cap * sizeof(int64_t))
+        if self.block != NULL and self.joined_len + n > self.joined_cap:
+            if not rc_block_alone(self.block):
+                self.seal()  # a tensor looks at this block: go on in a new one
+        if self.block == NULL or self.joined_len + n > self.joined_cap:
+            cap = max(2 * self.joined_cap, self.joined_len + n, self.hint)
+            grown = <char*>realloc(self.block, RC_DL_HEAD + <size_t>cap * sizeof(int64_t))
             if grown == NULL:
                 raise MemoryError()
-            self.joined = grown
+            if self.block == NULL:
+                (<rc_dl_head*>grown).refs = 1  # the batch's
+            self.block = grown
             self.joined_cap = cap
-        memcpy(self.joined + self.joined_len, data, n * sizeof(int64_t))
+        memcpy(<int64_t*>(self.block + RC_DL_HEAD) + self.joined_len, data,
+               n * sizeof(int64_t))
         self.joined_len += n
         return 0
+
+    cdef object tail(self, Py_ssize_t n):
+        """A tensor over the last ``n`` indices added (sharing the block)."""
+        return _from_dlpack(rc_view_block(self.block, self.joined_len - n, n))
+
+    cdef int drop_tail(self, Py_ssize_t n) except -1:
+        """Take back the last ``n`` indices added (their victim stays). Should a tensor
+        still look at them, the batch goes on in a new block: they are never overwritten."""
+        self.joined_len -= n
+        if not rc_block_alone(self.block):
+            self.seal()
+        return 0
+
+    cdef int seal(self) except -1:
+        """End the block: what it holds becomes a part; the next index starts a new one."""
+        cdef char* mem = self.block
+        if self.joined_len:
+            if self.parts is None:
+                self.parts = []
+            self.parts.append(self.joined_tensor())
+        else:
+            self.block = NULL
+            self.joined_cap = 0
+            rc_block_release(mem)
+        return 0
+
+    cdef object joined_tensor(self):
+        """The block so far as a tensor (the block is handed over: no copy)."""
+        cdef char* mem = self.block
+        cdef char* smaller
+        cdef Py_ssize_t n = self.joined_len, cap = self.joined_cap
+        self.block = NULL
+        self.joined_len = self.joined_cap = 0
+        # Give back the room of a block grown well past what it holds (realloc in place),
+        # unless a tensor looks at it.
+        if cap - n > max(n // 4, 4096) and rc_block_alone(mem):
+            smaller = <char*>realloc(mem, RC_DL_HEAD + <size_t>max(n, 1) * sizeof(int64_t))
+            if smaller != NULL:
+                mem = smaller
+        return _from_dlpack(rc_share_block(mem, n))
 
     cdef int add_tensor(self, object tensor) except -1:
         if self.parts is None:
             self.parts = []
         if self.joined_len:
-            self.parts.append(block_tensor(self.joined, self.joined_len))
-            self.joined_len = 0
+            self.parts.append(self.joined_tensor())
         self.parts.append(tensor)
         return 0
 
@@ -1435,13 +1597,12 @@ cdef class FreedBatch:
         if self.parts is None:
             if not self.joined_len:
                 return None
-            value = block_tensor(self.joined, self.joined_len)
+            value = self.joined_tensor()
         else:
             if self.joined_len:
-                self.parts.append(block_tensor(self.joined, self.joined_len))
+                self.parts.append(self.joined_tensor())
             value = self.parts
             self.parts = None
-        self.joined_len = 0
         return value
 
 
@@ -2237,7 +2398,7 @@ cdef class Core:
             return self.evict_tiered(target, free_callback, batch, on_remove, backup,
                                      on_backup)
         garbage = []  # stale entries and dropped values: released outside the guard
-        cdef FreedBatch freed_batch = FreedBatch() if collect else None
+        cdef FreedBatch freed_batch = FreedBatch(target) if collect else None
         value = error = None
         self.guard.enter("evict")
         holding = True
@@ -2288,8 +2449,9 @@ cdef class Core:
         del garbage[:]
         node = parent = None
         # batch: one call with every freed index, outside the guard; then the loop's error
-        _hand_over_batch(free_callback, value, error,
-                         _cat_tensors if type(value) is list else None)
+        if collect:
+            _hand_over_batch(free_callback, value, error,
+                             _cat_tensors if type(value) is list else None)
         return freed
 
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
@@ -2306,7 +2468,8 @@ cdef class Core:
         cdef bint collect = free_callback is not None and batch
         cdef bint use_backup = backup is not None and self.write_through_hits == 0
         cdef bint holding
-        cdef FreedBatch freed_batch = FreedBatch() if collect else None
+        cdef Py_ssize_t added = 0  # this victim's indices already in the batch (backup's)
+        cdef FreedBatch freed_batch = FreedBatch(target) if collect else None
         garbage = []  # stale entries and dropped values: released outside the guard
         skipped = []  # device leaves that cannot leave the tree: pushed back after the loop
         skipping = set()  # the same nodes, to drop their other heap entries
@@ -2321,12 +2484,23 @@ cdef class Core:
                 if node in skipping:
                     continue  # another entry of a node skipped already
                 value = None
+                added = 0
                 try:
                     if node.host_owner is None:
                         host = None
                         if use_backup:
-                            value = victim_value(node)  # the tensor backup and free_callback get
+                            if collect and (node.value_ptr != NULL or node.value_owner is None):
+                                # backup's tensor is the batch's copy of the indices (one
+                                # copy for both): a tensor over the batch's tail.
+                                freed_batch.add_ints(node.value_ptr if node.value_ptr != NULL
+                                                     else node.key_ptr, node.key_len)
+                                added = node.key_len
+                                value = freed_batch.tail(added)
+                            else:
+                                value = victim_value(node)  # what backup and free_callback get
                             host = backup(value)
+                            if collect:
+                                value = None  # backup's alone: the batch has the indices
                             if host is not None:
                                 host = host_bytes(host, node.key_len)
                         if host is None:
@@ -2334,6 +2508,9 @@ cdef class Core:
                                 skipped.append(node)
                                 skipping.add(node)
                                 value = None
+                                if added:
+                                    added = 0
+                                    freed_batch.drop_tail(node.key_len)
                                 continue
                         else:
                             # Read afresh after the calls: the bytes must fit the node now.
@@ -2351,7 +2528,7 @@ cdef class Core:
                         on_remove(node)
                     if per_node and value is None:
                         value = victim_value(node)
-                    if collect:
+                    if collect and not added:
                         collect_value(freed_batch, node)
                     # The last call out is behind: the node must still be this heap's victim.
                     if not self.heap.usable(node) or (node.host_owner is None
@@ -2359,6 +2536,9 @@ cdef class Core:
                         raise RuntimeError(f"evict: node {node.id} changed during a callback")
                 except BaseException:
                     garbage.append(self.heap.push_entry(node))  # still a device leaf
+                    if added:  # the victim stays: its indices leave the batch
+                        value = None
+                        freed_batch.drop_tail(added)
                     raise
                 size = node.key_len
                 if node.host_owner is not None:
@@ -2403,8 +2583,9 @@ cdef class Core:
         skipping.clear()
         node = parent = None
         # batch: one call with every freed index, outside the guard; then the loop's error
-        _hand_over_batch(free_callback, value, error,
-                         _cat_tensors if type(value) is list else None)
+        if collect:
+            _hand_over_batch(free_callback, value, error,
+                             _cat_tensors if type(value) is list else None)
         return freed
 
     def evict_host(self, num_tokens, free_callback=None, bint batch=False, on_remove=None):
@@ -2424,7 +2605,7 @@ cdef class Core:
         except OverflowError:
             target = INT64_MAX if num_tokens > 0 else 0
         garbage = []
-        cdef FreedBatch freed_batch = FreedBatch() if collect else None
+        cdef FreedBatch freed_batch = FreedBatch(target) if collect else None
         value = error = None
         self.guard.enter("evict_host")
         holding = True
@@ -2475,7 +2656,8 @@ cdef class Core:
                     self.guard.busy = 0
         del garbage[:]
         node = parent = None
-        _hand_over_batch(free_callback, value, error, None)
+        if collect:
+            _hand_over_batch(free_callback, value, error, None)
         return freed
 
     def write_through(self, backup, on_backup=None):

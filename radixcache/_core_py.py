@@ -125,7 +125,9 @@ value), or both. The core owns no pool and copies no data.
   ``evictions`` and ``evicted_tokens`` as for a removal); it stays in the tree and goes on
   ``host_heap`` if childless. (2) Else, with ``backup`` and ``write_through_hits == 0``,
   ``backup(device_indices)`` runs under the guard (``device_indices``: the tensor
-  ``free_callback`` gets); it returns None (the host is full) or host indices, checked by
+  ``free_callback`` gets; with ``batch``, the victim's part of the batch: what backup writes
+  in it during the call shows in the batch, and a tensor it keeps may share the batch's
+  memory); it returns None (the host is full) or host indices, checked by
   ``_shared.host_indices_bytes`` (a 1-D ``torch.int64`` tensor of exactly the node's length,
   any device; TypeError or ValueError otherwise); a valid one becomes the host value
   (``host_size`` and ``backed_up_tokens`` grow), ``on_backup(node)`` runs and the node is
@@ -1401,8 +1403,11 @@ class Core:
                     garbage.append(heap._push(node))
                     raise
                 if parts is not None:
-                    raw = node._value
-                    parts.append(node._key if raw is None else raw)
+                    if value is not None:  # backup's tensor: the batch's part (as compiled)
+                        parts.append(value)
+                    else:
+                        raw = node._value
+                        parts.append(node._key if raw is None else raw)
                 if node._host is not None:  # demoted: stays in the tree, host only
                     parent = node._parent
                     garbage.append(node._value)

@@ -614,8 +614,9 @@ class RadixCache:
                 that group their frees. Should the loop stop on an error, the nodes evicted
                 until then are still handed over before the error propagates.
             backup: With a host tier and the ``write_back`` policy: called with a victim's
-                device indices (the tensor ``free_callback`` gets next) when it has no host
-                copy yet. The engine allocates host slots, copies the KV there and returns
+                device indices (the tensor ``free_callback`` gets next; with ``batch``, that
+                victim's part of the batch, which may share its memory: read it, do not
+                write to it) when it has no host copy yet. The engine allocates host slots, copies the KV there and returns
                 their indices (a 1-D ``torch.int64`` tensor, one per device slot), or None
                 when the host is full. It runs inside the call: it must not call the cache.
 
@@ -640,6 +641,10 @@ class RadixCache:
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
+        if (type(num_tokens) is int and backup is None and self._events is None
+                and not self.host_tier and (free_callback is None or callable(free_callback))):
+            # The common call, already valid: straight to the core.
+            return self._core.evict(num_tokens, free_callback, bool(batch))
         num_tokens = _check_int("num_tokens", num_tokens)
         if free_callback is not None and not callable(free_callback):
             raise TypeError(

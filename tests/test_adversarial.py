@@ -1138,6 +1138,53 @@ case("h7_evict_free_callback_uses_both_tiers", HOST + textwrap.dedent("""
 """))
 
 
+case("h8_batch_backup_keeps_and_writes_its_tensor", HOST + textwrap.dedent("""
+    import threading
+
+    def run(core):
+        cache = RadixCache(core=core, host_tier=True)
+        sizes = [3, 700, 5, 300, 2000, 1, 260, 900, 40, 1500, 7, 333]
+        for i, size in enumerate(sizes):
+            cache.insert([10**6 * (i + 1) + t for t in range(size)])  # the keys are the indices
+        cache.insert([1, 2, 3, 4], [11, 12, 13, 14])
+        cache.insert([1, 2, 5, 6], [11, 12, 15, 16])
+        kept, seen, batches = [], [], []
+        calls = [0]
+
+        def backup(device):
+            # Keeps its tensor (beyond the call), writes into it, says the host is full
+            # (None) or fails now and then: nothing kept may change afterwards.
+            calls[0] += 1
+            kept.append(device)
+            if len(device) > 2:
+                device[1] = -calls[0]   # during the call: shows in the batch
+            seen.append(device.tolist())
+            if calls[0] % 4 == 0:
+                return None
+            if calls[0] == 7:
+                raise KeyError("host pool")
+            return device + 5 * 10**7
+
+        outcomes = []
+        for target in (10, 2500, 10**9, 10**9):
+            outcomes.append(outcome(lambda: cache.evict(target, batches.append, batch=True,
+                                                        backup=backup)))
+            check_invariants(cache)
+        # The prefix [1, 2] has host-only children now: a None from backup skips it.
+        outcomes.append(outcome(lambda: cache.evict(10**9, batches.append, batch=True,
+                                                    backup=lambda d: kept.append(d))))
+        check_invariants(cache)
+        assert [t.tolist() for t in kept[:len(seen)]] == seen  # never overwritten
+        # The tensors die on another thread (their memory is the batch's).
+        worker = threading.Thread(target=lambda items=list(kept): items.clear())
+        kept.clear()
+        worker.start()
+        worker.join()
+        host_consistent(cache)
+        return outcomes, seen, [t.tolist() for t in batches], tiered(cache)
+    same_as_pure(run)
+"""))
+
 def run_case(core_name: str, body: str, timeout: float = 300) -> str:
     script = PRELUDE + "\n" + body + "\nprint('CASE-OK')\n"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,6 +101,29 @@ def test_batch_callback_not_called_when_nothing_is_freed(make_cache):
     cache.dec_lock_ref(node)
     assert cache.evict(10, calls.append, batch=True) == 3
     assert [t.tolist() for t in calls] == [[1, 2, 3]]
+
+
+def test_batch_of_large_nodes_equals_the_per_node_values(make_cache):
+    """Batches far past the first block's size (and far past the tokens asked for): the
+    joined values are the per-node values in eviction order, each batch its own tensor."""
+    sizes = [3, 5000, 1, 70000, 257, 9000, 2]
+    caches = [make_cache(), make_cache()]
+    for cache in caches:
+        start = 0
+        for size in sizes:
+            tokens = np.arange(start, start + size, dtype=np.int64)
+            cache.insert(tokens, torch.from_numpy(tokens[::-1].copy()))
+            start += size + 1
+    per_node, batches = [], []
+    for num_tokens in (1, 4, 60000, 10**9):
+        caches[0].evict(num_tokens, per_node.append)
+        caches[1].evict(num_tokens, batches.append, batch=True)
+    assert len(batches) == 4
+    joined = torch.cat(batches)
+    assert joined.tolist() == torch.cat(per_node).tolist()
+    assert sorted(len(t) for t in per_node) == sorted(sizes)
+    batches[0].zero_()  # each batch owns its memory
+    assert torch.cat(batches[1:]).tolist() == joined[len(batches[0]):].tolist()
 
 
 def test_each_callback_gets_a_new_writable_tensor(make_cache):

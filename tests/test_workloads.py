@@ -260,8 +260,11 @@ def test_kv_pool_alloc_and_free():
     pool.free(first[1:3])
     assert pool.available == 2
     assert sorted(pool.free_slots().tolist()) == [1, 2]
-    with pytest.raises(ValueError, match="outside"):
-        pool.free(torch.tensor([10]))
+    for bad in (torch.tensor([10]), torch.tensor([1, -1]), np.array([-2], dtype=np.int32),
+                [1, 11]):
+        with pytest.raises(ValueError, match="outside"):
+            pool.free(bad)
+    assert pool.available == 2
     pool.free(torch.cat([first[:1], first[3:], rest]))
     with pytest.raises(ValueError, match="overfills"):
         pool.free(torch.tensor([0]))
