@@ -616,9 +616,10 @@ class RadixCache:
             backup: With a host tier and the ``write_back`` policy: called with a victim's
                 device indices (the tensor ``free_callback`` gets next; with ``batch``, that
                 victim's part of the batch, which may share its memory: read it, do not
-                write to it) when it has no host copy yet. The engine allocates host slots, copies the KV there and returns
-                their indices (a 1-D ``torch.int64`` tensor, one per device slot), or None
-                when the host is full. It runs inside the call: it must not call the cache.
+                write to it) when it has no host copy yet. The engine allocates host
+                slots, copies the KV there and returns their indices (a 1-D
+                ``torch.int64`` tensor, one per device slot), or None when the host is
+                full. It runs inside the call: it must not call the cache.
 
         With a host tier, a victim leaves the device only: one that has a host copy (or gets
         one from ``backup``) stays in the tree, host only, and its device slots go to
