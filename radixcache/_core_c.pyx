@@ -89,6 +89,11 @@ cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
     return x
 
 
+# page_hash's weights: odd (the first odd, the step even), distinct for every position.
+cdef uint64_t _HASH_WEIGHT = 0x9e3779b97f4a7c15ULL
+cdef uint64_t _HASH_STEP = 0x6a09e667f3bcc90aULL
+
+
 cdef inline Py_ssize_t slot_limit(Py_ssize_t capacity) noexcept nogil:
     # Full for two slots, three quarters above: 24-byte slots (with mirrors) cost what
     # 16-byte ones at half load did.
@@ -167,13 +172,23 @@ cdef extern from *:
 
 cdef inline Py_ssize_t common_prefix(const int64_t* a, const int64_t* b,
                                      Py_ssize_t n) noexcept nogil:
-    """Length of the common prefix of a[:n] and b[:n]."""
-    cdef Py_ssize_t i = 0
-    cdef Py_ssize_t block = 16
-    while i + block <= n:
-        if memcmp(a + i, b + i, <size_t>block * sizeof(int64_t)) != 0:
+    """Length of the common prefix of a[:n] and b[:n]: memcmp blocks of growing size (the
+    last one cut to what is left); the block that differs is halved down to 16 tokens (one
+    memcmp per halving), and only those are compared one by one."""
+    cdef Py_ssize_t i = 0, half
+    cdef Py_ssize_t block = 16, size
+    while i < n:
+        size = block if block < n - i else n - i
+        if memcmp(a + i, b + i, <size_t>size * sizeof(int64_t)) != 0:
+            while size > 16:
+                half = size >> 1
+                if memcmp(a + i, b + i, <size_t>half * sizeof(int64_t)) == 0:
+                    i += half
+                    size -= half
+                else:
+                    size = half
             break
-        i += block
+        i += size
         if block < _MAX_BLOCK:
             block *= 2
     while i < n and a[i] == b[i]:
@@ -506,15 +521,20 @@ cdef class Tree:
             drop_subtree(root)
 
     cdef uint64_t page_hash(self, const int64_t* page, int64_t ns) noexcept nogil:
-        cdef uint64_t h
+        cdef uint64_t acc = 0, weight = _HASH_WEIGHT
         cdef Py_ssize_t i
         if ns != self.seed_ns:
             self.seed = _mix(<uint64_t>ns + 0x9e3779b97f4a7c15ULL)
             self.seed_ns = ns
-        h = self.seed
+        if self.page_size == 1:
+            return _mix(self.seed ^ <uint64_t>page[0])
+        # A page: each token times its own odd weight (a bijection of the token, so pages
+        # that differ in one token never collide), summed, then mixed once. The products
+        # are independent: no chain of one mix per token.
         for i in range(self.page_size):
-            h = _mix(h ^ <uint64_t>page[i])
-        return h
+            acc += <uint64_t>page[i] * weight
+            weight += _HASH_STEP
+        return _mix(self.seed ^ acc)
 
     # -- namespaces ------------------------------------------------------------------
     # Resolved once per call, before the walk: the dict lookup runs the key's
