@@ -1508,6 +1508,32 @@ cdef object victim_value(Node node):
                         node.key_len)
 
 
+cdef object _INT64_DTYPE = np.dtype(np.int64)
+cdef object _LONGLONG_DTYPE = np.dtype(np.longlong)
+
+
+cdef inline bint _is_int64_dtype(object dtype) noexcept:
+    """``dtype`` is one of numpy's builtin int64 dtypes (both native order, 8 bytes): an
+    identity check, no Python code."""
+    return dtype is _INT64_DTYPE or dtype is _LONGLONG_DTYPE
+
+
+# The longest new leaf whose tokens and values share one block (2 x 32 KiB).
+cdef Py_ssize_t _JOIN_MAX = 4096
+
+
+cdef bytes leaf_block(const int64_t* key, const int64_t* values, Py_ssize_t n, bint joined):
+    """A new leaf's key: key[:n] as int64 bytes, followed by values[:n] when ``joined`` (then
+    the node's values point into the same block). Not tracked by the collector: no Python
+    code runs between the reads."""
+    cdef bytes block = PyBytes_FromStringAndSize(NULL, (2 * n if joined else n) * sizeof(int64_t))
+    cdef char* out = PyBytes_AS_STRING(block)
+    memcpy(out, key, n * sizeof(int64_t))
+    if joined:
+        memcpy(out + n * sizeof(int64_t), values, n * sizeof(int64_t))
+    return block
+
+
 cdef inline bint int64_format(const char* fmt) noexcept:
     if fmt == NULL:
         return False
@@ -1624,6 +1650,7 @@ cdef class Core:
         cdef Py_ssize_t i, n
         cdef PyObject** items
         cdef int64_t* out
+        cdef int flags
         cdef object kind = type(obj)
         b.held = False
         if kind is list or kind is tuple:
@@ -1637,12 +1664,18 @@ cdef class Core:
             b.len = n
             return 1
         if kind is _ndarray or kind is _array_type:
+            # An array of one of numpy's builtin int64 dtypes (native order) needs no format
+            # string: numpy builds one per export when asked, which costs more than the rest.
+            flags = PyBUF_C_CONTIGUOUS
+            if kind is not _ndarray or not _is_int64_dtype(obj.dtype):
+                flags |= PyBUF_FORMAT
             try:
-                PyObject_GetBuffer(obj, &b.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+                PyObject_GetBuffer(obj, &b.view, flags)
             except (ValueError, BufferError, TypeError):
                 return 0
             b.held = True
-            if b.view.ndim != 1 or b.view.itemsize != 8 or not int64_format(b.view.format):
+            if b.view.ndim != 1 or b.view.itemsize != 8 or (
+                    flags & PyBUF_FORMAT and not int64_format(b.view.format)):
                 release_tokens(b)
                 return 0
             b.ptr = <const int64_t*>b.view.buf
@@ -1659,7 +1692,7 @@ cdef class Core:
             # tensor without storage goes the validation path too, to the same answer).
             if obj.is_neg():
                 return 0
-            b.len = obj.numel()
+            b.len = obj.nbytes >> 3  # int64: 8 bytes each (cheaper than numel())
             b.ptr = <const int64_t*><uintptr_t>obj.data_ptr()
             if b.ptr == NULL:
                 return 0
@@ -1881,6 +1914,10 @@ cdef class Core:
         cdef bint whole, split_here, private = extra_key is not None
         cdef Node node, child, leaf = None
         cdef bint tiered = self.host_tier
+        # A new leaf's tokens and values in one block (one allocation, one object), except
+        # with a host tier, where a node can lose its device values and keep its key, and
+        # for a long leaf (its allocations cost little beside its copies).
+        cdef bint joined = kv is not None and not tiered, join
         cdef Py_ssize_t depth = 0, first_host = -1, adopt_base = 0, i
         cdef Node lower = None
         b.held = False
@@ -1937,11 +1974,12 @@ cdef class Core:
                 if split_here:
                     if pos + common < end:
                         # The new leaf's tokens and values, read before the split allocates.
-                        leaf_key = PyBytes_FromStringAndSize(
-                            <const char*>(b.ptr + pos + common),
-                            (end - pos - common) * sizeof(int64_t))
+                        join = joined and end - pos - common <= _JOIN_MAX
+                        leaf_key = leaf_block(b.ptr + pos + common,
+                                              v.ptr + pos + common if kv is not None else NULL,
+                                              end - pos - common, join)
                         if kv is not None:
-                            leaf_values = PyBytes_FromStringAndSize(
+                            leaf_values = leaf_key if join else PyBytes_FromStringAndSize(
                                 <const char*>(v.ptr + pos + common),
                                 (end - pos - common) * sizeof(int64_t))
                     lower = child
@@ -1971,10 +2009,11 @@ cdef class Core:
                 prefix_len = adopt_base
             if pos < end:
                 if leaf_key is None:
-                    leaf_key = PyBytes_FromStringAndSize(<const char*>(b.ptr + pos),
-                                                         (end - pos) * sizeof(int64_t))
+                    join = joined and end - pos <= _JOIN_MAX
+                    leaf_key = leaf_block(b.ptr + pos, v.ptr + pos if kv is not None else NULL,
+                                          end - pos, join)
                     if kv is not None:
-                        leaf_values = PyBytes_FromStringAndSize(
+                        leaf_values = leaf_key if join else PyBytes_FromStringAndSize(
                             <const char*>(v.ptr + pos), (end - pos) * sizeof(int64_t))
                 release_tokens(&b)
                 release_tokens(&v)
@@ -1985,6 +2024,8 @@ cdef class Core:
                 if leaf_values is not None:
                     leaf.value_owner = leaf_values
                     leaf.value_ptr = <const int64_t*>PyBytes_AS_STRING(leaf_values)
+                    if leaf_values is leaf_key:  # the values follow the tokens
+                        leaf.value_ptr += end - pos
                 leaf.priority = prio
                 leaf.hit_count = 1
                 leaf.ns = ns
