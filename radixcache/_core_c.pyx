@@ -1319,20 +1319,6 @@ cdef extern from *:
         return capsule;
     }
 
-    /* A result object (MatchResult/InsertResult: __slots__ classes) with its slots filled,
-       without running Python-level __init__. */
-    static PyObject* rc_make_result(PyObject* type, PyObject* n0, PyObject* v0,
-                                    PyObject* n1, PyObject* v1, PyObject* n2, PyObject* v2) {
-        PyObject* obj = ((PyTypeObject*)type)->tp_alloc((PyTypeObject*)type, 0);
-        if (obj == NULL) return NULL;
-        if (PyObject_GenericSetAttr(obj, n0, v0) < 0 || PyObject_GenericSetAttr(obj, n1, v1) < 0
-                || (n2 != NULL && PyObject_GenericSetAttr(obj, n2, v2) < 0)) {
-            Py_DECREF(obj);
-            return NULL;
-        }
-        return obj;
-    }
-
     #include "structmember.h"
     /* The offset of a __slots__ member in its objects, from its member descriptor. */
     static Py_ssize_t rc_slot_offset(PyObject* descr) {
@@ -1363,14 +1349,32 @@ cdef extern from *:
         }
         return obj;
     }
+
+    /* An InsertResult with its two slots filled, as rc_make_match does. */
+    static PyObject* rc_make_insert(PyObject* type, const Py_ssize_t* offsets,
+                                    PyObject* prefix_len, PyObject* node) {
+        PyObject* values[2];
+        PyObject* obj = ((PyTypeObject*)type)->tp_alloc((PyTypeObject*)type, 0);
+        int i;
+        if (obj == NULL) return NULL;
+        values[0] = prefix_len; values[1] = node;
+        for (i = 0; i < 2; i++) {
+            PyObject** slot = (PyObject**)((char*)obj + offsets[i]);
+            PyObject* old = *slot;
+            Py_INCREF(values[i]);
+            *slot = values[i];
+            Py_XDECREF(old);
+        }
+        return obj;
+    }
     """
     Py_ssize_t rc_slot_offset(object descr) except -1
+    object rc_make_insert(object type, const Py_ssize_t* offsets, object prefix_len,
+                          object node)
     object rc_make_match(object type, const Py_ssize_t* offsets, object indices, object node,
                          object length, object host_length, object last_host)
     bint rc_read_int(PyObject* o, int64_t* out) noexcept
     object rc_int64_capsule(Py_ssize_t n, int64_t** data)
-    object rc_make_result(object type, object n0, object v0, object n1, object v1,
-                          PyObject* n2, PyObject* v2)
 
 cdef extern from "Python.h":
     Py_ssize_t PyList_GET_SIZE(object) noexcept
@@ -1389,16 +1393,16 @@ _array_type = _array_module.array
 _Tensor = torch.Tensor
 _mode_enabled = torch._C._is_torch_function_mode_enabled
 _from_dlpack = torch._C._from_dlpack
-cdef object _N_INDICES = "indices"
-cdef object _N_LAST_NODE = "last_node"
-cdef object _N_LENGTH = "length"
-cdef object _N_PREFIX_LEN = "prefix_len"
 cdef object _ZERO = 0
 # MatchResult's slots, in rc_make_match's order.
 cdef Py_ssize_t _MATCH_SLOTS[5]
 for _i, _name in enumerate(("indices", "last_node", "length", "_host_length",
                             "_last_host_node")):
     _MATCH_SLOTS[_i] = rc_slot_offset(_MatchResult.__dict__[_name])
+# InsertResult's slots, in rc_make_insert's order.
+cdef Py_ssize_t _INSERT_SLOTS[2]
+for _i, _name in enumerate(("prefix_len", "last_node")):
+    _INSERT_SLOTS[_i] = rc_slot_offset(_InsertResult.__dict__[_name])
 
 
 cdef object new_empty_indices():
@@ -1711,8 +1715,7 @@ cdef class Core:
         return rc_make_match(_MatchResult, _MATCH_SLOTS, indices, node, length, _ZERO, node)
 
     cdef object insert_result(self, Py_ssize_t prefix_len, object node):
-        return rc_make_result(_InsertResult, _N_PREFIX_LEN, prefix_len, _N_LAST_NODE, node,
-                              NULL, NULL)
+        return rc_make_insert(_InsertResult, _INSERT_SLOTS, prefix_len, node)
 
     cdef object push_if_evictable(self, Node node):
         """Push an evictable (device) leaf; returns what a compaction dropped (to release
