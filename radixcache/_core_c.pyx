@@ -90,6 +90,11 @@ cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
     return x
 
 
+# page_hash's weights: odd (the first odd, the step even), distinct for every position.
+cdef uint64_t _HASH_WEIGHT = 0x9e3779b97f4a7c15ULL
+cdef uint64_t _HASH_STEP = 0x6a09e667f3bcc90aULL
+
+
 cdef inline Py_ssize_t slot_limit(Py_ssize_t capacity) noexcept nogil:
     # Full for two slots, three quarters above: 24-byte slots (with mirrors) cost what
     # 16-byte ones at half load did.
@@ -168,13 +173,23 @@ cdef extern from *:
 
 cdef inline Py_ssize_t common_prefix(const int64_t* a, const int64_t* b,
                                      Py_ssize_t n) noexcept nogil:
-    """Length of the common prefix of a[:n] and b[:n]."""
-    cdef Py_ssize_t i = 0
-    cdef Py_ssize_t block = 16
-    while i + block <= n:
-        if memcmp(a + i, b + i, <size_t>block * sizeof(int64_t)) != 0:
+    """Length of the common prefix of a[:n] and b[:n]: memcmp blocks of growing size (the
+    last one cut to what is left); the block that differs is halved down to 16 tokens (one
+    memcmp per halving), and only those are compared one by one."""
+    cdef Py_ssize_t i = 0, half
+    cdef Py_ssize_t block = 16, size
+    while i < n:
+        size = block if block < n - i else n - i
+        if memcmp(a + i, b + i, <size_t>size * sizeof(int64_t)) != 0:
+            while size > 16:
+                half = size >> 1
+                if memcmp(a + i, b + i, <size_t>half * sizeof(int64_t)) == 0:
+                    i += half
+                    size -= half
+                else:
+                    size = half
             break
-        i += block
+        i += size
         if block < _MAX_BLOCK:
             block *= 2
     while i < n and a[i] == b[i]:
@@ -507,15 +522,20 @@ cdef class Tree:
             drop_subtree(root)
 
     cdef uint64_t page_hash(self, const int64_t* page, int64_t ns) noexcept nogil:
-        cdef uint64_t h
+        cdef uint64_t acc = 0, weight = _HASH_WEIGHT
         cdef Py_ssize_t i
         if ns != self.seed_ns:
             self.seed = _mix(<uint64_t>ns + 0x9e3779b97f4a7c15ULL)
             self.seed_ns = ns
-        h = self.seed
+        if self.page_size == 1:
+            return _mix(self.seed ^ <uint64_t>page[0])
+        # A page: each token times its own odd weight (a bijection of the token, so pages
+        # that differ in one token never collide), summed, then mixed once. The products
+        # are independent: no chain of one mix per token.
         for i in range(self.page_size):
-            h = _mix(h ^ <uint64_t>page[i])
-        return h
+            acc += <uint64_t>page[i] * weight
+            weight += _HASH_STEP
+        return _mix(self.seed ^ acc)
 
     # -- namespaces ------------------------------------------------------------------
     # Resolved once per call, before the walk: the dict lookup runs the key's
@@ -1393,20 +1413,6 @@ cdef extern from *:
         return rc_adopt_block(mem, n);
     }
 
-    /* A result object (MatchResult/InsertResult: __slots__ classes) with its slots filled,
-       without running Python-level __init__. */
-    static PyObject* rc_make_result(PyObject* type, PyObject* n0, PyObject* v0,
-                                    PyObject* n1, PyObject* v1, PyObject* n2, PyObject* v2) {
-        PyObject* obj = ((PyTypeObject*)type)->tp_alloc((PyTypeObject*)type, 0);
-        if (obj == NULL) return NULL;
-        if (PyObject_GenericSetAttr(obj, n0, v0) < 0 || PyObject_GenericSetAttr(obj, n1, v1) < 0
-                || (n2 != NULL && PyObject_GenericSetAttr(obj, n2, v2) < 0)) {
-            Py_DECREF(obj);
-            return NULL;
-        }
-        return obj;
-    }
-
     #include "structmember.h"
     /* The offset of a __slots__ member in its objects, from its member descriptor. */
     static Py_ssize_t rc_slot_offset(PyObject* descr) {
@@ -1437,8 +1443,28 @@ cdef extern from *:
         }
         return obj;
     }
+
+    /* An InsertResult with its two slots filled, as rc_make_match does. */
+    static PyObject* rc_make_insert(PyObject* type, const Py_ssize_t* offsets,
+                                    PyObject* prefix_len, PyObject* node) {
+        PyObject* values[2];
+        PyObject* obj = ((PyTypeObject*)type)->tp_alloc((PyTypeObject*)type, 0);
+        int i;
+        if (obj == NULL) return NULL;
+        values[0] = prefix_len; values[1] = node;
+        for (i = 0; i < 2; i++) {
+            PyObject** slot = (PyObject**)((char*)obj + offsets[i]);
+            PyObject* old = *slot;
+            Py_INCREF(values[i]);
+            *slot = values[i];
+            Py_XDECREF(old);
+        }
+        return obj;
+    }
     """
     Py_ssize_t rc_slot_offset(object descr) except -1
+    object rc_make_insert(object type, const Py_ssize_t* offsets, object prefix_len,
+                          object node)
     object rc_make_match(object type, const Py_ssize_t* offsets, object indices, object node,
                          object length, object host_length, object last_host)
     bint rc_read_int(PyObject* o, int64_t* out) noexcept
@@ -1452,8 +1478,6 @@ cdef extern from *:
     object rc_view_block(char* mem, Py_ssize_t start, Py_ssize_t n)
     ctypedef struct rc_dl_head:
         int64_t refs
-    object rc_make_result(object type, object n0, object v0, object n1, object v1,
-                          PyObject* n2, PyObject* v2)
 
 cdef extern from "Python.h":
     Py_ssize_t PyList_GET_SIZE(object) noexcept
@@ -1472,16 +1496,16 @@ _array_type = _array_module.array
 _Tensor = torch.Tensor
 _mode_enabled = torch._C._is_torch_function_mode_enabled
 _from_dlpack = torch._C._from_dlpack
-cdef object _N_INDICES = "indices"
-cdef object _N_LAST_NODE = "last_node"
-cdef object _N_LENGTH = "length"
-cdef object _N_PREFIX_LEN = "prefix_len"
 cdef object _ZERO = 0
 # MatchResult's slots, in rc_make_match's order.
 cdef Py_ssize_t _MATCH_SLOTS[5]
 for _i, _name in enumerate(("indices", "last_node", "length", "_host_length",
                             "_last_host_node")):
     _MATCH_SLOTS[_i] = rc_slot_offset(_MatchResult.__dict__[_name])
+# InsertResult's slots, in rc_make_insert's order.
+cdef Py_ssize_t _INSERT_SLOTS[2]
+for _i, _name in enumerate(("prefix_len", "last_node")):
+    _INSERT_SLOTS[_i] = rc_slot_offset(_InsertResult.__dict__[_name])
 
 
 cdef object new_empty_indices():
@@ -1649,6 +1673,32 @@ cdef object victim_value(Node node):
                         node.key_len)
 
 
+cdef object _INT64_DTYPE = np.dtype(np.int64)
+cdef object _LONGLONG_DTYPE = np.dtype(np.longlong)
+
+
+cdef inline bint _is_int64_dtype(object dtype) noexcept:
+    """``dtype`` is one of numpy's builtin int64 dtypes (both native order, 8 bytes): an
+    identity check, no Python code."""
+    return dtype is _INT64_DTYPE or dtype is _LONGLONG_DTYPE
+
+
+# The longest new leaf whose tokens and values share one block (2 x 32 KiB).
+cdef Py_ssize_t _JOIN_MAX = 4096
+
+
+cdef bytes leaf_block(const int64_t* key, const int64_t* values, Py_ssize_t n, bint joined):
+    """A new leaf's key: key[:n] as int64 bytes, followed by values[:n] when ``joined`` (then
+    the node's values point into the same block). Not tracked by the collector: no Python
+    code runs between the reads."""
+    cdef bytes block = PyBytes_FromStringAndSize(NULL, (2 * n if joined else n) * sizeof(int64_t))
+    cdef char* out = PyBytes_AS_STRING(block)
+    memcpy(out, key, n * sizeof(int64_t))
+    if joined:
+        memcpy(out + n * sizeof(int64_t), values, n * sizeof(int64_t))
+    return block
+
+
 cdef inline bint int64_format(const char* fmt) noexcept:
     if fmt == NULL:
         return False
@@ -1765,6 +1815,7 @@ cdef class Core:
         cdef Py_ssize_t i, n
         cdef PyObject** items
         cdef int64_t* out
+        cdef int flags
         cdef object kind = type(obj)
         b.held = False
         if kind is list or kind is tuple:
@@ -1778,12 +1829,18 @@ cdef class Core:
             b.len = n
             return 1
         if kind is _ndarray or kind is _array_type:
+            # An array of one of numpy's builtin int64 dtypes (native order) needs no format
+            # string: numpy builds one per export when asked, which costs more than the rest.
+            flags = PyBUF_C_CONTIGUOUS
+            if kind is not _ndarray or not _is_int64_dtype(obj.dtype):
+                flags |= PyBUF_FORMAT
             try:
-                PyObject_GetBuffer(obj, &b.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+                PyObject_GetBuffer(obj, &b.view, flags)
             except (ValueError, BufferError, TypeError):
                 return 0
             b.held = True
-            if b.view.ndim != 1 or b.view.itemsize != 8 or not int64_format(b.view.format):
+            if b.view.ndim != 1 or b.view.itemsize != 8 or (
+                    flags & PyBUF_FORMAT and not int64_format(b.view.format)):
                 release_tokens(b)
                 return 0
             b.ptr = <const int64_t*>b.view.buf
@@ -1800,7 +1857,7 @@ cdef class Core:
             # tensor without storage goes the validation path too, to the same answer).
             if obj.is_neg():
                 return 0
-            b.len = obj.numel()
+            b.len = obj.nbytes >> 3  # int64: 8 bytes each (cheaper than numel())
             b.ptr = <const int64_t*><uintptr_t>obj.data_ptr()
             if b.ptr == NULL:
                 return 0
@@ -1819,8 +1876,7 @@ cdef class Core:
         return rc_make_match(_MatchResult, _MATCH_SLOTS, indices, node, length, _ZERO, node)
 
     cdef object insert_result(self, Py_ssize_t prefix_len, object node):
-        return rc_make_result(_InsertResult, _N_PREFIX_LEN, prefix_len, _N_LAST_NODE, node,
-                              NULL, NULL)
+        return rc_make_insert(_InsertResult, _INSERT_SLOTS, prefix_len, node)
 
     cdef object push_if_evictable(self, Node node):
         """Push an evictable (device) leaf; returns what a compaction dropped (to release
@@ -2022,6 +2078,10 @@ cdef class Core:
         cdef bint whole, split_here, private = extra_key is not None
         cdef Node node, child, leaf = None
         cdef bint tiered = self.host_tier
+        # A new leaf's tokens and values in one block (one allocation, one object), except
+        # with a host tier, where a node can lose its device values and keep its key, and
+        # for a long leaf (its allocations cost little beside its copies).
+        cdef bint joined = kv is not None and not tiered, join
         cdef Py_ssize_t depth = 0, first_host = -1, adopt_base = 0, i
         cdef Node lower = None
         b.held = False
@@ -2078,11 +2138,12 @@ cdef class Core:
                 if split_here:
                     if pos + common < end:
                         # The new leaf's tokens and values, read before the split allocates.
-                        leaf_key = PyBytes_FromStringAndSize(
-                            <const char*>(b.ptr + pos + common),
-                            (end - pos - common) * sizeof(int64_t))
+                        join = joined and end - pos - common <= _JOIN_MAX
+                        leaf_key = leaf_block(b.ptr + pos + common,
+                                              v.ptr + pos + common if kv is not None else NULL,
+                                              end - pos - common, join)
                         if kv is not None:
-                            leaf_values = PyBytes_FromStringAndSize(
+                            leaf_values = leaf_key if join else PyBytes_FromStringAndSize(
                                 <const char*>(v.ptr + pos + common),
                                 (end - pos - common) * sizeof(int64_t))
                     lower = child
@@ -2112,10 +2173,11 @@ cdef class Core:
                 prefix_len = adopt_base
             if pos < end:
                 if leaf_key is None:
-                    leaf_key = PyBytes_FromStringAndSize(<const char*>(b.ptr + pos),
-                                                         (end - pos) * sizeof(int64_t))
+                    join = joined and end - pos <= _JOIN_MAX
+                    leaf_key = leaf_block(b.ptr + pos, v.ptr + pos if kv is not None else NULL,
+                                          end - pos, join)
                     if kv is not None:
-                        leaf_values = PyBytes_FromStringAndSize(
+                        leaf_values = leaf_key if join else PyBytes_FromStringAndSize(
                             <const char*>(v.ptr + pos), (end - pos) * sizeof(int64_t))
                 release_tokens(&b)
                 release_tokens(&v)
@@ -2126,6 +2188,8 @@ cdef class Core:
                 if leaf_values is not None:
                     leaf.value_owner = leaf_values
                     leaf.value_ptr = <const int64_t*>PyBytes_AS_STRING(leaf_values)
+                    if leaf_values is leaf_key:  # the values follow the tokens
+                        leaf.value_ptr += end - pos
                 leaf.priority = prio
                 leaf.hit_count = 1
                 leaf.ns = ns

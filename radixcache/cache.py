@@ -455,13 +455,18 @@ class RadixCache:
                 another thread meanwhile.
         """
         events = self._events
-        # extra_key None: a namespace events always carry. With a host tier the checked path
-        # records the adopted nodes' events too.
+        # extra_key None: a namespace events always carry.
         if events is None or (extra_key is None and not self.host_tier):
             result = self._core.insert(token_ids, kv_indices, extra_key, priority)
             if result is not None:
                 if events is not None and result.prefix_len < self._aligned(len(token_ids)):
                     events.stored(result.last_node)  # the new leaf, where the tokens end
+                return result
+        elif extra_key is None:
+            # With a host tier the adopted nodes' events come first: the core call is held,
+            # so that it leaves them (and its new leaf) to take afterwards.
+            result = self._held_insert(token_ids, kv_indices, priority)
+            if result is not None:
                 return result
         # An unusual input, a bad one, or events on (the recorder has its own rules for
         # extra_key): every check first, then the core with canonical inputs.
@@ -497,6 +502,24 @@ class RadixCache:
                     core.set_value(leaf, kv[start:start + leaf.num_tokens].to(
                         torch.int64, copy=True), True)
                 if self._events is not None:
+                    self._events.stored(leaf)
+            return result
+        finally:
+            core.leave()
+
+    def _held_insert(self, token_ids: Any, kv_indices: Any, priority: Any) -> Any:
+        """``insert``'s fast path with events and a host tier (default namespace): the core
+        under the cache's guard, then the events of the nodes it adopted (top-down) and of its
+        new leaf, as the checked path emits them; None when the core declined the input."""
+        core = self._core
+        core.enter("insert")
+        try:
+            result = core.insert(token_ids, kv_indices, None, priority, True)
+            if result is not None:
+                for node, _ in core.take_adopted():
+                    self._events.stored(node)
+                leaf = core.take_new_leaf()
+                if leaf is not None:
                     self._events.stored(leaf)
             return result
         finally:

@@ -675,6 +675,43 @@ def test_events_carry_the_medium(make_cache):
         ("BlockStored", "GPU", [1, 2, 3, 4]), ("BlockStored", "GPU", [5, 6])]
 
 
+@pytest.mark.parametrize("form", ["list", "int64", "int32", "tuple-of-numpy-ints"])
+def test_adoption_events_do_not_depend_on_the_input_form(make_cache, form):
+    """The common inputs take the core's fast path, the others the checked one: both give
+    the adopted nodes' events (top-down, a split one included) and then the new leaf's."""
+    def as_form(seq):
+        if form == "list":
+            return list(seq)
+        if form == "int64":
+            return np.array(seq, dtype=np.int64)
+        if form == "int32":
+            return np.array(seq, dtype=np.int32)
+        return tuple(np.int64(t) for t in seq)
+
+    cache = make_cache(page_size=2, host_tier=True, enable_events=True)
+    pool = HostPool()
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    cache.insert([1, 2, 3, 4, 5, 6, 7, 8], [10, 11, 12, 13, 14, 15, 16, 17])
+    cache.evict(8, backup=pool.backup)  # both nodes host only
+    cache.take_events()
+    # Adopts [1,2,3,4] and the upper half [5,6] of [5,6,7,8] (split), then a leaf [9,10].
+    result = cache.insert(as_form([1, 2, 3, 4, 5, 6, 9, 10]),
+                          as_form([20, 21, 22, 23, 24, 25, 26, 27]))
+    assert result.prefix_len == 0
+    events = cache.take_events()
+    assert [(type(e).__name__, e.medium, list(e.token_ids)) for e in events] == [
+        ("BlockStored", "GPU", [1, 2, 3, 4]), ("BlockStored", "GPU", [5, 6]),
+        ("BlockStored", "GPU", [9, 10])]
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 9, 10]).indices.tolist() == list(range(20, 28))
+    # Adoption without a new leaf: only the adopted node's event.
+    cache.evict(8, backup=pool.backup)
+    cache.take_events()
+    cache.insert(as_form([1, 2, 3, 4]), as_form([30, 31, 32, 33]))
+    events = cache.take_events()
+    assert [(type(e).__name__, e.medium, list(e.token_ids)) for e in events] == [
+        ("BlockStored", "GPU", [1, 2, 3, 4])]
+
+
 def test_block_hashes_are_the_same_on_both_tiers(make_cache):
     cache = make_cache(page_size=2, host_tier=True, enable_events=True,
                        write_policy="write_through")
