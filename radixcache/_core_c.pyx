@@ -1296,6 +1296,27 @@ cdef extern from *:
         }
     }
 
+    /* Fill a managed DLPack tensor: n int64 on the CPU at data, 1-D, contiguous; its
+       shape and strides live at shape/strides; deleter(ctx's owner) runs when it dies. */
+    static void rc_fill_dl(rc_DLManagedTensor* m, int64_t* shape, int64_t* strides,
+                           void* data, Py_ssize_t n, void* ctx,
+                           void (*deleter)(rc_DLManagedTensor*)) {
+        shape[0] = n;
+        strides[0] = 1;
+        m->dl_tensor.data = data;
+        m->dl_tensor.device.device_type = 1;  /* kDLCPU */
+        m->dl_tensor.device.device_id = 0;
+        m->dl_tensor.ndim = 1;
+        m->dl_tensor.dtype.code = 0;          /* kDLInt */
+        m->dl_tensor.dtype.bits = 64;
+        m->dl_tensor.dtype.lanes = 1;
+        m->dl_tensor.shape = shape;
+        m->dl_tensor.strides = strides;
+        m->dl_tensor.byte_offset = 0;
+        m->manager_ctx = ctx;
+        m->deleter = deleter;
+    }
+
     /* The header's size, rounded up: the int64 data of a block starts there. */
     #define RC_DL_HEAD (((size_t)sizeof(rc_dl_head) + 63) & ~(size_t)63)
 
@@ -1307,24 +1328,9 @@ cdef extern from *:
     /* A capsule over a malloc'd block of the capsule layout holding n int64 after its
        header: the capsule (then torch's tensor) owns the block from here, on failure too. */
     static PyObject* rc_adopt_block(char* mem, Py_ssize_t n) {
-        size_t head = RC_DL_HEAD;
-        rc_dl_head* h;
+        rc_dl_head* h = (rc_dl_head*)mem;
         PyObject* capsule;
-        h = (rc_dl_head*)mem;
-        h->shape[0] = n;
-        h->strides[0] = 1;
-        h->managed.dl_tensor.data = mem + head;
-        h->managed.dl_tensor.device.device_type = 1;  /* kDLCPU */
-        h->managed.dl_tensor.device.device_id = 0;
-        h->managed.dl_tensor.ndim = 1;
-        h->managed.dl_tensor.dtype.code = 0;          /* kDLInt */
-        h->managed.dl_tensor.dtype.bits = 64;
-        h->managed.dl_tensor.dtype.lanes = 1;
-        h->managed.dl_tensor.shape = h->shape;
-        h->managed.dl_tensor.strides = h->strides;
-        h->managed.dl_tensor.byte_offset = 0;
-        h->managed.manager_ctx = mem;
-        h->managed.deleter = rc_dl_deleter;
+        rc_fill_dl(&h->managed, h->shape, h->strides, mem + RC_DL_HEAD, n, mem, rc_dl_deleter);
         capsule = PyCapsule_New(&h->managed, "dltensor", rc_dl_capsule_destructor);
         if (capsule == NULL) { free(mem); return NULL; }
         return capsule;
@@ -1351,20 +1357,8 @@ cdef extern from *:
     static PyObject* rc_share_block(char* mem, Py_ssize_t n) {
         rc_dl_head* h = (rc_dl_head*)mem;
         PyObject* capsule;
-        h->shape[0] = n;
-        h->strides[0] = 1;
-        h->managed.dl_tensor.data = mem + RC_DL_HEAD;
-        h->managed.dl_tensor.device.device_type = 1;
-        h->managed.dl_tensor.device.device_id = 0;
-        h->managed.dl_tensor.ndim = 1;
-        h->managed.dl_tensor.dtype.code = 0;
-        h->managed.dl_tensor.dtype.bits = 64;
-        h->managed.dl_tensor.dtype.lanes = 1;
-        h->managed.dl_tensor.shape = h->shape;
-        h->managed.dl_tensor.strides = h->strides;
-        h->managed.dl_tensor.byte_offset = 0;
-        h->managed.manager_ctx = mem;
-        h->managed.deleter = rc_shared_deleter;
+        rc_fill_dl(&h->managed, h->shape, h->strides, mem + RC_DL_HEAD, n, mem,
+                   rc_shared_deleter);
         capsule = PyCapsule_New(&h->managed, "dltensor", rc_dl_capsule_destructor);
         if (capsule == NULL) rc_block_release(mem);
         return capsule;
@@ -1387,20 +1381,8 @@ cdef extern from *:
         if (v == NULL) { PyErr_NoMemory(); return NULL; }
         __atomic_add_fetch(&((rc_dl_head*)mem)->refs, 1, __ATOMIC_ACQ_REL);
         v->block = mem;
-        v->shape[0] = n;
-        v->strides[0] = 1;
-        v->managed.dl_tensor.data = (int64_t*)(mem + RC_DL_HEAD) + start;
-        v->managed.dl_tensor.device.device_type = 1;
-        v->managed.dl_tensor.device.device_id = 0;
-        v->managed.dl_tensor.ndim = 1;
-        v->managed.dl_tensor.dtype.code = 0;
-        v->managed.dl_tensor.dtype.bits = 64;
-        v->managed.dl_tensor.dtype.lanes = 1;
-        v->managed.dl_tensor.shape = v->shape;
-        v->managed.dl_tensor.strides = v->strides;
-        v->managed.dl_tensor.byte_offset = 0;
-        v->managed.manager_ctx = v;
-        v->managed.deleter = rc_view_deleter;
+        rc_fill_dl(&v->managed, v->shape, v->strides, (int64_t*)(mem + RC_DL_HEAD) + start, n,
+                   v, rc_view_deleter);
         capsule = PyCapsule_New(&v->managed, "dltensor", rc_dl_capsule_destructor);
         if (capsule == NULL) { rc_block_release(mem); free(v); }
         return capsule;
