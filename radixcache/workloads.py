@@ -57,6 +57,19 @@ _VOCAB = 32000
 _max_of = np.maximum.reduce  # an array's largest element, without ndarray.max's wrappers
 
 
+def _slot_array(slots: Any) -> np.ndarray:
+    """Slot ids (a tensor, numpy array or sequence of ints) as a numpy array; a CPU tensor's
+    memory is read in place."""
+    return slots.numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+
+
+def _any_outside(ids: np.ndarray, bound: int) -> bool:
+    """Whether an id of the non-empty ``ids`` falls outside ``[0, bound)``."""
+    if ids.dtype == np.int64:  # one pass: a negative id reads as a huge unsigned one
+        return int(_max_of(ids.view(np.uint64))) >= bound
+    return int(ids.min()) < 0 or int(ids.max()) >= bound
+
+
 def _token_array(tokens: Any, what: str) -> np.ndarray:
     """``tokens`` as a 1-D int64 numpy array (no copy when it already is one)."""
     arr = np.asarray(tokens)
@@ -615,18 +628,14 @@ class KVPool:
         Raises:
             ValueError: more slots than are in use, or ids outside ``[0, capacity)``.
         """
-        arr = slots.numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+        arr = _slot_array(slots)
         n = len(arr)
         if n == 0:
             return
         top = self._top
         if top + n > self.capacity:
             raise ValueError(f"freeing {n} slots overfills the pool ({self.used} in use)")
-        if arr.dtype == np.int64:  # one pass: a negative id reads as a huge unsigned one
-            outside = int(_max_of(arr.view(np.uint64))) >= self.capacity
-        else:
-            outside = int(arr.min()) < 0 or int(arr.max()) >= self.capacity
-        if outside:
+        if _any_outside(arr, self.capacity):
             raise ValueError(f"slot ids outside [0, {self.capacity})")
         self._free[top:top + n] = arr
         self._top = top + n
@@ -724,17 +733,13 @@ class HostPool:
         Raises:
             ValueError: more slots than are in use, or ids never handed out.
         """
-        arr = slots.numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+        arr = _slot_array(slots)
         n = len(arr)
         if n == 0:
             return
         if n > self.used:
             raise ValueError(f"freeing {n} slots overfills the pool ({self.used} in use)")
-        if arr.dtype == np.int64:  # one pass: a negative id reads as a huge unsigned one
-            outside = int(arr.view(np.uint64).max()) >= self._next
-        else:
-            outside = int(arr.min()) < 0 or int(arr.max()) >= self._next
-        if outside:
+        if _any_outside(arr, self._next):
             raise ValueError(f"slot ids outside [0, {self._next}) (never handed out)")
         if self._top + n > len(self._free):
             grown = np.empty(max(2 * len(self._free), self._top + n, 1024), dtype=np.int64)
