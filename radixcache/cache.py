@@ -486,44 +486,48 @@ class RadixCache:
             on_device = isinstance(kv, torch.Tensor)
             result = _checked(core.insert(tokens, None if on_device else kv, extra_key,
                                           priority, True))
-            if self.host_tier:
-                # Host-only nodes on the path took the caller's slots (adopted), top-down.
-                for node, start in core.take_adopted():
-                    if on_device:
-                        core.set_value(node, kv[start:start + node.num_tokens].to(
-                            torch.int64, copy=True), True)
-                    if self._events is not None:
-                        self._events.stored(node)
-            leaf = core.take_new_leaf()
-            if leaf is not None:
-                if on_device:
-                    # Values on a device stay there: a copy on the caller's device.
-                    start = self._aligned(len(tokens)) - leaf.num_tokens  # the tail
-                    core.set_value(leaf, kv[start:start + leaf.num_tokens].to(
-                        torch.int64, copy=True), True)
-                if self._events is not None:
-                    self._events.stored(leaf)
+            self._after_held_insert(kv if on_device else None, len(tokens))
             return result
         finally:
             core.leave()
 
     def _held_insert(self, token_ids: Any, kv_indices: Any, priority: Any) -> Any:
         """``insert``'s fast path with events and a host tier (default namespace): the core
-        under the cache's guard, then the events of the nodes it adopted (top-down) and of its
-        new leaf, as the checked path emits them; None when the core declined the input."""
+        under the cache's guard, then the events of the nodes it adopted and of its new leaf,
+        as the checked path emits them; None when the core declined the input."""
         core = self._core
         core.enter("insert")
         try:
             result = core.insert(token_ids, kv_indices, None, priority, True)
             if result is not None:
-                for node, _ in core.take_adopted():
-                    self._events.stored(node)
-                leaf = core.take_new_leaf()
-                if leaf is not None:
-                    self._events.stored(leaf)
+                self._after_held_insert(None, len(token_ids))
             return result
         finally:
             core.leave()
+
+    def _after_held_insert(self, device_kv: Any, num_tokens: int) -> None:
+        """After a held core insert, still under the guard: the nodes it adopted (top-down)
+        and its new leaf get their device values (``device_kv``: the caller's indices on a
+        device, else None: the core stored them) and their events."""
+        core = self._core
+        events = self._events
+        if self.host_tier:
+            # Host-only nodes on the path took the caller's slots (adopted), top-down.
+            for node, start in core.take_adopted():
+                if device_kv is not None:
+                    core.set_value(node, device_kv[start:start + node.num_tokens].to(
+                        torch.int64, copy=True), True)
+                if events is not None:
+                    events.stored(node)
+        leaf = core.take_new_leaf()
+        if leaf is not None:
+            if device_kv is not None:
+                # Values on a device stay there: a copy on the caller's device.
+                start = self._aligned(num_tokens) - leaf.num_tokens  # the tail
+                core.set_value(leaf, device_kv[start:start + leaf.num_tokens].to(
+                    torch.int64, copy=True), True)
+            if events is not None:
+                events.stored(leaf)
 
     def exists(self, token_ids: Any, extra_key: Any = None) -> bool:
         """Tell whether ``token_ids`` were inserted, exactly, and not evicted since.
