@@ -1671,8 +1671,7 @@ cdef Py_ssize_t _JOIN_MAX = 4096
 
 cdef bytes leaf_block(const int64_t* key, const int64_t* values, Py_ssize_t n, bint joined):
     """A new leaf's key: key[:n] as int64 bytes, followed by values[:n] when ``joined`` (then
-    the node's values point into the same block). Not tracked by the collector: no Python
-    code runs between the reads."""
+    the node's values point into the same block). No Python code runs between the reads."""
     cdef bytes block = PyBytes_FromStringAndSize(NULL, (2 * n if joined else n) * sizeof(int64_t))
     cdef char* out = PyBytes_AS_STRING(block)
     memcpy(out, key, n * sizeof(int64_t))

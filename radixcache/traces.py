@@ -74,6 +74,11 @@ def _ragged_take(buffer: np.ndarray, offsets: np.ndarray,
     return buffer[positions], new_offsets
 
 
+def _stamp_or_none(stamp: float) -> float | None:
+    """A stored timestamp, or None for the NaN that stands for "no timestamp"."""
+    return None if stamp != stamp else stamp
+
+
 class Trace(Sequence):
     """The requests of a trace, kept compact: a read-only sequence of ``Request``.
 
@@ -218,8 +223,7 @@ class Trace(Sequence):
         return [self._prompt_lengths, self._output_lengths, self._timestamps]
 
     def _timestamp(self, i: int) -> float | None:
-        stamp = float(self._timestamps[i])
-        return None if stamp != stamp else stamp  # NaN: no timestamp
+        return _stamp_or_none(float(self._timestamps[i]))
 
 
 class _MooncakeTrace(Trace):
@@ -293,9 +297,8 @@ class _MooncakeTrace(Trace):
                 # that pile up set off the garbage collector.)
                 for place, count, start in runs[run_starts[i]:run_starts[i + 1]].tolist():
                     add(ramp[:count], start, out=buffer[place:place + count])
-                stamp = stamps[i]
                 yield _trusted_request(buffer[:length], output_lengths[i], None, None,
-                                       None if stamp != stamp else stamp, spare=buffer)
+                                       _stamp_or_none(stamps[i]), spare=buffer)
 
     def _take(self, positions: np.ndarray, contiguous: bool) -> Trace:
         if contiguous and len(positions):
