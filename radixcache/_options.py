@@ -20,6 +20,11 @@ EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "slru", "priority")
 #: (inserted through, or made) once; ``write_through_selective`` once hit twice.
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 
+#: ``RadixCache(array_type=...)``: what the cache's index arrays are. ``torch``: 1-D
+#: ``torch.int64`` tensors (on the values' device); ``numpy``: 1-D int64 numpy arrays, and the
+#: cache never imports torch (simulators, engines without torch).
+ARRAY_TYPES = ("torch", "numpy")
+
 #: The ``Router`` policies, in the order the command lists them.
 ROUTING_POLICIES = ("round-robin", "random", "least-loaded", "prefix-hash", "cache-aware")
 

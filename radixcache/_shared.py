@@ -1,20 +1,78 @@
-"""Helpers shared by both tree cores and the cache layer."""
+"""Helpers shared by both tree cores and the cache layer.
+
+torch is imported only when something needs it: a cache whose index arrays are torch tensors
+(``load_torch``), or an input that is a tensor (it can only be one once some code imported
+torch: ``loaded_torch``). A cache with numpy index arrays never imports it.
+"""
 
 from __future__ import annotations
 
+import sys
+from typing import Any, Callable
+
 import numpy as np
-import torch
 
 # The eviction policy names live where the command line reads them without torch.
-from ._options import EVICTION_POLICIES  # noqa: F401 -- re-exported
+from ._options import ARRAY_TYPES, EVICTION_POLICIES  # noqa: F401 -- re-exported
+
+_torch: Any = None  # the torch module, once bound
+_torch_binders: list = []
 
 
+def on_torch(binder: Callable[[Any], None]) -> None:
+    """Register ``binder(torch)``, called once torch is bound (at once if it already is): a
+    module that keeps torch names in its globals sets them there."""
+    _torch_binders.append(binder)
+    if _torch is not None:
+        binder(_torch)
 
-def empty_indices() -> torch.Tensor:
-    """A new empty int64 tensor: the indices of a miss. Never a shared one: the caller may
-    change a result in place (``set_``, ``unsqueeze_``), which must not show in any other.
-    Its storage cannot grow, like a hit's (the compiled core's come from a DLPack block)."""
-    return torch.from_numpy(np.empty(0, dtype=np.int64))
+
+def load_torch() -> Any:
+    """Import torch if needed, bind it in every registered module, and return it."""
+    global _torch
+    if _torch is None:
+        import torch  # noqa: PLC0415 -- only a torch-array cache or a tensor input needs it
+
+        for binder in _torch_binders:
+            binder(torch)
+        _torch = torch
+    return _torch
+
+
+def loaded_torch() -> Any:
+    """torch if some code has imported it (bound here on first sight), else None: only
+    then can an object be a tensor."""
+    if _torch is not None:
+        return _torch
+    if "torch" not in sys.modules:
+        return None
+    return load_torch()
+
+
+def is_tensor(obj: Any) -> bool:
+    """Whether ``obj`` is a torch tensor, without importing torch."""
+    torch = _torch if _torch is not None else loaded_torch()
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def empty_indices(numpy_arrays: bool = False) -> Any:
+    """A new empty int64 index array: the indices of a miss (a numpy array when
+    ``numpy_arrays``, else a tensor). Never a shared one: the caller may change a result in
+    place (``set_``, ``unsqueeze_``, ``resize``), which must not show in any other. Its
+    storage cannot grow, like a hit's (the compiled core's come from a DLPack block)."""
+    empty = np.empty(0, dtype=np.int64)
+    return empty if numpy_arrays else load_torch().from_numpy(empty)
+
+
+def int64_array(data: Any, numpy_arrays: bool = False) -> Any:
+    """A new writable int64 index array (numpy when ``numpy_arrays``, else a CPU tensor)
+    holding a copy of ``data``: native int64 bytes, or a bytes-like of them."""
+    buffer = bytearray(data)
+    if numpy_arrays:
+        return np.frombuffer(buffer, dtype=np.int64)
+    torch = load_torch()
+    return torch.frombuffer(buffer, dtype=torch.int64) if buffer else torch.from_numpy(
+        np.empty(0, dtype=np.int64))
 
 
 _INT64_MIN = -(2**63)
@@ -32,7 +90,8 @@ class MatchResult:
 
     Args:
         indices: The KV slot indices of the matched tokens, a 1-D ``torch.int64`` tensor on
-            the values' device (an empty CPU tensor on a miss). The caller owns it.
+            the values' device (an empty CPU tensor on a miss), or with
+            ``array_type="numpy"`` a 1-D int64 numpy array. The caller owns it.
         last_node: The ``RadixTreeNode`` where the match ends (the root on a miss): lock it
             with ``inc_lock_ref`` while a request uses the prefix.
         length: Tokens matched, a multiple of the page size.
@@ -45,7 +104,7 @@ class MatchResult:
 
     __slots__ = ("indices", "last_node", "length", "_host_length", "_last_host_node")
 
-    def __init__(self, indices: torch.Tensor, last_node, length: int, host_length: int = 0,
+    def __init__(self, indices: Any, last_node, length: int, host_length: int = 0,
                  last_host_node=None) -> None:
         self.indices = indices
         self.last_node = last_node
@@ -89,8 +148,8 @@ class MatchResult:
         return self.length
 
     def close(self) -> None:
-        """Drop the reference to the index tensor (the cache keeps its own copy)."""
-        self.indices = empty_indices()
+        """Drop the reference to the index array (the cache keeps its own copy)."""
+        self.indices = empty_indices(type(self.indices) is np.ndarray)
 
     def __enter__(self) -> "MatchResult":
         return self
@@ -125,10 +184,11 @@ class InsertResult:
         return f"InsertResult(prefix_len={self.prefix_len}, last_node={self.last_node!r})"
 
 
-def indices_from_key(key: np.ndarray) -> torch.Tensor:
-    """The index tensor of a node inserted without kv_indices: its tokens serve as indices."""
-    # A copy: the key buffer is read-only and must never be written through a tensor.
-    return torch.from_numpy(np.array(key, dtype=np.int64))
+def indices_from_key(key: np.ndarray, numpy_arrays: bool = False) -> Any:
+    """The index array of a node inserted without kv_indices: its tokens serve as indices."""
+    # A copy: the key buffer is read-only and must never be written through a result.
+    copy = np.array(key, dtype=np.int64)
+    return copy if numpy_arrays else load_torch().from_numpy(copy)
 
 
 def reentered(what: str) -> RuntimeError:
@@ -147,15 +207,16 @@ def display_order(node) -> tuple:
     return (extra_key is not None, repr(extra_key), node.key[:16].tolist())
 
 
-def cat_tensors(values: list) -> torch.Tensor:
+def cat_tensors(values: list) -> Any:
     """Concatenate index tensors of which some live on a device (CPU ones move to it)."""
+    torch = load_torch()
     device = next((v.device for v in values if v.device.type != "cpu"), None)
     if device is None:
         return torch.cat(values)
     return torch.cat([v.to(device) for v in values])
 
 
-def cat_values(path: list) -> torch.Tensor:
+def cat_values(path: list) -> Any:
     """Concatenate the path's index tensors when some live on a device (CPU ones follow)."""
     return cat_tensors([node.value for node in path])
 
@@ -178,16 +239,21 @@ def hand_over_batch(free_callback, value, error, join=None) -> None:
         raise error
 
 
-def host_indices_bytes(host, num_tokens: int) -> bytes:
+def host_indices_bytes(host, num_tokens: int, numpy_arrays: bool = False) -> bytes:
     """Check what an engine's ``backup(device_indices)`` returned for a node of
     ``num_tokens`` tokens and give its host indices as native int64 bytes (a copy, so the
-    caller's tensor may change afterwards). The same checks and messages on both cores.
+    caller's array may change afterwards). The same checks and messages on both cores.
+    ``numpy_arrays``: the cache's arrays are numpy arrays, and so must ``host`` be.
 
     Raises:
-        TypeError: ``host`` is not a ``torch.Tensor``, or not of dtype ``torch.int64``.
+        TypeError: ``host`` is not a ``torch.Tensor`` (a numpy array with
+            ``numpy_arrays``), or not of dtype int64.
         ValueError: ``host`` is not 1-D, or does not hold exactly ``num_tokens`` indices.
     """
-    if not isinstance(host, torch.Tensor):
+    if numpy_arrays:
+        return _host_array_bytes(host, num_tokens)
+    torch = loaded_torch()
+    if torch is None or not isinstance(host, torch.Tensor):
         raise TypeError("backup must return a torch.Tensor of host indices (or None when the "
                         f"host is full), got {type(host).__name__}")
     if host.dtype != torch.int64:
@@ -207,6 +273,26 @@ def host_indices_bytes(host, num_tokens: int) -> bytes:
         raise TypeError("backup must return a torch.Tensor of host indices (or None when the "
                         f"host is full), got {type(host).__name__} converting to "
                         f"{type(arr).__name__}")
+    if len(data) != 8 * num_tokens:
+        raise ValueError(f"backup returned {len(data) // 8} host indices for {num_tokens} "
+                         "device slots: one per slot expected")
+    return data
+
+
+def _host_array_bytes(host, num_tokens: int) -> bytes:
+    """``host_indices_bytes`` for a cache of numpy arrays."""
+    if not isinstance(host, np.ndarray):
+        raise TypeError("backup must return a numpy array of host indices (or None when the "
+                        f"host is full), got {type(host).__name__}")
+    if host.dtype != np.int64:
+        raise TypeError(f"backup must return host indices of dtype int64, got {host.dtype}")
+    if host.ndim != 1:
+        raise ValueError(f"backup must return a 1-D array of host indices, got {host.ndim}-D")
+    if host.shape[0] != num_tokens:
+        raise ValueError(f"backup returned {host.shape[0]} host indices for {num_tokens} "
+                         "device slots: one per slot expected")
+    # ndarray's own tobytes (a subclass may override it): the bytes are checked again.
+    data = np.ndarray.tobytes(host)
     if len(data) != 8 * num_tokens:
         raise ValueError(f"backup returned {len(data) // 8} host indices for {num_tokens} "
                          "device slots: one per slot expected")
@@ -284,8 +370,8 @@ def check_state(state, page_size: int) -> dict:
             raise ValueError(f"bad tree state: node {i}'s key must be a non-empty bytes of "
                              f"whole pages ({page_bytes} bytes each)")
         if value is not None:
-            if isinstance(value, torch.Tensor):
-                if value.dim() != 1 or value.dtype != torch.int64:
+            if is_tensor(value):
+                if value.dim() != 1 or value.dtype != _torch.int64:
                     raise ValueError(f"bad tree state: node {i}'s value must be a 1-D int64 "
                                      "tensor")
                 if value.device.type == "cpu":
@@ -297,7 +383,7 @@ def check_state(state, page_size: int) -> dict:
                 if len(value) != len(key):
                     raise ValueError(f"bad tree state: node {i} has {len(value) // 8} values "
                                      f"for {len(key) // 8} tokens")
-            elif not isinstance(value, torch.Tensor):
+            elif not is_tensor(value):
                 raise ValueError(f"bad tree state: node {i}'s value must be None, bytes or a "
                                  f"tensor, got {type(value).__name__}")
         if parent != -1:
