@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING
 
 __all__ = [
+    "ARRAY_TYPES",
     "EVICTION_POLICIES",
     "CacheStats",
     "InsertResult",
@@ -16,14 +17,14 @@ __version__ = "0.1.0"
 
 # The public names load on first use (PEP 562), so that ``import radixcache`` -- and the
 # command's ``--help`` -- do not import torch and the tree cores until they are needed.
-_LAZY = {"RadixTreeNode": "._core", "core_name": "._core", "EVICTION_POLICIES": ".cache",
+_LAZY = {"ARRAY_TYPES": ".cache", "RadixTreeNode": "._core", "core_name": "._core", "EVICTION_POLICIES": ".cache",
          "CacheStats": ".cache", "InsertResult": ".cache", "MatchResult": ".cache",
          "RadixCache": ".cache", "WRITE_POLICIES": ".cache"}
 
 if TYPE_CHECKING:
     from ._core import RadixTreeNode, core_name
-    from .cache import (EVICTION_POLICIES, WRITE_POLICIES, CacheStats, InsertResult,
-                        MatchResult, RadixCache)
+    from .cache import (ARRAY_TYPES, EVICTION_POLICIES, WRITE_POLICIES, CacheStats,
+                        InsertResult, MatchResult, RadixCache)
 
 
 def __getattr__(name: str):

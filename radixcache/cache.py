@@ -15,17 +15,19 @@ import operator
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 import numpy as np
-import torch
 
-from . import _core
-from ._options import WRITE_POLICIES
-from ._shared import EVICTION_POLICIES, InsertResult, MatchResult
+from . import _core, _shared
+from ._options import ARRAY_TYPES, WRITE_POLICIES
+from ._shared import EVICTION_POLICIES, InsertResult, MatchResult, is_tensor, loaded_torch
 
-__all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "EVICTION_POLICIES",
-           "WRITE_POLICIES"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "ARRAY_TYPES",
+           "EVICTION_POLICIES", "WRITE_POLICIES"]
 
 _INT64_MAX = 2**63 - 1
 _INT64_MIN = -(2**63)
@@ -139,7 +141,8 @@ def _kv_from_objects(arr: np.ndarray, what: str = "kv_indices") -> np.ndarray:
 
 
 def _check_tensor_dtype(tensor: torch.Tensor, what: str) -> None:
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+    dtype = tensor.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == loaded_torch().bool:
         raise TypeError(f"{what} must hold integers, got {tensor.dtype}")
 
 
@@ -217,6 +220,13 @@ class RadixCache:
             device (its ``backup`` callback copies it); ``"write_through"`` once it has been
             hit (inserted through) once, and ``"write_through_selective"`` once hit twice --
             ``write_through(backup)`` copies the nodes that became due.
+        array_type: What the cache's index arrays are, one of ``ARRAY_TYPES``: ``"torch"``
+            (default) 1-D ``torch.int64`` tensors, on the values' device; ``"numpy"`` 1-D
+            int64 numpy arrays -- ``MatchResult.indices``, ``RadixTreeNode.value``, what
+            ``free_callback`` and ``backup`` get, what ``backup`` must return and what
+            ``load_back`` returns -- and the cache never imports torch (a simulator, an engine
+            without torch). Index values then stay on the CPU: a device tensor given as
+            ``kv_indices`` is refused. Inputs may be torch tensors either way.
 
     Host tier: a node holds a device value (its KV slots on the GPU), a host value (slots in
     a host pool), or both (``RadixTreeNode.tier``). The cache owns no pool and copies no
@@ -230,15 +240,17 @@ class RadixCache:
 
     Raises:
         TypeError: ``page_size`` is not an int, ``event_options`` not a dict, an event
-            option is unknown, ``host_tier`` is not a bool or ``write_policy`` not a str.
-        ValueError: ``page_size`` < 1, an unknown ``eviction_policy``, ``core`` or
-            ``write_policy``, or ``event_options`` without ``enable_events=True``.
+            option is unknown, ``host_tier`` is not a bool, or ``write_policy`` or
+            ``array_type`` not a str.
+        ValueError: ``page_size`` < 1, an unknown ``eviction_policy``, ``core``,
+            ``write_policy`` or ``array_type``, or ``event_options`` without
+            ``enable_events=True``.
     """
 
     def __init__(self, page_size: int = 1, eviction_policy: str = "lru", *,
                  enable_events: bool = False, event_options: dict | None = None,
                  core: str | None = None, host_tier: bool = False,
-                 write_policy: str = "write_back") -> None:
+                 write_policy: str = "write_back", array_type: str = "torch") -> None:
         page_size = _check_int("page_size", page_size)
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -254,8 +266,14 @@ class RadixCache:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write_policy {write_policy!r}; valid: "
                              + ", ".join(WRITE_POLICIES))
+        if not isinstance(array_type, str):
+            raise TypeError(f"array_type must be a str, got {type(array_type).__name__}")
+        if array_type not in ARRAY_TYPES:
+            raise ValueError(f"unknown array_type {array_type!r}; valid: "
+                             + ", ".join(ARRAY_TYPES))
         self.page_size = page_size
         self.eviction_policy = eviction_policy
+        self.array_type = array_type
         self.host_tier = host_tier
         self.write_policy = write_policy
         self._core_module = _core.get_core(core)
@@ -275,11 +293,13 @@ class RadixCache:
                 raise TypeError(f"unknown event option {unknown[0]!r}; valid: "
                                 + ", ".join(sorted(_EVENT_OPTIONS)))
             self._events = EventRecorder(page_size, **options)
+        numpy_arrays = {"numpy_arrays": True} if array_type == "numpy" else {}
         if host_tier:
             self._core = self._core_module.Core(page_size, eviction_policy, True,
-                                                _WRITE_THROUGH_HITS[write_policy])
+                                                _WRITE_THROUGH_HITS[write_policy],
+                                                **numpy_arrays)
         else:
-            self._core = self._core_module.Core(page_size, eviction_policy)
+            self._core = self._core_module.Core(page_size, eviction_policy, **numpy_arrays)
 
     @property
     def core_name(self) -> str:
@@ -316,7 +336,7 @@ class RadixCache:
             # The core reads exact ints at C speed; anything else gets Python's checks.
             converted = self._core.token_array(token_ids)
             return _list_tokens(token_ids) if converted is None else converted
-        if isinstance(token_ids, torch.Tensor):
+        if is_tensor(token_ids):
             if token_ids.device.type != "cpu":
                 raise ValueError(
                     f"token_ids must be a CPU tensor, got one on {token_ids.device}"
@@ -343,20 +363,23 @@ class RadixCache:
                 f"token_ids must be a sequence of ints, got {type(token_ids).__name__}"
             ) from None
         return _list_tokens(items)
-    @staticmethod
-    def _kv_values(kv_indices: Any, needed: int, what: str = "kv_indices") -> Any:
+    def _kv_values(self, kv_indices: Any, needed: int, what: str = "kv_indices") -> Any:
         """Validate kv_indices as 1-D integers, at least ``needed`` of them.
 
         Returns a contiguous int64 numpy array for CPU values (the core copies slices of it)
-        or the tensor itself for values on another device.
+        or the tensor itself for values on another device (torch arrays only).
         """
-        if isinstance(kv_indices, torch.Tensor):
+        if is_tensor(kv_indices):
             if kv_indices.dim() != 1:
                 raise ValueError(f"{what} must be 1-D, got {kv_indices.dim()}-D")
             _check_tensor_dtype(kv_indices, what)
             values = kv_indices
             if kv_indices.device.type == "cpu":
                 values = _int64_array(kv_indices.detach().numpy(), what)
+            elif self.array_type == "numpy":
+                raise ValueError(f"{what} on {kv_indices.device}: a cache with "
+                                 "array_type='numpy' keeps indices on the CPU (use a torch "
+                                 "cache for device indices)")
         else:
             if isinstance(kv_indices, (str, bytes)):
                 raise TypeError(f"{what} must be a sequence of ints, got str/bytes")
@@ -398,7 +421,8 @@ class RadixCache:
 
         Returns:
             A ``MatchResult``: ``indices`` (the KV slot indices of the matched tokens, a 1-D
-            ``torch.int64`` tensor on the values' device; an empty CPU tensor on a miss),
+            ``torch.int64`` tensor on the values' device, an empty CPU tensor on a miss; a
+            numpy array with ``array_type="numpy"``),
             ``length`` (tokens matched) and ``last_node`` (the node where the match ends, to
             lock with ``inc_lock_ref``; the root on a miss).
 
@@ -483,7 +507,7 @@ class RadixCache:
             kv = None
             if kv_indices is not None:
                 kv = self._kv_values(kv_indices, self._aligned(len(tokens)))
-            on_device = isinstance(kv, torch.Tensor)
+            on_device = kv is not None and not isinstance(kv, np.ndarray)
             result = _checked(core.insert(tokens, None if on_device else kv, extra_key,
                                           priority, True))
             self._after_held_insert(kv if on_device else None, len(tokens))
@@ -511,12 +535,13 @@ class RadixCache:
         device, else None: the core stored them) and their events."""
         core = self._core
         events = self._events
+        torch_module = _shared._torch  # device values: torch is bound
         if self.host_tier:
             # Host-only nodes on the path took the caller's slots (adopted), top-down.
             for node, start in core.take_adopted():
                 if device_kv is not None:
                     core.set_value(node, device_kv[start:start + node.num_tokens].to(
-                        torch.int64, copy=True), True)
+                        torch_module.int64, copy=True), True)
                 if events is not None:
                     events.stored(node)
         leaf = core.take_new_leaf()
@@ -525,7 +550,7 @@ class RadixCache:
                 # Values on a device stay there: a copy on the caller's device.
                 start = self._aligned(num_tokens) - leaf.num_tokens  # the tail
                 core.set_value(leaf, device_kv[start:start + leaf.num_tokens].to(
-                    torch.int64, copy=True), True)
+                    torch_module.int64, copy=True), True)
             if events is not None:
                 events.stored(leaf)
 
@@ -792,7 +817,9 @@ class RadixCache:
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
-        if (type(device_indices) is torch.Tensor and type(match) is MatchResult
+        torch = _shared._torch
+        if (torch is not None and type(device_indices) is torch.Tensor
+                and type(match) is MatchResult
                 and self.host_tier and device_indices.dtype is torch.int64
                 and device_indices.is_cpu and device_indices.dim() == 1
                 and device_indices.shape[0] == match.host_length
@@ -802,6 +829,13 @@ class RadixCache:
             events = self._events
             return self._core.load_back(match, device_indices.detach().numpy(),
                                         None if events is None else events.stored)
+        if (type(device_indices) is np.ndarray and type(match) is MatchResult
+                and self.host_tier and device_indices.dtype == np.int64
+                and device_indices.ndim == 1 and device_indices.shape[0] == match.host_length
+                and device_indices.flags.c_contiguous):
+            events = self._events  # the same for an int64 numpy array
+            return self._core.load_back(match, device_indices,
+                                        None if events is None else events.stored)
         if not isinstance(match, MatchResult):
             raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
         self._need_host_tier("load_back")
@@ -810,8 +844,8 @@ class RadixCache:
         if values.shape[0] != wanted:
             raise ValueError(f"load_back got {values.shape[0]} device indices for a host "
                              f"match of {wanted} tokens")
-        if isinstance(values, torch.Tensor):  # on a device: kept there, a copy of it
-            values = values.to(torch.int64, copy=True)
+        if not isinstance(values, np.ndarray):  # on a device: kept there, a copy of it
+            values = values.to(_shared._torch.int64, copy=True)
         events = self._events
         return self._core.load_back(match, values, None if events is None else events.stored)
 
@@ -964,8 +998,9 @@ class RadixCache:
     def __repr__(self) -> str:
         host = (f", write_policy={self.write_policy!r}, host_size={self._core.host_size}"
                 if self.host_tier else "")
+        arrays = ", array_type='numpy'" if self.array_type == "numpy" else ""
         return (f"RadixCache(page_size={self.page_size}, eviction_policy="
-                f"{self.eviction_policy!r}, core={self.core_name!r}, "
+                f"{self.eviction_policy!r}, core={self.core_name!r}{arrays}, "
                 f"total_size={self.total_size()}, nodes={self.node_count()}{host})")
 
     # -- copies and persistence ---------------------------------------------------------
@@ -974,7 +1009,7 @@ class RadixCache:
 
         A cache is saved as its tree (keys, index values, namespaces, priorities, terminal
         marks, access and creation times, hit counts, the logical clock), its statistics, its
-        ``page_size``, ``eviction_policy`` and core name, in a versioned format; it loads on
+        ``page_size``, ``eviction_policy``, ``array_type`` and core name, in a versioned format; it loads on
         that core when it is available, else on the default one. Every copy is an
         independent tree that evicts in the same order: ``copy.copy`` shares the
         ``extra_key`` objects with the original, ``copy.deepcopy`` copies them; index values
@@ -1003,7 +1038,7 @@ class RadixCache:
                             "KV event stream cannot continue on a copy")
         state = {"format": STATE_FORMAT, "page_size": self.page_size,
                  "eviction_policy": self.eviction_policy, "core": self.core_name,
-                 "tree": self._core.export_state()}
+                 "array_type": self.array_type, "tree": self._core.export_state()}
         return (_load_cache, (type(self), state))
 
     # Smile's (Java) spellings.
@@ -1033,6 +1068,7 @@ def _load_cache(cls: type, state: dict) -> RadixCache:
     core = state.get("core")
     cache = cls.__new__(cls)
     RadixCache.__init__(cache, state["page_size"], state["eviction_policy"],
-                        core=core if core in _core.CORES else None)
+                        core=core if core in _core.CORES else None,
+                        array_type=state.get("array_type", "torch"))
     cache._core.import_state(state["tree"])
     return cache

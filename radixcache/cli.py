@@ -783,7 +783,8 @@ def _simulate(args: argparse.Namespace) -> int:
         except ImportError:
             raise _UsageError("--plot needs matplotlib (pip install matplotlib)") from None
         _plot_format(args.plot)
-    # The run starts: torch, numpy and the cores from here on.
+    # The run starts: numpy and the cores from here on (the caches use numpy index arrays:
+    # torch is not imported).
     from . import _core  # noqa: PLC0415
     from .cache import RadixCache  # noqa: PLC0415
     from .traces import Trace, TraceError, read_trace  # noqa: PLC0415
@@ -817,7 +818,7 @@ def _simulate(args: argparse.Namespace) -> int:
     core = _core.get_core(args.core).CORE_NAME
     if any(args.host_capacity):
         try:
-            RadixCache(core=core, host_tier=True)
+            RadixCache(core=core, host_tier=True, array_type="numpy")
         except TypeError:  # a compiled core built before it had the host tier
             raise _UsageError(f"--host-capacity: the {core!r} tree core of this build has no "
                               "host tier; use --core python") from None
@@ -841,11 +842,13 @@ def _simulate(args: argparse.Namespace) -> int:
 
     def run_point(point: tuple, progress: Any) -> ServeResult:
         capacity, policy, host, write_policy = point
+        # numpy index arrays: a simulation never needs torch (nor its import time).
         if not host:
-            cache = RadixCache(page_size=args.page_size, eviction_policy=policy, core=core)
+            cache = RadixCache(page_size=args.page_size, eviction_policy=policy, core=core,
+                               array_type="numpy")
             return serve(cache, requests, capacity, progress=progress)
         cache = RadixCache(page_size=args.page_size, eviction_policy=policy, core=core,
-                           host_tier=True, write_policy=write_policy)
+                           host_tier=True, write_policy=write_policy, array_type="numpy")
         return serve(cache, requests, capacity, progress=progress, host_capacity=host)
 
     host_points = _host_points(args)

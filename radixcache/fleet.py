@@ -294,8 +294,9 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
         else {}
     if host_capacity:
         fast = dict(fast, host_tier=True, write_policy=write_policy)
+    # numpy index arrays: the simulation never needs torch (nor its import time).
     caches = [RadixCache(page_size=page_size, eviction_policy=eviction_policy,
-                         enable_events=with_events, core=core, **fast)
+                         enable_events=with_events, core=core, array_type="numpy", **fast)
               for _ in range(num_workers)]
     # In-process channels feed the index the workers' block keys directly (_keyfeed): no
     # event objects, keys hashed once per stored leaf, applied in one call per record. The

@@ -24,10 +24,15 @@ import array
 import gc
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
-import torch
+
+from ._options import ARRAY_TYPES
+from ._shared import is_tensor, load_torch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FRESH_TOKEN_BASE",
@@ -60,7 +65,21 @@ _max_of = np.maximum.reduce  # an array's largest element, without ndarray.max's
 def _slot_array(slots: Any) -> np.ndarray:
     """Slot ids (a tensor, numpy array or sequence of ints) as a numpy array; a CPU tensor's
     memory is read in place."""
-    return slots.numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+    if type(slots) is np.ndarray:
+        return slots
+    return slots.numpy() if is_tensor(slots) else np.asarray(slots)
+
+
+def _check_array_type(array_type: Any) -> bool:
+    """Whether ``array_type`` (checked) asks for numpy arrays."""
+    if not isinstance(array_type, str) or array_type not in ARRAY_TYPES:
+        raise ValueError(f"unknown array_type {array_type!r}; valid: " + ", ".join(ARRAY_TYPES))
+    return array_type == "numpy"
+
+
+def _as_array_type(values: np.ndarray, numpy_arrays: bool) -> Any:
+    """An int64 numpy array as the kind of array a cache takes (the same memory)."""
+    return values if numpy_arrays else load_torch().from_numpy(values)
 
 
 def _any_outside(ids: np.ndarray, bound: int) -> bool:
@@ -398,7 +417,7 @@ def as_input_type(tokens: np.ndarray, input_type: str) -> Any:
     if input_type == "numpy":
         return np.array(tokens, dtype=np.int64)
     if input_type == "tensor":
-        return torch.from_numpy(np.array(tokens, dtype=np.int64))
+        return load_torch().from_numpy(np.array(tokens, dtype=np.int64))
     raise ValueError(f"unknown input type {input_type!r}; valid: {', '.join(INPUT_TYPES)}")
 
 
@@ -473,6 +492,7 @@ def time_cached_calls(cache: Any, requests: list[Request], input_type: str, pass
         ValueError: an unknown ``input_type``.
     """
     prepared = []
+    numpy_arrays = getattr(cache, "array_type", "torch") == "numpy"
     for request in requests:
         output = request.output
         if output is None:
@@ -480,7 +500,8 @@ def time_cached_calls(cache: Any, requests: list[Request], input_type: str, pass
                                dtype=np.int64)
         full = np.concatenate((request.prompt, output))
         prepared.append((as_input_type(request.prompt, input_type), as_input_type(full, input_type),
-                         torch.arange(len(full), dtype=torch.int64), request.prompt, full,
+                         _as_array_type(np.arange(len(full), dtype=np.int64), numpy_arrays),
+                         request.prompt, full,
                          request.extra_key))
     match_prefix = cache.match_prefix
     insert = cache.insert
@@ -566,15 +587,18 @@ class KVPool:
 
     Args:
         capacity: How many slots, an int >= 0.
+        array_type: What ``alloc`` returns: ``"torch"`` (default) a tensor, ``"numpy"`` a
+            numpy array (``RadixCache``'s ``array_type``).
 
     Raises:
         TypeError: ``capacity`` is not an int.
-        ValueError: ``capacity`` < 0.
+        ValueError: ``capacity`` < 0, or an unknown ``array_type``.
     """
 
-    __slots__ = ("capacity", "_free", "_top")
+    __slots__ = ("capacity", "_free", "_top", "_numpy")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, array_type: str = "torch") -> None:
+        self._numpy = _check_array_type(array_type)
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
             raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
         if capacity < 0:
@@ -594,14 +618,15 @@ class KVPool:
         """Allocated slots."""
         return self.capacity - self._top
 
-    def alloc(self, n: int) -> torch.Tensor | None:
+    def alloc(self, n: int) -> Any:
         """Take ``n`` free slots.
 
         Args:
             n: How many slots, an int >= 0.
 
         Returns:
-            Their ids as a 1-D int64 tensor, or None (nothing taken) if fewer are free.
+            Their ids as a 1-D int64 tensor (a numpy array for a numpy pool), or None
+            (nothing taken) if fewer are free.
 
         Raises:
             ValueError: ``n`` < 0.
@@ -611,7 +636,7 @@ class KVPool:
         if n > self._top:
             return None
         self._top -= n
-        return torch.from_numpy(self._free[self._top:self._top + n].copy())
+        return _as_array_type(self._free[self._top:self._top + n].copy(), self._numpy)
 
     def _take_into(self, out: np.ndarray) -> None:
         """Allocate ``len(out)`` slots (the caller checked that they are free) into ``out``."""
@@ -662,15 +687,18 @@ class HostPool:
 
     Args:
         capacity: How many slots, an int >= 0.
+        array_type: What ``alloc`` returns: ``"torch"`` (default) a tensor, ``"numpy"`` a
+            numpy array (``RadixCache``'s ``array_type``).
 
     Raises:
         TypeError: ``capacity`` is not an int.
-        ValueError: ``capacity`` < 0.
+        ValueError: ``capacity`` < 0, or an unknown ``array_type``.
     """
 
-    __slots__ = ("capacity", "_free", "_top", "_next")
+    __slots__ = ("capacity", "_free", "_top", "_next", "_numpy")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, array_type: str = "torch") -> None:
+        self._numpy = _check_array_type(array_type)
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
             raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
         if capacity < 0:
@@ -690,22 +718,28 @@ class HostPool:
         """Allocated slots."""
         return self._next - self._top
 
-    def alloc(self, n: int) -> torch.Tensor | None:
+    def alloc(self, n: int) -> Any:
         """Take ``n`` free slots.
 
         Args:
             n: How many slots, an int >= 0.
 
         Returns:
-            Their ids as a new 1-D int64 tensor, or None (nothing taken) if fewer are free.
+            Their ids as a new 1-D int64 tensor (a numpy array for a numpy pool), or None
+            (nothing taken) if fewer are free.
 
         Raises:
             ValueError: ``n`` < 0.
         """
+        ids = self._alloc_ids(n)
+        return None if ids is None else _as_array_type(ids, self._numpy)
+
+    def _alloc_ids(self, n: int) -> np.ndarray | None:
+        """``alloc`` as a new numpy array."""
         top = self._top
         if 0 <= n <= top:  # the common case once the pool has cycled: freed slots only
             self._top = top - n
-            return torch.from_numpy(self._free[top - n:top].copy())
+            return self._free[top - n:top].copy()
         if n < 0:
             raise ValueError(f"cannot allocate {n} slots")
         if n > self.available:
@@ -713,7 +747,7 @@ class HostPool:
         if not top:  # fresh slots only
             start = self._next
             self._next = start + n
-            return torch.from_numpy(np.arange(start, start + n, dtype=np.int64))
+            return np.arange(start, start + n, dtype=np.int64)
         reused = min(n, self._top)
         self._top -= reused
         out = np.empty(n, dtype=np.int64)
@@ -722,7 +756,7 @@ class HostPool:
         if fresh:
             out[reused:] = np.arange(self._next, self._next + fresh, dtype=np.int64)
             self._next += fresh
-        return torch.from_numpy(out)
+        return out
 
     def free(self, slots: Any) -> None:
         """Return slots to the pool.
@@ -748,14 +782,14 @@ class HostPool:
         self._free[self._top:self._top + n] = arr
         self._top += n
 
-    def _alloc_shared(self, n: int) -> torch.Tensor | None:
-        """``alloc(n)`` for a caller that copies the ids at once (a cache's ``backup``
-        answer): freed slots come as a view of the pool's own stack, no copy."""
+    def _alloc_shared(self, n: int) -> np.ndarray | None:
+        """``alloc(n)`` as a numpy array, for a caller that copies the ids at once (a cache's
+        ``backup`` answer): freed slots come as a view of the pool's own stack, no copy."""
         top = self._top
         if 0 <= n <= top:
             self._top = top - n
-            return torch.from_numpy(self._free[top - n:top])
-        return self.alloc(n)
+            return self._free[top - n:top]
+        return self._alloc_ids(n)
 
     def __repr__(self) -> str:
         return f"HostPool(capacity={self.capacity}, used={self.used})"
@@ -839,7 +873,7 @@ class Admission:
     request: Request
     cached: int
     tokens: np.ndarray
-    kv: torch.Tensor
+    kv: Any
     lock_node: Any
     owned_from: int
     loaded: int = 0
@@ -890,6 +924,8 @@ class ServingLoop:
 
     def __init__(self, cache: Any, capacity: int, *, pool: KVPool | None = None,
                  host_capacity: int | None = None, host_pool: HostPool | None = None) -> None:
+        # The slots the loop hands the cache are of the cache's kind of array.
+        self._numpy = getattr(cache, "array_type", "torch") == "numpy"
         if pool is None:
             pool = KVPool(capacity)
         elif pool.capacity != capacity or pool.used:
@@ -993,15 +1029,20 @@ class ServingLoop:
             return full
         return np.concatenate((prompt, fresh))
 
-    def _slots(self, match: Any, cached: int, need: int) -> torch.Tensor:
+    def _slots(self, match: Any, cached: int, need: int) -> Any:
         """The request's KV slots: the match's ``cached`` indices, then ``need`` taken from
         the pool, in one buffer filled once (numpy: large fresh torch allocations are much
-        slower on some hosts)."""
+        slower on some hosts), as the cache's kind of array."""
         slots = np.empty(cached + need, dtype=np.int64)
+        if self._numpy:
+            if cached:
+                slots[:cached] = match.indices
+            self.pool._take_into(slots[cached:])
+            return slots
         if cached:
             slots[:cached] = match.indices.numpy()
         self.pool._take_into(slots[cached:])
-        return torch.from_numpy(slots)
+        return load_torch().from_numpy(slots)
 
     def _count(self, request: Request, cached: int) -> None:
         self.requests += 1
@@ -1095,16 +1136,16 @@ class ServingLoop:
         self.host_evicted_tokens += freed
         return freed
 
-    def _backup(self, device_indices: torch.Tensor) -> torch.Tensor | None:
+    def _backup(self, device_indices: Any) -> Any:
         """Host slots for a copy of ``device_indices`` (None: the host is full)."""
         n = device_indices.shape[0]
         # The cache copies the answer before anything else runs: a view of the pool will do.
         host = self.host_pool._alloc_shared(n)
         if host is None:
             self._wanted = n
-        else:
-            self.backed_up_tokens += n
-        return host
+            return None
+        self.backed_up_tokens += n
+        return host if self._numpy else load_torch().from_numpy(host)
 
     def _copy_due(self) -> None:
         """Hand the write-through copies due to the host, evicting from the host for room."""
@@ -1159,7 +1200,7 @@ class ServingLoop:
         self.seconds += clock() - start
 
         # The frees below read the slots as numpy (slicing a tensor costs more).
-        slots = kv.numpy() if type(kv) is torch.Tensor else kv
+        slots = kv if type(kv) is np.ndarray else kv.numpy()
         # Slots of tokens the tree already held (a longer match than the prompt's) are spare.
         if inserted.prefix_len > admission.owned_from:
             pool.free(slots[admission.owned_from:inserted.prefix_len])
