@@ -524,6 +524,9 @@ def _run_sweep(points: list, run_point: Callable[[Any, Any], Any], jobs: int | N
     results = [None] * len(points)
     _SWEEP = (run_point, points)
     bar = None
+    # What exists now (the parsed trace, the modules) is shared with the forked workers: kept
+    # out of their collections, which would otherwise walk it and copy the pages they touch.
+    gc.freeze()
     executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
                                    initializer=_sweep_worker_init)
     done = False
