@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixcache._core import CORES
+from radixcache._core import CORES, RadixTreeNode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,6 +85,7 @@ def test_match_insert_and_node_values_are_numpy_arrays(core_name):
         assert node.value.tolist() == kept
         assert node.host_value is None
     leaf = core.match([1, 2, 5, 6]).last_node
+    assert isinstance(leaf, RadixTreeNode) and isinstance(core.tree.root, RadixTreeNode)
     assert check_array(leaf.stored_value).tolist() == [22, 23]
     assert core.match([7, 8]).last_node.stored_value is None
     hit.close()
