@@ -33,7 +33,8 @@ class RadixTreeNode(ABC):
 
     Attributes:
         key: The node's tokens, a read-only 1-D int64 numpy array (empty at the root).
-        value: The KV slot indices of those tokens, a 1-D ``torch.int64`` tensor.
+        value: The KV slot indices of those tokens, a 1-D ``torch.int64`` tensor (a 1-D
+            int64 numpy array in a cache with ``array_type="numpy"``).
         parent: The parent node (``None`` at the root).
         children: The child nodes, a tuple.
         lock_ref: How many locks protect it (its own and its descendants').
@@ -49,8 +50,8 @@ class RadixTreeNode(ABC):
         num_children: ``len(children)``.
         on_device: False when the node is held only in host memory (a cache with a host
             tier); then ``value`` is None. Always True without a host tier.
-        host_value: Its host indices, a new 1-D CPU ``torch.int64`` tensor, or None when it
-            has no host copy.
+        host_value: Its host indices, a new 1-D CPU ``torch.int64`` tensor (a numpy array
+            with ``array_type="numpy"``), or None when it has no host copy.
         tier: ``"device"``, ``"host"`` or ``"device+host"``.
     """
 

@@ -5,28 +5,44 @@ whichever one ``_core.py`` chose and never walks the tree itself.
 
 Interface shared by both cores
 ------------------------------
-``Core(page_size, policy, host_tier=False, write_through_hits=0)`` -- one per cache: the
-tree, the eviction heap(s), the sizes and the counters, and every per-call operation, each
-one call into the core. The host tier (``host_tier``; see "Host tier" below) is off by
-default; without it everything below behaves, and costs, as in a one-tier cache. ``cache.py`` keeps the
-public class, input validation (the slow path), device tensors, the events hook and
-stats assembly.
+``Core(page_size, policy, host_tier=False, write_through_hits=0, numpy_arrays=False)`` -- one
+per cache: the tree, the eviction heap(s), the sizes and the counters, and every per-call
+operation, each one call into the core. The host tier (``host_tier``; see "Host tier" below) is
+off by default; without it everything below behaves, and costs, as in a one-tier cache.
+``cache.py`` keeps the public class, input validation (the slow path), device tensors, the
+events hook and stats assembly.
+
+Index arrays. Every index array a core makes -- ``MatchResult.indices`` (a miss's too),
+``Node.value``/``stored_value``/``host_value``, what ``free_callback`` and ``backup`` get (one
+array per node, or the batch), ``load_back``'s result -- is a new, writable 1-D int64 array
+the caller owns (except a node's device value, which ``Node.value`` hands out as kept): with
+``numpy_arrays`` false (the default) a ``torch.int64`` tensor, on the CPU unless made of
+device values; with ``numpy_arrays`` a ``numpy.ndarray`` of dtype int64. In the first mode
+the constructor imports torch (``_shared.load_torch``); in the second the core never does.
+Its read-only attribute ``numpy_arrays`` says which. A core of numpy arrays holds CPU values
+only: cache.py keeps device tensors away from it, its ``set_value`` and ``load_back`` take
+int64 numpy arrays (``TypeError`` otherwise), ``backup`` must answer a numpy array (see "Host
+tier") and ``import_state`` refuses a state holding device tensors (``ValueError``).
+Importing this module imports no torch: its torch names are bound through
+``_shared.on_torch`` once some code loads torch; until then nothing counts as a tensor, so a
+tensor input (which needs torch imported: cache.py's checks then bind it) takes the unusual
+input way below, and after that the fast paths take it in either mode.
 
 The fast-path contract: ``match``, ``insert`` and ``exists`` accept the common inputs --
 tokens as a list or tuple of ints, a 1-D int64 numpy array, ``array('q')`` or a 1-D CPU int64
-torch tensor; ``kv`` as None, such a tensor, array or ``array('q')``, or a list/tuple of
-ints; a hashable ``extra_key``; an ``int`` priority in int64 -- and return their result. For
-anything else, or any input that would fail, they return ``None`` having changed nothing;
-``cache.py`` then takes the guard (``enter(what)``/``leave()``), validates in Python (raising
-the documented exception) and calls again with canonical inputs and ``held=True``: tokens as a
-1-D int64 numpy array, CPU kv as a 1-D int64 numpy array (device values go through
-``set_value`` afterwards). A call with canonical inputs never returns None.
+torch tensor (once torch is bound); ``kv`` as None, such a tensor, array or ``array('q')``, or
+a list/tuple of ints; a hashable ``extra_key``; an ``int`` priority in int64 -- and return
+their result. For anything else, or any input that would fail, they return ``None`` having
+changed nothing; ``cache.py`` then takes the guard (``enter(what)``/``leave()``), validates in
+Python (raising the documented exception) and calls again with canonical inputs and
+``held=True``: tokens as a 1-D int64 numpy array, CPU kv as a 1-D int64 numpy array (device
+values go through ``set_value`` afterwards). A call with canonical inputs never returns None.
 
 - ``match(tokens, extra_key, held=False) -> MatchResult | None``: the longest cached
   page-aligned prefix; splits the node where it ends inside one; stamps the path with one
   clock tick (none when the aligned length is 0); counts a lookup and the queried/matched
   tokens; for policies in ``KEY_FALLS_ON_ACCESS`` pushes the matched leaf again. ``indices``
-  is one new int64 tensor (a new empty one on a miss, with ``last_node`` the root).
+  is one new index array (a new empty one on a miss, with ``last_node`` the root).
 - ``insert(tokens, kv, extra_key, priority, held=False) -> InsertResult | None``: walks,
   splits where the key diverges inside a node, adds the uncached remainder as one new leaf
   (with ``held``, ``take_new_leaf()`` returns it afterwards) holding a copy of its slice of ``kv``,
@@ -53,17 +69,18 @@ the documented exception) and calls again with canonical inputs and ``held=True`
   removes them as the two steps above until ``num_tokens`` are freed or none is left; returns
   the tokens freed. ``on_remove(node)`` (cache.py's events hook) runs under the guard for
   each victim before it is detached; if it raises, the victim stays (pushed back) and the
-  exception propagates. Per node (``batch`` false), each victim's index tensor (a new int64
-  tensor, as a match's) goes to ``free_callback`` once the victim is detached and counted,
+  exception propagates. Per node (``batch`` false), each victim's index array (a new one, as
+  a match's) goes to ``free_callback`` once the victim is detached and counted,
   with the guard released around the call: the callback may call the cache; if it raises,
   the victims detached so far stay evicted and counted and the exception propagates; the
   loop re-takes the guard after it (``RuntimeError`` if another call holds it then). With
   ``batch``, ``free_callback`` is called once, after the loop and outside the guard, with the
-  victims' indices concatenated in eviction order (one new tensor; not called when nothing
+  victims' indices concatenated in eviction order (one new array; not called when nothing
   was freed), also when the loop stops on an exception (which it then re-raises): freed
   indices are never lost. No node, pointer or size read before a callback is trusted after
   it.
-- ``set_value(node, values, held=False)``: a fresh leaf's device values (kept as given).
+- ``set_value(node, values, held=False)``: a fresh leaf's device values (kept as given; with
+  ``numpy_arrays``, an int64 numpy array of the node's length, copied in).
 - ``export_state() -> dict`` and ``import_state(state)``: copies and pickles of a cache.
   ``export_state`` returns plain data: ``nodes``, a list with one tuple per node (root
   excluded), every parent listed before its children, of the fields ``NODE_FIELDS``
@@ -88,7 +105,7 @@ in the engine's host pool, kept as int64 bytes; a split slices it as it slices a
 value), or both. The core owns no pool and copies no data.
 
 - Node: ``on_device`` (always True without a host tier; a host-only node has ``value`` and
-  ``stored_value`` None but is not ``evicted``), ``host_value`` (a new 1-D CPU int64 tensor,
+  ``stored_value`` None but is not ``evicted``), ``host_value`` (a new CPU index array,
   or None), ``tier`` (``"device"``, ``"host"`` or ``"device+host"``).
 - Invariants: every node but the root has a device or a host value; no node on the device
   below a host-only node; a locked node is on the device; ``evictable + protected`` = tokens
@@ -124,12 +141,13 @@ value), or both. The core owns no pool and copies no data.
   ``on_remove(node)``, then its device value is dropped (``on_device`` False, ``evictable``,
   ``evictions`` and ``evicted_tokens`` as for a removal); it stays in the tree and goes on
   ``host_heap`` if childless. (2) Else, with ``backup`` and ``write_through_hits == 0``,
-  ``backup(device_indices)`` runs under the guard (``device_indices``: the tensor
+  ``backup(device_indices)`` runs under the guard (``device_indices``: the array
   ``free_callback`` gets; with ``batch``, the victim's part of the batch: what backup writes
-  in it during the call shows in the batch, and a tensor it keeps may share the batch's
+  in it during the call shows in the batch, and an array it keeps may share the batch's
   memory); it returns None (the host is full) or host indices, checked by
   ``_shared.host_indices_bytes`` (a 1-D ``torch.int64`` tensor of exactly the node's length,
-  any device; TypeError or ValueError otherwise); a valid one becomes the host value
+  any device; with ``numpy_arrays`` a 1-D int64 numpy array of that length; TypeError or
+  ValueError otherwise); a valid one becomes the host value
   (``host_size`` and ``backed_up_tokens`` grow), ``on_backup(node)`` runs and the node is
   demoted as in (1). (3) Else it is deleted as without a host tier -- unless it has
   (host-only) children: then it is skipped, left unchanged, and pushed back on ``heap`` when
@@ -141,25 +159,26 @@ value), or both. The core owns no pool and copies no data.
   tokens freed, host leaves in policy order: ``on_remove(node)`` (if it raises, the victim
   stays and the exception propagates), the node is detached and marked evicted, ``host_size``
   shrinks, ``host_evictions``/``host_evicted_tokens`` count it, its host indices (a new CPU
-  int64 tensor) go to ``free_callback`` exactly as ``evict`` hands device indices (per node
+  index array) go to ``free_callback`` exactly as ``evict`` hands device indices (per node
   with the guard released, or batched). A parent left host-only and childless is pushed on
   ``host_heap``.
 - ``write_through(backup, on_backup=None) -> int``: tokens copied. Takes the queue in FIFO
   order, dropping entries that are evicted, not on the device or already copied. For each
   other one ``backup(device_indices)`` runs under the guard: None stops the call (that node
   and the rest stay queued); an exception or a bad value (same checks as ``evict``) leaves
-  the node at the front and propagates; a valid tensor becomes its host value (``host_size``,
+  the node at the front and propagates; a valid answer becomes its host value (``host_size``,
   ``backed_up_tokens``) and ``on_backup(node)`` runs. The node stays on the device.
-- ``load_back(match, device_values, on_load=None) -> torch.Tensor``: ``match`` must be a
+- ``load_back(match, device_values, on_load=None) -> index array``: ``match`` must be a
   ``MatchResult`` whose host continuation is still exactly there (from ``last_host_node`` up to,
   excluding, ``last_node``: in this tree, not evicted, host only, parent by parent, their
   tokens summing to ``host_length``; ``last_node`` the root or on the device), else
   ``ValueError("stale match: ...")``. ``device_values`` (cache.py validated it: a 1-D int64
-  numpy array or tensor) must hold ``host_length`` entries (ValueError). The nodes, top-down,
-  take their slices (a CPU array as int64 bytes, a tensor kept), are on the device again
-  (``evictable`` grows) and the deepest is pushed on ``heap`` if a device leaf;
-  ``loaded_tokens += host_length``; then ``on_load(node)`` runs for each, top-down. Returns
-  their host indices, top-down, as one new CPU int64 tensor (empty for ``host_length`` 0).
+  numpy array or tensor; with ``numpy_arrays`` a numpy array) must hold ``host_length``
+  entries (ValueError). The nodes, top-down, take their slices (a CPU array as int64 bytes, a
+  tensor kept), are on the device again (``evictable`` grows) and the deepest is pushed on
+  ``heap`` if a device leaf; ``loaded_tokens += host_length``; then ``on_load(node)`` runs for
+  each, top-down. Returns their host indices, top-down, as one new CPU index array (empty for
+  ``host_length`` 0).
 - ``lock(node, +1)`` on a host-only node raises ValueError (load it back first), changing
   nothing.
 - ``export_state`` raises TypeError with a host tier (cache.py refuses to pickle or copy
@@ -169,11 +188,11 @@ The tokens are read once per call, at its start, before it runs any other Python
 extra_key's hashing): a call sees them as they were when it began.
 
 ``Node`` -- one tree node. Public, read-only properties: ``key`` (read-only 1-D int64 numpy
-array of the node's tokens), ``num_tokens``, ``stored_value`` (the index tensor given at
+array of the node's tokens), ``num_tokens``, ``stored_value`` (the index array given at
 insert, or None when the key doubles as the indices or the node was evicted), ``parent``,
 ``children`` (tuple of nodes), ``num_children``, ``lock_ref``, ``last_access_time``,
 ``created_time``, ``priority``, ``hit_count``, ``extra_key``, ``id``, ``evicted``,
-``terminal``, and ``value`` (the index tensor, materialised from the key when none was
+``terminal``, and ``value`` (the index array, materialised from the key when none was
 stored, None once evicted). A node cannot be pickled or copied (``TypeError``: pickle or
 copy the cache) nor weakly referenced, on either core.
 
@@ -255,17 +274,40 @@ import threading
 from typing import Any, Iterator
 
 import numpy as np
-import torch
 
 from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, MAX_LOCK_REF,
                       InsertResult, MatchResult, cat_tensors, cat_values, display_order,
                       empty_indices, hand_over_batch, indices_from_key, reentered)
 from ._shared import (check_state, host_indices_bytes, id_order, lock_host_only,
                       node_not_copyable, stale_match)
+from ._shared import load_torch, on_torch
 
 __all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME", "page_hash_chain"]
 
 CORE_NAME = "python"
+
+
+class _NoTensor:
+    """Stands in for ``torch.Tensor`` until torch is bound: nothing is an instance of it, so
+    a tensor input before then takes the unusual-input way (cache.py's checked path)."""
+
+    __slots__ = ()
+
+
+# The torch names this module uses, bound once some code imports torch (``_bind_torch``).
+_torch: Any = None
+_Tensor: Any = _NoTensor
+_int64: Any = None
+
+
+def _bind_torch(torch: Any) -> None:
+    global _torch, _Tensor, _int64
+    _torch = torch
+    _Tensor = torch.Tensor
+    _int64 = torch.int64
+
+
+on_torch(_bind_torch)
 
 _TOKEN_BYTES = 8
 _next_id = 0
@@ -293,8 +335,8 @@ def _token_bytes(tokens: Any) -> bytes | None:
         return None
     if kind is array.array:
         return tokens.tobytes() if tokens.typecode == "q" else None
-    if kind is torch.Tensor:
-        if tokens.is_cpu and tokens.dtype is torch.int64 and tokens.dim() == 1:
+    if kind is _Tensor:
+        if tokens.is_cpu and tokens.dtype is _int64 and tokens.dim() == 1:
             return tokens.numpy().tobytes()
     return None
 
@@ -303,8 +345,8 @@ def _kv_array(kv: Any, needed: int) -> np.ndarray | None:
     """The common kv_indices inputs as a 1-D int64 array of at least ``needed`` entries (a
     view where possible; the core copies the new leaf's slice). None for anything else."""
     kind = type(kv)
-    if kind is torch.Tensor:
-        if not kv.is_cpu or kv.dtype is not torch.int64 or kv.dim() != 1:
+    if kind is _Tensor:
+        if not kv.is_cpu or kv.dtype is not _int64 or kv.dim() != 1:
             return None
         arr = kv.numpy()
     elif kind is np.ndarray:
@@ -325,6 +367,13 @@ def _kv_array(kv: Any, needed: int) -> np.ndarray | None:
     return arr
 
 
+def _cpu_values_only(what: str, values: Any) -> TypeError:
+    """The error of a core of numpy arrays given values that are not a numpy array (cache.py
+    hands it CPU values only, as int64 numpy arrays)."""
+    return TypeError(f"{what}: a cache with numpy arrays holds CPU values only, given as an "
+                     f"int64 numpy array, got {type(values).__name__}")
+
+
 def _hashable(extra_key: Any) -> bool:
     try:
         hash(extra_key)
@@ -333,12 +382,20 @@ def _hashable(extra_key: Any) -> bool:
     return True
 
 
-def _joined_values(parts: list) -> torch.Tensor:
+def _joined_values(parts: list) -> Any:
     """Evicted nodes' values (int64 bytes, or device tensors) as one new int64 tensor."""
     if all(type(part) is bytes for part in parts):
-        return torch.frombuffer(bytearray().join(parts), dtype=torch.int64)
+        return _torch.frombuffer(bytearray().join(parts), dtype=_int64)
     return cat_tensors([indices_from_key(np.frombuffer(part, dtype=np.int64))
                         if type(part) is bytes else part for part in parts])
+
+
+def _joined_arrays(parts: list) -> np.ndarray:
+    """``_joined_values`` for a core of numpy arrays: the parts are int64 bytes or the numpy
+    arrays ``backup`` got (read now: what it wrote in them shows), all on the CPU."""
+    return np.frombuffer(bytearray().join([part if type(part) is bytes
+                                           else np.ndarray.tobytes(part) for part in parts]),
+                         dtype=np.int64)
 
 
 def _first_mismatch(a: bytes, b: bytes) -> int:
@@ -432,7 +489,7 @@ class Node:
         host = self._host
         if host is None:
             return None
-        return torch.frombuffer(bytearray(host), dtype=torch.int64)
+        return _torch.frombuffer(bytearray(host), dtype=_int64)
 
     @property
     def tier(self) -> str:
@@ -496,13 +553,43 @@ class Node:
         raise node_not_copyable()
 
 
+class _NumpyNode(Node):
+    """A node of a core of numpy arrays: ``value`` and ``host_value`` are numpy arrays."""
+
+    __slots__ = ()
+
+    @property
+    def value(self):
+        if self._evicted or not self._on_device:
+            return None
+        value = self._value
+        if value is None:
+            return indices_from_key(self.key, True)
+        if type(value) is bytes:  # always, in this mode: it holds CPU values only
+            return indices_from_key(np.frombuffer(value, dtype=np.int64), True)
+        return value
+
+    @property
+    def host_value(self):
+        host = self._host
+        if host is None:
+            return None
+        return np.frombuffer(bytearray(host), dtype=np.int64)
+
+
 class Tree:
     """The pure-Python radix tree: walks, splits, locks; no tensors, no heap."""
 
     __slots__ = ("page_size", "root", "clock", "node_count", "num_splits", "_page_bytes",
-                 "_empty_inserted", "guard", "_enter", "_leave", "_queue")
+                 "_empty_inserted", "guard", "_enter", "_leave", "_queue", "_numpy_arrays",
+                 "_Node")
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, numpy_arrays: bool = False) -> None:
+        # Index arrays are numpy arrays (else tensors): the nodes' class says which.
+        if not numpy_arrays:
+            load_torch()
+        self._numpy_arrays = numpy_arrays
+        self._Node = _NumpyNode if numpy_arrays else Node
         self.guard = Guard()
         self._enter = self.guard.acquire
         self._leave = self.guard.release
@@ -511,7 +598,7 @@ class Tree:
         self.clock = 0
         self.node_count = 0
         self.num_splits = 0
-        self.root = Node(b"", None, None, 0)
+        self.root = self._Node(b"", None, None, 0)
         # Namespaces in which the empty sequence was inserted (it has no node to mark).
         self._empty_inserted: set = set()
         # The write-through queue (nodes due for a host copy, FIFO); a split of a queued
@@ -541,8 +628,8 @@ class Tree:
     def _split(self, node: Node, at: int) -> Node:
         """Split ``node`` ``at`` bytes in: a new upper node takes over its place."""
         parent = node._parent
-        upper = Node(node._key[:at], parent, node._extra_key, node._last_access_time,
-                     node._priority)
+        upper = self._Node(node._key[:at], parent, node._extra_key, node._last_access_time,
+                           node._priority)
         upper._lock_ref = node._lock_ref
         upper._hit_count = node._hit_count
         upper._created_time = node._created_time
@@ -645,7 +732,7 @@ class Tree:
         prefix_len = pos // _TOKEN_BYTES if adopted is None else adopted[0][1]
         new_leaf = None
         if pos < end:
-            new_leaf = Node(buf[pos:end], node, extra_key, now, priority)
+            new_leaf = self._Node(buf[pos:end], node, extra_key, now, priority)
             new_leaf._hit_count = 1
             first = buf[pos:pos + self._page_bytes]
             node._children[self._child_key(node, extra_key, first)] = new_leaf
@@ -723,7 +810,8 @@ class Tree:
         return previous
 
     def _gather(self, path: list):
-        """The path's index values concatenated into one new int64 tensor."""
+        """The path's index values concatenated into one new int64 array (a tensor, or a
+        numpy array in a tree of numpy arrays)."""
         parts = []
         for node in path:
             value = node._value
@@ -732,8 +820,10 @@ class Tree:
             elif type(value) is bytes:
                 parts.append(value)
             else:
-                return cat_values(path)  # device tensors: torch concatenates
-        return torch.frombuffer(bytearray().join(parts), dtype=torch.int64)
+                return cat_values(path)  # device tensors (torch arrays only): torch joins
+        if self._numpy_arrays:
+            return np.frombuffer(bytearray().join(parts), dtype=np.int64)
+        return _torch.frombuffer(bytearray().join(parts), dtype=_int64)
 
     def _lock(self, node: Any, delta: int) -> int:
         if node is None or node is self.root:
@@ -788,7 +878,7 @@ class Tree:
     def _clear(self) -> Node:
         """Drop every node (marked evicted) without recursion; returns the old root."""
         old_root = self.root
-        self.root = Node(b"", None, None, 0)
+        self.root = self._Node(b"", None, None, 0)
         self._empty_inserted = set()
         self.clock = 0
         self.node_count = 0
@@ -1015,15 +1105,20 @@ class Core:
                  "evicted_tokens", "new_leaf", "_push_on_access", "_enter", "_leave",
                  "host_tier", "write_through_hits", "host_heap", "host_size",
                  "host_hit_tokens", "loaded_tokens", "backed_up_tokens", "host_evictions",
-                 "host_evicted_tokens", "adopted")
+                 "host_evicted_tokens", "adopted", "_numpy_arrays", "_join")
 
     def __init__(self, page_size: int, policy: str, host_tier: bool = False,
-                 write_through_hits: int = 0) -> None:
+                 write_through_hits: int = 0, numpy_arrays: bool = False) -> None:
         if type(write_through_hits) is not int or write_through_hits not in (0, 1, 2):
             raise ValueError(f"write_through_hits must be 0, 1 or 2, got "
                              f"{write_through_hits!r}")
+        numpy_arrays = bool(numpy_arrays)
+        if not numpy_arrays:
+            load_torch()  # index arrays are tensors: torch is imported and bound here
+        self._numpy_arrays = numpy_arrays
+        self._join = _joined_arrays if numpy_arrays else _joined_values
         self.page_size = page_size
-        self.tree = Tree(page_size)
+        self.tree = Tree(page_size, numpy_arrays)
         self.guard = self.tree.guard
         self._enter = self.guard.acquire
         self._leave = self.guard.release
@@ -1038,6 +1133,11 @@ class Core:
         self.new_leaf = None
         self.adopted = None
         self.reset_stats()
+
+    @property
+    def numpy_arrays(self) -> bool:
+        """Whether the index arrays this core makes are numpy arrays (else tensors)."""
+        return self._numpy_arrays
 
     # -- the guard, for cache.py's slow paths -----------------------------------------
     def enter(self, what: str) -> None:
@@ -1103,7 +1203,7 @@ class Core:
             n = len(buf) // _TOKEN_BYTES
             self.queried_tokens += n - n % self.page_size
             if not path:
-                return MatchResult(empty_indices(), tree.root, 0)
+                return MatchResult(empty_indices(self._numpy_arrays), tree.root, 0)
             if self.host_tier:
                 return self._tiered_match(path, length)
             self.matched_tokens += length
@@ -1137,7 +1237,7 @@ class Core:
             dropped = self._push_if_evictable(last)  # noqa: F841
             if last_host is not None and _host_leaf(last_host):
                 dropped = self.host_heap._push(last_host)  # noqa: F841
-        indices = tree._gather(device) if device else empty_indices()
+        indices = tree._gather(device) if device else empty_indices(self._numpy_arrays)
         return MatchResult(indices, last, device_length, host_length, last_host)
 
     def insert(self, tokens: Any, kv: Any = None, extra_key: Any = None, priority: Any = 0,
@@ -1146,7 +1246,7 @@ class Core:
             return None
         self._take(held, "insert")
         try:
-            if kv is not None and type(kv) is torch.Tensor and not kv.is_cpu:
+            if kv is not None and type(kv) is _Tensor and not kv.is_cpu:
                 return None  # values on a device: cache.py slices them there
             buf = _token_bytes(tokens)
             if buf is None or (extra_key is not None and not _hashable(extra_key)):
@@ -1343,7 +1443,7 @@ class Core:
             if holding:
                 self._leave()
         garbage.clear()
-        hand_over_batch(free_callback, parts or None, error, _joined_values)
+        hand_over_batch(free_callback, parts or None, error, self._join)
         return freed
 
     def _evict_tiered(self, num_tokens: int, free_callback: Any, batch: bool, on_remove: Any,
@@ -1376,7 +1476,7 @@ class Core:
                         try:
                             host = backup(value)
                             if host is not None:
-                                host = host_indices_bytes(host, size)
+                                host = host_indices_bytes(host, size, self._numpy_arrays)
                         except BaseException:
                             garbage.append(heap._push(node))  # still a device leaf
                             raise
@@ -1445,7 +1545,7 @@ class Core:
                 self._leave()
         garbage.clear()
         skipped.clear()
-        hand_over_batch(free_callback, parts or None, error, _joined_values)
+        hand_over_batch(free_callback, parts or None, error, self._join)
         return freed
 
     def evict_host(self, num_tokens: int, free_callback: Any = None, batch: bool = False,
@@ -1502,7 +1602,7 @@ class Core:
             if holding:
                 self._leave()
         garbage.clear()
-        hand_over_batch(free_callback, parts or None, error, _joined_values)
+        hand_over_batch(free_callback, parts or None, error, self._join)
         return freed
 
     def write_through(self, backup: Any, on_backup: Any = None) -> int:
@@ -1522,7 +1622,7 @@ class Core:
                 host = backup(node.value)  # an error leaves the node queued, at the front
                 if host is None:
                     break  # the host is full: the rest waits for the next call
-                host = host_indices_bytes(host, size)
+                host = host_indices_bytes(host, size, self._numpy_arrays)
                 queue.popleft()
                 node._queued = False
                 node._host = host
@@ -1536,19 +1636,21 @@ class Core:
             self._leave()
             garbage.clear()
 
-    def load_back(self, match: Any, device_values: Any, on_load: Any = None) -> torch.Tensor:
+    def load_back(self, match: Any, device_values: Any, on_load: Any = None) -> Any:
         """Put a match's host continuation back on the device; see the module docstring."""
         self._take(False, "load_back")
         try:
             if not isinstance(match, MatchResult):
                 raise TypeError(f"load_back needs a MatchResult, got {type(match).__name__}")
             nodes = self._host_continuation(match)
+            if self._numpy_arrays and not isinstance(device_values, np.ndarray):
+                raise _cpu_values_only("load_back", device_values)
             count = len(device_values)
             if count != match.host_length:
                 raise ValueError(f"load_back got {count} device slots for a host match of "
                                  f"{match.host_length} tokens")
             if not nodes:
-                return empty_indices()
+                return empty_indices(self._numpy_arrays)
             nodes.reverse()  # top-down
             hosts = []
             start = 0
@@ -1565,7 +1667,9 @@ class Core:
             if on_load is not None:
                 for node in nodes:
                     on_load(node)
-            return torch.frombuffer(bytearray().join(hosts), dtype=torch.int64)
+            if self._numpy_arrays:
+                return np.frombuffer(bytearray().join(hosts), dtype=np.int64)
+            return _torch.frombuffer(bytearray().join(hosts), dtype=_int64)
         finally:
             self._leave()
 
@@ -1611,6 +1715,8 @@ class Core:
     def set_value(self, node: Node, values: Any, held: bool = False) -> None:
         self._take(held, "insert")
         try:
+            if self._numpy_arrays and not isinstance(values, np.ndarray):
+                raise _cpu_values_only("set_value", values)
             previous = self.tree._store_value(node, values)  # noqa: F841
         finally:
             if not held:
@@ -1655,6 +1761,11 @@ class Core:
                 raise ValueError("import_state needs an empty core")
             state = check_state(state, self.page_size)  # a copy: user code runs below
             records = state["nodes"]
+            if self._numpy_arrays:
+                for i, record in enumerate(records):
+                    if record[2] is not None and type(record[2]) is not bytes:
+                        raise ValueError(f"bad tree state: node {i} holds device values; a "
+                                         "cache with numpy arrays holds CPU values only")
             page_bytes = tree._page_bytes
             nodes = []
             evictable = 0
@@ -1664,7 +1775,7 @@ class Core:
                     parent = tree.root if at < 0 else nodes[at]
                     if at >= 0:
                         extra_key = parent._extra_key
-                    node = Node(key, parent, extra_key, last, priority)
+                    node = tree._Node(key, parent, extra_key, last, priority)
                     node._created_time = created
                     node._hit_count = hits
                     node._terminal = terminal
