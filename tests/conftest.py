@@ -10,6 +10,7 @@ import functools
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,6 +42,18 @@ def make_cache(core_name):
 
 def _first_page(node, page_size: int) -> tuple:
     return tuple(int(t) for t in node.key[:page_size])
+
+
+def check_index_array(cache: RadixCache, values, cpu: bool = False) -> None:
+    """``values`` is a 1-D int64 index array of the cache's kind (``array_type``)."""
+    if getattr(cache, "array_type", "torch") == "numpy":
+        assert type(values) is np.ndarray, type(values)
+        assert values.ndim == 1 and values.dtype == np.int64
+        return
+    assert isinstance(values, torch.Tensor) and values.dim() == 1
+    assert values.dtype == torch.int64
+    if cpu:
+        assert values.device.type == "cpu"
 
 
 def check_invariants(cache: RadixCache) -> None:
@@ -100,8 +113,7 @@ def check_invariants(cache: RadixCache) -> None:
             assert tier is not None, f"node {node.id} has neither a device nor a host value"
             assert node.tier == tier
             if host is not None:
-                assert isinstance(host, torch.Tensor) and host.dim() == 1
-                assert host.dtype == torch.int64 and host.device.type == "cpu"
+                check_index_array(cache, host, cpu=True)
                 assert host.shape[0] == num_tokens, f"node {node.id} host/key length mismatch"
                 host_tokens += num_tokens
             if on_device and node.parent is not root:
@@ -112,8 +124,7 @@ def check_invariants(cache: RadixCache) -> None:
                 assert node.lock_ref == 0, f"host-only node {node.id} is locked"
         if on_device:
             value = node.value
-            assert isinstance(value, torch.Tensor) and value.dim() == 1
-            assert value.dtype == torch.int64
+            check_index_array(cache, value)
             assert value.shape[0] == num_tokens, f"node {node.id} value/key length mismatch"
         if node.parent is not root:
             # A subtree never mixes namespaces.

@@ -124,9 +124,10 @@ def test_numpy_cache_equals_torch_cache(make_cache, page_size, policy):
                 answers[kind] = (match.length, as_list(match.indices))
         else:
             batch = rng.random() < 0.5
+            wanted = rng.randrange(1, 40)
             for kind, cache in caches.items():
                 freed = []
-                count = cache.evict(rng.randrange(1, 40), freed.append, batch=batch)
+                count = cache.evict(wanted, freed.append, batch=batch)
                 for values in freed:
                     CHECK[kind](values)
                 answers[kind] = (count, [as_list(values) for values in freed])
