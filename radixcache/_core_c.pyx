@@ -7,7 +7,10 @@ children sit in a per-node open-addressing table keyed by a hash of (namespace, 
 so a walk step boxes no Python int. ``Core`` (one per cache) does each API call whole: the
 caller's tokens become one int64 buffer (a list's exact ints read without a call, an int64
 buffer or CPU int64 tensor borrowed), the walk, sizes, counters, heap pushes and the result;
-an unusual input is declined, untouched, to cache.py's validation.
+an unusual input is declined, untouched, to cache.py's validation. The index arrays it makes
+are torch tensors or, for a core made with ``numpy_arrays``, numpy arrays over the same
+one-allocation blocks; only a tensor core imports torch (torch's names are bound here when
+some code loads it).
 
 Python code can run inside any call: a token's ``__index__``, an extra_key's
 ``__hash__``/``__eq__``, torch hooks, and finalizers set off by a DECREF or by a collection
@@ -2868,7 +2871,7 @@ cdef class Core:
 
     def load_back(self, match, device_values, on_load=None):
         """Put a match's host continuation back on the device (see ``_core_py``); returns
-        its host indices, top-down, as a new CPU int64 tensor."""
+        its host indices, top-down, as a new CPU int64 array (the core's kind)."""
         cdef Node node, last, root
         cdef Py_ssize_t depth = 0, total = 0, i, count, start
         cdef int64_t* out
