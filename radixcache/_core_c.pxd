@@ -78,6 +78,9 @@ cdef class Node:
     cdef int32_t n_host_kids
     cdef uint8_t host_only
     cdef uint8_t queued
+    # Its tree's array kind (numpy arrays, else tensors): what value and host_value make.
+    # (In the padding after queued: a node keeps its size.)
+    cdef uint8_t numpy_arrays
     cdef readonly int64_t created_time
     cdef readonly int64_t priority
     cdef readonly int64_t hit_count
@@ -107,6 +110,8 @@ cdef class Tree:
     cdef readonly Py_ssize_t node_count
     cdef public Py_ssize_t num_splits
     cdef readonly Guard guard
+    # The index arrays it makes are numpy arrays (else torch tensors); its nodes copy it.
+    cdef readonly bint numpy_arrays
     # extra_key -> namespace id, only while the namespace has nodes. Ids come from a
     # counter and are never reused, so a stale id can only ever find nothing.
     cdef dict namespaces
@@ -172,6 +177,8 @@ cdef class FreedBatch:
     cdef Py_ssize_t joined_cap
     cdef Py_ssize_t hint
     cdef list parts
+    # Its arrays are numpy arrays (else torch tensors): the core's mode.
+    cdef bint numpy_arrays
 
     cdef int add_ints(self, const int64_t* data, Py_ssize_t n) except -1
     cdef object tail(self, Py_ssize_t n)
@@ -200,6 +207,8 @@ cdef class Core:
     cdef readonly int64_t inserted_tokens
     cdef readonly int64_t evictions
     cdef readonly int64_t evicted_tokens
+    # Every index array it makes is a numpy array (else a torch tensor).
+    cdef readonly bint numpy_arrays
     cdef object new_leaf
     cdef bint push_on_access
     # Host tier (see _core_py): the host leaves' heap, the host size and counters, the

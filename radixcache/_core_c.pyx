@@ -7,7 +7,10 @@ children sit in a per-node open-addressing table keyed by a hash of (namespace, 
 so a walk step boxes no Python int. ``Core`` (one per cache) does each API call whole: the
 caller's tokens become one int64 buffer (a list's exact ints read without a call, an int64
 buffer or CPU int64 tensor borrowed), the walk, sizes, counters, heap pushes and the result;
-an unusual input is declined, untouched, to cache.py's validation.
+an unusual input is declined, untouched, to cache.py's validation. The index arrays it makes
+are torch tensors or, for a core made with ``numpy_arrays``, numpy arrays over the same
+one-allocation blocks; only a tensor core imports torch (torch's names are bound here when
+some code loads it).
 
 Python code can run inside any call: a token's ``__index__``, an extra_key's
 ``__hash__``/``__eq__``, torch hooks, and finalizers set off by a DECREF or by a collection
@@ -27,11 +30,12 @@ that allocating a node triggers (which can also let another thread run). So:
 """
 
 cimport cython
-from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release,
-                             PyObject_GetBuffer)
+from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES,
+                             PyBuffer_Release, PyObject_GetBuffer)
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_SetName
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport INT64_MAX, int64_t, uint64_t
 from libc.stdlib cimport free, realloc
@@ -40,7 +44,6 @@ from libc.string cimport memcmp, memcpy, memset
 from collections import deque as _deque
 
 import numpy as np
-import torch
 
 from ._shared import cat_tensors as _cat_tensors
 from ._shared import cat_values as _cat_values
@@ -48,8 +51,9 @@ from ._shared import hand_over_batch as _hand_over_batch
 from ._shared import MAX_LOCK_REF, display_order, indices_from_key, reentered
 from ._shared import check_state, id_order, node_not_copyable
 from ._shared import host_indices_bytes, lock_host_only, stale_match
-
-_int64 = torch.int64
+from ._shared import is_tensor as _is_tensor
+from ._shared import load_torch as _load_torch
+from ._shared import on_torch as _on_torch
 
 CORE_NAME = "c"
 
@@ -337,13 +341,13 @@ cdef class Node:
             base = <const int64_t*>PyBytes_AS_STRING(self.value_owner)
             return indices_from_key(np.frombuffer(
                 self.value_owner, dtype=np.int64, count=length,
-                offset=(self.value_ptr - base) * sizeof(int64_t)))
+                offset=(self.value_ptr - base) * sizeof(int64_t)), self.numpy_arrays)
         owner = self.value_owner
         if owner is not None:
             if start == 0 and owner.shape[0] == length:
                 return owner
             return owner[start:start + length]  # a view: split halves share the tensor
-        return indices_from_key(self.key)
+        return indices_from_key(self.key, self.numpy_arrays)
 
     @property
     def on_device(self):
@@ -353,7 +357,7 @@ cdef class Node:
     def host_value(self):
         if self.host_owner is None or self.evicted:
             return None
-        return block_tensor(host_data(self), self.key_len)
+        return block_tensor(host_data(self), self.key_len, self.numpy_arrays)
 
     @property
     def tier(self):
@@ -484,8 +488,9 @@ _LAYOUT_PROBLEMS = ("", "wrong parent", "slot_hash differs", "hash is not its fi
 cdef class Tree:
     """The compiled radix tree: walks, splits, locks; no tensors, no heap."""
 
-    def __cinit__(self, Py_ssize_t page_size):
+    def __cinit__(self, Py_ssize_t page_size, bint numpy_arrays=False):
         self.page_size = page_size
+        self.numpy_arrays = numpy_arrays
         self.seed_ns = 0
         self.seed = _mix(0x9e3779b97f4a7c15ULL)
         self.guard = Guard()
@@ -504,6 +509,7 @@ cdef class Tree:
         node.id = _new_id()
         node.last_access_time = now
         node.created_time = now
+        node.numpy_arrays = self.numpy_arrays
         if parent is not None:
             node.ns = parent.ns
             node.extra_key = parent.extra_key
@@ -1460,6 +1466,12 @@ cdef extern from *:
     object rc_view_block(char* mem, Py_ssize_t start, Py_ssize_t n)
     ctypedef struct rc_dl_head:
         int64_t refs
+    ctypedef struct rc_DLTensor:
+        void* data
+        int64_t* shape
+    ctypedef struct rc_DLManagedTensor:
+        rc_DLTensor dl_tensor
+        void (*deleter)(rc_DLManagedTensor*) noexcept
 
 cdef extern from "Python.h":
     Py_ssize_t PyList_GET_SIZE(object) noexcept
@@ -1475,9 +1487,32 @@ from ._shared import MatchResult as _MatchResult
 
 _ndarray = np.ndarray
 _array_type = _array_module.array
-_Tensor = torch.Tensor
-_mode_enabled = torch._C._is_torch_function_mode_enabled
-_from_dlpack = torch._C._from_dlpack
+_frombuffer = np.frombuffer
+
+
+@cython.final
+cdef class _NoTensor:
+    """Stands for torch.Tensor until torch is bound: nothing is an instance of it, so a
+    tensor met before is an unusual input (declined to cache.py, which binds torch)."""
+
+
+# torch's names, bound by _bind_torch once some code loads torch (_shared.load_torch): a
+# core of numpy arrays never imports it.
+_Tensor = _NoTensor
+_int64 = None
+_mode_enabled = None
+_from_dlpack = None
+
+
+def _bind_torch(torch):
+    global _Tensor, _int64, _mode_enabled, _from_dlpack
+    _int64 = torch.int64
+    _mode_enabled = torch._C._is_torch_function_mode_enabled
+    _from_dlpack = torch._C._from_dlpack
+    _Tensor = torch.Tensor  # last: once a tensor is recognised, the rest is bound
+
+
+_on_torch(_bind_torch)
 cdef object _ZERO = 0
 # MatchResult's slots, in rc_make_match's order.
 cdef Py_ssize_t _MATCH_SLOTS[5]
@@ -1490,21 +1525,75 @@ for _i, _name in enumerate(("prefix_len", "last_node")):
     _INSERT_SLOTS[_i] = rc_slot_offset(_InsertResult.__dict__[_name])
 
 
-cdef object new_empty_indices():
-    """A new empty index tensor for a miss (never a shared one: the caller may change a
+@cython.final
+cdef class _IndexBlock:
+    """Owns a DLPack tensor made here (1-D, contiguous int64 on the CPU) and exposes its data
+    through the buffer protocol: the base of a numpy index array (the torch mode's tensor
+    owns the same tensor instead). Holds no Python object, so it is never in a cycle."""
+    cdef rc_DLManagedTensor* managed
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+
+    def __dealloc__(self):
+        if self.managed != NULL:
+            self.managed.deleter(self.managed)  # frees the block, or drops its ref to it
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        view.buf = self.managed.dl_tensor.data
+        view.obj = self
+        view.len = self.shape[0] * <Py_ssize_t>sizeof(int64_t)
+        view.readonly = 0
+        view.itemsize = sizeof(int64_t)
+        view.format = NULL
+        if flags & PyBUF_FORMAT:
+            view.format = "q"
+        view.ndim = 1
+        view.shape = self.shape if flags & PyBUF_ND else NULL
+        view.strides = self.strides if (flags & PyBUF_STRIDES) == PyBUF_STRIDES else NULL
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* view):
+        pass
+
+
+cdef object numpy_from_capsule(object capsule):
+    """The numpy int64 array over one of this module's DLPack capsules, which it takes over
+    (renamed "used_dltensor", as a DLPack consumer does: its destructor leaves the tensor to
+    the array). No Python code runs between the capsule's read and the hand-over, and
+    np.frombuffer over an _IndexBlock runs none."""
+    cdef _IndexBlock block = _IndexBlock.__new__(_IndexBlock)
+    cdef rc_DLManagedTensor* managed = <rc_DLManagedTensor*>PyCapsule_GetPointer(
+        capsule, "dltensor")
+    PyCapsule_SetName(capsule, "used_dltensor")
+    block.managed = managed
+    block.shape[0] = <Py_ssize_t>managed.dl_tensor.shape[0]
+    block.strides[0] = sizeof(int64_t)
+    return _frombuffer(block, _INT64_DTYPE)
+
+
+cdef inline object index_array(object capsule, bint numpy_arrays):
+    """A result index array over a capsule of this module: a numpy array or a tensor."""
+    if numpy_arrays:
+        return numpy_from_capsule(capsule)
+    return _from_dlpack(capsule)
+
+
+cdef object new_empty_indices(bint numpy_arrays):
+    """A new empty index array for a miss (never a shared one: the caller may change a
     result in place, with set_ or resize_, and that must not show in another)."""
     cdef int64_t* unused
-    return _from_dlpack(rc_int64_capsule(0, &unused))
+    return index_array(rc_int64_capsule(0, &unused), numpy_arrays)
 
 
-cdef object block_tensor(const int64_t* src, Py_ssize_t n):
-    """A new int64 tensor holding a copy of src[:n]: one block, one copy, as a match's. The
+cdef object block_tensor(const int64_t* src, Py_ssize_t n, bint numpy_arrays):
+    """A new int64 array holding a copy of src[:n]: one block, one copy, as a match's. The
     capsule is not tracked by the collector: no Python code runs before the copy is done."""
     cdef int64_t* out
     capsule = rc_int64_capsule(n, &out)
     if n:
         memcpy(out, src, n * sizeof(int64_t))
-    return _from_dlpack(capsule)
+    return index_array(capsule, numpy_arrays)
 
 
 @cython.final
@@ -1523,8 +1612,9 @@ cdef class FreedBatch:
     batch goes on in a new block (a part of its own), and never writes where a live tensor
     looks."""
 
-    def __cinit__(self, int64_t hint=0):
+    def __cinit__(self, int64_t hint=0, bint numpy_arrays=False):
         self.block = NULL
+        self.numpy_arrays = numpy_arrays
         self.hint = <Py_ssize_t>min(max(hint, 256), 1 << 18)
 
     def __dealloc__(self):
@@ -1553,7 +1643,8 @@ cdef class FreedBatch:
 
     cdef object tail(self, Py_ssize_t n):
         """A tensor over the last ``n`` indices added (sharing the block)."""
-        return _from_dlpack(rc_view_block(self.block, self.joined_len - n, n))
+        return index_array(rc_view_block(self.block, self.joined_len - n, n),
+                           self.numpy_arrays)
 
     cdef int drop_tail(self, Py_ssize_t n) except -1:
         """Take back the last ``n`` indices added (their victim stays). Should a tensor
@@ -1589,7 +1680,7 @@ cdef class FreedBatch:
             smaller = <char*>realloc(mem, RC_DL_HEAD + <size_t>max(n, 1) * sizeof(int64_t))
             if smaller != NULL:
                 mem = smaller
-        return _from_dlpack(rc_share_block(mem, n))
+        return index_array(rc_share_block(mem, n), self.numpy_arrays)
 
     cdef int add_tensor(self, object tensor) except -1:
         if self.parts is None:
@@ -1621,15 +1712,18 @@ cdef int collect_value(FreedBatch batch, Node node) except -1:
                           node.key_len)
 
 
-cdef bytes host_bytes(object host, Py_ssize_t n):
+cdef bytes host_bytes(object host, Py_ssize_t n, bint numpy_arrays):
     """What ``backup`` returned for a node of ``n`` tokens, checked (``_shared``'s
     checks and messages), as int64 bytes of exactly ``n`` indices: the conversion runs torch
     code (a tensor subclass can answer anything), so its result is checked again.
 
     The common answer -- a plain CPU int64 tensor, 1-D, contiguous, of ``n`` elements, with
     no torch function mode active (its accessors then run no Python code) -- is copied
-    straight from its memory; anything else goes through the shared check."""
+    straight from its memory; anything else goes through the shared check. With
+    ``numpy_arrays``, the same for a numpy array (``host_array_bytes``)."""
     cdef const int64_t* src
+    if numpy_arrays:
+        return host_array_bytes(host, n)
     if type(host) is _Tensor and not _mode_enabled():
         if (host.is_cpu and host.dtype is _int64 and host.dim() == 1
                 and host.is_contiguous() and not host.is_neg() and host.numel() == n):
@@ -1646,13 +1740,41 @@ cdef bytes host_bytes(object host, Py_ssize_t n):
     return <bytes>data
 
 
+cdef bytes host_array_bytes(object host, Py_ssize_t n):
+    """``host_bytes`` for a core of numpy arrays. The common answer -- an exact numpy array
+    of a builtin int64 dtype (an identity check), 1-D, C-contiguous, of ``n`` elements -- is
+    copied from its buffer (an exact array exports it without running Python code);
+    anything else goes through the shared check."""
+    cdef Py_buffer view
+    if type(host) is _ndarray and _is_int64_dtype(host.dtype):
+        try:
+            PyObject_GetBuffer(host, &view, PyBUF_C_CONTIGUOUS)
+        except (ValueError, BufferError, TypeError):
+            pass  # not contiguous: the shared check says what is wrong or copes
+        else:
+            try:
+                if view.ndim == 1 and view.itemsize == 8 and view.shape[0] == n:
+                    return PyBytes_FromStringAndSize(<const char*>view.buf,
+                                                     n * sizeof(int64_t))
+            finally:
+                PyBuffer_Release(&view)
+    data = host_indices_bytes(host, n, True)
+    if type(data) is not bytes:
+        raise TypeError("backup must return a numpy array of host indices (or None when the "
+                        f"host is full), got {type(host).__name__}")
+    if len(data) != n * <Py_ssize_t>sizeof(int64_t):
+        raise ValueError(f"backup returned {len(data) // 8} host indices for {n} "
+                         "device slots: one per slot expected")
+    return data
+
+
 cdef object victim_value(Node node):
     """An evicted node's index tensor (before it is detached): as ``Node.value``, with CPU
     values copied straight into a new block."""
     if node.value_ptr == NULL and node.value_owner is not None:
         return node.value  # a device tensor: a view of this node's span
     return block_tensor(node.value_ptr if node.value_ptr != NULL else node.key_ptr,
-                        node.key_len)
+                        node.key_len, node.numpy_arrays)
 
 
 cdef object _INT64_DTYPE = np.dtype(np.int64)
@@ -1704,9 +1826,12 @@ cdef class Core:
     """
 
     def __cinit__(self, Py_ssize_t page_size, str policy, bint host_tier=False,
-                  int write_through_hits=0):
+                  int write_through_hits=0, bint numpy_arrays=False):
+        if not numpy_arrays:
+            _load_torch()  # its arrays are tensors: torch's names are bound from here
+        self.numpy_arrays = numpy_arrays
         self.page_size = page_size
-        self.tree = Tree(page_size)
+        self.tree = Tree(page_size, numpy_arrays)
         self.guard = self.tree.guard
         self.heap = EvictionHeap(policy, self.guard)
         self.host_heap = EvictionHeap(policy, self.guard, True)
@@ -1952,7 +2077,7 @@ cdef class Core:
             dropped = self.push_if_evictable(node)
             dropped_host = self.push_host_leaf(last_host)
         if ndev == 0:
-            indices = new_empty_indices()
+            indices = new_empty_indices(self.numpy_arrays)
         else:
             for i in range(ndev):
                 child = <Node>self.path[i]
@@ -1970,7 +2095,7 @@ cdef class Core:
                            child.value_ptr if child.value_ptr != NULL else child.key_ptr,
                            child.key_len * sizeof(int64_t))
                     total += child.key_len * sizeof(int64_t)
-                indices = _from_dlpack(capsule)
+                indices = index_array(capsule, self.numpy_arrays)
         return rc_make_match(_MatchResult, _MATCH_SLOTS, indices, node, length, host_length,
                              last_host)
 
@@ -1992,7 +2117,7 @@ cdef class Core:
             self.lookups += 1
             self.queried_tokens += end
             if end == 0:
-                return self.match_result(new_empty_indices(), self.tree.root, 0)
+                return self.match_result(new_empty_indices(self.numpy_arrays), self.tree.root, 0)
             self.tree.clock += 1
             now = self.tree.clock
             node = self.tree.root
@@ -2023,7 +2148,7 @@ cdef class Core:
             for i in range(depth):
                 pos += (<Node>self.path[i]).key_len
             if depth == 0:
-                return self.match_result(new_empty_indices(), self.tree.root, 0)
+                return self.match_result(new_empty_indices(self.numpy_arrays), self.tree.root, 0)
             self.matched_tokens += pos
             if self.push_on_access:
                 dropped = self.push_if_evictable(node)
@@ -2046,7 +2171,7 @@ cdef class Core:
                            child.value_ptr if child.value_ptr != NULL else child.key_ptr,
                            child.key_len * sizeof(int64_t))
                     total += child.key_len * sizeof(int64_t)
-                indices = _from_dlpack(capsule)
+                indices = index_array(capsule, self.numpy_arrays)
             return self.match_result(indices, node, pos)
         finally:
             release_tokens(&b)
@@ -2443,7 +2568,7 @@ cdef class Core:
             return self.evict_tiered(target, free_callback, batch, on_remove, backup,
                                      on_backup)
         garbage = []  # stale entries and dropped values: released outside the guard
-        cdef FreedBatch freed_batch = FreedBatch(target) if collect else None
+        cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
         value = error = None
         self.guard.enter("evict")
         holding = True
@@ -2514,7 +2639,7 @@ cdef class Core:
         cdef bint use_backup = backup is not None and self.write_through_hits == 0
         cdef bint holding
         cdef Py_ssize_t added = 0  # this victim's indices already in the batch (backup's)
-        cdef FreedBatch freed_batch = FreedBatch(target) if collect else None
+        cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
         garbage = []  # stale entries and dropped values: released outside the guard
         skipped = []  # device leaves that cannot leave the tree: pushed back after the loop
         skipping = set()  # the same nodes, to drop their other heap entries
@@ -2547,7 +2672,7 @@ cdef class Core:
                             if collect:
                                 value = None  # backup's alone: the batch has the indices
                             if host is not None:
-                                host = host_bytes(host, node.key_len)
+                                host = host_bytes(host, node.key_len, self.numpy_arrays)
                         if host is None:
                             if node.n_children:  # host-only children: it cannot leave the tree
                                 skipped.append(node)
@@ -2650,7 +2775,7 @@ cdef class Core:
         except OverflowError:
             target = INT64_MAX if num_tokens > 0 else 0
         garbage = []
-        cdef FreedBatch freed_batch = FreedBatch(target) if collect else None
+        cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
         value = error = None
         self.guard.enter("evict_host")
         holding = True
@@ -2663,7 +2788,7 @@ cdef class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        value = block_tensor(host_data(node), node.key_len)
+                        value = block_tensor(host_data(node), node.key_len, self.numpy_arrays)
                     if not self.host_heap.usable(node) or node.host_owner is None:
                         raise RuntimeError(f"evict_host: node {node.id} changed during a "
                                            "callback")
@@ -2722,7 +2847,7 @@ cdef class Core:
                 host = backup(victim_value(node))  # an error: the node stays queued, first
                 if host is None:
                     break  # the host is full: the rest waits for the next call
-                host = host_bytes(host, node.key_len)
+                host = host_bytes(host, node.key_len, self.numpy_arrays)
                 # Read afresh after the calls.
                 if (not queue or queue[0] is not node
                         or node.evicted or node.host_only or node.host_owner is not None
@@ -2746,7 +2871,7 @@ cdef class Core:
 
     def load_back(self, match, device_values, on_load=None):
         """Put a match's host continuation back on the device (see ``_core_py``); returns
-        its host indices, top-down, as a new CPU int64 tensor."""
+        its host indices, top-down, as a new CPU int64 array (the core's kind)."""
         cdef Node node, last, root
         cdef Py_ssize_t depth = 0, total = 0, i, count, start
         cdef int64_t* out
@@ -2767,7 +2892,8 @@ cdef class Core:
                 owner = PyBytes_FromStringAndSize(<const char*>tb.ptr, tb.len * sizeof(int64_t))
                 release_tokens(&tb)
                 count = len(<bytes>owner) // sizeof(int64_t)
-            elif isinstance(values, _Tensor):
+            elif isinstance(values, _Tensor) or (_Tensor is _NoTensor and _is_tensor(values)):
+                # (A tensor met before torch was bound: _is_tensor bound it.)
                 if values.dim() != 1 or values.dtype != _int64:
                     raise TypeError("device_values must be a 1-D int64 tensor")
                 if values.device.type == "cpu":
@@ -2824,7 +2950,7 @@ cdef class Core:
                 raise ValueError(f"load_back got {count} device slots for a host match of "
                                  f"{host_length} tokens")
             if depth == 0:
-                return new_empty_indices()
+                return new_empty_indices(self.numpy_arrays)
             nodes = [<Node>self.path[i] for i in range(depth - 1, -1, -1)]  # top-down
             # The host indices, top-down (a capsule: no Python code runs until the copy is
             # done); then the writes, in C; then the hooks.
@@ -2852,7 +2978,7 @@ cdef class Core:
                 start += node.key_len
             self.loaded_tokens += host_length
             dropped = self.push_if_evictable(<Node>nodes[depth - 1])
-            result = _from_dlpack(capsule)
+            result = index_array(capsule, self.numpy_arrays)
             if on_load is not None:
                 for node in nodes:
                     on_load(node)
@@ -2926,6 +3052,13 @@ cdef class Core:
                 raise ValueError("import_state needs an empty core")
             state = check_state(state, self.page_size)  # a copy: user code runs below
             records = state["nodes"]
+            if self.numpy_arrays:
+                for i in range(len(records)):
+                    value = records[i][2]
+                    if value is not None and type(value) is not bytes:
+                        raise ValueError(f"bad tree state: node {i}'s value is a device "
+                                         "tensor: a cache with numpy arrays holds CPU values "
+                                         "only")
             nodes = []
             try:
                 for (at, key, value, extra_key, priority, last, created, hits, terminal,

@@ -1,0 +1,361 @@
+"""Core-level checks of numpy index arrays: ``Core(..., numpy_arrays=True)`` on both cores.
+
+Every index array such a core makes is a new, writable 1-D int64 numpy array (never a
+tensor), with the values a torch-mode core gives; the core modules import without torch,
+and a numpy-array core never imports it.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from radixcache import _shared
+from radixcache._core import CORES
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def numpy_core(core_name, page_size=1, policy="lru", host_tier=False, hits=0):
+    return CORES[core_name].Core(page_size, policy, host_tier, hits, numpy_arrays=True)
+
+
+def torch_core(core_name, page_size=1, policy="lru", host_tier=False, hits=0):
+    return CORES[core_name].Core(page_size, policy, host_tier, hits)
+
+
+def assert_index_array(value, expected=None):
+    """``value`` is a new writable 1-D int64 numpy array (holding ``expected``)."""
+    assert type(value) is np.ndarray, type(value)
+    assert value.dtype == np.int64 and value.ndim == 1
+    assert value.flags.writeable and value.flags.c_contiguous
+    if expected is not None:
+        assert value.tolist() == list(expected)
+
+
+def run_python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_attribute(core_name):
+    assert numpy_core(core_name).numpy_arrays is True
+    assert torch_core(core_name).numpy_arrays is False
+    core = numpy_core(core_name)
+    with pytest.raises(AttributeError):
+        core.numpy_arrays = False
+
+
+def test_module_and_numpy_core_never_import_torch(core_name):
+    """Importing a core and using a numpy-array core, host tier included, loads no torch;
+    a torch-array core loads it in its constructor."""
+    module = CORES[core_name].__name__
+    out = run_python(f"""
+        import sys
+        import numpy as np
+        import {module} as m
+        assert "torch" not in sys.modules, "import"
+        core = m.Core(1, "lru", True, 0, numpy_arrays=True)
+        core.insert([1, 2, 3, 4], [10, 11, 12, 13])
+        core.insert([1, 2, 5], None)
+        hit = core.match([1, 2, 3, 9])
+        miss = core.match([7])
+        host = iter(range(100, 200))
+        backed = []
+        def backup(device):
+            backed.append(device)
+            return np.array([next(host) for _ in device], dtype=np.int64)
+        freed = []
+        core.evict(10, freed.append, True, None, backup)
+        m2 = core.match([1, 2, 3, 4])
+        loaded = core.load_back(m2, np.array([20, 21, 22, 23], dtype=np.int64))
+        core.evict_host(0)
+        values = [hit.indices, miss.indices, loaded, *freed, *backed]
+        assert all(type(v) is np.ndarray for v in values), [type(v) for v in values]
+        assert "torch" not in sys.modules, "use"
+        m.Core(1, "lru")
+        print("torch" in sys.modules)
+    """)
+    assert out.split() == ["True"]
+
+
+def test_results_are_numpy(core_name):
+    core = numpy_core(core_name)
+    assert core.insert([1, 2, 3], [7, 8, 9]) is not None
+    hit = core.match([1, 2, 3, 4])
+    assert_index_array(hit.indices, [7, 8, 9])
+    assert_index_array(core.match([5]).indices, [])
+    assert_index_array(core.match([]).indices, [])
+    core.insert([4, 5], None)  # the key doubles as the indices
+    assert_index_array(core.match([4, 5]).indices, [4, 5])
+    node = core.match([1, 2]).last_node  # a split
+    assert_index_array(node.value, [7, 8])
+    assert_index_array(node.children[0].value, [9])
+    assert_index_array(node.stored_value, [7, 8])
+    assert_index_array(core.tree.root.value, [])
+
+
+def test_results_are_new_arrays(core_name):
+    """A result owns its memory: writing into it changes neither the tree nor another."""
+    core = numpy_core(core_name)
+    core.insert([1, 2, 3], [7, 8, 9])
+    first = core.match([1, 2, 3]).indices
+    second = core.match([1, 2, 3]).indices
+    assert not np.shares_memory(first, second)
+    first[:] = -1
+    assert second.tolist() == [7, 8, 9]
+    node = core.match([1, 2, 3]).last_node
+    value = node.value
+    value[0] = -5
+    assert node.value.tolist() == [7, 8, 9]
+    assert core.match([1, 2, 3]).indices.tolist() == [7, 8, 9]
+    assert core.match([9]).indices is not core.match([9]).indices
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_evict_hands_numpy_arrays(core_name, batch):
+    core = numpy_core(core_name)
+    core.insert([1, 2, 3], [7, 8, 9])
+    core.insert([1, 2, 5], [7, 8, 10])
+    core.insert([6], None)
+    got, removed = [], []
+    freed = core.evict(100, got.append, batch, removed.append)
+    assert freed == 5 and core.evictable == 0
+    for value in got:
+        assert_index_array(value)
+    assert sorted(np.concatenate(got).tolist()) == [6, 7, 8, 9, 10]
+    assert len(got) == (1 if batch else len(removed))
+    assert all(node.evicted for node in removed)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_backup_and_host_tier_hand_numpy_arrays(core_name, batch):
+    core = numpy_core(core_name, host_tier=True)
+    core.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    core.insert([1, 2, 5, 6], [10, 11, 14, 15])
+    backed = []
+
+    def backup(device):
+        backed.append((device, device.copy()))
+        return device + 100
+
+    freed = []
+    assert core.evict(100, freed.append, batch, None, backup) == 6
+    for device, copy in backed:
+        assert_index_array(device)
+        # what backup keeps still holds what it was given (a batch never writes there)
+        assert device.tolist() == copy.tolist()
+    for value in freed:
+        assert_index_array(value)
+    assert sorted(np.concatenate(freed).tolist()) == [10, 11, 12, 13, 14, 15]
+    node = core.match([1, 2]).last_host_node
+    assert_index_array(node.host_value, [110, 111])
+    assert node.value is None
+    match = core.match([1, 2, 3, 4])
+    assert (match.length, match.host_length) == (0, 4)
+    assert_index_array(match.indices, [])
+    loaded = core.load_back(match, np.array([20, 21, 22, 23], dtype=np.int64))
+    assert_index_array(loaded, [110, 111, 112, 113])
+    assert_index_array(core.match([1, 2, 3, 4]).indices, [20, 21, 22, 23])
+    host_freed = []
+    assert core.evict_host(100, host_freed.append, batch) == 2
+    for value in host_freed:
+        assert_index_array(value)
+    assert sorted(np.concatenate(host_freed).tolist()) == [114, 115]
+
+
+def test_write_through_hands_numpy_arrays(core_name):
+    core = numpy_core(core_name, host_tier=True, hits=1)
+    core.insert([1, 2, 3], [7, 8, 9])
+    seen = []
+
+    def backup(device):
+        seen.append(device)
+        return np.arange(50, 50 + len(device), dtype=np.int64)
+
+    assert core.write_through(backup) == 3
+    assert_index_array(seen[0], [7, 8, 9])
+    assert_index_array(core.match([1, 2, 3]).last_node.host_value, [50, 51, 52])
+
+
+def _backup_answers():
+    base = np.arange(100, 106, dtype=np.int64)
+    wide = np.zeros(12, dtype=np.int64)
+    wide[::2] = base
+
+    class Sub(np.ndarray):
+        pass
+
+    return {
+        "exact": (base, None),
+        "read-only": (np.frombuffer(base.tobytes(), dtype=np.int64), None),
+        "longlong": (base.astype(np.longlong), None),
+        "strided": (wide[::2], None),
+        "subclass": (base.view(Sub), None),
+        "int32": (base.astype(np.int32), TypeError),
+        "big-endian": (base.astype(">i8"), TypeError),
+        "2-D": (base.reshape(2, 3), ValueError),
+        "short": (base[:5], ValueError),
+        "list": (base.tolist(), TypeError),
+        "tensor": (torch.arange(100, 106), TypeError),
+    }
+
+
+@pytest.mark.parametrize("answer", list(_backup_answers()))
+def test_backup_answer_checks(core_name, answer):
+    """backup's answer in numpy mode: a 1-D int64 numpy array of the node's length (copied:
+    it may change afterwards); anything else raises and leaves the victim as it was."""
+    host, error = _backup_answers()[answer]
+    core = numpy_core(core_name, host_tier=True)
+    core.insert([1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15])
+    if error is None:
+        assert core.evict(6, None, False, None, lambda device: host) == 6
+        if isinstance(host, np.ndarray) and host.flags.writeable:
+            host[...] = 0  # the core keeps a copy
+        assert core.host_size == 6
+        assert_index_array(core.match([1, 2, 3, 4, 5, 6]).last_host_node.host_value,
+                           range(100, 106))
+    else:
+        with pytest.raises(error, match="backup"):
+            core.evict(6, None, False, None, lambda device: host)
+        assert core.host_size == 0 and core.evictable == 6
+        assert core.match([1, 2, 3, 4, 5, 6]).indices.tolist() == [10, 11, 12, 13, 14, 15]
+
+
+def test_torch_core_refuses_numpy_backup(core_name):
+    core = torch_core(core_name, host_tier=True)
+    core.insert([1, 2], [10, 11])
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        core.evict(2, None, False, None, lambda device: np.array([5, 6], dtype=np.int64))
+    assert core.evictable == 2
+
+
+def test_set_value_and_tensor_inputs(core_name):
+    """Tensors and numpy arrays as inputs; results numpy all the same."""
+    core = numpy_core(core_name)
+    result = core.insert(torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]))
+    assert result is not None  # this process has bound torch already (the fixtures)
+    assert_index_array(core.match(torch.tensor([1, 2, 3])).indices, [4, 5, 6])
+    core.set_value(result.last_node, np.array([7, 8, 9], dtype=np.int64))
+    assert_index_array(result.last_node.value, [7, 8, 9])
+
+
+def test_tensor_declined_before_torch_is_bound(core_name):
+    """A tensor given to a numpy-array core before torch is bound in the cores is declined
+    (None), changing nothing; once bound (``_shared.is_tensor`` binds it), it is read."""
+    module = CORES[core_name].__name__
+    out = run_python(f"""
+        import {module} as m
+        from radixcache import _shared
+        core = m.Core(1, "lru", numpy_arrays=True)
+        import torch
+        tokens = torch.tensor([1, 2, 3])
+        print(core.insert(tokens, None), core.match(tokens), core.tree.node_count,
+              core.inserts, core.lookups)
+        assert _shared.is_tensor(tokens)
+        print(core.insert(tokens, None).prefix_len, core.match(tokens).indices.tolist())
+    """)
+    assert out.splitlines() == ["None None 0 0 0", "0 [1, 2, 3]"]
+
+
+def test_differential_with_torch_core(core_name):
+    """The same random operations on a numpy-array core and a torch-array core give equal
+    values everywhere."""
+    rng = random.Random(7)
+    cores = {mode: make(core_name, page_size=2, host_tier=True)
+             for mode, make in (("numpy", numpy_core), ("torch", torch_core))}
+    logs = {"numpy": [], "torch": []}
+    host_next = {"numpy": [1000], "torch": [1000]}
+    slot = [0]
+
+    def as_list(value):
+        if isinstance(value, list):
+            return [x for v in value for x in as_list(v)]
+        return np.asarray(value).tolist()
+
+    for step in range(300):
+        op = rng.random()
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 10))]
+        kv = [slot[0] + i for i in range(len(tokens))] if rng.random() < 0.7 else None
+        slot[0] += len(tokens)
+        target = rng.randrange(1, 12)
+        batch = rng.random() < 0.5
+        load = rng.random() < 0.5
+        for mode, core in cores.items():
+            log = logs[mode]
+            if op < 0.4:
+                res = core.insert(tokens, kv)
+                log.append(("insert", res.prefix_len))
+            elif op < 0.7:
+                m = core.match(tokens)
+                assert type(m.indices) is (np.ndarray if mode == "numpy" else torch.Tensor)
+                log.append(("match", as_list(m.indices), m.length, m.host_length))
+                if m.host_length and load:
+                    dev = np.arange(5000 + step * 20, 5000 + step * 20 + m.host_length,
+                                    dtype=np.int64)
+                    log.append(("load", as_list(core.load_back(m, dev))))
+            elif op < 0.9:
+                freed = []
+                counter = host_next[mode]
+
+                def backup(device, mode=mode, counter=counter):
+                    start = counter[0]
+                    counter[0] += len(device)
+                    if mode == "numpy":
+                        return np.arange(start, start + len(device), dtype=np.int64)
+                    return torch.arange(start, start + len(device))
+
+                n = core.evict(target, freed.append, batch, None, backup)
+                log.append(("evict", n, as_list(freed)))
+            else:
+                freed = []
+                n = core.evict_host(target, freed.append, batch)
+                log.append(("evict_host", n, as_list(freed)))
+    assert logs["numpy"] == logs["torch"]
+    values = {mode: [(as_list(n.value) if n.value is not None else None,
+                      as_list(n.host_value) if n.host_value is not None else None)
+                     for n, _ in core.tree.iter_nodes()]
+              for mode, core in cores.items()}
+    assert values["numpy"] == values["torch"]
+
+
+def test_state_round_trip(core_name):
+    source = torch_core(core_name)
+    source.insert([1, 2, 3], [7, 8, 9])
+    source.insert([1, 2, 4], None)
+    state = source.export_state()
+    core = numpy_core(core_name)
+    core.import_state(state)
+    assert_index_array(core.match([1, 2, 3]).indices, [7, 8, 9])
+    assert_index_array(core.match([1, 2, 4]).indices, [7, 8, 4])  # the prefix keeps its values
+    again = numpy_core(core_name)
+    again.import_state(core.export_state())
+    assert_index_array(again.match([1, 2, 3]).indices, [7, 8, 9])
+
+
+def test_state_with_device_values_refused(core_name):
+    """A numpy-array core holds CPU values only: a state carrying device tensors (here on
+    torch's meta device) is refused, before any change."""
+    source = torch_core(core_name)
+    source.insert([1, 2, 3], [7, 8, 9])
+    state = source.export_state()
+    records = list(state["nodes"])
+    record = list(records[0])
+    record[2] = torch.empty(3, dtype=torch.int64, device="meta")
+    records[0] = tuple(record)
+    state["nodes"] = records
+    core = numpy_core(core_name)
+    with pytest.raises(ValueError, match="bad tree state: .*numpy arrays holds CPU values only"):
+        core.import_state(state)
+    assert core.tree.node_count == 0 and core.evictable == 0
+    assert core.match([1, 2, 3]).length == 0
+    assert _shared.check_state(state, 1)  # (the state itself is well formed)
