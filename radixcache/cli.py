@@ -526,7 +526,10 @@ def _run_sweep(points: list, run_point: Callable[[Any, Any], Any], jobs: int | N
     bar = None
     # What exists now (the parsed trace, the modules) is shared with the forked workers: kept
     # out of their collections, which would otherwise walk it and copy the pages they touch.
-    gc.freeze()
+    # Undone once the workers are gone, unless the caller had frozen objects already.
+    frozen = not gc.get_freeze_count()
+    if frozen:
+        gc.freeze()
     executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
                                    initializer=_sweep_worker_init)
     done = False
@@ -556,6 +559,8 @@ def _run_sweep(points: list, run_point: Callable[[Any, Any], Any], jobs: int | N
             for process in list((getattr(executor, "_processes", None) or {}).values()):
                 process.terminate()
         executor.shutdown(wait=True, cancel_futures=True)
+        if frozen:
+            gc.unfreeze()
     return results
 
 
