@@ -433,6 +433,7 @@ class Node:
         "_created_time", "_priority", "_hit_count", "_extra_key", "_id", "_evicted",
         "_terminal", "_host", "_on_device", "_queued", "_own_locks",
     )
+    _numpy_arrays = False  # index arrays are tensors (``_NumpyNode``: numpy arrays)
 
     def __init__(self, key: bytes, parent: "Node | None", extra_key: Any, now: int,
                  priority: int = 0) -> None:
@@ -475,9 +476,9 @@ class Node:
             return None
         value = self._value
         if value is None:
-            return indices_from_key(self.key)
-        if type(value) is bytes:
-            return indices_from_key(np.frombuffer(value, dtype=np.int64))
+            return indices_from_key(self.key, self._numpy_arrays)
+        if type(value) is bytes:  # always with numpy arrays: CPU values only
+            return indices_from_key(np.frombuffer(value, dtype=np.int64), self._numpy_arrays)
         return value
 
     @property
@@ -489,6 +490,8 @@ class Node:
         host = self._host
         if host is None:
             return None
+        if self._numpy_arrays:
+            return np.frombuffer(bytearray(host), dtype=np.int64)
         return _torch.frombuffer(bytearray(host), dtype=_int64)
 
     @property
@@ -557,24 +560,7 @@ class _NumpyNode(Node):
     """A node of a core of numpy arrays: ``value`` and ``host_value`` are numpy arrays."""
 
     __slots__ = ()
-
-    @property
-    def value(self):
-        if self._evicted or not self._on_device:
-            return None
-        value = self._value
-        if value is None:
-            return indices_from_key(self.key, True)
-        if type(value) is bytes:  # always, in this mode: it holds CPU values only
-            return indices_from_key(np.frombuffer(value, dtype=np.int64), True)
-        return value
-
-    @property
-    def host_value(self):
-        host = self._host
-        if host is None:
-            return None
-        return np.frombuffer(bytearray(host), dtype=np.int64)
+    _numpy_arrays = True
 
 
 class Tree:
