@@ -644,6 +644,13 @@ class KVPool:
         self._top -= n
         out[:] = self._free[self._top:self._top + n]
 
+    def _put_back(self, slots: np.ndarray) -> None:
+        """``free`` for slots the caller took with ``_take_into`` and still holds (an int64
+        array): nothing to check."""
+        top = self._top
+        self._top = top + len(slots)
+        self._free[top:self._top] = slots
+
     def free(self, slots: Any) -> None:
         """Return slots to the pool.
 
@@ -1202,12 +1209,13 @@ class ServingLoop:
         # The frees below read the slots as numpy (slicing a tensor costs more).
         slots = kv if type(kv) is np.ndarray else kv.numpy()
         # Slots of tokens the tree already held (a longer match than the prompt's) are spare.
+        # Both frees give back slots this loop took from the pool and the tree did not keep.
         if inserted.prefix_len > admission.owned_from:
-            pool.free(slots[admission.owned_from:inserted.prefix_len])
+            pool._put_back(slots[admission.owned_from:inserted.prefix_len])
         # The tail past the last full page is not cached: its slots go back too.
         aligned_len = len(full) - len(full) % self._page_size
         if aligned_len < len(full):
-            pool.free(slots[aligned_len:])
+            pool._put_back(slots[aligned_len:])
 
         start = clock()
         cache.dec_lock_ref(admission.lock_node)
