@@ -11,12 +11,8 @@ or a local server in tests).
 
 from __future__ import annotations
 
-import hashlib
-import http.client
 import os
 import tempfile
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -98,6 +94,8 @@ def _info(name: str) -> TraceInfo:
 
 
 def _sha256(path: Path) -> str:
+    import hashlib  # noqa: PLC0415 -- the command's start-up does not need it
+
     digest = hashlib.sha256()
     with open(path, "rb") as stream:
         for chunk in iter(lambda: stream.read(_CHUNK), b""):
@@ -179,6 +177,11 @@ def download(name: str, directory: str | os.PathLike | None = None, *, force: bo
 
 def _fetch(url: str, out, progress) -> None:
     """Stream ``url`` into ``out``; DownloadError (one line) for any failure."""
+    # Imported here: the command's start-up (which names the traces) does not need them.
+    import http.client  # noqa: PLC0415
+    import urllib.error  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
     request = urllib.request.Request(url, headers={"User-Agent": "radixcache"})
     try:
         with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:
