@@ -314,18 +314,32 @@ def test_version(capsys):
 def test_the_command_keeps_what_is_left_out_of_the_collections_at_exit(monkeypatch, capsys):
     import gc
 
+    from radixcache import cli
     from radixcache.cli import entry_point
 
     assert gc.get_freeze_count() == 0
     monkeypatch.setattr(sys, "argv", ["radixcache", "--version"])
+    allocator_set = []
+    monkeypatch.setattr(cli, "_keep_freed_memory", lambda: allocator_set.append(True))
     try:
         assert main() == 0 and main(["--version"]) == 0
         assert gc.get_freeze_count() == 0  # main() itself changes nothing
+        assert not allocator_set
         assert entry_point() == 0  # the command: the process exits next
         assert gc.get_freeze_count() > 0
+        assert allocator_set == [True]  # the command's process keeps freed memory
     finally:
         gc.unfreeze()
     assert capsys.readouterr().out.count("radixcache ") == 3
+
+
+def test_keeping_freed_memory_is_harmless_here():
+    """The allocator settings the command makes apply (or do nothing) without an error."""
+    done = subprocess.run([sys.executable, "-c", "from radixcache.cli import _keep_freed_memory;"
+                           " _keep_freed_memory(); print(bytearray(50 << 20)[-1])"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"
 
 
 HEAVY = ("torch", "numpy", "radixcache.cache", "radixcache._core", "radixcache._core_c",
