@@ -64,17 +64,6 @@ def empty_indices(numpy_arrays: bool = False) -> Any:
     return empty if numpy_arrays else load_torch().from_numpy(empty)
 
 
-def int64_array(data: Any, numpy_arrays: bool = False) -> Any:
-    """A new writable int64 index array (numpy when ``numpy_arrays``, else a CPU tensor)
-    holding a copy of ``data``: native int64 bytes, or a bytes-like of them."""
-    buffer = bytearray(data)
-    if numpy_arrays:
-        return np.frombuffer(buffer, dtype=np.int64)
-    torch = load_torch()
-    return torch.frombuffer(buffer, dtype=torch.int64) if buffer else torch.from_numpy(
-        np.empty(0, dtype=np.int64))
-
-
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 # The most locks a node can hold (the compiled core counts them in 32 bits; both cores refuse
