@@ -1488,6 +1488,7 @@ from ._shared import MatchResult as _MatchResult
 _ndarray = np.ndarray
 _array_type = _array_module.array
 _frombuffer = np.frombuffer
+_concatenate = np.concatenate  # a numpy core's batch parts (all on the CPU)
 
 
 @cython.final
@@ -2621,7 +2622,8 @@ cdef class Core:
         # batch: one call with every freed index, outside the guard; then the loop's error
         if collect:
             _hand_over_batch(free_callback, value, error,
-                             _cat_tensors if type(value) is list else None)
+                             (_concatenate if self.numpy_arrays else _cat_tensors)
+                             if type(value) is list else None)
         return freed
 
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
@@ -2755,7 +2757,8 @@ cdef class Core:
         # batch: one call with every freed index, outside the guard; then the loop's error
         if collect:
             _hand_over_batch(free_callback, value, error,
-                             _cat_tensors if type(value) is list else None)
+                             (_concatenate if self.numpy_arrays else _cat_tensors)
+                             if type(value) is list else None)
         return freed
 
     def evict_host(self, num_tokens, free_callback=None, bint batch=False, on_remove=None):

@@ -344,3 +344,29 @@ def test_torch_imported_later_is_recognised(core_name):
     """, core_name)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("array_type", ARRAY_TYPES)
+def test_batch_evict_while_backup_keeps_its_arrays(make_cache, array_type):
+    """A backup that keeps the arrays it gets makes the batch go on in new blocks (it never
+    writes where a live array looks): the parts still reach free_callback as one array of the
+    cache's kind, every freed slot once."""
+    cache = make_cache(host_tier=True, array_type=array_type)
+    for k in range(3):
+        cache.insert([1000 * k + j for j in range(200)],
+                     np.arange(200 * k, 200 * k + 200, dtype=np.int64))
+    kept = []
+    host = Host(array_type)
+
+    def backup(device_indices):
+        kept.append(device_indices)
+        return host.backup(device_indices)
+
+    freed = []
+    assert cache.evict(300, freed.append, batch=True, backup=backup) == 400
+    assert len(freed) == 1
+    CHECK[array_type](freed[0], 400)
+    assert sorted(as_list(freed[0])) == list(range(400))
+    assert sorted(v for values in kept for v in as_list(values)) == list(range(400))
+    assert (cache.total_size(), cache.host_size()) == (200, 400)
+    check_invariants(cache)
