@@ -22,7 +22,7 @@ import torch
 
 from conftest import check_invariants
 from radixcache import ARRAY_TYPES, RadixCache
-from radixcache.workloads import HostPool, KVPool, serve, synthetic_chat
+from radixcache.workloads import HostPool, KVPool, ServingLoop, serve, synthetic_chat
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -369,4 +369,74 @@ def test_batch_evict_while_backup_keeps_its_arrays(make_cache, array_type):
     assert sorted(as_list(freed[0])) == list(range(400))
     assert sorted(v for values in kept for v in as_list(values)) == list(range(400))
     assert (cache.total_size(), cache.host_size()) == (200, 400)
+    check_invariants(cache)
+
+
+def _tree_slots(cache):
+    """The device and the host slot ids the tree holds (numpy arrays of either kind)."""
+    device, host = [], []
+    stack = list(cache.root_node.children)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.on_device:
+            device.append(np.asarray(node.stored_value))
+        if node.host_value is not None:
+            host.append(np.asarray(node.host_value))
+    empty = [np.empty(0, dtype=np.int64)]
+    return np.concatenate(device + empty), np.concatenate(host + empty)
+
+
+@pytest.mark.parametrize("array_type", ARRAY_TYPES)
+@pytest.mark.parametrize("write_policy", [None, "write_back", "write_through"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_interleaved_serving_keeps_every_slot_once(make_cache, array_type, write_policy,
+                                                   page_size):
+    """Requests admitted, cached and finished out of order (as the fleet runs them): after
+    every step each device slot is free, held by the tree, or held by a running request,
+    exactly once; each host slot handed out is free or held by the tree, once."""
+    rng = random.Random(page_size)
+    requests = synthetic_chat(num_conversations=30, num_system_prompts=3, seed=page_size,
+                              system_prompt_len=(100, 300), user_len=(5, 40),
+                              output_len=(5, 60))
+    if write_policy is None:
+        cache = make_cache(page_size=page_size, array_type=array_type)
+        loop = ServingLoop(cache, 1500)
+    else:
+        cache = make_cache(page_size=page_size, array_type=array_type, host_tier=True,
+                           write_policy=write_policy)
+        loop = ServingLoop(cache, 1500, host_capacity=1200)
+    running = []
+
+    def check():
+        device, host = _tree_slots(cache)
+        held = [np.asarray(admission.kv)[admission.owned_from:] for admission in running]
+        slots = np.concatenate([device, loop.pool.free_slots()] + held)
+        assert np.array_equal(np.sort(slots), np.arange(1500))
+        if loop.host_pool is not None:
+            pool = loop.host_pool
+            slots = np.concatenate([host, pool._free[:pool._top]])
+            assert np.array_equal(np.sort(slots), np.arange(pool._next))
+            assert pool.used == cache.host_size()
+
+    for request in requests:
+        admission = loop.admit(request, wait=True)
+        while admission is None and running:
+            loop.finish(running.pop(rng.randrange(len(running))))
+            admission = loop.admit(request, wait=True)
+        if admission is None:
+            continue
+        if rng.random() < 0.7:
+            loop.cache_prompt(admission)
+        running.append(admission)
+        while len(running) > rng.randrange(1, 5):
+            loop.finish(running.pop(rng.randrange(len(running))))
+        check()
+    while running:
+        loop.finish(running.pop())
+    check()
+    result = loop.result()
+    assert result.evicted_tokens and result.requests == len(requests)
+    if write_policy is not None:
+        assert result.backed_up_tokens
     check_invariants(cache)
