@@ -1540,6 +1540,8 @@ cdef class _IndexBlock:
             self.managed.deleter(self.managed)  # frees the block, or drops its ref to it
 
     def __getbuffer__(self, Py_buffer* view, int flags):
+        if self.managed == NULL:  # made from Python (type(...).__new__): it owns nothing
+            raise BufferError("this index block holds no indices")
         view.buf = self.managed.dl_tensor.data
         view.obj = self
         view.len = self.shape[0] * <Py_ssize_t>sizeof(int64_t)

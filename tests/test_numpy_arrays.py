@@ -440,3 +440,20 @@ def test_interleaved_serving_keeps_every_slot_once(make_cache, array_type, write
     if write_policy is not None:
         assert result.backed_up_tokens
     check_invariants(cache)
+
+
+def test_an_index_array_owner_cannot_be_forged(make_cache):
+    """What owns a result array's memory, reached by the user (``base``) and made anew
+    without any memory, exports no buffer over nothing: an error, never a crash."""
+    cache = make_cache(array_type="numpy")
+    cache.insert([1, 2, 3], [4, 5, 6])
+    indices = cache.match_prefix([1, 2, 3]).indices
+    owner = indices.base
+    while isinstance(owner, memoryview):
+        owner = owner.obj
+    if owner is None or type(owner) in (bytes, bytearray, np.ndarray):
+        return  # a builtin owner: nothing of the cache's to forge
+    forged = type(owner).__new__(type(owner))
+    with pytest.raises(BufferError):
+        memoryview(forged)
+    assert as_list(indices) == [4, 5, 6]
