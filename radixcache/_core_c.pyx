@@ -1496,6 +1496,9 @@ cdef class _NoTensor:
     """Stands for torch.Tensor until torch is bound: nothing is an instance of it, so a
     tensor met before is an unusual input (declined to cache.py, which binds torch)."""
 
+    def __cinit__(self):
+        raise TypeError("the stand-in for torch.Tensor has no instances")
+
 
 # torch's names, bound by _bind_torch once some code loads torch (_shared.load_torch): a
 # core of numpy arrays never imports it.

@@ -293,6 +293,9 @@ class _NoTensor:
 
     __slots__ = ()
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("the stand-in for torch.Tensor has no instances")
+
 
 # The torch names this module uses, bound once some code imports torch (``_bind_torch``).
 _torch: Any = None

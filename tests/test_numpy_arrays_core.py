@@ -419,3 +419,13 @@ def test_state_with_device_values_refused(core_name):
     assert core.tree.node_count == 0 and core.evictable == 0
     assert core.match([1, 2, 3]).length == 0
     assert _shared.check_state(state, 1)  # (the state itself is well formed)
+
+
+def test_the_tensor_stand_in_has_no_instances(core_name):
+    """Until torch is bound a core's tensor type is a stand-in that nothing may be an
+    instance of: one given as tokens or values would reach torch's (unbound) names."""
+    stand_in = CORES[core_name]._NoTensor
+    with pytest.raises(TypeError, match="no instances"):
+        stand_in()
+    with pytest.raises(TypeError):
+        stand_in.__new__(stand_in)
