@@ -1559,8 +1559,9 @@ cdef class _IndexBlock:
         view.suboffsets = NULL
         view.internal = NULL
 
-    def __releasebuffer__(self, Py_buffer* view):
-        pass
+    # No __releasebuffer__: np.frombuffer then keeps this object itself as the array's base.
+    # (It wraps an exporter that has one in a memoryview, which the caller could release,
+    # freeing the block under the array.)
 
 
 cdef object numpy_from_capsule(object capsule):

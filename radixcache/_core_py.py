@@ -396,9 +396,15 @@ def _joined_values(parts: list) -> Any:
 def _joined_arrays(parts: list) -> np.ndarray:
     """``_joined_values`` for a core of numpy arrays: the parts are int64 bytes or the numpy
     arrays ``backup`` got (read now: what it wrote in them shows), all on the CPU."""
-    return np.frombuffer(bytearray().join([part if type(part) is bytes
-                                           else np.ndarray.tobytes(part) for part in parts]),
-                         dtype=np.int64)
+    return _owned_array(b"".join([part if type(part) is bytes else np.ndarray.tobytes(part)
+                                  for part in parts]))
+
+
+def _owned_array(data: bytes) -> np.ndarray:
+    """A new int64 array of its own memory holding ``data`` (native int64 bytes). Not
+    ``np.frombuffer(bytearray(...))``: that array rests on a memoryview, which the caller
+    could release (``values.base.release()``), freeing the memory under the array."""
+    return np.frombuffer(data, dtype=np.int64).copy()
 
 
 def _first_mismatch(a: bytes, b: bytes) -> int:
@@ -494,7 +500,7 @@ class Node:
         if host is None:
             return None
         if self._numpy_arrays:
-            return np.frombuffer(bytearray(host), dtype=np.int64)
+            return _owned_array(host)
         return _torch.frombuffer(bytearray(host), dtype=_int64)
 
     @property
@@ -811,7 +817,7 @@ class Tree:
             else:
                 return cat_values(path)  # device tensors (torch arrays only): torch joins
         if self._numpy_arrays:
-            return np.frombuffer(bytearray().join(parts), dtype=np.int64)
+            return _owned_array(b"".join(parts))
         return _torch.frombuffer(bytearray().join(parts), dtype=_int64)
 
     def _lock(self, node: Any, delta: int) -> int:
@@ -1657,7 +1663,7 @@ class Core:
                 for node in nodes:
                     on_load(node)
             if self._numpy_arrays:
-                return np.frombuffer(bytearray().join(hosts), dtype=np.int64)
+                return _owned_array(b"".join(hosts))
             return _torch.frombuffer(bytearray().join(hosts), dtype=_int64)
         finally:
             self._leave()

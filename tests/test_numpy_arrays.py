@@ -457,3 +457,37 @@ def test_an_index_array_owner_cannot_be_forged(make_cache):
     with pytest.raises(BufferError):
         memoryview(forged)
     assert as_list(indices) == [4, 5, 6]
+
+
+def test_result_arrays_keep_their_memory(make_cache):
+    """No index array the cache hands out rests on a memoryview: the caller could release
+    that (``values.base.release()``) and free the memory under the array."""
+    arrays = []
+    cache = make_cache(host_tier=True, array_type="numpy")
+    host = Host("numpy")
+
+    def backup(device_indices):
+        arrays.append(device_indices)
+        return host.backup(device_indices)
+
+    for k in range(4):
+        cache.insert([k, 1, 2, 3], [10 * k + j for j in range(4)])
+    cache.insert([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5])
+    match = cache.match_prefix([0, 1, 2, 3, 4, 5])  # two nodes: joined
+    arrays += [match.indices, match.last_node.value]
+    assert cache.evict(5, arrays.append, backup=backup) >= 5
+    assert cache.evict(6, arrays.append, batch=True, backup=backup) >= 6
+    match = cache.match_prefix([0, 1, 2, 3])
+    arrays.append(cache.load_back(match, np.arange(100, 100 + match.host_length)))
+    stack = list(cache.root_node.children)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.host_value is not None:
+            arrays.append(node.host_value)
+    assert cache.evict_host(4, arrays.append) >= 4
+    assert cache.evict_host(4, arrays.append, batch=True) >= 4
+    assert len(arrays) >= 10
+    for values in arrays:
+        check_numpy(values)
+        assert not isinstance(values.base, memoryview), values.base
