@@ -530,8 +530,13 @@ def _run_sweep(points: list, run_point: Callable[[Any, Any], Any], jobs: int | N
     frozen = not gc.get_freeze_count()
     if frozen:
         gc.freeze()
-    executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
-                                   initializer=_sweep_worker_init)
+    try:
+        executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
+                                       initializer=_sweep_worker_init)
+    except BaseException:
+        if frozen:
+            gc.unfreeze()
+        raise
     done = False
     try:
         futures = [executor.submit(_sweep_point, index) for index in range(len(points))]
