@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 
 # The public names load on first use (PEP 562), so that ``import radixcache`` -- and the
 # command's ``--help`` -- do not import torch and the tree cores until they are needed.
-_LAZY = {"ARRAY_TYPES": ".cache", "RadixTreeNode": "._core", "core_name": "._core", "EVICTION_POLICIES": ".cache",
+_LAZY = {"ARRAY_TYPES": ".cache", "RadixTreeNode": "._core", "core_name": "._core",
+         "EVICTION_POLICIES": ".cache",
          "CacheStats": ".cache", "InsertResult": ".cache", "MatchResult": ".cache",
          "RadixCache": ".cache", "WRITE_POLICIES": ".cache"}
 

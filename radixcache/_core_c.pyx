@@ -1765,14 +1765,14 @@ cdef bytes host_array_bytes(object host, Py_ssize_t n):
                                                      n * sizeof(int64_t))
             finally:
                 PyBuffer_Release(&view)
-    data = host_indices_bytes(host, n, True)
-    if type(data) is not bytes:
-        raise TypeError("backup must return a numpy array of host indices (or None when the "
-                        f"host is full), got {type(host).__name__}")
-    if len(data) != n * <Py_ssize_t>sizeof(int64_t):
-        raise ValueError(f"backup returned {len(data) // 8} host indices for {n} "
-                         "device slots: one per slot expected")
-    return data
+    # The shared check reads the array with ndarray's own tobytes and checks what it read.
+    return host_indices_bytes(host, n, True)
+
+
+cdef inline object batch_join(bint numpy_arrays):
+    """What joins a batch's parts into one array: numpy's concatenate for a core of numpy
+    arrays (all on the CPU), else torch's (device parts among them)."""
+    return _concatenate if numpy_arrays else _cat_tensors
 
 
 cdef object victim_value(Node node):
@@ -2628,8 +2628,7 @@ cdef class Core:
         # batch: one call with every freed index, outside the guard; then the loop's error
         if collect:
             _hand_over_batch(free_callback, value, error,
-                             (_concatenate if self.numpy_arrays else _cat_tensors)
-                             if type(value) is list else None)
+                             batch_join(self.numpy_arrays) if type(value) is list else None)
         return freed
 
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
@@ -2763,8 +2762,7 @@ cdef class Core:
         # batch: one call with every freed index, outside the guard; then the loop's error
         if collect:
             _hand_over_batch(free_callback, value, error,
-                             (_concatenate if self.numpy_arrays else _cat_tensors)
-                             if type(value) is list else None)
+                             batch_join(self.numpy_arrays) if type(value) is list else None)
         return freed
 
     def evict_host(self, num_tokens, free_callback=None, bint batch=False, on_remove=None):
@@ -3059,15 +3057,9 @@ cdef class Core:
         try:
             if tree.node_count or tree.clock or tree.empty_inserted:
                 raise ValueError("import_state needs an empty core")
-            state = check_state(state, self.page_size)  # a copy: user code runs below
+            # A copy (user code runs below), CPU values only for a core of numpy arrays.
+            state = check_state(state, self.page_size, self.numpy_arrays)
             records = state["nodes"]
-            if self.numpy_arrays:
-                for i in range(len(records)):
-                    value = records[i][2]
-                    if value is not None and type(value) is not bytes:
-                        raise ValueError(f"bad tree state: node {i}'s value is a device "
-                                         "tensor: a cache with numpy arrays holds CPU values "
-                                         "only")
             nodes = []
             try:
                 for (at, key, value, extra_key, priority, last, created, hits, terminal,

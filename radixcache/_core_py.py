@@ -388,7 +388,7 @@ def _hashable(extra_key: Any) -> bool:
 def _joined_values(parts: list) -> Any:
     """Evicted nodes' values (int64 bytes, or device tensors) as one new int64 tensor."""
     if all(type(part) is bytes for part in parts):
-        return _torch.frombuffer(bytearray().join(parts), dtype=_int64)
+        return _index_array(parts, False)
     return cat_tensors([indices_from_key(np.frombuffer(part, dtype=np.int64))
                         if type(part) is bytes else part for part in parts])
 
@@ -396,15 +396,18 @@ def _joined_values(parts: list) -> Any:
 def _joined_arrays(parts: list) -> np.ndarray:
     """``_joined_values`` for a core of numpy arrays: the parts are int64 bytes or the numpy
     arrays ``backup`` got (read now: what it wrote in them shows), all on the CPU."""
-    return _owned_array(b"".join([part if type(part) is bytes else np.ndarray.tobytes(part)
-                                  for part in parts]))
+    return _index_array([part if type(part) is bytes else np.ndarray.tobytes(part)
+                         for part in parts], True)
 
 
-def _owned_array(data: bytes) -> np.ndarray:
-    """A new int64 array of its own memory holding ``data`` (native int64 bytes). Not
-    ``np.frombuffer(bytearray(...))``: that array rests on a memoryview, which the caller
-    could release (``values.base.release()``), freeing the memory under the array."""
-    return np.frombuffer(data, dtype=np.int64).copy()
+def _index_array(parts: list, numpy_arrays: bool) -> Any:
+    """One new CPU int64 index array holding the native int64 bytes ``parts`` joined: a
+    numpy array of its own memory (not ``np.frombuffer(bytearray(...))``, which rests on a
+    memoryview the caller could release, freeing the memory under the array), or a tensor
+    over a new bytearray."""
+    if numpy_arrays:
+        return np.frombuffer(b"".join(parts), dtype=np.int64).copy()
+    return _torch.frombuffer(bytearray().join(parts), dtype=_int64)
 
 
 def _first_mismatch(a: bytes, b: bytes) -> int:
@@ -499,9 +502,7 @@ class Node:
         host = self._host
         if host is None:
             return None
-        if self._numpy_arrays:
-            return _owned_array(host)
-        return _torch.frombuffer(bytearray(host), dtype=_int64)
+        return _index_array([host], self._numpy_arrays)
 
     @property
     def tier(self) -> str:
@@ -816,9 +817,7 @@ class Tree:
                 parts.append(value)
             else:
                 return cat_values(path)  # device tensors (torch arrays only): torch joins
-        if self._numpy_arrays:
-            return _owned_array(b"".join(parts))
-        return _torch.frombuffer(bytearray().join(parts), dtype=_int64)
+        return _index_array(parts, self._numpy_arrays)
 
     def _lock(self, node: Any, delta: int) -> int:
         if node is None or node is self.root:
@@ -1662,9 +1661,7 @@ class Core:
             if on_load is not None:
                 for node in nodes:
                     on_load(node)
-            if self._numpy_arrays:
-                return _owned_array(b"".join(hosts))
-            return _torch.frombuffer(bytearray().join(hosts), dtype=_int64)
+            return _index_array(hosts, self._numpy_arrays)
         finally:
             self._leave()
 
@@ -1754,13 +1751,9 @@ class Core:
             tree = self.tree
             if tree.node_count or tree.clock or tree._empty_inserted:
                 raise ValueError("import_state needs an empty core")
-            state = check_state(state, self.page_size)  # a copy: user code runs below
+            # A copy (user code runs below), CPU values only for a core of numpy arrays.
+            state = check_state(state, self.page_size, self._numpy_arrays)
             records = state["nodes"]
-            if self._numpy_arrays:
-                for i, record in enumerate(records):
-                    if record[2] is not None and type(record[2]) is not bytes:
-                        raise ValueError(f"bad tree state: node {i} holds device values; a "
-                                         "cache with numpy arrays holds CPU values only")
             page_bytes = tree._page_bytes
             nodes = []
             evictable = 0

@@ -320,12 +320,12 @@ def _state_int(value, what: str, low: int = 0) -> int:
     return value
 
 
-def check_state(state, page_size: int) -> dict:
+def check_state(state, page_size: int, numpy_arrays: bool = False) -> dict:
     """Validate a tree state (``Core.export_state()``'s dict) for a core of ``page_size``;
     returns a copy of what passed, its node records with CPU values as int64 bytes (user
     code, such as an extra_key's ``__hash__``, may change ``state`` once read: a core
-    imports the copy). Raises ValueError naming the first problem. Nothing here touches a
-    tree."""
+    imports the copy). A core of ``numpy_arrays`` holds CPU values only: a device tensor is
+    refused. Raises ValueError naming the first problem. Nothing here touches a tree."""
     if not isinstance(state, dict):
         raise ValueError(f"bad tree state: expected a dict, got {type(state).__name__}")
     try:
@@ -365,6 +365,9 @@ def check_state(state, page_size: int) -> dict:
                                      "tensor")
                 if value.device.type == "cpu":
                     value = value.numpy().tobytes()
+                elif numpy_arrays:
+                    raise ValueError(f"bad tree state: node {i}'s value is a device tensor: a "
+                                     "cache with numpy arrays holds CPU values only")
                 elif value.shape[0] * 8 != len(key):
                     raise ValueError(f"bad tree state: node {i} has {value.shape[0]} values "
                                      f"for {len(key) // 8} tokens")

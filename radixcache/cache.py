@@ -817,25 +817,18 @@ class RadixCache:
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
+        # The common call -- a contiguous int64 numpy array or CPU tensor of the right
+        # length -- would pass the checks below: straight to the core, which copies it.
+        values = device_indices
         torch = _shared._torch
-        if (torch is not None and type(device_indices) is torch.Tensor
-                and type(match) is MatchResult
-                and self.host_tier and device_indices.dtype is torch.int64
-                and device_indices.is_cpu and device_indices.dim() == 1
-                and device_indices.shape[0] == match.host_length
-                and device_indices.is_contiguous()):
-            # The common call (a CPU int64 tensor of the right length): the checks below
-            # would pass; the core copies the array.
+        if (torch is not None and type(values) is torch.Tensor and values.dtype is torch.int64
+                and values.is_cpu and values.is_contiguous()):
+            values = values.detach().numpy()
+        if (type(values) is np.ndarray and type(match) is MatchResult and self.host_tier
+                and values.dtype == np.int64 and values.ndim == 1
+                and values.shape[0] == match.host_length and values.flags.c_contiguous):
             events = self._events
-            return self._core.load_back(match, device_indices.detach().numpy(),
-                                        None if events is None else events.stored)
-        if (type(device_indices) is np.ndarray and type(match) is MatchResult
-                and self.host_tier and device_indices.dtype == np.int64
-                and device_indices.ndim == 1 and device_indices.shape[0] == match.host_length
-                and device_indices.flags.c_contiguous):
-            events = self._events  # the same for an int64 numpy array
-            return self._core.load_back(match, device_indices,
-                                        None if events is None else events.stored)
+            return self._core.load_back(match, values, None if events is None else events.stored)
         if not isinstance(match, MatchResult):
             raise TypeError(f"match must be a MatchResult, got {type(match).__name__}")
         self._need_host_tier("load_back")
@@ -1009,9 +1002,9 @@ class RadixCache:
 
         A cache is saved as its tree (keys, index values, namespaces, priorities, terminal
         marks, access and creation times, hit counts, the logical clock), its statistics, its
-        ``page_size``, ``eviction_policy``, ``array_type`` and core name, in a versioned format; it loads on
-        that core when it is available, else on the default one. Every copy is an
-        independent tree that evicts in the same order: ``copy.copy`` shares the
+        ``page_size``, ``eviction_policy``, ``array_type`` and core name, in a versioned
+        format; it loads on that core when it is available, else on the default one. Every
+        copy is an independent tree that evicts in the same order: ``copy.copy`` shares the
         ``extra_key`` objects with the original, ``copy.deepcopy`` copies them; index values
         are copied either way, and values on a device stay on that device (loading a pickle
         needs it). Locks are not carried: every node of a copy is unlocked (its

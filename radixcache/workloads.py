@@ -1041,15 +1041,10 @@ class ServingLoop:
         the pool, in one buffer filled once (numpy: large fresh torch allocations are much
         slower on some hosts), as the cache's kind of array."""
         slots = np.empty(cached + need, dtype=np.int64)
-        if self._numpy:
-            if cached:
-                slots[:cached] = match.indices
-            self.pool._take_into(slots[cached:])
-            return slots
         if cached:
-            slots[:cached] = match.indices.numpy()
+            slots[:cached] = match.indices if self._numpy else match.indices.numpy()
         self.pool._take_into(slots[cached:])
-        return load_torch().from_numpy(slots)
+        return _as_array_type(slots, self._numpy)
 
     def _count(self, request: Request, cached: int) -> None:
         self.requests += 1
@@ -1152,7 +1147,7 @@ class ServingLoop:
             self._wanted = n
             return None
         self.backed_up_tokens += n
-        return host if self._numpy else load_torch().from_numpy(host)
+        return _as_array_type(host, self._numpy)
 
     def _copy_due(self) -> None:
         """Hand the write-through copies due to the host, evicting from the host for room."""
