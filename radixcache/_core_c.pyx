@@ -31,7 +31,7 @@ that allocating a node triggers (which can also let another thread run). So:
 
 cimport cython
 from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES,
-                             PyBuffer_Release, PyObject_GetBuffer)
+                             PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer)
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
@@ -1817,6 +1817,51 @@ cdef inline bint int64_format(const char* fmt) noexcept:
     return (fmt[0] == b'q' or (fmt[0] == b'l' and sizeof(long) == 8)) and fmt[1] == 0
 
 
+cdef int borrow_int64(object obj, TokenBuf* b) except -1:
+    """Point ``b`` at an int64 array's or CPU tensor's memory as int64: 1, or 0 to decline
+    (another type, dtype, layout or device; a torch function mode active). Runs no Python
+    code; ``release_tokens`` gives a held buffer back."""
+    cdef int flags
+    cdef object kind = type(obj)
+    b.held = False
+    if kind is _ndarray or kind is _array_type:
+        # An array of one of numpy's builtin int64 dtypes (native order) needs no format
+        # string: numpy builds one per export when asked, which costs more than the rest.
+        flags = PyBUF_C_CONTIGUOUS
+        if kind is not _ndarray or not _is_int64_dtype(obj.dtype):
+            flags |= PyBUF_FORMAT
+        try:
+            PyObject_GetBuffer(obj, &b.view, flags)
+        except (ValueError, BufferError, TypeError):
+            return 0
+        b.held = True
+        if b.view.ndim != 1 or b.view.itemsize != 8 or (
+                flags & PyBUF_FORMAT and not int64_format(b.view.format)):
+            release_tokens(b)
+            return 0
+        b.ptr = <const int64_t*>b.view.buf
+        b.len = b.view.shape[0]
+    elif kind is _Tensor:
+        if _mode_enabled():
+            return 0
+        if (not obj.is_cpu or obj.dtype is not _int64 or obj.dim() != 1
+                or not obj.is_contiguous()):
+            return 0
+        # Memory that does not hold the values as read: a negative-bit view stores them
+        # un-negated; a zero tensor has no storage: its NULL data pointer is declined
+        # below, which spares a ~60 ns _is_zerotensor() call per tensor (an empty
+        # tensor without storage goes the validation path too, to the same answer).
+        if obj.is_neg():
+            return 0
+        b.len = obj.nbytes >> 3  # int64: 8 bytes each (cheaper than numel())
+        b.ptr = <const int64_t*><uintptr_t>obj.data_ptr()
+        if b.ptr == NULL:
+            return 0
+    else:
+        return 0
+    return 1
+
+
 @cython.final
 cdef class Core:
     """One cache's tree, eviction heap, sizes and counters, and its whole-call operations
@@ -1928,7 +1973,6 @@ cdef class Core:
         cdef Py_ssize_t i, n
         cdef PyObject** items
         cdef int64_t* out
-        cdef int flags
         cdef object kind = type(obj)
         b.held = False
         if kind is list or kind is tuple:
@@ -1941,40 +1985,7 @@ cdef class Core:
             b.ptr = out
             b.len = n
             return 1
-        if kind is _ndarray or kind is _array_type:
-            # An array of one of numpy's builtin int64 dtypes (native order) needs no format
-            # string: numpy builds one per export when asked, which costs more than the rest.
-            flags = PyBUF_C_CONTIGUOUS
-            if kind is not _ndarray or not _is_int64_dtype(obj.dtype):
-                flags |= PyBUF_FORMAT
-            try:
-                PyObject_GetBuffer(obj, &b.view, flags)
-            except (ValueError, BufferError, TypeError):
-                return 0
-            b.held = True
-            if b.view.ndim != 1 or b.view.itemsize != 8 or (
-                    flags & PyBUF_FORMAT and not int64_format(b.view.format)):
-                release_tokens(b)
-                return 0
-            b.ptr = <const int64_t*>b.view.buf
-            b.len = b.view.shape[0]
-        elif kind is _Tensor:
-            if _mode_enabled():
-                return 0
-            if (not obj.is_cpu or obj.dtype is not _int64 or obj.dim() != 1
-                    or not obj.is_contiguous()):
-                return 0
-            # Memory that does not hold the values as read: a negative-bit view stores them
-            # un-negated; a zero tensor has no storage: its NULL data pointer is declined
-            # below, which spares a ~60 ns _is_zerotensor() call per tensor (an empty
-            # tensor without storage goes the validation path too, to the same answer).
-            if obj.is_neg():
-                return 0
-            b.len = obj.nbytes >> 3  # int64: 8 bytes each (cheaper than numel())
-            b.ptr = <const int64_t*><uintptr_t>obj.data_ptr()
-            if b.ptr == NULL:
-                return 0
-        else:
+        if not borrow_int64(obj, b):
             return 0
         if private:
             out = self.scratch(for_kv, b.len)
@@ -3183,6 +3194,50 @@ _heap_base_traverse = (<TypeSlots*><void*>EvictionHeap).tp_traverse
 (<TypeSlots*><void*>EvictionHeap).tp_traverse = heap_traverse
 (<TypeSlots*><void*>EvictionHeap).tp_clear = heap_clear
 (<TypeSlots*><void*>Tree).tp_clear = tree_clear
+
+
+# -- a slot pool's free stack (spec: _core_py's module docstring) ------------------------------
+def put_slots(object stack, Py_ssize_t top, object slots, int64_t bound):
+    """Push ``slots`` on a pool's free stack at ``top`` when every id lies in ``[0, bound)``
+    and ``top + len(slots) <= min(bound, len(stack))``: how many were pushed; -1 to decline.
+    See ``_core_py``."""
+    cdef TokenBuf src
+    cdef Py_buffer dst
+    cdef int64_t* out
+    cdef const int64_t* ids
+    cdef Py_ssize_t i, n, room
+    cdef uint64_t outside = 0
+    if type(stack) is not _ndarray or not _is_int64_dtype(stack.dtype) or top < 0 or bound < 0:
+        return -1
+    if not borrow_int64(slots, &src):
+        return -1
+    try:
+        try:
+            PyObject_GetBuffer(stack, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+        except (ValueError, BufferError, TypeError):
+            return -1
+        try:
+            # Nothing below runs Python code: both buffers stay as read.
+            n = src.len
+            room = dst.len >> 3
+            if bound < room:
+                room = <Py_ssize_t>bound
+            if dst.ndim != 1 or n > room - top:
+                return -1
+            out = <int64_t*>dst.buf + top
+            ids = src.ptr
+            if ids < out + n and out < ids + n:
+                return -1  # the ids are part of the stack's own memory there
+            # Written above the top first: those entries are free space, so a refused call
+            # leaves the stack as it was in every entry that counts.
+            for i in range(n):
+                out[i] = ids[i]
+                outside |= <uint64_t>(<uint64_t>ids[i] >= <uint64_t>bound)
+            return -1 if outside else n
+        finally:
+            PyBuffer_Release(&dst)
+    finally:
+        release_tokens(&src)
 
 
 # -- page hash chain (spec: _core_py's module docstring) --------------------------------------

@@ -224,6 +224,17 @@ native int64 bytes (8 per full page; no int objects made), with the same checks,
 ``data`` may also be a 1-D little-endian int64 numpy array (exactly ``numpy.ndarray``; its
 memory is read in place; another dtype, shape or a strided array is a ``TypeError``).
 
+``put_slots(stack, top, slots, bound) -> int`` -- a module function, not part of the tree:
+a slot pool's free-list push. ``stack`` is the pool's free stack (a writable 1-D contiguous
+int64 ``numpy.ndarray``, its free ids in ``stack[:top]``); ``slots`` the ids to push (an int64
+``numpy.ndarray`` or CPU ``torch.int64`` tensor, 1-D contiguous). When every id lies in ``[0,
+bound)`` and ``top + len(slots) <= min(bound, len(stack))`` (a pool never holds more free ids
+than it has), they are copied to ``stack[top:]`` and the call returns how many; otherwise it
+returns -1 and the entries that count, ``stack[:top]``, are as they were (it may write above
+``top``). It also declines, with -1, another input type, dtype or layout and a torch
+function mode, and the compiled core ids that share memory with the entries written: the
+pool then takes its own checked path, which gives the errors. ``KVPool.free`` and ``HostPool.free`` use it.
+
 ``BlockIndex()`` -- a class, not part of the tree: ``KvIndexer``'s table of held blocks, a
 map from a 64-bit block key (an ``int`` in int64) to the copies holding it (``copy``: an
 ``int`` in ``[0, 2**31 - 1)`` the caller assigns; a copy counts once per holding, so it may
@@ -2035,6 +2046,32 @@ def page_hash_bytes(seed: int, data: Any, page_bytes: int) -> bytes:
     elif type(data) is not bytes:
         raise TypeError(f"data must be bytes or an int64 numpy array, got {type(data).__name__}")
     return np.array(page_hash_chain(seed, data, page_bytes), dtype=np.int64).tobytes()
+
+
+_max_of = np.maximum.reduce  # an array's largest element, without ndarray.max's wrappers
+
+
+def put_slots(stack: Any, top: int, slots: Any, bound: int) -> int:
+    """Push ``slots`` on a pool's free stack at ``top``; see the module docstring."""
+    if (type(stack) is not np.ndarray or stack.dtype != np.int64 or stack.ndim != 1
+            or not stack.flags.c_contiguous or not stack.flags.writeable or top < 0 or bound < 0):
+        return -1
+    if type(slots) is np.ndarray:
+        ids = slots
+    elif (type(slots) is _Tensor and not _torch._C._is_torch_function_mode_enabled()
+            and slots.device.type == "cpu" and not slots.is_neg()):
+        ids = slots.numpy()
+    else:
+        return -1
+    if ids.dtype != np.int64 or ids.ndim != 1 or not ids.flags.c_contiguous:
+        return -1
+    n = len(ids)
+    if n > min(bound, len(stack)) - top:
+        return -1
+    if n and int(_max_of(ids.view(np.uint64))) >= bound:  # a negative id reads as a huge one
+        return -1
+    stack[top:top + n] = ids
+    return n
 
 
 def _block_index_from(keys: Any, copies: Any) -> BlockIndex:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
+from ._core import core as _default_core
 from ._options import ARRAY_TYPES
 from ._shared import is_tensor, load_torch
 
@@ -60,6 +61,7 @@ FRESH_TOKEN_BASE = 1 << 62
 _VOCAB = 32000
 
 _max_of = np.maximum.reduce  # an array's largest element, without ndarray.max's wrappers
+_put_slots = _default_core.put_slots  # a pool's free-list push: compiled when built
 
 
 def _slot_array(slots: Any) -> np.ndarray:
@@ -660,6 +662,10 @@ class KVPool:
         Raises:
             ValueError: more slots than are in use, or ids outside ``[0, capacity)``.
         """
+        pushed = _put_slots(self._free, self._top, slots, self.capacity)
+        if pushed >= 0:  # the common input, checked and pushed in one pass
+            self._top += pushed
+            return
         arr = _slot_array(slots)
         n = len(arr)
         if n == 0:
@@ -774,6 +780,10 @@ class HostPool:
         Raises:
             ValueError: more slots than are in use, or ids never handed out.
         """
+        pushed = _put_slots(self._free, self._top, slots, self._next)
+        if pushed >= 0:  # the common input, checked and pushed in one pass
+            self._top += pushed
+            return
         arr = _slot_array(slots)
         n = len(arr)
         if n == 0:

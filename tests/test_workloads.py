@@ -283,6 +283,118 @@ def test_kv_pool_free_refuses_every_id_outside_and_keeps_its_state():
     assert pool.used == 4
 
 
+# -- put_slots: a pool's free-list push, in each core ------------------------------------------
+def _stack(top: int, size: int = 8) -> np.ndarray:
+    stack = np.full(size, -7, dtype=np.int64)
+    stack[:top] = np.arange(100, 100 + top)
+    return stack
+
+
+@pytest.mark.parametrize("kind", ["tensor", "ndarray"])
+def test_put_slots_pushes_ids_in_range(core, kind):
+    put_slots = CORES[core].put_slots
+    stack = _stack(2)
+    ids = [5, 0, 7]
+    slots = torch.tensor(ids) if kind == "tensor" else np.array(ids, dtype=np.int64)
+    assert put_slots(stack, 2, slots, 8) == 3
+    assert stack[:5].tolist() == [100, 101, 5, 0, 7]
+    assert put_slots(stack, 5, slots[:0], 8) in (0, -1)  # empty: nothing to push either way
+    assert stack[:5].tolist() == [100, 101, 5, 0, 7]
+
+
+def _declined(put_slots, stack, top, slots, bound) -> None:
+    kept = stack[:top].copy()
+    assert put_slots(stack, top, slots, bound) == -1
+    assert stack[:top].tolist() == kept.tolist()
+
+
+@pytest.mark.parametrize("bad", [
+    np.array([8]), np.array([1, -1]), np.array([2**63 - 1]), np.array([-(2**63)]),
+    torch.tensor([3, 9]), torch.tensor([-5]),
+], ids=lambda b: f"{type(b).__name__}{b.tolist()}")
+def test_put_slots_declines_ids_outside(core, bad):
+    _declined(CORES[core].put_slots, _stack(2), 2, bad, 8)
+
+
+def test_put_slots_declines_what_does_not_fit(core):
+    put_slots = CORES[core].put_slots
+    # top + n past the bound (a pool never holds more free ids than it has) ...
+    _declined(put_slots, _stack(6, size=16), 6, np.array([1, 2, 3]), 8)
+    # ... or past the stack's end.
+    _declined(put_slots, _stack(6), 6, np.array([1, 2, 3]), 100)
+    for top, bound in ((-1, 8), (0, -1)):
+        _declined(put_slots, _stack(0), top, np.array([1]), bound)
+
+
+def test_put_slots_declines_other_inputs(core):
+    put_slots = CORES[core].put_slots
+    base = np.arange(6, dtype=np.int64)
+    others = [
+        [1, 2], (1, 2), np.array([1, 2], dtype=np.int32), np.array([1, 2], dtype=">i8"),
+        np.array([1.0, 2.0]), base.reshape(2, 3), base[::2], torch.tensor([1, 2], dtype=torch.int32),
+        torch.arange(6)[::2], torch.arange(6).reshape(2, 3), torch.tensor([1, 2])._neg_view(),
+        np.arange(2).view(type("Sub", (np.ndarray,), {})), None, "12",
+    ]
+    for other in others:
+        _declined(put_slots, _stack(2), 2, other, 8)
+    stack = _stack(2)
+    for bad_stack in (stack.astype(np.int32), stack.reshape(2, 4), list(stack), stack[::2]):
+        assert put_slots(bad_stack, 2, np.array([1]), 8) == -1
+    frozen = _stack(2)
+    frozen.flags.writeable = False
+    _declined(put_slots, frozen, 2, np.array([1]), 8)
+
+
+def test_put_slots_declines_under_a_torch_function_mode(core):
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        _declined(CORES[core].put_slots, _stack(2), 2, torch.tensor([1, 2]), 8)
+
+
+def test_put_slots_copies_ids_from_the_stack_itself(core):
+    # Ids that are the stack's own memory (a view reaching into the entries written): the
+    # push either copies their values as they were, or declines.
+    stack = _stack(4)
+    ids = stack[2:5]
+    want = ids.copy()
+    got = CORES[core].put_slots(stack, 3, ids, 1000)
+    if got == -1:
+        assert stack[:3].tolist() == [100, 101, 102]
+    else:
+        assert got == 3 and stack[3:6].tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("pool_kind", ["kv", "host"])
+def test_pool_free_takes_every_input_kind_alike(pool_kind):
+    # Whichever path a kind takes (the one-pass push or the checked one), the pool ends the same.
+    kinds = [
+        lambda ids: torch.tensor(ids), lambda ids: np.array(ids, dtype=np.int64),
+        lambda ids: np.array(ids, dtype=np.int32), lambda ids: np.array(ids, dtype=">i8"),
+        lambda ids: list(ids), lambda ids: torch.tensor(ids)[::1],
+        lambda ids: torch.tensor([x for i in ids for x in (i, -1)], dtype=torch.int64)[::2],
+    ]
+    ends = []
+    for make in kinds:
+        pool = KVPool(12) if pool_kind == "kv" else HostPool(12)
+        taken = pool.alloc(10).tolist()
+        pool.free(make([taken[7], taken[2], taken[4]]))
+        pool.free(make([]))
+        assert pool.used == 7
+        if pool_kind == "kv":
+            ends.append(pool.free_slots().tolist())
+        else:
+            ends.append(sorted(pool.alloc(5).tolist()))
+    assert all(end == ends[0] for end in ends), ends
+
+
 # -- serve -------------------------------------------------------------------------------------
 def test_serve_same_prompt_ten_times(core):
     prompt = np.arange(100, 400, dtype=np.int64)
