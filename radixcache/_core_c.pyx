@@ -3229,11 +3229,20 @@ def put_slots(object stack, Py_ssize_t top, object slots, int64_t bound):
             if ids < out + n and out < ids + n:
                 return -1  # the ids are part of the stack's own memory there
             # Written above the top first: those entries are free space, so a refused call
-            # leaves the stack as it was in every entry that counts.
+            # leaves the stack as it was in every entry that counts. The copy and the check
+            # are two passes: each runs at memory speed (one fused loop does not vectorize).
+            memcpy(out, ids, n * sizeof(int64_t))
+            # Every id is at most their bitwise or: below the bound, all are in range (an or
+            # vectorizes on any x86-64, a 64-bit compare does not); else check each one. A
+            # negative id reads as a huge unsigned one.
             for i in range(n):
-                out[i] = ids[i]
-                outside |= <uint64_t>(<uint64_t>ids[i] >= <uint64_t>bound)
-            return -1 if outside else n
+                outside |= <uint64_t>out[i]
+            if outside < <uint64_t>bound:
+                return n
+            for i in range(n):
+                if <uint64_t>out[i] >= <uint64_t>bound:
+                    return -1
+            return n
         finally:
             PyBuffer_Release(&dst)
     finally:
