@@ -284,6 +284,14 @@ def test_kv_pool_free_refuses_every_id_outside_and_keeps_its_state():
 
 
 # -- put_slots: a pool's free-list push, in each core ------------------------------------------
+@pytest.fixture
+def torch_bound():
+    """The cores' torch names bound (until then they take no tensor: nothing counts as one)."""
+    from radixcache._shared import load_torch  # noqa: PLC0415
+
+    load_torch()
+
+
 def _stack(top: int, size: int = 8) -> np.ndarray:
     stack = np.full(size, -7, dtype=np.int64)
     stack[:top] = np.arange(100, 100 + top)
@@ -291,7 +299,7 @@ def _stack(top: int, size: int = 8) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind", ["tensor", "ndarray"])
-def test_put_slots_pushes_ids_in_range(core, kind):
+def test_put_slots_pushes_ids_in_range(core, kind, torch_bound):
     put_slots = CORES[core].put_slots
     stack = _stack(2)
     ids = [5, 0, 7]
@@ -301,6 +309,15 @@ def test_put_slots_pushes_ids_in_range(core, kind):
     assert put_slots(stack, 5, slots[:0], 8) in (0, -1)  # empty: nothing to push either way
     assert stack[:5].tolist() == [100, 101, 5, 0, 7]
 
+
+def test_put_slots_takes_ids_in_range_whose_bits_reach_past_the_bound(core):
+    # 5 | 9 | 3 = 15 >= 10, yet every id is below 10; 9 | 10 = 11 with 10 outside.
+    put_slots = CORES[core].put_slots
+    stack = _stack(0, size=16)
+    assert put_slots(stack, 0, np.array([5, 9, 3]), 10) == 3
+    assert stack[:3].tolist() == [5, 9, 3]
+    assert put_slots(stack, 3, np.array([9, 10]), 10) == -1
+    assert put_slots(stack, 3, np.array([2**63 - 1]), 2**63 - 1) == -1
 
 def _declined(put_slots, stack, top, slots, bound) -> None:
     kept = stack[:top].copy()
@@ -312,7 +329,7 @@ def _declined(put_slots, stack, top, slots, bound) -> None:
     np.array([8]), np.array([1, -1]), np.array([2**63 - 1]), np.array([-(2**63)]),
     torch.tensor([3, 9]), torch.tensor([-5]),
 ], ids=lambda b: f"{type(b).__name__}{b.tolist()}")
-def test_put_slots_declines_ids_outside(core, bad):
+def test_put_slots_declines_ids_outside(core, bad, torch_bound):
     _declined(CORES[core].put_slots, _stack(2), 2, bad, 8)
 
 
@@ -326,7 +343,7 @@ def test_put_slots_declines_what_does_not_fit(core):
         _declined(put_slots, _stack(0), top, np.array([1]), bound)
 
 
-def test_put_slots_declines_other_inputs(core):
+def test_put_slots_declines_other_inputs(core, torch_bound):
     put_slots = CORES[core].put_slots
     base = np.arange(6, dtype=np.int64)
     others = [
@@ -345,7 +362,7 @@ def test_put_slots_declines_other_inputs(core):
     _declined(put_slots, frozen, 2, np.array([1]), 8)
 
 
-def test_put_slots_declines_under_a_torch_function_mode(core):
+def test_put_slots_declines_under_a_torch_function_mode(core, torch_bound):
     from torch.overrides import TorchFunctionMode
 
     seen = []
@@ -355,8 +372,10 @@ def test_put_slots_declines_under_a_torch_function_mode(core):
             seen.append(func)
             return func(*args, **(kwargs or {}))
 
+    put_slots, slots = CORES[core].put_slots, torch.tensor([1, 2])
     with Watch():
-        _declined(CORES[core].put_slots, _stack(2), 2, torch.tensor([1, 2]), 8)
+        _declined(put_slots, _stack(2), 2, slots, 8)
+    assert put_slots(_stack(2), 2, slots, 8) == 2  # the same call without the mode
 
 
 def test_put_slots_copies_ids_from_the_stack_itself(core):
