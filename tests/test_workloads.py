@@ -319,6 +319,20 @@ def test_put_slots_takes_ids_in_range_whose_bits_reach_past_the_bound(core):
     assert put_slots(stack, 3, np.array([9, 10]), 10) == -1
     assert put_slots(stack, 3, np.array([2**63 - 1]), 2**63 - 1) == -1
 
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 17, 64])
+def test_put_slots_checks_every_position(core, n):
+    # The compiled push reads the ids in blocks of eight, then one at a time: an id outside
+    # is found wherever it is.
+    put_slots = CORES[core].put_slots
+    ids = np.random.default_rng(n).integers(0, 1000, size=n)
+    stack = np.zeros(100, dtype=np.int64)
+    assert put_slots(stack, 3, ids, 1000) == n and stack[3:3 + n].tolist() == ids.tolist()
+    for at in range(n):
+        for bad in (1000, -1):
+            wrong = ids.copy()
+            wrong[at] = bad
+            assert put_slots(np.zeros(100, dtype=np.int64), 3, wrong, 1000) == -1
+
 def _declined(put_slots, stack, top, slots, bound) -> None:
     kept = stack[:top].copy()
     assert put_slots(stack, top, slots, bound) == -1
