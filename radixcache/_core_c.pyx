@@ -3250,7 +3250,8 @@ def put_slots(object stack, Py_ssize_t top, object slots, int64_t bound):
                 return -1
             out = <int64_t*>dst.buf + top
             ids = src.ptr
-            if ids < out + n and out < ids + n:
+            if (<uintptr_t>ids < <uintptr_t>(out + n)
+                    and <uintptr_t>out < <uintptr_t>(ids + n)):
                 return -1  # the ids are part of the stack's own memory there
             # Written above the top first: those entries are free space, so a refused call
             # leaves the stack as it was in every entry that counts.
