@@ -30,7 +30,7 @@ rounds vary several-fold.
 Workloads (sizes from ``_cases.FULL``): synthetic chat (300 conversations, pool 65,536 tokens)
 and the first 2,000 requests of the Mooncake trace (pool 2^22 tokens), page sizes 1 and 16;
 and the eviction-heavy case: the chat's first 3,000 requests in a 65,536-token pool, page
-size 1 (about half the prompt tokens hit; evict runs on most requests), where
+size 1 (about 72% of the prompt tokens hit; evict runs on most requests), where
 ``radixcache-batch`` is radixcache with ``evict(..., batch=True)`` (one free per evict call,
 as an engine that groups its frees would use it). Skipped without SGLang
 (``bash tests/install_sglang.sh``)::
