@@ -172,32 +172,39 @@ cdef extern from *:
     #define rc_prefetch(p) ((void)0)
     #endif
 
-    /* Copies n ids (the two ranges do not overlap) and returns their bitwise or: every id
-       is at most it. Eight independent ors: one chain would wait on each step's latency. */
+    /* Copies n ids (the two ranges do not overlap) and tells whether one lies outside
+       [0, bound), bound >= 0: read as int64, an id v < 0 has the top bit of v set, and one
+       with v >= bound >= 0 has v - bound >= 0, whose complement has it set. Subtractions, ors
+       and nots only, in eight independent chains: they vectorize on any x86-64 (a 64-bit
+       compare does not before SSE4.2). */
     #if defined(_MSC_VER)
     #define RC_RESTRICT __restrict
     #else
     #define RC_RESTRICT restrict
     #endif
-    static inline uint64_t rc_copy_or(int64_t* RC_RESTRICT out, const int64_t* RC_RESTRICT ids,
-                                      Py_ssize_t n) {
+    static inline int rc_copy_outside(int64_t* RC_RESTRICT out, const int64_t* RC_RESTRICT ids,
+                                      Py_ssize_t n, int64_t bound) {
         uint64_t a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        const uint64_t b = (uint64_t)bound;
+        uint64_t v;
         Py_ssize_t i = 0, j;
         for (; i + 8 <= n; i += 8) {
             for (j = 0; j < 8; j++) {
+                v = (uint64_t)ids[i + j];
                 out[i + j] = ids[i + j];
-                a[j] |= (uint64_t)ids[i + j];
+                a[j] |= v | ~(v - b);
             }
         }
         for (; i < n; i++) {
+            v = (uint64_t)ids[i];
             out[i] = ids[i];
-            a[0] |= (uint64_t)ids[i];
+            a[0] |= v | ~(v - b);
         }
-        return a[0] | a[1] | a[2] | a[3] | a[4] | a[5] | a[6] | a[7];
+        return (int)((a[0] | a[1] | a[2] | a[3] | a[4] | a[5] | a[6] | a[7]) >> 63);
     }
     """
     void rc_prefetch(const void* p) noexcept nogil
-    uint64_t rc_copy_or(int64_t* out, const int64_t* ids, Py_ssize_t n) noexcept nogil
+    int rc_copy_outside(int64_t* out, const int64_t* ids, Py_ssize_t n, int64_t bound) noexcept nogil
 
 
 cdef inline Py_ssize_t common_prefix(const int64_t* a, const int64_t* b,
@@ -3230,7 +3237,7 @@ def put_slots(object stack, Py_ssize_t top, object slots, int64_t bound):
     cdef Py_buffer dst
     cdef int64_t* out
     cdef const int64_t* ids
-    cdef Py_ssize_t i, n, room
+    cdef Py_ssize_t n, room
     if type(stack) is not _ndarray or not _is_int64_dtype(stack.dtype) or top < 0 or bound < 0:
         return -1
     if not borrow_int64(slots, &src):
@@ -3255,15 +3262,7 @@ def put_slots(object stack, Py_ssize_t top, object slots, int64_t bound):
                 return -1  # the ids are part of the stack's own memory there
             # Written above the top first: those entries are free space, so a refused call
             # leaves the stack as it was in every entry that counts.
-            # Every id is at most their bitwise or: below the bound, all are in range (an or
-            # vectorizes on any x86-64, a 64-bit compare does not); else check each one. A
-            # negative id reads as a huge unsigned one.
-            if rc_copy_or(out, ids, n) < <uint64_t>bound:
-                return n
-            for i in range(n):
-                if <uint64_t>out[i] >= <uint64_t>bound:
-                    return -1
-            return n
+            return -1 if rc_copy_outside(out, ids, n, bound) else n
         finally:
             PyBuffer_Release(&dst)
     finally:

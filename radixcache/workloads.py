@@ -61,7 +61,10 @@ FRESH_TOKEN_BASE = 1 << 62
 _VOCAB = 32000
 
 _max_of = np.maximum.reduce  # an array's largest element, without ndarray.max's wrappers
-_put_slots = _default_core.put_slots  # a pool's free-list push: compiled when built
+# The compiled core's one-pass push of freed ids (a checked copy into a pool's free stack).
+# In pure Python the pools' own numpy path is faster than the pure core's push (the
+# reference for the compiled one), so there it serves alone.
+_put_slots = _default_core.put_slots if _default_core.CORE_NAME == "c" else None
 
 
 def _slot_array(slots: Any) -> np.ndarray:
@@ -662,10 +665,11 @@ class KVPool:
         Raises:
             ValueError: more slots than are in use, or ids outside ``[0, capacity)``.
         """
-        pushed = _put_slots(self._free, self._top, slots, self.capacity)
-        if pushed >= 0:  # the common input, checked and pushed in one pass
-            self._top += pushed
-            return
+        if _put_slots is not None:
+            pushed = _put_slots(self._free, self._top, slots, self.capacity)
+            if pushed >= 0:  # the common input, checked and pushed in one pass
+                self._top += pushed
+                return
         arr = _slot_array(slots)
         n = len(arr)
         if n == 0:
@@ -780,10 +784,11 @@ class HostPool:
         Raises:
             ValueError: more slots than are in use, or ids never handed out.
         """
-        pushed = _put_slots(self._free, self._top, slots, self._next)
-        if pushed >= 0:  # the common input, checked and pushed in one pass
-            self._top += pushed
-            return
+        if _put_slots is not None:
+            pushed = _put_slots(self._free, self._top, slots, self._next)
+            if pushed >= 0:  # the common input, checked and pushed in one pass
+                self._top += pushed
+                return
         arr = _slot_array(slots)
         n = len(arr)
         if n == 0:
