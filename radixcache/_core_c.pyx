@@ -204,7 +204,8 @@ cdef extern from *:
     }
     """
     void rc_prefetch(const void* p) noexcept nogil
-    int rc_copy_outside(int64_t* out, const int64_t* ids, Py_ssize_t n, int64_t bound) noexcept nogil
+    int rc_copy_outside(int64_t* out, const int64_t* ids, Py_ssize_t n,
+                        int64_t bound) noexcept nogil
 
 
 cdef inline Py_ssize_t common_prefix(const int64_t* a, const int64_t* b,

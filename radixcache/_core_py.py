@@ -233,8 +233,9 @@ than it has), they are copied to ``stack[top:]`` and the call returns how many; 
 returns -1 and the entries that count, ``stack[:top]``, are as they were (it may write above
 ``top``). It also declines, with -1, another input type, dtype or layout and a torch
 function mode, and the compiled core ids that share memory with the entries written: the
-pool then takes its own checked path, which gives the errors. ``KVPool.free`` and ``HostPool.free`` use the compiled
-core's (this one is its reference: in Python the pools' own numpy path is faster).
+pool then takes its own checked path, which gives the errors. ``KVPool.free`` and
+``HostPool.free`` use the compiled core's (this one is its reference: in Python the pools'
+own numpy path is faster).
 
 ``BlockIndex()`` -- a class, not part of the tree: ``KvIndexer``'s table of held blocks, a
 map from a 64-bit block key (an ``int`` in int64) to the copies holding it (``copy``: an

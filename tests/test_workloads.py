@@ -362,7 +362,8 @@ def test_put_slots_declines_other_inputs(core, torch_bound):
     base = np.arange(6, dtype=np.int64)
     others = [
         [1, 2], (1, 2), np.array([1, 2], dtype=np.int32), np.array([1, 2], dtype=">i8"),
-        np.array([1.0, 2.0]), base.reshape(2, 3), base[::2], torch.tensor([1, 2], dtype=torch.int32),
+        np.array([1.0, 2.0]), base.reshape(2, 3), base[::2],
+        torch.tensor([1, 2], dtype=torch.int32),
         torch.arange(6)[::2], torch.arange(6).reshape(2, 3), torch.tensor([1, 2])._neg_view(),
         np.arange(2).view(type("Sub", (np.ndarray,), {})), None, "12",
     ]
