@@ -3241,12 +3241,14 @@ def put_slots(object stack, Py_ssize_t top, object slots, int64_t bound):
     cdef Py_ssize_t n, room
     if type(stack) is not _ndarray or not _is_int64_dtype(stack.dtype) or top < 0 or bound < 0:
         return -1
-    if not borrow_int64(slots, &src):
+    # The stack first: numpy may warn while exporting it (an array that warns on writes),
+    # and a warning runs Python code, which must not find the ids borrowed yet.
+    try:
+        PyObject_GetBuffer(stack, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
+    except (ValueError, BufferError, TypeError, Warning):
         return -1
     try:
-        try:
-            PyObject_GetBuffer(stack, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)
-        except (ValueError, BufferError, TypeError):
+        if not borrow_int64(slots, &src):
             return -1
         try:
             # Nothing below runs Python code: both buffers stay as read.
@@ -3265,9 +3267,9 @@ def put_slots(object stack, Py_ssize_t top, object slots, int64_t bound):
             # leaves the stack as it was in every entry that counts.
             return -1 if rc_copy_outside(out, ids, n, bound) else n
         finally:
-            PyBuffer_Release(&dst)
+            release_tokens(&src)
     finally:
-        release_tokens(&src)
+        PyBuffer_Release(&dst)
 
 
 # -- page hash chain (spec: _core_py's module docstring) --------------------------------------

@@ -233,7 +233,9 @@ than it has), they are copied to ``stack[top:]`` and the call returns how many; 
 returns -1 and the entries that count, ``stack[:top]``, are as they were (it may write above
 ``top``). It also declines, with -1, another input type, dtype or layout and a torch
 function mode, and the compiled core ids that share memory with the entries written: the
-pool then takes its own checked path, which gives the errors. ``KVPool.free`` and
+pool then takes its own checked path, which gives the errors. ``slots`` may also be an
+``array.array`` of int64 (typecode ``q``, or ``l`` where it has 8 bytes); ``top`` and
+``bound`` beyond int64 raise ``OverflowError``. ``KVPool.free`` and
 ``HostPool.free`` use the compiled core's (this one is its reference: in Python the pools'
 own numpy path is faster).
 
@@ -2055,17 +2057,28 @@ _max_of = np.maximum.reduce  # an array's largest element, without ndarray.max's
 
 def put_slots(stack: Any, top: int, slots: Any, bound: int) -> int:
     """Push ``slots`` on a pool's free stack at ``top``; see the module docstring."""
-    if (type(stack) is not np.ndarray or stack.dtype != np.int64 or stack.ndim != 1
+    if not (_INT64_MIN <= top <= _INT64_MAX and _INT64_MIN <= bound <= _INT64_MAX):
+        raise OverflowError("top and bound must fit in int64")
+    if (type(stack) is not np.ndarray or not _is_int64_dtype(stack.dtype) or stack.ndim != 1
             or not stack.flags.c_contiguous or not stack.flags.writeable or top < 0 or bound < 0):
         return -1
-    if type(slots) is np.ndarray:
+    kind = type(slots)
+    if kind is np.ndarray:
         ids = slots
-    elif (type(slots) is _Tensor and not _torch._C._is_torch_function_mode_enabled()
-            and slots.device.type == "cpu" and not slots.is_neg()):
-        ids = slots.numpy()
+    elif kind is array.array:
+        if slots.typecode not in "ql" or slots.itemsize != 8:
+            return -1
+        ids = np.frombuffer(slots, dtype=np.int64)
+    elif (kind is _Tensor and not _torch._C._is_torch_function_mode_enabled()
+            and slots.is_cpu and slots.dtype is _int64 and slots.layout is _torch.strided
+            and not slots.is_neg()):
+        try:
+            ids = slots.numpy()
+        except (RuntimeError, TypeError):  # a tensor numpy cannot view (a zero tensor)
+            return -1
     else:
         return -1
-    if ids.dtype != np.int64 or ids.ndim != 1 or not ids.flags.c_contiguous:
+    if not _is_int64_dtype(ids.dtype) or ids.ndim != 1 or not ids.flags.c_contiguous:
         return -1
     n = len(ids)
     if n > min(bound, len(stack)) - top:
@@ -2075,6 +2088,13 @@ def put_slots(stack: Any, top: int, slots: Any, bound: int) -> int:
     stack[top:top + n] = ids
     return n
 
+
+_INT64_DTYPES = (np.dtype(np.int64), np.dtype(np.longlong))
+
+
+def _is_int64_dtype(dtype: Any) -> bool:
+    """One of numpy's builtin native int64 dtypes (as the compiled core checks: by identity)."""
+    return dtype is _INT64_DTYPES[0] or dtype is _INT64_DTYPES[1]
 
 def _block_index_from(keys: Any, copies: Any) -> BlockIndex:
     """A ``BlockIndex`` holding ``keys[i]`` for ``copies[i]`` (int64 and int32 bytes), in order."""

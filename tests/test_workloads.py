@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import array
 import json
+import re
 
 import numpy as np
 import pytest
@@ -306,7 +308,10 @@ def test_put_slots_pushes_ids_in_range(core, kind, torch_bound):
     slots = torch.tensor(ids) if kind == "tensor" else np.array(ids, dtype=np.int64)
     assert put_slots(stack, 2, slots, 8) == 3
     assert stack[:5].tolist() == [100, 101, 5, 0, 7]
-    assert put_slots(stack, 5, slots[:0], 8) in (0, -1)  # empty: nothing to push either way
+    # Nothing to push: an empty array pushes 0; an empty tensor (no data pointer) may be
+    # declined. Either way the stack is as it was.
+    empty = put_slots(stack, 5, slots[:0], 8)
+    assert empty == 0 if kind == "ndarray" else empty in (0, -1)
     assert stack[:5].tolist() == [100, 101, 5, 0, 7]
 
 
@@ -347,6 +352,16 @@ def test_put_slots_declines_ids_outside(core, bad, torch_bound):
     _declined(CORES[core].put_slots, _stack(2), 2, bad, 8)
 
 
+def test_put_slots_takes_an_int64_array_array_and_refuses_ints_past_int64(core):
+    put_slots = CORES[core].put_slots
+    stack = _stack(1)
+    assert put_slots(stack, 1, array.array("q", [6, 0]), 8) == 2
+    assert stack[:3].tolist() == [100, 6, 0]
+    for top, bound in ((2**63, 8), (1, 2**63), (-(2**63) - 1, 8)):
+        with pytest.raises(OverflowError):
+            put_slots(stack, top, np.array([1]), bound)
+    assert stack[:3].tolist() == [100, 6, 0]
+
 def test_put_slots_declines_what_does_not_fit(core):
     put_slots = CORES[core].put_slots
     # top + n past the bound (a pool never holds more free ids than it has) ...
@@ -366,6 +381,9 @@ def test_put_slots_declines_other_inputs(core, torch_bound):
         torch.tensor([1, 2], dtype=torch.int32),
         torch.arange(6)[::2], torch.arange(6).reshape(2, 3), torch.tensor([1, 2])._neg_view(),
         np.arange(2).view(type("Sub", (np.ndarray,), {})), None, "12",
+        torch.tensor([1, 2], dtype=torch.bfloat16), torch.tensor([1.0, 2.0], requires_grad=True),
+        torch.tensor([1, 2]).to_sparse(), torch._efficientzerotensor(2, dtype=torch.int64),
+        array.array("i", [1, 2]), array.array("Q", [1, 2]),
     ]
     for other in others:
         _declined(put_slots, _stack(2), 2, other, 8)
@@ -380,11 +398,8 @@ def test_put_slots_declines_other_inputs(core, torch_bound):
 def test_put_slots_declines_under_a_torch_function_mode(core, torch_bound):
     from torch.overrides import TorchFunctionMode
 
-    seen = []
-
     class Watch(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            seen.append(func)
             return func(*args, **(kwargs or {}))
 
     put_slots, slots = CORES[core].put_slots, torch.tensor([1, 2])
@@ -406,28 +421,74 @@ def test_put_slots_copies_ids_from_the_stack_itself(core):
         assert got == 3 and stack[3:6].tolist() == want.tolist()
 
 
-@pytest.mark.parametrize("pool_kind", ["kv", "host"])
-def test_pool_free_takes_every_input_kind_alike(pool_kind):
-    # Whichever path a kind takes (the one-pass push or the checked one), the pool ends the same.
-    kinds = [
-        lambda ids: torch.tensor(ids), lambda ids: np.array(ids, dtype=np.int64),
-        lambda ids: np.array(ids, dtype=np.int32), lambda ids: np.array(ids, dtype=">i8"),
-        lambda ids: list(ids), lambda ids: torch.tensor(ids)[::1],
-        lambda ids: torch.tensor([x for i in ids for x in (i, -1)], dtype=torch.int64)[::2],
-    ]
-    ends = []
-    for make in kinds:
-        pool = KVPool(12) if pool_kind == "kv" else HostPool(12)
-        taken = pool.alloc(10).tolist()
-        pool.free(make([taken[7], taken[2], taken[4]]))
-        pool.free(make([]))
-        assert pool.used == 7
-        if pool_kind == "kv":
-            ends.append(pool.free_slots().tolist())
-        else:
-            ends.append(sorted(pool.alloc(5).tolist()))
-    assert all(end == ends[0] for end in ends), ends
+_SLOT_KINDS = {
+    "tensor": lambda ids: torch.tensor(ids, dtype=torch.int64),
+    "int64": lambda ids: np.array(ids, dtype=np.int64),
+    "int32": lambda ids: np.array(ids, dtype=np.int32),
+    "big-endian": lambda ids: np.array(ids, dtype=">i8"),
+    "list": list,
+    "array": lambda ids: array.array("q", ids),
+    "strided tensor": lambda ids: torch.tensor([x for i in ids for x in (i, -1)],
+                                               dtype=torch.int64)[::2],
+}
 
+
+@pytest.mark.parametrize("push", sorted(CORES) + ["none"])
+@pytest.mark.parametrize("kind", sorted(_SLOT_KINDS))
+@pytest.mark.parametrize("pool_kind", ["kv", "host"])
+def test_pool_free_takes_every_input_kind(monkeypatch, pool_kind, kind, push, torch_bound):
+    # Whichever path an input takes (a core's one-pass push, or the pool's checked numpy
+    # path), the pool ends the same, and refuses the same bad input with the same error.
+    from radixcache import workloads  # noqa: PLC0415
+
+    monkeypatch.setattr(workloads, "_put_slots", None if push == "none" else CORES[push].put_slots)
+    make = _SLOT_KINDS[kind]
+    pool = KVPool(12) if pool_kind == "kv" else HostPool(12)
+    taken = pool.alloc(10).tolist()
+    assert sorted(taken) == list(range(10))
+    bounds = "[0, 12)" if pool_kind == "kv" else "[0, 10) (never handed out)"
+    for bad in ([taken[1], 12], [-1], [2**31 - 1]):
+        with pytest.raises(ValueError, match=re.escape(f"slot ids outside {bounds}")):
+            pool.free(make(bad))
+        assert pool.used == 10
+    pool.free(make([7, 2, 4]))
+    pool.free(make([]))
+    assert pool.used == 7
+    if pool_kind == "kv":
+        assert pool.free_slots().tolist() == [11, 10, 7, 2, 4]
+        with pytest.raises(ValueError, match="overfills"):
+            pool.free(make(list(range(8))))
+    else:
+        assert pool.alloc(3).tolist() == [7, 2, 4]  # freed slots first, latest on top
+        with pytest.raises(ValueError, match="overfills"):
+            pool.free(make(list(range(10)) + [0]))
+    assert pool.used == (7 if pool_kind == "kv" else 10)
+
+
+def test_put_slots_holds_no_ids_while_numpy_warns(core, torch_bound):
+    # Exporting a stack that warns on writes (a broadcast array) runs Python code: a
+    # warning hook that swaps the ids' storage must not leave the push reading freed memory.
+    import warnings  # noqa: PLC0415
+
+    put_slots = CORES[core].put_slots
+    stack, _ = np.broadcast_arrays(np.array(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
+    slots = torch.tensor([3], dtype=torch.int64)
+    swapped = []
+
+    def swap_storage(*args, **kwargs):
+        slots.set_(torch.tensor([5], dtype=torch.int64))
+        swapped.append(True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = swap_storage
+        got = put_slots(stack, 0, slots, 8)
+    # The ids as they are when read: the new storage's if the hook ran (numpy versions that
+    # warn), else the old one's.
+    assert got == 1 and stack.tolist() == ([5] if swapped else [3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert put_slots(stack, 0, slots, 8) in (-1, 1)  # a warning as an error: declined
 
 # -- serve -------------------------------------------------------------------------------------
 def test_serve_same_prompt_ten_times(core):
