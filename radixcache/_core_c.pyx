@@ -1757,20 +1757,20 @@ cdef bytes host_bytes(object host, Py_ssize_t n, bint numpy_arrays):
     checks and messages), as int64 bytes of exactly ``n`` indices: the conversion runs torch
     code (a tensor subclass can answer anything), so its result is checked again.
 
-    The common answer -- a plain CPU int64 tensor, 1-D, contiguous, of ``n`` elements, with
-    no torch function mode active (its accessors then run no Python code) -- is copied
-    straight from its memory; anything else goes through the shared check. With
-    ``numpy_arrays``, the same for a numpy array (``host_array_bytes``)."""
-    cdef const int64_t* src
+    The common answer -- an array of the core's kind that ``borrow_int64`` reads without
+    running Python code (a plain CPU int64 tensor with no torch function mode active, or an
+    exact int64 numpy array), 1-D, contiguous, of ``n`` elements -- is copied straight from
+    its memory; anything else goes through the shared check."""
+    cdef TokenBuf tb
+    if type(host) is (_ndarray if numpy_arrays else _Tensor) and borrow_int64(host, &tb):
+        try:
+            if tb.len == n:
+                return PyBytes_FromStringAndSize(<const char*>tb.ptr, n * sizeof(int64_t))
+        finally:
+            release_tokens(&tb)
+    data = host_indices_bytes(host, n, numpy_arrays)
     if numpy_arrays:
-        return host_array_bytes(host, n)
-    if type(host) is _Tensor and not _mode_enabled():
-        if (host.is_cpu and host.dtype is _int64 and host.dim() == 1
-                and host.is_contiguous() and not host.is_neg() and host.numel() == n):
-            src = <const int64_t*><uintptr_t>host.data_ptr()
-            if src != NULL:  # (a zero tensor has no memory: the shared path copes)
-                return PyBytes_FromStringAndSize(<const char*>src, n * sizeof(int64_t))
-    data = host_indices_bytes(host, n)
+        return data  # the shared check read it with ndarray's own tobytes, and checked it
     if type(data) is not bytes:
         raise TypeError("backup must return a torch.Tensor of host indices (or None when the "
                         f"host is full), got {type(host).__name__}")
@@ -1778,28 +1778,6 @@ cdef bytes host_bytes(object host, Py_ssize_t n, bint numpy_arrays):
         raise ValueError(f"backup returned {len(<bytes>data) // 8} host indices for {n} "
                          "device slots: one per slot expected")
     return <bytes>data
-
-
-cdef bytes host_array_bytes(object host, Py_ssize_t n):
-    """``host_bytes`` for a core of numpy arrays. The common answer -- an exact numpy array
-    of a builtin int64 dtype (an identity check), 1-D, C-contiguous, of ``n`` elements -- is
-    copied from its buffer (an exact array exports it without running Python code);
-    anything else goes through the shared check."""
-    cdef Py_buffer view
-    if type(host) is _ndarray and _is_int64_dtype(host.dtype):
-        try:
-            PyObject_GetBuffer(host, &view, PyBUF_C_CONTIGUOUS)
-        except (ValueError, BufferError, TypeError):
-            pass  # not contiguous: the shared check says what is wrong or copes
-        else:
-            try:
-                if view.ndim == 1 and view.itemsize == 8 and view.shape[0] == n:
-                    return PyBytes_FromStringAndSize(<const char*>view.buf,
-                                                     n * sizeof(int64_t))
-            finally:
-                PyBuffer_Release(&view)
-    # The shared check reads the array with ndarray's own tobytes and checks what it read.
-    return host_indices_bytes(host, n, True)
 
 
 cdef inline object batch_join(bint numpy_arrays):

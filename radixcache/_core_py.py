@@ -2053,6 +2053,12 @@ def page_hash_bytes(seed: int, data: Any, page_bytes: int) -> bytes:
 
 
 _max_of = np.maximum.reduce  # an array's largest element, without ndarray.max's wrappers
+_INT64_DTYPES = (np.dtype(np.int64), np.dtype(np.longlong))
+
+
+def _is_int64_dtype(dtype: Any) -> bool:
+    """One of numpy's builtin native int64 dtypes (as the compiled core checks: by identity)."""
+    return dtype is _INT64_DTYPES[0] or dtype is _INT64_DTYPES[1]
 
 
 def put_slots(stack: Any, top: int, slots: Any, bound: int) -> int:
@@ -2088,13 +2094,6 @@ def put_slots(stack: Any, top: int, slots: Any, bound: int) -> int:
     stack[top:top + n] = ids
     return n
 
-
-_INT64_DTYPES = (np.dtype(np.int64), np.dtype(np.longlong))
-
-
-def _is_int64_dtype(dtype: Any) -> bool:
-    """One of numpy's builtin native int64 dtypes (as the compiled core checks: by identity)."""
-    return dtype is _INT64_DTYPES[0] or dtype is _INT64_DTYPES[1]
 
 def _block_index_from(keys: Any, copies: Any) -> BlockIndex:
     """A ``BlockIndex`` holding ``keys[i]`` for ``copies[i]`` (int64 and int32 bytes), in order."""
