@@ -22,6 +22,8 @@ that allocating a node triggers (which can also let another thread run). So:
   (tokens read from a list are exact ints only -- anything else is declined to cache.py --;
   a borrowed buffer is copied when an extra_key will be hashed, and otherwise read only
   before the call's first allocation of a tracked object);
+- a tensor's facts (device, dtype, layout, size, address) come from torch.Tensor's own
+  accessors, never the instance's attributes, which code can set (``t.data_ptr = ...``);
 - a split calls nothing (device values are shared with an offset, not sliced);
 - structure first, references released after: no DECREF in the middle of an update of a
   child table or the heap, and teardown never recurses;
@@ -1541,11 +1543,113 @@ _mode_enabled = None
 _from_dlpack = None
 
 
+# A tensor's facts are read through torch.Tensor's own accessors (the C functions behind its
+# getters and methods), never through the instance: a tensor has a __dict__, and an
+# attribute set there (t.data_ptr = ...) shadows a method. Calling the C function directly
+# also skips the attribute lookup. The accessors' order is _FACT_*'s.
+cdef extern from *:
+    """
+    typedef PyObject* (*rc_fast_meth)(PyObject*, PyObject* const*, Py_ssize_t);
+    typedef PyObject* (*rc_fast_kw_meth)(PyObject*, PyObject* const*, Py_ssize_t, PyObject*);
+    typedef struct {
+        getter get;          /* a getset descriptor's getter, or NULL */
+        void* closure;
+        PyCFunction meth;    /* else a method descriptor's function */
+        int flags;           /* its calling convention */
+    } rc_accessor;
+
+    static PyObject* rc_no_args = NULL;
+
+    /* Bind ``a`` to the C function behind ``descr``: 1, or 0 when it is neither a getset
+       descriptor with a getter nor a method descriptor of a convention handled here. */
+    static int rc_accessor_bind(rc_accessor* a, PyObject* descr) {
+        a->get = NULL; a->closure = NULL; a->meth = NULL; a->flags = 0;
+        if (Py_IS_TYPE(descr, &PyGetSetDescr_Type)) {
+            PyGetSetDef* def = ((PyGetSetDescrObject*)descr)->d_getset;
+            if (def == NULL || def->get == NULL) return 0;
+            a->get = def->get;
+            a->closure = def->closure;
+            return 1;
+        }
+        if (Py_IS_TYPE(descr, &PyMethodDescr_Type)) {
+            PyMethodDef* def = ((PyMethodDescrObject*)descr)->d_method;
+            int flags = def->ml_flags & ~METH_COEXIST;
+            if (flags != METH_NOARGS && flags != METH_VARARGS
+                    && flags != (METH_VARARGS | METH_KEYWORDS) && flags != METH_FASTCALL
+                    && flags != (METH_FASTCALL | METH_KEYWORDS))
+                return 0;
+            if (rc_no_args == NULL && (rc_no_args = PyTuple_New(0)) == NULL) return -1;
+            a->meth = def->ml_meth;
+            a->flags = flags;
+            return 1;
+        }
+        return 0;
+    }
+
+    /* The attribute (a getter) or the result of calling the method without arguments, for
+       an object of the type the accessor was bound from; NULL with an exception set. */
+    static PyObject* rc_accessor_read(const rc_accessor* a, PyObject* obj) {
+        if (a->get != NULL) return a->get(obj, a->closure);
+        switch (a->flags) {
+        case METH_NOARGS:
+            return a->meth(obj, NULL);
+        case METH_VARARGS:
+            return a->meth(obj, rc_no_args);
+        case METH_VARARGS | METH_KEYWORDS:
+            return ((PyCFunctionWithKeywords)(void (*)(void))a->meth)(obj, rc_no_args, NULL);
+        case METH_FASTCALL:
+            return ((rc_fast_meth)(void (*)(void))a->meth)(obj, NULL, 0);
+        case METH_FASTCALL | METH_KEYWORDS:
+            return ((rc_fast_kw_meth)(void (*)(void))a->meth)(obj, NULL, 0, NULL);
+        }
+        PyErr_SetString(PyExc_SystemError, "a tensor accessor is not bound");
+        return NULL;
+    }
+    """
+    ctypedef struct rc_accessor:
+        pass
+    int rc_accessor_bind(rc_accessor* a, object descr) except -1
+    object rc_accessor_read(const rc_accessor* a, object obj)
+
+cdef enum:
+    _FACT_IS_CPU, _FACT_DTYPE, _FACT_DIM, _FACT_IS_CONTIGUOUS, _FACT_IS_NEG, _FACT_NBYTES,
+    _FACT_DATA_PTR, _FACT_COUNT
+_FACT_NAMES = ("is_cpu", "dtype", "dim", "is_contiguous", "is_neg", "nbytes", "data_ptr")
+cdef rc_accessor _facts[_FACT_COUNT]
+# Whether every accessor is bound; if not (a torch that defines one otherwise),
+# borrow_int64 declines tensors, and cache.py's validation converts them.
+cdef bint _facts_bound = False
+_fact_descriptors = ()  # what the accessors point into, kept alive
+
+
+cdef int _bind_facts(object tensor_type) except -1:
+    global _facts_bound, _fact_descriptors
+    cdef Py_ssize_t i
+    found = []
+    _facts_bound = False
+    for i, name in enumerate(_FACT_NAMES):
+        # As attribute lookup on the type finds it: the first class in the MRO defining it.
+        descr = next((klass.__dict__[name] for klass in tensor_type.__mro__
+                      if name in klass.__dict__), None)
+        if descr is None or not rc_accessor_bind(&_facts[i], descr):
+            return 0
+        found.append(descr)
+    _fact_descriptors = tuple(found)
+    _facts_bound = True
+    return 0
+
+
+cdef inline object tensor_fact(int fact, object tensor):
+    """One fact of an exact torch.Tensor, read with torch's own C accessor."""
+    return rc_accessor_read(&_facts[fact], tensor)
+
+
 def _bind_torch(torch):
     global _Tensor, _int64, _mode_enabled, _from_dlpack
     _int64 = torch.int64
     _mode_enabled = torch._C._is_torch_function_mode_enabled
     _from_dlpack = torch._C._from_dlpack
+    _bind_facts(torch.Tensor)
     _Tensor = torch.Tensor  # last: once a tensor is recognised, the rest is bound
 
 
@@ -1853,19 +1957,22 @@ cdef int borrow_int64(object obj, TokenBuf* b) except -1:
         b.ptr = <const int64_t*>b.view.buf
         b.len = b.view.shape[0]
     elif kind is _Tensor:
-        if _mode_enabled():
+        if not _facts_bound or _mode_enabled():
             return 0
-        if (not obj.is_cpu or obj.dtype is not _int64 or obj.dim() != 1
-                or not obj.is_contiguous()):
+        if (tensor_fact(_FACT_IS_CPU, obj) is not True
+                or tensor_fact(_FACT_DTYPE, obj) is not _int64
+                or tensor_fact(_FACT_DIM, obj) != 1
+                or tensor_fact(_FACT_IS_CONTIGUOUS, obj) is not True):
             return 0
         # Memory that does not hold the values as read: a negative-bit view stores them
         # un-negated; a zero tensor has no storage: its NULL data pointer is declined
         # below, which spares a ~60 ns _is_zerotensor() call per tensor (an empty
         # tensor without storage goes the validation path too, to the same answer).
-        if obj.is_neg():
+        if tensor_fact(_FACT_IS_NEG, obj) is not False:
             return 0
-        b.len = obj.nbytes >> 3  # int64: 8 bytes each (cheaper than numel())
-        b.ptr = <const int64_t*><uintptr_t>obj.data_ptr()
+        # int64: 8 bytes each (cheaper than numel())
+        b.len = <Py_ssize_t>tensor_fact(_FACT_NBYTES, obj) >> 3
+        b.ptr = <const int64_t*><uintptr_t>tensor_fact(_FACT_DATA_PTR, obj)
         if b.ptr == NULL:
             return 0
     else:

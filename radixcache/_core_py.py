@@ -354,8 +354,9 @@ def _token_bytes(tokens: Any) -> bytes | None:
     if kind is array.array:
         return tokens.tobytes() if tokens.typecode == "q" else None
     if kind is _Tensor:
-        if tokens.is_cpu and tokens.dtype is _int64 and tokens.dim() == 1:
-            return tokens.numpy().tobytes()
+        # The type's methods, not the instance's: an attribute set on a tensor shadows them.
+        if tokens.is_cpu and tokens.dtype is _int64 and _Tensor.dim(tokens) == 1:
+            return _Tensor.numpy(tokens).tobytes()
     return None
 
 
@@ -364,9 +365,9 @@ def _kv_array(kv: Any, needed: int) -> np.ndarray | None:
     view where possible; the core copies the new leaf's slice). None for anything else."""
     kind = type(kv)
     if kind is _Tensor:
-        if not kv.is_cpu or kv.dtype is not _int64 or kv.dim() != 1:
+        if not kv.is_cpu or kv.dtype is not _int64 or _Tensor.dim(kv) != 1:
             return None
-        arr = kv.numpy()
+        arr = _Tensor.numpy(kv)
     elif kind is np.ndarray:
         arr = kv
     elif kind is array.array:
@@ -2077,9 +2078,9 @@ def put_slots(stack: Any, top: int, slots: Any, bound: int) -> int:
         ids = np.frombuffer(slots, dtype=np.int64)
     elif (kind is _Tensor and not _torch._C._is_torch_function_mode_enabled()
             and slots.is_cpu and slots.dtype is _int64 and slots.layout is _torch.strided
-            and not slots.is_neg()):
+            and not _Tensor.is_neg(slots)):
         try:
-            ids = slots.numpy()
+            ids = _Tensor.numpy(slots)
         except (RuntimeError, TypeError):  # a tensor numpy cannot view (a zero tensor)
             return -1
     else:

@@ -832,6 +832,58 @@ case("t1_zero_tensor_has_no_data", """
 """)
 
 
+case("t3_tensor_attributes_set_on_the_instance", """
+    # A tensor has a __dict__: an attribute set there shadows a method (t.data_ptr = ...).
+    # The facts a core reads memory by (device, dtype, dimensions, contiguity, negative
+    # bit, size, address) must be the tensor's own: lies here pointed the compiled core at
+    # address 16 (a crash), read an expanded tensor's one element as eight, read a negative
+    # view raw and a 2-D tensor as 1-D. Each call must do what it does on the same tensor
+    # without the attributes.
+    from radixcache.workloads import KVPool
+
+    LIES = {"data_ptr": lambda: 16, "is_contiguous": lambda *a, **k: True,
+            "dim": lambda: 1, "is_neg": lambda: False}
+
+    def lying(tensor):
+        for name, lie in LIES.items():
+            setattr(tensor, name, lie)
+        return tensor
+
+    def inputs():
+        seq = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
+        return {"plain": seq, "expanded": torch.tensor([1]).expand(8),
+                "negative": torch._neg_view(-seq), "two_d": seq.reshape(2, 4),
+                "strided": torch.arange(1, 17)[::2]}
+
+    def run(core):
+        found = []
+        for lie in (False, True):
+            cache = RadixCache(core=core)
+            cache.insert([1, 2, 3, 4, 5, 6, 7, 8], list(range(100, 108)))
+            cache.insert([1, 1, 1, 1], list(range(200, 204)))
+            for name, tokens in inputs().items():
+                tokens = lying(tokens) if lie else tokens
+                kv = lying(torch.arange(300, 308)) if lie else torch.arange(300, 308)
+                found += [name, outcome(lambda: cache.match_prefix(tokens).indices.tolist()),
+                          outcome(lambda: cache.exists(tokens)),
+                          outcome(lambda: cache.insert(tokens).prefix_len),
+                          outcome(lambda: cache.insert([9] + list(range(len(kv) - 1)),
+                                                       kv).prefix_len)]
+            check_invariants(cache)
+            found.append(contents(cache))
+            pool = KVPool(32)
+            taken = pool.alloc(32)
+            for slots in (torch.arange(8), torch.tensor([3]).expand(4),
+                          torch._neg_view(torch.arange(-31, -23)), torch.arange(16)[::2]):
+                slots = lying(slots) if lie else slots
+                found.append(outcome(lambda: pool.free(slots)))
+            found.append(pool.free_slots().tolist())
+        assert found[:len(found) // 2] == found[len(found) // 2:], found
+        return found
+    same_as_pure(run)
+""")
+
+
 case("t2_index_tensor_outlives_and_owns_its_memory", """
     # The compiled core returns hits as a tensor over its own malloc'd block (DLPack): the
     # block must outlive the cache, be the caller's to write, and be freed with the tensor.
