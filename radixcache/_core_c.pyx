@@ -693,6 +693,11 @@ cdef class Tree:
         common = common_prefix(child.key_ptr, tokens, klen if klen < remaining else remaining)
         if common < klen:
             common -= common % self.page_size
+            if common == 0:
+                # The probe matched the first page, this read did not: another thread wrote
+                # the tokens in between (torch and numpy drop the GIL). No match: a split
+                # at 0 would leave an empty node.
+                return None
         matched[0] = common
         return child
 
@@ -2319,6 +2324,7 @@ cdef class Core:
         cdef Py_ssize_t end, pos = 0, common, prefix_len
         cdef bint whole, split_here, private = extra_key is not None
         cdef Node node, child, leaf = None
+        cdef uint64_t h
         cdef bint tiered = self.host_tier
         # A new leaf's tokens and values in one block (one allocation, one object), except
         # with a host tier, where a node can lose its device values and keep its key, and
@@ -2436,7 +2442,15 @@ cdef class Core:
                 leaf.hit_count = 1
                 leaf.ns = ns
                 leaf.extra_key = extra_key
-                add_child(node, leaf, self.tree.page_hash(leaf.key_ptr, ns))
+                h = self.tree.page_hash(leaf.key_ptr, ns)
+                if node.n_children and probe(node.slots, node.slot_mask, leaf.key_ptr,
+                                             self.page_size, h, ns,
+                                             node is self.tree.root) != NULL:
+                    # The leaf's first page, as copied, is a sibling's: the walk read other
+                    # tokens there, so another thread wrote them during the call.
+                    raise RuntimeError("token_ids changed while insert read them (written "
+                                       "by another thread?); the sequence was not cached")
+                add_child(node, leaf, h)
                 self.tree.node_count += 1
                 if node is self.tree.root and ns:
                     self.tree.ns_roots[ns] = self.tree.ns_roots.get(ns, 0) + 1

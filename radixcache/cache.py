@@ -476,7 +476,8 @@ class RadixCache:
                 indices than page-aligned tokens.
             OverflowError: a token, index or priority that does not fit in int64.
             RuntimeError: the cache was called from inside one of its own calls or from
-                another thread meanwhile.
+                another thread meanwhile, or another thread wrote ``token_ids`` while the
+                call read them (the rest of the sequence is then not cached).
         """
         events = self._events
         # extra_key None: a namespace events always carry.

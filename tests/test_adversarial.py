@@ -884,6 +884,54 @@ case("t3_tensor_attributes_set_on_the_instance", """
 """)
 
 
+case("t4_other_thread_writes_the_tokens", """
+    # torch drops the GIL inside fill_, so another thread can write a call's token tensor
+    # while the core reads it. The answers are then whatever the tokens were; the tree must
+    # stay well formed: a match whose second read of a page differs from its first split a
+    # node at 0 tokens (an empty node), and an insert whose new leaf, copied after the walk,
+    # began with a sibling's first page made two children of one first page. An insert that
+    # sees its tokens change says so (RuntimeError) and caches nothing of the rest.
+    tokens = torch.full((4096,), 1, dtype=torch.int64)
+    stop = []
+
+    def writer():
+        while not stop:
+            tokens.fill_(2)
+            tokens.fill_(1)
+
+    cache = RadixCache(core=CORE)
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    outcomes = set()
+    try:
+        for phase in ("insert", "match"):
+            deadline = time.monotonic() + 4
+            cache.reset()
+            cache.insert([2] * 8)
+            while time.monotonic() < deadline:
+                if phase == "insert":
+                    cache.reset()
+                    cache.insert([2] * 8)
+                    try:
+                        cache.insert(tokens)
+                        outcomes.add("inserted")
+                    except RuntimeError as exc:
+                        assert "token_ids changed while insert read them" in str(exc), exc
+                        outcomes.add("refused")
+                    check_invariants(cache)
+                else:
+                    cache.match_prefix(tokens)
+                    if cache.node_count() != 1:
+                        check_invariants(cache)
+                        raise AssertionError("a match changed the tree's shape")
+    finally:
+        stop.append(True)
+        thread.join()
+    check_invariants(cache)
+    assert "inserted" in outcomes, outcomes
+""")
+
+
 case("t2_index_tensor_outlives_and_owns_its_memory", """
     # The compiled core returns hits as a tensor over its own malloc'd block (DLPack): the
     # block must outlive the cache, be the caller's to write, and be freed with the tensor.
