@@ -379,9 +379,9 @@ cdef class Node:
                 offset=(self.value_ptr - base) * sizeof(int64_t)), self.numpy_arrays)
         owner = self.value_owner
         if owner is not None:
-            if start == 0 and owner.shape[0] == length:
-                return owner
-            return owner[start:start + length]  # a view: split halves share the tensor
+            # Always a new view (split halves share the tensor): what the caller does to
+            # its shape (resize_, set_) never reaches the tensor the tree reads.
+            return owner[start:start + length]
         return indices_from_key(self.key, self.numpy_arrays)
 
     @property

@@ -15,7 +15,8 @@ events hook and stats assembly.
 Index arrays. Every index array a core makes -- ``MatchResult.indices`` (a miss's too),
 ``Node.value``/``stored_value``/``host_value``, what ``free_callback`` and ``backup`` get (one
 array per node, or the batch), ``load_back``'s result -- is a new, writable 1-D int64 array
-the caller owns (except a node's device value, which ``Node.value`` hands out as kept): with
+the caller owns (except a node's device value, which ``Node.value`` hands out as kept, as a
+new view: its data is the node's, its shape the caller's): with
 ``numpy_arrays`` false (the default) a ``torch.int64`` tensor, on the CPU unless made of
 device values; with ``numpy_arrays`` a ``numpy.ndarray`` of dtype int64. In the first mode
 the constructor imports torch (``_shared.load_torch``); in the second the core never does.
@@ -507,7 +508,9 @@ class Node:
             return indices_from_key(self.key, self._numpy_arrays)
         if type(value) is bytes:  # always with numpy arrays: CPU values only
             return indices_from_key(np.frombuffer(value, dtype=np.int64), self._numpy_arrays)
-        return value
+        # A device tensor: a new view, so that what the caller does to its shape (resize_,
+        # set_) never reaches the tensor the tree reads.
+        return value[:]
 
     @property
     def on_device(self) -> bool:

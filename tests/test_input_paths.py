@@ -269,6 +269,32 @@ def test_device_values_stay_on_their_device(make_cache):
     check_invariants(cache)
 
 
+@pytest.mark.parametrize("change", [lambda t: t.resize_(2), lambda t: t.set_(torch.empty(
+    0, dtype=torch.int64, device="meta")), lambda t: t.unsqueeze_(0)],
+    ids=["resize_", "set_", "unsqueeze_"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_a_handed_out_device_value_keeps_the_tree_as_it_was(make_cache, change, split):
+    # A node's device value is handed out as kept (its data is the node's), but as a new
+    # view: changing the shape of what the caller got must not change what the tree reads.
+    cache = make_cache()
+    cache.insert(SEQ, torch.arange(100, 108, device="meta"))
+    node = cache.match_prefix(SEQ).last_node
+    if split:
+        cache.match_prefix(SEQ[:4] + [99])  # halves share the tensor: the lower half keeps node
+    handed = [node.value, node.stored_value]
+    for value in handed:
+        assert value.device.type == "meta" and value.shape == (node.num_tokens,)
+        change(value)
+    match = cache.match_prefix(SEQ)
+    assert match.length == 8 and match.indices.shape == (8,)
+    assert [n.value.shape[0] for n in (match.last_node, match.last_node.parent)
+            if n.parent is not None] == ([4, 4] if split else [8])
+    freed = []
+    assert cache.evict(100, freed.append) == 8
+    assert [t.shape[0] for t in freed] == ([4, 4] if split else [8])
+    check_invariants(cache)
+
+
 @pytest.mark.parametrize("method", ["insert", "match_prefix", "exists"])
 @pytest.mark.parametrize("tokens", [SEQ, np.array(SEQ), torch.tensor(SEQ), [IndexInt(t) for t in SEQ]],
                          ids=["list", "numpy", "tensor", "index-objects"])
