@@ -346,7 +346,9 @@ case("r3_value_finalizer_during_split", """
         cache.insert([1, 2, 3, 4, 5, 6, 7, 8], torch.arange(8, device="meta"))
         for node, _ in list(cache._tree.iter_nodes()):
             if node.parent is not None:
-                weakref.finalize(node.value, {
+                # On the tensor the node keeps (value is a new view of it: its base).
+                assert node.value._base is not None
+                weakref.finalize(node.value._base, {
                     "reset": cache.reset, "evict": lambda: cache.evict(100),
                     "insert": lambda: cache.insert([1, 2, 9])}[action])
         del node
