@@ -251,6 +251,8 @@ cdef class Core:
     cdef object host_match_result(self, Py_ssize_t depth)
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
                              object on_remove, object backup, object on_backup)
+    cdef void adopt_path(self, Py_ssize_t depth, Py_ssize_t first_host,
+                         object adopt_values) noexcept
     cdef int tiered_insert_end(self, Py_ssize_t depth, Py_ssize_t first_host,
                                Py_ssize_t start, Node lower, Node leaf, bint held) except -1
 

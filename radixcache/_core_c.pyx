@@ -2401,17 +2401,9 @@ cdef class Core:
                 if prio > child.priority:
                     child.priority = prio
                 if tiered:
+                    # (Host-only nodes on the path are adopted after the walk: adopt_path.)
                     self.note_path(depth, child)
                     depth += 1
-                    if child.host_only:  # adopted: the caller's slots for its tokens
-                        if adopt_values is not None:
-                            child.value_owner = adopt_values
-                            child.value_ptr = (<const int64_t*>PyBytes_AS_STRING(adopt_values)
-                                               + (pos - adopt_base))
-                        child.value_off = 0
-                        child.host_only = False
-                        node.n_host_kids -= 1
-                        self.evictable += child.key_len
                 pos += common
                 node = child
                 if split_here:
@@ -2448,13 +2440,18 @@ cdef class Core:
                                              node is self.tree.root) != NULL:
                     # The leaf's first page, as copied, is a sibling's: the walk read other
                     # tokens there, so another thread wrote them during the call.
+                    # Nothing that counts has changed yet (adoption comes after this).
                     raise RuntimeError("token_ids changed while insert read them (written "
                                        "by another thread?); the sequence was not cached")
+                if first_host >= 0:
+                    self.adopt_path(depth, first_host, adopt_values)
                 add_child(node, leaf, h)
                 self.tree.node_count += 1
                 if node is self.tree.root and ns:
                     self.tree.ns_roots[ns] = self.tree.ns_roots.get(ns, 0) + 1
                 node = leaf
+            elif first_host >= 0:
+                self.adopt_path(depth, first_host, adopt_values)
             if whole:
                 node.terminal = True
             release_tokens(&b)
@@ -2475,6 +2472,28 @@ cdef class Core:
             release_tokens(&b)
             release_tokens(&v)
             self.give(held)
+
+    cdef void adopt_path(self, Py_ssize_t depth, Py_ssize_t first_host,
+                         object adopt_values) noexcept:
+        """An insert's adoption, once its walk and its new leaf's check are done: the
+        path's host-only nodes from ``first_host`` on (all of them are, below the first)
+        take the caller's slots for their tokens (``adopt_values``, in path order; None:
+        the key is the values) and are on the device again. Calls nothing."""
+        cdef Py_ssize_t i
+        cdef Node child
+        cdef const int64_t* values = NULL
+        if adopt_values is not None:
+            values = <const int64_t*>PyBytes_AS_STRING(adopt_values)
+        for i in range(first_host, depth):
+            child = <Node>self.path[i]
+            if values != NULL:
+                child.value_owner = adopt_values
+                child.value_ptr = values
+                values += child.key_len
+            child.value_off = 0
+            child.host_only = False
+            (<Node>child.parent_ptr).n_host_kids -= 1
+            self.evictable += child.key_len
 
     cdef int tiered_insert_end(self, Py_ssize_t depth, Py_ssize_t first_host,
                                Py_ssize_t start, Node lower, Node leaf, bint held) except -1:

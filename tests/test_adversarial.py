@@ -886,51 +886,77 @@ case("t3_tensor_attributes_set_on_the_instance", """
 """)
 
 
-case("t4_other_thread_writes_the_tokens", """
-    # torch drops the GIL inside fill_, so another thread can write a call's token tensor
-    # while the core reads it. The answers are then whatever the tokens were; the tree must
-    # stay well formed: a match whose second read of a page differs from its first split a
-    # node at 0 tokens (an empty node), and an insert whose new leaf, copied after the walk,
-    # began with a sibling's first page made two children of one first page. An insert that
-    # sees its tokens change says so (RuntimeError) and caches nothing of the rest.
-    tokens = torch.full((4096,), 1, dtype=torch.int64)
-    stop = []
+case("t4_tokens_written_during_the_call", """
+    # Another thread (numpy and torch drop the GIL inside their loops) or another process
+    # sharing the memory can write a call's token array while the core reads it. The answers
+    # are then whatever the tokens were; the tree must stay well formed. Here a second
+    # process flips the last 8 of 12 tokens between all 1 and all 2 as fast as it can, over a
+    # file both map. Before: a match whose second read of a page differed from its first
+    # split a node at 0 tokens (an empty node); an insert whose new leaf, copied after the
+    # walk, began with a sibling's first page made two children of one first page, and with
+    # a host tier left adopted nodes off the heap. An insert that sees its tokens change
+    # says so (RuntimeError) and changes nothing that counts.
+    import mmap, subprocess, tempfile
 
-    def writer():
-        while not stop:
-            tokens.fill_(2)
-            tokens.fill_(1)
-
-    cache = RadixCache(core=CORE)
-    thread = threading.Thread(target=writer, daemon=True)
-    thread.start()
-    outcomes = set()
+    FLIP = "\\n".join([
+        "import sys, numpy as np",
+        "tail = np.memmap(sys.argv[1], dtype=np.int64, mode='r+')[4:]",
+        "while True:",
+        "    tail[:] = 2",
+        "    tail[:] = 1",
+    ])
+    with tempfile.NamedTemporaryFile(suffix=".tokens", delete=False) as f:
+        f.write(np.full(12, 7, dtype=np.int64).tobytes())
+        path = f.name
+    fd = os.open(path, os.O_RDWR)
+    shared = mmap.mmap(fd, 96)
+    tokens = np.frombuffer(shared, dtype=np.int64)
+    assert type(tokens) is np.ndarray and tokens.flags.writeable
+    flipper = subprocess.Popen([sys.executable, "-c", FLIP, path])
+    seen = {}
     try:
-        for phase in ("insert", "match"):
-            deadline = time.monotonic() + 4
-            cache.reset()
-            cache.insert([2] * 8)
+        deadline = time.monotonic() + 60
+        while tokens[4] == 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tokens[4] in (1, 2), "the flipping process did not start"
+        for phase in ("insert", "tiered", "match"):
+            cache = RadixCache(core=CORE, host_tier=phase == "tiered")
+            cache.insert([7] * 4 + [1] * 8)
+            deadline = time.monotonic() + 2
             while time.monotonic() < deadline:
-                if phase == "insert":
-                    cache.reset()
-                    cache.insert([2] * 8)
-                    try:
-                        cache.insert(tokens)
-                        outcomes.add("inserted")
-                    except RuntimeError as exc:
-                        assert "token_ids changed while insert read them" in str(exc), exc
-                        outcomes.add("refused")
-                    check_invariants(cache)
-                else:
+                if phase == "match":
+                    if cache.node_count() > 32:
+                        cache.reset()
+                        cache.insert([7] * 4 + [1] * 8)
                     cache.match_prefix(tokens)
-                    if cache.node_count() != 1:
-                        check_invariants(cache)
-                        raise AssertionError("a match changed the tree's shape")
+                    check_invariants(cache)
+                    continue
+                cache.reset()
+                cache.insert([7] * 4 + [2] * 8, list(range(100, 112)))
+                if phase == "tiered":  # host only: an insert through it adopts them
+                    cache.insert([7] * 4 + [3] * 8, list(range(200, 212)))
+                    cache.evict(100, backup=lambda device: device + 900)
+                sizes = lambda: (cache.total_size(), cache.evictable_size(),
+                                 cache.host_size() if phase == "tiered" else 0)
+                before = sizes()
+                try:
+                    cache.insert(tokens, torch.arange(500, 512))
+                    key = phase + " inserted"
+                except RuntimeError as exc:
+                    assert "token_ids changed while insert read them" in str(exc), exc
+                    assert sizes() == before  # (a split may stay: it changes no content)
+                    key = phase + " refused"
+                seen[key] = seen.get(key, 0) + 1
+                check_invariants(cache)
     finally:
-        stop.append(True)
-        thread.join()
-    check_invariants(cache)
-    assert "inserted" in outcomes, outcomes
+        flipper.kill()
+        flipper.wait()
+        del tokens
+        shared.close()
+        os.close(fd)
+        os.unlink(path)
+    assert seen.get("insert inserted") and seen.get("tiered inserted"), seen
+    print(seen)
 """)
 
 
