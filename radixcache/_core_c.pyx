@@ -48,7 +48,6 @@ from collections import deque as _deque
 import numpy as np
 
 from ._shared import cat_tensors as _cat_tensors
-from ._shared import cat_values as _cat_values
 from ._shared import hand_over_batch as _hand_over_batch
 from ._shared import MAX_LOCK_REF, display_order, indices_from_key, reentered
 from ._shared import check_state, id_order, node_not_copyable
@@ -1852,11 +1851,29 @@ cdef class FreedBatch:
         return value
 
 
-cdef int collect_value(FreedBatch batch, Node node) except -1:
-    """Add a device victim's indices to ``batch``: its device tensor (read first, through
-    ``node.value``), else its CPU values or its key."""
+cdef object kept_value(Node node):
+    """A node's device indices for a tensor no caller gets as it is (torch.cat copies it
+    at once), or gets only once the node has left the tree: the tensor the node keeps when
+    that covers it exactly (no other node shares it then), else a view of its span."""
+    owner = node.value_owner
+    if node.value_off == 0 and owner.shape[0] == node.key_len:
+        return owner
+    return owner[node.value_off:node.value_off + node.key_len]
+
+
+cdef object path_value(Node node):
+    """A matched node's indices for torch to concatenate: ``kept_value`` on a device, a
+    CPU array of its values otherwise."""
     if node.value_ptr == NULL and node.value_owner is not None:
-        return batch.add_tensor(node.value)
+        return kept_value(node)
+    return node.value
+
+
+cdef int collect_value(FreedBatch batch, Node node) except -1:
+    """Add a device victim's indices to ``batch``: its device tensor (read first; the batch
+    joins its parts into a new tensor), else its CPU values or its key."""
+    if node.value_ptr == NULL and node.value_owner is not None:
+        return batch.add_tensor(kept_value(node))
     return batch.add_ints(node.value_ptr if node.value_ptr != NULL else node.key_ptr,
                           node.key_len)
 
@@ -1895,11 +1912,12 @@ cdef inline object batch_join(bint numpy_arrays):
     return _concatenate if numpy_arrays else _cat_tensors
 
 
-cdef object victim_value(Node node):
+cdef object victim_value(Node node, bint leaving):
     """An evicted node's index tensor (before it is detached): as ``Node.value``, with CPU
-    values copied straight into a new block."""
+    values copied straight into a new block. ``leaving``: the node leaves the tree before
+    the tensor is handed over, so a device value may be the one it kept."""
     if node.value_ptr == NULL and node.value_owner is not None:
-        return node.value  # a device tensor: a view of this node's span
+        return kept_value(node) if leaving else node.value
     return block_tensor(node.value_ptr if node.value_ptr != NULL else node.key_ptr,
                         node.key_len, node.numpy_arrays)
 
@@ -2226,7 +2244,7 @@ cdef class Core:
                     device = True
                     break
             if device:
-                indices = _cat_values([<Node>self.path[i] for i in range(ndev)])
+                indices = _cat_tensors([path_value(<Node>self.path[i]) for i in range(ndev)])
             else:
                 capsule = rc_int64_capsule(length, <int64_t**>&out)
                 total = 0
@@ -2299,8 +2317,8 @@ cdef class Core:
                     device = True
                     break
             if device:
-                path = [<Node>self.path[i] for i in range(depth)]
-                indices = _cat_values(path)  # device values: torch concatenates
+                # Device values: torch concatenates (a new tensor).
+                indices = _cat_tensors([path_value(<Node>self.path[i]) for i in range(depth)])
             else:
                 # A capsule is not tracked by the collector: no Python code runs until the
                 # copy is done.
@@ -2751,7 +2769,7 @@ cdef class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        value = victim_value(node)
+                        value = victim_value(node, True)
                     elif collect:
                         collect_value(freed_batch, node)
                 except BaseException:
@@ -2836,7 +2854,7 @@ cdef class Core:
                                 added = node.key_len
                                 value = freed_batch.tail(added)
                             else:
-                                value = victim_value(node)  # what backup and free_callback get
+                                value = victim_value(node, False)  # what backup and free_callback get
                             host = backup(value)
                             if collect:
                                 value = None  # backup's alone: the batch has the indices
@@ -2866,7 +2884,7 @@ cdef class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node and value is None:
-                        value = victim_value(node)
+                        value = victim_value(node, False)
                     if collect and not added:
                         collect_value(freed_batch, node)
                     # The last call out is behind: the node must still be this heap's victim.
@@ -3013,7 +3031,7 @@ cdef class Core:
                     garbage.append(queue.popleft())
                     node.queued = False
                     continue
-                host = backup(victim_value(node))  # an error: the node stays queued, first
+                host = backup(victim_value(node, False))  # an error: the node stays queued, first
                 if host is None:
                     break  # the host is full: the rest waits for the next call
                 host = host_bytes(host, node.key_len, self.numpy_arrays)

@@ -292,7 +292,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, MAX_LOCK_REF,
-                      InsertResult, MatchResult, cat_tensors, cat_values, display_order,
+                      InsertResult, MatchResult, cat_tensors, display_order,
                       empty_indices, hand_over_batch, indices_from_key, reentered)
 from ._shared import (check_state, host_indices_bytes, id_order, lock_host_only,
                       node_not_copyable, stale_match)
@@ -834,8 +834,9 @@ class Tree:
                 parts.append(node._key)
             elif type(value) is bytes:
                 parts.append(value)
-            else:
-                return cat_values(path)  # device tensors (torch arrays only): torch joins
+            else:  # device tensors (torch arrays only): torch joins them into a new one
+                return cat_tensors([n.value if n._value is None or type(n._value) is bytes
+                                    else n._value for n in path])
         return _index_array(parts, self._numpy_arrays)
 
     def _lock(self, node: Any, delta: int) -> int:

@@ -205,11 +205,6 @@ def cat_tensors(values: list) -> Any:
     return torch.cat([v.to(device) for v in values])
 
 
-def cat_values(path: list) -> Any:
-    """Concatenate the path's index tensors when some live on a device (CPU ones follow)."""
-    return cat_tensors([node.value for node in path])
-
-
 def hand_over_batch(free_callback, value, error, join=None) -> None:
     """The end of ``evict(batch=True)``, the same on both cores: one call with every freed
     index (``value``, made one tensor by ``join`` when given; None: nothing was freed), then

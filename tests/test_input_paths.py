@@ -295,6 +295,30 @@ def test_a_handed_out_device_value_keeps_the_tree_as_it_was(make_cache, change, 
     check_invariants(cache)
 
 
+@pytest.mark.parametrize("change", [lambda t: t.resize_(2), lambda t: t.unsqueeze_(0)],
+                         ids=["resize_", "unsqueeze_"])
+def test_a_backup_changing_its_device_tensor_leaves_the_node_as_it_was(make_cache, change):
+    # backup gets a victim's device indices while the victim is still in the tree: a node
+    # with host-only children that gets no host copy stays on the device, values intact.
+    cache = make_cache(host_tier=True)
+    cache.insert(SEQ, torch.arange(100, 108, device="meta"))
+    cache.insert(SEQ + [9, 9], torch.arange(100, 110, device="meta"))
+    assert cache.evict(2, backup=lambda device: torch.arange(50, 50 + len(device))) == 2
+    seen = []
+
+    def backup(device):
+        seen.append(device.shape[0])
+        change(device)
+        return None  # the host is full
+
+    assert cache.evict(100, backup=backup) == 0
+    assert seen == [8]
+    match = cache.match_prefix(SEQ + [9, 9])
+    assert match.length == 8 and match.indices.shape == (8,) and match.host_length == 2
+    assert match.last_node.value.shape == (8,)
+    check_invariants(cache)
+
+
 @pytest.mark.parametrize("method", ["insert", "match_prefix", "exists"])
 @pytest.mark.parametrize("tokens", [SEQ, np.array(SEQ), torch.tensor(SEQ), [IndexInt(t) for t in SEQ]],
                          ids=["list", "numpy", "tensor", "index-objects"])
