@@ -33,8 +33,10 @@ class RadixTreeNode(ABC):
 
     Attributes:
         key: The node's tokens, a read-only 1-D int64 numpy array (empty at the root).
-        value: The KV slot indices of those tokens, a 1-D ``torch.int64`` tensor (a 1-D
-            int64 numpy array in a cache with ``array_type="numpy"``).
+        value: The KV slot indices of those tokens, a new 1-D ``torch.int64`` tensor (a
+            1-D int64 numpy array in a cache with ``array_type="numpy"``). Indices on a
+            device are not copied: the tensor is a view of the ones the node keeps, so
+            writing to its elements changes them; changing its shape does not.
         parent: The parent node (``None`` at the root).
         children: The child nodes, a tuple.
         lock_ref: How many locks protect it (its own and its descendants').
