@@ -394,6 +394,32 @@ def _cpu_values_only(what: str, values: Any) -> TypeError:
                      f"int64 numpy array, got {type(values).__name__}")
 
 
+class _RootKey:
+    """A root child's key in a namespace: (extra_key, first page), hashed once. The child
+    keeps the very key it is filed under, so that detaching or splitting it finds its entry
+    by identity and runs none of the extra_key's code (its ``__hash__``/``__eq__`` run only
+    while a call looks a namespace up, before it changes anything)."""
+
+    __slots__ = ("extra_key", "page", "_hash")
+
+    def __init__(self, extra_key: Any, page: bytes) -> None:
+        self._hash = hash((extra_key, page))
+        self.extra_key = extra_key
+        self.page = page
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: Any) -> Any:
+        if other is self:
+            return True
+        if type(other) is not _RootKey:
+            return NotImplemented
+        # As a tuple compares: the same object is equal without asking it.
+        return self.page == other.page and (self.extra_key is other.extra_key
+                                            or bool(self.extra_key == other.extra_key))
+
+
 def _hashable(extra_key: Any) -> bool:
     try:
         hash(extra_key)
@@ -460,7 +486,7 @@ class Node:
     __slots__ = (
         "_key", "_value", "_parent", "_children", "_lock_ref", "_last_access_time",
         "_created_time", "_priority", "_hit_count", "_extra_key", "_id", "_evicted",
-        "_terminal", "_host", "_on_device", "_queued", "_own_locks",
+        "_terminal", "_host", "_on_device", "_queued", "_own_locks", "_root_key",
     )
     _numpy_arrays = False  # index arrays are tensors (``_NumpyNode``: numpy arrays)
 
@@ -483,6 +509,7 @@ class Node:
         self._host = None  # host indices as int64 bytes (host tier only)
         self._on_device = True
         self._queued = False  # in the write-through queue
+        self._root_key = None  # the _RootKey it is filed under (a root child in a namespace)
 
     # -- read-only public view -------------------------------------------------------
     @property
@@ -624,7 +651,7 @@ class Tree:
     def _child_key(self, parent: Node, extra_key: Any, first_page: bytes):
         # Namespaces only need separating at the root: a subtree never mixes extra_keys.
         if parent is self.root and extra_key is not None:
-            return (extra_key, first_page)
+            return _RootKey(extra_key, first_page)
         return first_page
 
     def _aligned_end(self, buf: bytes) -> int:
@@ -655,8 +682,13 @@ class Tree:
         host = upper_host = lower_host = node._host
         if host is not None:
             upper_host, lower_host = host[:at], host[at:]
-        ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
-        parent._children[ckey] = upper  # hashes extra_key: raising here changes nothing
+        # The upper half takes over node's entry (and its key: found by identity).
+        ckey = node._root_key
+        if ckey is None:
+            ckey = node._key[: self._page_bytes]
+        parent._children[ckey] = upper
+        upper._root_key = node._root_key
+        node._root_key = None
         upper._value = upper_value
         node._value = lower_value
         upper._host = upper_host
@@ -676,7 +708,7 @@ class Tree:
     def _find_child(self, node: Node, buf: bytes, pos: int, extra_key: Any) -> Node | None:
         first = buf[pos:pos + self._page_bytes]
         if node is self.root and extra_key is not None:
-            return node._children.get((extra_key, first))
+            return node._children.get(_RootKey(extra_key, first))
         return node._children.get(first)
 
     def _descend(self, node: Node, buf: bytes, pos: int, end: int, extra_key: Any):
@@ -750,7 +782,10 @@ class Tree:
             new_leaf = self._Node(buf[pos:end], node, extra_key, now, priority)
             new_leaf._hit_count = 1
             first = buf[pos:pos + self._page_bytes]
-            node._children[self._child_key(node, extra_key, first)] = new_leaf
+            ckey = self._child_key(node, extra_key, first)  # hashes extra_key: may raise
+            node._children[ckey] = new_leaf
+            if type(ckey) is _RootKey:
+                new_leaf._root_key = ckey
             self.node_count += 1
             node = new_leaf
         if whole:
@@ -880,8 +915,11 @@ class Tree:
         parent = node._parent
         if parent is None or node._children:
             raise ValueError(f"node {node._id} is not an attached leaf")
-        ckey = self._child_key(parent, node._extra_key, node._key[: self._page_bytes])
+        ckey = node._root_key  # its own key: no extra_key code runs
+        if ckey is None:
+            ckey = node._key[: self._page_bytes]
         del parent._children[ckey]
+        node._root_key = None
         node._parent = None
         node._evicted = True
         previous = node._value
@@ -914,7 +952,8 @@ class Tree:
         for node, _ in self.iter_nodes():
             for ckey, child in node._children.items():
                 want = self._child_key(node, child._extra_key, child._key[: self._page_bytes])
-                assert ckey == want and child._parent is node, (
+                kept = ckey if type(ckey) is _RootKey else None
+                assert ckey == want and child._parent is node and child._root_key is kept, (
                     f"node {child.id} filed under the wrong key in node {node.id}")
 
     def iter_nodes(self) -> Iterator[tuple[Node, int]]:
@@ -1429,12 +1468,11 @@ class Core:
                 except BaseException:
                     garbage.append(heap._push(node))  # still an evictable leaf
                     raise
-                if parts is not None:
-                    value = node._value
-                    parts.append(node._key if value is None else value)
                 size = node.num_tokens
                 parent, dropped = tree._detach_leaf(node)
                 garbage.append(dropped)
+                if parts is not None:  # handed over only once it left the tree
+                    parts.append(node._key if dropped is None else dropped)
                 self.evictable -= size
                 self.evictions += 1
                 self.evicted_tokens += size
@@ -1794,6 +1832,8 @@ class Core:
                     if parent._children.setdefault(child_key, node) is not node:
                         raise ValueError(f"bad tree state: node {len(nodes)} starts with the "
                                          "same page as a sibling")
+                    if type(child_key) is _RootKey:
+                        node._root_key = child_key
                     nodes.append(node)
                     evictable += len(key) // _TOKEN_BYTES
                 fresh = sorted(node._id for node in nodes)

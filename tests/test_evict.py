@@ -363,3 +363,79 @@ def test_batch_hands_over_what_was_evicted_when_the_loop_stops(make_cache, monke
     assert got[-1] == [20, 21, 30, 31]
     assert cache.total_size() == 2
     check_invariants(cache)
+
+
+class HostileKey:
+    """An extra_key whose ``__hash__`` runs ``hook`` (raise, or call the cache) once set."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.hook = None
+
+    def __hash__(self) -> int:
+        if self.hook is not None:
+            self.hook()
+        return hash(self.name)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is HostileKey and other.name == self.name
+
+
+def arm(key: HostileKey, cache, hostile: str) -> None:
+    def hook():
+        if hostile == "raise":
+            raise ValueError("hash refused")
+        cache.match_prefix([1])  # re-enters: RuntimeError
+
+    key.hook = hook
+
+
+def held_values(cache, tier: str = "value") -> list:
+    return sorted(v for node, depth in cache._tree.iter_nodes() if depth > 0
+                  and getattr(node, tier) is not None for v in getattr(node, tier).tolist())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("hostile", ["raise", "reenter"])
+@pytest.mark.parametrize("host_tier", [False, True])
+@pytest.mark.parametrize("batch", [False, True])
+def test_an_extra_key_hostile_during_evict_loses_nothing(make_cache, batch, host_tier,
+                                                         hostile):
+    # Removing a namespace's nodes needs none of its key's code: the eviction goes through,
+    # and every index is either still held or handed over, once.
+    cache = make_cache(host_tier=host_tier)
+    key = HostileKey("a")
+    cache.insert([1, 2, 3], [10, 11, 12], extra_key=key)
+    assert cache.insert([1, 2, 7], [90, 91, 22], extra_key=key).prefix_len == 2  # a split
+    cache.insert([4, 5], [13, 14])
+    arm(key, cache, hostile)
+    got: list = []
+    freed = cache.evict(100, lambda v: got.extend(v.tolist()), batch=batch)
+    key.hook = None
+    assert freed == len(got) == 6 and cache.total_size() == 0
+    assert sorted(got) == [10, 11, 12, 13, 14, 22] and held_values(cache) == []
+    check_invariants(cache)
+    assert cache.insert([1, 2, 3], [30, 31, 32], extra_key=key).prefix_len == 0
+    assert cache.match_prefix([1, 2, 3], extra_key=HostileKey("a")).length == 3
+    check_invariants(cache)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("hostile", ["raise", "reenter"])
+@pytest.mark.parametrize("batch", [False, True])
+def test_an_extra_key_hostile_during_evict_host_loses_nothing(make_cache, batch, hostile):
+    cache = make_cache(host_tier=True)
+    key = HostileKey("a")
+    cache.insert([1, 2, 3], [10, 11, 12], extra_key=key)
+    cache.insert([1, 2, 7], [90, 91, 22], extra_key=key)
+    slots = iter(range(100, 200))
+    assert cache.evict(100, backup=lambda d: torch.tensor(
+        [next(slots) for _ in range(d.shape[0])], dtype=torch.int64)) == 4
+    assert cache.host_size() == 4 and cache.total_size() == 0
+    arm(key, cache, hostile)
+    got: list = []
+    freed = cache.evict_host(100, lambda v: got.extend(v.tolist()), batch=batch)
+    key.hook = None
+    assert freed == len(got) == 4 and cache.host_size() == 0
+    assert sorted(got) == [100, 101, 102, 103] and held_values(cache, "host_value") == []
+    check_invariants(cache)
