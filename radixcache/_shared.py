@@ -232,7 +232,8 @@ def host_indices_bytes(host, num_tokens: int, numpy_arrays: bool = False) -> byt
     Raises:
         TypeError: ``host`` is not a ``torch.Tensor`` (a numpy array with
             ``numpy_arrays``), or not of dtype int64.
-        ValueError: ``host`` is not 1-D, or does not hold exactly ``num_tokens`` indices.
+        ValueError: ``host`` is not 1-D, does not hold exactly ``num_tokens`` indices, or
+            has no data (a meta or sparse tensor).
     """
     if numpy_arrays:
         return _host_array_bytes(host, num_tokens)
@@ -249,6 +250,9 @@ def host_indices_bytes(host, num_tokens: int, numpy_arrays: bool = False) -> byt
     if host.shape[0] != num_tokens:
         raise ValueError(f"backup returned {host.shape[0]} host indices for {num_tokens} "
                          "device slots: one per slot expected")
+    if host.is_meta or host.layout != torch.strided:
+        raise ValueError("backup must return host indices with data (a dense tensor), got a "
+                         f"{'meta' if host.is_meta else host.layout} tensor")
     # A tensor subclass may answer the checks above and convert to something else: the
     # bytes themselves are checked.
     arr = host.detach().cpu().contiguous().numpy()

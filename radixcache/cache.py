@@ -691,7 +691,8 @@ class RadixCache:
                 callable, or ``backup`` returned something else than None or an int64
                 tensor.
             ValueError: ``backup`` given to a cache without a host tier, or ``backup``
-                returned a tensor that is not 1-D or of another length than the victim's.
+                returned a tensor that is not 1-D, of another length than the victim's, or
+                without data (meta or sparse).
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
@@ -778,7 +779,8 @@ class RadixCache:
             TypeError: ``backup`` is not callable, or returned something else than None or
                 an int64 tensor.
             ValueError: the cache has no host tier, or ``backup`` returned a tensor that is
-                not 1-D or of another length than the node's.
+                not 1-D, of another length than the node's, or without data (meta or
+                sparse).
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """

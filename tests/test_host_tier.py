@@ -500,6 +500,8 @@ BAD_BACKUPS = [
     (lambda d: torch.tensor(100), ValueError, "1-D"),
     (lambda d: torch.tensor([100, 101, 102]), ValueError, "3 host indices for 2"),
     (lambda d: torch.tensor([100]), ValueError, "1 host indices for 2"),
+    (lambda d: torch.empty(2, dtype=torch.int64, device="meta"), ValueError, "meta tensor"),
+    (lambda d: torch.tensor([100, 101]).to_sparse(), ValueError, "sparse_coo tensor"),
 ]
 
 
