@@ -106,6 +106,10 @@ BAD_TOKENS = [
     pytest.param([1, 2**63], OverflowError, TOO_BIG, id="2**63"),
     pytest.param([-(2**63) - 1], OverflowError, TOO_BIG, id="-2**63-1"),
     pytest.param([2**100], OverflowError, TOO_BIG, id="2**100"),
+    # Three 30-bit digits: the compiled list reader's own range check, at its edges.
+    pytest.param([1, 2**64], OverflowError, TOO_BIG, id="2**64"),
+    pytest.param([1, -(2**64)], OverflowError, TOO_BIG, id="-2**64"),
+    pytest.param([2**90 - 1], OverflowError, TOO_BIG, id="2**90-1"),
     pytest.param(np.array([1, 2**63], dtype=np.uint64), OverflowError, TOO_BIG,
                  id="uint64-above-int64"),
     pytest.param(array.array("Q", [2**64 - 1]), OverflowError, TOO_BIG, id="array-Q-big"),

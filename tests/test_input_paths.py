@@ -21,7 +21,8 @@ from radixcache._core import CORES
 from conftest import check_invariants
 
 SEQ = [3, 1, 4, 1, 5, 9, 2, 6]
-BIG = [2**40 + 7, -(2**40), 2**62, 2**63 - 1, -(2**63), 0, -1, 2**30]
+BIG = [2**40 + 7, -(2**40), 2**62, 2**63 - 1, -(2**63), 0, -1, 2**30, 2**60, -(2**60) - 1,
+       2**63 - 2**30]
 
 
 class IndexInt:
@@ -374,6 +375,43 @@ def test_both_cores_agree_on_a_mixed_stream():
         assert all(o == outcomes[0] for o in outcomes), (step, outcomes)
     stats = [c.stats() for c in caches.values()]
     assert all(s == stats[0] for s in stats)
+
+
+EDGE_INTS = [0, 1, -1, True, False, SubInt(5), IndexInt(-7), 2**30 - 1, 2**30, -(2**30),
+             2**60 - 1, 2**60, -(2**60), 2**62, 2**63 - 1, -(2**63), 2**63, -(2**63) - 1,
+             2**64, -(2**64), 2**90 - 1, 2**90, 2**100]
+
+
+def _outcome(call):
+    try:
+        result = call()
+    except Exception as exc:  # the same type and message on every core
+        return (type(exc).__name__, str(exc))
+    if hasattr(result, "indices"):
+        return (result.length, result.indices.tolist())
+    return getattr(result, "prefix_len", result)
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="only one tree core is available")
+def test_both_cores_read_edge_ints_in_lists_alike():
+    # Every pair of edge values, as a list and a tuple: the compiled reader's digit paths
+    # (one to three 30-bit digits, signs, bools, subclasses, __index__) against the pure
+    # core's, with the same answer or the same error.
+    caches = {name: RadixCache(core=name) for name in CORES}
+    for i, first in enumerate(EDGE_INTS):
+        for second in EDGE_INTS[i:]:
+            for make in (list, tuple):
+                seq = make([7, first, second])
+                outcomes = [(_outcome(lambda: cache.insert(seq)),
+                             _outcome(lambda: cache.match_prefix(seq)),
+                             _outcome(lambda: cache.exists(seq)))
+                            for cache in caches.values()]
+                assert all(o == outcomes[0] for o in outcomes), (first, second, outcomes)
+    assert len({repr(c.stats()) for c in caches.values()}) == 1
+    for cache in caches.values():
+        check_invariants(cache)
+    # bools read as 0 and 1, as Python's int(True) does
+    assert caches["python"].exists([7, 1, 0]) and caches["python"].exists([7, True, False])
 
 
 @pytest.mark.parametrize("make", [list, tuple, lambda s: [IndexInt(t) for t in s],
