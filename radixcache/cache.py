@@ -559,7 +559,8 @@ class RadixCache:
         """Tell whether ``token_ids`` were inserted, exactly, and not evicted since.
 
         A prefix of an inserted sequence does not exist unless it was inserted too. Only
-        whole pages count. Read-only: no access time, hit or split.
+        whole pages count. With a host tier, a sequence held on the host alone still
+        exists (it left the device, not the cache). Read-only: no access time, hit or split.
 
         Args:
             token_ids: The sequence, in any form ``match_prefix`` accepts.

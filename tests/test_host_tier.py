@@ -276,6 +276,18 @@ def test_adoption_without_kv_uses_the_tokens(make_cache):
     check_invariants(cache)
 
 
+def test_a_sequence_held_on_the_host_alone_still_exists(make_cache):
+    cache = make_cache(page_size=2, host_tier=True)
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    cache.evict(4, backup=HostPool().backup)
+    assert cache.total_size() == 0 and cache.host_size() == 4
+    assert cache.exists([1, 2, 3, 4]) and [1, 2, 3, 4] in cache
+    assert not cache.exists([1, 2])  # a prefix, never inserted alone
+    cache.evict_host(4)
+    assert not cache.exists([1, 2, 3, 4])
+    check_invariants(cache)
+
+
 # -- splits inside host-only nodes ---------------------------------------------------------
 def test_match_splits_a_host_only_node(make_cache):
     cache = make_cache(page_size=2, host_tier=True)
