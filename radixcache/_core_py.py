@@ -398,14 +398,16 @@ class _RootKey:
     """A root child's key in a namespace: (extra_key, first page), hashed once. The child
     keeps the very key it is filed under, so that detaching or splitting it finds its entry
     by identity and runs none of the extra_key's code (its ``__hash__``/``__eq__`` run only
-    while a call looks a namespace up, before it changes anything)."""
+    while a call looks a namespace up, before it changes anything). Two filed keys are two
+    entries of one dict, never equal: a hash collision between them asks no extra_key."""
 
-    __slots__ = ("extra_key", "page", "_hash")
+    __slots__ = ("extra_key", "page", "_hash", "filed")
 
     def __init__(self, extra_key: Any, page: bytes) -> None:
         self._hash = hash((extra_key, page))
         self.extra_key = extra_key
         self.page = page
+        self.filed = False  # set once it is the key of a root entry
 
     def __hash__(self) -> int:
         return self._hash
@@ -415,6 +417,8 @@ class _RootKey:
             return True
         if type(other) is not _RootKey:
             return NotImplemented
+        if self.filed and other.filed:
+            return False
         # As a tuple compares: the same object is equal without asking it.
         return self.page == other.page and (self.extra_key is other.extra_key
                                             or bool(self.extra_key == other.extra_key))
@@ -785,6 +789,7 @@ class Tree:
             ckey = self._child_key(node, extra_key, first)  # hashes extra_key: may raise
             node._children[ckey] = new_leaf
             if type(ckey) is _RootKey:
+                ckey.filed = True
                 new_leaf._root_key = ckey
             self.node_count += 1
             node = new_leaf
@@ -1524,8 +1529,8 @@ class Core:
                 if node._host is None:
                     host = None
                     if use_backup:
-                        value = node.value  # the tensor backup and free_callback both get
                         try:
+                            value = node.value  # the tensor backup and free_callback get
                             host = backup(value)
                             if host is not None:
                                 host = host_indices_bytes(host, size, self._numpy_arrays)
@@ -1554,15 +1559,10 @@ class Core:
                 except BaseException:
                     garbage.append(heap._push(node))
                     raise
-                if parts is not None:
-                    if value is not None:  # backup's tensor: the batch's part (as compiled)
-                        parts.append(value)
-                    else:
-                        raw = node._value
-                        parts.append(node._key if raw is None else raw)
+                raw = node._value
                 if node._host is not None:  # demoted: stays in the tree, host only
                     parent = node._parent
-                    garbage.append(node._value)
+                    garbage.append(raw)
                     node._value = None
                     node._on_device = False
                     if not node._children:
@@ -1570,6 +1570,11 @@ class Core:
                 else:
                     parent, dropped = tree._detach_leaf(node)
                     garbage.append(dropped)
+                if parts is not None:  # handed over only once it left the device
+                    if value is not None:  # backup's tensor: the batch's part (as compiled)
+                        parts.append(value)
+                    else:
+                        parts.append(node._key if raw is None else raw)
                 self.evictable -= size
                 self.evictions += 1
                 self.evicted_tokens += size
@@ -1626,11 +1631,11 @@ class Core:
                     garbage.append(heap._push(node))  # still a host leaf
                     raise
                 host = node._host
-                if parts is not None:
-                    parts.append(host)
                 size = node.num_tokens
                 parent, dropped = tree._detach_leaf(node)
                 garbage.append(dropped)
+                if parts is not None:  # handed over only once it left the tree
+                    parts.append(host)
                 node._host = None
                 self.host_size -= size
                 self.host_evictions += 1
@@ -1833,6 +1838,7 @@ class Core:
                         raise ValueError(f"bad tree state: node {len(nodes)} starts with the "
                                          "same page as a sibling")
                     if type(child_key) is _RootKey:
+                        child_key.filed = True
                         node._root_key = child_key
                     nodes.append(node)
                     evictable += len(key) // _TOKEN_BYTES

@@ -439,3 +439,67 @@ def test_an_extra_key_hostile_during_evict_host_loses_nothing(make_cache, batch,
     assert freed == len(got) == 4 and cache.host_size() == 0
     assert sorted(got) == [100, 101, 102, 103] and held_values(cache, "host_value") == []
     check_invariants(cache)
+
+
+class CollidingKey:
+    """extra_keys that all hash alike, whose ``__eq__`` raises once ``armed`` is set."""
+
+    armed = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other) -> bool:
+        if CollidingKey.armed:
+            raise ValueError("eq refused")
+        return type(other) is CollidingKey and other.name == self.name
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("mode", ["one tier", "host tier", "evict_host"])
+@pytest.mark.parametrize("batch", [False, True])
+def test_colliding_extra_keys_hostile_during_evict_lose_nothing(make_cache, mode, batch):
+    # Two namespaces whose keys collide: removing one's node must not ask the other's key.
+    cache = make_cache(host_tier=mode != "one tier")
+    a, b = CollidingKey("a"), CollidingKey("b")
+    cache.insert([1, 2], [10, 11], extra_key=a)
+    cache.insert([1, 2], [20, 21], extra_key=b)
+    if mode == "evict_host":
+        assert cache.evict(4, backup=lambda d: d + 90) == 4  # host slots 100.. and 110..
+        cache.match_prefix([1, 2], extra_key=a)  # a: the most recently used
+        evict, tier, want = cache.evict_host, "host_value", [110, 111]
+    else:
+        cache.inc_lock_ref(cache.match_prefix([1, 2], extra_key=a).last_node)
+        evict, tier, want = cache.evict, "value", [20, 21]
+    CollidingKey.armed = True
+    got: list = []
+    try:
+        freed = evict(2, lambda v: got.extend(v.tolist()), batch=batch)
+    finally:
+        CollidingKey.armed = False
+    assert freed == 2 and got == want
+    held = held_values(cache, tier)
+    assert sorted(held + got) == sorted(want + [w - 10 for w in want])
+    check_invariants(cache)
+    assert cache.match_prefix([1, 2], extra_key=CollidingKey("b")).length == 0
+
+
+def test_a_torch_hook_refusing_the_victims_tensor_keeps_it_evictable(make_cache):
+    from torch.overrides import TorchFunctionMode
+
+    class Refuse(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            raise RuntimeError("mode refuses " + getattr(func, "__name__", str(func)))
+
+    cache = make_cache(host_tier=True)
+    cache.insert([1, 2, 3], torch.empty(3, dtype=torch.int64, device="meta"))
+    with pytest.raises(RuntimeError, match="mode refuses"):
+        with Refuse():
+            cache.evict(3, backup=lambda d: None)
+    assert cache.total_size() == 3
+    check_invariants(cache)
+    assert cache.evict(3, backup=lambda d: None) == 3  # still a victim
+    check_invariants(cache)
