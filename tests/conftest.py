@@ -127,8 +127,9 @@ def check_invariants(cache: RadixCache) -> None:
             check_index_array(cache, value)
             assert value.shape[0] == num_tokens, f"node {node.id} value/key length mismatch"
         if node.parent is not root:
-            # A subtree never mixes namespaces.
-            assert node.extra_key == node.parent.extra_key
+            # A subtree never mixes namespaces (the same key object, e.g. a NaN, is equal).
+            assert (node.extra_key is node.parent.extra_key
+                    or node.extra_key == node.parent.extra_key)
 
         assert node.lock_ref >= 0
         # lock_ref counts the node's own locks plus every lock below it.
