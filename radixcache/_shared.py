@@ -209,11 +209,19 @@ def hand_over_batch(free_callback, value, error, join=None) -> None:
     """The end of ``evict(batch=True)``, the same on both cores: one call with every freed
     index (``value``, made one tensor by ``join`` when given; None: nothing was freed), then
     the loop's ``error``, if any, re-raised; an exception from ``join`` or the callback
-    carries that error as its ``__context__``."""
+    carries that error as its ``__context__``. Parts that do not join (``torch.cat``
+    refusing them: values on several devices, a torch hook) are handed over one call each,
+    in order, before the join's error propagates: the evicted slots are never lost."""
     if value is not None:
         try:
             if join is not None:
-                value = join(value)
+                parts = value
+                try:
+                    value = join(parts)
+                except BaseException:
+                    for part in parts:  # bytes: made an array alone (no join of several)
+                        free_callback(join([part]) if type(part) is bytes else part)
+                    raise
             free_callback(value)
         except BaseException as exc:
             if error is not None and exc.__context__ is None:

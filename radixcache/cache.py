@@ -666,7 +666,10 @@ class RadixCache:
                 indices concatenated in eviction order (the same values, in the same order,
                 as the per-node calls); not called when nothing was freed. Suits allocators
                 that group their frees. Should the loop stop on an error, the nodes evicted
-                until then are still handed over before the error propagates.
+                until then are still handed over before the error propagates; should their
+                indices not join into one tensor (``torch.cat`` refusing device values on
+                several devices, or a torch hook), each node's are handed over in a call of
+                their own, in order, before ``torch.cat``'s error propagates.
             backup: With a host tier and the ``write_back`` policy: called with a victim's
                 device indices (the tensor ``free_callback`` gets next; with ``batch``, that
                 victim's part of the batch, which may share its memory: read it, do not

@@ -503,3 +503,27 @@ def test_a_torch_hook_refusing_the_victims_tensor_keeps_it_evictable(make_cache)
     check_invariants(cache)
     assert cache.evict(3, backup=lambda d: None) == 3  # still a victim
     check_invariants(cache)
+
+
+@pytest.mark.parametrize("host_tier", [False, True])
+def test_a_batch_that_does_not_join_is_handed_over_part_by_part(make_cache, host_tier):
+    # Device values torch.cat refuses to join (several devices, or here a hook): every
+    # victim's indices still reach the callback, one call each, then the error propagates.
+    from torch.overrides import TorchFunctionMode
+
+    class NoCat(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.cat:
+                raise RuntimeError("cat refused")
+            return func(*args, **(kwargs or {}))
+
+    cache = make_cache(host_tier=host_tier)
+    for i in range(3):
+        cache.insert([i, i, i], torch.empty(3, dtype=torch.int64, device="meta"))
+    got = []
+    with pytest.raises(RuntimeError, match="cat refused"):
+        with NoCat():
+            cache.evict(100, lambda v: got.append((v.device.type, v.shape[0])), batch=True)
+    assert got == [("meta", 3)] * 3
+    assert cache.total_size() == 0 and cache.stats().evictions == 3
+    check_invariants(cache)
