@@ -205,22 +205,40 @@ def cat_tensors(values: list) -> Any:
     return torch.cat([v.to(device) for v in values])
 
 
+def _hand_over_parts(free_callback, parts, join, join_error, error) -> None:
+    """``hand_over_batch``'s parts one call each (a part: a node's indices, or several
+    nodes' CPU indices the compiled core gathered in one block), every one of them whatever
+    a call raises; the first call's error is chained under ``join_error``."""
+    failed = None
+    for part in parts:
+        try:
+            # int64 bytes (the pure core's CPU values) become an array alone: no join.
+            free_callback(join([part]) if type(part) is bytes else part)
+        except BaseException as exc:
+            if failed is None:
+                failed = exc
+    if failed is not None:
+        # (It was raised while join_error was handled, so that is its context: replaced.)
+        failed.__context__ = error
+        join_error.__context__ = failed
+
+
 def hand_over_batch(free_callback, value, error, join=None) -> None:
     """The end of ``evict(batch=True)``, the same on both cores: one call with every freed
     index (``value``, made one tensor by ``join`` when given; None: nothing was freed), then
     the loop's ``error``, if any, re-raised; an exception from ``join`` or the callback
     carries that error as its ``__context__``. Parts that do not join (``torch.cat``
     refusing them: values on several devices, a torch hook) are handed over one call each,
-    in order, before the join's error propagates: the evicted slots are never lost."""
+    in order, all of them even if a call raises; then the join's error propagates, with the
+    first such call's error (and then the loop's) as its context."""
     if value is not None:
         try:
             if join is not None:
                 parts = value
                 try:
                     value = join(parts)
-                except BaseException:
-                    for part in parts:  # bytes: made an array alone (no join of several)
-                        free_callback(join([part]) if type(part) is bytes else part)
+                except BaseException as join_error:
+                    _hand_over_parts(free_callback, parts, join, join_error, error)
                     raise
             free_callback(value)
         except BaseException as exc:

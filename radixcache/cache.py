@@ -668,8 +668,10 @@ class RadixCache:
                 that group their frees. Should the loop stop on an error, the nodes evicted
                 until then are still handed over before the error propagates; should their
                 indices not join into one tensor (``torch.cat`` refusing device values on
-                several devices, or a torch hook), each node's are handed over in a call of
-                their own, in order, before ``torch.cat``'s error propagates.
+                several devices, or a torch hook), they are handed over in parts (a device
+                node's indices; CPU indices of consecutive nodes may come together), in
+                order, every part even if a call raises, and then ``torch.cat``'s error
+                propagates.
             backup: With a host tier and the ``write_back`` policy: called with a victim's
                 device indices (the tensor ``free_callback`` gets next; with ``batch``, that
                 victim's part of the batch, which may share its memory: read it, do not

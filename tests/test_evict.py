@@ -505,8 +505,10 @@ def test_a_torch_hook_refusing_the_victims_tensor_keeps_it_evictable(make_cache)
     check_invariants(cache)
 
 
+@pytest.mark.parametrize("callback_raises", [False, True])
 @pytest.mark.parametrize("host_tier", [False, True])
-def test_a_batch_that_does_not_join_is_handed_over_part_by_part(make_cache, host_tier):
+def test_a_batch_that_does_not_join_is_handed_over_part_by_part(make_cache, host_tier,
+                                                                callback_raises):
     # Device values torch.cat refuses to join (several devices, or here a hook): every
     # victim's indices still reach the callback, one call each, then the error propagates.
     from torch.overrides import TorchFunctionMode
@@ -521,9 +523,20 @@ def test_a_batch_that_does_not_join_is_handed_over_part_by_part(make_cache, host
     for i in range(3):
         cache.insert([i, i, i], torch.empty(3, dtype=torch.int64, device="meta"))
     got = []
-    with pytest.raises(RuntimeError, match="cat refused"):
+
+    def free(indices):
+        got.append((indices.device.type, indices.shape[0]))
+        if callback_raises:
+            raise ValueError("pool refused")
+
+    with pytest.raises(RuntimeError, match="cat refused") as excinfo:
         with NoCat():
-            cache.evict(100, lambda v: got.append((v.device.type, v.shape[0])), batch=True)
-    assert got == [("meta", 3)] * 3
+            cache.evict(100, free, batch=True)
+    assert got == [("meta", 3)] * 3  # every part, even after a call raised
+    context = excinfo.value.__context__
+    if callback_raises:
+        assert type(context) is ValueError and context.__context__ is None
+    else:
+        assert context is None
     assert cache.total_size() == 0 and cache.stats().evictions == 3
     check_invariants(cache)
