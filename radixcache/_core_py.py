@@ -658,6 +658,19 @@ class Tree:
             return _RootKey(extra_key, first_page)
         return first_page
 
+    def _entry_key(self, node: Node) -> Any:
+        """The key an attached ``node`` is filed under in its parent's dict (found by
+        identity: no extra_key code runs)."""
+        ckey = node._root_key
+        return node._key[: self._page_bytes] if ckey is None else ckey
+
+    @staticmethod
+    def _filed(node: Node, ckey: Any) -> None:
+        """``node`` was just filed under ``ckey``: a namespace's root key is kept by it."""
+        if type(ckey) is _RootKey:
+            ckey.filed = True
+            node._root_key = ckey
+
     def _aligned_end(self, buf: bytes) -> int:
         end = len(buf)
         return end - end % self._page_bytes
@@ -686,11 +699,8 @@ class Tree:
         host = upper_host = lower_host = node._host
         if host is not None:
             upper_host, lower_host = host[:at], host[at:]
-        # The upper half takes over node's entry (and its key: found by identity).
-        ckey = node._root_key
-        if ckey is None:
-            ckey = node._key[: self._page_bytes]
-        parent._children[ckey] = upper
+        # The upper half takes over node's entry (and its key).
+        parent._children[self._entry_key(node)] = upper
         upper._root_key = node._root_key
         node._root_key = None
         upper._value = upper_value
@@ -788,9 +798,7 @@ class Tree:
             first = buf[pos:pos + self._page_bytes]
             ckey = self._child_key(node, extra_key, first)  # hashes extra_key: may raise
             node._children[ckey] = new_leaf
-            if type(ckey) is _RootKey:
-                ckey.filed = True
-                new_leaf._root_key = ckey
+            self._filed(new_leaf, ckey)
             self.node_count += 1
             node = new_leaf
         if whole:
@@ -920,10 +928,7 @@ class Tree:
         parent = node._parent
         if parent is None or node._children:
             raise ValueError(f"node {node._id} is not an attached leaf")
-        ckey = node._root_key  # its own key: no extra_key code runs
-        if ckey is None:
-            ckey = node._key[: self._page_bytes]
-        del parent._children[ckey]
+        del parent._children[self._entry_key(node)]
         node._root_key = None
         node._parent = None
         node._evicted = True
@@ -1837,9 +1842,7 @@ class Core:
                     if parent._children.setdefault(child_key, node) is not node:
                         raise ValueError(f"bad tree state: node {len(nodes)} starts with the "
                                          "same page as a sibling")
-                    if type(child_key) is _RootKey:
-                        child_key.filed = True
-                        node._root_key = child_key
+                    tree._filed(node, child_key)
                     nodes.append(node)
                     evictable += len(key) // _TOKEN_BYTES
                 fresh = sorted(node._id for node in nodes)
