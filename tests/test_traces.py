@@ -17,6 +17,7 @@ from radixcache.cli import _run_sweep, _SweepError, main
 from radixcache.fleet import simulate_fleet, simulate_pooled
 from radixcache.traces import MOONCAKE, TOKENS, Trace, TraceError, _parse, read_trace
 from radixcache.workloads import Request, serve, synthetic_chat
+from radixcache.workloads.requests import take_buffer
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 SHARED_TRACES = ["mooncake_synthetic_trace.jsonl", "mooncake_conversation_trace.jsonl"]
@@ -171,9 +172,10 @@ def test_replay_makes_the_requests_iteration_makes(tmp_path):
     for i, request in enumerate(trace._replay()):
         # Checked before the next is made: the replay reuses one buffer.
         assert same_request(request, made[i]), i
-        spare = request.__dict__["_spare"][0]
-        assert len(spare) >= len(request.prompt) + request.output_len
-        assert np.shares_memory(spare, request.prompt) or not len(request.prompt)
+        buffer = take_buffer(request)  # the serving loop's: once
+        assert take_buffer(request) is None
+        assert len(buffer) >= len(request.prompt) + request.output_len
+        assert np.shares_memory(buffer, request.prompt) or not len(request.prompt)
         replayed += 1
     assert replayed == len(trace)
     for part in (trace[2:], trace[::2], trace[5:6], trace[3:3]):
