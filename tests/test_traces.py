@@ -13,7 +13,8 @@ import pytest
 
 from radixcache import RadixCache
 from radixcache._core import CORES
-from radixcache.cli import _run_sweep, _SweepError, main
+from radixcache.cli import main
+from radixcache.cli.sweep import SweepError, run_sweep
 from radixcache.fleet import simulate_fleet, simulate_pooled
 from radixcache.traces import MOONCAKE, TOKENS, Trace, TraceError, _parse, read_trace
 from radixcache.workloads import Request, serve, synthetic_chat
@@ -377,12 +378,12 @@ def test_streaming_and_materialized_replays_agree_on_the_shared_traces(name, cor
 # -- simulate --jobs -------------------------------------------------------------------------------
 def test_run_sweep_runs_points_in_forked_processes_in_order():
     points = list(range(7))
-    results = _run_sweep(points, lambda point, progress: (point * point, os.getpid()), 3,
+    results = run_sweep(points, lambda point, progress: (point * point, os.getpid()), 3,
                          True, str, 0)
     assert [r[0] for r in results] == [p * p for p in points]
     if hasattr(os, "fork"):
         assert os.getpid() not in {r[1] for r in results}
-    serial = _run_sweep(points, lambda point, progress: (point, os.getpid()), 1, True, str, 0)
+    serial = run_sweep(points, lambda point, progress: (point, os.getpid()), 1, True, str, 0)
     assert serial == [(p, os.getpid()) for p in points]
 
 
@@ -393,7 +394,7 @@ def test_run_sweep_passes_a_workers_error_on():
         return point
 
     with pytest.raises(ValueError, match="point 2 failed"):
-        _run_sweep([0, 1, 2, 3], run, 2, True, str, 0)
+        run_sweep([0, 1, 2, 3], run, 2, True, str, 0)
 
 
 def test_run_sweep_reports_a_dead_worker():
@@ -402,8 +403,8 @@ def test_run_sweep_reports_a_dead_worker():
             os._exit(3)  # as the kernel's out-of-memory killer would end it
         return point
 
-    with pytest.raises(_SweepError, match="worker process of --jobs died"):
-        _run_sweep([0, 1, 2], run, 2, True, str, 0)
+    with pytest.raises(SweepError, match="worker process of --jobs died"):
+        run_sweep([0, 1, 2], run, 2, True, str, 0)
 
 
 def without_timing(rows):
