@@ -3,8 +3,10 @@ and the checked parse agree, and ``simulate --jobs`` gives the serial rows."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import tracemalloc
 from pathlib import Path
 
@@ -132,8 +134,6 @@ def test_token_trace_columns_keys_and_from_requests(tmp_path):
 
 
 def test_a_requests_buffer_is_used_by_one_admission_only(tmp_path):
-    import copy
-
     from radixcache.workloads import ServingLoop
 
     trace = read_trace(write_lines(tmp_path / "mc.jsonl", [
@@ -186,6 +186,18 @@ def test_replay_makes_the_requests_iteration_makes(tmp_path):
     tokens = Trace.from_requests(made)
     assert [same_request(r, made[i]) for i, r in enumerate(tokens._replay())] == \
         [True] * len(made)
+
+
+def test_a_traces_request_copies_and_pickles_without_its_buffer(tmp_path):
+    # The buffer is the request's own: a copy or a pickle never shares it with a loop.
+    request = runs_trace(tmp_path)[4]
+    for other in (copy.copy(request), copy.deepcopy(request),
+                  pickle.loads(pickle.dumps(request))):
+        assert same_request(other, request)
+        assert take_buffer(other) is None
+    buffer = take_buffer(request)
+    assert buffer is not None and np.shares_memory(buffer, request.prompt)
+    assert take_buffer(request) is None
 
 
 def test_serve_gives_a_traces_rows_and_a_lists(tmp_path, core):
