@@ -50,9 +50,9 @@ import numpy as np
 
 from ._options import (DEFAULT_DECODE_TPS, DEFAULT_INTERVAL_MS, DEFAULT_PREFILL_TPS, POOLED,
                        EventLag)
-from . import _keyfeed
 from ._options import DEFAULT_LOAD_TPS, WRITE_POLICIES
 from .cache import RadixCache
+from .events.recorder import attach as attach_key_recorder
 from .router import Router
 from .traces import Trace
 from .workloads import Request, ServingLoop
@@ -298,13 +298,13 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
     caches = [RadixCache(page_size=page_size, eviction_policy=eviction_policy,
                          enable_events=with_events, core=core, array_type="numpy", **fast)
               for _ in range(num_workers)]
-    # In-process channels feed the index the workers' block keys directly (_keyfeed): no
+    # In-process channels feed the index the workers' block keys directly (KeyRecorder): no
     # event objects, keys hashed once per stored leaf, applied in one call per record. The
     # key feed knows one tier: with a host tier the workers publish events per medium.
     direct = with_events and channels is None and not host_capacity
     if direct:
         for cache in caches:
-            _keyfeed.attach(cache)
+            attach_key_recorder(cache)
     loops = [ServingLoop(cache, capacity, host_capacity=host_capacity or None)
              for cache in caches]
     # Events published once every request is routed reach no decision: an in-process

@@ -1,5 +1,6 @@
 """The tree cores' ``BlockIndex`` (``KvIndexer``'s table of held blocks) and the fleet's
-direct feed of block keys (``_keyfeed``), on every available core.
+direct feed of block keys (``radixcache.events.recorder.KeyRecorder``), on every available
+core.
 
 The index is checked against a plain model (key -> list of copies) over random operation
 sequences, its errors on bad input (each leaving it unchanged), and ``KvIndexer`` over the
@@ -17,7 +18,8 @@ import pytest
 
 from radixcache import _core, _core_py
 from radixcache._core import CORES
-from radixcache.events import AllBlocksCleared, BlockRemoved, BlockStored, _fast_root
+from radixcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixcache.events.hashing import fast64_root
 from radixcache.fleet import EventLag, InProcessChannel, TimeModel, simulate_fleet
 from radixcache.router import KvIndexer
 from radixcache.workloads import Request, synthetic_chat
@@ -316,7 +318,7 @@ def random_events(rng, block_size, tokens, held):
                 _, base_keys, start, medium, group = base
                 parent, seed = base[0][-1], base_keys[-1]
             else:
-                start, parent, seed = 0, None, _fast_root(b"")
+                start, parent, seed = 0, None, fast64_root(b"")
                 medium, group = rng.choice((None, "GPU", "CPU")), rng.choice((None, 1))
             toks = tokens[start * block_size:(start + n) * block_size]
             keys = _core.core.page_hash_chain(
