@@ -1,8 +1,9 @@
 """The recorders a cache owns when its events are on: ``EventRecorder`` (KV event objects)
-and ``KeyRecorder`` (block-key records for ``KvIndexer._apply_own``).
+and ``KeyRecorder`` (block-key records for ``KvIndexer.apply_keys``), and ``new_recorder``,
+which picks one from the cache's ``event_options``.
 
-Block-key records
------------------
+Block-key records (``event_options={"record": "keys"}``)
+---------------------------------------------------------
 A router in the same process as its workers (``simulate_fleet``) keys blocks by the
 ``fast64`` chain, which a worker can compute itself. ``KeyRecorder`` records, instead of
 ``BlockStored``/``BlockRemoved`` objects, one tuple per leaf:
@@ -12,7 +13,7 @@ A router in the same process as its workers (``simulate_fleet``) keys blocks by 
 - ``(KEYS_REMOVED, keys)``: an evicted leaf's pages;
 
 ``keys`` being the pages' ``fast64`` keys as native-endian int64 bytes (``page_hash_bytes``):
-no int per page is made, and ``KvIndexer._apply_own`` takes each record in one call, counting
+no int per page is made, and ``KvIndexer.apply_keys`` takes each record in one call, counting
 exactly what ``KvIndexer.apply`` counts for the equivalent ``fast64`` events. A removed
 leaf's keys are the ones computed when it was stored (a split keeps the lower half's node,
 whose pages are the tail of them), so an eviction hashes nothing. ``AllBlocksCleared`` is
@@ -267,6 +268,8 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 class KeyRecorder(EventRecorder):
     """An ``EventRecorder`` (``block_hash="fast64"``) that records block keys; see the module.
 
+    A cache owns one with ``event_options={"record": "keys"}`` (see ``new_recorder``).
+
     Args:
         page_size: Tokens per page (the cache's), an int >= 1.
 
@@ -329,7 +332,49 @@ class KeyRecorder(EventRecorder):
         super().cleared()
 
 
-def attach(cache: Any) -> None:
-    """Make ``cache`` (a ``RadixCache`` created with ``enable_events=True`` and no event yet
-    recorded) record block keys with a ``KeyRecorder``."""
-    cache._events = KeyRecorder(cache.page_size)
+#: The names of ``RadixCache``'s ``event_options``.
+EVENT_OPTIONS = frozenset({"lora_id", "medium", "lora_namespaces", "block_hash", "record"})
+#: ``event_options["record"]``: ``"events"`` (the default) records KV event objects,
+#: ``"keys"`` block-key records for ``KvIndexer.apply_keys`` (see the module docstring).
+RECORDS = ("events", "keys")
+
+
+def new_recorder(page_size: int, event_options: Optional[dict] = None, *,
+                 host_tier: bool = False) -> EventRecorder:
+    """The recorder of a ``RadixCache(enable_events=True, event_options=...)``.
+
+    Args:
+        page_size: The cache's page size, an int >= 1.
+        event_options: The cache's ``event_options`` (None: none): ``"medium"``,
+            ``"lora_id"``, ``"lora_namespaces"`` and ``"block_hash"`` go to ``EventRecorder``;
+            ``"record"`` is one of ``RECORDS``, ``"keys"`` taking no other option.
+        host_tier: Whether the cache has a host tier (block-key records know no tier).
+
+    Returns:
+        An ``EventRecorder``, or a ``KeyRecorder`` for ``record="keys"``.
+
+    Raises:
+        TypeError: an unknown option, or an option of the wrong type.
+        ValueError: an unknown ``record`` or ``block_hash``; ``record="keys"`` with another
+            option or with a host tier.
+    """
+    options = dict(event_options or {})
+    unknown = sorted(set(options) - EVENT_OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown event option {unknown[0]!r}; valid: "
+                        + ", ".join(sorted(EVENT_OPTIONS)))
+    record = options.pop("record", "events")
+    if not isinstance(record, str):
+        raise TypeError(f"event option record must be a str, got {type(record).__name__}")
+    if record not in RECORDS:
+        raise ValueError(f"unknown record {record!r}; valid: {', '.join(RECORDS)}")
+    if record == "events":
+        return EventRecorder(page_size, **options)
+    if options:
+        raise ValueError(f"event option record='keys' takes no other option, got "
+                         f"{sorted(options)[0]!r}: its records are the device tier's fast64 "
+                         f"block keys, without medium or LoRA fields")
+    if host_tier:
+        raise ValueError("event option record='keys' needs a cache without a host tier: "
+                         "block-key records name no tier")
+    return KeyRecorder(page_size)

@@ -27,7 +27,7 @@ from ..events import (
     tokens_le_bytes,
 )
 from ..events.hashing import fast64_root
-from ..events.recorder import KEYS_STORED
+from ..events.recorder import KEYS_REMOVED, KEYS_STORED
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 # A publisher's block hashes are only looked up, never computed with: vLLM sends ints or
@@ -161,6 +161,23 @@ class _Copy:
         return f"_Copy({self.worker!r}, {self.medium!r}, {self.group!r})"
 
 
+def _is_key_record(record: tuple) -> bool:
+    """A ``KeyRecorder`` record: ``(KEYS_STORED, keys, parent_key)`` or ``(KEYS_REMOVED,
+    keys)``, ``keys`` whole int64s as bytes, ``parent_key`` an int or None."""
+    if len(record) == 3:
+        tag, keys, parent = record
+        if type(tag) is not int or tag != KEYS_STORED or not (
+                parent is None or type(parent) is int):
+            return False
+    elif len(record) == 2:
+        tag, keys = record
+        if type(tag) is not int or tag != KEYS_REMOVED:
+            return False
+    else:
+        return False
+    return type(keys) is bytes and len(keys) % 8 == 0
+
+
 def _event_medium(event: Any) -> str:
     """An event's tier: its ``medium``, ``"GPU"`` (the device tier) when it names none."""
     medium = getattr(event, "medium", None)
@@ -185,8 +202,10 @@ class KvIndexer:
 
     Workers are any hashable ids. Apply each worker's batches in the order it published them:
     ``apply(worker, events)`` for event objects, ``apply_payload(worker, payload, seq)`` for
-    a raw msgpack payload. ``len(indexer)`` is the number of distinct blocks held. Not
-    thread-safe: serialise ``apply`` with the queries.
+    a raw msgpack payload, ``apply_keys(worker, records)`` for the block-key records of a
+    cache in the same process (``event_options={"record": "keys"}``). ``len(indexer)`` is
+    the number of distinct blocks held. Not thread-safe: serialise ``apply`` with the
+    queries.
 
     Blocks are held per copy: a worker's blocks on one tier (the event's ``medium``,
     ``"GPU"`` when it names none) in one KV-cache group (``group_idx``). A removal removes
@@ -454,12 +473,38 @@ class KvIndexer:
         self.apply(worker, batch.events)
         return True
 
-    def _apply_own(self, worker: Hashable, records: list) -> None:
-        """Apply one batch of a ``KeyRecorder``'s records (an in-process worker whose block
-        keys are this indexer's own): counted exactly as ``apply`` counts the equivalent
-        ``fast64`` events, each record one call into the block index."""
+    def apply_keys(self, worker: Hashable, records: Iterable[Any]) -> None:
+        """Apply one batch of an in-process worker's block-key records, in order.
+
+        The records are what ``take_events()`` returns from a cache made with
+        ``event_options={"record": "keys"}`` (see ``radixcache.events.recorder``):
+        ``(KEYS_STORED, keys, parent_key)``, ``(KEYS_REMOVED, keys)`` and
+        ``AllBlocksCleared()``, ``keys`` being the blocks' ``fast64`` keys (this indexer's own
+        keys) as native-endian int64 bytes. They are counted in ``stats`` exactly as
+        ``apply`` counts the equivalent ``fast64`` events, and each record is one call into
+        the block table. The blocks are held on the worker's device tier (``"GPU"``, no
+        group), as ``apply`` holds events that name no medium.
+
+        Never raises for bad records: one that is not such a record is skipped and counted
+        in ``stats.malformed_events``, a batch that is not iterable in
+        ``stats.malformed_batches``.
+
+        Args:
+            worker: The worker id (any hashable).
+            records: The batch: the records of one ``take_events()`` call, in order.
+
+        Raises:
+            TypeError: ``worker`` is None or not hashable.
+        """
+        self._check_worker(worker)
         stats = self.stats
         stats.batches += 1
+        if type(records) is not list:  # take_events() gives a list: no copy
+            try:
+                records = list(records)
+            except TypeError:
+                stats.malformed_batches += 1
+                return
         index = self._index
         for record in records:
             stats.events += 1
@@ -470,12 +515,18 @@ class KvIndexer:
                 else:
                     stats.malformed_events += 1
                 continue
+            if not _is_key_record(record):
+                stats.malformed_events += 1
+                continue
+            keys = record[1]
             copy = self._find(worker, MEDIUM_GPU, None)
             if record[0] == KEYS_STORED:
-                _, keys, parent = record
+                parent = record[2]
                 if parent is not None and (copy is None or self._key_of(copy, parent) is None):
                     stats.unknown_parent += 1
                     continue
+                if not keys:
+                    continue  # no full block: nothing held, as ``apply`` does
                 if copy is None:
                     copy = self._copy(worker, MEDIUM_GPU, None)
                 stored, duplicates = index.store(copy.cid, keys)
@@ -483,12 +534,12 @@ class KvIndexer:
                 stats.stored_blocks += stored
                 stats.duplicate_blocks += duplicates
             elif copy is None:
-                stats.unknown_removals += len(record[1]) // 8
+                stats.unknown_removals += len(keys) // 8
             elif copy.published:  # also fed events under other hashes: the general path
                 self._removed(worker, BlockRemoved(
-                    tuple(array("q", record[1])), MEDIUM_GPU))  # native order, as written
+                    tuple(array("q", keys)), MEDIUM_GPU))  # native order, as written
             else:
-                removed, unknown = index.remove(copy.cid, record[1])
+                removed, unknown = index.remove(copy.cid, keys)
                 copy.size -= removed
                 stats.removed_blocks += removed
                 stats.unknown_removals += unknown
