@@ -49,7 +49,6 @@ import numpy as np
 
 from ._options import (DEFAULT_DECODE_TPS, DEFAULT_INTERVAL_MS, DEFAULT_PREFILL_TPS, POOLED,
                        EventLag)
-from . import _keyfeed
 from ._options import DEFAULT_LOAD_TPS, WRITE_POLICIES
 from .cache import RadixCache
 from .router import Router
@@ -271,23 +270,25 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             write_policy: str = "write_back", load_tps: float = DEFAULT_LOAD_TPS
             ) -> FleetResult:
     wall_start = time.perf_counter()
-    # In-process channels carry the events as objects: the workers hash pages with the
-    # fast chain (the index keys blocks by their tokens, whatever the publisher's hash).
-    fast = {"event_options": {"block_hash": "fast64"}} if with_events and channels is None \
-        else {}
-    if host_capacity:
-        fast = dict(fast, host_tier=True, write_policy=write_policy)
-    # numpy index arrays: the simulation never needs torch (nor its import time).
-    caches = [RadixCache(page_size=page_size, eviction_policy=eviction_policy,
-                         enable_events=with_events, core=core, array_type="numpy", **fast)
-              for _ in range(num_workers)]
-    # In-process channels feed the index the workers' block keys directly (_keyfeed): no
-    # event objects, keys hashed once per stored leaf, applied in one call per record. The
-    # key feed knows one tier: with a host tier the workers publish events per medium.
+    # In-process channels feed the index the workers' block keys directly (event option
+    # record="keys", applied by KvIndexer.apply_keys): no event objects, keys hashed once per
+    # stored leaf, applied in one call per record. The key records know one tier: with a host
+    # tier the workers publish events per medium, hashing pages with the fast chain (the
+    # index keys blocks by their tokens, whatever the publisher's hash).
     direct = with_events and channels is None and not host_capacity
     if direct:
-        for cache in caches:
-            _keyfeed.attach(cache)
+        cache_options = {"event_options": {"record": "keys"}}
+    elif with_events and channels is None:
+        cache_options = {"event_options": {"block_hash": "fast64"}}
+    else:
+        cache_options = {}
+    if host_capacity:
+        cache_options = dict(cache_options, host_tier=True, write_policy=write_policy)
+    # numpy index arrays: the simulation never needs torch (nor its import time).
+    caches = [RadixCache(page_size=page_size, eviction_policy=eviction_policy,
+                         enable_events=with_events, core=core, array_type="numpy",
+                         **cache_options)
+              for _ in range(num_workers)]
     loops = [ServingLoop(cache, capacity, host_capacity=host_capacity or None)
              for cache in caches]
     # Events published once every request is routed reach no decision: an in-process
@@ -396,7 +397,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
                         max_time, max_step = now - lag_s, math.inf
                     else:
                         max_time, max_step = math.inf, steps - event_lag.requests
-                    apply = router.indexer._apply_own if direct else router.indexer.apply
+                    apply = router.indexer.apply_keys if direct else router.indexer.apply
                     for w in range(num_workers):
                         for events in channels[w].take(max_time, max_step):
                             apply(w, events)
