@@ -2,9 +2,9 @@
 joins the shards of a sweep (``simulate --shard``), ``bench`` times the tree cores side by side,
 ``trace`` downloads and lists the public Mooncake traces.
 
-Exit codes: 0 success, 1 unreadable or malformed trace (or failed output or download), 2 bad
-arguments. Parsing imports neither torch nor the tree cores (``--help``, ``--version`` and
-argument errors answer at once); a run imports them when it starts.
+Exit codes: 0 success, 1 unreadable or malformed trace (or failed output, download, merge or
+sweep worker), 2 bad arguments. Parsing imports neither torch nor the tree cores (``--help``,
+``--version`` and argument errors answer at once); a run imports them when it starts.
 
 One module per concern: ``args`` (the parser, sizes), ``output`` (tables, atomic writes,
 progress), ``sweep`` (a sweep's points: ``--jobs``, executors, ``--shard``), ``plots``, and one

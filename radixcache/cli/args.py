@@ -179,7 +179,7 @@ def _prefix_blocks(text: str) -> int | str:
 
 def shard(text: str) -> tuple[int, int]:
     """``I/N``: the I-th of N slices of a sweep, 0-based (``0/4`` to ``3/4``), as (I, N)."""
-    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]+)\s*/\s*([0-9]+)\s*", text)
     if not match:
         raise argparse.ArgumentTypeError(
             f"expected I/N, the I-th of N shards counted from 0 (0/4 to 3/4), got {text!r}")
