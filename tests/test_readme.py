@@ -37,6 +37,9 @@ def test_example_runs(index):
     if "ZmqEvent" in code:
         pytest.importorskip("zmq")
         pytest.importorskip("msgspec")
+    for module in ("dask", "ray"):  # the cluster examples (radixcache[cluster]; Ray)
+        if f"import {module}" in code or f"from {module}" in code:
+            pytest.importorskip(module, reason=f"the example needs {module}")
     assert _run(code, where) is not None
 
 

@@ -1,28 +1,32 @@
-"""The ``radixcache`` command: ``simulate`` replays a trace through the serving loop, ``bench``
-times the tree cores side by side, ``trace`` downloads and lists the public Mooncake traces.
+"""The ``radixcache`` command: ``simulate`` replays a trace through the serving loop, ``merge``
+joins the shards of a sweep (``simulate --shard``), ``bench`` times the tree cores side by side,
+``trace`` downloads and lists the public Mooncake traces.
 
-Exit codes: 0 success, 1 unreadable or malformed trace (or failed output or download), 2 bad
-arguments. Parsing imports neither torch nor the tree cores (``--help``, ``--version`` and
-argument errors answer at once); a run imports them when it starts.
+Exit codes: 0 success, 1 unreadable or malformed trace (or failed output, download, merge or
+sweep worker), 2 bad arguments. Parsing imports neither torch nor the tree cores (``--help``,
+``--version`` and argument errors answer at once); a run imports them when it starts.
 
 One module per concern: ``args`` (the parser, sizes), ``output`` (tables, atomic writes,
-progress), ``sweep`` (a sweep's points, ``--jobs``), ``plots``, and one per subcommand:
-``simulate``, ``bench``, ``trace``.
+progress), ``sweep`` (a sweep's points: ``--jobs``, executors, ``--shard``), ``plots``, and one
+per subcommand: ``simulate``, ``merge``, ``bench``, ``trace``.
 """
 
 from __future__ import annotations
 
 import gc
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 # Light modules only: torch, numpy and the cores are imported inside the run functions.
-from . import bench, simulate, trace
+from . import bench, merge, simulate, trace
 from .args import ParseError, UsageError, build_parser, usage_line
 from .args import parse_size as parse_size
 from .simulate import FLEET_JSON_KEYS, JSON_KEYS
 from .simulate import default_capacities as default_capacities
 from .sweep import SweepError
+
+if TYPE_CHECKING:
+    from concurrent.futures import Executor
 
 __all__ = ["main", "JSON_KEYS", "FLEET_JSON_KEYS"]
 
@@ -63,8 +67,27 @@ def entry_point() -> int:
     return code
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+def main(argv: Sequence[str] | None = None, *, executor: Executor | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``), as the ``radixcache`` command
+    does: what it prints goes to ``sys.stdout`` and ``sys.stderr``.
+
+    Args:
+        argv: The arguments after ``radixcache``, such as ``["simulate", "trace.jsonl",
+            "--capacity", "1M,4M", "--json", "rows.json"]``.
+        executor: ``simulate`` only: run the sweep's points on this
+            ``concurrent.futures.Executor`` (a process or thread pool, Dask's
+            ``Client.get_executor()``, ...) instead of ``--jobs``; the rows are those of
+            ``--jobs 1``, in the same order. A worker in another process reads the trace from
+            its path (absolute, as given here), once per process: the path must be reachable
+            from every worker. The executor stays open.
+
+    Returns:
+        The exit code (0 success; 1 an unreadable or malformed trace, a failed output,
+            download or merge, or a worker that failed; 2 bad arguments).
+
+    Raises:
+        ValueError: ``executor`` for another command than ``simulate``.
+    """
     parser = build_parser()
     try:
         args, extras = parser.parse_known_args(argv)
@@ -76,9 +99,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except SystemExit as exc:  # argparse exits 0 after --help and --version
         return exc.code if isinstance(exc.code, int) else 2
+    if executor is not None and args.command != "simulate":
+        raise ValueError(f"main: executor runs the points of 'simulate', not of "
+                         f"{args.command!r}")
+    args.executor = executor
     try:
         if args.command == "simulate":
             return simulate.run(args)
+        if args.command == "merge":
+            return merge.run(args)
         if args.command == "trace":
             return trace.run(args)
         return bench.run(args)

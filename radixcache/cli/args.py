@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from decimal import Decimal, InvalidOperation
 from typing import Sequence
 
@@ -176,6 +177,22 @@ def _prefix_blocks(text: str) -> int | str:
             f"expected a whole number >= 1 or 'auto', got {text!r}") from None
 
 
+def shard(text: str) -> tuple[int, int]:
+    """``I/N``: the I-th of N slices of a sweep, 0-based (``0/4`` to ``3/4``), as (I, N)."""
+    match = re.fullmatch(r"\s*([0-9]+)\s*/\s*([0-9]+)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"expected I/N, the I-th of N shards counted from 0 (0/4 to 3/4), got {text!r}")
+    index, count = int(match[1]), int(match[2])
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"the number of shards must be >= 1, got {text!r}")
+    if index >= count:
+        raise argparse.ArgumentTypeError(
+            f"shard {index} of {count} does not exist: shards count from 0 "
+            f"(0/{count} to {count - 1}/{count}), got {text!r}")
+    return index, count
+
+
 def _event_lag(text: str) -> EventLag:
     try:
         return EventLag.parse(text)
@@ -262,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
                      help="run the sweep's points in N processes that share the parsed trace "
                           "(default: the number of cores, at most one per point; 1: serially)")
+    sim.add_argument("--shard", type=shard, default=None, metavar="I/N",
+                     help="run only shard I of N (counted from 0: 0/N to N-1/N), a fixed slice "
+                          "of the sweep's points, and write its rows with --json for "
+                          "'radixcache merge' (one shard per task of a job array)")
     fleet = sim.add_argument_group(
         "fleet (--workers N >= 2)",
         "Replay over N workers of --capacity slots each behind a router that learns what they "
@@ -315,7 +336,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="smaller workloads, one repeat")
     bench.add_argument("--repeat", type=_plain_positive_int, default=None, metavar="N",
                        help="runs per measurement, the best is kept (default 3, 1 with --quick)")
-    for name, command in (("simulate", sim), ("bench", bench)):
+    merge = sub.add_parser(
+        "merge", prog="radixcache merge", help="join the shards of a sweep (simulate --shard)",
+        usage="radixcache merge SHARD.json [SHARD.json ...] [--json OUT.json] [--plot OUT.png]",
+        description="Join the files that 'radixcache simulate --shard I/N --json' wrote, one "
+                    "per shard of one sweep, into the rows a single run writes (in the same "
+                    "order; the timings are each shard's own). Every shard 0 to N-1 must be "
+                    "given once, all of the same trace, options and grid; otherwise nothing "
+                    "is written.")
+    merge.add_argument("shards", nargs="+", metavar="SHARD.json",
+                       help="the shard files (any order)")
+    merge.add_argument("--json", metavar="OUT.json",
+                       help="write the merged rows there (default: print them on stdout)")
+    merge.add_argument("--plot", metavar="OUT.png",
+                       help="plot the merged rows as 'simulate --plot' does")
+    for name, command in (("simulate", sim), ("bench", bench), ("merge", merge)):
         command.set_defaults(parser=command)
 
     from ..download import TRACES  # noqa: PLC0415 -- standard library only

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .._options import (DEFAULT_DECODE_TPS, DEFAULT_HOST_WEIGHT, DEFAULT_INTERVAL_MS,
                         DEFAULT_LOAD_TPS, DEFAULT_LOAD_WEIGHT, DEFAULT_PREFILL_TPS, POOLED,
@@ -17,7 +17,7 @@ from .args import (CAPACITY_FRACTIONS, DEFAULT_CAPACITIES, DEFAULT_ROUTERS, Usag
                    capacity_list, router_list)
 from .output import check_output_path, format_table, short_count, warn, write_json
 from .plots import plot_format, write_fleet_plot, write_host_plot, write_plot
-from .sweep import run_sweep
+from .sweep import FleetPoint, ServePoint, TraceSource, run_sweep, take_shard, write_shard
 
 if TYPE_CHECKING:
     from ..fleet import FleetResult
@@ -185,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
     """``radixcache simulate``: replay, print the table, write --json and --plot."""
     _host_options(args)  # first: it tells the options given from the defaults filled next
     _fleet_options(args)
+    _sweep_options(args)
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot")
     if args.plot:
@@ -197,26 +198,25 @@ def run(args: argparse.Namespace) -> int:
     # torch is not imported).
     from .. import _core  # noqa: PLC0415
     from ..cache import RadixCache  # noqa: PLC0415
-    from ..traces import Trace, TraceError, read_trace  # noqa: PLC0415
-    from ..workloads import serve, synthetic_chat  # noqa: PLC0415
+    from ..traces import TraceError  # noqa: PLC0415
 
     if args.core is not None and args.core not in _core.CORES:
         raise UsageError(f"--core {args.core}: the compiled core is not built here "
                          f"(available: {', '.join(sorted(_core.CORES))})")
 
     # Parse once; every (capacity, policy) replays the same requests.
+    source = TraceSource(None if args.trace is None else os.path.abspath(args.trace),
+                         args.block_size, args.limit, args.seed)
     if args.trace is None:
         trace_name = EMBEDDED_NAME
-        requests: Trace = Trace.from_requests(synthetic_chat(seed=args.seed))
-        if args.limit is not None:
-            requests = requests[: args.limit]
+        requests = source.read()
     else:
         trace_name = os.path.basename(args.trace)
         try:
             if not args.quiet and os.path.getsize(args.trace) > LARGE_TRACE_BYTES:
                 print(f"reading {trace_name} ({os.path.getsize(args.trace) / 1e6:,.1f} MB)...",
                       file=sys.stderr, flush=True)
-            requests = read_trace(args.trace, block_size=args.block_size, limit=args.limit)
+            requests = source.read()
         except TraceError as exc:
             print(f"radixcache: error: {exc}", file=sys.stderr)
             return 1
@@ -248,29 +248,21 @@ def run(args: argparse.Namespace) -> int:
           f"page size {args.page_size}; core {core}{capacities_note}")
     _warn_meaningless(args, requests)
     if args.workers > 1:
-        return _run_fleet(args, requests, trace_name, core, largest_need)
+        return _run_fleet(args, requests, trace_name, core, largest_need, source)
 
-    def run_point(point: tuple, progress: Any) -> ServeResult:
-        capacity, policy, host, write_policy = point
-        # numpy index arrays: a simulation never needs torch (nor its import time).
-        if not host:
-            cache = RadixCache(page_size=args.page_size, eviction_policy=policy, core=core,
-                               array_type="numpy")
-            return serve(cache, requests, capacity, progress=progress)
-        cache = RadixCache(page_size=args.page_size, eviction_policy=policy, core=core,
-                           host_tier=True, write_policy=write_policy, array_type="numpy")
-        return serve(cache, requests, capacity, progress=progress, host_capacity=host)
-
+    run_point = ServePoint(source, requests, core, args.page_size)
     host_points = _host_points(args)
     points = [(capacity, policy, host, write_policy) for capacity in args.capacity
               for policy in args.policy for host, write_policy in host_points]
+    points, args.shard_record = take_shard(args, points, run_point, trace_name)
 
     def label(point: tuple) -> str:
         capacity, policy, host, write_policy = point
         return f"{policy} @ {capacity:,}" + (_host_label(host, write_policy)
                                                if args.show_host else "")
 
-    results = iter(run_sweep(points, run_point, args.jobs, args.quiet, label, len(requests)))
+    results = iter(run_sweep(points, run_point, args.jobs, args.quiet, label, len(requests),
+                             executor=args.executor))
     rows: list[dict] = []
     table: list[list[str]] = []
     notes: list[str] = []
@@ -313,8 +305,8 @@ def _ms(seconds: float | None) -> str:
 
 
 def _run_fleet(args: argparse.Namespace, requests: Trace, trace_name: str, core: str,
-               largest_need: int) -> int:
-    from ..fleet import TimeModel, arrival_times, simulate_fleet, simulate_pooled  # noqa: PLC0415
+               largest_need: int, source: TraceSource) -> int:
+    from ..fleet import TimeModel, arrival_times  # noqa: PLC0415
 
     try:
         arrivals = arrival_times(requests, args.interval)
@@ -342,22 +334,15 @@ def _run_fleet(args: argparse.Namespace, requests: Trace, trace_name: str, core:
         return (f"{router} @ {capacity:,}" + (f" {policy}" if len(args.policy) > 1 else "")
                 + (_host_label(host, write_policy) if args.show_host else ""))
 
-    def run_point(point: tuple, progress: Any) -> FleetResult:
-        capacity, policy, host, write_policy, router = point
-        common = dict(page_size=args.page_size, eviction_policy=policy, core=core,
-                      arrivals=arrivals, time_model=time_model, progress=progress)
-        if host:
-            common.update(host_capacity=host, write_policy=write_policy)
-        if router == POOLED:
-            return simulate_pooled(requests, args.workers, capacity, **common)
-        return simulate_fleet(requests, args.workers, capacity, router,
-                              event_lag=args.event_lag, router_options=router_options,
-                              **common)
-
+    run_point = FleetPoint(source, requests, core, args.page_size, workers=args.workers,
+                           event_lag=args.event_lag, router_options=router_options,
+                           time_model=time_model, interval=args.interval, arrivals=arrivals)
     points = [(capacity, policy, host, write_policy, router) for capacity in args.capacity
               for policy in args.policy for host, write_policy in _host_points(args)
               for router in [*args.router, POOLED]]
-    results = iter(run_sweep(points, run_point, args.jobs, args.quiet, label, len(requests)))
+    points, args.shard_record = take_shard(args, points, run_point, trace_name)
+    results = iter(run_sweep(points, run_point, args.jobs, args.quiet, label, len(requests),
+                             executor=args.executor))
     rows: list[dict] = []
     table: list[list[str]] = []
     notes: list[str] = []
@@ -404,6 +389,31 @@ def _run_fleet(args: argparse.Namespace, requests: Trace, trace_name: str, core:
                    notes, rows)
 
 
+def write_sweep_plot(path: str, rows: list[dict], trace_name: str, page_size: int,
+                     workers: int, host_sweep: bool) -> None:
+    """The plot of a sweep's rows: against host capacity when the sweep has several, else
+    against capacity (per router for a fleet, per policy otherwise)."""
+    if host_sweep:
+        write_host_plot(path, rows, trace_name, page_size, workers)
+    elif workers > 1:
+        write_fleet_plot(path, rows, trace_name, page_size, workers)
+    else:
+        write_plot(path, rows, trace_name, page_size)
+
+
+def _sweep_options(args: argparse.Namespace) -> None:
+    """--shard writes its slice's rows (--json) for 'radixcache merge', which plots them; an
+    executor given to ``main`` runs the points instead of --jobs."""
+    if args.shard is not None and not args.json:
+        raise UsageError("--shard needs --json OUT.json: a shard's rows go to that file, "
+                         "for 'radixcache merge'")
+    if args.shard is not None and args.plot:
+        raise UsageError("--plot draws a whole sweep, not a shard: plot the merged rows "
+                         "('radixcache merge SHARD.json... --plot OUT.png')")
+    if args.executor is not None and args.jobs is not None:
+        raise UsageError("--jobs: the executor given to radixcache.cli.main runs the points")
+
+
 def _report(args: argparse.Namespace, trace_name: str, headers: list[str],
             table: list[list[str]], left: Sequence[int], notes: list[str],
             rows: list[dict]) -> int:
@@ -412,15 +422,13 @@ def _report(args: argparse.Namespace, trace_name: str, headers: list[str],
     for note in notes:
         print(note)
     try:
-        if args.json:
+        if args.json and args.shard_record is not None:
+            write_shard(args.json, args.shard_record, rows)
+        elif args.json:
             write_json(args.json, rows)
         if args.plot:
-            if len(args.host_capacity) > 1:
-                write_host_plot(args.plot, rows, trace_name, args.page_size, args.workers)
-            elif args.workers > 1:
-                write_fleet_plot(args.plot, rows, trace_name, args.page_size, args.workers)
-            else:
-                write_plot(args.plot, rows, trace_name, args.page_size)
+            write_sweep_plot(args.plot, rows, trace_name, args.page_size, args.workers,
+                             len(args.host_capacity) > 1)
     except OSError as exc:
         print(f"radixcache: error: cannot write output: {exc}", file=sys.stderr)
         return 1
