@@ -5,6 +5,7 @@ them from here."""
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 
 from ._validate import check_int, check_real
@@ -24,6 +25,12 @@ WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 #: ``torch.int64`` tensors (on the values' device); ``numpy``: 1-D int64 numpy arrays, and the
 #: cache never imports torch (simulators, engines without torch).
 ARRAY_TYPES = ("torch", "numpy")
+
+#: The most token slots a pool (``KVPool``, ``HostPool``, ``--capacity``, ``--host-capacity``)
+#: may have: its slot ids are int64, and a list of them all (8 bytes each) must be an array
+#: this machine can address (numpy's limit, ``sys.maxsize`` bytes): 2**60 - 1 on a 64-bit
+#: machine.
+MAX_POOL_SLOTS = sys.maxsize // 8
 
 #: The ``Router`` policies, in the order the command lists them.
 ROUTING_POLICIES = ("round-robin", "random", "least-loaded", "prefix-hash", "cache-aware")

@@ -205,6 +205,15 @@ def test_main_bad_trace_fails_with_file_and_line(tmp_path, capsys, lines, messag
     (["simulate", "--capacity", "inf"], "expected a finite size"),
     (["simulate", "--capacity", "nan"], "expected a finite size"),
     (["simulate", "--capacity", "k"], "expected a size like"),
+    (["simulate", "--capacity", "1e30"],
+     "capacity '1e30': more slots than this machine can address (at most "),
+    (["simulate", "--capacity", "1M,1e99"], "capacity '1e99': more slots than this machine"),
+    (["simulate", "--capacity", "9223372036854775808"], "more slots than this machine"),
+    (["simulate", "--host-capacity", "0,2e18"],
+     "host capacity '2e18': more slots than this machine can address"),
+    (["simulate", "--workers", "4", "--capacity", "1e18"],
+     "--capacity: the pooled row's one cache of 4 x 1,000,000,000,000,000,000 slots is more "
+     "than this machine can address"),
     (["simulate", "--limit", "1e"], "expected a size like"),
     (["simulate", "--plot", "out.txt"], "--plot: 'out.txt' has extension '.txt'; use one of"),
     (["simulate", "--plot", "out"], "--plot: 'out' has no extension"),
@@ -283,8 +292,21 @@ def test_sizes_on_the_command_line(tmp_path):
     assert [r["capacity"] for r in json.loads(out_json.read_text())] == [10000, 20000, 30000]
 
 
+def test_capacity_far_beyond_the_trace_costs_nothing(tmp_path):
+    # Pools keep only the slots they hand out: capacities of 10^15 (8 PB of slot ids, were
+    # they allocated) replay as fast as 1M, with the same rows (nothing is evicted at either).
+    out_json = tmp_path / "rows.json"
+    assert main(["simulate", "--limit", "40", "--capacity", "1M,1e15", "--quiet",
+                 "--json", str(out_json)]) == 0
+    rows = [{k: v for k, v in r.items() if k not in ("capacity", "seconds",
+                                                     "requests_per_second")}
+            for r in json.loads(out_json.read_text())]
+    assert len(rows) == 2 and rows[0] == rows[1] and rows[0]["evicted_tokens"] == 0
+
+
 @pytest.mark.parametrize("args, prog, usage", [
     (["simulate", "--capacity", "abc"], "radixcache simulate", "usage: radixcache simulate "),
+    (["simulate", "--capacity", "1e30"], "radixcache simulate", "usage: radixcache simulate "),
     (["simulate", "--nope"], "radixcache simulate", "usage: radixcache simulate "),
     (["simulate", "--router", "round-robin"], "radixcache simulate",
      "usage: radixcache simulate "),  # found after parsing: still simulate's usage

@@ -11,8 +11,8 @@ import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .._options import (DEFAULT_DECODE_TPS, DEFAULT_HOST_WEIGHT, DEFAULT_INTERVAL_MS,
-                        DEFAULT_LOAD_TPS, DEFAULT_LOAD_WEIGHT, DEFAULT_PREFILL_TPS, POOLED,
-                        EventLag)
+                        DEFAULT_LOAD_TPS, DEFAULT_LOAD_WEIGHT, DEFAULT_PREFILL_TPS,
+                        MAX_POOL_SLOTS, POOLED, EventLag)
 from .args import (CAPACITY_FRACTIONS, DEFAULT_CAPACITIES, DEFAULT_ROUTERS, UsageError,
                    capacity_list, router_list)
 from .output import check_output_path, format_table, short_count, warn, write_json
@@ -149,6 +149,11 @@ def _fleet_options(args: argparse.Namespace) -> None:
             elif name == "event_lag":
                 value = EventLag.parse(default)
             setattr(args, name, value)
+    for option, sizes in (("--capacity", args.capacity), ("--host-capacity", args.host_capacity)):
+        if sizes and args.workers * max(sizes) > MAX_POOL_SLOTS:  # the pooled row's pool
+            raise UsageError(f"{option}: the pooled row's one cache of {args.workers} x "
+                             f"{max(sizes):,} slots is more than this machine can address "
+                             f"(at most {MAX_POOL_SLOTS:,})")
 
 
 def _host_options(args: argparse.Namespace) -> None:
