@@ -103,7 +103,7 @@ def test_simulate_embedded_json_table_and_plot(tmp_path, core):
     lru = [r["hit_rate"] for r in rows_json if r["policy"] == "lru"]
     assert lru == sorted(lru) and lru[0] < lru[-1]
     with Image.open(out_png) as image:
-        assert image.format == "PNG" and image.size == (800, 500)
+        assert image.format == "PNG" and image.size == (1000, 500)
     assert "warning" not in proc.stderr
     assert not list(tmp_path.glob(".*.tmp"))  # no temp files left behind
     umask = os.umask(0)
@@ -437,6 +437,65 @@ def test_plot_axis_follows_the_data():
     assert hit_rate_limits([0.2, 0.99]) == pytest.approx((12.1, 100.0))
 
 
+def _plot_rows(kind):
+    """Rows of each kind of plot, with ties (equal hit rates) as real sweeps have them."""
+    rows = []
+    hosts = (0, 3 * 10**6, 10**8) if "host" in kind else (0,)
+    writes = ("write_back", "write_through", "write_through_selective")
+    for capacity in (10**6,) if kind == "host-fleet" else (10**6, 3 * 10**6, 9 * 10**6):
+        for host in hosts:
+            for write in writes if host or kind == "one-host" else (None,):
+                for router in ("prefix-hash", "pooled") if "fleet" in kind else (None,):
+                    for policy in ("lru", "fifo", "lfu") if kind in ("one", "fleet",
+                                                                      "many-host") else ("lru",):
+                        # lru and fifo tie, as do the write policies without host memory.
+                        rate = 0.1 * (capacity / 10**6) ** 0.3 + (host > 0) * (
+                            0.05 + 0.01 * (write != "write_back")) + (policy == "lfu") * 0.02
+                        rows.append({"capacity": capacity, "policy": policy, "hit_rate": rate,
+                                     "host_capacity": host, "write_policy": write,
+                                     "router": router})
+    return rows
+
+
+@pytest.mark.parametrize("kind, title", [
+    ("one", "eviction policy"),
+    ("one-host", "eviction policy, write policy"),
+    ("fleet", "router (eviction policy)"),
+    ("host", "device capacity, write policy"),
+    ("host-fleet", "device capacity per worker, write policy, router"),
+    ("many-host", "device capacity, eviction policy, write policy"),
+])
+def test_plots_keep_every_series_distinct_and_the_legend_off_the_data(monkeypatch, kind,
+                                                                       title):
+    from radixcache.cli import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig))
+    rows = _plot_rows(kind)
+    if kind.startswith("one"):
+        plots.write_plot("x.png", rows, "t.jsonl", 16)
+    elif kind == "fleet":
+        plots.write_fleet_plot("x.png", rows, "t.jsonl", 16, 4)
+    else:
+        plots.write_host_plot("x.png", rows, "t.jsonl", 16, 4 if "fleet" in kind else 1)
+    (fig,) = figures
+    (ax,) = fig.axes
+    lines = ax.get_lines()
+    assert len(lines) == {"one": 3, "one-host": 3, "fleet": 6, "host": 9, "host-fleet": 6,
+                          "many-host": 27}[kind]
+    # One colour and one marker per series (past a dozen series, one pair of them).
+    colors = [str(line.get_color()) for line in lines]
+    markers = [line.get_marker() for line in lines]
+    assert len(set(zip(colors, markers))) == len(lines)
+    if len(lines) <= 12:
+        assert len(set(colors)) == len(set(markers)) == len(lines)
+    legend = ax.get_legend()
+    assert legend.get_title().get_text() == title
+    assert [t.get_text() for t in legend.get_texts()] == [line.get_label() for line in lines]
+    fig.canvas.draw()  # the legend lies beside the axes, over none of the data
+    assert legend.get_window_extent().x0 > ax.get_window_extent().x1
+
+
 def test_json_rows_carry_every_table_column():
     from radixcache.cli import FLEET_JSON_KEYS, JSON_KEYS
 
@@ -521,7 +580,7 @@ def test_simulate_host_capacity_sweep_rows_table_and_plot(tmp_path, capsys, core
         assert cells[10] == f"{100 * row['host_hit_rate']:.2f}%"
         assert cells[11] == f"{row['loaded_tokens']:,}"
     with Image.open(out_png) as image:
-        assert image.format == "PNG" and image.size == (800, 500)
+        assert image.format == "PNG" and image.size == (1000, 500)
 
 
 def test_simulate_host_jobs_rows_equal_serial(tmp_path, core_name):
