@@ -37,7 +37,7 @@ from typing import Any, Iterable, Iterator, List, Union
 import msgspec
 import numpy as np
 
-from ._validate import is_int, is_real
+from ._validate import counted, is_int, is_real
 from .workloads.requests import FRESH_TOKEN_BASE, Request, trusted_request
 
 __all__ = ["TraceError", "Trace", "read_trace", "MOONCAKE", "TOKENS"]
@@ -145,8 +145,8 @@ class Trace(Sequence):
         return iter(self)
 
     def __repr__(self) -> str:
-        return (f"Trace({self.kind}, {len(self):,} requests, {self.prompt_tokens:,} prompt "
-                f"tokens, {self.nbytes:,} bytes)")
+        return (f"Trace({self.kind}, {counted(len(self), 'request')}, "
+                f"{counted(self.prompt_tokens, 'prompt token')}, {counted(self.nbytes, 'byte')})")
 
     # -- columns and totals --
     @property
@@ -638,7 +638,7 @@ def _add_checked_tokens(columns: _TokenColumns, record: dict, where: str) -> Non
         output_len = len(output)
         if "output_length" in record and _int_field(record, "output_length", where) != output_len:
             raise TraceError(f"{where}: 'output_length' is {record['output_length']} but "
-                             f"'output' has {output_len} tokens")
+                             f"'output' has {counted(output_len, 'token')}")
     elif "output_length" in record:
         output_len = _int_field(record, "output_length", where)
     else:
@@ -656,8 +656,9 @@ def _add_checked_mooncake(columns: _MooncakeColumns, record: dict, where: str) -
     output_length = _int_field(record, "output_length", where)
     if input_length > len(hash_ids) * block_size:
         raise TraceError(
-            f"{where}: input_length {input_length} needs {-(-input_length // block_size)} "
-            f"blocks of {block_size} tokens but hash_ids has {len(hash_ids)} "
+            f"{where}: input_length {input_length} needs "
+            f"{counted(-(-input_length // block_size), 'block')} of "
+            f"{counted(block_size, 'token')} but hash_ids has {len(hash_ids)} "
             "(wrong --block-size?)"
         )
     # Only the blocks that input_length reaches matter.

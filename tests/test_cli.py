@@ -420,6 +420,20 @@ def test_warnings_for_meaningless_settings(tmp_path, capsys, args, warning):
     assert len(err.splitlines()) == 1  # one line, nothing else
 
 
+def test_counts_of_one_are_singular(tmp_path, capsys):
+    trace = write_token_trace(tmp_path / "one.jsonl", [{"prompt": [5], "output_length": 1}])
+    assert main(["simulate", str(trace), "--quiet", "--capacity", "1", "--page-size", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "one.jsonl: 1 request, 1 prompt token; page size 2" in captured.out
+    assert ("rejected: capacity 1 (lru): 1 of 1 request did not fit in the pool even after "
+            "evicting every unlocked entry (the largest request needs 2 slots)") in captured.out
+    assert ("the page size (2 tokens) is larger than every prompt (the longest has 1 token)"
+            in captured.err)
+    assert "1 requests" not in captured.out + captured.err
+    assert main(["simulate", str(trace), "--quiet", "--capacity", "1"]) == 0
+    assert "(the smallest needs 2 slots)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extension, magic", [("pdf", b"%PDF"), ("svg", b"<?xml"),
                                               ("PNG", b"\x89PNG")])
 def test_plot_format_follows_the_extension(tmp_path, extension, magic):

@@ -95,7 +95,7 @@ def test_request_validates_and_converts():
     req = Request([1, 2, 3], 2, [7, 8])
     assert req.prompt.dtype == np.int64 and req.output.dtype == np.int64
     assert Request(np.array([], dtype=np.int64), 0).prompt.shape == (0,)
-    with pytest.raises(ValueError, match="output has 1 tokens"):
+    with pytest.raises(ValueError, match="output has 1 token but"):
         Request([1, 2], 2, [5])
     with pytest.raises(ValueError, match="output_len"):
         Request([1], -1)
