@@ -12,7 +12,8 @@ cache namespaces (e.g. LoRA adapters).
 
 Both formats may carry ``"timestamp"``: the arrival time in ms (a non-negative number), used
 by the fleet simulation (``radixcache simulate --workers N``); the single-cache replay
-ignores it.
+ignores it. A trace gives it on every request or on none (``check_timestamps``; the command
+refuses a trace that mixes them, with or without ``--workers``).
 
 Token ids must lie in ``[0, 2**62)``: the serving loop numbers fresh output tokens from
 ``2**62`` up, so they never collide with a trace's tokens. Any problem raises ``TraceError``
@@ -40,7 +41,7 @@ import numpy as np
 from ._validate import counted, is_int, is_real
 from .workloads.requests import FRESH_TOKEN_BASE, Request, trusted_request
 
-__all__ = ["TraceError", "Trace", "read_trace", "MOONCAKE", "TOKENS"]
+__all__ = ["TraceError", "Trace", "read_trace", "check_timestamps", "MOONCAKE", "TOKENS"]
 
 MOONCAKE = "mooncake"
 TOKENS = "tokens"
@@ -402,6 +403,25 @@ def _offsets(ends: array.array) -> np.ndarray:
 def _timestamps_ok(stamps: np.ndarray) -> bool:
     given = stamps[~np.isnan(stamps)]
     return not len(given) or bool(given.min() >= 0 and given.max() < _MAX_TIMESTAMP)
+
+
+def check_timestamps(stamps: np.ndarray) -> None:
+    """Check that requests carry a timestamp all or none.
+
+    Args:
+        stamps: The requests' timestamps, a float64 array (NaN: none), as
+            ``Trace.timestamps``.
+
+    Raises:
+        ValueError: some requests carry one and others not (the message names the first
+            without).
+    """
+    missing = np.isnan(stamps)
+    given = len(stamps) - int(missing.sum())
+    if 0 < given < len(stamps):
+        first = int(np.flatnonzero(missing)[0])
+        raise ValueError(f"{given:,} of {counted(len(stamps), 'request')} carry a timestamp "
+                         f"(request {first + 1:,} has none): give every request one, or none")
 
 
 def _ids_ok(values: np.ndarray, upper: int) -> bool:

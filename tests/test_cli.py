@@ -420,6 +420,29 @@ def test_warnings_for_meaningless_settings(tmp_path, capsys, args, warning):
     assert len(err.splitlines()) == 1  # one line, nothing else
 
 
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]])
+def test_timestamps_on_some_lines_only_are_refused(tmp_path, capsys, workers):
+    # The trace format: a timestamp on every line or on none, whether the replay uses them
+    # (a fleet) or not; the same error either way, before anything is written.
+    trace = write_token_trace(tmp_path / "x.jsonl", [
+        {"prompt": [1, 2], "output_length": 1, "timestamp": 0},
+        {"prompt": [1, 2, 3], "output_length": 1, "timestamp": 5},
+        {"prompt": [1, 3], "output_length": 1}])
+    out_json = tmp_path / "rows.json"
+    assert main(["simulate", str(trace), "--capacity", "100", "--quiet", "--json",
+                 str(out_json), *workers]) == 1
+    err = capsys.readouterr().err
+    assert err == ("radixcache: error: x.jsonl: 2 of 3 requests carry a timestamp (request 3 "
+                   "has none): give every request one, or none\n")
+    assert not out_json.exists()
+    # Every line or none: fine (the single-cache replay ignores them, even out of order).
+    for records in ([{"prompt": [1, 2], "output_length": 1, "timestamp": 9},
+                     {"prompt": [1, 2, 3], "output_length": 1, "timestamp": 5}],
+                    [{"prompt": [1, 2], "output_length": 1}]):
+        write_token_trace(trace, records)
+        assert main(["simulate", str(trace), "--capacity", "100", "--quiet"]) == 0
+
+
 def test_counts_of_one_are_singular(tmp_path, capsys):
     trace = write_token_trace(tmp_path / "one.jsonl", [{"prompt": [5], "output_length": 1}])
     assert main(["simulate", str(trace), "--quiet", "--capacity", "1", "--page-size", "2"]) == 0

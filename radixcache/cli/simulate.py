@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     # torch is not imported).
     from .. import _core  # noqa: PLC0415
     from ..cache import RadixCache  # noqa: PLC0415
-    from ..traces import Trace, TraceError, read_trace  # noqa: PLC0415
+    from ..traces import Trace, TraceError, check_timestamps, read_trace  # noqa: PLC0415
     from ..workloads import serve, synthetic_chat  # noqa: PLC0415
 
     if args.core is not None and args.core not in _core.CORES:
@@ -254,6 +254,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"trace: {trace_name}: {counted(len(requests), 'request')}, "
           f"{counted(prompt_total, 'prompt token')}; page size {args.page_size}; core {core}"
           f"{capacities_note}")
+    try:  # the trace format's rule, whether the replay uses the timestamps or not
+        check_timestamps(requests.timestamps)
+    except ValueError as exc:
+        print(f"radixcache: error: {trace_name}: {exc}", file=sys.stderr)
+        return 1
     _warn_meaningless(args, requests)
     if args.workers > 1:
         return _run_fleet(args, requests, trace_name, core, largest_need)
