@@ -212,8 +212,8 @@ def test_main_bad_trace_fails_with_file_and_line(tmp_path, capsys, lines, messag
     (["simulate", "--host-capacity", "0,2e18"],
      "host capacity '2e18': more slots than this machine can address"),
     (["simulate", "--workers", "4", "--capacity", "1e18"],
-     "--capacity: the pooled row's one cache of 4 x 1,000,000,000,000,000,000 slots is more "
-     "than this machine can address"),
+     ("--capacity: the pooled row's one cache of 4 x 1,000,000,000,000,000,000 slots is more "
+      "than this machine can address")),
     (["simulate", "--limit", "1e"], "expected a size like"),
     (["simulate", "--plot", "out.txt"], "--plot: 'out.txt' has extension '.txt'; use one of"),
     (["simulate", "--plot", "out"], "--plot: 'out' has no extension"),

@@ -20,7 +20,7 @@ from .._options import ARRAY_TYPES, MAX_POOL_SLOTS
 from .._shared import is_tensor, load_torch
 from .._validate import check_int
 
-__all__ = ["HostPool", "KVPool", "MAX_POOL_SLOTS", "as_cache_array"]
+__all__ = ["MAX_POOL_SLOTS", "HostPool", "KVPool", "as_cache_array"]
 
 _max_of = np.maximum.reduce  # an array's largest element, without ndarray.max's wrappers
 # The compiled core's one-pass push of freed ids (a checked copy into a pool's free stack).
