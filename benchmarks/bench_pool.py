@@ -45,6 +45,8 @@ def test_pool_free(benchmark, note, monkeypatch, contender, kind, n):
     pool = KVPool(CAPACITY)
     pool.alloc(CAPACITY)  # all in use: each call frees n slots at the bottom of the stack
     slots = _ids(kind, n)
+    pool.free(slots)  # the free stack grows to hold them (a pool stores only what comes back)
+    pool._top = 0
     if contender == "copy-floor":
         stack, ids = pool._free, slots.numpy() if kind == "tensor" else slots
 

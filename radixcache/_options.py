@@ -5,25 +5,44 @@ them from here."""
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 
 from ._validate import check_int, check_real
 
-#: Eviction policy names (SGLang's spelling). Each core's ``EvictionHeap`` orders leaves by
-#: priority first (lower goes first), then: lru/priority least recently used; lfu fewest hits,
-#: then LRU; fifo oldest created; mru most recently used; filo newest created; slru nodes hit
-#: fewer than 2 times before the rest, LRU inside each segment. Node id breaks every tie.
+# The docstrings under the names below are what the API reference shows for them.
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "slru", "priority")
+"""``RadixCache(eviction_policy=...)``: the eviction policy names (SGLang's spelling).
 
-#: ``RadixCache(host_tier=True, write_policy=...)``: when a node gets its host copy.
-#: ``write_back`` when it is evicted from the device; ``write_through`` once it has been hit
-#: (inserted through, or made) once; ``write_through_selective`` once hit twice.
+Each core's ``EvictionHeap`` orders leaves by priority first (lower goes first), then:
+``lru``/``priority`` least recently used; ``lfu`` fewest hits, then LRU; ``fifo`` oldest
+created; ``mru`` most recently used; ``filo`` newest created; ``slru`` nodes hit fewer than 2
+times before the rest, LRU inside each segment. Node id breaks every tie.
+"""
+
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+"""``RadixCache(host_tier=True, write_policy=...)``: when a node gets its host copy.
 
-#: ``RadixCache(array_type=...)``: what the cache's index arrays are. ``torch``: 1-D
-#: ``torch.int64`` tensors (on the values' device); ``numpy``: 1-D int64 numpy arrays, and the
-#: cache never imports torch (simulators, engines without torch).
+``write_back`` (the default) when it is evicted from the device; ``write_through`` once it has
+been hit (inserted through, or made) once; ``write_through_selective`` once hit twice.
+"""
+
 ARRAY_TYPES = ("torch", "numpy")
+"""``RadixCache(array_type=...)``: what the cache's index arrays are.
+
+``torch`` (the default): 1-D ``torch.int64`` tensors (on the values' device); ``numpy``: 1-D
+int64 numpy arrays, and the cache never imports torch (simulators, engines without torch).
+``KVPool`` and ``HostPool`` take the same names for what ``alloc`` returns.
+"""
+
+MAX_POOL_SLOTS = sys.maxsize // 8
+"""The most token slots a pool may have (``KVPool``, ``HostPool``, and the command's
+``--capacity`` and ``--host-capacity``): 2**60 - 1 on a 64-bit machine.
+
+Slot ids are int64, and a list of them all (8 bytes each) must be an array this machine can
+address (numpy's limit, ``sys.maxsize`` bytes). A pool keeps only the slots it hands out, so
+its capacity costs nothing up to this limit.
+"""
 
 #: The ``Router`` policies, in the order the command lists them.
 ROUTING_POLICIES = ("round-robin", "random", "least-loaded", "prefix-hash", "cache-aware")

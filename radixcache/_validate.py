@@ -8,7 +8,7 @@ import numbers
 from typing import Any, Optional
 
 __all__ = ["INT64_MIN", "INT64_MAX", "is_int", "is_real", "in_int64", "check_int",
-           "check_optional_int", "check_real"]
+           "check_optional_int", "check_real", "counted"]
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -22,6 +22,11 @@ def is_int(value: Any) -> bool:
 def is_real(value: Any) -> bool:
     """A real number that is not a bool (ints, floats, numpy scalars)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, in the plural unless ``n`` is 1: "1 token", "2,048 tokens"."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def in_int64(value: int) -> bool:

@@ -141,19 +141,26 @@ def download(name: str, directory: str | os.PathLike | None = None, *, force: bo
     (``force`` fetches it again). ``progress(bytes_so_far, total_or_None)`` is called as the
     data arrives. Raises ``ValueError`` for an unknown name and ``DownloadError`` for a
     network failure, an HTTP error, or a file whose size or sha256 is not the published one;
-    then nothing is left behind and an existing file is untouched.
+    then nothing is left behind (nor the directories it made) and an existing file is
+    untouched.
     """
     info = _info(name)
     path = trace_path(name, directory)
     if not force and path.is_file() and _problem(info, path) is None:
         return path, False
+    created = _missing_dirs(path.parent)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        _remove_dirs(created)
         raise DownloadError(f"cannot create {str(path.parent)!r}: {exc.strerror or exc}") from None
     url = f"{base_url()}/{info.remote}"
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{info.filename}.",
-                                     suffix=".part")
+    try:
+        fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{info.filename}.",
+                                         suffix=".part")
+    except BaseException:
+        _remove_dirs(created)
+        raise
     temp = Path(temp_name)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -171,8 +178,28 @@ def download(name: str, directory: str | os.PathLike | None = None, *, force: bo
             temp.unlink()
         except OSError:
             pass
+        _remove_dirs(created)
         raise
     return path, True
+
+
+def _missing_dirs(directory: Path) -> list[Path]:
+    """``directory`` and those above it that do not exist yet, the topmost first."""
+    missing = []
+    while not directory.exists() and directory.parent != directory:
+        missing.append(directory)
+        directory = directory.parent
+    return missing[::-1]
+
+
+def _remove_dirs(created: list[Path]) -> None:
+    """Remove the directories a failed download made (the deepest first), each only while
+    it is empty: what anyone else put there stays."""
+    for directory in reversed(created):
+        try:
+            directory.rmdir()
+        except OSError:
+            return
 
 
 def _fetch(url: str, out, progress) -> None:

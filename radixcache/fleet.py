@@ -52,7 +52,7 @@ from ._options import (DEFAULT_DECODE_TPS, DEFAULT_INTERVAL_MS, DEFAULT_PREFILL_
 from ._options import DEFAULT_LOAD_TPS, WRITE_POLICIES
 from .cache import RadixCache
 from .router import Router
-from .traces import Trace
+from .traces import Trace, check_timestamps
 from ._validate import check_int, check_real
 from .workloads import Request, ServingLoop
 from .workloads.serving import HitRates
@@ -191,14 +191,9 @@ def arrival_times(requests: Sequence[Request],
     else:
         stamps = np.array([math.nan if r.timestamp is None else r.timestamp for r in requests],
                           dtype=np.float64)
-    missing = np.isnan(stamps)
-    given = len(stamps) - int(missing.sum())
-    if given == 0:
+    check_timestamps(stamps)
+    if len(stamps) and np.isnan(stamps[0]):  # none has one
         return np.arange(len(requests), dtype=np.float64) * (interval_ms / 1000.0)
-    if given < len(stamps):
-        first = int(np.flatnonzero(missing)[0])
-        raise ValueError(f"{given} of {len(stamps)} requests carry a timestamp (request "
-                         f"{first + 1} has none): give every request one, or none")
     times = stamps / 1000.0
     earlier = np.flatnonzero(np.diff(times) < 0)
     if len(earlier):

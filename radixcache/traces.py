@@ -12,7 +12,8 @@ cache namespaces (e.g. LoRA adapters).
 
 Both formats may carry ``"timestamp"``: the arrival time in ms (a non-negative number), used
 by the fleet simulation (``radixcache simulate --workers N``); the single-cache replay
-ignores it.
+ignores it. A trace gives it on every request or on none (``check_timestamps``; the command
+refuses a trace that mixes them, with or without ``--workers``).
 
 Token ids must lie in ``[0, 2**62)``: the serving loop numbers fresh output tokens from
 ``2**62`` up, so they never collide with a trace's tokens. Any problem raises ``TraceError``
@@ -37,10 +38,10 @@ from typing import Any, Iterable, Iterator, List, Union
 import msgspec
 import numpy as np
 
-from ._validate import is_int, is_real
+from ._validate import counted, is_int, is_real
 from .workloads.requests import FRESH_TOKEN_BASE, Request, trusted_request
 
-__all__ = ["TraceError", "Trace", "read_trace", "MOONCAKE", "TOKENS"]
+__all__ = ["TraceError", "Trace", "read_trace", "check_timestamps", "MOONCAKE", "TOKENS"]
 
 MOONCAKE = "mooncake"
 TOKENS = "tokens"
@@ -145,8 +146,8 @@ class Trace(Sequence):
         return iter(self)
 
     def __repr__(self) -> str:
-        return (f"Trace({self.kind}, {len(self):,} requests, {self.prompt_tokens:,} prompt "
-                f"tokens, {self.nbytes:,} bytes)")
+        return (f"Trace({self.kind}, {counted(len(self), 'request')}, "
+                f"{counted(self.prompt_tokens, 'prompt token')}, {counted(self.nbytes, 'byte')})")
 
     # -- columns and totals --
     @property
@@ -404,6 +405,25 @@ def _timestamps_ok(stamps: np.ndarray) -> bool:
     return not len(given) or bool(given.min() >= 0 and given.max() < _MAX_TIMESTAMP)
 
 
+def check_timestamps(stamps: np.ndarray) -> None:
+    """Check that requests carry a timestamp all or none.
+
+    Args:
+        stamps: The requests' timestamps, a float64 array (NaN: none), as
+            ``Trace.timestamps``.
+
+    Raises:
+        ValueError: some requests carry one and others not (the message names the first
+            without).
+    """
+    missing = np.isnan(stamps)
+    given = len(stamps) - int(missing.sum())
+    if 0 < given < len(stamps):
+        first = int(np.flatnonzero(missing)[0])
+        raise ValueError(f"{given:,} of {counted(len(stamps), 'request')} carry a timestamp "
+                         f"(request {first + 1:,} has none): give every request one, or none")
+
+
 def _ids_ok(values: np.ndarray, upper: int) -> bool:
     return not len(values) or bool(values.min() >= 0 and values.max() < upper)
 
@@ -638,7 +658,7 @@ def _add_checked_tokens(columns: _TokenColumns, record: dict, where: str) -> Non
         output_len = len(output)
         if "output_length" in record and _int_field(record, "output_length", where) != output_len:
             raise TraceError(f"{where}: 'output_length' is {record['output_length']} but "
-                             f"'output' has {output_len} tokens")
+                             f"'output' has {counted(output_len, 'token')}")
     elif "output_length" in record:
         output_len = _int_field(record, "output_length", where)
     else:
@@ -656,8 +676,9 @@ def _add_checked_mooncake(columns: _MooncakeColumns, record: dict, where: str) -
     output_length = _int_field(record, "output_length", where)
     if input_length > len(hash_ids) * block_size:
         raise TraceError(
-            f"{where}: input_length {input_length} needs {-(-input_length // block_size)} "
-            f"blocks of {block_size} tokens but hash_ids has {len(hash_ids)} "
+            f"{where}: input_length {input_length} needs "
+            f"{counted(-(-input_length // block_size), 'block')} of "
+            f"{counted(block_size, 'token')} but hash_ids has {len(hash_ids)} "
             "(wrong --block-size?)"
         )
     # Only the blocks that input_length reaches matter.

@@ -103,7 +103,7 @@ def test_simulate_embedded_json_table_and_plot(tmp_path, core):
     lru = [r["hit_rate"] for r in rows_json if r["policy"] == "lru"]
     assert lru == sorted(lru) and lru[0] < lru[-1]
     with Image.open(out_png) as image:
-        assert image.format == "PNG" and image.size == (800, 500)
+        assert image.format == "PNG" and image.size == (1000, 500)
     assert "warning" not in proc.stderr
     assert not list(tmp_path.glob(".*.tmp"))  # no temp files left behind
     umask = os.umask(0)
@@ -205,6 +205,15 @@ def test_main_bad_trace_fails_with_file_and_line(tmp_path, capsys, lines, messag
     (["simulate", "--capacity", "inf"], "expected a finite size"),
     (["simulate", "--capacity", "nan"], "expected a finite size"),
     (["simulate", "--capacity", "k"], "expected a size like"),
+    (["simulate", "--capacity", "1e30"],
+     "capacity '1e30': more slots than this machine can address (at most "),
+    (["simulate", "--capacity", "1M,1e99"], "capacity '1e99': more slots than this machine"),
+    (["simulate", "--capacity", "9223372036854775808"], "more slots than this machine"),
+    (["simulate", "--host-capacity", "0,2e18"],
+     "host capacity '2e18': more slots than this machine can address"),
+    (["simulate", "--workers", "4", "--capacity", "1e18"],
+     ("--capacity: the pooled row's one cache of 4 x 1,000,000,000,000,000,000 slots is more "
+      "than this machine can address")),
     (["simulate", "--limit", "1e"], "expected a size like"),
     (["simulate", "--plot", "out.txt"], "--plot: 'out.txt' has extension '.txt'; use one of"),
     (["simulate", "--plot", "out"], "--plot: 'out' has no extension"),
@@ -283,8 +292,21 @@ def test_sizes_on_the_command_line(tmp_path):
     assert [r["capacity"] for r in json.loads(out_json.read_text())] == [10000, 20000, 30000]
 
 
+def test_capacity_far_beyond_the_trace_costs_nothing(tmp_path):
+    # Pools keep only the slots they hand out: capacities of 10^15 (8 PB of slot ids, were
+    # they allocated) replay as fast as 1M, with the same rows (nothing is evicted at either).
+    out_json = tmp_path / "rows.json"
+    assert main(["simulate", "--limit", "40", "--capacity", "1M,1e15", "--quiet",
+                 "--json", str(out_json)]) == 0
+    rows = [{k: v for k, v in r.items() if k not in ("capacity", "seconds",
+                                                     "requests_per_second")}
+            for r in json.loads(out_json.read_text())]
+    assert len(rows) == 2 and rows[0] == rows[1] and rows[0]["evicted_tokens"] == 0
+
+
 @pytest.mark.parametrize("args, prog, usage", [
     (["simulate", "--capacity", "abc"], "radixcache simulate", "usage: radixcache simulate "),
+    (["simulate", "--capacity", "1e30"], "radixcache simulate", "usage: radixcache simulate "),
     (["simulate", "--nope"], "radixcache simulate", "usage: radixcache simulate "),
     (["simulate", "--router", "round-robin"], "radixcache simulate",
      "usage: radixcache simulate "),  # found after parsing: still simulate's usage
@@ -398,6 +420,43 @@ def test_warnings_for_meaningless_settings(tmp_path, capsys, args, warning):
     assert len(err.splitlines()) == 1  # one line, nothing else
 
 
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]])
+def test_timestamps_on_some_lines_only_are_refused(tmp_path, capsys, workers):
+    # The trace format: a timestamp on every line or on none, whether the replay uses them
+    # (a fleet) or not; the same error either way, before anything is written.
+    trace = write_token_trace(tmp_path / "x.jsonl", [
+        {"prompt": [1, 2], "output_length": 1, "timestamp": 0},
+        {"prompt": [1, 2, 3], "output_length": 1, "timestamp": 5},
+        {"prompt": [1, 3], "output_length": 1}])
+    out_json = tmp_path / "rows.json"
+    assert main(["simulate", str(trace), "--capacity", "100", "--quiet", "--json",
+                 str(out_json), *workers]) == 1
+    err = capsys.readouterr().err
+    assert err == ("radixcache: error: x.jsonl: 2 of 3 requests carry a timestamp (request 3 "
+                   "has none): give every request one, or none\n")
+    assert not out_json.exists()
+    # Every line or none: fine (the single-cache replay ignores them, even out of order).
+    for records in ([{"prompt": [1, 2], "output_length": 1, "timestamp": 9},
+                     {"prompt": [1, 2, 3], "output_length": 1, "timestamp": 5}],
+                    [{"prompt": [1, 2], "output_length": 1}]):
+        write_token_trace(trace, records)
+        assert main(["simulate", str(trace), "--capacity", "100", "--quiet"]) == 0
+
+
+def test_counts_of_one_are_singular(tmp_path, capsys):
+    trace = write_token_trace(tmp_path / "one.jsonl", [{"prompt": [5], "output_length": 1}])
+    assert main(["simulate", str(trace), "--quiet", "--capacity", "1", "--page-size", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "one.jsonl: 1 request, 1 prompt token; page size 2" in captured.out
+    assert ("rejected: capacity 1 (lru): 1 of 1 request did not fit in the pool even after "
+            "evicting every unlocked entry (the largest request needs 2 slots)") in captured.out
+    assert ("the page size (2 tokens) is larger than every prompt (the longest has 1 token)"
+            in captured.err)
+    assert "1 requests" not in captured.out + captured.err
+    assert main(["simulate", str(trace), "--quiet", "--capacity", "1"]) == 0
+    assert "(the smallest needs 2 slots)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extension, magic", [("pdf", b"%PDF"), ("svg", b"<?xml"),
                                               ("PNG", b"\x89PNG")])
 def test_plot_format_follows_the_extension(tmp_path, extension, magic):
@@ -413,6 +472,65 @@ def test_plot_axis_follows_the_data():
     assert hit_rate_limits([0.40, 0.45]) == pytest.approx((39.0, 46.0))
     assert hit_rate_limits([0.0, 0.0]) == (0.0, 1.0)
     assert hit_rate_limits([0.2, 0.99]) == pytest.approx((12.1, 100.0))
+
+
+def _plot_rows(kind):
+    """Rows of each kind of plot, with ties (equal hit rates) as real sweeps have them."""
+    rows = []
+    hosts = (0, 3 * 10**6, 10**8) if "host" in kind else (0,)
+    writes = ("write_back", "write_through", "write_through_selective")
+    for capacity in (10**6,) if kind == "host-fleet" else (10**6, 3 * 10**6, 9 * 10**6):
+        for host in hosts:
+            for write in writes if host or kind == "one-host" else (None,):
+                for router in ("prefix-hash", "pooled") if "fleet" in kind else (None,):
+                    for policy in ("lru", "fifo", "lfu") if kind in ("one", "fleet",
+                                                                      "many-host") else ("lru",):
+                        # lru and fifo tie, as do the write policies without host memory.
+                        rate = 0.1 * (capacity / 10**6) ** 0.3 + (host > 0) * (
+                            0.05 + 0.01 * (write != "write_back")) + (policy == "lfu") * 0.02
+                        rows.append({"capacity": capacity, "policy": policy, "hit_rate": rate,
+                                     "host_capacity": host, "write_policy": write,
+                                     "router": router})
+    return rows
+
+
+@pytest.mark.parametrize("kind, title", [
+    ("one", "eviction policy"),
+    ("one-host", "eviction policy, write policy"),
+    ("fleet", "router (eviction policy)"),
+    ("host", "device capacity, write policy"),
+    ("host-fleet", "device capacity per worker, write policy, router"),
+    ("many-host", "device capacity, eviction policy, write policy"),
+])
+def test_plots_keep_every_series_distinct_and_the_legend_off_the_data(monkeypatch, kind,
+                                                                       title):
+    from radixcache.cli import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig))
+    rows = _plot_rows(kind)
+    if kind.startswith("one"):
+        plots.write_plot("x.png", rows, "t.jsonl", 16)
+    elif kind == "fleet":
+        plots.write_fleet_plot("x.png", rows, "t.jsonl", 16, 4)
+    else:
+        plots.write_host_plot("x.png", rows, "t.jsonl", 16, 4 if "fleet" in kind else 1)
+    (fig,) = figures
+    (ax,) = fig.axes
+    lines = ax.get_lines()
+    assert len(lines) == {"one": 3, "one-host": 3, "fleet": 6, "host": 9, "host-fleet": 6,
+                          "many-host": 27}[kind]
+    # One colour and one marker per series (past a dozen series, one pair of them).
+    colors = [str(line.get_color()) for line in lines]
+    markers = [line.get_marker() for line in lines]
+    assert len(set(zip(colors, markers))) == len(lines)
+    if len(lines) <= 12:
+        assert len(set(colors)) == len(set(markers)) == len(lines)
+    legend = ax.get_legend()
+    assert legend.get_title().get_text() == title
+    assert [t.get_text() for t in legend.get_texts()] == [line.get_label() for line in lines]
+    fig.canvas.draw()  # the legend lies beside the axes, over none of the data
+    assert legend.get_window_extent().x0 > ax.get_window_extent().x1
 
 
 def test_json_rows_carry_every_table_column():
@@ -499,7 +617,7 @@ def test_simulate_host_capacity_sweep_rows_table_and_plot(tmp_path, capsys, core
         assert cells[10] == f"{100 * row['host_hit_rate']:.2f}%"
         assert cells[11] == f"{row['loaded_tokens']:,}"
     with Image.open(out_png) as image:
-        assert image.format == "PNG" and image.size == (800, 500)
+        assert image.format == "PNG" and image.size == (1000, 500)
 
 
 def test_simulate_host_jobs_rows_equal_serial(tmp_path, core_name):

@@ -121,6 +121,42 @@ def test_download_failures_leave_nothing(server, tmp_path, capsys, route, messag
     assert not leftovers(where)
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_failed_download_removes_the_directories_it_made(server, tmp_path, capsys, depth):
+    server.routes["/traces/synthetic_trace.jsonl"] = (404, b"no", None)
+    where = tmp_path.joinpath(*[f"new{i}" for i in range(depth)])
+    assert main(["trace", "download", "synthetic", "--dir", str(where)]) == 1
+    assert "HTTP 404" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # every directory it made is gone, tmp_path stays
+    # The default directory too (made under XDG_CACHE_HOME), but not XDG_CACHE_HOME itself.
+    (tmp_path / "xdg").mkdir()
+    with pytest.raises(download.DownloadError, match="HTTP 404"):
+        download.download("synthetic")
+    assert not list((tmp_path / "xdg").iterdir())
+
+
+def test_failed_download_keeps_directories_that_were_there_or_got_files(server, tmp_path,
+                                                                         monkeypatch):
+    server.routes["/traces/synthetic_trace.jsonl"] = (404, b"no", None)
+    (tmp_path / "old").mkdir()
+    with pytest.raises(download.DownloadError):
+        download.download("synthetic", tmp_path / "old")
+    assert (tmp_path / "old").is_dir()
+    # A file someone else writes into a made directory while the download runs stays, and
+    # so does its directory.
+    fetch = download._fetch
+
+    def fetch_while_another_writes(url, out, progress):
+        (tmp_path / "new" / "theirs.txt").write_text("keep")
+        fetch(url, out, progress)
+
+    monkeypatch.setattr(download, "_fetch", fetch_while_another_writes)
+    with pytest.raises(download.DownloadError):
+        download.download("synthetic", tmp_path / "new" / "deeper")
+    assert (tmp_path / "new" / "theirs.txt").read_text() == "keep"
+    assert not (tmp_path / "new" / "deeper").exists()
+
+
 def test_failed_download_keeps_the_existing_file(server, tmp_path):
     where = tmp_path / "d"
     where.mkdir()

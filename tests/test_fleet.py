@@ -349,7 +349,7 @@ def test_cli_fleet_json_table_and_plot(tmp_path, capsys, core_name):
     big = {r["router"]: r["hit_rate"] for r in rows if r["capacity"] == 1000}
     assert big["cache-aware"] == big["pooled"] > big["round-robin"]
     with Image.open(out_png) as image:
-        assert image.format == "PNG" and image.size == (800, 500)
+        assert image.format == "PNG" and image.size == (1000, 500)
 
 
 def test_cli_fleet_without_timestamps_uses_the_interval(tmp_path, capsys):
@@ -653,7 +653,7 @@ def test_cli_fleet_host_rows_and_plot(tmp_path, capsys, core_name):
     assert hosted["hit_rate"] > by_key[0, None, "round-robin"]["hit_rate"]
     assert by_key[1000, "write_back", "pooled"]["host_hit_rate"] == 0
     with Image.open(out_png) as image:
-        assert image.format == "PNG" and image.size == (800, 500)
+        assert image.format == "PNG" and image.size == (1000, 500)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import array
+import dataclasses
 import json
+import random
 import re
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ import torch
 
 from radixcache import RadixCache
 from radixcache._core import CORES
+from radixcache._options import MAX_POOL_SLOTS
 from radixcache.traces import TraceError, read_trace
 from radixcache.workloads import (
     FRESH_TOKEN_BASE,
@@ -91,7 +95,7 @@ def test_request_validates_and_converts():
     req = Request([1, 2, 3], 2, [7, 8])
     assert req.prompt.dtype == np.int64 and req.output.dtype == np.int64
     assert Request(np.array([], dtype=np.int64), 0).prompt.shape == (0,)
-    with pytest.raises(ValueError, match="output has 1 tokens"):
+    with pytest.raises(ValueError, match="output has 1 token but"):
         Request([1, 2], 2, [5])
     with pytest.raises(ValueError, match="output_len"):
         Request([1], -1)
@@ -285,6 +289,136 @@ def test_kv_pool_free_refuses_every_id_outside_and_keeps_its_state():
     assert pool.used == 4
 
 
+class EagerKVPool:
+    """A KV pool that holds every id from the start, on a stack with slot 0 on top: the
+    reference for the order ``KVPool`` (which keeps only the ids it handed out) gives ids in.
+    It trusts its input (no checks), which the tests below never get wrong."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.stack = list(range(capacity - 1, -1, -1))
+
+    @property
+    def available(self):
+        return len(self.stack)
+
+    @property
+    def used(self):
+        return self.capacity - len(self.stack)
+
+    def alloc(self, n):
+        if n > len(self.stack):
+            return None
+        taken = self.stack[len(self.stack) - n:]
+        del self.stack[len(self.stack) - n:]
+        return np.array(taken, dtype=np.int64)
+
+    def free(self, slots):
+        self.stack.extend(np.asarray(slots).tolist())
+
+    def free_slots(self):
+        return np.array(self.stack, dtype=np.int64)
+
+    def _take_into(self, out):
+        out[:] = self.alloc(len(out))
+
+    _put_back = free
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 7, 300])
+def test_kv_pool_hands_out_ids_in_the_order_of_a_full_stack(capacity):
+    # Random allocations, frees (in random order, through every entry point) and listings:
+    # the pool gives the ids, in the order, that a stack holding every id from the start
+    # gives.
+    rng = random.Random(capacity)
+    pool, reference, held = KVPool(capacity, array_type="numpy"), EagerKVPool(capacity), []
+    for _ in range(400):
+        step = rng.random()
+        if step < 0.45:
+            n = rng.randint(0, max(1, capacity // 3))
+            if rng.random() < 0.5 or n > pool.available:
+                got, want = pool.alloc(n), reference.alloc(n)
+                assert (got is None) == (want is None)
+            else:
+                got, want = np.empty(n, dtype=np.int64), reference.alloc(n)
+                pool._take_into(got)
+            if want is not None:
+                assert got.tolist() == want.tolist()
+                held += got.tolist()
+        elif held:
+            rng.shuffle(held)
+            n = rng.randint(1, len(held))
+            back, held = np.array(held[:n], dtype=np.int64), held[n:]
+            (pool._put_back if step < 0.7 else pool.free)(back)
+            reference.free(back)
+        assert pool.used == reference.used and pool.available == reference.available
+        assert pool.free_slots().tolist() == reference.free_slots().tolist()
+
+
+def _tree_items(cache):
+    """(key, slot ids) of every node, depth first in the tree's own child order."""
+    items, stack = [], [cache.root_node]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node is not cache.root_node:
+            items.append((np.asarray(node.key).tolist(),
+                          np.asarray(node.stored_value).tolist()))
+    return items
+
+
+@pytest.mark.parametrize("capacity, page_size", [(300, 1), (1500, 1), (1500, 16), (6000, 4)])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "mru"])
+def test_serve_over_kv_pool_matches_a_full_stack_pool(core, capacity, page_size, policy):
+    # The same rows, and the same slot id in every node, as over a pool that allocates its
+    # whole stack up front (the capacities evict: the pools go round many times).
+    requests = small_chat(seed=capacity)
+    runs = []
+    for pool in (KVPool(capacity, array_type="numpy"), EagerKVPool(capacity)):
+        cache = RadixCache(core=core, page_size=page_size, eviction_policy=policy,
+                           array_type="numpy")
+        result = serve(cache, requests, capacity, pool=pool)
+        row = {k: v for k, v in dataclasses.asdict(result).items()
+               if k not in ("seconds", "stats")}
+        runs.append((row, _tree_items(cache), pool.free_slots().tolist()))
+    assert runs[0][0]["evicted_tokens"] > 0 or capacity > 1500
+    assert runs[0] == runs[1]
+
+
+def test_kv_pool_memory_follows_use_not_capacity():
+    # A 2G-slot pool (16 GB of ids were it allocated up front) over a small workload holds
+    # a few slots' worth; frees (page 16 gives unaligned tails back) grow its stack with use.
+    requests = small_chat()
+    rows = []
+    for capacity in (10**6, 2 * 10**9):
+        tracemalloc.start()
+        try:
+            pool = KVPool(capacity, array_type="numpy")
+            cache = RadixCache(page_size=16, array_type="numpy")
+            result = serve(cache, requests, capacity, pool=pool)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 * 2**20, peak
+        assert 0 < pool._free.nbytes <= 16 * max(pool._next, 1024)
+        rows.append({k: v for k, v in dataclasses.asdict(result).items()
+                     if k not in ("seconds", "stats", "capacity")})
+    assert rows[0] == rows[1]  # nothing evicted at either size: the same replay
+
+
+@pytest.mark.parametrize("make", [KVPool, HostPool])
+def test_pool_capacity_beyond_what_a_machine_addresses_is_refused(make):
+    for capacity in (MAX_POOL_SLOTS + 1, 2**63, 10**30, 10**99):
+        with pytest.raises(ValueError, match="more slots than this machine can address"):
+            make(capacity)
+    largest = make(MAX_POOL_SLOTS, array_type="numpy")  # fine: it holds what it hands out
+    first = largest.alloc(3).tolist()
+    assert sorted(first) == [0, 1, 2] and largest.available == MAX_POOL_SLOTS - 3
+    largest.free(np.array(first))
+    with pytest.raises(ValueError, match="more slots than this machine can address"):
+        serve(RadixCache(array_type="numpy"), small_chat()[:2], 10**30)
+
+
 # -- put_slots: a pool's free-list push, in each core ------------------------------------------
 @pytest.fixture
 def torch_bound():
@@ -446,9 +580,11 @@ def test_pool_free_takes_every_input_kind(monkeypatch, pool_kind, kind, push, to
     pool = KVPool(12) if pool_kind == "kv" else HostPool(12)
     taken = pool.alloc(10).tolist()
     assert sorted(taken) == list(range(10))
-    bounds = "[0, 12)" if pool_kind == "kv" else "[0, 10) (never handed out)"
-    for bad in ([taken[1], 12], [-1], [2**31 - 1]):
-        with pytest.raises(ValueError, match=re.escape(f"slot ids outside {bounds}")):
+    # Ids below the capacity that were never handed out are refused too: a free list that
+    # took them would hand them out twice.
+    for bad in ([taken[1], 12], [-1], [2**31 - 1], [10], [taken[0], 11]):
+        with pytest.raises(ValueError, match=re.escape("slot ids outside [0, 10) (never "
+                                                       "handed out)")):
             pool.free(make(bad))
         assert pool.used == 10
     pool.free(make([7, 2, 4]))

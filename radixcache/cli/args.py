@@ -13,7 +13,8 @@ from typing import Sequence
 
 from .._options import (DEFAULT_DECODE_TPS, DEFAULT_HOST_WEIGHT, DEFAULT_INTERVAL_MS,
                         DEFAULT_LOAD_TPS, DEFAULT_LOAD_WEIGHT, DEFAULT_PREFILL_TPS,
-                        EVICTION_POLICIES, ROUTING_POLICIES, WRITE_POLICIES, EventLag)
+                        EVICTION_POLICIES, MAX_POOL_SLOTS, ROUTING_POLICIES, WRITE_POLICIES,
+                        EventLag)
 
 #: The tree cores, by name (which are built is known only once the cores are imported).
 CORE_NAMES = ("c", "python")
@@ -113,14 +114,21 @@ def _plain_positive_int(text: str) -> int:
     return value
 
 
+#: What is wrong with a pool size above ``MAX_POOL_SLOTS``.
+_UNADDRESSABLE = f"more slots than this machine can address (at most {MAX_POOL_SLOTS:,})"
+
+
 def capacity_list(text: str) -> list[int]:
     values = []
     for part in text.split(","):
         part = part.strip()
         try:
-            values.append(_positive_int(part))
+            value = _positive_int(part)
+            if value > MAX_POOL_SLOTS:
+                raise argparse.ArgumentTypeError(_UNADDRESSABLE)
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"capacity {part!r}: {exc}") from None
+        values.append(value)
     return sorted(set(values))
 
 
@@ -135,6 +143,8 @@ def _host_capacity_list(text: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"host capacity {part!r}: {exc}") from None
         if value < 0:
             raise argparse.ArgumentTypeError(f"host capacity {part!r}: must be >= 0")
+        if value > MAX_POOL_SLOTS:
+            raise argparse.ArgumentTypeError(f"host capacity {part!r}: {_UNADDRESSABLE}")
         values.append(value)
     return sorted(set(values))
 

@@ -10,9 +10,39 @@ from .._options import POOLED
 from .args import UsageError
 from .output import atomic_write, short_count
 
-# Plot size in inches at PLOT_DPI: the PNG is 800 x 500 pixels.
-PLOT_SIZE = (8, 5)
+# Plot size in inches at PLOT_DPI: the PNG is 1000 x 500 pixels (the legend is beside the
+# axes, on the right).
+PLOT_SIZE = (10, 5)
 PLOT_DPI = 100
+
+# Every series of a plot gets its own marker (and colour, see ``_series_style``).
+_MARKERS = "osD^vP*Xph<>"
+_LINE_STYLES = ("-", "--", "-.", ":")
+# The pooled bound of a fleet: a grey per series, dashed.
+_GREYS = ("black", "dimgray", "gray", "darkgray")
+# What each column a host plot's lines may vary in is called in its legend title.
+_COLUMN_NAMES = {"policy": "eviction policy", "write_policy": "write policy", "router": "router"}
+
+
+def _palette(n: int) -> list:
+    """``n`` distinct colours (repeating only past 20)."""
+    from matplotlib import colormaps  # noqa: PLC0415
+
+    return list(colormaps["tab10" if n <= 10 else "tab20"].colors)
+
+
+def _series_style(i: int, n: int, color: Any) -> dict:
+    """Series ``i`` of ``n``: its colour and its own marker, hollow and shrinking with ``i``,
+    so that where series coincide each one's outline still shows."""
+    return dict(color=color, marker=_MARKERS[i % len(_MARKERS)],
+                markersize=10 - 4 * i / max(n - 1, 1), fillstyle="none",
+                markeredgewidth=1.5)
+
+
+def _legend(ax: Any, title: str) -> None:
+    """The legend beside the axes, never over the data, titled with what its entries are."""
+    ax.legend(title=title, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+              fontsize="small", title_fontsize="small", alignment="left")
 
 
 def _finish_plot(path: str, fig: Any, ax: Any, rows: list[dict], xlabel: str, title: str,
@@ -29,9 +59,9 @@ def _finish_plot(path: str, fig: Any, ax: Any, rows: list[dict], xlabel: str, ti
     ax.set_xlabel(xlabel)
     ax.set_ylabel("prefix cache hit rate (%)")
     ax.set_ylim(*hit_rate_limits([r["hit_rate"] for r in rows]))
-    ax.set_title(title)
+    fig.suptitle(title)  # over the figure: the axes leave room for the legend
     ax.grid(True, alpha=0.3)
-    ax.legend(title=legend_title)
+    _legend(ax, legend_title)
     _save(fig, path)
 
 
@@ -70,18 +100,18 @@ def write_plot(path: str, rows: list[dict], trace_name: str, page_size: int) -> 
     # One line per eviction policy (and write policy, when a host tier has several).
     policies = list(dict.fromkeys((r["policy"], r.get("write_policy")) for r in rows))
     several = len({w for _, w in policies}) > 1
-    markers, styles = "os^Dvx*", ("-", "--", "-.", ":")
+    colors = _palette(len(policies))
     for i, (policy, write_policy) in enumerate(policies):
         points = sorted((r["capacity"], r["hit_rate"]) for r in rows if r["policy"] == policy
                         and r.get("write_policy") == write_policy)
-        # Policies often tie: shrinking markers and varied dashes keep every line visible.
+        # Policies often tie: varied dashes and nested markers keep every line visible.
         ax.plot([c for c, _ in points], [100 * h for _, h in points],
                 label=f"{policy}, {write_policy}" if several else policy,
-                marker=markers[i % len(markers)], linestyle=styles[i % len(styles)],
-                markersize=max(3, 10 - 1.5 * i), fillstyle="none" if i % 2 else "full")
+                linestyle=_LINE_STYLES[i % len(_LINE_STYLES)],
+                **_series_style(i, len(policies), colors[i % len(colors)]))
     _finish_plot(path, fig, ax, rows, "KV pool capacity (token slots)",
                  f"Prefix cache hit rate vs capacity: {trace_name} (page size {page_size})",
-                 "eviction policy")
+                 "eviction policy, write policy" if several else "eviction policy")
 
 
 def write_fleet_plot(path: str, rows: list[dict], trace_name: str, page_size: int,
@@ -93,29 +123,31 @@ def write_fleet_plot(path: str, rows: list[dict], trace_name: str, page_size: in
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     lines = list(dict.fromkeys((r["router"], r["policy"], r.get("write_policy")) for r in rows))
     several = len({line[2] for line in lines}) > 1  # write policies of a host tier
-    markers = "os^Dvx*"
-    routers = [name for name in dict.fromkeys(r["router"] for r in rows) if name != POOLED]
-    for router, policy, write_policy in lines:
+    routed = [line for line in lines if line[0] != POOLED]
+    pooled = [line for line in lines if line[0] == POOLED]
+    colors = _palette(len(routed))
+    for i, line in enumerate(routed + pooled):  # the pooled bound drawn last, on top
+        router, policy, write_policy = line
         points = sorted((r["capacity"], r["hit_rate"]) for r in rows
                         if r["router"] == router and r["policy"] == policy
                         and r.get("write_policy") == write_policy)
         label = router if len(policies) == 1 else f"{router} ({policy})"
-        if several:
-            label += f", {write_policy}"
         if router == POOLED:
             label = f"pooled: one cache of {workers} x capacity" + (
                 "" if len(policies) == 1 else f" ({policy})")
-            # Dashed and grey; with several policies a shade and marker per policy.
-            p = policies.index(policy)
-            style = dict(linestyle="--", color=("black", "dimgray", "gray", "darkgray")[p % 4],
-                         marker=None if len(policies) == 1 else markers[p % len(markers)])
+            p = pooled.index(line)
+            style = dict(linestyle="--", **_series_style(i, len(lines),
+                                                         _GREYS[p % len(_GREYS)]))
         else:
-            i = routers.index(router)
-            style = dict(linestyle="-", marker=markers[i % len(markers)])
+            r = routed.index(line)
+            style = dict(linestyle="-", **_series_style(i, len(lines), colors[r % len(colors)]))
+        if several:
+            label += f", {write_policy}"
         ax.plot([c for c, _ in points], [100 * h for _, h in points], label=label, **style)
+    title = "router" + (" (eviction policy)" if len(policies) > 1 else "")
     _finish_plot(path, fig, ax, rows, "KV pool capacity per worker (token slots)",
                  f"Hit rate over {workers} workers by router: {trace_name} (page {page_size})",
-                 "router")
+                 title + (", write policy" if several else ""))
 
 
 def write_host_plot(path: str, rows: list[dict], trace_name: str, page_size: int,
@@ -127,14 +159,15 @@ def write_host_plot(path: str, rows: list[dict], trace_name: str, page_size: int
 
     fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
     ax = fig.add_subplot()
-    capacities = list(dict.fromkeys(r["capacity"] for r in rows))
     varying = [key for key in ("policy", "write_policy", "router")
                if len({r.get(key) for r in rows if r["host_capacity"]}) > 1]
     lines = list(dict.fromkeys((r["capacity"], *(r.get(k) for k in varying))
                                for r in rows if r["host_capacity"]))
-    markers, styles = "os^Dvx*", ("-", "--", "-.", ":")
     others = list(dict.fromkeys(line[1:] for line in lines))
-    for line in lines:
+    routed = [line for line in lines if dict(zip(varying, line[1:])).get("router") != POOLED]
+    pooled = [line for line in lines if line not in routed]
+    colors = _palette(len(routed))
+    for i, line in enumerate(lines):
         capacity, rest = line[0], dict(zip(varying, line[1:]))
 
         def on_line(r: dict, host_too: bool) -> bool:
@@ -143,12 +176,15 @@ def write_host_plot(path: str, rows: list[dict], trace_name: str, page_size: int
 
         points = sorted((r["host_capacity"], r["hit_rate"]) for r in rows
                         if on_line(r, bool(r["host_capacity"])))
-        label = f"device {short_count(capacity)}" + "".join(
-            f", {v}" for v in rest.values())
-        i, j = capacities.index(capacity), others.index(line[1:])
+        label = ", ".join([short_count(capacity), *map(str, rest.values())])
+        if line in routed:
+            color = colors[routed.index(line) % len(colors)]
+        else:  # the pooled bound of a fleet: greys, as in the fleet plot
+            color = _GREYS[pooled.index(line) % len(_GREYS)]
+        j = others.index(line[1:])
         ax.plot([h for h, _ in points], [100 * h for _, h in points], label=label,
-                marker=markers[i % len(markers)], linestyle=styles[j % len(styles)],
-                color=f"C{i}" if len(others) > 1 else None)
+                linestyle=_LINE_STYLES[j % len(_LINE_STYLES)],
+                **_series_style(i, len(lines), color))
     hosts = sorted({r["host_capacity"] for r in rows})
     positive = [h for h in hosts if h]
     if positive and positive[-1] >= 10 * positive[0]:
@@ -160,9 +196,9 @@ def write_host_plot(path: str, rows: list[dict], trace_name: str, page_size: int
     ax.set_ylabel("prefix cache hit rate, device + host (%)")
     ax.set_ylim(*hit_rate_limits([r["hit_rate"] for r in rows]))
     fleet = f" over {workers} workers" if workers > 1 else ""
-    ax.set_title(f"Hit rate vs host memory{fleet}: {trace_name} (page {page_size})")
+    fig.suptitle(f"Hit rate vs host memory{fleet}: {trace_name} (page {page_size})")
     ax.grid(True, alpha=0.3)
-    ax.legend(title="device capacity" + per, fontsize="small")
+    _legend(ax, ", ".join([f"device capacity{per}", *(_COLUMN_NAMES[k] for k in varying)]))
     _save(fig, path)
 
 

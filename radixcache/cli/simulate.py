@@ -11,8 +11,9 @@ import sys
 from typing import TYPE_CHECKING, Sequence
 
 from .._options import (DEFAULT_DECODE_TPS, DEFAULT_HOST_WEIGHT, DEFAULT_INTERVAL_MS,
-                        DEFAULT_LOAD_TPS, DEFAULT_LOAD_WEIGHT, DEFAULT_PREFILL_TPS, POOLED,
-                        EventLag)
+                        DEFAULT_LOAD_TPS, DEFAULT_LOAD_WEIGHT, DEFAULT_PREFILL_TPS,
+                        MAX_POOL_SLOTS, POOLED, EventLag)
+from .._validate import counted
 from .args import (CAPACITY_FRACTIONS, DEFAULT_CAPACITIES, DEFAULT_ROUTERS, UsageError,
                    capacity_list, router_list)
 from .output import check_output_path, format_table, short_count, warn, write_json
@@ -112,18 +113,19 @@ def _warn_meaningless(args: argparse.Namespace, requests: Sequence[Request]) -> 
         longest = max(len(r.prompt) for r in requests)
         smallest = min(len(r.prompt) + r.output_len for r in requests)
     if args.page_size > longest:
-        warn(f"the page size ({args.page_size:,} tokens) is larger than every prompt (the "
-             f"longest has {longest:,} tokens): nothing can be cached, the hit rate is 0")
+        warn(f"the page size ({counted(args.page_size, 'token')}) is larger than every "
+             f"prompt (the longest has {counted(longest, 'token')}): nothing can be cached, "
+             "the hit rate is 0")
     below_page = []
     if args.page_size <= longest:
         below_page = [c for c in args.capacity if c < args.page_size]
         if below_page:
-            warn(f"{_capacities(below_page)} smaller than one page ({args.page_size:,} "
-                 "tokens): no page fits, nothing can be cached")
+            warn(f"{_capacities(below_page)} smaller than one page "
+                 f"({counted(args.page_size, 'token')}): no page fits, nothing can be cached")
     too_small = [c for c in args.capacity if c < smallest and c not in below_page]
     if too_small:
         warn(f"{_capacities(too_small)} smaller than every request (the smallest needs "
-             f"{smallest:,} slots): every request will be rejected")
+             f"{counted(smallest, 'slot')}): every request will be rejected")
 
 
 def _capacities(values: Sequence[int]) -> str:
@@ -149,6 +151,11 @@ def _fleet_options(args: argparse.Namespace) -> None:
             elif name == "event_lag":
                 value = EventLag.parse(default)
             setattr(args, name, value)
+    for option, sizes in (("--capacity", args.capacity), ("--host-capacity", args.host_capacity)):
+        if sizes and args.workers * max(sizes) > MAX_POOL_SLOTS:  # the pooled row's pool
+            raise UsageError(f"{option}: the pooled row's one cache of {args.workers} x "
+                             f"{max(sizes):,} slots is more than this machine can address "
+                             f"(at most {MAX_POOL_SLOTS:,})")
 
 
 def _host_options(args: argparse.Namespace) -> None:
@@ -198,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     # torch is not imported).
     from .. import _core  # noqa: PLC0415
     from ..cache import RadixCache  # noqa: PLC0415
-    from ..traces import TraceError  # noqa: PLC0415
+    from ..traces import TraceError, check_timestamps  # noqa: PLC0415
 
     if args.core is not None and args.core not in _core.CORES:
         raise UsageError(f"--core {args.core}: the compiled core is not built here "
@@ -244,8 +251,14 @@ def run(args: argparse.Namespace) -> int:
             capacities_note = (f"; capacities {', '.join(short_count(c) for c in args.capacity)}"
                                f" (fractions of its {short_count(unique)} unique prompt "
                                "tokens; --capacity sets others)")
-    print(f"trace: {trace_name}: {len(requests):,} requests, {prompt_total:,} prompt tokens; "
-          f"page size {args.page_size}; core {core}{capacities_note}")
+    print(f"trace: {trace_name}: {counted(len(requests), 'request')}, "
+          f"{counted(prompt_total, 'prompt token')}; page size {args.page_size}; core {core}"
+          f"{capacities_note}")
+    try:  # the trace format's rule, whether the replay uses the timestamps or not
+        check_timestamps(requests.timestamps)
+    except ValueError as exc:
+        print(f"radixcache: error: {trace_name}: {exc}", file=sys.stderr)
+        return 1
     _warn_meaningless(args, requests)
     if args.workers > 1:
         return _run_fleet(args, requests, trace_name, core, largest_need, source)
@@ -285,9 +298,9 @@ def run(args: argparse.Namespace) -> int:
         if result.rejected:
             notes.append(
                 f"rejected: capacity {capacity:,} ({policy}): {result.rejected:,} of "
-                f"{result.requests:,} requests did not fit in the pool even after "
+                f"{counted(result.requests, 'request')} did not fit in the pool even after "
                 f"evicting every unlocked entry (the largest request needs "
-                f"{largest_need:,} slots)"
+                f"{counted(largest_need, 'slot')})"
             )
     headers = ["capacity", "policy"]
     if args.show_host:
@@ -362,13 +375,13 @@ def _run_fleet(args: argparse.Namespace, requests: Trace, trace_name: str, core:
                  f"{result.wall_seconds:.1f}"]
         table.append(line)
         if result.rejected:
-            where = (f"one cache of {args.workers} x {capacity:,} slots"
-                     if router == POOLED else f"{capacity:,} slots per worker")
+            where = (f"one cache of {args.workers} x {counted(capacity, 'slot')}"
+                     if router == POOLED else f"{counted(capacity, 'slot')} per worker")
             notes.append(
                 f"rejected: {router}, {where} ({policy}): {result.rejected:,} of "
-                f"{result.requests:,} requests did not fit in their worker's pool even "
-                f"after evicting every unlocked entry (the largest request needs "
-                f"{largest_need:,} slots)"
+                f"{counted(result.requests, 'request')} did not fit in their worker's pool "
+                f"even after evicting every unlocked entry (the largest request needs "
+                f"{counted(largest_need, 'slot')})"
             )
         skipped = (result.indexer_stats or {})
         bad = {k: v for k, v in skipped.items()

@@ -13,6 +13,7 @@
 - ``HostPool``: a host-memory pool of token slots for a cache with a host tier; ``serve`` and
   ``ServingLoop`` back evicted prefixes up into it and load host hits back
   (``host_capacity=``).
+- ``MAX_POOL_SLOTS``: the largest capacity a pool may have.
 
 Token ids of prompts must lie in ``[0, FRESH_TOKEN_BASE)``: ``serve`` numbers the fresh output
 tokens it generates from ``FRESH_TOKEN_BASE`` up, so they never equal a prompt token.
@@ -25,7 +26,7 @@ The names live in submodules, imported here: ``requests`` (``Request``), ``gener
 from .requests import FRESH_TOKEN_BASE, Request
 from .generators import synthetic_chat, exercise_ops, deep_exercise_ops
 from .timing import INPUT_TYPES, as_input_type, InCacheTiming, time_cached_calls, walk_cost
-from .pools import KVPool, HostPool
+from .pools import KVPool, HostPool, MAX_POOL_SLOTS
 from .serving import ServeResult, Admission, ServingLoop, serve
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "Admission",
     "HostPool",
     "KVPool",
+    "MAX_POOL_SLOTS",
     "Request",
     "ServeResult",
     "INPUT_TYPES",

@@ -1,10 +1,12 @@
 """Pools of token slots the serving loop hands a cache: ``KVPool`` (device KV memory) and
 ``HostPool`` (host memory for a cache's host tier).
 
-Both hand out slot ids ``0 .. capacity-1`` (int64) from a stack of free ids and take them
-back; they differ only in where ids come from at first. A ``KVPool`` starts with every id on
-its stack; a ``HostPool`` starts empty and hands out ids never used before only when the
-stack runs dry, so its memory follows the slots in use, not the capacity.
+Both hand out slot ids ``0 .. capacity-1`` (int64) and take them back, and keep only the ids
+ever handed out: a stack of freed ids, and ``_next``, the first id never handed out. Their
+memory follows the slots in use, not the capacity, so a pool larger than any trace costs
+nothing. They differ only in the order ids come in: a ``KVPool`` hands ids out as a stack
+that started with every id on it, slot 0 on top, would; a ``HostPool`` hands out freed slots
+first, then ids never used before, in increasing order.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from .._core import core as _default_core
-from .._options import ARRAY_TYPES
+from .._options import ARRAY_TYPES, MAX_POOL_SLOTS
 from .._shared import is_tensor, load_torch
 from .._validate import check_int
 
-__all__ = ["HostPool", "KVPool", "as_cache_array"]
+__all__ = ["MAX_POOL_SLOTS", "HostPool", "KVPool", "as_cache_array"]
 
 _max_of = np.maximum.reduce  # an array's largest element, without ndarray.max's wrappers
 # The compiled core's one-pass push of freed ids (a checked copy into a pool's free stack).
@@ -63,19 +65,35 @@ def _any_outside(ids: np.ndarray, bound: int) -> bool:
     return int(ids.min()) < 0 or int(ids.max()) >= bound
 
 
+def check_capacity(capacity: Any) -> int:
+    """A pool's ``capacity`` as a plain int, or the error a caller gets.
+
+    Raises:
+        TypeError: not an int.
+        ValueError: below 0, or above ``MAX_POOL_SLOTS`` (more int64 slot ids than this
+            machine can address).
+    """
+    capacity = check_int(capacity, "capacity", low=0)
+    if capacity > MAX_POOL_SLOTS:
+        raise ValueError(f"capacity {capacity:,} is more slots than this machine can address "
+                         f"(at most {MAX_POOL_SLOTS:,})")
+    return capacity
+
+
 class _SlotPool:
-    """What ``KVPool`` and ``HostPool`` share: a stack of free slot ids (its top at
-    ``_top``) and the ids ever handed out, ``0 .. _next-1``; ids from ``_next`` up were never
-    handed out. A subclass fills the stack (and ``_next``) in its constructor."""
+    """What ``KVPool`` and ``HostPool`` share: a stack of freed slot ids (``_free``, its top
+    at ``_top``) and the ids ever handed out, ``0 .. _next-1``; ids from ``_next`` up were
+    never handed out. The stack grows as slots come back, to at most twice the slots ever
+    handed out (or 1,024). A subclass's ``_take_into`` says in which order ids come."""
 
     __slots__ = ("capacity", "_free", "_top", "_next", "_numpy")
 
-    #: Added to the message of a free outside the ids handed out.
-    _outside_note = ""
-
     def __init__(self, capacity: int, array_type: str) -> None:
         self._numpy = _check_array_type(array_type)
-        self.capacity = check_int(capacity, "capacity", low=0)
+        self.capacity = check_capacity(capacity)
+        self._free = np.empty(0, dtype=np.int64)
+        self._top = 0
+        self._next = 0
 
     @property
     def available(self) -> int:
@@ -113,19 +131,23 @@ class _SlotPool:
             raise ValueError(f"cannot allocate {n} slots")
         if n > self.available:
             return None
-        if not top:  # fresh slots only
-            start = self._next
-            self._next = start + n
-            return np.arange(start, start + n, dtype=np.int64)
-        reused = min(n, self._top)
-        self._top -= reused
         out = np.empty(n, dtype=np.int64)
-        out[:reused] = self._free[self._top:self._top + reused]
-        fresh = n - reused
-        if fresh:
-            out[reused:] = np.arange(self._next, self._next + fresh, dtype=np.int64)
-            self._next += fresh
+        self._take_into(out)
         return out
+
+    def _take_into(self, out: np.ndarray) -> None:
+        """Allocate ``len(out)`` slots (the caller checked that they are free) into ``out``."""
+        raise NotImplementedError
+
+    def _push(self, ids: np.ndarray) -> None:
+        """Put ``ids`` (checked) on the free stack, growing it when they do not fit."""
+        top, n = self._top, len(ids)
+        if top + n > len(self._free):  # the stack grows with the slots handed out
+            grown = np.empty(max(2 * len(self._free), top + n, 1024), dtype=np.int64)
+            grown[:top] = self._free[:top]
+            self._free = grown
+        self._free[top:top + n] = ids
+        self._top = top + n
 
     def free(self, slots: Any) -> None:
         """Return slots to the pool.
@@ -134,8 +156,8 @@ class _SlotPool:
             slots: Their ids, a tensor, numpy array or sequence of ints.
 
         Raises:
-            ValueError: more slots than are in use, or ids outside ``[0, capacity)`` (a
-                ``HostPool``: ids it never handed out).
+            ValueError: more slots than are in use, or ids the pool never handed out
+                (outside ``[0, capacity)`` among them).
         """
         if _put_slots is not None:
             pushed = _put_slots(self._free, self._top, slots, self._next)
@@ -149,13 +171,8 @@ class _SlotPool:
         if n > self.used:
             raise ValueError(f"freeing {n} slots overfills the pool ({self.used} in use)")
         if _any_outside(arr, self._next):
-            raise ValueError(f"slot ids outside [0, {self._next}){self._outside_note}")
-        if self._top + n > len(self._free):  # a host pool's stack grows with the slots used
-            grown = np.empty(max(2 * len(self._free), self._top + n, 1024), dtype=np.int64)
-            grown[:self._top] = self._free[:self._top]
-            self._free = grown
-        self._free[self._top:self._top + n] = arr
-        self._top += n
+            raise ValueError(f"slot ids outside [0, {self._next}) (never handed out)")
+        self._push(arr)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(capacity={self.capacity}, used={self.used})"
@@ -164,7 +181,9 @@ class _SlotPool:
 class KVPool(_SlotPool):
     """A KV pool of ``capacity`` token slots: a free list of slot ids (int64).
 
-    Slot ids are ``0 .. capacity-1``; slot 0 is handed out first.
+    Slot ids are ``0 .. capacity-1``; slot 0 is handed out first. The pool hands them out
+    as a stack that starts with every id on it (slot 0 on top) does, but keeps only the
+    slots ever handed out: its memory follows the slots in use, not the capacity.
 
     Args:
         capacity: How many slots, an int >= 0.
@@ -173,37 +192,50 @@ class KVPool(_SlotPool):
 
     Raises:
         TypeError: ``capacity`` is not an int.
-        ValueError: ``capacity`` < 0, or an unknown ``array_type``.
+        ValueError: ``capacity`` < 0 or above ``MAX_POOL_SLOTS``, or an unknown
+            ``array_type``.
     """
 
     __slots__ = ()
 
     def __init__(self, capacity: int, *, array_type: str = "torch") -> None:
         super().__init__(capacity, array_type)
-        # Every slot is on the stack, whose top is the end: slot 0 is handed out first.
-        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)
-        self._top = self._next = self.capacity
 
+    # The stack a full pool would hold is ids never handed out, ``capacity-1`` down to
+    # ``_next`` (bottom to top), under the freed ones: only the freed ones are stored.
     def _take_into(self, out: np.ndarray) -> None:
-        """Allocate ``len(out)`` slots (the caller checked that they are free) into ``out``."""
-        n = len(out)
-        self._top -= n
-        out[:] = self._free[self._top:self._top + n]
+        n, top = len(out), self._top
+        if n <= top:
+            self._top = top - n
+            out[:] = self._free[top - n:top]
+            return
+        # The whole freed stack and, under it, the next ``fresh`` ids never handed out.
+        fresh, start = n - top, self._next
+        out[:fresh] = np.arange(start + fresh - 1, start - 1, -1, dtype=np.int64)
+        out[fresh:] = self._free[:top]
+        self._top = 0
+        self._next = start + fresh
 
     def _put_back(self, slots: np.ndarray) -> None:
         """``free`` for slots the caller took with ``_take_into`` and still holds (an int64
         array): nothing to check."""
         top = self._top
-        self._top = top + len(slots)
-        self._free[top:self._top] = slots
+        end = top + len(slots)
+        if end > len(self._free):
+            self._push(slots)
+            return
+        self._free[top:end] = slots
+        self._top = end
 
     def free_slots(self) -> np.ndarray:
-        """List the free slots (for consistency checks).
+        """List the free slots (for consistency checks), ``capacity - used`` of them.
 
         Returns:
-            A copy of their ids, an int64 numpy array.
+            A new int64 numpy array of their ids, in the order of the stack a full pool
+            would hold (the last is handed out first).
         """
-        return self._free[: self._top].copy()
+        never = np.arange(self.capacity - 1, self._next - 1, -1, dtype=np.int64)
+        return np.concatenate((never, self._free[:self._top]))
 
 
 class HostPool(_SlotPool):
@@ -220,17 +252,24 @@ class HostPool(_SlotPool):
 
     Raises:
         TypeError: ``capacity`` is not an int.
-        ValueError: ``capacity`` < 0, or an unknown ``array_type``.
+        ValueError: ``capacity`` < 0 or above ``MAX_POOL_SLOTS``, or an unknown
+            ``array_type``.
     """
 
     __slots__ = ()
-    _outside_note = " (never handed out)"
 
     def __init__(self, capacity: int, *, array_type: str = "torch") -> None:
         super().__init__(capacity, array_type)
-        self._free = np.empty(0, dtype=np.int64)  # freed slots: a stack, top at _top
-        self._top = 0
-        self._next = 0  # slots >= _next were never handed out
+
+    def _take_into(self, out: np.ndarray) -> None:
+        n, top = len(out), self._top
+        reused = min(n, top)  # freed slots first, the latest on top last
+        self._top = top - reused
+        out[:reused] = self._free[top - reused:top]
+        fresh = n - reused
+        if fresh:
+            out[reused:] = np.arange(self._next, self._next + fresh, dtype=np.int64)
+            self._next += fresh
 
     def _alloc_shared(self, n: int) -> np.ndarray | None:
         """``alloc(n)`` as a numpy array, for a caller that copies the ids at once (a cache's

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._validate import check_int, check_real
+from .._validate import check_int, check_real, counted
 
 __all__ = ["FRESH_TOKEN_BASE", "Request", "take_buffer", "trusted_request"]
 
@@ -74,7 +74,7 @@ class Request:
             output = _token_array(self.output, "output")
             if len(output) != self.output_len:
                 raise ValueError(
-                    f"output has {len(output)} tokens but output_len is {self.output_len}"
+                    f"output has {counted(len(output), 'token')} but output_len is {self.output_len}"
                 )
             object.__setattr__(self, "output", output)
         if self.timestamp is not None:
