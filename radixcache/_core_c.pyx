@@ -47,14 +47,19 @@ from collections import deque as _deque
 
 import numpy as np
 
-from ._shared import cat_tensors as _cat_tensors
-from ._shared import hand_over_batch as _hand_over_batch
-from ._shared import MAX_LOCK_REF, display_order, indices_from_key, reentered
-from ._shared import check_state, id_order, node_not_copyable
-from ._shared import host_indices_bytes, lock_host_only, stale_match
-from ._shared import is_tensor as _is_tensor
-from ._shared import load_torch as _load_torch
-from ._shared import on_torch as _on_torch
+from ._errors import lock_host_only, node_not_copyable, reentered, stale_match
+from ._handover import hand_over_batch as _hand_over_batch
+from ._handover import host_indices_bytes
+from ._options import KEY_FALLS_ON_ACCESS as _KEY_FALLS_ON_ACCESS
+from ._state import check_state, display_order, id_order
+from ._torch import cat_tensors as _cat_tensors
+from ._torch import indices_from_key
+from ._torch import is_tensor as _is_tensor
+from ._torch import load_torch as _load_torch
+from ._torch import on_torch as _on_torch
+from ._types import MAX_LOCK_REF, RadixTreeNode
+from ._types import InsertResult as _InsertResult
+from ._types import MatchResult as _MatchResult
 
 CORE_NAME = "c"
 
@@ -704,8 +709,6 @@ cdef class Tree:
     def _check_member(self, node):
         cdef Node top
         if not isinstance(node, Node):
-            from ._core import RadixTreeNode
-
             if isinstance(node, RadixTreeNode):
                 raise ValueError("node belongs to another cache (a different tree core)")
             raise TypeError(f"expected a RadixTreeNode, got {type(node).__name__}")
@@ -1520,9 +1523,6 @@ from libc.stdint cimport uintptr_t
 
 import array as _array_module
 
-from ._shared import KEY_FALLS_ON_ACCESS as _KEY_FALLS_ON_ACCESS
-from ._shared import InsertResult as _InsertResult
-from ._shared import MatchResult as _MatchResult
 
 _ndarray = np.ndarray
 _array_type = _array_module.array
@@ -1539,7 +1539,7 @@ cdef class _NoTensor:
         raise TypeError("the stand-in for torch.Tensor has no instances")
 
 
-# torch's names, bound by _bind_torch once some code loads torch (_shared.load_torch): a
+# torch's names, bound by _bind_torch once some code loads torch (_torch.load_torch): a
 # core of numpy arrays never imports it.
 _Tensor = _NoTensor
 _int64 = None
@@ -1879,7 +1879,7 @@ cdef int collect_value(FreedBatch batch, Node node) except -1:
 
 
 cdef bytes host_bytes(object host, Py_ssize_t n, bint numpy_arrays):
-    """What ``backup`` returned for a node of ``n`` tokens, checked (``_shared``'s
+    """What ``backup`` returned for a node of ``n`` tokens, checked (``_handover``'s
     checks and messages), as int64 bytes of exactly ``n`` indices: the conversion runs torch
     code (a tensor subclass can answer anything), so its result is checked again.
 

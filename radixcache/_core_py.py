@@ -19,13 +19,13 @@ the caller owns (except a node's device value, which ``Node.value`` hands out as
 new view: its data is the node's, its shape the caller's): with
 ``numpy_arrays`` false (the default) a ``torch.int64`` tensor, on the CPU unless made of
 device values; with ``numpy_arrays`` a ``numpy.ndarray`` of dtype int64. In the first mode
-the constructor imports torch (``_shared.load_torch``); in the second the core never does.
+the constructor imports torch (``_torch.load_torch``); in the second the core never does.
 Its read-only attribute ``numpy_arrays`` says which. A core of numpy arrays holds CPU values
 only: cache.py keeps device tensors away from it, its ``set_value`` and ``load_back`` take
 int64 numpy arrays (``TypeError`` otherwise), ``backup`` must answer a numpy array (see "Host
 tier") and ``import_state`` refuses a state holding device tensors (``ValueError``).
 Importing this module imports no torch: its torch names are bound through
-``_shared.on_torch`` once some code loads torch; until then nothing counts as a tensor, so a
+``_torch.on_torch`` once some code loads torch; until then nothing counts as a tensor, so a
 tensor input (which needs torch imported: cache.py's checks then bind it) takes the unusual
 input way below, and after that the fast paths take it in either mode.
 
@@ -85,7 +85,7 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
 - ``export_state() -> dict`` and ``import_state(state)``: copies and pickles of a cache.
   ``export_state`` returns plain data: ``nodes``, a list with one tuple per node (root
   excluded), every parent listed before its children, of the fields ``NODE_FIELDS``
-  (``_shared``): the parent's position in the list (-1: the root), the key as int64 bytes,
+  (``_state``): the parent's position in the list (-1: the root), the key as int64 bytes,
   the value (None when the key doubles as the indices, int64 bytes for CPU values, a copy of
   the node's part of a device tensor), ``extra_key``, ``priority``, ``last_access_time``,
   ``created_time``, ``hit_count``, ``terminal`` and ``id``; then ``clock``, ``num_splits``,
@@ -93,7 +93,7 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
   carried. ``import_state`` rebuilds such a state (from either core) into an empty core:
   every node unlocked, so all of it evictable, and every leaf on the heap; the new nodes get
   fresh ids in the order of the saved ones, so eviction order (ties included) is the saved
-  cache's. A malformed state raises ``ValueError`` (``_shared.check_state`` validates it
+  cache's. A malformed state raises ``ValueError`` (``_state.check_state`` validates it
   before any change) and a non-empty core ``ValueError``.
 - ``reset(held=False)``, ``reset_stats()``; attributes ``tree``, ``heap``, ``guard``,
   ``evictable``, ``protected``, ``lookups``, ``matched_tokens``, ``queried_tokens``,
@@ -146,7 +146,7 @@ value), or both. The core owns no pool and copies no data.
   ``free_callback`` gets; with ``batch``, the victim's part of the batch: what backup writes
   in it during the call shows in the batch, and an array it keeps may share the batch's
   memory); it returns None (the host is full) or host indices, checked by
-  ``_shared.host_indices_bytes`` (a 1-D ``torch.int64`` tensor of exactly the node's length,
+  ``_handover.host_indices_bytes`` (a 1-D ``torch.int64`` tensor of exactly the node's length,
   any device; with ``numpy_arrays`` a 1-D int64 numpy array of that length; TypeError or
   ValueError otherwise); a valid one becomes the host value
   (``host_size`` and ``backed_up_tokens`` grow), ``on_backup(node)`` runs and the node is
@@ -291,12 +291,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, MAX_LOCK_REF,
-                      InsertResult, MatchResult, cat_tensors, display_order,
-                      empty_indices, hand_over_batch, indices_from_key, reentered)
-from ._shared import (check_state, host_indices_bytes, id_order, lock_host_only,
-                      node_not_copyable, stale_match)
-from ._shared import load_torch, on_torch
+from ._errors import lock_host_only, node_not_copyable, reentered, stale_match
+from ._handover import hand_over_batch, host_indices_bytes
+from ._options import KEY_FALLS_ON_ACCESS
+from ._state import check_state, display_order, id_order
+from ._torch import cat_tensors, empty_indices, indices_from_key, load_torch, on_torch
+from ._types import MAX_LOCK_REF, InsertResult, MatchResult, RadixTreeNode
+from ._validate import INT64_MAX, INT64_MIN
 
 __all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME", "page_hash_chain"]
 
@@ -847,8 +848,6 @@ class Tree:
     # -- node bookkeeping ------------------------------------------------------------
     def _check_member(self, node: Any) -> None:
         if not isinstance(node, Node):
-            from ._core import RadixTreeNode  # noqa: PLC0415 -- avoid an import cycle
-
             if isinstance(node, RadixTreeNode):
                 raise ValueError("node belongs to another cache (a different tree core)")
             raise TypeError(f"expected a RadixTreeNode, got {type(node).__name__}")
@@ -1305,7 +1304,7 @@ class Core:
 
     def insert(self, tokens: Any, kv: Any = None, extra_key: Any = None, priority: Any = 0,
                held: bool = False) -> InsertResult | None:
-        if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
+        if type(priority) is not int or not INT64_MIN <= priority <= INT64_MAX:
             return None
         self._take(held, "insert")
         try:
@@ -1914,7 +1913,7 @@ def _index_copy(copy: Any) -> int:
 def _index_key(key: Any) -> int:
     if type(key) is not int:
         raise TypeError(f"key must be an int, got {type(key).__name__}")
-    if not _INT64_MIN <= key <= _INT64_MAX:
+    if not INT64_MIN <= key <= INT64_MAX:
         raise OverflowError(f"key {key} does not fit in int64")
     return key
 
@@ -1933,7 +1932,7 @@ def _index_keys(keys: Any) -> list:
     for i, item in enumerate(out):
         if type(item) is not int:
             raise TypeError(f"keys must be ints, got {type(item).__name__} at position {i}")
-        if not _INT64_MIN <= item <= _INT64_MAX:
+        if not INT64_MIN <= item <= INT64_MAX:
             raise OverflowError(f"key {item} at position {i} does not fit in int64")
     return out
 
@@ -2117,7 +2116,7 @@ def _is_int64_dtype(dtype: Any) -> bool:
 
 def put_slots(stack: Any, top: int, slots: Any, bound: int) -> int:
     """Push ``slots`` on a pool's free stack at ``top``; see the module docstring."""
-    if not (_INT64_MIN <= top <= _INT64_MAX and _INT64_MIN <= bound <= _INT64_MAX):
+    if not (INT64_MIN <= top <= INT64_MAX and INT64_MIN <= bound <= INT64_MAX):
         raise OverflowError("top and bound must fit in int64")
     if (type(stack) is not np.ndarray or not _is_int64_dtype(stack.dtype) or stack.ndim != 1
             or not stack.flags.c_contiguous or not stack.flags.writeable or top < 0 or bound < 0):

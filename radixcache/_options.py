@@ -15,6 +15,9 @@ from dataclasses import dataclass
 #: fewer than 2 times before the rest, LRU inside each segment. Node id breaks every tie.
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "slru", "priority")
 
+#: Policies whose key can fall when a leaf is touched: the touched leaf is pushed anew.
+KEY_FALLS_ON_ACCESS = frozenset({"mru"})
+
 #: ``RadixCache(host_tier=True, write_policy=...)``: when a node gets its host copy.
 #: ``write_back`` when it is evicted from the device; ``write_through`` once it has been hit
 #: (inserted through, or made) once; ``write_through_selective`` once hit twice.

@@ -30,7 +30,7 @@ import numpy as np
 
 from ._core import core as _default_core
 from ._options import ARRAY_TYPES
-from ._shared import is_tensor, load_torch
+from ._torch import is_tensor, load_torch
 
 if TYPE_CHECKING:
     import torch

@@ -765,7 +765,7 @@ def test_lock_ref_limit_refused_before_any_change(core_name):
     """A lock past MAX_LOCK_REF raises OverflowError and changes no count. The compiled
     core's counts cannot be set from Python, and 2^31 real locks take minutes: the limit is
     driven through the pure core's node state; the compiled core has the same check."""
-    from radixcache._shared import MAX_LOCK_REF
+    from radixcache._types import MAX_LOCK_REF
 
     if core_name != "python":
         pytest.skip("reaching 2^31 - 1 locks on the compiled core takes 2^31 calls")

@@ -289,7 +289,7 @@ def test_kv_pool_free_refuses_every_id_outside_and_keeps_its_state():
 @pytest.fixture
 def torch_bound():
     """The cores' torch names bound (until then they take no tensor: nothing counts as one)."""
-    from radixcache._shared import load_torch  # noqa: PLC0415
+    from radixcache._torch import load_torch  # noqa: PLC0415
 
     load_torch()
 
