@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ._core import core
+from ._core import blocks
 from .events import EventRecorder, _fast_root, _key_bytes, encode_namespace
 
 STORED, REMOVED = 0, 1
@@ -38,7 +38,7 @@ class KeyRecorder(EventRecorder):
     def __init__(self, page_size: int) -> None:
         super().__init__(page_size, block_hash="fast64")
         self._node_keys: dict = {}  # node id -> its pages' keys (int64 bytes) when stored
-        self._hash_bytes = core.page_hash_bytes
+        self._hash_bytes = blocks.page_hash_bytes
 
     def stored(self, node: Any) -> None:
         """Record a new leaf's full pages (nothing if it has none).

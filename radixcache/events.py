@@ -527,7 +527,7 @@ def _chain(parent_hash: Optional[int], namespace: bytes, data: bytes, page_bytes
 
 
 #: ``EventRecorder(block_hash=...)``: ``"sha256"`` (the default, see "Block hash") or
-#: ``"fast64"``: a 64-bit non-cryptographic chain, the tree core's ``page_hash_chain`` seeded
+#: ``"fast64"``: a 64-bit non-cryptographic chain, the block module's ``page_hash_chain`` seeded
 #: by the first 8 bytes of SHA-256(b"radixcache-fast64" + N) for a sequence's first page,
 #: the same in every process and core. A consumer that keys blocks by their token ids (as
 #: ``KvIndexer`` does) reads either; ``fast64`` is for in-process simulation, where hashing
@@ -544,10 +544,10 @@ def _fast_root(namespace: bytes) -> int:
 
 def _fast_chain(parent_hash: Optional[int], namespace: bytes, data: bytes,
                 page_bytes: int) -> list:
-    from ._core import core  # noqa: PLC0415 -- the tree core, loaded with the cache
+    from ._core import blocks  # noqa: PLC0415 -- the block module, loaded with the cache
 
     seed = _fast_root(namespace) if parent_hash is None else parent_hash
-    return core.page_hash_chain(seed, data, page_bytes)
+    return blocks.page_hash_chain(seed, data, page_bytes)
 
 
 class TokenIds(collections.abc.Sequence):
@@ -624,7 +624,7 @@ class EventRecorder:
         lora_namespaces: If True, a str namespace is sent as ``lora_name`` and an int one as
             ``lora_id``.
         block_hash: How pages are hashed, one of ``BLOCK_HASHES``: ``"sha256"`` (the default,
-            stable and collision resistant) or ``"fast64"`` (the tree core's 64-bit chain, for
+            stable and collision resistant) or ``"fast64"`` (the block module's 64-bit chain, for
             in-process simulation).
 
     Raises:

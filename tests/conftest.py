@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from radixcache import RadixCache
-from radixcache._core import CORES
+from radixcache._core import BLOCKS, CORES
 from radixcache.download import find as _find_trace
 
 #: Where CI keeps the Mooncake traces: a folder next to the repository.
@@ -32,6 +32,13 @@ def mooncake_trace(name: str = "synthetic"):
 def core_name(request) -> str:
     """The name of one available tree core ("python", and "c" once it is built)."""
     return request.param
+
+
+@pytest.fixture(params=list(BLOCKS), ids=list(BLOCKS))
+def blocks(request):
+    """One available block module (``BlockIndex``, the page hashes): pure, and compiled once
+    it is built."""
+    return BLOCKS[request.param]
 
 
 @pytest.fixture
