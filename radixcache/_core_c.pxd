@@ -249,6 +249,10 @@ cdef class Core:
     cdef int queue_if_due(self, Node node) except -1
     cdef object demote(self, Node node, list garbage)
     cdef object host_match_result(self, Py_ssize_t depth)
+    cdef int hand_over_one(self, object free_callback, list handed, list garbage,
+                           str what) except -1
+    cdef int hand_over_batch(self, object free_callback, object value,
+                             object error) except -1
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
                              object on_remove, object backup, object on_backup)
     cdef void adopt_path(self, Py_ssize_t depth, Py_ssize_t first_host,

@@ -1651,6 +1651,16 @@ cdef int borrow_int64(object obj, TokenBuf* b) except -1:
     return 1
 
 
+cdef int64_t token_target(object num_tokens) except? -1:
+    """``evict``'s ``num_tokens`` (an int, else TypeError) as an int64, clamped."""
+    if type(num_tokens) is not int:
+        raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+    try:
+        return PyLong_AsLongLong(num_tokens)
+    except OverflowError:
+        return INT64_MAX if num_tokens > 0 else 0
+
+
 @cython.final
 cdef class Core:
     """One cache's tree, eviction heap, sizes and counters, and its whole-call operations
@@ -2380,6 +2390,31 @@ cdef class Core:
         finally:
             self.give(held)
 
+    cdef int hand_over_one(self, object free_callback, list handed, list garbage,
+                           str what) except -1:
+        """An evict loop's per-node hand-over: the victim's indices (``handed``'s one item,
+        taken out) go to ``free_callback`` with the guard released. The cache is consistent
+        here, so the callback may call it (even evict); what the loop let go (``garbage``)
+        and the indices are released outside the guard, then the guard is taken again
+        (``what`` names the call to one that holds it meanwhile). On an exception the guard
+        is not held."""
+        value = handed.pop()
+        self.guard.busy = 0
+        del garbage[:]
+        free_callback(value)
+        value = None
+        self.guard.enter(what)
+        return 0
+
+    cdef int hand_over_batch(self, object free_callback, object value,
+                             object error) except -1:
+        """A batch eviction's end, outside the guard: ``value`` (the ``FreedBatch``'s take:
+        None, one array, or parts to join) to ``free_callback`` in one call, then the
+        loop's ``error`` re-raised (``_handover.hand_over_batch``)."""
+        _hand_over_batch(free_callback, value, error,
+                         batch_join(self.numpy_arrays) if type(value) is list else None)
+        return 0
+
     def evict(self, num_tokens, free_callback=None, bint batch=False, on_remove=None,
               backup=None, on_backup=None):
         """The whole evict loop (see ``_core_py``): victims popped, detached and counted
@@ -2393,17 +2428,14 @@ cdef class Core:
         cdef bint per_node = free_callback is not None and not batch
         cdef bint collect = free_callback is not None and batch
         cdef bint holding
-        if type(num_tokens) is not int:
-            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
-        try:
-            target = PyLong_AsLongLong(num_tokens)
-        except OverflowError:
-            target = INT64_MAX if num_tokens > 0 else 0
+        target = token_target(num_tokens)
         if self.host_tier:
             return self.evict_tiered(target, free_callback, batch, on_remove, backup,
                                      on_backup)
         garbage = []  # stale entries and dropped values: released outside the guard
         cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
+        # A per-node callback's argument, from its victim to the call (see hand_over_one).
+        cdef list handed = [] if per_node else None
         value = error = None
         self.guard.enter("evict")
         holding = True
@@ -2417,7 +2449,7 @@ cdef class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        value = victim_value(node, True)
+                        handed.append(victim_value(node, True))
                     elif collect:
                         collect_value(freed_batch, node)
                 except BaseException:
@@ -2431,14 +2463,10 @@ cdef class Core:
                 garbage.append(self.push_if_evictable(parent))
                 freed += size
                 if per_node:
-                    # The cache is consistent here: the callback may call it (even evict).
-                    self.guard.busy = 0
                     holding = False
                     node = parent = None
-                    del garbage[:]
-                    free_callback(value)
-                    value = None
-                    self.guard.enter("evict, after its free_callback")
+                    self.hand_over_one(free_callback, handed, garbage,
+                                       "evict, after its free_callback")
                     holding = True
         except BaseException as exc:
             if not collect:
@@ -2455,8 +2483,7 @@ cdef class Core:
         node = parent = None
         # batch: one call with every freed index, outside the guard; then the loop's error
         if collect:
-            _hand_over_batch(free_callback, value, error,
-                             batch_join(self.numpy_arrays) if type(value) is list else None)
+            self.hand_over_batch(free_callback, value, error)
         return freed
 
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
@@ -2475,6 +2502,7 @@ cdef class Core:
         cdef bint holding
         cdef Py_ssize_t added = 0  # this victim's indices already in the batch (backup's)
         cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
+        cdef list handed = [] if per_node else None  # see hand_over_one
         garbage = []  # stale entries and dropped values: released outside the guard
         skipped = []  # device leaves that cannot leave the tree: pushed back after the loop
         skipping = set()  # the same nodes, to drop their other heap entries
@@ -2556,14 +2584,12 @@ cdef class Core:
                     garbage.append(self.push_if_evictable(parent))
                 freed += size
                 if per_node:
-                    # The cache is consistent here: the callback may call it (even evict).
-                    self.guard.busy = 0
                     holding = False
                     node = parent = None
-                    del garbage[:]
-                    free_callback(value)
+                    handed.append(value)
                     value = None
-                    self.guard.enter("evict, after its free_callback")
+                    self.hand_over_one(free_callback, handed, garbage,
+                                       "evict, after its free_callback")
                     holding = True
         except BaseException as exc:
             if not collect:
@@ -2589,8 +2615,7 @@ cdef class Core:
         node = parent = None
         # batch: one call with every freed index, outside the guard; then the loop's error
         if collect:
-            _hand_over_batch(free_callback, value, error,
-                             batch_join(self.numpy_arrays) if type(value) is list else None)
+            self.hand_over_batch(free_callback, value, error)
         return freed
 
     def evict_host(self, num_tokens, free_callback=None, bint batch=False, on_remove=None):
@@ -2603,14 +2628,10 @@ cdef class Core:
         cdef bint per_node = free_callback is not None and not batch
         cdef bint collect = free_callback is not None and batch
         cdef bint holding
-        if type(num_tokens) is not int:
-            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
-        try:
-            target = PyLong_AsLongLong(num_tokens)
-        except OverflowError:
-            target = INT64_MAX if num_tokens > 0 else 0
+        target = token_target(num_tokens)
         garbage = []
         cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
+        cdef list handed = [] if per_node else None  # see hand_over_one
         value = error = None
         self.guard.enter("evict_host")
         holding = True
@@ -2623,7 +2644,8 @@ cdef class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        value = block_tensor(host_data(node), node.key_len, self.numpy_arrays)
+                        handed.append(block_tensor(host_data(node), node.key_len,
+                                                   self.numpy_arrays))
                     if not self.host_heap.usable(node) or node.host_owner is None:
                         raise RuntimeError(f"evict_host: node {node.id} changed during a "
                                            "callback")
@@ -2640,13 +2662,10 @@ cdef class Core:
                 garbage.append(self.push_host_leaf(parent))
                 freed += size
                 if per_node:
-                    self.guard.busy = 0
                     holding = False
                     node = parent = None
-                    del garbage[:]
-                    free_callback(value)
-                    value = None
-                    self.guard.enter("evict_host, after its free_callback")
+                    self.hand_over_one(free_callback, handed, garbage,
+                                       "evict_host, after its free_callback")
                     holding = True
         except BaseException as exc:
             if not collect:
@@ -2662,7 +2681,7 @@ cdef class Core:
         del garbage[:]
         node = parent = None
         if collect:
-            _hand_over_batch(free_callback, value, error, None)
+            self.hand_over_batch(free_callback, value, error)
         return freed
 
     def write_through(self, backup, on_backup=None):

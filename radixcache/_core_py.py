@@ -669,6 +669,21 @@ class Core:
             if not held:
                 self._leave()
 
+    def _hand_over_one(self, free_callback: Any, handed: list, garbage: list,
+                       what: str) -> None:
+        """An evict loop's per-node hand-over: the victim's indices (``handed``'s one item,
+        taken out) go to ``free_callback`` with the guard released. The cache is consistent
+        here, so the callback may call it (even evict); what the loop let go (``garbage``)
+        and the indices are released outside the guard, then the guard is taken again
+        (``what`` names the call to one that holds it meanwhile). On an exception the guard
+        is not held."""
+        value = handed.pop()
+        self._leave()
+        garbage.clear()
+        free_callback(value)
+        del value
+        self._take(False, what)
+
     def evict(self, num_tokens: int, free_callback: Any = None, batch: bool = False,
               on_remove: Any = None, backup: Any = None, on_backup: Any = None) -> int:
         """The whole evict loop; see the module docstring. Takes the guard itself (never
@@ -681,6 +696,7 @@ class Core:
         garbage: list = []  # stale entries, dropped values: released outside the guard
         parts: list | None = [] if batch and free_callback is not None else None
         per_node = free_callback is not None and not batch
+        handed: list = []  # a per-node callback's argument (see _hand_over_one)
         freed = 0
         error = None
         try:
@@ -694,7 +710,7 @@ class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        value = node.value
+                        handed.append(node.value)
                 except BaseException:
                     garbage.append(heap._push(node))  # still an evictable leaf
                     raise
@@ -709,13 +725,9 @@ class Core:
                 garbage.append(self._push_if_evictable(parent))
                 freed += size
                 if per_node:
-                    # The cache is consistent here: the callback may call it (even evict).
-                    self._leave()
                     holding = False
-                    garbage.clear()
-                    free_callback(value)
-                    del value
-                    self._take(False, "evict, after its free_callback")
+                    self._hand_over_one(free_callback, handed, garbage,
+                                        "evict, after its free_callback")
                     holding = True
         except BaseException as exc:
             if parts is None:
@@ -739,6 +751,7 @@ class Core:
         parts: list | None = [] if batch and free_callback is not None else None
         per_node = free_callback is not None and not batch
         use_backup = backup is not None and self.write_through_hits == 0
+        handed: list = []  # see _hand_over_one
         skipped: list = []  # device leaves that could not leave: pushed back at the end
         freed = 0
         error = None
@@ -806,12 +819,11 @@ class Core:
                 garbage.append(self._push_if_evictable(parent))
                 freed += size
                 if per_node:
-                    self._leave()
                     holding = False
-                    garbage.clear()
-                    free_callback(value)
+                    handed.append(value)
                     del value
-                    self._take(False, "evict, after its free_callback")
+                    self._hand_over_one(free_callback, handed, garbage,
+                                        "evict, after its free_callback")
                     holding = True
         except BaseException as exc:
             if parts is None:
@@ -838,6 +850,7 @@ class Core:
         garbage: list = []
         parts: list | None = [] if batch and free_callback is not None else None
         per_node = free_callback is not None and not batch
+        handed: list = []  # see _hand_over_one
         freed = 0
         error = None
         try:
@@ -851,7 +864,7 @@ class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        value = node.host_value
+                        handed.append(node.host_value)
                 except BaseException:
                     garbage.append(heap._push(node))  # still a host leaf
                     raise
@@ -869,12 +882,9 @@ class Core:
                     garbage.append(heap._push(parent))
                 freed += size
                 if per_node:
-                    self._leave()
                     holding = False
-                    garbage.clear()
-                    free_callback(value)
-                    del value
-                    self._take(False, "evict_host, after its free_callback")
+                    self._hand_over_one(free_callback, handed, garbage,
+                                        "evict_host, after its free_callback")
                     holding = True
         except BaseException as exc:
             if parts is None:
