@@ -314,23 +314,6 @@ class RadixCache:
         """The tree's root, a ``RadixTreeNode`` with an empty key (never evicted)."""
         return self._core.tree.root
 
-    # The core's parts, for consistency checks (tests) and benchmarks.
-    @property
-    def _tree(self) -> Any:
-        return self._core.tree
-
-    @property
-    def _heap(self) -> Any:
-        return self._core.heap
-
-    @property
-    def _evictable(self) -> int:
-        return self._core.evictable
-
-    @property
-    def _protected(self) -> int:
-        return self._core.protected
-
     # -- input validation (the slow path) ----------------------------------------------
     def _tokens(self, token_ids: Any) -> np.ndarray:
         """Validate the caller's tokens into a 1-D int64 numpy array (or raise)."""
@@ -596,10 +579,6 @@ class RadixCache:
             return _checked(call(tokens, extra_key, True))
         finally:
             core.leave()
-
-    def _walk(self, tokens: Any, extra_key: Any = None) -> int:
-        """The core's bare read-only walk (benchmarks time it against the whole call)."""
-        return self._core.walk(tokens, extra_key)
 
     def __contains__(self, token_ids: Any) -> bool:
         """``token_ids in cache``: ``exists(token_ids)`` in the default namespace.

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import radixcache.events as ev
 from radixcache import RadixCache
 from radixcache._core import BLOCKS, CORES
+from conftest import core_of
 
 try:
     import msgspec
@@ -80,7 +81,7 @@ def tree_pages(cache: RadixCache) -> set:
     """The hashes of every full page in the tree, from a walk of its nodes."""
     last_hash = {}
     pages = set()
-    for node, depth in cache._tree.iter_nodes():
+    for node, depth in core_of(cache).tree.iter_nodes():
         if depth == 0:
             last_hash[node.id] = None
             continue

@@ -29,7 +29,7 @@ from radixcache.workloads import (
     walk_cost,
 )
 
-from conftest import mooncake_trace
+from conftest import core_of, mooncake_trace
 
 MOONCAKE, MOONCAKE_MISSING = mooncake_trace("synthetic")
 
@@ -235,7 +235,7 @@ def test_time_cached_calls_changes_nothing_after_warm_up(core, input_type):
     # Everything is cached: the walk hook sees whole prompts, and another pass splits nothing.
     for request in requests:
         aligned = len(request.prompt) - len(request.prompt) % 4
-        assert cache._walk(request.prompt) == aligned
+        assert core_of(cache).walk(request.prompt) == aligned
     time_cached_calls(cache, requests, input_type, passes=1)
     assert (cache.node_count(), cache.stats().splits) == (nodes, splits)
 
