@@ -207,7 +207,10 @@ cdef int64_t _bi_key(object key) except? -1:
 
 @cython.final
 cdef class BlockIndex:
-    """Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py``."""
+    """BlockIndex()
+--
+
+Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py``."""
 
     def __cinit__(self):
         self.table = _bi_alloc(8)

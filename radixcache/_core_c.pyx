@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
-# cython: cdivision=True
+# cython: cdivision=True, binding=True
 """Compiled radix tree core: the same interface as ``_core_py`` (see its docstring).
 
 Keys are int64 runs inside bytes objects (split halves share one at different offsets);
@@ -29,6 +29,16 @@ that allocating a node triggers (which can also let another thread run). So:
   child table or the heap, and teardown never recurses;
 - nodes are visible to the garbage collector (children included), so cycles through the
   objects they hold are collected.
+
+Why one module (3,000 lines) when every other file stays near 1,200: the hot paths -- a
+walk step, a split, an insert, a pop and removal in the evict loop -- call the child-table,
+node and heap helpers (``probe``, ``slot_of``, ``add_child``, ``detach_leaf``, the heap's
+sifts) as plain C calls, many of them inlined, and read each other's fields directly. Across two Cython
+modules those calls would go through a function-pointer table imported at load time (never
+inlined), and a ``cdef class``'s methods through its vtable; the walk and the evict loop
+would pay for it on every node. So the tree, the heap, ``Core`` and the index-array glue
+stay here; their C lives in ``_include/*.h`` and what serves other modules (the block index,
+the page hashes) in ``_blocks_c``.
 """
 
 cimport cython
@@ -1663,7 +1673,10 @@ cdef int64_t token_target(object num_tokens) except? -1:
 
 @cython.final
 cdef class Core:
-    """One cache's tree, eviction heap, sizes and counters, and its whole-call operations
+    """Core(page_size, policy, host_tier=False, write_through_hits=0, numpy_arrays=False)
+--
+
+One cache's tree, eviction heap, sizes and counters, and its whole-call operations
     (the interface is specified in ``_core_py``'s docstring).
 
     Every call holds the tree's guard (shared with the heap). The fast paths take the
