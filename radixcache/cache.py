@@ -28,6 +28,8 @@ from ._validate import INT64_MAX, INT64_MIN, check_int
 if TYPE_CHECKING:
     import torch
 
+    from . import _contract
+
 __all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "ARRAY_TYPES",
            "EVICTION_POLICIES", "WRITE_POLICIES"]
 
@@ -279,7 +281,7 @@ class RadixCache:
         self.array_type = array_type
         self.host_tier = host_tier
         self.write_policy = write_policy
-        self._core_module = _core.get_core(core)
+        self._core_module: _contract.CoreModule = _core.get_core(core)
         self._events = None
         if event_options is not None:
             if not isinstance(event_options, dict):
@@ -297,6 +299,7 @@ class RadixCache:
                                 + ", ".join(sorted(_EVENT_OPTIONS)))
             self._events = EventRecorder(page_size, **options)
         numpy_arrays = {"numpy_arrays": True} if array_type == "numpy" else {}
+        self._core: _contract.Core
         if host_tier:
             self._core = self._core_module.Core(page_size, eviction_policy, True,
                                                 _WRITE_THROUGH_HITS[write_policy],
