@@ -21,9 +21,8 @@ import pytest
 import torch
 
 from _cases import benchmark_min_seconds
-from radixcache import workloads
 from radixcache._core import CORES
-from radixcache.workloads import KVPool
+from radixcache.workloads import KVPool, pools
 
 CAPACITY = 1_000_000  # not a power of two, as most pools
 CALLS = 200
@@ -54,7 +53,7 @@ def test_pool_free(benchmark, note, monkeypatch, contender, kind, n):
                 np.copyto(stack[:n], ids)
     else:
         put = None if contender == "numpy-path" else CORES[contender[5:]].put_slots
-        monkeypatch.setattr(workloads, "_put_slots", put)
+        monkeypatch.setattr(pools, "_put_slots", put)
         free = pool.free
 
         def run():

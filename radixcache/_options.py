@@ -4,10 +4,10 @@ them from here."""
 
 from __future__ import annotations
 
-import math
-import numbers
 import re
 from dataclasses import dataclass
+
+from ._validate import check_int, check_real
 
 #: Eviction policy names (SGLang's spelling). Each core's ``EvictionHeap`` orders leaves by
 #: priority first (lower goes first), then: lru/priority least recently used; lfu fewest hits,
@@ -79,12 +79,8 @@ class EventLag:
     ms: float = 0.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.requests, bool) or not isinstance(self.requests, numbers.Integral):
-            raise TypeError(f"event lag requests must be an int, got {self.requests!r}")
-        if isinstance(self.ms, bool) or not isinstance(self.ms, numbers.Real):
-            raise TypeError(f"event lag ms must be a number, got {self.ms!r}")
-        if self.requests < 0 or not 0 <= self.ms < math.inf:
-            raise ValueError(f"event lag must be >= 0 and finite, got {self}")
+        check_int(self.requests, "event lag requests", low=0)
+        check_real(self.ms, "event lag ms", low=0)
         if self.requests and self.ms:
             raise ValueError("an event lag is either in requests or in ms, not both")
 

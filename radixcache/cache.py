@@ -175,10 +175,6 @@ def _checked(result: Any) -> Any:
     return result
 
 
-#: ``RadixCache(event_options=...)``: the ``EventRecorder`` options a cache passes on.
-_EVENT_OPTIONS = frozenset({"lora_id", "medium", "lora_namespaces", "block_hash"})
-
-
 class RadixCache:
     """A radix tree of token prefixes mapping to KV-cache slot indices.
 
@@ -214,8 +210,13 @@ class RadixCache:
             is hashed or recorded.
         event_options: Options of the event recorder, a dict (only with
             ``enable_events=True``): ``"medium"`` (str, default ``"GPU"``), ``"lora_id"`` (a
-            fixed int) and ``"lora_namespaces"`` (bool: report a str ``extra_key`` as the
-            LoRA name and an int one as the LoRA id).
+            fixed int), ``"lora_namespaces"`` (bool: report a str ``extra_key`` as the
+            LoRA name and an int one as the LoRA id), ``"block_hash"`` (``"sha256"``, the
+            default, or ``"fast64"``; see ``radixcache.events.BLOCK_HASHES``) and
+            ``"record"``: ``"events"`` (the default) or ``"keys"``, which records, instead
+            of event objects, the blocks' ``fast64`` keys as ``KvIndexer.apply_keys`` takes
+            them (for a router in the same process; no other option, no host tier; see
+            ``radixcache.events.recorder``).
         core: The tree implementation: ``"c"`` (compiled), ``"python"`` (pure Python, the
             reference), or ``None`` for the default (compiled unless the environment variable
             ``RADIXCACHE_NO_EXTENSIONS`` is set or it was not built; see
@@ -247,11 +248,12 @@ class RadixCache:
 
     Raises:
         TypeError: ``page_size`` is not an int, ``event_options`` not a dict, an event
-            option is unknown, ``host_tier`` is not a bool, or ``write_policy`` or
-            ``array_type`` not a str.
+            option is unknown or of the wrong type, ``host_tier`` is not a bool, or
+            ``write_policy`` or ``array_type`` not a str.
         ValueError: ``page_size`` < 1, an unknown ``eviction_policy``, ``core``,
-            ``write_policy`` or ``array_type``, or ``event_options`` without
-            ``enable_events=True``.
+            ``write_policy`` or ``array_type``, ``event_options`` without
+            ``enable_events=True``, an unknown ``block_hash`` or ``record``, or
+            ``record="keys"`` with another option or ``host_tier=True``.
     """
 
     def __init__(self, page_size: int = 1, eviction_policy: str = "lru", *,
@@ -290,14 +292,9 @@ class RadixCache:
             if not enable_events:
                 raise ValueError("event_options given without enable_events=True")
         if enable_events:
-            from .events import EventRecorder  # noqa: PLC0415 -- optional feature
+            from .events.recorder import new_recorder  # noqa: PLC0415 -- optional feature
 
-            options = event_options or {}
-            unknown = sorted(set(options) - _EVENT_OPTIONS)
-            if unknown:
-                raise TypeError(f"unknown event option {unknown[0]!r}; valid: "
-                                + ", ".join(sorted(_EVENT_OPTIONS)))
-            self._events = EventRecorder(page_size, **options)
+            self._events = new_recorder(page_size, event_options, host_tier=host_tier)
         numpy_arrays = {"numpy_arrays": True} if array_type == "numpy" else {}
         self._core: _contract.Core
         if host_tier:
@@ -942,6 +939,8 @@ class RadixCache:
         Returns:
             The events in order (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared`` of
             ``radixcache.events``), a list; always empty without ``enable_events=True``.
+            With ``event_options={"record": "keys"}``: block-key records and
+            ``AllBlocksCleared``, for ``KvIndexer.apply_keys``.
         """
         if self._events is None:
             return []

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import numbers
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -50,12 +49,13 @@ import numpy as np
 
 from ._options import (DEFAULT_DECODE_TPS, DEFAULT_INTERVAL_MS, DEFAULT_PREFILL_TPS, POOLED,
                        EventLag)
-from . import _keyfeed
 from ._options import DEFAULT_LOAD_TPS, WRITE_POLICIES
 from .cache import RadixCache
 from .router import Router
 from .traces import Trace
+from ._validate import check_int, check_real
 from .workloads import Request, ServingLoop
+from .workloads.serving import HitRates
 
 __all__ = [
     "DEFAULT_DECODE_TPS",
@@ -99,15 +99,11 @@ class TimeModel:
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "decode_tokens_per_s", "load_tokens_per_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-            if not 0 < value < math.inf:
-                raise ValueError(f"{name} must be > 0 and finite, got {value}")
+            check_real(getattr(self, name), name, low=0, low_inclusive=False)
 
 
 @dataclass(frozen=True)
-class FleetResult:
+class FleetResult(HitRates):
     """One replay over a fleet (or the pooled bound, ``router == "pooled"``).
 
     Attributes:
@@ -170,17 +166,6 @@ class FleetResult:
     loaded_tokens: int = 0
     backed_up_tokens: int = 0
 
-    @property
-    def host_hit_rate(self) -> float:
-        """``host_cached_tokens / prompt_tokens``."""
-        return self.host_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def device_hit_rate(self) -> float:
-        """The share of prompt tokens found on the device (``hit_rate - host_hit_rate``)."""
-        device = self.cached_tokens - self.host_cached_tokens
-        return device / self.prompt_tokens if self.prompt_tokens else 0.0
-
 
 def arrival_times(requests: Sequence[Request],
                   interval_ms: float = DEFAULT_INTERVAL_MS) -> np.ndarray:
@@ -200,10 +185,7 @@ def arrival_times(requests: Sequence[Request],
         ValueError: a negative or infinite ``interval_ms``, timestamps on only some
             requests, or timestamps that decrease.
     """
-    if isinstance(interval_ms, bool) or not isinstance(interval_ms, numbers.Real):
-        raise TypeError(f"interval_ms must be a number, got {type(interval_ms).__name__}")
-    if not 0 <= interval_ms < math.inf:
-        raise ValueError(f"interval_ms must be >= 0 and finite, got {interval_ms}")
+    check_real(interval_ms, "interval_ms", low=0)
     if isinstance(requests, Trace):  # its column: no request is made
         stamps = requests.timestamps
     else:
@@ -288,23 +270,25 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             write_policy: str = "write_back", load_tps: float = DEFAULT_LOAD_TPS
             ) -> FleetResult:
     wall_start = time.perf_counter()
-    # In-process channels carry the events as objects: the workers hash pages with the
-    # fast chain (the index keys blocks by their tokens, whatever the publisher's hash).
-    fast = {"event_options": {"block_hash": "fast64"}} if with_events and channels is None \
-        else {}
-    if host_capacity:
-        fast = dict(fast, host_tier=True, write_policy=write_policy)
-    # numpy index arrays: the simulation never needs torch (nor its import time).
-    caches = [RadixCache(page_size=page_size, eviction_policy=eviction_policy,
-                         enable_events=with_events, core=core, array_type="numpy", **fast)
-              for _ in range(num_workers)]
-    # In-process channels feed the index the workers' block keys directly (_keyfeed): no
-    # event objects, keys hashed once per stored leaf, applied in one call per record. The
-    # key feed knows one tier: with a host tier the workers publish events per medium.
+    # In-process channels feed the index the workers' block keys directly (event option
+    # record="keys", applied by KvIndexer.apply_keys): no event objects, keys hashed once per
+    # stored leaf, applied in one call per record. The key records know one tier: with a host
+    # tier the workers publish events per medium, hashing pages with the fast chain (the
+    # index keys blocks by their tokens, whatever the publisher's hash).
     direct = with_events and channels is None and not host_capacity
     if direct:
-        for cache in caches:
-            _keyfeed.attach(cache)
+        cache_options = {"event_options": {"record": "keys"}}
+    elif with_events and channels is None:
+        cache_options = {"event_options": {"block_hash": "fast64"}}
+    else:
+        cache_options = {}
+    if host_capacity:
+        cache_options = dict(cache_options, host_tier=True, write_policy=write_policy)
+    # numpy index arrays: the simulation never needs torch (nor its import time).
+    caches = [RadixCache(page_size=page_size, eviction_policy=eviction_policy,
+                         enable_events=with_events, core=core, array_type="numpy",
+                         **cache_options)
+              for _ in range(num_workers)]
     loops = [ServingLoop(cache, capacity, host_capacity=host_capacity or None)
              for cache in caches]
     # Events published once every request is routed reach no decision: an in-process
@@ -413,7 +397,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
                         max_time, max_step = now - lag_s, math.inf
                     else:
                         max_time, max_step = math.inf, steps - event_lag.requests
-                    apply = router.indexer._apply_own if direct else router.indexer.apply
+                    apply = router.indexer.apply_keys if direct else router.indexer.apply
                     for w in range(num_workers):
                         for events in channels[w].take(max_time, max_step):
                             apply(w, events)
@@ -472,25 +456,19 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
 
 
 def _check_host(host_capacity: Any, write_policy: Any) -> int:
-    if isinstance(host_capacity, bool) or not isinstance(host_capacity, numbers.Integral):
-        raise TypeError(f"host_capacity must be an int, got {type(host_capacity).__name__}")
-    if host_capacity < 0:
-        raise ValueError(f"host_capacity must be >= 0, got {host_capacity}")
+    host_capacity = check_int(host_capacity, "host_capacity", low=0)
     if not isinstance(write_policy, str):
         raise TypeError(f"write_policy must be a str, got {type(write_policy).__name__}")
     if write_policy not in WRITE_POLICIES:
         raise ValueError(f"unknown write policy {write_policy!r}; valid: "
                          f"{', '.join(WRITE_POLICIES)}")
-    return int(host_capacity)
+    return host_capacity
 
 
 def _check_common(requests: Sequence[Request], num_workers: Any, capacity: Any,
                   arrivals: Any, interval_ms: float) -> np.ndarray:
-    for name, value in (("num_workers", num_workers), ("capacity", capacity)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+    check_int(num_workers, "num_workers", low=1)
+    check_int(capacity, "capacity", low=1)
     if not isinstance(requests, Trace):  # a Trace makes Request objects only
         for request in requests:
             if not isinstance(request, Request):

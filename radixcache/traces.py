@@ -37,7 +37,8 @@ from typing import Any, Iterable, Iterator, List, Union
 import msgspec
 import numpy as np
 
-from .workloads import FRESH_TOKEN_BASE, Request, _trusted_request
+from ._validate import is_int, is_real
+from .workloads.requests import FRESH_TOKEN_BASE, Request, trusted_request
 
 __all__ = ["TraceError", "Trace", "read_trace", "MOONCAKE", "TOKENS"]
 
@@ -250,8 +251,8 @@ class _MooncakeTrace(Trace):
         buffer = np.empty(max(size, length + output_length), dtype=np.int64)
         np.add((ids * self.block_size)[:, None], self._block,
                out=buffer[:size].reshape(len(ids), self.block_size))
-        return _trusted_request(buffer[:length], output_length, None, None,
-                                self._timestamp(i), spare=buffer)
+        return trusted_request(buffer[:length], output_length, None, None, self._timestamp(i),
+                               buffer=buffer)
 
     def _runs(self, first: int, last: int) -> tuple[np.ndarray, list]:
         """Requests ``first`` to ``last - 1``'s blocks as runs of consecutive ids, whose
@@ -297,8 +298,8 @@ class _MooncakeTrace(Trace):
                 # that pile up set off the garbage collector.)
                 for place, count, start in runs[run_starts[i]:run_starts[i + 1]].tolist():
                     add(ramp[:count], start, out=buffer[place:place + count])
-                yield _trusted_request(buffer[:length], output_lengths[i], None, None,
-                                       _stamp_or_none(stamps[i]), spare=buffer)
+                yield trusted_request(buffer[:length], output_lengths[i], None, None,
+                                      _stamp_or_none(stamps[i]), buffer=buffer)
 
     def _take(self, positions: np.ndarray, contiguous: bool) -> Trace:
         if contiguous and len(positions):
@@ -354,8 +355,8 @@ class _TokenTrace(Trace):
         if self._has_output[i]:
             output = self._outputs[self._output_offsets[i]:self._output_offsets[i + 1]]
         key = int(self._key_index[i])
-        return _trusted_request(prompt, int(self._output_lengths[i]), output,
-                                None if key < 0 else self._keys[key], self._timestamp(i))
+        return trusted_request(prompt, int(self._output_lengths[i]), output,
+                               None if key < 0 else self._keys[key], self._timestamp(i))
 
     def _take(self, positions: np.ndarray, contiguous: bool) -> Trace:
         if contiguous and len(positions):
@@ -554,7 +555,9 @@ _DECODERS = {MOONCAKE: msgspec.json.Decoder(_MooncakeLine),
 
 # -- the checked, line-by-line path ----------------------------------------------------------------
 def _is_int(value: Any) -> bool:
-    return type(value) is int  # JSON true/false parse as bool, an int subclass: not tokens
+    # A JSON value: exactly int (true/false parse as bool, an int subclass: not tokens). Per
+    # token, so a type test rather than _validate.is_int's ABC check (ten times slower).
+    return type(value) is int
 
 
 def _int_field(record: dict, name: str, where: str) -> int:
@@ -585,8 +588,7 @@ def _timestamp(record: dict, where: str) -> float | None:
     if "timestamp" not in record:
         return None
     value = record["timestamp"]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            0 <= value < _MAX_TIMESTAMP):
+    if not is_real(value) or not 0 <= value < _MAX_TIMESTAMP:
         raise TraceError(f"{where}: 'timestamp' must be a non-negative number of ms, "
                          f"got {value!r}")
     return float(value)
@@ -727,10 +729,12 @@ def read_trace(path: str | os.PathLike, block_size: int = 512,
         ValueError: a ``block_size`` or ``limit`` that is not a valid int.
         OSError: the file cannot be read.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    # A ValueError for a wrong type too: a bad setting (see Raises).
+    if not is_int(block_size) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+    if limit is not None and (not is_int(limit) or limit < 0):
         raise ValueError(f"limit must be a non-negative int or None, got {limit!r}")
+    block_size, limit = int(block_size), None if limit is None else int(limit)
     name = os.fspath(path)
     try:
         return _parse(path, name, block_size, limit, fast=True)

@@ -1,5 +1,6 @@
 """The block modules' ``BlockIndex`` (``KvIndexer``'s table of held blocks) and the fleet's
-direct feed of block keys (``_keyfeed``), on every available core.
+direct feed of block keys (``event_options={"record": "keys"}`` and ``KvIndexer.apply_keys``),
+on every available core.
 
 The index is checked against a plain model (key -> list of copies) over random operation
 sequences, its errors on bad input (each leaving it unchanged), and ``KvIndexer`` over the
@@ -17,7 +18,9 @@ import pytest
 
 from radixcache import _blocks_py, _core
 from radixcache._core import BLOCKS, CORES
-from radixcache.events import AllBlocksCleared, BlockRemoved, BlockStored, _fast_root
+from radixcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixcache.events.hashing import fast64_root
+from radixcache.events.recorder import KEYS_REMOVED, KEYS_STORED
 from radixcache.fleet import EventLag, InProcessChannel, TimeModel, simulate_fleet
 from radixcache.router import KvIndexer
 from radixcache.workloads import Request, synthetic_chat
@@ -311,7 +314,7 @@ def random_events(rng, block_size, tokens, held):
                 _, base_keys, start, medium, group = base
                 parent, seed = base[0][-1], base_keys[-1]
             else:
-                start, parent, seed = 0, None, _fast_root(b"")
+                start, parent, seed = 0, None, fast64_root(b"")
                 medium, group = rng.choice((None, "GPU", "CPU")), rng.choice((None, 1))
             toks = tokens[start * block_size:(start + n) * block_size]
             keys = _core.blocks.page_hash_chain(
@@ -528,6 +531,121 @@ def test_insert_records_the_same_events_on_the_fast_and_the_checked_path(make_ca
         stored += sum(type(e) is BlockStored for e in events)
         removed += sum(type(e) is BlockRemoved for e in events)
     assert stored > 50 and removed > 10
+
+
+# -- the public contract of the direct feed -------------------------------------------------
+def drive_twins(caches, rng, steps=200):
+    """The same inserts, matches, evictions and resets on every cache; yields each step."""
+    stems = [[rng.randrange(7) for _ in range(rng.randrange(4, 24))] for _ in range(5)]
+    for step in range(steps):
+        tokens = rng.choice(stems)[:rng.randrange(0, 24)] + [
+            rng.randrange(7) for _ in range(rng.randrange(0, 7))]
+        extra_key = rng.choice([None, None, "tenant", 3])
+        for cache in caches:
+            cache.insert(tokens, np.arange(len(tokens), dtype=np.int64) + 1000 * step,
+                         extra_key=extra_key)
+        if rng.random() < 0.2:
+            count = rng.randrange(1, 30)
+            for cache in caches:
+                cache.evict(count)
+        if step == steps // 2:
+            for cache in caches:
+                cache.reset()
+        yield step
+
+
+def test_key_records_index_exactly_as_fast64_events(make_cache):
+    rng = random.Random(11)
+    keyed = make_cache(page_size=2, enable_events=True, event_options={"record": "keys"},
+                       array_type="numpy")
+    evented = make_cache(page_size=2, enable_events=True,
+                         event_options={"block_hash": "fast64"}, array_type="numpy")
+    by_keys, by_events = KvIndexer(2), KvIndexer(2)
+    kinds = set()
+    for step in drive_twins([keyed, evented], rng):
+        records, events = keyed.take_events(), evented.take_events()
+        assert len(records) == len(events)
+        for record, event in zip(records, events):
+            if type(event) is AllBlocksCleared:
+                assert type(record) is AllBlocksCleared
+                kinds.add("cleared")
+                continue
+            # A record's keys are the event's fast64 hashes, as native int64 bytes.
+            assert np.frombuffer(record[1], dtype=np.int64).tolist() == list(event.block_hashes)
+            if type(event) is BlockStored:
+                assert record[0] == KEYS_STORED and record[2] == event.parent_block_hash
+                kinds.add("stored")
+            else:
+                assert type(event) is BlockRemoved and record[0] == KEYS_REMOVED
+                assert len(record) == 2
+                kinds.add("removed")
+        by_keys.apply_keys(step % 3, records)
+        by_events.apply(step % 3, events)
+        assert by_keys.stats == by_events.stats
+        probe = rng.choice([[1, 2, 3, 4, 5, 6], [0, 1, 2, 3], [6, 5, 4, 3, 2, 1, 0, 0]])
+        for extra_key in (None, "tenant", 3):
+            assert by_keys.overlap(probe, extra_key) == by_events.overlap(probe, extra_key)
+    assert kinds == {"stored", "removed", "cleared"}
+    assert by_keys.stats.stored_blocks > 50 and by_keys.stats.removed_blocks > 10
+    assert [by_keys.blocks_held(w) for w in range(3)] == [
+        by_events.blocks_held(w) for w in range(3)]
+
+
+@pytest.mark.parametrize("options, host_tier, exc, pattern", [
+    ({"record": 1}, False, TypeError, "event option record must be a str, got int"),
+    ({"record": "objects"}, False, ValueError, "unknown record 'objects'; valid: events, keys"),
+    ({"record": "keys", "medium": "CPU"}, False, ValueError,
+     "record='keys' takes no other option, got 'medium'"),
+    ({"record": "keys", "block_hash": "fast64"}, False, ValueError,
+     "record='keys' takes no other option, got 'block_hash'"),
+    ({"record": "keys"}, True, ValueError, "record='keys' needs a cache without a host tier"),
+    ({"recorder": "keys"}, False, TypeError, "unknown event option 'recorder'; valid: .*record"),
+])
+def test_bad_record_option_is_refused(make_cache, options, host_tier, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        make_cache(page_size=2, enable_events=True, event_options=options, host_tier=host_tier)
+
+
+def test_record_events_is_the_default_recorder(make_cache):
+    explicit = make_cache(page_size=2, enable_events=True, event_options={"record": "events"})
+    default = make_cache(page_size=2, enable_events=True)
+    for cache in (explicit, default):
+        cache.insert([1, 2, 3, 4])
+    assert explicit.take_events() == default.take_events() != []
+
+
+def test_apply_keys_skips_and_counts_malformed_records(make_cache):
+    cache = make_cache(page_size=2, enable_events=True, event_options={"record": "keys"})
+    cache.insert([1, 2, 3, 4])
+    good = cache.take_events()
+    indexer = KvIndexer(2)
+    indexer.apply_keys(0, good)
+    held = (indexer.overlap([1, 2, 3, 4]), len(indexer), indexer.stats.as_dict())
+    assert held[0] == {0: 2}
+    keys = good[0][1]
+    bad = [
+        "stored", None, (), (KEYS_STORED,), (KEYS_STORED, keys), (KEYS_REMOVED, keys, None),
+        (KEYS_STORED, keys[:5], None), (KEYS_STORED, list(keys), None),
+        (KEYS_STORED, keys, "parent"), (KEYS_STORED, keys, [1]), (7, keys, None),
+        (True, keys), (np.int64(1), keys), (KEYS_REMOVED, bytearray(keys)),
+        (KEYS_STORED, keys, None, None),
+    ]
+    indexer.apply_keys(0, bad)
+    stats = indexer.stats.as_dict()
+    assert stats["malformed_events"] == len(bad)
+    assert stats["batches"] == held[2]["batches"] + 1
+    assert stats["events"] == held[2]["events"] + len(bad)
+    assert (indexer.overlap([1, 2, 3, 4]), len(indexer)) == held[:2]
+    indexer.apply_keys(0, 42)  # not a batch
+    assert indexer.stats.malformed_batches == 1
+    for worker in (None, [0]):
+        with pytest.raises(TypeError, match="worker must be a hashable id"):
+            indexer.apply_keys(worker, good)
+    assert (indexer.overlap([1, 2, 3, 4]), len(indexer)) == held[:2]
+    # An unknown parent and removals of blocks never held are counted like apply's.
+    indexer.apply_keys(1, [(KEYS_STORED, keys[8:], 12345), (KEYS_REMOVED, keys)])
+    assert indexer.stats.unknown_parent == 1 and indexer.stats.unknown_removals == 2
+    assert 1 not in indexer.workers
 
 
 def test_a_block_index_pickled_before_it_had_its_own_module_loads(core_name):

@@ -408,11 +408,11 @@ def test_plot_format_follows_the_extension(tmp_path, extension, magic):
 
 
 def test_plot_axis_follows_the_data():
-    from radixcache.cli import _hit_rate_limits
+    from radixcache.cli.plots import hit_rate_limits
 
-    assert _hit_rate_limits([0.40, 0.45]) == pytest.approx((39.0, 46.0))
-    assert _hit_rate_limits([0.0, 0.0]) == (0.0, 1.0)
-    assert _hit_rate_limits([0.2, 0.99]) == pytest.approx((12.1, 100.0))
+    assert hit_rate_limits([0.40, 0.45]) == pytest.approx((39.0, 46.0))
+    assert hit_rate_limits([0.0, 0.0]) == (0.0, 1.0)
+    assert hit_rate_limits([0.2, 0.99]) == pytest.approx((12.1, 100.0))
 
 
 def test_json_rows_carry_every_table_column():

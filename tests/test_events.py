@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import radixcache.events as ev
+import radixcache.events.hashing as ev_hashing
 from radixcache import RadixCache
 from radixcache._core import BLOCKS, CORES
 from conftest import core_of
@@ -301,13 +302,13 @@ def _workload(cache: RadixCache) -> None:
 @pytest.mark.parametrize("core", CORE_NAMES)
 def test_events_off_records_nothing_and_never_hashes(core, monkeypatch):
     calls = []
-    real = ev._hash_page
+    real = ev_hashing._hash_page
 
     def counting(*args):
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(ev, "_hash_page", counting)
+    monkeypatch.setattr(ev_hashing, "_hash_page", counting)
     cache = RadixCache(page_size=2, core=core)
     _workload(cache)
     assert cache.take_events() == []
@@ -338,13 +339,13 @@ def test_bad_namespace_raises_and_never_corrupts_the_event_stream(core):
 @pytest.mark.parametrize("core", CORE_NAMES)
 def test_split_upper_node_hash_is_computed_once_then_reused(core, monkeypatch):
     calls = []
-    real = ev._hash_page
+    real = ev_hashing._hash_page
 
     def counting(*args):
         calls.append(args[2])
         return real(*args)
 
-    monkeypatch.setattr(ev, "_hash_page", counting)
+    monkeypatch.setattr(ev_hashing, "_hash_page", counting)
     cache = RadixCache(page_size=2, enable_events=True, core=core)
     cache.insert([1, 1, 2, 2, 3, 3, 4, 4])
     assert len(calls) == 4  # one per page of the new leaf
@@ -1517,3 +1518,46 @@ def test_fast64_recorder_hashes_and_token_ids(core_name):
         RadixCache(page_size=2, enable_events=True, event_options={"block_hash": "md5"})
     if msgspec is not None:
         assert ev.decode_batch(ev.encode_batch(fast_events)).events == fast_events
+
+
+# -- pickles ----------------------------------------------------------------------------------
+def test_events_pickled_by_0_1_0_still_load():
+    # Pickled when radixcache.events was one module: the names must still resolve.
+    import pickle
+
+    objs = pickle.loads((Path(__file__).parent / "data" / "radixcache-0.1.0.pickle").read_bytes())
+    stored, removed, cleared = objs["stored"], objs["removed"], objs["cleared"]
+    assert (type(stored), type(removed), type(cleared)) == (
+        ev.BlockStored, ev.BlockRemoved, ev.AllBlocksCleared)
+    assert stored == ev.BlockStored([1, 2], None, [1, 2, 3, 4], 2, None, "GPU")
+    assert removed == ev.BlockRemoved([2], "GPU") and cleared == ev.AllBlocksCleared()
+    assert ev.decode_batch(ev.encode_batch([stored, removed, cleared])).events == [
+        ev.BlockStored((1, 2), None, (1, 2, 3, 4), 2, None, "GPU"),
+        ev.BlockRemoved((2,), "GPU"), ev.AllBlocksCleared()]
+
+
+def test_pickles_name_the_public_module():
+    # Pickles made now load in every version (0.1.0 included), however the modules are laid
+    # out inside the packages; the classes' annotations still resolve.
+    import pickle
+    import typing
+
+    from radixcache.router import IndexerStats
+
+    objs = [ev.BlockStored((5, 6), 4, (1, 2, 3, 4), 2, 3, "CPU", "lora", (("ns",), ("ns",)), 1),
+            ev.BlockRemoved((5,), "GPU", 2), ev.AllBlocksCleared(),
+            ev.ReceivedBatch(3, 1.5, [ev.AllBlocksCleared()], 0, b"x", True),
+            ev.TokenIds(struct.pack("<3q", 1, -2, 3)), IndexerStats(batches=2, cleared=1)]
+    for obj in objs:
+        public = "radixcache.router" if type(obj) is IndexerStats else "radixcache.events"
+        assert type(obj).__module__ == public
+        for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
+            data = pickle.dumps(obj, protocol)
+            assert public.encode() in data and public.encode() + b"." not in data
+            loaded = pickle.loads(data)
+            assert type(loaded) is type(obj) and loaded == obj
+            if type(obj) is ev.ReceivedBatch:
+                assert (loaded.payload, loaded.restarted) == (b"x", True)
+        if dataclasses.is_dataclass(obj):
+            hints = typing.get_type_hints(type(obj))
+            assert set(hints) == {f.name for f in dataclasses.fields(obj)}

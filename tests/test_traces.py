@@ -3,8 +3,10 @@ and the checked parse agree, and ``simulate --jobs`` gives the serial rows."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import tracemalloc
 from pathlib import Path
 
@@ -13,10 +15,12 @@ import pytest
 
 from radixcache import RadixCache
 from radixcache._core import CORES
-from radixcache.cli import _run_sweep, _SweepError, main
+from radixcache.cli import main
+from radixcache.cli.sweep import SweepError, run_sweep
 from radixcache.fleet import simulate_fleet, simulate_pooled
 from radixcache.traces import MOONCAKE, TOKENS, Trace, TraceError, _parse, read_trace
 from radixcache.workloads import Request, serve, synthetic_chat
+from radixcache.workloads.requests import take_buffer
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 SHARED_TRACES = ["mooncake_synthetic_trace.jsonl", "mooncake_conversation_trace.jsonl"]
@@ -130,8 +134,6 @@ def test_token_trace_columns_keys_and_from_requests(tmp_path):
 
 
 def test_a_requests_buffer_is_used_by_one_admission_only(tmp_path):
-    import copy
-
     from radixcache.workloads import ServingLoop
 
     trace = read_trace(write_lines(tmp_path / "mc.jsonl", [
@@ -171,9 +173,10 @@ def test_replay_makes_the_requests_iteration_makes(tmp_path):
     for i, request in enumerate(trace._replay()):
         # Checked before the next is made: the replay reuses one buffer.
         assert same_request(request, made[i]), i
-        spare = request.__dict__["_spare"][0]
-        assert len(spare) >= len(request.prompt) + request.output_len
-        assert np.shares_memory(spare, request.prompt) or not len(request.prompt)
+        buffer = take_buffer(request)  # the serving loop's: once
+        assert take_buffer(request) is None
+        assert len(buffer) >= len(request.prompt) + request.output_len
+        assert np.shares_memory(buffer, request.prompt) or not len(request.prompt)
         replayed += 1
     assert replayed == len(trace)
     for part in (trace[2:], trace[::2], trace[5:6], trace[3:3]):
@@ -183,6 +186,18 @@ def test_replay_makes_the_requests_iteration_makes(tmp_path):
     tokens = Trace.from_requests(made)
     assert [same_request(r, made[i]) for i, r in enumerate(tokens._replay())] == \
         [True] * len(made)
+
+
+def test_a_traces_request_copies_and_pickles_without_its_buffer(tmp_path):
+    # The buffer is the request's own: a copy or a pickle never shares it with a loop.
+    request = runs_trace(tmp_path)[4]
+    for other in (copy.copy(request), copy.deepcopy(request),
+                  pickle.loads(pickle.dumps(request))):
+        assert same_request(other, request)
+        assert take_buffer(other) is None
+    buffer = take_buffer(request)
+    assert buffer is not None and np.shares_memory(buffer, request.prompt)
+    assert take_buffer(request) is None
 
 
 def test_serve_gives_a_traces_rows_and_a_lists(tmp_path, core):
@@ -375,12 +390,12 @@ def test_streaming_and_materialized_replays_agree_on_the_shared_traces(name, cor
 # -- simulate --jobs -------------------------------------------------------------------------------
 def test_run_sweep_runs_points_in_forked_processes_in_order():
     points = list(range(7))
-    results = _run_sweep(points, lambda point, progress: (point * point, os.getpid()), 3,
+    results = run_sweep(points, lambda point, progress: (point * point, os.getpid()), 3,
                          True, str, 0)
     assert [r[0] for r in results] == [p * p for p in points]
     if hasattr(os, "fork"):
         assert os.getpid() not in {r[1] for r in results}
-    serial = _run_sweep(points, lambda point, progress: (point, os.getpid()), 1, True, str, 0)
+    serial = run_sweep(points, lambda point, progress: (point, os.getpid()), 1, True, str, 0)
     assert serial == [(p, os.getpid()) for p in points]
 
 
@@ -391,7 +406,7 @@ def test_run_sweep_passes_a_workers_error_on():
         return point
 
     with pytest.raises(ValueError, match="point 2 failed"):
-        _run_sweep([0, 1, 2, 3], run, 2, True, str, 0)
+        run_sweep([0, 1, 2, 3], run, 2, True, str, 0)
 
 
 def test_run_sweep_reports_a_dead_worker():
@@ -400,8 +415,8 @@ def test_run_sweep_reports_a_dead_worker():
             os._exit(3)  # as the kernel's out-of-memory killer would end it
         return point
 
-    with pytest.raises(_SweepError, match="worker process of --jobs died"):
-        _run_sweep([0, 1, 2], run, 2, True, str, 0)
+    with pytest.raises(SweepError, match="worker process of --jobs died"):
+        run_sweep([0, 1, 2], run, 2, True, str, 0)
 
 
 def without_timing(rows):

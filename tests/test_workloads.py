@@ -439,9 +439,9 @@ _SLOT_KINDS = {
 def test_pool_free_takes_every_input_kind(monkeypatch, pool_kind, kind, push, torch_bound):
     # Whichever path an input takes (a core's one-pass push, or the pool's checked numpy
     # path), the pool ends the same, and refuses the same bad input with the same error.
-    from radixcache import workloads  # noqa: PLC0415
+    from radixcache.workloads import pools  # noqa: PLC0415
 
-    monkeypatch.setattr(workloads, "_put_slots", None if push == "none" else CORES[push].put_slots)
+    monkeypatch.setattr(pools, "_put_slots", None if push == "none" else CORES[push].put_slots)
     make = _SLOT_KINDS[kind]
     pool = KVPool(12) if pool_kind == "kv" else HostPool(12)
     taken = pool.alloc(10).tolist()

@@ -1,0 +1,357 @@
+"""The wire format: events as msgpack batches in either encoding (``"map"``,
+``"positional"``), ``ReceivedBatch``, and the check for the optional pyzmq and msgspec.
+
+See "Wire format" in ``radixcache.events``. Imports only ``types`` of the package. Its
+annotations are evaluated, as in ``types``: ``ReceivedBatch`` names ``radixcache.events``
+as its module.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Tuple, Union
+
+from .._validate import is_real
+from .types import (
+    _EVENT_TYPES,
+    DEFAULT_ENCODING,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    _check_encoding,
+)
+
+_EXTRA_HINT = "pip install radixcache[events]"
+
+@dataclass(frozen=True)
+class ReceivedBatch:
+    """One batch as a subscriber received it (or ``decode_batch`` decoded it).
+
+    Attributes:
+        seq: The batch's sequence number (-1 when unknown).
+        ts: The publisher's timestamp (seconds since the epoch).
+        events: The decoded events, in order.
+        data_parallel_rank: The publisher's data-parallel rank, or None.
+        payload: The raw msgpack payload (not compared, not shown).
+        restarted: True for the first batch of a restarted publisher: what the worker held
+            before is gone (``KvIndexer.apply`` drops it).
+    """
+
+    seq: int
+    ts: float
+    events: list
+    data_parallel_rank: Optional[int]
+    payload: bytes = field(default=b"", repr=False, compare=False)
+    #: the first batch of a restarted publisher: what the worker held before is gone
+    #: (``KvIndexer.apply`` drops it)
+    restarted: bool = field(default=False, compare=False)
+
+
+def _is_builtin_int(value: Any) -> bool:
+    """A Python int that is not a bool: what msgpack decodes and encodes (stricter than
+    ``_validate.is_int``: a numpy integer is no wire value, and msgspec cannot encode one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _wire_hash(value: Any, what: str) -> Union[int, bytes]:
+    if not (_is_builtin_int(value) or isinstance(value, bytes)):
+        raise ValueError(f"{what} must be an int or bytes, got {type(value).__name__}")
+    return value
+
+
+def _wire_hash_list(value: Any, what: str) -> tuple:
+    if not isinstance(value, (list, tuple)) or not all(
+            _is_builtin_int(v) or isinstance(v, bytes) for v in value):
+        raise ValueError(f"{what} must be an array of ints or bytes")
+    return tuple(value)
+
+
+def _wire_int_list(value: Any, what: str) -> Tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not all(_is_builtin_int(v) for v in value):
+        raise ValueError(f"{what} must be an array of ints")
+    return tuple(value)
+
+
+def _wire_int(value: Any, what: str) -> int:
+    if not _is_builtin_int(value):
+        raise ValueError(f"{what} must be an int, got {type(value).__name__}")
+    return value
+
+
+def _wire_optional(value: Any, kind: type, what: str) -> Any:
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        raise ValueError(f"{what} must be {kind.__name__} or nil, got {type(value).__name__}")
+    return value
+
+
+#: How deeply an ``extra_keys`` entry may nest arrays (vLLM's deepest is 2: a multimodal
+#: key ``("mm", 0)`` inside a block's tuple); deeper is malformed.
+MAX_EXTRA_KEYS_DEPTH = 8
+
+
+def _frozen(value: Any, depth: int = 0) -> Any:
+    """msgpack arrays decode as lists; events hold tuples so they compare and hash by value.
+    Nesting is bounded (``MAX_EXTRA_KEYS_DEPTH``), so this never recurses far."""
+    if isinstance(value, (list, tuple)):
+        if depth >= MAX_EXTRA_KEYS_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_EXTRA_KEYS_DEPTH} arrays")
+        return tuple(_frozen(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        raise ValueError("a map is not a valid extra key")
+    return value
+
+
+def _wire_extra_keys(value: Any, what: str) -> Optional[tuple]:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(
+            entry is None or isinstance(entry, (list, tuple)) for entry in value):
+        raise ValueError(f"{what} must be nil or an array of arrays or nils")
+    try:
+        return _frozen(value)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+
+
+class _Fields:
+    """Field access by name for a tagged map: unknown keys are never looked at."""
+
+    __slots__ = ("_data", "_tag")
+
+    def __init__(self, data: dict, tag: str) -> None:
+        self._data = data
+        self._tag = tag
+
+    def required(self, name: str) -> Any:
+        if name not in self._data:
+            raise ValueError(f"{self._tag} lacks the required field {name!r}")
+        return self._data[name]
+
+    def optional(self, name: str) -> Any:
+        return self._data.get(name)
+
+
+def _stored_from(fields: Any, tag: str) -> BlockStored:
+    parent = fields.required("parent_block_hash")
+    return BlockStored(
+        _wire_hash_list(fields.required("block_hashes"), f"{tag}.block_hashes"),
+        None if parent is None else _wire_hash(parent, f"{tag}.parent_block_hash"),
+        _wire_int_list(fields.required("token_ids"), f"{tag}.token_ids"),
+        _wire_int(fields.required("block_size"), f"{tag}.block_size"),
+        _wire_optional(fields.optional("lora_id"), int, f"{tag}.lora_id"),
+        _wire_optional(fields.optional("medium"), str, f"{tag}.medium"),
+        _wire_optional(fields.optional("lora_name"), str, f"{tag}.lora_name"),
+        _wire_extra_keys(fields.optional("extra_keys"), f"{tag}.extra_keys"),
+        _wire_optional(fields.optional("group_idx"), int, f"{tag}.group_idx"),
+    )
+
+
+def _removed_from(fields: Any, tag: str) -> BlockRemoved:
+    return BlockRemoved(
+        _wire_hash_list(fields.required("block_hashes"), f"{tag}.block_hashes"),
+        _wire_optional(fields.optional("medium"), str, f"{tag}.medium"),
+        _wire_optional(fields.optional("group_idx"), int, f"{tag}.group_idx"),
+    )
+
+
+class _Positional:
+    """Field access by place for a tagged array; places past the known ones are ignored."""
+
+    __slots__ = ("_item", "_places", "_tag")
+
+    def __init__(self, item: Any, places: Tuple[str, ...], tag: str) -> None:
+        needed = _POSITIONAL_NEEDED[tag]
+        if len(item) < needed + 1:
+            raise ValueError(
+                f"{tag} array has {len(item) - 1} fields, needs {needed} "
+                f"({', '.join(places[:needed])})"
+            )
+        self._item = item
+        self._places = places
+        self._tag = tag
+
+    def required(self, name: str) -> Any:
+        return self._item[1 + self._places.index(name)]
+
+    def optional(self, name: str) -> Any:
+        if name not in self._places:
+            return None
+        place = 1 + self._places.index(name)
+        return self._item[place] if place < len(self._item) else None
+
+
+# Places of each event's fields in the positional layout; the trailing ones (past
+# _POSITIONAL_NEEDED) are sent only when set, so a namespace or group is never dropped.
+_POSITIONAL_PLACES = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                    "lora_id", "medium", "lora_name", "extra_keys", "group_idx"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": (),
+}
+_POSITIONAL_NEEDED = {"BlockStored": 6, "BlockRemoved": 2, "AllBlocksCleared": 0}
+
+
+def _decode_event(item: Any) -> KVEvent:
+    """One event in either encoding; ValueError says what is wrong, without context."""
+    if isinstance(item, dict):
+        tag = item.get("type")
+        if not isinstance(tag, str):
+            raise ValueError("a map event needs a str field 'type'")
+        fields: Any = _Fields(item, tag)
+    elif isinstance(item, (list, tuple)) and item and isinstance(item[0], str):
+        tag = item[0]
+        if tag not in _POSITIONAL_PLACES:
+            raise ValueError(f"unknown event type {tag!r}")
+        fields = _Positional(item, _POSITIONAL_PLACES[tag], tag)
+    else:
+        raise ValueError(
+            f"expected a tagged map or tagged array, got {type(item).__name__}"
+        )
+    if tag == "BlockStored":
+        return _stored_from(fields, tag)
+    if tag == "BlockRemoved":
+        return _removed_from(fields, tag)
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise ValueError(f"unknown event type {tag!r}")
+
+
+def decode_event(item: Any) -> KVEvent:
+    """Decode one msgpack-decoded event, a tagged map or a tagged array, as a KV event.
+
+    See "Wire format" in ``radixcache.events`` for the fields each event requires.
+
+    Args:
+        item: The event as msgpack decoded it (a dict or a list).
+
+    Returns:
+        A ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``.
+
+    Raises:
+        ValueError: naming what is malformed.
+    """
+    try:
+        return _decode_event(item)
+    except ValueError as exc:
+        raise ValueError(f"malformed event: {exc}") from None
+
+
+def decode_batch(payload: bytes, seq: int = -1) -> ReceivedBatch:
+    """Decode one msgpack batch payload ``[ts, [events...], dp_rank]``.
+
+    Its events may be in either encoding, even mixed. Needs msgspec
+    (``pip install radixcache[events]``).
+
+    Args:
+        payload: The payload (the last frame of a ZeroMQ message).
+        seq: The batch's sequence number, kept in the result and named in errors.
+
+    Returns:
+        A ``ReceivedBatch``.
+
+    Raises:
+        ValueError: naming the batch, event and field that are malformed.
+        ImportError: msgspec is not installed.
+    """
+    _, msgspec = _transport("decode_batch")
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise ValueError(f"malformed event batch {seq}: a payload is bytes, got "
+                         f"{type(payload).__name__}")
+    try:
+        batch = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"malformed event batch {seq}: {exc}") from None
+    except RecursionError:
+        # msgspec guards its recursion with Python's limit: arrays or maps nested deeper
+        # than any event batch can be are malformed, however deep.
+        raise ValueError(f"malformed event batch {seq}: nested too deeply") from None
+    if not isinstance(batch, list) or len(batch) not in (2, 3):
+        raise ValueError(f"malformed event batch {seq}: expected [ts, events, dp_rank]")
+    ts, events = batch[0], batch[1]
+    rank = batch[2] if len(batch) == 3 else None
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+        raise ValueError(f"malformed event batch {seq}: ts must be a number")
+    if not isinstance(events, list):
+        raise ValueError(f"malformed event batch {seq}: events must be an array")
+    if rank is not None and not _is_builtin_int(rank):
+        raise ValueError(f"malformed event batch {seq}: data_parallel_rank must be int or nil")
+    decoded = []
+    for index, item in enumerate(events):
+        try:
+            decoded.append(_decode_event(item))
+        except ValueError as exc:
+            raise ValueError(f"malformed event batch {seq}, event {index}: {exc}") from None
+    return ReceivedBatch(seq, float(ts), decoded, rank, payload)
+
+
+def _check_events(events: Iterable[Any]) -> tuple:
+    batch = tuple(events)
+    for event in batch:
+        if not isinstance(event, _EVENT_TYPES):
+            raise TypeError(f"expected KV events, got {type(event).__name__}")
+    return batch
+
+
+def _batch_wire(ts: float, batch: tuple, data_parallel_rank: Optional[int],
+                encoding: str) -> list:
+    return [ts, [event.to_wire(encoding) for event in batch], data_parallel_rank]
+
+
+def _encode(encoder: Any, wire: list) -> bytes:
+    try:
+        return encoder.encode(wire)
+    except (OverflowError, UnicodeEncodeError, TypeError) as exc:
+        # A namespace or field msgpack cannot carry: an int beyond 64 bits, a lone surrogate.
+        raise ValueError(f"event batch cannot be encoded as msgpack: {exc}") from None
+
+
+def encode_batch(events: Iterable[KVEvent], *, encoding: str = DEFAULT_ENCODING,
+                 ts: Optional[float] = None, data_parallel_rank: Optional[int] = 0) -> bytes:
+    """Encode events as the msgpack payload ``[ts, [events...], dp_rank]`` a publisher sends.
+
+    Needs msgspec (``pip install radixcache[events]``).
+
+    Args:
+        events: The KV events of the batch, in order.
+        encoding: ``"map"`` (vLLM >= 0.33, the default) or ``"positional"``.
+        ts: The batch's timestamp in seconds since the epoch (default: now).
+        data_parallel_rank: The publisher's data-parallel rank, or None.
+
+    Returns:
+        The payload bytes.
+
+    Raises:
+        TypeError: an item that is not a KV event, or a ``ts`` or ``data_parallel_rank``
+            of the wrong type.
+        ValueError: an unknown ``encoding``, or a namespace msgpack cannot carry (an int
+            beyond 64 bits, a str with a lone surrogate).
+        ImportError: msgspec is not installed.
+    """
+    _, msgspec = _transport("encode_batch")
+    _check_encoding(encoding)
+    batch = _check_events(events)
+    if ts is None:
+        ts = time.time()
+    elif not is_real(ts):
+        raise TypeError(f"ts must be a number, got {type(ts).__name__}")
+    if data_parallel_rank is not None and not _is_builtin_int(data_parallel_rank):
+        raise TypeError("data_parallel_rank must be an int or None")
+    return _encode(msgspec.msgpack.Encoder(),
+                   _batch_wire(float(ts), batch, data_parallel_rank, encoding))
+
+
+def _transport(what: str):
+    try:
+        import msgspec
+        import msgspec.msgpack
+        import zmq
+    except ImportError as exc:
+        raise ImportError(
+            f"{what} needs the optional dependencies pyzmq and msgspec: {_EXTRA_HINT}"
+        ) from exc
+    return zmq, msgspec
+
+
+
+
+ReceivedBatch.__module__ = "radixcache.events"  # pickles name the public module (see types)
