@@ -27,6 +27,16 @@ _ndarray = np.ndarray
 
 
 # -- page hash chain ------------------------------------------------------------------------
+cdef inline uint64_t fmix64(uint64_t h) noexcept nogil:
+    # MurmurHash3's 64-bit finaliser: ends a page's hash, and spreads a key over the table.
+    h ^= h >> 33
+    h *= <uint64_t>0xFF51AFD7ED558CCD
+    h ^= h >> 33
+    h *= <uint64_t>0xC4CEB9FE1A85EC53
+    h ^= h >> 33
+    return h
+
+
 cdef inline uint64_t hash_page(uint64_t h, const unsigned char* w,
                                Py_ssize_t per_page) noexcept:
     # One page of page_hash_chain: ``per_page`` int64 little-endian tokens at ``w``.
@@ -39,23 +49,25 @@ cdef inline uint64_t hash_page(uint64_t h, const unsigned char* w,
         h = (h ^ t) * <uint64_t>0x9E3779B97F4A7C15
         h ^= h >> 32
         w += 8
-    h ^= h >> 33
-    h *= <uint64_t>0xFF51AFD7ED558CCD
-    h ^= h >> 33
-    h *= <uint64_t>0xC4CEB9FE1A85EC53
-    h ^= h >> 33
-    return h
+    return fmix64(h)
+
+
+cdef int check_chain_args(object seed, object page_bytes) except -1:
+    """The chain's checks after ``data``'s, as ``_blocks_py``'s: ``seed`` and ``page_bytes``
+    exactly ints, ``page_bytes`` a positive multiple of 8."""
+    for name, value in (("seed", seed), ("page_bytes", page_bytes)):
+        if type(value) is not int:  # exactly int: a subclass could change // or &
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if page_bytes <= 0 or page_bytes % 8:
+        raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
+    return 0
 
 
 def page_hash_chain(seed, data, page_bytes):
     """The chained 64-bit hashes of the full pages of ``data``; see ``_blocks_py``."""
     if type(data) is not bytes:
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
-    for name, value in (("seed", seed), ("page_bytes", page_bytes)):
-        if type(value) is not int:  # exactly int: a subclass could change // or &
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if page_bytes <= 0 or page_bytes % 8:
-        raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
+    check_chain_args(seed, page_bytes)
     if page_bytes > len(data):
         return []  # no full page; page_bytes may not even fit in a Py_ssize_t
     cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
@@ -80,11 +92,7 @@ def page_hash_bytes(seed, data, page_bytes):
                      or not data.flags.c_contiguous):
         raise TypeError(f"data as an array must be 1-D contiguous little-endian int64, got "
                         f"{data.ndim}-D {data.dtype}")
-    for name, value in (("seed", seed), ("page_bytes", page_bytes)):
-        if type(value) is not int:
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if page_bytes <= 0 or page_bytes % 8:
-        raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
+    check_chain_args(seed, page_bytes)
     cdef Py_buffer view
     cdef bytes out
     cdef const unsigned char* p
@@ -152,13 +160,7 @@ cdef void _bi_free(BIEntry* table, Py_ssize_t capacity) noexcept:
 
 
 cdef inline uint64_t _bi_mix(int64_t key) noexcept:
-    cdef uint64_t h = <uint64_t>key ^ <uint64_t>0x5BD1E9955BD1E995
-    h ^= h >> 33
-    h *= <uint64_t>0xFF51AFD7ED558CCD
-    h ^= h >> 33
-    h *= <uint64_t>0xC4CEB9FE1A85EC53
-    h ^= h >> 33
-    return h
+    return fmix64(<uint64_t>key ^ <uint64_t>0x5BD1E9955BD1E995)
 
 
 cdef bytes _bi_keys(object keys):
@@ -579,11 +581,7 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
     def overlap(self, seed, data, page_bytes, owners):
         if type(data) is not bytes:
             raise TypeError(f"data must be bytes, got {type(data).__name__}")
-        for name, value in (("seed", seed), ("page_bytes", page_bytes)):
-            if type(value) is not int:
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if page_bytes <= 0 or page_bytes % 8:
-            raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
+        check_chain_args(seed, page_bytes)
         cdef bytes owner_data = _bi_keys(owners)
         cdef Py_ssize_t n_owners = len(owner_data) // 8, i
         cdef const int64_t* own = <const int64_t*>PyBytes_AS_STRING(owner_data)

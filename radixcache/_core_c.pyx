@@ -2405,12 +2405,9 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
 
     cdef int hand_over_one(self, object free_callback, list handed, list garbage,
                            str what) except -1:
-        """An evict loop's per-node hand-over: the victim's indices (``handed``'s one item,
-        taken out) go to ``free_callback`` with the guard released. The cache is consistent
-        here, so the callback may call it (even evict); what the loop let go (``garbage``)
-        and the indices are released outside the guard, then the guard is taken again
-        (``what`` names the call to one that holds it meanwhile). On an exception the guard
-        is not held."""
+        """An evict loop's per-node hand-over, as the pure core's ``_hand_over_one``: the
+        indices in ``handed`` to ``free_callback`` with the guard released; the guard is
+        not held on an exception."""
         value = handed.pop()
         self.guard.busy = 0
         del garbage[:]
