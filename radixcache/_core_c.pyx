@@ -2406,9 +2406,10 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
     cdef int hand_over_one(self, object free_callback, list handed, list garbage,
                            str what) except -1:
         """An evict loop's per-node hand-over, as the pure core's ``_hand_over_one``: the
-        indices in ``handed`` to ``free_callback`` with the guard released; the guard is
+        indices in ``handed[0]`` to ``free_callback`` with the guard released; the guard is
         not held on an exception."""
-        value = handed.pop()
+        value = handed[0]
+        handed[0] = None
         self.guard.busy = 0
         del garbage[:]
         free_callback(value)
@@ -2445,7 +2446,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         garbage = []  # stale entries and dropped values: released outside the guard
         cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
         # A per-node callback's argument, from its victim to the call (see hand_over_one).
-        cdef list handed = [] if per_node else None
+        cdef list handed = [None] if per_node else None
         value = error = None
         self.guard.enter("evict")
         holding = True
@@ -2459,7 +2460,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        handed.append(victim_value(node, True))
+                        handed[0] = victim_value(node, True)
                     elif collect:
                         collect_value(freed_batch, node)
                 except BaseException:
@@ -2512,7 +2513,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         cdef bint holding
         cdef Py_ssize_t added = 0  # this victim's indices already in the batch (backup's)
         cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
-        cdef list handed = [] if per_node else None  # see hand_over_one
+        cdef list handed = [None] if per_node else None  # see hand_over_one
         garbage = []  # stale entries and dropped values: released outside the guard
         skipped = []  # device leaves that cannot leave the tree: pushed back after the loop
         skipping = set()  # the same nodes, to drop their other heap entries
@@ -2596,7 +2597,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                 if per_node:
                     holding = False
                     node = parent = None
-                    handed.append(value)
+                    handed[0] = value
                     value = None
                     self.hand_over_one(free_callback, handed, garbage,
                                        "evict, after its free_callback")
@@ -2641,7 +2642,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         target = token_target(num_tokens)
         garbage = []
         cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
-        cdef list handed = [] if per_node else None  # see hand_over_one
+        cdef list handed = [None] if per_node else None  # see hand_over_one
         value = error = None
         self.guard.enter("evict_host")
         holding = True
@@ -2654,8 +2655,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        handed.append(block_tensor(host_data(node), node.key_len,
-                                                   self.numpy_arrays))
+                        handed[0] = block_tensor(host_data(node), node.key_len,
+                                                 self.numpy_arrays)
                     if not self.host_heap.usable(node) or node.host_owner is None:
                         raise RuntimeError(f"evict_host: node {node.id} changed during a "
                                            "callback")

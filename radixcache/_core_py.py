@@ -671,13 +671,14 @@ class Core:
 
     def _hand_over_one(self, free_callback: Any, handed: list, garbage: list,
                        what: str) -> None:
-        """An evict loop's per-node hand-over: the victim's indices (``handed``'s one item,
-        taken out) go to ``free_callback`` with the guard released. The cache is consistent
+        """An evict loop's per-node hand-over: the victim's indices (``handed[0]``, taken
+        out) go to ``free_callback`` with the guard released. The cache is consistent
         here, so the callback may call it (even evict); what the loop let go (``garbage``)
         and the indices are released outside the guard, then the guard is taken again
         (``what`` names the call to one that holds it meanwhile). On an exception the guard
         is not held."""
-        value = handed.pop()
+        value = handed[0]
+        handed[0] = None
         self._leave()
         garbage.clear()
         free_callback(value)
@@ -696,7 +697,7 @@ class Core:
         garbage: list = []  # stale entries, dropped values: released outside the guard
         parts: list | None = [] if batch and free_callback is not None else None
         per_node = free_callback is not None and not batch
-        handed: list = []  # a per-node callback's argument (see _hand_over_one)
+        handed: list = [None]  # a per-node callback's argument (see _hand_over_one)
         freed = 0
         error = None
         try:
@@ -710,7 +711,7 @@ class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        handed.append(node.value)
+                        handed[0] = node.value
                 except BaseException:
                     garbage.append(heap._push(node))  # still an evictable leaf
                     raise
@@ -751,7 +752,7 @@ class Core:
         parts: list | None = [] if batch and free_callback is not None else None
         per_node = free_callback is not None and not batch
         use_backup = backup is not None and self.write_through_hits == 0
-        handed: list = []  # see _hand_over_one
+        handed: list = [None]  # see _hand_over_one
         skipped: list = []  # device leaves that could not leave: pushed back at the end
         freed = 0
         error = None
@@ -820,7 +821,7 @@ class Core:
                 freed += size
                 if per_node:
                     holding = False
-                    handed.append(value)
+                    handed[0] = value
                     del value
                     self._hand_over_one(free_callback, handed, garbage,
                                         "evict, after its free_callback")
@@ -850,7 +851,7 @@ class Core:
         garbage: list = []
         parts: list | None = [] if batch and free_callback is not None else None
         per_node = free_callback is not None and not batch
-        handed: list = []  # see _hand_over_one
+        handed: list = [None]  # see _hand_over_one
         freed = 0
         error = None
         try:
@@ -864,7 +865,7 @@ class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        handed.append(node.host_value)
+                        handed[0] = node.host_value
                 except BaseException:
                     garbage.append(heap._push(node))  # still a host leaf
                     raise
