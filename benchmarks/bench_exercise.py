@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from _cases import (FULL, benchmark_min_seconds, exercise_ops, exercise_ops_of,
+from _cases import (FULL, benchmark_min_seconds, core_of, exercise_ops, exercise_ops_of,
                     exercise_runner, measure_memory, ops_as_arrays, run_exercise_set,
                     run_tuple_loop)
 
@@ -61,7 +61,7 @@ def test_exercise_radixcache(benchmark, note, core, ops, distinct_inserted):
     benchmark.group = GROUP
     run = exercise_runner("cache", core)
     cache = benchmark.pedantic(run, args=(ops,), rounds=ROUNDS, iterations=1)
-    assert _terminal_count(cache._tree) == distinct_inserted
+    assert _terminal_count(core_of(cache).tree) == distinct_inserted
     _record_memory(benchmark, note, lambda: run(ops))
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _cases import exercise_ops, run_exercise_cache  # noqa: E402
+from _cases import core_of, exercise_ops, run_exercise_cache  # noqa: E402
 
 from radixcache import RadixCache  # noqa: E402
 from radixcache._core import CORES  # noqa: E402
@@ -60,7 +60,7 @@ def main() -> None:
     for core in sorted(CORES):
         cache = RadixCache(core=core)
         cache.insert([1, 2, 3])
-        core_object = cache._core
+        core_object = core_of(cache)
 
         def cache_exists(calls: int, exists=cache.exists, tokens=[1, 2, 3]) -> None:
             for _ in range(calls):

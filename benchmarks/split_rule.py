@@ -27,6 +27,7 @@ REPO_ROOT = BENCH_DIR.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from _cases import core_of  # noqa: E402
 from radixcache import RadixCache  # noqa: E402
 from radixcache import _core_py  # noqa: E402
 from radixcache.traces import read_trace  # noqa: E402
@@ -50,7 +51,7 @@ def make_cache(rule: str, page_size: int, policy: str) -> RadixCache:
     cache = RadixCache(page_size=page_size, eviction_policy=policy, core="python")
     if rule == "sglang":
         # Fresh and empty, like the one it replaces; the core keeps its guard and heap.
-        cache._core.tree = StampLowerHalfTree(page_size)
+        core_of(cache).tree = StampLowerHalfTree(page_size)
     return cache
 
 

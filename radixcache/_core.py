@@ -1,62 +1,47 @@
-"""The chooser: the compiled tree core unless RADIXCACHE_NO_EXTENSIONS is set or it is missing."""
+"""The chooser: the compiled modules unless RADIXCACHE_NO_EXTENSIONS is set or they are missing.
+
+Two pairs, each a pure module and its compiled twin with the same interface: the tree core
+(``_core_py``/``_core_c``, as ``core``) and the block index with the page hashes
+(``_blocks_py``/``_blocks_c``, as ``blocks``), each compiled one used when it was built. It
+imports them (none of them imports this module) and registers the cores' ``Node`` classes
+with ``RadixTreeNode``.
+"""
 
 from __future__ import annotations
 
 import os
-from abc import ABC
 from types import ModuleType
 
-from . import _core_py
+from . import _blocks_py, _core_py
+from ._types import RadixTreeNode
+
+__all__ = ["NO_EXTENSIONS", "CORES", "BLOCKS", "core", "blocks", "RadixTreeNode", "core_name",
+           "get_core", "get_blocks"]
 
 NO_EXTENSIONS = bool(os.environ.get("RADIXCACHE_NO_EXTENSIONS"))
 
 _core_c: ModuleType | None = None
-if not NO_EXTENSIONS:  # forced pure Python never even loads the extension
+_blocks_c: ModuleType | None = None
+if not NO_EXTENSIONS:  # forced pure Python never even loads the extensions
     try:
         from . import _core_c
     except ImportError:  # not built (no compiler at install time): pure Python, silently
         _core_c = None
+    try:
+        from . import _blocks_c
+    except ImportError:
+        _blocks_c = None
 
+#: The tree cores and the block modules by name ("python", and "c" where built).
 CORES: dict[str, ModuleType] = {"python": _core_py}
+BLOCKS: dict[str, ModuleType] = {"python": _blocks_py}
 if _core_c is not None:
     CORES["c"] = _core_c
+if _blocks_c is not None:
+    BLOCKS["c"] = _blocks_c
 
-core: ModuleType = _core_py if NO_EXTENSIONS or _core_c is None else _core_c
-
-
-class RadixTreeNode(ABC):
-    """A node of a ``RadixCache`` tree, as ``MatchResult.last_node`` and the like give it.
-
-    Each tree core has its own node class; ``isinstance(node, RadixTreeNode)`` holds for
-    both. Nodes are read-only handles: the cache changes them, the caller only reads them and
-    passes them back (to ``inc_lock_ref``/``dec_lock_ref``).
-
-    Attributes:
-        key: The node's tokens, a read-only 1-D int64 numpy array (empty at the root).
-        value: The KV slot indices of those tokens, a new 1-D ``torch.int64`` tensor (a
-            1-D int64 numpy array in a cache with ``array_type="numpy"``). Indices on a
-            device are not copied: the tensor is a view of the ones the node keeps, so
-            writing to its elements changes them; changing its shape does not.
-        parent: The parent node (``None`` at the root).
-        children: The child nodes, a tuple.
-        lock_ref: How many locks protect it (its own and its descendants').
-        last_access_time: The logical time of the last call that touched it.
-        created_time: The logical time its KV was computed.
-        priority: The highest priority an insert through it gave.
-        hit_count: Inserts through or ending at it.
-        extra_key: Its namespace (``None``: the default one).
-        id: A number unique within its cache.
-        evicted: True once it left the tree (evicted, or dropped by ``reset``).
-        terminal: True if a sequence inserted exactly ends here (what ``exists`` looks for).
-        num_tokens: ``len(key)``.
-        num_children: ``len(children)``.
-        on_device: False when the node is held only in host memory (a cache with a host
-            tier); then ``value`` is None. Always True without a host tier.
-        host_value: Its host indices, a new 1-D CPU ``torch.int64`` tensor (a numpy array
-            with ``array_type="numpy"``), or None when it has no host copy.
-        tier: ``"device"``, ``"host"`` or ``"device+host"``.
-    """
-
+core: ModuleType = _core_py if _core_c is None else _core_c
+blocks: ModuleType = _blocks_py if _blocks_c is None else _blocks_c
 
 for _module in CORES.values():
     RadixTreeNode.register(_module.Node)
@@ -75,13 +60,22 @@ def core_name() -> str:
     return core.CORE_NAME
 
 
-def get_core(name: str | None) -> ModuleType:
-    """The core module called ``name`` (``None``: the default one)."""
+def _pick(modules: dict, default: ModuleType, name: str | None) -> ModuleType:
     if name is None:
-        return core
+        return default
     try:
-        return CORES[name]
+        return modules[name]
     except KeyError:
         raise ValueError(
-            f"unknown core {name!r}; available: {', '.join(sorted(CORES))}"
+            f"unknown core {name!r}; available: {', '.join(sorted(modules))}"
         ) from None
+
+
+def get_core(name: str | None) -> ModuleType:
+    """The core module called ``name`` (``None``: the default one)."""
+    return _pick(CORES, core, name)
+
+
+def get_blocks(name: str | None) -> ModuleType:
+    """The block module of the core called ``name`` (``None``: the default one)."""
+    return _pick(BLOCKS, blocks, name)

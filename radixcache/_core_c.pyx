@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
-# cython: cdivision=True
+# cython: cdivision=True, binding=True
 """Compiled radix tree core: the same interface as ``_core_py`` (see its docstring).
 
 Keys are int64 runs inside bytes objects (split halves share one at different offsets);
@@ -29,6 +29,16 @@ that allocating a node triggers (which can also let another thread run). So:
   child table or the heap, and teardown never recurses;
 - nodes are visible to the garbage collector (children included), so cycles through the
   objects they hold are collected.
+
+Why one module (3,000 lines) when every other file stays near 1,200: the hot paths -- a
+walk step, a split, an insert, a pop and removal in the evict loop -- call the child-table,
+node and heap helpers (``probe``, ``slot_of``, ``add_child``, ``detach_leaf``, the heap's
+sifts) as plain C calls, many of them inlined, and read each other's fields directly. Across two Cython
+modules those calls would go through a function-pointer table imported at load time (never
+inlined), and a ``cdef class``'s methods through its vtable; the walk and the evict loop
+would pay for it on every node. So the tree, the heap, ``Core`` and the index-array glue
+stay here; their C lives in ``_include/*.h`` and what serves other modules (the block index,
+the page hashes) in ``_blocks_c``.
 """
 
 cimport cython
@@ -47,14 +57,24 @@ from collections import deque as _deque
 
 import numpy as np
 
-from ._shared import cat_tensors as _cat_tensors
-from ._shared import hand_over_batch as _hand_over_batch
-from ._shared import MAX_LOCK_REF, display_order, indices_from_key, reentered
-from ._shared import check_state, id_order, node_not_copyable
-from ._shared import host_indices_bytes, lock_host_only, stale_match
-from ._shared import is_tensor as _is_tensor
-from ._shared import load_torch as _load_torch
-from ._shared import on_torch as _on_torch
+from ._errors import lock_host_only, node_not_copyable, reentered, stale_match
+from ._handover import hand_over_batch as _hand_over_batch
+from ._handover import host_indices_bytes
+from ._options import KEY_FALLS_ON_ACCESS as _KEY_FALLS_ON_ACCESS
+from ._state import check_state, display_order, id_order
+from ._torch import cat_tensors as _cat_tensors
+from ._torch import indices_from_key
+from ._torch import is_tensor as _is_tensor
+from ._torch import load_torch as _load_torch
+from ._torch import on_torch as _on_torch
+from ._types import MAX_LOCK_REF, RadixTreeNode
+from ._types import InsertResult as _InsertResult
+from ._types import MatchResult as _MatchResult
+
+try:  # a BlockIndex pickled while the block index lived in this module names its loader here
+    from ._blocks_c import _block_index_from
+except ImportError:  # the block module was not built: no such pickle can load anyway
+    pass
 
 CORE_NAME = "c"
 
@@ -106,19 +126,9 @@ cdef inline Py_ssize_t slot_limit(Py_ssize_t capacity) noexcept nogil:
     return capacity if capacity <= 2 else capacity - (capacity >> 2)
 
 
-cdef extern from *:
-    """
-    #if defined(__GNUC__) || defined(__clang__)
-    #define rc_log2(x) ((unsigned)__builtin_ctzll((unsigned long long)(x)))
-    #else
-    static inline unsigned rc_log2(unsigned long long x) {
-        unsigned n = 0;
-        while (x > 1) { x >>= 1; n++; }
-        return n;
-    }
-    #endif
-    """
+cdef extern from "rc_platform.h":
     uint32_t rc_log2(Py_ssize_t power_of_two) noexcept nogil
+    void rc_prefetch(const void* p) noexcept nogil
 
 
 cdef inline uint32_t slot_shape(Node child) noexcept:
@@ -165,46 +175,8 @@ cdef inline ChildSlot* probe(ChildSlot* table, Py_ssize_t mask, const int64_t* p
     return NULL
 
 
-cdef extern from *:
-    """
-    #if defined(__GNUC__) || defined(__clang__)
-    #define rc_prefetch(p) __builtin_prefetch((const void*)(p))
-    #else
-    #define rc_prefetch(p) ((void)0)
-    #endif
-
-    /* Copies n ids (the two ranges do not overlap) and tells whether one lies outside
-       [0, bound), bound >= 0: read as int64, an id v < 0 has the top bit of v set, and one
-       with v >= bound >= 0 has v - bound >= 0, whose complement has it set. Subtractions, ors
-       and nots only, in eight independent chains: they vectorize on any x86-64 (a 64-bit
-       compare does not before SSE4.2). */
-    #if defined(_MSC_VER)
-    #define RC_RESTRICT __restrict
-    #else
-    #define RC_RESTRICT restrict
-    #endif
-    static inline int rc_copy_outside(int64_t* RC_RESTRICT out, const int64_t* RC_RESTRICT ids,
-                                      Py_ssize_t n, int64_t bound) {
-        uint64_t a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        const uint64_t b = (uint64_t)bound;
-        uint64_t v;
-        Py_ssize_t i = 0, j;
-        for (; i + 8 <= n; i += 8) {
-            for (j = 0; j < 8; j++) {
-                v = (uint64_t)ids[i + j];
-                out[i + j] = ids[i + j];
-                a[j] |= v | ~(v - b);
-            }
-        }
-        for (; i < n; i++) {
-            v = (uint64_t)ids[i];
-            out[i] = ids[i];
-            a[0] |= v | ~(v - b);
-        }
-        return (int)((a[0] | a[1] | a[2] | a[3] | a[4] | a[5] | a[6] | a[7]) >> 63);
-    }
-    """
-    void rc_prefetch(const void* p) noexcept nogil
+cdef extern from "rc_ints.h":
+    bint rc_read_int(PyObject* o, int64_t* out) noexcept
     int rc_copy_outside(int64_t* out, const int64_t* ids, Py_ssize_t n,
                         int64_t bound) noexcept nogil
 
@@ -704,8 +676,6 @@ cdef class Tree:
     def _check_member(self, node):
         cdef Node top
         if not isinstance(node, Node):
-            from ._core import RadixTreeNode
-
             if isinstance(node, RadixTreeNode):
                 raise ValueError("node belongs to another cache (a different tree core)")
             raise TypeError(f"expected a RadixTreeNode, got {type(node).__name__}")
@@ -1236,265 +1206,7 @@ cdef class EvictionHeap:
 
 
 # -- the per-cache core object: whole calls in one crossing --------------------------------
-cdef extern from *:
-    """
-    /* Reads an exact int that fits in int64 without a call; 0 for anything else (a subclass,
-       an __index__ object, a value out of range): the caller declines the input. Ints of up
-       to 63 bits and their negatives are read from their digits (one pass, no call): on 3.12+
-       through the compact-value check, then the digit count and sign of the tag; before,
-       from the signed size. Other layouts (15-bit digits) take PyLong_AsLongLongAndOverflow,
-       which also runs no Python code for an exact int. */
-    static inline int rc_digits_int64(const digit* d, Py_ssize_t ndigits, int negative,
-                                      int64_t* out) {
-    #if PyLong_SHIFT == 30
-        /* Two digits (ids below 2^60) first; otherwise branch-free past the digit count and
-           the sign: ids of mixed signs cost no mispredicted branch. */
-        uint64_t mag, top, three, neg;
-        if (ndigits == 2) {  /* below 2^60: always fits */
-            mag = (uint64_t)d[0] | ((uint64_t)d[1] << 30);
-            neg = 0 - (uint64_t)(negative != 0);
-            *out = (int64_t)((mag ^ neg) - neg);
-            return 1;
-        }
-        if (ndigits <= 1) {
-            mag = ndigits ? (uint64_t)d[0] : 0;
-            top = three = 0;
-        } else if (ndigits <= 3) {
-            top = (uint64_t)d[ndigits - 1];
-            three = (uint64_t)(ndigits == 3);
-            mag = (uint64_t)d[0] | ((uint64_t)d[1] << 30) | ((top << 60) & (0 - three));
-        } else {
-            return 0;  /* 4 digits: at least 2^90 */
-        }
-        /* 3 digits: 90 bits at most, fits when the top digit is below 2^4 (magnitude below
-           2^64); then the sign sets the limit (2^63 - 1, or 2^63 for a negative). */
-        if ((three & (uint64_t)((top >> 4) != 0))
-                | (uint64_t)(mag > (uint64_t)INT64_MAX + (uint64_t)(negative != 0)))
-            return 0;
-        neg = 0 - (uint64_t)(negative != 0);
-        *out = (int64_t)((mag ^ neg) - neg);
-        return 1;
-    #else
-        (void)d; (void)ndigits; (void)negative; (void)out;
-        return -1;  /* not handled here */
-    #endif
-    }
-
-    static inline int rc_read_int(PyObject* o, int64_t* out) {
-        int done = -1;
-        if (!PyLong_CheckExact(o)) return 0;
-    #if PY_VERSION_HEX >= 0x030C0000
-        if (PyUnstable_Long_IsCompact((PyLongObject*)o)) {
-            *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject*)o);
-            return 1;
-        }
-    #if defined(_PyLong_NON_SIZE_BITS) && defined(_PyLong_SIGN_MASK)
-        {
-            uintptr_t tag = ((PyLongObject*)o)->long_value.lv_tag;
-            done = rc_digits_int64(((PyLongObject*)o)->long_value.ob_digit,
-                                   (Py_ssize_t)(tag >> _PyLong_NON_SIZE_BITS),
-                                   (tag & _PyLong_SIGN_MASK) == 2, out);
-        }
-    #endif
-    #else
-        {
-            Py_ssize_t size = Py_SIZE(o);
-            done = rc_digits_int64(((PyLongObject*)o)->ob_digit, size < 0 ? -size : size,
-                                   size < 0, out);
-        }
-    #endif
-        if (done >= 0) return done;
-        {
-            int overflow = 0;
-            long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-            if (overflow) return 0;
-            if (v == -1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
-            *out = (int64_t)v;
-            return 1;
-        }
-    }
-
-    /* The returned index tensor in one allocation and one copy: a DLPack capsule over a
-       malloc'd block (header, then the int64 data) that torch takes over; its deleter frees
-       the block when the tensor dies (from any thread: plain malloc/free). */
-    typedef struct { int32_t device_type; int32_t device_id; } rc_DLDevice;
-    typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } rc_DLDataType;
-    typedef struct {
-        void* data; rc_DLDevice device; int32_t ndim; rc_DLDataType dtype;
-        int64_t* shape; int64_t* strides; uint64_t byte_offset;
-    } rc_DLTensor;
-    typedef struct rc_DLManagedTensor {
-        rc_DLTensor dl_tensor; void* manager_ctx; void (*deleter)(struct rc_DLManagedTensor*);
-    } rc_DLManagedTensor;
-    /* refs: only for a batch eviction's shared block (rc_share_block). */
-    typedef struct {
-        rc_DLManagedTensor managed; int64_t shape[1]; int64_t strides[1]; int64_t refs;
-    } rc_dl_head;
-
-    static void rc_dl_deleter(rc_DLManagedTensor* self) { free(self->manager_ctx); }
-
-    static void rc_dl_capsule_destructor(PyObject* capsule) {
-        /* Still named "dltensor": torch never took it (an error came first). */
-        if (PyCapsule_IsValid(capsule, "dltensor")) {
-            rc_DLManagedTensor* m = (rc_DLManagedTensor*)PyCapsule_GetPointer(capsule, "dltensor");
-            m->deleter(m);
-        }
-    }
-
-    /* Fill a managed DLPack tensor: n int64 on the CPU at data, 1-D, contiguous; its
-       shape and strides live at shape/strides; deleter(ctx's owner) runs when it dies. */
-    static void rc_fill_dl(rc_DLManagedTensor* m, int64_t* shape, int64_t* strides,
-                           void* data, Py_ssize_t n, void* ctx,
-                           void (*deleter)(rc_DLManagedTensor*)) {
-        shape[0] = n;
-        strides[0] = 1;
-        m->dl_tensor.data = data;
-        m->dl_tensor.device.device_type = 1;  /* kDLCPU */
-        m->dl_tensor.device.device_id = 0;
-        m->dl_tensor.ndim = 1;
-        m->dl_tensor.dtype.code = 0;          /* kDLInt */
-        m->dl_tensor.dtype.bits = 64;
-        m->dl_tensor.dtype.lanes = 1;
-        m->dl_tensor.shape = shape;
-        m->dl_tensor.strides = strides;
-        m->dl_tensor.byte_offset = 0;
-        m->manager_ctx = ctx;
-        m->deleter = deleter;
-    }
-
-    /* The header's size, rounded up: the int64 data of a block starts there. */
-    #define RC_DL_HEAD (((size_t)sizeof(rc_dl_head) + 63) & ~(size_t)63)
-
-    /* A block of the capsule layout (header, then room for n int64), or NULL. */
-    static char* rc_int64_block(Py_ssize_t n) {
-        return (char*)malloc(RC_DL_HEAD + (size_t)(n > 0 ? n : 1) * sizeof(int64_t));
-    }
-
-    /* A capsule over a malloc'd block of the capsule layout holding n int64 after its
-       header: the capsule (then torch's tensor) owns the block from here, on failure too. */
-    static PyObject* rc_adopt_block(char* mem, Py_ssize_t n) {
-        rc_dl_head* h = (rc_dl_head*)mem;
-        PyObject* capsule;
-        rc_fill_dl(&h->managed, h->shape, h->strides, mem + RC_DL_HEAD, n, mem, rc_dl_deleter);
-        capsule = PyCapsule_New(&h->managed, "dltensor", rc_dl_capsule_destructor);
-        if (capsule == NULL) { free(mem); return NULL; }
-        return capsule;
-    }
-
-    /* A batch eviction's block is shared: by the batch while it grows, by tensors over
-       part of it (a backup's argument) and in the end by the batch's tensor. Each holds one
-       of its refs (atomic: torch may drop a tensor on any thread); the last one frees it.
-       The batch grows (reallocs) or reuses it only while it holds the only ref. */
-    static void rc_block_release(char* mem) {
-        if (__atomic_sub_fetch(&((rc_dl_head*)mem)->refs, 1, __ATOMIC_ACQ_REL) == 0)
-            free(mem);
-    }
-
-    static int rc_block_alone(char* mem) {
-        return __atomic_load_n(&((rc_dl_head*)mem)->refs, __ATOMIC_ACQUIRE) == 1;
-    }
-
-    static void rc_shared_deleter(rc_DLManagedTensor* self) {
-        rc_block_release((char*)self->manager_ctx);
-    }
-
-    /* The whole block's tensor capsule over n int64, taking over the caller's ref. */
-    static PyObject* rc_share_block(char* mem, Py_ssize_t n) {
-        rc_dl_head* h = (rc_dl_head*)mem;
-        PyObject* capsule;
-        rc_fill_dl(&h->managed, h->shape, h->strides, mem + RC_DL_HEAD, n, mem,
-                   rc_shared_deleter);
-        capsule = PyCapsule_New(&h->managed, "dltensor", rc_dl_capsule_destructor);
-        if (capsule == NULL) rc_block_release(mem);
-        return capsule;
-    }
-
-    typedef struct {
-        rc_DLManagedTensor managed; int64_t shape[1]; int64_t strides[1]; char* block;
-    } rc_dl_view;
-
-    static void rc_view_deleter(rc_DLManagedTensor* self) {
-        rc_dl_view* v = (rc_dl_view*)self->manager_ctx;
-        rc_block_release(v->block);
-        free(v);
-    }
-
-    /* A capsule over n int64 of a shared block from offset start, holding a new ref. */
-    static PyObject* rc_view_block(char* mem, Py_ssize_t start, Py_ssize_t n) {
-        rc_dl_view* v = (rc_dl_view*)malloc(sizeof(rc_dl_view));
-        PyObject* capsule;
-        if (v == NULL) { PyErr_NoMemory(); return NULL; }
-        __atomic_add_fetch(&((rc_dl_head*)mem)->refs, 1, __ATOMIC_ACQ_REL);
-        v->block = mem;
-        rc_fill_dl(&v->managed, v->shape, v->strides, (int64_t*)(mem + RC_DL_HEAD) + start, n,
-                   v, rc_view_deleter);
-        capsule = PyCapsule_New(&v->managed, "dltensor", rc_dl_capsule_destructor);
-        if (capsule == NULL) { rc_block_release(mem); free(v); }
-        return capsule;
-    }
-
-    static PyObject* rc_int64_capsule(Py_ssize_t n, int64_t** data) {
-        char* mem = rc_int64_block(n);
-        if (mem == NULL) { PyErr_NoMemory(); return NULL; }
-        *data = (int64_t*)(mem + RC_DL_HEAD);
-        return rc_adopt_block(mem, n);
-    }
-
-    #include "structmember.h"
-    /* The offset of a __slots__ member in its objects, from its member descriptor. */
-    static Py_ssize_t rc_slot_offset(PyObject* descr) {
-        if (Py_TYPE(descr) != &PyMemberDescr_Type) {
-            PyErr_SetString(PyExc_TypeError, "not a __slots__ member");
-            return -1;
-        }
-        return ((PyMemberDescrObject*)descr)->d_member->offset;
-    }
-
-    /* A MatchResult with its five slots filled (offsets from rc_slot_offset): no
-       attribute lookup, no Python-level __init__. */
-    static PyObject* rc_make_match(PyObject* type, const Py_ssize_t* offsets,
-                                   PyObject* indices, PyObject* node, PyObject* length,
-                                   PyObject* host_length, PyObject* last_host) {
-        PyObject* values[5];
-        PyObject* obj = ((PyTypeObject*)type)->tp_alloc((PyTypeObject*)type, 0);
-        int i;
-        if (obj == NULL) return NULL;
-        values[0] = indices; values[1] = node; values[2] = length;
-        values[3] = host_length; values[4] = last_host;
-        for (i = 0; i < 5; i++) {
-            PyObject** slot = (PyObject**)((char*)obj + offsets[i]);
-            PyObject* old = *slot;
-            Py_INCREF(values[i]);
-            *slot = values[i];
-            Py_XDECREF(old);  /* NULL: tp_alloc zeroes the object */
-        }
-        return obj;
-    }
-
-    /* An InsertResult with its two slots filled, as rc_make_match does. */
-    static PyObject* rc_make_insert(PyObject* type, const Py_ssize_t* offsets,
-                                    PyObject* prefix_len, PyObject* node) {
-        PyObject* values[2];
-        PyObject* obj = ((PyTypeObject*)type)->tp_alloc((PyTypeObject*)type, 0);
-        int i;
-        if (obj == NULL) return NULL;
-        values[0] = prefix_len; values[1] = node;
-        for (i = 0; i < 2; i++) {
-            PyObject** slot = (PyObject**)((char*)obj + offsets[i]);
-            PyObject* old = *slot;
-            Py_INCREF(values[i]);
-            *slot = values[i];
-            Py_XDECREF(old);
-        }
-        return obj;
-    }
-    """
-    Py_ssize_t rc_slot_offset(object descr) except -1
-    object rc_make_insert(object type, const Py_ssize_t* offsets, object prefix_len,
-                          object node)
-    object rc_make_match(object type, const Py_ssize_t* offsets, object indices, object node,
-                         object length, object host_length, object last_host)
-    bint rc_read_int(PyObject* o, int64_t* out) noexcept
+cdef extern from "rc_dlpack.h":
     object rc_int64_capsule(Py_ssize_t n, int64_t** data)
     size_t RC_DL_HEAD
     char* rc_int64_block(Py_ssize_t n) noexcept
@@ -1512,6 +1224,13 @@ cdef extern from *:
         rc_DLTensor dl_tensor
         void (*deleter)(rc_DLManagedTensor*) noexcept
 
+cdef extern from "rc_results.h":
+    Py_ssize_t rc_slot_offset(object descr) except -1
+    object rc_make_insert(object type, const Py_ssize_t* offsets, object prefix_len,
+                          object node)
+    object rc_make_match(object type, const Py_ssize_t* offsets, object indices, object node,
+                         object length, object host_length, object last_host)
+
 cdef extern from "Python.h":
     Py_ssize_t PyList_GET_SIZE(object) noexcept
     Py_ssize_t PyTuple_GET_SIZE(object) noexcept
@@ -1520,9 +1239,6 @@ from libc.stdint cimport uintptr_t
 
 import array as _array_module
 
-from ._shared import KEY_FALLS_ON_ACCESS as _KEY_FALLS_ON_ACCESS
-from ._shared import InsertResult as _InsertResult
-from ._shared import MatchResult as _MatchResult
 
 _ndarray = np.ndarray
 _array_type = _array_module.array
@@ -1539,7 +1255,7 @@ cdef class _NoTensor:
         raise TypeError("the stand-in for torch.Tensor has no instances")
 
 
-# torch's names, bound by _bind_torch once some code loads torch (_shared.load_torch): a
+# torch's names, bound by _bind_torch once some code loads torch (_torch.load_torch): a
 # core of numpy arrays never imports it.
 _Tensor = _NoTensor
 _int64 = None
@@ -1551,65 +1267,7 @@ _from_dlpack = None
 # getters and methods), never through the instance: a tensor has a __dict__, and an
 # attribute set there (t.data_ptr = ...) shadows a method. Calling the C function directly
 # also skips the attribute lookup. The accessors' order is _FACT_*'s.
-cdef extern from *:
-    """
-    typedef PyObject* (*rc_fast_meth)(PyObject*, PyObject* const*, Py_ssize_t);
-    typedef PyObject* (*rc_fast_kw_meth)(PyObject*, PyObject* const*, Py_ssize_t, PyObject*);
-    typedef struct {
-        getter get;          /* a getset descriptor's getter, or NULL */
-        void* closure;
-        PyCFunction meth;    /* else a method descriptor's function */
-        int flags;           /* its calling convention */
-    } rc_accessor;
-
-    static PyObject* rc_no_args = NULL;
-
-    /* Bind ``a`` to the C function behind ``descr``: 1, or 0 when it is neither a getset
-       descriptor with a getter nor a method descriptor of a convention handled here. */
-    static int rc_accessor_bind(rc_accessor* a, PyObject* descr) {
-        a->get = NULL; a->closure = NULL; a->meth = NULL; a->flags = 0;
-        if (Py_IS_TYPE(descr, &PyGetSetDescr_Type)) {
-            PyGetSetDef* def = ((PyGetSetDescrObject*)descr)->d_getset;
-            if (def == NULL || def->get == NULL) return 0;
-            a->get = def->get;
-            a->closure = def->closure;
-            return 1;
-        }
-        if (Py_IS_TYPE(descr, &PyMethodDescr_Type)) {
-            PyMethodDef* def = ((PyMethodDescrObject*)descr)->d_method;
-            int flags = def->ml_flags & ~METH_COEXIST;
-            if (flags != METH_NOARGS && flags != METH_VARARGS
-                    && flags != (METH_VARARGS | METH_KEYWORDS) && flags != METH_FASTCALL
-                    && flags != (METH_FASTCALL | METH_KEYWORDS))
-                return 0;
-            if (rc_no_args == NULL && (rc_no_args = PyTuple_New(0)) == NULL) return -1;
-            a->meth = def->ml_meth;
-            a->flags = flags;
-            return 1;
-        }
-        return 0;
-    }
-
-    /* The attribute (a getter) or the result of calling the method without arguments, for
-       an object of the type the accessor was bound from; NULL with an exception set. */
-    static PyObject* rc_accessor_read(const rc_accessor* a, PyObject* obj) {
-        if (a->get != NULL) return a->get(obj, a->closure);
-        switch (a->flags) {
-        case METH_NOARGS:
-            return a->meth(obj, NULL);
-        case METH_VARARGS:
-            return a->meth(obj, rc_no_args);
-        case METH_VARARGS | METH_KEYWORDS:
-            return ((PyCFunctionWithKeywords)(void (*)(void))a->meth)(obj, rc_no_args, NULL);
-        case METH_FASTCALL:
-            return ((rc_fast_meth)(void (*)(void))a->meth)(obj, NULL, 0);
-        case METH_FASTCALL | METH_KEYWORDS:
-            return ((rc_fast_kw_meth)(void (*)(void))a->meth)(obj, NULL, 0, NULL);
-        }
-        PyErr_SetString(PyExc_SystemError, "a tensor accessor is not bound");
-        return NULL;
-    }
-    """
+cdef extern from "rc_tensor.h":
     ctypedef struct rc_accessor:
         pass
     int rc_accessor_bind(rc_accessor* a, object descr) except -1
@@ -1879,7 +1537,7 @@ cdef int collect_value(FreedBatch batch, Node node) except -1:
 
 
 cdef bytes host_bytes(object host, Py_ssize_t n, bint numpy_arrays):
-    """What ``backup`` returned for a node of ``n`` tokens, checked (``_shared``'s
+    """What ``backup`` returned for a node of ``n`` tokens, checked (``_handover``'s
     checks and messages), as int64 bytes of exactly ``n`` indices: the conversion runs torch
     code (a tensor subclass can answer anything), so its result is checked again.
 
@@ -2003,9 +1661,22 @@ cdef int borrow_int64(object obj, TokenBuf* b) except -1:
     return 1
 
 
+cdef int64_t token_target(object num_tokens) except? -1:
+    """``evict``'s ``num_tokens`` (an int, else TypeError) as an int64, clamped."""
+    if type(num_tokens) is not int:
+        raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+    try:
+        return PyLong_AsLongLong(num_tokens)
+    except OverflowError:
+        return INT64_MAX if num_tokens > 0 else 0
+
+
 @cython.final
 cdef class Core:
-    """One cache's tree, eviction heap, sizes and counters, and its whole-call operations
+    """Core(page_size, policy, host_tier=False, write_through_hits=0, numpy_arrays=False)
+--
+
+One cache's tree, eviction heap, sizes and counters, and its whole-call operations
     (the interface is specified in ``_core_py``'s docstring).
 
     Every call holds the tree's guard (shared with the heap). The fast paths take the
@@ -2732,6 +2403,29 @@ cdef class Core:
         finally:
             self.give(held)
 
+    cdef int hand_over_one(self, object free_callback, list handed, list garbage,
+                           str what) except -1:
+        """An evict loop's per-node hand-over, as the pure core's ``_hand_over_one``: the
+        indices in ``handed[0]`` to ``free_callback`` with the guard released; the guard is
+        not held on an exception."""
+        value = handed[0]
+        handed[0] = None
+        self.guard.busy = 0
+        del garbage[:]
+        free_callback(value)
+        value = None
+        self.guard.enter(what)
+        return 0
+
+    cdef int hand_over_batch(self, object free_callback, object value,
+                             object error) except -1:
+        """A batch eviction's end, outside the guard: ``value`` (the ``FreedBatch``'s take:
+        None, one array, or parts to join) to ``free_callback`` in one call, then the
+        loop's ``error`` re-raised (``_handover.hand_over_batch``)."""
+        _hand_over_batch(free_callback, value, error,
+                         batch_join(self.numpy_arrays) if type(value) is list else None)
+        return 0
+
     def evict(self, num_tokens, free_callback=None, bint batch=False, on_remove=None,
               backup=None, on_backup=None):
         """The whole evict loop (see ``_core_py``): victims popped, detached and counted
@@ -2745,17 +2439,14 @@ cdef class Core:
         cdef bint per_node = free_callback is not None and not batch
         cdef bint collect = free_callback is not None and batch
         cdef bint holding
-        if type(num_tokens) is not int:
-            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
-        try:
-            target = PyLong_AsLongLong(num_tokens)
-        except OverflowError:
-            target = INT64_MAX if num_tokens > 0 else 0
+        target = token_target(num_tokens)
         if self.host_tier:
             return self.evict_tiered(target, free_callback, batch, on_remove, backup,
                                      on_backup)
         garbage = []  # stale entries and dropped values: released outside the guard
         cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
+        # A per-node callback's argument, from its victim to the call (see hand_over_one).
+        cdef list handed = [None] if per_node else None
         value = error = None
         self.guard.enter("evict")
         holding = True
@@ -2769,7 +2460,7 @@ cdef class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        value = victim_value(node, True)
+                        handed[0] = victim_value(node, True)
                     elif collect:
                         collect_value(freed_batch, node)
                 except BaseException:
@@ -2783,14 +2474,10 @@ cdef class Core:
                 garbage.append(self.push_if_evictable(parent))
                 freed += size
                 if per_node:
-                    # The cache is consistent here: the callback may call it (even evict).
-                    self.guard.busy = 0
                     holding = False
                     node = parent = None
-                    del garbage[:]
-                    free_callback(value)
-                    value = None
-                    self.guard.enter("evict, after its free_callback")
+                    self.hand_over_one(free_callback, handed, garbage,
+                                       "evict, after its free_callback")
                     holding = True
         except BaseException as exc:
             if not collect:
@@ -2807,8 +2494,7 @@ cdef class Core:
         node = parent = None
         # batch: one call with every freed index, outside the guard; then the loop's error
         if collect:
-            _hand_over_batch(free_callback, value, error,
-                             batch_join(self.numpy_arrays) if type(value) is list else None)
+            self.hand_over_batch(free_callback, value, error)
         return freed
 
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
@@ -2827,6 +2513,7 @@ cdef class Core:
         cdef bint holding
         cdef Py_ssize_t added = 0  # this victim's indices already in the batch (backup's)
         cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
+        cdef list handed = [None] if per_node else None  # see hand_over_one
         garbage = []  # stale entries and dropped values: released outside the guard
         skipped = []  # device leaves that cannot leave the tree: pushed back after the loop
         skipping = set()  # the same nodes, to drop their other heap entries
@@ -2908,14 +2595,12 @@ cdef class Core:
                     garbage.append(self.push_if_evictable(parent))
                 freed += size
                 if per_node:
-                    # The cache is consistent here: the callback may call it (even evict).
-                    self.guard.busy = 0
                     holding = False
                     node = parent = None
-                    del garbage[:]
-                    free_callback(value)
+                    handed[0] = value
                     value = None
-                    self.guard.enter("evict, after its free_callback")
+                    self.hand_over_one(free_callback, handed, garbage,
+                                       "evict, after its free_callback")
                     holding = True
         except BaseException as exc:
             if not collect:
@@ -2941,8 +2626,7 @@ cdef class Core:
         node = parent = None
         # batch: one call with every freed index, outside the guard; then the loop's error
         if collect:
-            _hand_over_batch(free_callback, value, error,
-                             batch_join(self.numpy_arrays) if type(value) is list else None)
+            self.hand_over_batch(free_callback, value, error)
         return freed
 
     def evict_host(self, num_tokens, free_callback=None, bint batch=False, on_remove=None):
@@ -2955,14 +2639,10 @@ cdef class Core:
         cdef bint per_node = free_callback is not None and not batch
         cdef bint collect = free_callback is not None and batch
         cdef bint holding
-        if type(num_tokens) is not int:
-            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
-        try:
-            target = PyLong_AsLongLong(num_tokens)
-        except OverflowError:
-            target = INT64_MAX if num_tokens > 0 else 0
+        target = token_target(num_tokens)
         garbage = []
         cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
+        cdef list handed = [None] if per_node else None  # see hand_over_one
         value = error = None
         self.guard.enter("evict_host")
         holding = True
@@ -2975,7 +2655,8 @@ cdef class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        value = block_tensor(host_data(node), node.key_len, self.numpy_arrays)
+                        handed[0] = block_tensor(host_data(node), node.key_len,
+                                                 self.numpy_arrays)
                     if not self.host_heap.usable(node) or node.host_owner is None:
                         raise RuntimeError(f"evict_host: node {node.id} changed during a "
                                            "callback")
@@ -2992,13 +2673,10 @@ cdef class Core:
                 garbage.append(self.push_host_leaf(parent))
                 freed += size
                 if per_node:
-                    self.guard.busy = 0
                     holding = False
                     node = parent = None
-                    del garbage[:]
-                    free_callback(value)
-                    value = None
-                    self.guard.enter("evict_host, after its free_callback")
+                    self.hand_over_one(free_callback, handed, garbage,
+                                       "evict_host, after its free_callback")
                     holding = True
         except BaseException as exc:
             if not collect:
@@ -3014,7 +2692,7 @@ cdef class Core:
         del garbage[:]
         node = parent = None
         if collect:
-            _hand_over_batch(free_callback, value, error, None)
+            self.hand_over_batch(free_callback, value, error)
         return freed
 
     def write_through(self, backup, on_backup=None):
@@ -3406,713 +3084,3 @@ def put_slots(object stack, Py_ssize_t top, object slots, int64_t bound):
             release_tokens(&src)
     finally:
         PyBuffer_Release(&dst)
-
-
-# -- page hash chain (spec: _core_py's module docstring) --------------------------------------
-def page_hash_chain(seed, data, page_bytes):
-    """The chained 64-bit hashes of the full pages of ``data``; see ``_core_py``."""
-    if type(data) is not bytes:
-        raise TypeError(f"data must be bytes, got {type(data).__name__}")
-    for name, value in (("seed", seed), ("page_bytes", page_bytes)):
-        if type(value) is not int:  # exactly int: a subclass could change // or &
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if page_bytes <= 0 or page_bytes % 8:
-        raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
-    if page_bytes > len(data):
-        return []  # no full page; page_bytes may not even fit in a Py_ssize_t
-    cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
-    cdef Py_ssize_t per_page = page_bytes // 8
-    cdef bytes buffer = data  # immutable: its bytes cannot change under this loop
-    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(buffer)
-    cdef Py_ssize_t pages = len(buffer) // page_bytes
-    cdef Py_ssize_t page, i
-    cdef uint64_t t
-    cdef const unsigned char* w
-    out = [None] * pages
-    for page in range(pages):
-        for i in range(per_page):
-            w = p + (page * per_page + i) * 8
-            t = (<uint64_t>w[0] | (<uint64_t>w[1] << 8) | (<uint64_t>w[2] << 16)
-                 | (<uint64_t>w[3] << 24) | (<uint64_t>w[4] << 32) | (<uint64_t>w[5] << 40)
-                 | (<uint64_t>w[6] << 48) | (<uint64_t>w[7] << 56))
-            h = (h ^ t) * <uint64_t>0x9E3779B97F4A7C15
-            h ^= h >> 32
-        h ^= h >> 33
-        h *= <uint64_t>0xFF51AFD7ED558CCD
-        h ^= h >> 33
-        h *= <uint64_t>0xC4CEB9FE1A85EC53
-        h ^= h >> 33
-        out[page] = <int64_t>h
-    return out
-
-
-# -- block index (spec: _core_py's module docstring) ------------------------------------------
-# KvIndexer's table: 64-bit block key -> the copies (small ints) holding it, a copy once per
-# holding. Inputs are read into owned buffers before anything changes, and no Python code
-# runs while the table is written (exact ints only; nothing allocated that could collect).
-
-from libc.string cimport memmove
-
-cdef extern from *:
-    void __builtin_prefetch(const void* addr) noexcept nogil
-
-# How many keys ahead a batch prefetches its table slot (the table is larger than the cache).
-DEF _BI_AHEAD = 16
-
-
-cdef inline uint64_t _bi_page(uint64_t h, const unsigned char* w, Py_ssize_t per_page) noexcept:
-    # One page of page_hash_chain: ``per_page`` int64 little-endian tokens at ``w``.
-    cdef Py_ssize_t i
-    cdef uint64_t t
-    for i in range(per_page):
-        t = (<uint64_t>w[0] | (<uint64_t>w[1] << 8) | (<uint64_t>w[2] << 16)
-             | (<uint64_t>w[3] << 24) | (<uint64_t>w[4] << 32) | (<uint64_t>w[5] << 40)
-             | (<uint64_t>w[6] << 48) | (<uint64_t>w[7] << 56))
-        h = (h ^ t) * <uint64_t>0x9E3779B97F4A7C15
-        h ^= h >> 32
-        w += 8
-    h ^= h >> 33
-    h *= <uint64_t>0xFF51AFD7ED558CCD
-    h ^= h >> 33
-    h *= <uint64_t>0xC4CEB9FE1A85EC53
-    h ^= h >> 33
-    return h
-
-
-def page_hash_bytes(seed, data, page_bytes):
-    """``page_hash_chain`` as native int64 bytes (no int objects); see ``_core_py``."""
-    cdef bint is_array = type(data) is _ndarray
-    if not is_array and type(data) is not bytes:
-        raise TypeError(f"data must be bytes or an int64 numpy array, got {type(data).__name__}")
-    if is_array and (data.dtype.str != "<i8" or data.ndim != 1
-                     or not data.flags.c_contiguous):
-        raise TypeError(f"data as an array must be 1-D contiguous little-endian int64, got "
-                        f"{data.ndim}-D {data.dtype}")
-    for name, value in (("seed", seed), ("page_bytes", page_bytes)):
-        if type(value) is not int:
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if page_bytes <= 0 or page_bytes % 8:
-        raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
-    cdef Py_buffer view
-    cdef bytes out
-    cdef const unsigned char* p
-    cdef Py_ssize_t per_page = 0, pages = 0, page, length
-    cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
-    cdef int64_t* q
-    if is_array:
-        # Held for the call (nothing runs meanwhile): its memory stays where it is.
-        PyObject_GetBuffer(data, &view, PyBUF_C_CONTIGUOUS)
-        p = <const unsigned char*>view.buf
-        length = view.len
-    else:
-        p = <const unsigned char*>PyBytes_AS_STRING(<bytes>data)
-        length = len(<bytes>data)
-    try:
-        if page_bytes <= length:
-            per_page = page_bytes // 8
-            pages = length // page_bytes
-        out = PyBytes_FromStringAndSize(NULL, pages * 8)
-        q = <int64_t*>PyBytes_AS_STRING(out)
-        for page in range(pages):
-            h = _bi_page(h, p + page * per_page * 8, per_page)
-            q[page] = <int64_t>h
-    finally:
-        if is_array:
-            PyBuffer_Release(&view)
-    return out
-
-
-cdef extern from "Python.h":
-    int PyTraceMalloc_Track(unsigned int domain, uintptr_t ptr, size_t size)
-    int PyTraceMalloc_Untrack(unsigned int domain, uintptr_t ptr)
-
-cdef extern from *:
-    """
-    #if defined(__linux__)
-    #include <stdlib.h>
-    #include <sys/mman.h>
-    /* 2 MiB aligned, advised into transparent huge pages (advice only). */
-    static void* rc_bi_huge_alloc(size_t size) {
-        void* p = NULL;
-        if (posix_memalign(&p, 2097152, size) != 0) return NULL;
-    #ifdef MADV_HUGEPAGE
-        madvise(p, size, MADV_HUGEPAGE);
-    #endif
-        return p;
-    }
-    #else
-    #include <stdlib.h>
-    static void* rc_bi_huge_alloc(size_t size) { return malloc(size); }
-    #endif
-    static void rc_bi_huge_free(void* p) { free(p); }
-    """
-    void* rc_bi_huge_alloc(size_t size) nogil
-    void rc_bi_huge_free(void* p) nogil
-
-# Tables of at least this many bytes live in huge pages where the system offers them (fewer
-# TLB misses: every lookup lands on a random slot); tracemalloc still sees them.
-DEF _BI_HUGE = 2097152
-
-
-cdef BIEntry* _bi_alloc(Py_ssize_t capacity) noexcept:
-    cdef size_t size = capacity * sizeof(BIEntry)
-    cdef void* p = NULL
-    if size < _BI_HUGE:
-        p = PyMem_Malloc(size)
-    else:
-        p = rc_bi_huge_alloc(size)
-        if p != NULL:
-            PyTraceMalloc_Track(0, <uintptr_t>p, size)
-    if p != NULL:
-        memset(p, 0, size)
-    return <BIEntry*>p
-
-
-cdef void _bi_free(BIEntry* table, Py_ssize_t capacity) noexcept:
-    if table == NULL:
-        return
-    if capacity * sizeof(BIEntry) < _BI_HUGE:
-        PyMem_Free(table)
-    else:
-        PyTraceMalloc_Untrack(0, <uintptr_t>table)
-        rc_bi_huge_free(table)
-
-
-cdef inline uint64_t _bi_mix(int64_t key) noexcept:
-    cdef uint64_t h = <uint64_t>key ^ <uint64_t>0x5BD1E9955BD1E995
-    h ^= h >> 33
-    h *= <uint64_t>0xFF51AFD7ED558CCD
-    h ^= h >> 33
-    h *= <uint64_t>0xC4CEB9FE1A85EC53
-    h ^= h >> 33
-    return h
-
-
-cdef bytes _bi_keys(object keys):
-    """``keys`` as int64 native-order bytes: a list or tuple of ints, or bytes."""
-    cdef Py_ssize_t n, i
-    cdef bytes out
-    cdef int64_t* p
-    if type(keys) is bytes:
-        if len(<bytes>keys) % 8:
-            raise ValueError(f"keys as bytes must hold int64 values (a multiple of 8 bytes), "
-                             f"got {len(<bytes>keys)} bytes")
-        return <bytes>keys
-    if type(keys) is not list and type(keys) is not tuple:
-        raise TypeError(f"keys must be a list or tuple of ints, or bytes, got "
-                        f"{type(keys).__name__}")
-    n = len(keys)
-    out = PyBytes_FromStringAndSize(NULL, n * 8)
-    p = <int64_t*>PyBytes_AS_STRING(out)
-    for i in range(n):
-        item = keys[i]  # a reference: the sequence may not be changed by anything below
-        if type(item) is not int:
-            raise TypeError(f"keys must be ints, got {type(item).__name__} at position {i}")
-        try:
-            p[i] = PyLong_AsLongLong(item)
-        except OverflowError:
-            raise OverflowError(f"key {item} at position {i} does not fit in int64") from None
-    return out
-
-
-cdef int32_t _bi_copy(object copy) except -1:
-    if type(copy) is not int:
-        raise TypeError(f"copy must be an int, got {type(copy).__name__}")
-    if not 0 <= copy < 0x7FFFFFFF:
-        raise ValueError(f"copy must be in [0, 2**31 - 1), got {copy}")
-    return <int32_t>copy
-
-
-cdef int64_t _bi_key(object key) except? -1:
-    if type(key) is not int:
-        raise TypeError(f"key must be an int, got {type(key).__name__}")
-    try:
-        return PyLong_AsLongLong(key)
-    except OverflowError:
-        raise OverflowError(f"key {key} does not fit in int64") from None
-
-
-@cython.final
-cdef class BlockIndex:
-    """Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_core_py``."""
-
-    def __cinit__(self):
-        self.table = _bi_alloc(8)
-        if self.table == NULL:
-            raise MemoryError()
-        self.mask = 7
-        self.size = 0
-        self.n_pairs = 0
-        self.lists = NULL
-        self.lists_cap = 0
-        self.lists_used = 0
-        self.free_lists = NULL
-        self.n_free = 0
-        self.marks = NULL
-        self.marks_cap = 0
-        self.stamp = 0
-
-    def __dealloc__(self):
-        cdef Py_ssize_t i
-        for i in range(self.lists_used):
-            PyMem_Free(self.lists[i])  # NULL for a free position
-        PyMem_Free(self.lists)
-        PyMem_Free(self.free_lists)
-        _bi_free(self.table, self.mask + 1)
-        PyMem_Free(self.marks)
-        self.lists = NULL
-        self.free_lists = NULL
-        self.table = NULL
-        self.marks = NULL
-
-    def __reduce__(self):
-        # Every holding as (key, copy), a key's copies earliest first: holding them again in
-        # this order rebuilds the index (native byte order).
-        cdef Py_ssize_t i, j, k
-        cdef bytes keys, copies
-        cdef int64_t* kp
-        cdef int32_t* cp
-        cdef const int32_t* items
-        while True:
-            keys = PyBytes_FromStringAndSize(NULL, self.n_pairs * 8)
-            copies = PyBytes_FromStringAndSize(NULL, self.n_pairs * 4)
-            if len(keys) == self.n_pairs * 8 and len(copies) == self.n_pairs * 4:
-                break  # a finalizer run by those allocations changed nothing
-        kp = <int64_t*>PyBytes_AS_STRING(keys)
-        cp = <int32_t*>PyBytes_AS_STRING(copies)
-        k = 0
-        for i in range(self.mask + 1):
-            if self.table[i].n:
-                items = self.copies(&self.table[i])
-                for j in range(self.table[i].n):
-                    kp[k] = self.table[i].key
-                    cp[k] = items[j]
-                    k += 1
-        return (_block_index_from, (keys, copies))
-
-    cdef Py_ssize_t find(self, int64_t key) noexcept:
-        cdef Py_ssize_t i = <Py_ssize_t>(_bi_mix(key) & <uint64_t>self.mask)
-        while self.table[i].n:
-            if self.table[i].key == key:
-                return i
-            i = (i + 1) & self.mask
-        return -1
-
-    cdef Py_ssize_t slot_of(self, int64_t key) noexcept:
-        # The key's slot, or the empty slot where it goes (the table has room).
-        cdef Py_ssize_t i = <Py_ssize_t>(_bi_mix(key) & <uint64_t>self.mask)
-        while self.table[i].n and self.table[i].key != key:
-            i = (i + 1) & self.mask
-        return i
-
-    cdef const int32_t* copies(self, BIEntry* e) noexcept:
-        return &e.one if e.n == 1 else self.lists[e.one]
-
-    cdef int32_t new_list(self, int32_t first, int32_t second) except -1:
-        cdef int32_t* items = <int32_t*>PyMem_Malloc(4 * sizeof(int32_t))
-        cdef int32_t** grown
-        cdef int32_t* grown_free
-        cdef Py_ssize_t li, cap
-        if items == NULL:
-            raise MemoryError()
-        if self.n_free:
-            self.n_free -= 1
-            li = self.free_lists[self.n_free]
-        else:
-            if self.lists_used == self.lists_cap:
-                cap = max(16, self.lists_cap * 2)
-                if cap > 0x7FFFFFFF:
-                    PyMem_Free(items)
-                    raise OverflowError("too many blocks held more than once")
-                grown = <int32_t**>PyMem_Realloc(self.lists, cap * sizeof(int32_t*))
-                if grown == NULL:
-                    PyMem_Free(items)
-                    raise MemoryError()
-                self.lists = grown
-                grown_free = <int32_t*>PyMem_Realloc(self.free_lists, cap * sizeof(int32_t))
-                if grown_free == NULL:
-                    PyMem_Free(items)
-                    raise MemoryError()
-                self.free_lists = grown_free
-                self.lists_cap = cap
-            li = self.lists_used
-            self.lists_used += 1
-        items[0] = first
-        items[1] = second
-        self.lists[li] = items
-        return <int32_t>li
-
-    cdef void free_list(self, int32_t li) noexcept:
-        PyMem_Free(self.lists[li])
-        self.lists[li] = NULL
-        self.free_lists[self.n_free] = li
-        self.n_free += 1
-
-    cdef int rebuild(self, Py_ssize_t capacity) except -1:
-        cdef BIEntry* old = self.table
-        cdef Py_ssize_t old_cap = self.mask + 1, i, j
-        cdef BIEntry* fresh = _bi_alloc(capacity)
-        if fresh == NULL:
-            raise MemoryError()
-        self.table = fresh
-        self.mask = capacity - 1
-        for i in range(old_cap):
-            if old[i].n:
-                j = self.slot_of(old[i].key)
-                fresh[j] = old[i]
-        _bi_free(old, old_cap)
-        return 0
-
-    cdef int reserve(self, Py_ssize_t keys) except -1:
-        # Room for ``keys`` distinct keys at a load of at most 3/4.
-        cdef Py_ssize_t capacity = self.mask + 1
-        if keys * 4 <= capacity * 3:
-            return 0
-        while keys * 4 > capacity * 3:
-            capacity *= 2
-        return self.rebuild(capacity)
-
-    cdef void maybe_shrink(self) noexcept:
-        cdef Py_ssize_t capacity = self.mask + 1
-        if capacity > 8 and self.size * 8 < capacity:
-            while capacity > 8 and self.size * 4 < capacity:
-                capacity //= 2
-            try:
-                self.rebuild(capacity)
-            except MemoryError:
-                pass  # stays larger
-
-    cdef int hold_key(self, int64_t key, int32_t copy) except -1:
-        # One more holding of ``key`` by ``copy``; the table has room for a new key.
-        cdef Py_ssize_t i = self.slot_of(key)
-        cdef BIEntry* e = &self.table[i]
-        cdef int32_t* items
-        cdef int32_t* grown
-        cdef int32_t n = e.n
-        if n == 0:
-            e.key = key
-            e.one = copy
-            e.n = 1
-            self.size += 1
-        elif n == 1:
-            e.one = self.new_list(e.one, copy)
-            e.n = 2
-        else:
-            if n >= 0x3FFFFFFF:
-                raise OverflowError("too many holdings of one block")
-            items = self.lists[e.one]
-            if n >= 4 and (n & (n - 1)) == 0:  # full: capacity max(4, n rounded up)
-                grown = <int32_t*>PyMem_Realloc(items, 2 * n * sizeof(int32_t))
-                if grown == NULL:
-                    raise MemoryError()
-                self.lists[e.one] = items = grown
-            items[n] = copy
-            e.n = n + 1
-        self.n_pairs += 1
-        return 0
-
-    cdef bint drop_key(self, int64_t key, int32_t copy) noexcept:
-        # One holding of ``key`` by ``copy`` less; False when it holds none. No shrinking.
-        cdef Py_ssize_t i = self.find(key), j
-        cdef BIEntry* e
-        cdef int32_t* items
-        cdef int32_t last
-        if i < 0:
-            return False
-        e = &self.table[i]
-        if e.n == 1:
-            if e.one != copy:
-                return False
-            self.delete_slot(i)
-            self.size -= 1
-            self.n_pairs -= 1
-            return True
-        items = self.lists[e.one]
-        for j in range(e.n):
-            if items[j] == copy:
-                break
-        else:
-            return False
-        # Keep the holders' order: the earliest holding first.
-        memmove(&items[j], &items[j + 1], (e.n - j - 1) * sizeof(int32_t))
-        e.n -= 1
-        if e.n == 1:
-            last = items[0]
-            self.free_list(e.one)
-            e.one = last
-        self.n_pairs -= 1
-        return True
-
-    cdef void delete_slot(self, Py_ssize_t i) noexcept:
-        # Backward-shift deletion (no tombstones) of a slot holding no list.
-        cdef Py_ssize_t mask = self.mask, j = i, home
-        cdef BIEntry* t = self.table
-        while True:
-            j = (j + 1) & mask
-            if t[j].n == 0:
-                break
-            home = <Py_ssize_t>(_bi_mix(t[j].key) & <uint64_t>mask)
-            # Move j back to i unless its home lies cyclically in (i, j].
-            if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
-                t[i] = t[j]
-                i = j
-        memset(&t[i], 0, sizeof(BIEntry))
-
-    def __len__(self):
-        return self.size
-
-    @property
-    def pairs(self):
-        """Holdings: (key, copy) pairs, a copy counted once per holding."""
-        return self.n_pairs
-
-    def hold(self, key, copy):
-        cdef int64_t k = _bi_key(key)
-        cdef int32_t c = _bi_copy(copy)
-        self.reserve(self.size + 1)
-        self.hold_key(k, c)
-
-    def unhold(self, key, copy):
-        cdef int64_t k = _bi_key(key)
-        cdef int32_t c = _bi_copy(copy)
-        cdef bint done = self.drop_key(k, c)
-        if done:
-            self.maybe_shrink()
-        return done
-
-    def holds(self, key, copy):
-        cdef int64_t k = _bi_key(key)
-        cdef int32_t c = _bi_copy(copy)
-        cdef Py_ssize_t i = self.find(k), j
-        cdef const int32_t* items
-        if i < 0:
-            return False
-        items = self.copies(&self.table[i])
-        for j in range(self.table[i].n):
-            if items[j] == c:
-                return True
-        return False
-
-    def holders(self, key):
-        cdef int64_t k = _bi_key(key)
-        cdef Py_ssize_t i = self.find(k), j, n
-        if i < 0:
-            return []
-        n = self.table[i].n
-        # Copy first: making the list may run the garbage collector (and finalizers).
-        cdef bytes snapshot = PyBytes_FromStringAndSize(<char*>self.copies(&self.table[i]),
-                                                        n * sizeof(int32_t))
-        cdef const int32_t* p = <const int32_t*>PyBytes_AS_STRING(snapshot)
-        return [p[j] for j in range(n)]
-
-    def add(self, copy, keys):
-        cdef int32_t c = _bi_copy(copy)
-        cdef bytes data = _bi_keys(keys)
-        cdef const int64_t* p = <const int64_t*>PyBytes_AS_STRING(data)
-        cdef Py_ssize_t n = len(data) // 8, i
-        self.reserve(self.size + n)
-        for i in range(n):
-            if i + _BI_AHEAD < n:
-                __builtin_prefetch(&self.table[_bi_mix(p[i + _BI_AHEAD]) & <uint64_t>self.mask])
-            self.hold_key(p[i], c)
-        return n
-
-    def store(self, copy, keys):
-        cdef int32_t c = _bi_copy(copy)
-        cdef bytes data = _bi_keys(keys)
-        cdef const int64_t* p = <const int64_t*>PyBytes_AS_STRING(data)
-        cdef Py_ssize_t n = len(data) // 8, i, j, s
-        cdef Py_ssize_t stored = 0, duplicates = 0
-        cdef BIEntry* e
-        cdef const int32_t* items
-        cdef bint held
-        self.reserve(self.size + n)
-        for i in range(n):
-            if i + _BI_AHEAD < n:
-                __builtin_prefetch(&self.table[_bi_mix(p[i + _BI_AHEAD]) & <uint64_t>self.mask])
-            s = self.slot_of(p[i])
-            e = &self.table[s]
-            held = False
-            if e.n:
-                items = self.copies(e)
-                for j in range(e.n):
-                    if items[j] == c:
-                        held = True
-                        break
-            if held:
-                duplicates += 1
-            else:
-                self.hold_key(p[i], c)
-                stored += 1
-        return stored, duplicates
-
-    def remove(self, copy, keys):
-        cdef int32_t c = _bi_copy(copy)
-        cdef bytes data = _bi_keys(keys)
-        cdef const int64_t* p = <const int64_t*>PyBytes_AS_STRING(data)
-        cdef Py_ssize_t n = len(data) // 8, i
-        cdef Py_ssize_t removed = 0
-        for i in range(n):
-            if i + _BI_AHEAD < n:
-                __builtin_prefetch(&self.table[_bi_mix(p[i + _BI_AHEAD]) & <uint64_t>self.mask])
-            if self.drop_key(p[i], c):
-                removed += 1
-        self.maybe_shrink()
-        return removed, n - removed
-
-    def clear_copy(self, copy):
-        cdef int32_t c = _bi_copy(copy)
-        cdef Py_ssize_t i, j, k, dropped = 0, cap = self.mask + 1
-        cdef BIEntry* e
-        cdef int32_t* items
-        cdef int32_t last
-        for i in range(cap):
-            e = &self.table[i]
-            if e.n == 1:
-                if e.one == c:
-                    e.n = 0  # emptied; the table is rebuilt below
-                    dropped += 1
-                    self.size -= 1
-            elif e.n > 1:
-                items = self.lists[e.one]
-                k = 0
-                for j in range(e.n):
-                    if items[j] != c:
-                        items[k] = items[j]
-                        k += 1
-                dropped += e.n - k
-                if k == 0:
-                    self.free_list(e.one)
-                    e.n = 0
-                    self.size -= 1
-                elif k == 1:
-                    last = items[0]
-                    self.free_list(e.one)
-                    e.one = last
-                    e.n = 1
-                else:
-                    # The list keeps its capacity (a power of two >= 4 at least k).
-                    e.n = <int32_t>k
-        self.n_pairs -= dropped
-        if dropped:
-            while cap > 8 and self.size * 4 < cap:
-                cap //= 2
-            self.rebuild(cap)  # skips the emptied slots: probe runs come out whole
-        return dropped
-
-    def overlap(self, seed, data, page_bytes, owners):
-        if type(data) is not bytes:
-            raise TypeError(f"data must be bytes, got {type(data).__name__}")
-        for name, value in (("seed", seed), ("page_bytes", page_bytes)):
-            if type(value) is not int:
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if page_bytes <= 0 or page_bytes % 8:
-            raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
-        cdef bytes owner_data = _bi_keys(owners)
-        cdef Py_ssize_t n_owners = len(owner_data) // 8, i
-        cdef const int64_t* own = <const int64_t*>PyBytes_AS_STRING(owner_data)
-        for i in range(n_owners):
-            if not -1 <= own[i] < n_owners:
-                raise ValueError(f"owners must be -1 or in [0, {n_owners}), got {own[i]} at "
-                                 f"position {i}")
-        if page_bytes > len(<bytes>data):
-            return []
-        cdef bytes buffer = data
-        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(buffer)
-        cdef Py_ssize_t per_page = page_bytes // 8
-        cdef Py_ssize_t pages = len(buffer) // page_bytes
-        cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
-        cdef Py_ssize_t page, j, slot, n_active = -1, depth = 0, n_out = 0, k
-        cdef int32_t* marks
-        cdef int32_t* scratch
-        cdef int32_t stamp, cid
-        cdef int64_t o
-        cdef BIEntry* e
-        cdef const int32_t* items
-        # scratch: the active owners (n_owners), then the results (2 * n_owners)
-        scratch = <int32_t*>PyMem_Malloc((3 * n_owners + 1) * sizeof(int32_t))
-        if scratch == NULL:
-            raise MemoryError()
-        if self.marks_cap < n_owners:
-            marks = <int32_t*>PyMem_Realloc(self.marks, (n_owners + 1) * sizeof(int32_t))
-            if marks == NULL:
-                PyMem_Free(scratch)
-                raise MemoryError()
-            memset(marks, 0, (n_owners + 1) * sizeof(int32_t))
-            self.marks = marks
-            self.marks_cap = n_owners
-            self.stamp = 0
-        marks = self.marks
-        cdef int32_t* active = scratch
-        cdef int32_t* out = scratch + n_owners
-        for page in range(pages):
-            h = _bi_page(h, p + page * per_page * 8, per_page)
-            slot = self.find(<int64_t>h)
-            if slot < 0:
-                break
-            e = &self.table[slot]
-            if self.stamp >= 0x3FFFFFF0:
-                memset(marks, 0, (self.marks_cap + 1) * sizeof(int32_t))
-                self.stamp = 0
-            self.stamp += 2
-            stamp = self.stamp
-            items = self.copies(e)
-            # mark the owners holding this block
-            for k in range(e.n):
-                cid = items[k]
-                if cid < n_owners:
-                    o = own[cid]
-                    if o >= 0:
-                        marks[o] = stamp
-            if n_active < 0:
-                n_active = 0
-                for k in range(e.n):
-                    cid = items[k]
-                    if cid < n_owners:
-                        o = own[cid]
-                        if o >= 0 and marks[o] == stamp:
-                            marks[o] = stamp + 1  # listed once
-                            active[n_active] = <int32_t>o
-                            n_active += 1
-            else:
-                k = 0
-                for j in range(n_active):
-                    if marks[active[j]] == stamp:
-                        active[k] = active[j]
-                        k += 1
-                    else:
-                        out[2 * n_out] = active[j]
-                        out[2 * n_out + 1] = <int32_t>depth
-                        n_out += 1
-                n_active = k
-            if n_active == 0:
-                break
-            depth += 1
-        for j in range(n_active if n_active > 0 else 0):
-            out[2 * n_out] = active[j]
-            out[2 * n_out + 1] = <int32_t>depth
-            n_out += 1
-        try:
-            snapshot = PyBytes_FromStringAndSize(<char*>out, 2 * n_out * sizeof(int32_t))
-        finally:
-            PyMem_Free(scratch)
-        cdef const int32_t* q = <const int32_t*>PyBytes_AS_STRING(snapshot)
-        return [(q[2 * j], q[2 * j + 1]) for j in range(n_out)]
-
-
-def _block_index_from(keys, copies):
-    """A ``BlockIndex`` holding ``keys[i]`` for ``copies[i]`` (int64 and int32 bytes), in order."""
-    if (type(keys) is not bytes or type(copies) is not bytes or len(keys) % 8
-            or len(copies) % 4 or len(keys) // 8 != len(copies) // 4):
-        raise ValueError("malformed BlockIndex state")
-    cdef Py_ssize_t n = len(keys) // 8, i
-    cdef const int64_t* kp = <const int64_t*>PyBytes_AS_STRING(keys)
-    cdef const int32_t* cp = <const int32_t*>PyBytes_AS_STRING(copies)
-    for i in range(n):
-        if not 0 <= cp[i] < 0x7FFFFFFF:
-            raise ValueError("malformed BlockIndex state")
-    cdef BlockIndex index = BlockIndex()
-    index.reserve(n)
-    for i in range(n):
-        index.hold_key(kp[i], cp[i])
-    return index

@@ -1,7 +1,10 @@
 """Pure-Python radix tree core: the reference, the fallback and the benchmark baseline.
 
 The compiled core (``_core_c.pyx``) implements exactly this interface; ``cache.py`` talks to
-whichever one ``_core.py`` chose and never walks the tree itself.
+whichever one ``_core.py`` chose and never walks the tree itself. ``_contract.py`` states the
+interface as typing Protocols (checked against both cores by the tests). This core keeps its
+tree (``Guard``, ``Node``, ``Tree``) in ``_tree_py`` and its heap (``EvictionHeap``) in
+``_heap_py``; this module holds ``Core`` and ``put_slots`` and exports them all.
 
 Interface shared by both cores
 ------------------------------
@@ -19,13 +22,13 @@ the caller owns (except a node's device value, which ``Node.value`` hands out as
 new view: its data is the node's, its shape the caller's): with
 ``numpy_arrays`` false (the default) a ``torch.int64`` tensor, on the CPU unless made of
 device values; with ``numpy_arrays`` a ``numpy.ndarray`` of dtype int64. In the first mode
-the constructor imports torch (``_shared.load_torch``); in the second the core never does.
+the constructor imports torch (``_torch.load_torch``); in the second the core never does.
 Its read-only attribute ``numpy_arrays`` says which. A core of numpy arrays holds CPU values
 only: cache.py keeps device tensors away from it, its ``set_value`` and ``load_back`` take
 int64 numpy arrays (``TypeError`` otherwise), ``backup`` must answer a numpy array (see "Host
 tier") and ``import_state`` refuses a state holding device tensors (``ValueError``).
 Importing this module imports no torch: its torch names are bound through
-``_shared.on_torch`` once some code loads torch; until then nothing counts as a tensor, so a
+``_torch.on_torch`` once some code loads torch; until then nothing counts as a tensor, so a
 tensor input (which needs torch imported: cache.py's checks then bind it) takes the unusual
 input way below, and after that the fast paths take it in either mode.
 
@@ -85,7 +88,7 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
 - ``export_state() -> dict`` and ``import_state(state)``: copies and pickles of a cache.
   ``export_state`` returns plain data: ``nodes``, a list with one tuple per node (root
   excluded), every parent listed before its children, of the fields ``NODE_FIELDS``
-  (``_shared``): the parent's position in the list (-1: the root), the key as int64 bytes,
+  (``_state``): the parent's position in the list (-1: the root), the key as int64 bytes,
   the value (None when the key doubles as the indices, int64 bytes for CPU values, a copy of
   the node's part of a device tensor), ``extra_key``, ``priority``, ``last_access_time``,
   ``created_time``, ``hit_count``, ``terminal`` and ``id``; then ``clock``, ``num_splits``,
@@ -93,7 +96,7 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
   carried. ``import_state`` rebuilds such a state (from either core) into an empty core:
   every node unlocked, so all of it evictable, and every leaf on the heap; the new nodes get
   fresh ids in the order of the saved ones, so eviction order (ties included) is the saved
-  cache's. A malformed state raises ``ValueError`` (``_shared.check_state`` validates it
+  cache's. A malformed state raises ``ValueError`` (``_state.check_state`` validates it
   before any change) and a non-empty core ``ValueError``.
 - ``reset(held=False)``, ``reset_stats()``; attributes ``tree``, ``heap``, ``guard``,
   ``evictable``, ``protected``, ``lookups``, ``matched_tokens``, ``queried_tokens``,
@@ -146,7 +149,7 @@ value), or both. The core owns no pool and copies no data.
   ``free_callback`` gets; with ``batch``, the victim's part of the batch: what backup writes
   in it during the call shows in the batch, and an array it keeps may share the batch's
   memory); it returns None (the host is full) or host indices, checked by
-  ``_shared.host_indices_bytes`` (a 1-D ``torch.int64`` tensor of exactly the node's length,
+  ``_handover.host_indices_bytes`` (a 1-D ``torch.int64`` tensor of exactly the node's length,
   any device; with ``numpy_arrays`` a 1-D int64 numpy array of that length; TypeError or
   ValueError otherwise); a valid one becomes the host value
   (``host_size`` and ``backed_up_tokens`` grow), ``on_backup(node)`` runs and the node is
@@ -209,22 +212,6 @@ checks its own layout; for tests). Its walks are the core's own.
 ``clear()``, ``key_of(node)`` and ``entries()`` (list of (stored key, node)) for consistency
 checks; see the class docstring.
 
-``page_hash_chain(seed, data, page_bytes) -> list[int]`` -- a module function, not part of
-the tree: the chained 64-bit hashes of the full pages of ``data`` (bytes holding int64
-little-endian token ids; ``page_bytes`` a positive multiple of 8; a trailing partial page is
-ignored). ``h = seed mod 2**64``; per page, per token ``t`` (as uint64): ``h = ((h ^ t) *
-0x9E3779B97F4A7C15) mod 2**64; h ^= h >> 32``; then the page's hash is ``h = fmix64(h)``
-(MurmurHash3's finaliser), which also starts the next page; each is returned as a signed
-int64. Not cryptographic; the same in both cores and in every process. ``TypeError`` when
-``data`` is not exactly ``bytes`` or ``seed``/``page_bytes`` not exactly ``int`` (no
-subclass runs code during the call), ``ValueError`` for a bad ``page_bytes``. The KV indexer keys blocks and the fleet simulation's workers hash pages
-with it.
-
-``page_hash_bytes(seed, data, page_bytes) -> bytes`` -- ``page_hash_chain``'s hashes as
-native int64 bytes (8 per full page; no int objects made), with the same checks, except that
-``data`` may also be a 1-D little-endian int64 numpy array (exactly ``numpy.ndarray``; its
-memory is read in place; another dtype, shape or a strided array is a ``TypeError``).
-
 ``put_slots(stack, top, slots, bound) -> int`` -- a module function, not part of the tree:
 a slot pool's free-list push. ``stack`` is the pool's free stack (a writable 1-D contiguous
 int64 ``numpy.ndarray``, its free ids in ``stack[:top]``); ``slots`` the ids to push (an int64
@@ -240,31 +227,8 @@ pool then takes its own checked path, which gives the errors. ``slots`` may also
 ``HostPool.free`` use the compiled core's (this one is its reference: in Python the pools'
 own numpy path is faster).
 
-``BlockIndex()`` -- a class, not part of the tree: ``KvIndexer``'s table of held blocks, a
-map from a 64-bit block key (an ``int`` in int64) to the copies holding it (``copy``: an
-``int`` in ``[0, 2**31 - 1)`` the caller assigns; a copy counts once per holding, so it may
-hold a key more than once). ``len()`` is the number of distinct keys held, ``pairs`` the
-number of holdings. ``keys`` arguments are a list or tuple of ints or native int64 bytes,
-read whole before anything changes. ``hold(key, copy)`` adds one holding;
-``unhold(key, copy) -> bool`` removes one (False: none); ``holds(key, copy) -> bool``;
-``holders(key) -> list`` (the copies, a copy once per holding, earliest first, ``[]`` when
-none); ``add(copy, keys) -> int`` holds every key once more (returns ``len(keys)``);
-``store(copy, keys) -> (stored, duplicates)`` holds, in order, each key ``copy`` does not
-hold yet and counts the others; ``remove(copy, keys) -> (removed, unknown)`` removes one
-holding per key, counting keys ``copy`` did not hold; ``clear_copy(copy) -> int`` removes
-all of ``copy``'s holdings and returns how many; ``overlap(seed, data, page_bytes, owners)
--> list`` hashes the pages of ``data`` as ``page_hash_chain(seed, data, page_bytes)`` does
-(same argument checks) and walks them while held: ``owners[copy]`` is the owner a copy
-counts for (an int in ``[0, len(owners))``, or -1: not counted; copies past the end are not
-counted); an owner holds a page when one of its copies does. It returns ``[(owner,
-depth)]``, the leading pages each owner holding the first page holds, and stops at the
-first page that no owner still in the run holds (unhashed pages are never hashed). Errors:
-``TypeError`` for a key, copy or keys of another type (``bool`` included), ``OverflowError``
-for a key outside int64, ``ValueError`` for a copy or owner out of range or bytes not a
-multiple of 8, each leaving the index unchanged. It pickles and copies (its holdings, in
-native byte order; a compiled one loads where the compiled core is built). No
-Python code runs while the compiled one is written; it frees a table slot with its last
-holding and shrinks as keys leave.
+The block index and the page hashes (``BlockIndex``, ``page_hash_chain``,
+``page_hash_bytes``) are not part of the tree: ``_blocks_py`` specifies them.
 
 Re-entrancy: the ``Guard`` is held for the duration of every ``Core`` call (and of every
 public tree or heap call). A call into the cache while another runs -- from a token's
@@ -283,22 +247,25 @@ and are visible to the garbage collector; freeing a tree never recurses.
 from __future__ import annotations
 
 import array
-import heapq
-from collections import deque
 import struct
-import threading
-from typing import Any, Iterator
+from collections import deque
+from typing import Any
 
 import numpy as np
 
-from ._shared import (_INT64_MAX, _INT64_MIN, KEY_FALLS_ON_ACCESS, MAX_LOCK_REF,
-                      InsertResult, MatchResult, cat_tensors, display_order,
-                      empty_indices, hand_over_batch, indices_from_key, reentered)
-from ._shared import (check_state, host_indices_bytes, id_order, lock_host_only,
-                      node_not_copyable, stale_match)
-from ._shared import load_torch, on_torch
+# A BlockIndex pickled while the block index lived in this module names its loader here.
+from ._blocks_py import _block_index_from  # noqa: F401
+from ._errors import reentered, stale_match
+from ._handover import hand_over_batch, host_indices_bytes
+from ._heap_py import EvictionHeap, device_leaf, host_leaf
+from ._options import KEY_FALLS_ON_ACCESS
+from ._state import check_state, id_order
+from ._torch import cat_tensors, empty_indices, indices_from_key, load_torch, on_torch
+from ._tree_py import TOKEN_BYTES, Guard, Node, Tree, index_array
+from ._types import InsertResult, MatchResult
+from ._validate import INT64_MAX, INT64_MIN
 
-__all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME", "page_hash_chain"]
+__all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME", "put_slots"]
 
 CORE_NAME = "python"
 
@@ -327,15 +294,6 @@ def _bind_torch(torch: Any) -> None:
 
 
 on_torch(_bind_torch)
-
-_TOKEN_BYTES = 8
-_next_id = 0
-
-
-def _new_id() -> int:
-    global _next_id
-    _next_id += 1
-    return _next_id
 
 
 def _token_bytes(tokens: Any) -> bytes | None:
@@ -394,36 +352,6 @@ def _cpu_values_only(what: str, values: Any) -> TypeError:
                      f"int64 numpy array, got {type(values).__name__}")
 
 
-class _RootKey:
-    """A root child's key in a namespace: (extra_key, first page), hashed once. The child
-    keeps the very key it is filed under, so that detaching or splitting it finds its entry
-    by identity and runs none of the extra_key's code (its ``__hash__``/``__eq__`` run only
-    while a call looks a namespace up, before it changes anything). Two filed keys are two
-    entries of one dict, never equal: a hash collision between them asks no extra_key."""
-
-    __slots__ = ("extra_key", "page", "_hash", "filed")
-
-    def __init__(self, extra_key: Any, page: bytes) -> None:
-        self._hash = hash((extra_key, page))
-        self.extra_key = extra_key
-        self.page = page
-        self.filed = False  # set once it is the key of a root entry
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: Any) -> Any:
-        if other is self:
-            return True
-        if type(other) is not _RootKey:
-            return NotImplemented
-        if self.filed and other.filed:
-            return False
-        # As a tuple compares: the same object is equal without asking it.
-        return self.page == other.page and (self.extra_key is other.extra_key
-                                            or bool(self.extra_key == other.extra_key))
-
-
 def _hashable(extra_key: Any) -> bool:
     try:
         hash(extra_key)
@@ -435,7 +363,7 @@ def _hashable(extra_key: Any) -> bool:
 def _joined_values(parts: list) -> Any:
     """Evicted nodes' values (int64 bytes, or device tensors) as one new int64 tensor."""
     if all(type(part) is bytes for part in parts):
-        return _index_array(parts, False)
+        return index_array(parts, False)
     return cat_tensors([indices_from_key(np.frombuffer(part, dtype=np.int64))
                         if type(part) is bytes else part for part in parts])
 
@@ -443,716 +371,8 @@ def _joined_values(parts: list) -> Any:
 def _joined_arrays(parts: list) -> np.ndarray:
     """``_joined_values`` for a core of numpy arrays: the parts are int64 bytes or the numpy
     arrays ``backup`` got (read now: what it wrote in them shows), all on the CPU."""
-    return _index_array([part if type(part) is bytes else np.ndarray.tobytes(part)
+    return index_array([part if type(part) is bytes else np.ndarray.tobytes(part)
                          for part in parts], True)
-
-
-def _index_array(parts: list, numpy_arrays: bool) -> Any:
-    """One new CPU int64 index array holding the native int64 bytes ``parts`` joined: a
-    numpy array of its own memory (not ``np.frombuffer(bytearray(...))``, which rests on a
-    memoryview the caller could release, freeing the memory under the array), or a tensor
-    over a new bytearray."""
-    if numpy_arrays:
-        return np.frombuffer(b"".join(parts), dtype=np.int64).copy()
-    return _torch.frombuffer(bytearray().join(parts), dtype=_int64)
-
-
-def _first_mismatch(a: bytes, b: bytes) -> int:
-    """Index of the first differing token of two equal-length byte strings (len if none)."""
-    diff = int.from_bytes(a, "little") ^ int.from_bytes(b, "little")
-    if diff == 0:
-        return len(a) // _TOKEN_BYTES
-    # The lowest set bit sits in the first differing byte, so in the first differing token.
-    return ((diff & -diff).bit_length() - 1) // (8 * _TOKEN_BYTES)
-
-
-class Guard:
-    """Held while a call into a tree or its heap runs; a nested call raises RuntimeError.
-
-    A lock taken without waiting, so that a second thread is caught as surely as a nested
-    call (a plain flag could be tested by both threads before either set it)."""
-
-    __slots__ = ("_lock", "acquire", "release")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.acquire = self._lock.acquire
-        self.release = self._lock.release
-
-    @property
-    def busy(self) -> bool:
-        return self._lock.locked()
-
-
-class Node:
-    """A radix tree node of the pure-Python core."""
-
-    __slots__ = (
-        "_key", "_value", "_parent", "_children", "_lock_ref", "_last_access_time",
-        "_created_time", "_priority", "_hit_count", "_extra_key", "_id", "_evicted",
-        "_terminal", "_host", "_on_device", "_queued", "_own_locks", "_root_key",
-    )
-    _numpy_arrays = False  # index arrays are tensors (``_NumpyNode``: numpy arrays)
-
-    def __init__(self, key: bytes, parent: "Node | None", extra_key: Any, now: int,
-                 priority: int = 0) -> None:
-        self._key = key
-        self._value = None
-        self._parent = parent
-        self._children: dict = {}
-        self._lock_ref = 0
-        self._own_locks = 0  # the locks taken on this node itself (not on a descendant)
-        self._last_access_time = now
-        self._created_time = now
-        self._priority = priority
-        self._hit_count = 0
-        self._extra_key = extra_key
-        self._id = _new_id()
-        self._evicted = False
-        self._terminal = False
-        self._host = None  # host indices as int64 bytes (host tier only)
-        self._on_device = True
-        self._queued = False  # in the write-through queue
-        self._root_key = None  # the _RootKey it is filed under (a root child in a namespace)
-
-    # -- read-only public view -------------------------------------------------------
-    @property
-    def key(self) -> np.ndarray:
-        return np.frombuffer(self._key, dtype=np.int64)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._key) // _TOKEN_BYTES
-
-    @property
-    def stored_value(self):
-        if self._value is None or not self._on_device:
-            return None
-        return self.value
-
-    @property
-    def value(self):
-        if self._evicted or not self._on_device:
-            return None
-        value = self._value
-        if value is None:
-            return indices_from_key(self.key, self._numpy_arrays)
-        if type(value) is bytes:  # always with numpy arrays: CPU values only
-            return indices_from_key(np.frombuffer(value, dtype=np.int64), self._numpy_arrays)
-        # A device tensor: a new view, so that what the caller does to its shape (resize_,
-        # set_) never reaches the tensor the tree reads.
-        return value[:]
-
-    @property
-    def on_device(self) -> bool:
-        return self._on_device
-
-    @property
-    def host_value(self):
-        host = self._host
-        if host is None:
-            return None
-        return _index_array([host], self._numpy_arrays)
-
-    @property
-    def tier(self) -> str:
-        if not self._on_device:
-            return "host"
-        return "device" if self._host is None else "device+host"
-
-    @property
-    def parent(self) -> "Node | None":
-        return self._parent
-
-    @property
-    def children(self) -> tuple:
-        return tuple(self._children.values())
-
-    @property
-    def num_children(self) -> int:
-        return len(self._children)
-
-    @property
-    def lock_ref(self) -> int:
-        return self._lock_ref
-
-    @property
-    def last_access_time(self) -> int:
-        return self._last_access_time
-
-    @property
-    def created_time(self) -> int:
-        return self._created_time
-
-    @property
-    def priority(self) -> int:
-        return self._priority
-
-    @property
-    def hit_count(self) -> int:
-        return self._hit_count
-
-    @property
-    def extra_key(self) -> Any:
-        return self._extra_key
-
-    @property
-    def id(self) -> int:
-        return self._id
-
-    @property
-    def evicted(self) -> bool:
-        return self._evicted
-
-    @property
-    def terminal(self) -> bool:
-        return self._terminal
-
-    def __repr__(self) -> str:
-        return (f"<RadixTreeNode id={self._id} len={self.num_tokens} "
-                f"lock_ref={self._lock_ref}{' evicted' if self._evicted else ''}>")
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise node_not_copyable()
-
-
-class _NumpyNode(Node):
-    """A node of a core of numpy arrays: ``value`` and ``host_value`` are numpy arrays."""
-
-    __slots__ = ()
-    _numpy_arrays = True
-
-
-class Tree:
-    """The pure-Python radix tree: walks, splits, locks; no tensors, no heap."""
-
-    __slots__ = ("page_size", "root", "clock", "node_count", "num_splits", "_page_bytes",
-                 "_empty_inserted", "guard", "_enter", "_leave", "_queue", "_numpy_arrays",
-                 "_Node")
-
-    def __init__(self, page_size: int, numpy_arrays: bool = False) -> None:
-        # Index arrays are numpy arrays (else tensors): the nodes' class says which.
-        if not numpy_arrays:
-            load_torch()
-        self._numpy_arrays = numpy_arrays
-        self._Node = _NumpyNode if numpy_arrays else Node
-        self.guard = Guard()
-        self._enter = self.guard.acquire
-        self._leave = self.guard.release
-        self.page_size = page_size
-        self._page_bytes = page_size * _TOKEN_BYTES
-        self.clock = 0
-        self.node_count = 0
-        self.num_splits = 0
-        self.root = self._Node(b"", None, None, 0)
-        # Namespaces in which the empty sequence was inserted (it has no node to mark).
-        self._empty_inserted: set = set()
-        # The write-through queue (nodes due for a host copy, FIFO); a split of a queued
-        # node appends its new upper half.
-        self._queue: deque = deque()
-
-    # -- helpers ---------------------------------------------------------------------
-    def _child_key(self, parent: Node, extra_key: Any, first_page: bytes):
-        # Namespaces only need separating at the root: a subtree never mixes extra_keys.
-        if parent is self.root and extra_key is not None:
-            return _RootKey(extra_key, first_page)
-        return first_page
-
-    def _entry_key(self, node: Node) -> Any:
-        """The key an attached ``node`` is filed under in its parent's dict (found by
-        identity: no extra_key code runs)."""
-        ckey = node._root_key
-        return node._key[: self._page_bytes] if ckey is None else ckey
-
-    @staticmethod
-    def _filed(node: Node, ckey: Any) -> None:
-        """``node`` was just filed under ``ckey``: a namespace's root key is kept by it."""
-        if type(ckey) is _RootKey:
-            ckey.filed = True
-            node._root_key = ckey
-
-    def _aligned_end(self, buf: bytes) -> int:
-        end = len(buf)
-        return end - end % self._page_bytes
-
-    def _common_bytes(self, key: bytes, buf: bytes, pos: int, end: int) -> int:
-        """Page-aligned byte length of the common prefix of key and buf[pos:end]."""
-        span = min(len(key), end - pos)
-        if key[:span] == buf[pos:pos + span]:
-            same = span
-        else:
-            same = _first_mismatch(key[:span], buf[pos:pos + span]) * _TOKEN_BYTES
-        return same - same % self._page_bytes
-
-    def _split(self, node: Node, at: int) -> Node:
-        """Split ``node`` ``at`` bytes in: a new upper node takes over its place."""
-        parent = node._parent
-        upper = self._Node(node._key[:at], parent, node._extra_key, node._last_access_time,
-                           node._priority)
-        upper._lock_ref = node._lock_ref
-        upper._hit_count = node._hit_count
-        upper._created_time = node._created_time
-        value = upper_value = lower_value = node._value
-        if value is not None:  # torch code for a device value: before any write
-            cut = at if type(value) is bytes else at // _TOKEN_BYTES
-            upper_value, lower_value = value[:cut], value[cut:]
-        host = upper_host = lower_host = node._host
-        if host is not None:
-            upper_host, lower_host = host[:at], host[at:]
-        # The upper half takes over node's entry (and its key).
-        parent._children[self._entry_key(node)] = upper
-        upper._root_key = node._root_key
-        node._root_key = None
-        upper._value = upper_value
-        node._value = lower_value
-        upper._host = upper_host
-        node._host = lower_host
-        upper._on_device = node._on_device
-        if node._queued:
-            upper._queued = True
-            self._queue.append(upper)
-        node._key = node._key[at:]
-        upper._children[node._key[: self._page_bytes]] = node
-        node._parent = upper
-        self.node_count += 1
-        self.num_splits += 1
-        return upper
-
-    # -- walks -----------------------------------------------------------------------
-    def _find_child(self, node: Node, buf: bytes, pos: int, extra_key: Any) -> Node | None:
-        first = buf[pos:pos + self._page_bytes]
-        if node is self.root and extra_key is not None:
-            return node._children.get(_RootKey(extra_key, first))
-        return node._children.get(first)
-
-    def _descend(self, node: Node, buf: bytes, pos: int, end: int, extra_key: Any):
-        """(child, matched bytes): the child of ``node`` that buf[pos:end] enters, split so the
-        match ends on its boundary; (None, 0) if no child starts with that page.
-
-        After a split the walk's next lookup finds nothing (the lower half starts with the
-        page that differed), so callers simply keep descending."""
-        child = self._find_child(node, buf, pos, extra_key)
-        if child is None:
-            return None, 0
-        key = child._key
-        klen = len(key)
-        if klen <= end - pos and buf[pos:pos + klen] == key:
-            return child, klen
-        common = self._common_bytes(key, buf, pos, end)
-        return self._split(child, common), common
-
-    # The walks take the call's tokens as bytes; the Core converts them and holds the guard.
-    def _match(self, buf: bytes, extra_key: Any = None) -> tuple[list, int]:
-        end = self._aligned_end(buf)
-        if end == 0:
-            return [], 0
-        self.clock += 1
-        now = self.clock
-        node = self.root
-        node._last_access_time = now
-        path = []
-        pos = 0
-        while pos < end:
-            child, common = self._descend(node, buf, pos, end, extra_key)
-            if child is None:
-                break
-            child._last_access_time = now
-            path.append(child)
-            pos += common
-            node = child
-        return path, pos // _TOKEN_BYTES
-
-    def _insert(self, buf: bytes, extra_key: Any = None, priority: int = 0):
-        end = self._aligned_end(buf)
-        whole = end == len(buf)
-        node = self.root
-        if end == 0:
-            if whole:
-                self._empty_inserted.add(extra_key)
-            return 0, node, None, None
-        self.clock += 1
-        now = self.clock
-        node._last_access_time = now
-        pos = 0
-        adopted = None
-        while pos < end:
-            child, common = self._descend(node, buf, pos, end, extra_key)
-            if child is None:
-                break
-            child._last_access_time = now
-            child._hit_count += 1
-            if priority > child._priority:
-                child._priority = priority
-            if not child._on_device:  # host only: the Core adopts it (the caller's slots)
-                if adopted is None:
-                    adopted = []
-                adopted.append((child, pos // _TOKEN_BYTES))
-            pos += common
-            node = child
-        # Adopted tokens are not duplicates: only what was on the device counts.
-        prefix_len = pos // _TOKEN_BYTES if adopted is None else adopted[0][1]
-        new_leaf = None
-        if pos < end:
-            new_leaf = self._Node(buf[pos:end], node, extra_key, now, priority)
-            new_leaf._hit_count = 1
-            first = buf[pos:pos + self._page_bytes]
-            ckey = self._child_key(node, extra_key, first)  # hashes extra_key: may raise
-            node._children[ckey] = new_leaf
-            self._filed(new_leaf, ckey)
-            self.node_count += 1
-            node = new_leaf
-        if whole:
-            node._terminal = True
-        return prefix_len, node, new_leaf, adopted
-
-    def _exists(self, buf: bytes, extra_key: Any = None) -> bool:
-        end = len(buf)
-        if end % self._page_bytes:
-            return False
-        if end == 0:
-            return extra_key in self._empty_inserted
-        node = self.root
-        pos = 0
-        while pos < end:
-            child = self._find_child(node, buf, pos, extra_key)
-            if child is None:
-                return False
-            key = child._key
-            klen = len(key)
-            if klen > end - pos or buf[pos:pos + klen] != key:
-                return False
-            pos += klen
-            node = child
-        return node._terminal
-
-    def _walk(self, buf: bytes, extra_key: Any = None) -> int:
-        """Read-only: the longest cached page-aligned prefix length (no split, no stamps)."""
-        end = self._aligned_end(buf)
-        node = self.root
-        pos = 0
-        while pos < end:
-            child = self._find_child(node, buf, pos, extra_key)
-            if child is None or not child._on_device:
-                break
-            key = child._key
-            klen = len(key)
-            if klen <= end - pos and buf[pos:pos + klen] == key:
-                pos += klen
-                node = child
-                continue
-            pos += self._common_bytes(key, buf, pos, end)
-            break
-        return pos // _TOKEN_BYTES
-
-    # -- node bookkeeping ------------------------------------------------------------
-    def _check_member(self, node: Any) -> None:
-        if not isinstance(node, Node):
-            from ._core import RadixTreeNode  # noqa: PLC0415 -- avoid an import cycle
-
-            if isinstance(node, RadixTreeNode):
-                raise ValueError("node belongs to another cache (a different tree core)")
-            raise TypeError(f"expected a RadixTreeNode, got {type(node).__name__}")
-        if node._evicted:
-            raise ValueError(f"node {node._id} was evicted")
-        top = node
-        while top._parent is not None:
-            top = top._parent
-        if top is not self.root:
-            raise ValueError(f"node {node._id} belongs to another cache")
-
-    # The Core holds the guard around these; each returns what it let go, for the Core to
-    # release after it.
-    def _store_value(self, node: Node, values: Any) -> Any:
-        """Store a leaf's indices: a CPU int64 array is copied in, a device tensor kept."""
-        if isinstance(values, np.ndarray):
-            if len(values) != node.num_tokens:
-                raise ValueError(f"{len(values)} values for a node of {node.num_tokens} tokens")
-            values = values.tobytes()
-        previous = node._value
-        node._value = values
-        return previous
-
-    def _gather(self, path: list):
-        """The path's index values concatenated into one new int64 array (a tensor, or a
-        numpy array in a tree of numpy arrays)."""
-        parts = []
-        for node in path:
-            value = node._value
-            if value is None:
-                parts.append(node._key)
-            elif type(value) is bytes:
-                parts.append(value)
-            else:  # device tensors (torch arrays only): torch joins them into a new one
-                return cat_tensors([n.value if n._value is None or type(n._value) is bytes
-                                    else n._value for n in path])
-        return _index_array(parts, self._numpy_arrays)
-
-    def _lock(self, node: Any, delta: int) -> int:
-        if node is None or node is self.root:
-            return 0
-        self._check_member(node)
-        if delta < 0:
-            # Locks taken on descendants show in this node's count too; only its own may go.
-            if node._own_locks <= 0:
-                raise ValueError(
-                    f"dec_lock_ref on node {node._id}: no lock_ref was taken on it "
-                    f"(lock_ref {node._lock_ref} comes from its descendants)"
-                )
-        root = self.root
-        if delta > 0:
-            if not node._on_device:
-                raise lock_host_only(node._id)
-            # Checked before any change (an ancestor's count is the largest).
-            top = node
-            while top._parent is not root:
-                top = top._parent
-            if top._lock_ref >= MAX_LOCK_REF:
-                raise OverflowError(f"inc_lock_ref on node {node._id}: node {top._id} already "
-                                    f"has lock_ref {MAX_LOCK_REF}, the most a node can hold")
-        node._own_locks += 1 if delta > 0 else -1
-        moved = 0
-        while node is not root:
-            if delta > 0:
-                if node._lock_ref == 0:
-                    moved += len(node._key)
-                node._lock_ref += 1
-            else:
-                node._lock_ref -= 1
-                if node._lock_ref == 0:
-                    moved += len(node._key)
-            node = node._parent
-        return moved // _TOKEN_BYTES
-
-    def _detach_leaf(self, node: Node) -> tuple:
-        """Detach an attached leaf (marked evicted); returns (parent, its dropped value)."""
-        parent = node._parent
-        if parent is None or node._children:
-            raise ValueError(f"node {node._id} is not an attached leaf")
-        del parent._children[self._entry_key(node)]
-        node._root_key = None
-        node._parent = None
-        node._evicted = True
-        previous = node._value
-        node._value = None
-        self.node_count -= 1
-        return parent, previous
-
-    def _clear(self) -> Node:
-        """Drop every node (marked evicted) without recursion; returns the old root."""
-        old_root = self.root
-        self.root = self._Node(b"", None, None, 0)
-        self._empty_inserted = set()
-        self.clock = 0
-        self.node_count = 0
-        self.num_splits = 0
-        stack = [old_root]
-        while stack:
-            node = stack.pop()
-            stack.extend(node._children.values())
-            node._children = {}
-            node._parent = None
-            node._evicted = True
-            node._value = None
-            node._host = None
-            node._queued = False
-        return old_root
-
-    def check_layout(self) -> None:
-        # Every child is filed under its (namespace, first page) key in its parent's dict.
-        for node, _ in self.iter_nodes():
-            for ckey, child in node._children.items():
-                want = self._child_key(node, child._extra_key, child._key[: self._page_bytes])
-                kept = ckey if type(ckey) is _RootKey else None
-                assert ckey == want and child._parent is node and child._root_key is kept, (
-                    f"node {child.id} filed under the wrong key in node {node.id}")
-
-    def iter_nodes(self) -> Iterator[tuple[Node, int]]:
-        stack = [(self.root, 0)]
-        while stack:
-            node, depth = stack.pop()
-            yield node, depth
-            children = sorted(node._children.values(), key=display_order, reverse=True)
-            stack.extend((child, depth + 1) for child in children)
-
-
-# -- eviction heap -------------------------------------------------------------------------
-# Sort keys are single ints, fields packed most significant first (a heap of 10^6 leaves
-# compares ints far faster than tuples). Every field fits 64 bits (priority is int64, times
-# and ids are counters); the lowest field is the node id, so two nodes never tie.
-_BIAS = 1 << 63      # int64 priority -> unsigned
-_MAX = (1 << 64) - 1  # for "largest first" fields
-
-
-def _lru_key(n: Node) -> int:
-    return ((n._priority + _BIAS) << 128) | (n._last_access_time << 64) | n._id
-
-
-def _lfu_key(n: Node) -> int:
-    return (((n._priority + _BIAS) << 192) | (n._hit_count << 128)
-            | (n._last_access_time << 64) | n._id)
-
-
-def _fifo_key(n: Node) -> int:
-    return ((n._priority + _BIAS) << 128) | (n._created_time << 64) | n._id
-
-
-def _mru_key(n: Node) -> int:
-    return ((n._priority + _BIAS) << 128) | ((_MAX - n._last_access_time) << 64) | (_MAX - n._id)
-
-
-def _filo_key(n: Node) -> int:
-    return ((n._priority + _BIAS) << 128) | ((_MAX - n._created_time) << 64) | (_MAX - n._id)
-
-
-def _slru_key(n: Node) -> int:
-    # Probationary segment (hit < 2 times) before the protected one; LRU inside each.
-    return (((n._priority + _BIAS) << 129) | ((n._hit_count >= 2) << 128)
-            | (n._last_access_time << 64) | n._id)
-
-
-def _device_leaf(node: Node) -> bool:
-    """With a host tier: a node the device heap may evict (on the device, not evicted,
-    unlocked, no child on the device; the root is never pushed)."""
-    if node._evicted or node._lock_ref or not node._on_device:
-        return False
-    for child in node._children.values():
-        if child._on_device:
-            return False
-    return True
-
-
-def _host_leaf(node: Node) -> bool:
-    """A node the host heap may evict: only on the host, not evicted, no children."""
-    return (not node._on_device and node._host is not None and not node._evicted
-            and not node._children)
-
-
-_POLICY_KEYS = {
-    "lru": _lru_key, "lfu": _lfu_key, "fifo": _fifo_key, "mru": _mru_key,
-    "filo": _filo_key, "slru": _slru_key, "priority": _lru_key,
-}
-
-
-class EvictionHeap:
-    """Lazy min-heap of evictable leaves in ``policy`` order, kept across evict calls.
-
-    ``push(node)`` when a node becomes an evictable leaf (or, for policies whose key can fall,
-    when it is touched). ``pop_victim()`` returns the next evictable leaf whose key is still
-    the one it was pushed with: entries of nodes that stopped being evictable leaves are
-    dropped, entries whose key rose since are pushed again. The heap compacts itself when
-    stale entries pile up, so it stays within twice the live entries (amortised O(1)).
-    """
-
-    __slots__ = ("_key", "_heap", "_nodes", "_limit", "_enter", "_leave", "_valid")
-
-    def __init__(self, policy: str, guard: Guard | None = None, valid: Any = None) -> None:
-        # valid(node): whether a node may be evicted now; None: an evictable leaf of a tree
-        # without a host tier (unlocked, childless, not evicted), tested inline.
-        self._valid = valid
-        guard = Guard() if guard is None else guard  # the tree's: one guard for both
-        self._enter = guard.acquire
-        self._leave = guard.release
-        self._key = _POLICY_KEYS[policy]
-        self._heap: list = []
-        self._nodes: dict = {}  # key -> node; the heap itself holds bare int keys
-        self._limit = 1024
-
-    def clear(self) -> None:
-        if not self._enter(False):
-            raise reentered("clear")
-        old = self._nodes  # released after the guard: finalizers may use the empty heap
-        self._heap = []
-        self._nodes = {}
-        self._limit = 1024
-        self._leave()
-        del old
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def key_of(self, node: Node) -> int:
-        return self._key(node)
-
-    def entries(self) -> list:
-        """(stored key, node) of every live entry (for consistency checks)."""
-        if not self._enter(False):
-            raise reentered("entries")
-        try:
-            return list(self._nodes.items())
-        finally:
-            self._leave()
-
-    def push(self, node: Node) -> None:
-        if not self._enter(False):
-            raise reentered("push")
-        try:
-            dropped = self._push(node)  # released when the call returns  # noqa: F841
-        finally:
-            self._leave()
-
-    def _push(self, node: Node) -> dict | None:
-        """Push without the guard; returns what a compaction dropped (None if none ran)."""
-        key = self._key(node)
-        heapq.heappush(self._heap, key)
-        self._nodes[key] = node
-        if len(self._heap) > self._limit:
-            return self._compact()
-        return None
-
-    def pop_victim(self) -> Node | None:
-        if not self._enter(False):
-            raise reentered("pop_victim")
-        stale = []  # entries dropped here, released when the call returns
-        try:
-            return self._pop(stale)
-        finally:
-            self._leave()
-
-    def _pop(self, stale: list) -> Node | None:
-        """Pop without the guard; dropped entries' nodes go to ``stale``."""
-        heap = self._heap
-        nodes = self._nodes
-        sort_key = self._key
-        valid = self._valid
-        while heap:
-            stored = heapq.heappop(heap)
-            node = nodes.pop(stored, None)
-            if node is None:
-                continue  # a duplicate of an entry already handled
-            stale.append(node)
-            if valid is None:
-                if node._evicted or node._children or node._lock_ref:
-                    continue  # pushed again if it becomes an evictable leaf
-            elif not valid(node):
-                continue
-            current = sort_key(node)
-            if current == stored:
-                return node
-            if current > stored:  # touched since pushed: wait for its turn
-                heapq.heappush(heap, current)
-                nodes[current] = node
-            # else: a fall in key always came with a fresh push
-        return None
-
-    def _compact(self) -> dict:
-        """Keep one usable entry per leaf; returns the old table for the caller to release."""
-        sort_key = self._key
-        valid = self._valid
-        best: dict = {}
-        for stored, node in self._nodes.items():
-            if valid is None:
-                if node._evicted or node._children or node._lock_ref:
-                    continue
-            elif not valid(node):
-                continue
-            if stored <= sort_key(node) and (node._id not in best or stored < best[node._id][0]):
-                best[node._id] = (stored, node)
-        old = self._nodes
-        self._nodes = dict(best.values())
-        self._heap = list(self._nodes)
-        heapq.heapify(self._heap)
-        self._limit = max(1024, 2 * len(self._heap))
-        return old
 
 
 # -- the per-cache core object -------------------------------------------------------------
@@ -1187,8 +407,8 @@ class Core:
         self._leave = self.guard.release
         self.host_tier = bool(host_tier)
         self.write_through_hits = write_through_hits if self.host_tier else 0
-        self.heap = EvictionHeap(policy, self.guard, _device_leaf if self.host_tier else None)
-        self.host_heap = EvictionHeap(policy, self.guard, _host_leaf)
+        self.heap = EvictionHeap(policy, self.guard, device_leaf if self.host_tier else None)
+        self.host_heap = EvictionHeap(policy, self.guard, host_leaf)
         self._push_on_access = policy in KEY_FALLS_ON_ACCESS
         self.evictable = 0
         self.protected = 0
@@ -1245,7 +465,7 @@ class Core:
 
     def _push_if_evictable(self, node: Node) -> Any:
         if self.host_tier:
-            if node is not self.tree.root and _device_leaf(node):
+            if node is not self.tree.root and device_leaf(node):
                 return self.heap._push(node)
             return None
         if (not node._children and not node._lock_ref and not node._evicted
@@ -1263,7 +483,7 @@ class Core:
             tree = self.tree
             path, length = tree._match(buf, extra_key)
             self.lookups += 1
-            n = len(buf) // _TOKEN_BYTES
+            n = len(buf) // TOKEN_BYTES
             self.queried_tokens += n - n % self.page_size
             if not path:
                 return MatchResult(empty_indices(self._numpy_arrays), tree.root, 0)
@@ -1298,14 +518,14 @@ class Core:
         last_host = path[-1] if host_length else None
         if self._push_on_access:
             dropped = self._push_if_evictable(last)  # noqa: F841
-            if last_host is not None and _host_leaf(last_host):
+            if last_host is not None and host_leaf(last_host):
                 dropped = self.host_heap._push(last_host)  # noqa: F841
         indices = tree._gather(device) if device else empty_indices(self._numpy_arrays)
         return MatchResult(indices, last, device_length, host_length, last_host)
 
     def insert(self, tokens: Any, kv: Any = None, extra_key: Any = None, priority: Any = 0,
                held: bool = False) -> InsertResult | None:
-        if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
+        if type(priority) is not int or not INT64_MIN <= priority <= INT64_MAX:
             return None
         self._take(held, "insert")
         try:
@@ -1316,7 +536,7 @@ class Core:
                 return None
             values = None
             if kv is not None:
-                n = len(buf) // _TOKEN_BYTES
+                n = len(buf) // TOKEN_BYTES
                 values = _kv_array(kv, n - n % self.page_size)
                 if values is None:
                     return None
@@ -1338,7 +558,7 @@ class Core:
                 added = new_leaf.num_tokens
                 if values is not None:
                     # The leaf ends the aligned sequence (prefix_len skips adopted tokens).
-                    end = len(buf) // _TOKEN_BYTES
+                    end = len(buf) // TOKEN_BYTES
                     end -= end % self.page_size
                     tree._store_value(new_leaf, values[end - added:end])
                 self.evictable += added
@@ -1449,6 +669,22 @@ class Core:
             if not held:
                 self._leave()
 
+    def _hand_over_one(self, free_callback: Any, handed: list, garbage: list,
+                       what: str) -> None:
+        """An evict loop's per-node hand-over: the victim's indices (``handed[0]``, taken
+        out) go to ``free_callback`` with the guard released. The cache is consistent
+        here, so the callback may call it (even evict); what the loop let go (``garbage``)
+        and the indices are released outside the guard, then the guard is taken again
+        (``what`` names the call to one that holds it meanwhile). On an exception the guard
+        is not held."""
+        value = handed[0]
+        handed[0] = None
+        self._leave()
+        garbage.clear()
+        free_callback(value)
+        del value
+        self._take(False, what)
+
     def evict(self, num_tokens: int, free_callback: Any = None, batch: bool = False,
               on_remove: Any = None, backup: Any = None, on_backup: Any = None) -> int:
         """The whole evict loop; see the module docstring. Takes the guard itself (never
@@ -1461,6 +697,7 @@ class Core:
         garbage: list = []  # stale entries, dropped values: released outside the guard
         parts: list | None = [] if batch and free_callback is not None else None
         per_node = free_callback is not None and not batch
+        handed: list = [None]  # a per-node callback's argument (see _hand_over_one)
         freed = 0
         error = None
         try:
@@ -1474,7 +711,7 @@ class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        value = node.value
+                        handed[0] = node.value
                 except BaseException:
                     garbage.append(heap._push(node))  # still an evictable leaf
                     raise
@@ -1489,13 +726,9 @@ class Core:
                 garbage.append(self._push_if_evictable(parent))
                 freed += size
                 if per_node:
-                    # The cache is consistent here: the callback may call it (even evict).
-                    self._leave()
                     holding = False
-                    garbage.clear()
-                    free_callback(value)
-                    del value
-                    self._take(False, "evict, after its free_callback")
+                    self._hand_over_one(free_callback, handed, garbage,
+                                        "evict, after its free_callback")
                     holding = True
         except BaseException as exc:
             if parts is None:
@@ -1519,6 +752,7 @@ class Core:
         parts: list | None = [] if batch and free_callback is not None else None
         per_node = free_callback is not None and not batch
         use_backup = backup is not None and self.write_through_hits == 0
+        handed: list = [None]  # see _hand_over_one
         skipped: list = []  # device leaves that could not leave: pushed back at the end
         freed = 0
         error = None
@@ -1586,12 +820,11 @@ class Core:
                 garbage.append(self._push_if_evictable(parent))
                 freed += size
                 if per_node:
-                    self._leave()
                     holding = False
-                    garbage.clear()
-                    free_callback(value)
+                    handed[0] = value
                     del value
-                    self._take(False, "evict, after its free_callback")
+                    self._hand_over_one(free_callback, handed, garbage,
+                                        "evict, after its free_callback")
                     holding = True
         except BaseException as exc:
             if parts is None:
@@ -1618,6 +851,7 @@ class Core:
         garbage: list = []
         parts: list | None = [] if batch and free_callback is not None else None
         per_node = free_callback is not None and not batch
+        handed: list = [None]  # see _hand_over_one
         freed = 0
         error = None
         try:
@@ -1631,7 +865,7 @@ class Core:
                     if on_remove is not None:
                         on_remove(node)
                     if per_node:
-                        value = node.host_value
+                        handed[0] = node.host_value
                 except BaseException:
                     garbage.append(heap._push(node))  # still a host leaf
                     raise
@@ -1645,16 +879,13 @@ class Core:
                 self.host_size -= size
                 self.host_evictions += 1
                 self.host_evicted_tokens += size
-                if _host_leaf(parent):
+                if host_leaf(parent):
                     garbage.append(heap._push(parent))
                 freed += size
                 if per_node:
-                    self._leave()
                     holding = False
-                    garbage.clear()
-                    free_callback(value)
-                    del value
-                    self._take(False, "evict_host, after its free_callback")
+                    self._hand_over_one(free_callback, handed, garbage,
+                                        "evict_host, after its free_callback")
                     holding = True
         except BaseException as exc:
             if parts is None:
@@ -1729,7 +960,7 @@ class Core:
             if on_load is not None:
                 for node in nodes:
                     on_load(node)
-            return _index_array(hosts, self._numpy_arrays)
+            return index_array(hosts, self._numpy_arrays)
         finally:
             self._leave()
 
@@ -1844,7 +1075,7 @@ class Core:
                                          "same page as a sibling")
                     tree._filed(node, child_key)
                     nodes.append(node)
-                    evictable += len(key) // _TOKEN_BYTES
+                    evictable += len(key) // TOKEN_BYTES
                 fresh = sorted(node._id for node in nodes)
                 for rank, i in enumerate(id_order(records)):
                     nodes[i]._id = fresh[rank]
@@ -1864,248 +1095,8 @@ class Core:
         finally:
             self._leave()
 
-# -- page hash chain (see the module docstring) ---------------------------------------------
-_MASK64 = (1 << 64) - 1
-_CHAIN_MUL = 0x9E3779B97F4A7C15
-_FMIX_1 = 0xFF51AFD7ED558CCD
-_FMIX_2 = 0xC4CEB9FE1A85EC53
 
-
-def _check_chain_args(seed: Any, data: Any, page_bytes: Any) -> None:
-    if type(data) is not bytes:
-        raise TypeError(f"data must be bytes, got {type(data).__name__}")
-    for name, value in (("seed", seed), ("page_bytes", page_bytes)):
-        if type(value) is not int:  # exactly int: a subclass could change // or &
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if page_bytes <= 0 or page_bytes % 8:
-        raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
-
-
-def page_hash_chain(seed: int, data: bytes, page_bytes: int) -> list:
-    """The chained 64-bit hashes of the full pages of ``data``; see the module docstring."""
-    _check_chain_args(seed, data, page_bytes)
-    mask, mul, f1, f2 = _MASK64, _CHAIN_MUL, _FMIX_1, _FMIX_2
-    tokens = np.frombuffer(data, dtype="<u8", count=len(data) // 8).tolist()
-    per_page = page_bytes // 8
-    h = seed & mask
-    out = []
-    for start in range(0, len(tokens) - per_page + 1, per_page):
-        for t in tokens[start:start + per_page]:
-            h = ((h ^ t) * mul) & mask
-            h ^= h >> 32
-        h ^= h >> 33
-        h = (h * f1) & mask
-        h ^= h >> 33
-        h = (h * f2) & mask
-        h ^= h >> 33
-        out.append(h - (1 << 64) if h >> 63 else h)
-    return out
-
-
-# -- block index (see the module docstring) -------------------------------------------------
-def _index_copy(copy: Any) -> int:
-    if type(copy) is not int:
-        raise TypeError(f"copy must be an int, got {type(copy).__name__}")
-    if not 0 <= copy < 0x7FFFFFFF:
-        raise ValueError(f"copy must be in [0, 2**31 - 1), got {copy}")
-    return copy
-
-
-def _index_key(key: Any) -> int:
-    if type(key) is not int:
-        raise TypeError(f"key must be an int, got {type(key).__name__}")
-    if not _INT64_MIN <= key <= _INT64_MAX:
-        raise OverflowError(f"key {key} does not fit in int64")
-    return key
-
-
-def _index_keys(keys: Any) -> list:
-    """``keys`` as a new list of int64 ints: a list or tuple of ints, or bytes."""
-    if type(keys) is bytes:
-        if len(keys) % 8:
-            raise ValueError(f"keys as bytes must hold int64 values (a multiple of 8 bytes), "
-                             f"got {len(keys)} bytes")
-        return np.frombuffer(keys, dtype=np.int64).tolist()
-    if type(keys) is not list and type(keys) is not tuple:
-        raise TypeError(f"keys must be a list or tuple of ints, or bytes, got "
-                        f"{type(keys).__name__}")
-    out = list(keys)
-    for i, item in enumerate(out):
-        if type(item) is not int:
-            raise TypeError(f"keys must be ints, got {type(item).__name__} at position {i}")
-        if not _INT64_MIN <= item <= _INT64_MAX:
-            raise OverflowError(f"key {item} at position {i} does not fit in int64")
-    return out
-
-
-class BlockIndex:
-    """Held blocks: 64-bit block key -> the copies (ints) holding it; see the module docstring."""
-
-    __slots__ = ("_holders", "_pairs")
-
-    def __init__(self) -> None:
-        # key -> the holding copy (an int), or a list of them (a copy once per holding)
-        self._holders: dict = {}
-        self._pairs = 0
-
-    def __reduce__(self) -> Any:
-        keys, copies = [], []
-        for key, current in self._holders.items():
-            for copy in current if type(current) is list else (current,):
-                keys.append(key)
-                copies.append(copy)
-        return (_block_index_from, (np.array(keys, dtype=np.int64).tobytes(),
-                                    np.array(copies, dtype=np.int32).tobytes()))
-
-    def __len__(self) -> int:
-        return len(self._holders)
-
-    @property
-    def pairs(self) -> int:
-        """Holdings: (key, copy) pairs, a copy counted once per holding."""
-        return self._pairs
-
-    def _hold(self, key: int, copy: int) -> None:
-        holders = self._holders
-        current = holders.get(key)
-        if current is None:
-            holders[key] = copy
-        elif type(current) is list:
-            current.append(copy)
-        else:
-            holders[key] = [current, copy]
-        self._pairs += 1
-
-    def _drop(self, key: int, copy: int) -> bool:
-        holders = self._holders
-        current = holders.get(key)
-        if current is None:
-            return False
-        if type(current) is list:
-            try:
-                current.remove(copy)
-            except ValueError:
-                return False
-            if len(current) == 1:
-                holders[key] = current[0]
-        elif current == copy:
-            del holders[key]
-        else:
-            return False
-        self._pairs -= 1
-        return True
-
-    def _has(self, key: int, copy: int) -> bool:
-        current = self._holders.get(key)
-        return current == copy if type(current) is int else (
-            current is not None and copy in current)
-
-    def hold(self, key: int, copy: int) -> None:
-        key, copy = _index_key(key), _index_copy(copy)
-        self._hold(key, copy)
-
-    def unhold(self, key: int, copy: int) -> bool:
-        key, copy = _index_key(key), _index_copy(copy)
-        return self._drop(key, copy)
-
-    def holds(self, key: int, copy: int) -> bool:
-        key, copy = _index_key(key), _index_copy(copy)
-        return self._has(key, copy)
-
-    def holders(self, key: int) -> list:
-        current = self._holders.get(_index_key(key))
-        if current is None:
-            return []
-        return list(current) if type(current) is list else [current]
-
-    def add(self, copy: int, keys: Any) -> int:
-        copy = _index_copy(copy)
-        keys = _index_keys(keys)
-        for key in keys:
-            self._hold(key, copy)
-        return len(keys)
-
-    def store(self, copy: int, keys: Any) -> tuple:
-        copy = _index_copy(copy)
-        stored = duplicates = 0
-        for key in _index_keys(keys):
-            if self._has(key, copy):
-                duplicates += 1
-            else:
-                self._hold(key, copy)
-                stored += 1
-        return stored, duplicates
-
-    def remove(self, copy: int, keys: Any) -> tuple:
-        copy = _index_copy(copy)
-        keys = _index_keys(keys)
-        removed = sum(1 for key in keys if self._drop(key, copy))
-        return removed, len(keys) - removed
-
-    def clear_copy(self, copy: int) -> int:
-        copy = _index_copy(copy)
-        holders = self._holders
-        dropped = 0
-        for key in list(holders):
-            current = holders[key]
-            if type(current) is list:
-                kept = [c for c in current if c != copy]
-                dropped += len(current) - len(kept)
-                if not kept:
-                    del holders[key]
-                elif len(kept) == 1:
-                    holders[key] = kept[0]
-                else:
-                    holders[key] = kept
-            elif current == copy:
-                del holders[key]
-                dropped += 1
-        self._pairs -= dropped
-        return dropped
-
-    def overlap(self, seed: int, data: bytes, page_bytes: int, owners: Any) -> list:
-        _check_chain_args(seed, data, page_bytes)
-        owners = _index_keys(owners)
-        n_owners = len(owners)
-        for i, owner in enumerate(owners):
-            if not -1 <= owner < n_owners:
-                raise ValueError(f"owners must be -1 or in [0, {n_owners}), got {owner} at "
-                                 f"position {i}")
-        out = []
-        active = None  # owners holding every block so far, in first-seen order
-        depth = 0
-        holders = self._holders
-        for key in page_hash_chain(seed, data, page_bytes):
-            current = holders.get(key)
-            if current is None:
-                break
-            copies = current if type(current) is list else (current,)
-            held = [owners[c] for c in copies if c < n_owners and owners[c] >= 0]
-            if active is None:
-                active = list(dict.fromkeys(held))
-            else:
-                held = set(held)
-                out.extend((owner, depth) for owner in active if owner not in held)
-                active = [owner for owner in active if owner in held]
-            if not active:
-                break
-            depth += 1
-        out.extend((owner, depth) for owner in active or ())
-        return out
-
-
-def page_hash_bytes(seed: int, data: Any, page_bytes: int) -> bytes:
-    """``page_hash_chain`` as native int64 bytes; see the module docstring."""
-    if type(data) is np.ndarray:
-        if data.dtype.str != "<i8" or data.ndim != 1 or not data.flags.c_contiguous:
-            raise TypeError(f"data as an array must be 1-D contiguous little-endian int64, got "
-                            f"{data.ndim}-D {data.dtype}")
-        data = data.tobytes()
-    elif type(data) is not bytes:
-        raise TypeError(f"data must be bytes or an int64 numpy array, got {type(data).__name__}")
-    return np.array(page_hash_chain(seed, data, page_bytes), dtype=np.int64).tobytes()
-
-
+# -- a slot pool's free stack (see the module docstring) -----------------------------------
 _max_of = np.maximum.reduce  # an array's largest element, without ndarray.max's wrappers
 _INT64_DTYPES = (np.dtype(np.int64), np.dtype(np.longlong))
 
@@ -2117,7 +1108,7 @@ def _is_int64_dtype(dtype: Any) -> bool:
 
 def put_slots(stack: Any, top: int, slots: Any, bound: int) -> int:
     """Push ``slots`` on a pool's free stack at ``top``; see the module docstring."""
-    if not (_INT64_MIN <= top <= _INT64_MAX and _INT64_MIN <= bound <= _INT64_MAX):
+    if not (INT64_MIN <= top <= INT64_MAX and INT64_MIN <= bound <= INT64_MAX):
         raise OverflowError("top and bound must fit in int64")
     if (type(stack) is not np.ndarray or not _is_int64_dtype(stack.dtype) or stack.ndim != 1
             or not stack.flags.c_contiguous or not stack.flags.writeable or top < 0 or bound < 0):
@@ -2147,17 +1138,3 @@ def put_slots(stack: Any, top: int, slots: Any, bound: int) -> int:
         return -1
     stack[top:top + n] = ids
     return n
-
-
-def _block_index_from(keys: Any, copies: Any) -> BlockIndex:
-    """A ``BlockIndex`` holding ``keys[i]`` for ``copies[i]`` (int64 and int32 bytes), in order."""
-    if (type(keys) is not bytes or type(copies) is not bytes or len(keys) % 8
-            or len(copies) % 4 or len(keys) // 8 != len(copies) // 4):
-        raise ValueError("malformed BlockIndex state")
-    copy_list = np.frombuffer(copies, dtype=np.int32).tolist()
-    if any(not 0 <= c < 0x7FFFFFFF for c in copy_list):
-        raise ValueError("malformed BlockIndex state")
-    index = BlockIndex()
-    for key, copy in zip(np.frombuffer(keys, dtype=np.int64).tolist(), copy_list):
-        index._hold(key, copy)
-    return index

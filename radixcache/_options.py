@@ -20,6 +20,9 @@ created; ``mru`` most recently used; ``filo`` newest created; ``slru`` nodes hit
 times before the rest, LRU inside each segment. Node id breaks every tie.
 """
 
+#: Policies whose key can fall when a leaf is touched: the touched leaf is pushed anew.
+KEY_FALLS_ON_ACCESS = frozenset({"mru"})
+
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 """``RadixCache(host_tier=True, write_policy=...)``: when a node gets its host copy.
 

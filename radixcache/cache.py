@@ -19,18 +19,31 @@ from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 import numpy as np
 
-from . import _core, _shared
-from ._options import ARRAY_TYPES, WRITE_POLICIES
-from ._shared import EVICTION_POLICIES, InsertResult, MatchResult, is_tensor, loaded_torch
+from . import _core
+from ._options import ARRAY_TYPES, EVICTION_POLICIES, WRITE_POLICIES
+from ._torch import is_tensor, loaded_torch, on_torch
+from ._types import InsertResult, MatchResult
+from ._validate import INT64_MAX, INT64_MIN, check_int
 
 if TYPE_CHECKING:
     import torch
 
+    from . import _contract
+
 __all__ = ["RadixCache", "MatchResult", "InsertResult", "CacheStats", "ARRAY_TYPES",
            "EVICTION_POLICIES", "WRITE_POLICIES"]
 
-_INT64_MAX = 2**63 - 1
-_INT64_MIN = -(2**63)
+# torch once it is bound (a torch-array cache made, or a tensor met): read without a call.
+_torch: Any = None
+
+
+def _bind_torch(torch: Any) -> None:
+    global _torch
+    _torch = torch
+
+
+on_torch(_bind_torch)
+
 #: A write policy as the core takes it: the hits that make a node due for write-through
 #: (0: never, write_back).
 _WRITE_THROUGH_HITS = dict(zip(WRITE_POLICIES, (0, 1, 2)))
@@ -91,15 +104,9 @@ class CacheStats:
     host_size: int = 0
 
 
-def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return int(value)
-
-
 def _check_priority(priority: Any) -> int:
-    priority = _check_int("priority", priority)
-    if not _INT64_MIN <= priority <= _INT64_MAX:
+    priority = check_int(priority, "priority")
+    if not INT64_MIN <= priority <= INT64_MAX:
         raise OverflowError(f"priority {priority} does not fit in int64")
     return priority
 
@@ -119,7 +126,7 @@ def _int64_array(arr: np.ndarray, what: str) -> np.ndarray:
         raise ValueError(f"{what} must be 1-D, got {arr.ndim}-D")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{what} must hold integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size and arr.max() > _INT64_MAX:
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size and arr.max() > INT64_MAX:
         raise OverflowError(f"{what} has values that do not fit in int64")
     return np.ascontiguousarray(arr, dtype=np.int64)
 
@@ -133,7 +140,7 @@ def _kv_from_objects(arr: np.ndarray, what: str = "kv_indices") -> np.ndarray:
         if isinstance(item, (bool, np.bool_)) or not hasattr(type(item), "__index__"):
             raise TypeError(f"{what} must hold integers, got {type(item).__name__}")
         value = operator.index(item)
-        if not _INT64_MIN <= value <= _INT64_MAX:
+        if not INT64_MIN <= value <= INT64_MAX:
             name = "kv index" if what == "kv_indices" else f"a value of {what}"
             raise OverflowError(f"{name} {value} does not fit in int64")
         values.append(value)
@@ -156,7 +163,7 @@ def _list_tokens(tokens: list | tuple) -> np.ndarray:
             if not isinstance(tok, int) and not hasattr(tok, "__index__"):
                 raise TypeError(f"token ids must be integers, got {type(tok).__name__}") from None
             value = tok.__index__()
-            if not _INT64_MIN <= value <= _INT64_MAX:
+            if not INT64_MIN <= value <= INT64_MAX:
                 raise OverflowError(f"token id {value} does not fit in int64") from None
         raise TypeError(f"bad token ids: {exc}") from None
     return np.frombuffer(packed, dtype=np.int64)
@@ -253,9 +260,7 @@ class RadixCache:
                  enable_events: bool = False, event_options: dict | None = None,
                  core: str | None = None, host_tier: bool = False,
                  write_policy: str = "write_back", array_type: str = "torch") -> None:
-        page_size = _check_int("page_size", page_size)
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        page_size = check_int(page_size, "page_size", low=1)
         if not isinstance(eviction_policy, str) or eviction_policy not in EVICTION_POLICIES:
             raise ValueError(
                 f"unknown eviction_policy {eviction_policy!r}; valid: "
@@ -278,7 +283,7 @@ class RadixCache:
         self.array_type = array_type
         self.host_tier = host_tier
         self.write_policy = write_policy
-        self._core_module = _core.get_core(core)
+        self._core_module: _contract.CoreModule = _core.get_core(core)
         self._events = None
         if event_options is not None:
             if not isinstance(event_options, dict):
@@ -291,6 +296,7 @@ class RadixCache:
 
             self._events = new_recorder(page_size, event_options, host_tier=host_tier)
         numpy_arrays = {"numpy_arrays": True} if array_type == "numpy" else {}
+        self._core: _contract.Core
         if host_tier:
             self._core = self._core_module.Core(page_size, eviction_policy, True,
                                                 _WRITE_THROUGH_HITS[write_policy],
@@ -307,23 +313,6 @@ class RadixCache:
     def root_node(self) -> Any:
         """The tree's root, a ``RadixTreeNode`` with an empty key (never evicted)."""
         return self._core.tree.root
-
-    # The core's parts, for consistency checks (tests) and benchmarks.
-    @property
-    def _tree(self) -> Any:
-        return self._core.tree
-
-    @property
-    def _heap(self) -> Any:
-        return self._core.heap
-
-    @property
-    def _evictable(self) -> int:
-        return self._core.evictable
-
-    @property
-    def _protected(self) -> int:
-        return self._core.protected
 
     # -- input validation (the slow path) ----------------------------------------------
     def _tokens(self, token_ids: Any) -> np.ndarray:
@@ -500,7 +489,7 @@ class RadixCache:
                 _check_extra_key(extra_key)
                 if self._events is not None:
                     self._events.check_extra_key(extra_key)  # fail before the tree changes
-            if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
+            if type(priority) is not int or not INT64_MIN <= priority <= INT64_MAX:
                 priority = _check_priority(priority)
             kv = None
             if kv_indices is not None:
@@ -533,7 +522,7 @@ class RadixCache:
         device, else None: the core stored them) and their events."""
         core = self._core
         events = self._events
-        torch_module = _shared._torch  # device values: torch is bound
+        torch_module = _torch  # device values: torch is bound
         if self.host_tier:
             # Host-only nodes on the path took the caller's slots (adopted), top-down.
             for node, start in core.take_adopted():
@@ -590,10 +579,6 @@ class RadixCache:
             return _checked(call(tokens, extra_key, True))
         finally:
             core.leave()
-
-    def _walk(self, tokens: Any, extra_key: Any = None) -> int:
-        """The core's bare read-only walk (benchmarks time it against the whole call)."""
-        return self._core.walk(tokens, extra_key)
 
     def __contains__(self, token_ids: Any) -> bool:
         """``token_ids in cache``: ``exists(token_ids)`` in the default namespace.
@@ -703,7 +688,7 @@ class RadixCache:
                 and not self.host_tier and (free_callback is None or callable(free_callback))):
             # The common call, already valid: straight to the core.
             return self._core.evict(num_tokens, free_callback, bool(batch))
-        num_tokens = _check_int("num_tokens", num_tokens)
+        num_tokens = check_int(num_tokens, "num_tokens")
         if free_callback is not None and not callable(free_callback):
             raise TypeError(
                 f"free_callback must be callable, got {type(free_callback).__name__}")
@@ -750,7 +735,7 @@ class RadixCache:
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
-        num_tokens = _check_int("num_tokens", num_tokens)
+        num_tokens = check_int(num_tokens, "num_tokens")
         if free_callback is not None and not callable(free_callback):
             raise TypeError(
                 f"free_callback must be callable, got {type(free_callback).__name__}")
@@ -826,7 +811,7 @@ class RadixCache:
         # The common call -- a contiguous int64 numpy array or CPU tensor of the right
         # length -- would pass the checks below: straight to the core, which copies it.
         values = device_indices
-        torch = _shared._torch
+        torch = _torch
         if (torch is not None and type(values) is torch.Tensor and values.dtype is torch.int64
                 and values.is_cpu and values.is_contiguous()):
             values = values.detach().numpy()
@@ -844,7 +829,7 @@ class RadixCache:
             raise ValueError(f"load_back got {values.shape[0]} device indices for a host "
                              f"match of {wanted} tokens")
         if not isinstance(values, np.ndarray):  # on a device: kept there, a copy of it
-            values = values.to(_shared._torch.int64, copy=True)
+            values = values.to(_torch.int64, copy=True)
         events = self._events
         return self._core.load_back(match, values, None if events is None else events.stored)
 

@@ -1,7 +1,8 @@
 """Shared fixtures: every cache test runs once per available tree core.
 
-``check_invariants`` reads cache.py's private state on purpose: it is the one place that
-knows what a consistent cache looks like, so every other test can call it after each step.
+``check_invariants`` reads the core behind a cache (``core_of``) on purpose: it is the one
+place that knows what a consistent cache looks like, so every other test can call it after
+each step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from radixcache import RadixCache
-from radixcache._core import CORES
+from radixcache._core import BLOCKS, CORES
 from radixcache.download import find as _find_trace
 
 #: Where CI keeps the Mooncake traces: a folder next to the repository.
@@ -34,10 +35,23 @@ def core_name(request) -> str:
     return request.param
 
 
+@pytest.fixture(params=list(BLOCKS), ids=list(BLOCKS))
+def blocks(request):
+    """One available block module (``BlockIndex``, the page hashes): pure, and compiled once
+    it is built."""
+    return BLOCKS[request.param]
+
+
 @pytest.fixture
 def make_cache(core_name):
     """``RadixCache`` bound to the current core: ``make_cache(page_size=..., ...)``."""
     return functools.partial(RadixCache, core=core_name)
+
+
+def core_of(cache: RadixCache):
+    """The tree core object behind ``cache`` (its ``Core``: ``tree``, ``heap``, sizes, ``walk``):
+    the one way tests reach past the public class."""
+    return cache._core
 
 
 def _first_page(node, page_size: int) -> tuple:
@@ -58,7 +72,7 @@ def check_index_array(cache: RadixCache, values, cpu: bool = False) -> None:
 
 def check_invariants(cache: RadixCache) -> None:
     """Assert every structural and bookkeeping invariant of ``cache``; iterative, any depth."""
-    tree = cache._tree
+    tree = core_of(cache).tree
     root = tree.root
     page_size = cache.page_size
     assert not root.evicted
@@ -150,16 +164,16 @@ def check_invariants(cache: RadixCache) -> None:
     assert cache.node_count() == node_count == tree.node_count
     tree.check_layout()  # the core's own lookup structure (compiled: slot mirrors)
     assert cache.total_size() == total_tokens
-    assert cache.protected_size() == locked_tokens == cache._protected
-    assert cache.evictable_size() == total_tokens - locked_tokens == cache._evictable
+    assert cache.protected_size() == locked_tokens == core_of(cache).protected
+    assert cache.evictable_size() == total_tokens - locked_tokens == core_of(cache).evictable
     if tiered:
         assert cache.host_size() == host_tokens == cache.stats().host_size
 
     # The lazy heap: every evictable leaf needs an entry whose stored key is not above its
     # current key (an entry above it is discarded as stale, which would strand the leaf).
-    heaps = [(cache._heap, evictable_leaves, "evictable")]
+    heaps = [(core_of(cache).heap, evictable_leaves, "evictable")]
     if tiered:
-        heaps.append((cache._core.host_heap, host_leaves, "host"))
+        heaps.append((core_of(cache).host_heap, host_leaves, "host"))
     for heap, leaves, kind in heaps:
         stored_keys = defaultdict(list)
         for stored, node in heap.entries():

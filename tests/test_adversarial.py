@@ -41,7 +41,7 @@ import gc, os, sys, threading, time, tracemalloc, weakref
 import numpy as np
 import torch
 from radixcache import RadixCache
-from conftest import check_invariants, node_tokens
+from conftest import check_invariants, core_of, node_tokens
 
 CORE = sys.argv[1]
 REENTERED = "re-entered from inside one of its own calls"
@@ -53,7 +53,7 @@ sys.unraisablehook = lambda info: UNRAISABLE.append(info.exc_value)
 def contents(cache):
     """Everything a cache holds, comparable across cores."""
     out = []
-    for node, _depth in cache._tree.iter_nodes():
+    for node, _depth in core_of(cache).tree.iter_nodes():
         if node.parent is None:
             continue
         value = node.value
@@ -344,7 +344,7 @@ case("r3_value_finalizer_during_split", """
         cache = RadixCache(core=CORE)
         cache.insert([1, 2, 3, 4, 5, 6], torch.arange(6, device="meta"))
         cache.insert([1, 2, 3, 4, 5, 6, 7, 8], torch.arange(8, device="meta"))
-        for node, _ in list(cache._tree.iter_nodes()):
+        for node, _ in list(core_of(cache).tree.iter_nodes()):
             if node.parent is not None:
                 # On the tensor the node keeps (value is a new view of it: its base).
                 assert node.value._base is not None
@@ -568,7 +568,7 @@ case("r6_deep_chain_in_a_cycle_collected", """
     depth = 100_000 if CORE == "c" else 20_000
     cache = RadixCache(core=CORE)
     probe = Probe()
-    key = ("tenant", cache._tree, probe)   # tree -> nodes -> key -> tree
+    key = ("tenant", core_of(cache).tree, probe)   # tree -> nodes -> key -> tree
     build_chain(cache, depth, extra_key=key)
     probe_ref = weakref.ref(probe)
     del cache, key, probe
@@ -589,7 +589,7 @@ case("r6_key_holds_the_tree", """
     def build_and_drop(depth):
         cache = RadixCache(core=CORE)
         key = Key()
-        key.tree = cache._tree
+        key.tree = core_of(cache).tree
         build_chain(cache, depth, extra_key=key)
         ref = weakref.ref(key)
         del cache, key
@@ -640,7 +640,7 @@ case("r6_small_thread_stack", """
                     build_chain(cache, depth)
                     cache.me = cache
                 elif how == "tree cycle":
-                    build_chain(cache, depth, extra_key=(cache._tree,))
+                    build_chain(cache, depth, extra_key=(core_of(cache).tree,))
                 else:
                     deepest = build_chain(cache, depth)
                 if how == "reset":
@@ -743,7 +743,7 @@ case("r7_compaction_drops_last_references", """
     for i, key in enumerate(keys):
         for _ in range(2):
             cache.match_prefix([i, 1], extra_key=key)
-    assert len(cache._heap) < 1024
+    assert len(core_of(cache).heap) < 1024
     cache.evict(30)                         # the 30 leaves touched last
     del keys, key
     Key.cache = cache
@@ -1005,7 +1005,7 @@ HOST = """
 def tiered(cache):
     \"\"\"Everything a host-tier cache holds, comparable across cores.\"\"\"
     out = []
-    for node, _depth in cache._tree.iter_nodes():
+    for node, _depth in core_of(cache).tree.iter_nodes():
         if node.parent is None:
             continue
         value, host = node.value, node.host_value

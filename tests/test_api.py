@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import check_invariants, node_tokens
+from conftest import check_invariants, core_of, node_tokens
 from radixcache import InsertResult, MatchResult, RadixCache, RadixTreeNode
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -614,7 +614,7 @@ def test_deep_chain(make_cache, core_name):
     assert cache.dec_lock_ref(deepest) == depth
     assert cache.evictable_size() == depth
 
-    depths = [d for _, d in cache._tree.iter_nodes()]
+    depths = [d for _, d in core_of(cache).tree.iter_nodes()]
     assert depths == list(range(depth + 1))
     check_invariants(cache)
 
@@ -709,15 +709,15 @@ def test_core_walk_is_read_only_and_page_aligned(make_cache):
     cache = make_cache(page_size=2)
     cache.insert([1, 2, 3, 4, 5, 6])
     cache.insert([1, 2, 7, 8], extra_key="ns")
-    nodes, clock = cache.node_count(), cache._tree.clock
-    assert cache._walk(np.array([1, 2, 3, 4, 5, 6], dtype=np.int64)) == 6
-    assert cache._walk([1, 2, 3, 9, 9]) == 2        # the match ends inside a node: no split
-    assert cache._walk([1, 2, 3, 4, 5]) == 4         # unaligned tail ignored
-    assert cache._walk([1, 2, 7, 8]) == 2
-    assert cache._walk([1, 2, 7, 8], "ns") == 4
-    assert cache._walk([1, 2], "other") == 0
-    assert cache._walk([]) == 0
-    assert (cache.node_count(), cache._tree.clock) == (nodes, clock)
+    nodes, clock = cache.node_count(), core_of(cache).tree.clock
+    assert core_of(cache).walk(np.array([1, 2, 3, 4, 5, 6], dtype=np.int64)) == 6
+    assert core_of(cache).walk([1, 2, 3, 9, 9]) == 2        # the match ends inside a node: no split
+    assert core_of(cache).walk([1, 2, 3, 4, 5]) == 4         # unaligned tail ignored
+    assert core_of(cache).walk([1, 2, 7, 8]) == 2
+    assert core_of(cache).walk([1, 2, 7, 8], "ns") == 4
+    assert core_of(cache).walk([1, 2], "other") == 0
+    assert core_of(cache).walk([]) == 0
+    assert (cache.node_count(), core_of(cache).tree.clock) == (nodes, clock)
 
 
 @pytest.mark.parametrize("page_size", [1, 2])
@@ -765,7 +765,7 @@ def test_lock_ref_limit_refused_before_any_change(core_name):
     """A lock past MAX_LOCK_REF raises OverflowError and changes no count. The compiled
     core's counts cannot be set from Python, and 2^31 real locks take minutes: the limit is
     driven through the pure core's node state; the compiled core has the same check."""
-    from radixcache._shared import MAX_LOCK_REF
+    from radixcache._types import MAX_LOCK_REF
 
     if core_name != "python":
         pytest.skip("reaching 2^31 - 1 locks on the compiled core takes 2^31 calls")
@@ -802,17 +802,17 @@ def test_key_longer_than_a_slot_mirrors(make_cache):
     cache = make_cache(page_size=page_size)
     seq = np.arange(length, dtype=np.int64)
     assert cache.insert(seq).prefix_len == 0
-    cache._tree.check_layout()
+    core_of(cache).tree.check_layout()
     assert cache.exists(seq)
     assert not cache.exists(seq[:-2])
     assert not cache.exists(seq[:2**27])  # fewer tokens than the key: the walk stops
     assert cache.match_prefix(seq[:8]).length == 8  # splits: an 8-token upper half
-    cache._tree.check_layout()
+    core_of(cache).tree.check_layout()
     assert cache.exists(seq)
     # Walks with 2^27 tokens left against a lower half of 2^27 - 4: and with more than it.
     assert cache.insert(seq[:2**27 + 2]).prefix_len == 2**27 + 2
     assert cache.insert(np.concatenate((seq, [7, 7]))).prefix_len == length
-    cache._tree.check_layout()
+    core_of(cache).tree.check_layout()
     assert cache.exists(seq) and cache.exists(seq[:2**27 + 2])
     del seq
     cache.reset()

@@ -1,4 +1,4 @@
-"""The tree cores' ``BlockIndex`` (``KvIndexer``'s table of held blocks) and the fleet's
+"""The block modules' ``BlockIndex`` (``KvIndexer``'s table of held blocks) and the fleet's
 direct feed of block keys (``event_options={"record": "keys"}`` and ``KvIndexer.apply_keys``),
 on every available core.
 
@@ -16,8 +16,8 @@ import random
 import numpy as np
 import pytest
 
-from radixcache import _core, _core_py
-from radixcache._core import CORES
+from radixcache import _blocks_py, _core
+from radixcache._core import BLOCKS, CORES
 from radixcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixcache.events.hashing import fast64_root
 from radixcache.events.recorder import KEYS_REMOVED, KEYS_STORED
@@ -26,11 +26,6 @@ from radixcache.router import KvIndexer
 from radixcache.workloads import Request, synthetic_chat
 
 I64 = (1 << 63) - 1
-
-
-@pytest.fixture
-def index_core(core_name):
-    return CORES[core_name]
 
 
 class Model:
@@ -117,12 +112,12 @@ def as_input(keys, rng):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_random_operations_match_the_model(index_core, seed):
+def test_random_operations_match_the_model(blocks, seed):
     rng = random.Random(seed)
     # Few keys (collisions, several holders, a copy holding a key twice), and bursts of many
     # (the table grows, and shrinks as they leave); extreme int64 values included.
     pool = [rng.randrange(-I64 - 1, I64 + 1) for _ in range(40)] + [0, -1, I64, -I64 - 1]
-    index, model = index_core.BlockIndex(), Model()
+    index, model = blocks.BlockIndex(), Model()
     for step in range(600):
         op = rng.randrange(9)
         copy = rng.randrange(4)
@@ -157,7 +152,7 @@ def test_random_operations_match_the_model(index_core, seed):
             data = np.array([rng.randrange(50) for _ in range(4 * rng.randrange(12))],
                             dtype="<i8").tobytes()
             seed_key = rng.randrange(-I64 - 1, I64 + 1)
-            keys = index_core.page_hash_chain(seed_key, data, 32)
+            keys = blocks.page_hash_chain(seed_key, data, 32)
             for c in range(4):
                 if rng.random() < 0.5 and keys:
                     prefix = keys[:rng.randrange(len(keys) + 1)]
@@ -178,10 +173,10 @@ def test_random_operations_match_the_model(index_core, seed):
 
 
 def test_both_cores_agree_on_one_sequence():
-    if len(CORES) < 2:
-        pytest.skip("only one tree core is available")
+    if len(BLOCKS) < 2:
+        pytest.skip("only one block module is available")
     rng = random.Random(7)
-    indexes = [core.BlockIndex() for core in CORES.values()]
+    indexes = [module.BlockIndex() for module in BLOCKS.values()]
     pool = [rng.randrange(-I64 - 1, I64 + 1) for _ in range(30)]
     for _ in range(2000):
         copy, keys = rng.randrange(5), [rng.choice(pool) for _ in range(rng.randrange(6))]
@@ -192,10 +187,10 @@ def test_both_cores_agree_on_one_sequence():
         assert len({repr(state(index, pool)) for index in indexes}) == 1
 
 
-def test_overlap_stops_where_no_owner_holds_on(index_core):
-    index = index_core.BlockIndex()
+def test_overlap_stops_where_no_owner_holds_on(blocks):
+    index = blocks.BlockIndex()
     data = np.arange(64, dtype="<i8").tobytes()  # 8 pages of 8 tokens
-    keys = index_core.page_hash_chain(5, data, 64)
+    keys = blocks.page_hash_chain(5, data, 64)
     index.add(0, keys[:6])        # copy 0: pages 0-5
     index.add(1, keys[:2])        # copy 1: pages 0-1
     index.add(2, keys[:8])        # copy 2: all, but on another tier (owner -1)
@@ -248,8 +243,8 @@ BAD_CALLS = [
 
 @pytest.mark.parametrize("name,args,error,message", BAD_CALLS,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_CALLS)])
-def test_bad_input_raises_and_changes_nothing(index_core, name, args, error, message):
-    index = index_core.BlockIndex()
+def test_bad_input_raises_and_changes_nothing(blocks, name, args, error, message):
+    index = blocks.BlockIndex()
     index.store(0, [1, 2, 3])
     index.store(1, [2, 5])
     index.hold(2, 0)
@@ -259,29 +254,29 @@ def test_bad_input_raises_and_changes_nothing(index_core, name, args, error, mes
     assert state(index, [1, 2, 3, 5]) == before
 
 
-def test_page_hash_bytes_matches_the_chain(index_core):
+def test_page_hash_bytes_matches_the_chain(blocks):
     rng = np.random.default_rng(3)
     tokens = rng.integers(-2**63, 2**63 - 1, 100, dtype=np.int64)
     data = tokens.astype("<i8").tobytes()
     for seed in (0, -1, 12345, I64):
-        expected = np.array(index_core.page_hash_chain(seed, data, 32), dtype=np.int64)
-        assert index_core.page_hash_bytes(seed, data, 32) == expected.tobytes()
+        expected = np.array(blocks.page_hash_chain(seed, data, 32), dtype=np.int64)
+        assert blocks.page_hash_bytes(seed, data, 32) == expected.tobytes()
         view = tokens.astype("<i8")
         view.flags.writeable = False
-        assert index_core.page_hash_bytes(seed, view, 32) == expected.tobytes()
-    assert index_core.page_hash_bytes(0, data[:31], 32) == b""
+        assert blocks.page_hash_bytes(seed, view, 32) == expected.tobytes()
+    assert blocks.page_hash_bytes(0, data[:31], 32) == b""
     for bad, message in ((tokens.astype(np.int32), "1-D contiguous little-endian int64"),
                          (tokens[::2], "1-D contiguous"), (tokens.reshape(10, 10), "2-D"),
                          (list(tokens), "data must be bytes or an int64 numpy array")):
         with pytest.raises(TypeError, match=message):
-            index_core.page_hash_bytes(0, bad, 32)
+            blocks.page_hash_bytes(0, bad, 32)
     with pytest.raises(ValueError, match="page_bytes"):
-        index_core.page_hash_bytes(0, data, 12)
+        blocks.page_hash_bytes(0, data, 12)
 
 
-def test_pickle_and_copy_keep_every_holding(index_core):
+def test_pickle_and_copy_keep_every_holding(blocks):
     import copy as copy_module
-    index = index_core.BlockIndex()
+    index = blocks.BlockIndex()
     index.store(0, [1, 2, 3, -(1 << 63), I64])
     index.add(1, [2, 2])
     index.hold(2, 0)
@@ -293,7 +288,7 @@ def test_pickle_and_copy_keep_every_holding(index_core):
         assert clone.holders(2) == [0, 1, 1, 0]  # order kept
         clone.clear_copy(0)
         assert index.holders(2) == [0, 1, 1, 0]  # independent
-    assert state(pickle.loads(pickle.dumps(index_core.BlockIndex())), keys) == (0, 0, {
+    assert state(pickle.loads(pickle.dumps(blocks.BlockIndex())), keys) == (0, 0, {
         k: [] for k in keys})
     restore = index.__reduce__()[0]
     for bad in ((b"1234567", b""), (b"12345678", b""), (b"12345678", b"\xff" * 4),
@@ -322,7 +317,7 @@ def random_events(rng, block_size, tokens, held):
                 start, parent, seed = 0, None, fast64_root(b"")
                 medium, group = rng.choice((None, "GPU", "CPU")), rng.choice((None, 1))
             toks = tokens[start * block_size:(start + n) * block_size]
-            keys = _core.core.page_hash_chain(
+            keys = _core.blocks.page_hash_chain(
                 seed, np.array(toks, dtype="<i8").tobytes(), block_size * 8)
             own = rng.random() < 0.5
             hashes = tuple(keys) if own else tuple(rng.randrange(1 << 62) for _ in keys)
@@ -346,14 +341,14 @@ def random_events(rng, block_size, tokens, held):
 
 
 def test_indexer_on_the_compiled_index_equals_the_pure_one():
-    if len(CORES) < 2:
-        pytest.skip("only one tree core is available")
+    if len(BLOCKS) < 2:
+        pytest.skip("only one block module is available")
     rng = random.Random(11)
     block_size = 2
     tokens = [rng.randrange(6) for _ in range(40)]
     fast, pure = KvIndexer(block_size), KvIndexer(block_size)
-    pure._index = _core_py.BlockIndex()
-    assert type(fast._index) is CORES["c"].BlockIndex
+    pure._index = _blocks_py.BlockIndex()
+    assert type(fast._index) is BLOCKS["c"].BlockIndex
     held = {w: [] for w in (0, 1, 2, "w3")}
     for _ in range(400):
         worker = rng.choice((0, 1, 2, "w3"))
@@ -408,8 +403,8 @@ class HostileWorker:
 
 
 @pytest.mark.parametrize("countdown", range(1, 7))
-def test_hostile_worker_ids_stay_in_python(index_core, monkeypatch, countdown):
-    monkeypatch.setattr(_core, "core", index_core)
+def test_hostile_worker_ids_stay_in_python(blocks, monkeypatch, countdown):
+    monkeypatch.setattr(_core, "blocks", blocks)
     monkeypatch.setattr(HostileWorker, "action", None)
     indexer = KvIndexer(2)
     tokens = [1, 2, 3, 4, 5, 6]
@@ -479,22 +474,23 @@ def test_direct_feed_decides_like_the_event_path(core_name, lag, capacity):
 
 
 def test_direct_feed_on_the_pure_index_decides_like_the_compiled_one(monkeypatch):
-    if len(CORES) < 2:
+    if len(CORES) < 2 or len(BLOCKS) < 2:
         pytest.skip("only one tree core is available")
     requests = namespaced_chat()
     common = dict(page_size=4, interval_ms=20, event_lag=EventLag(requests=1))
     results = []
     for name in ("c", "python"):
-        monkeypatch.setattr(_core, "core", CORES[name])  # the caches' and the index's core
+        monkeypatch.setattr(_core, "core", CORES[name])  # the caches' core
+        monkeypatch.setattr(_core, "blocks", BLOCKS[name])  # the index's
         results.append(simulate_fleet(requests, 3, 150, "cache-aware", **common))
     assert comparable(results[0]) == comparable(results[1])
 
 
-def test_a_large_table_grows_and_empties(index_core):
+def test_a_large_table_grows_and_empties(blocks):
     # Past a few MiB the compiled table lives in its own (huge-page) allocation.
     keys = np.random.default_rng(5).integers(-2**63, 2**63 - 1, 200_000, dtype=np.int64)
     data = keys.tobytes()
-    index = index_core.BlockIndex()
+    index = blocks.BlockIndex()
     assert index.store(3, data) == (len(set(keys.tolist())), len(keys) - len(set(keys.tolist())))
     assert index.store(3, data[:800]) == (0, 100)
     assert index.add(4, data[:80]) == 10
@@ -650,3 +646,20 @@ def test_apply_keys_skips_and_counts_malformed_records(make_cache):
     indexer.apply_keys(1, [(KEYS_STORED, keys[8:], 12345), (KEYS_REMOVED, keys)])
     assert indexer.stats.unknown_parent == 1 and indexer.stats.unknown_removals == 2
     assert 1 not in indexer.workers
+
+
+def test_a_block_index_pickled_before_it_had_its_own_module_loads(core_name):
+    """A BlockIndex pickled while the block index lived in the tree core names its loader
+    there (``radixcache._core_c._block_index_from``): that name still loads it."""
+    blocks = BLOCKS[core_name]
+    index = blocks.BlockIndex()
+    index.add(3, [5, -6, 5])
+    index.hold(2**63 - 1, 0)
+    loader, args = index.__reduce__()
+    assert loader.__module__ == blocks.__name__
+    old_name = f"{CORES[core_name].__name__}\n_block_index_from\n".encode()
+    old_pickle = b"\x80\x03c" + old_name + pickle.dumps(args, 3)[2:-1] + b"R."
+    loaded = pickle.loads(old_pickle)
+    assert type(loaded) is blocks.BlockIndex
+    assert loaded.holders(5) == [3, 3] and loaded.holders(-6) == [3]
+    assert loaded.holders(2**63 - 1) == [0] and loaded.pairs == 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import check_invariants
+from conftest import check_invariants, core_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -106,7 +106,7 @@ def test_copies_and_pickles_keep_device_values(make_cache):
         assert whole.indices.device.type == "cuda"
         assert whole.indices.tolist() == [10, 11, 12, 13]
         assert other.match_prefix([1, 2, 7]).indices.tolist() == [10, 11, 22]
-        for node, _ in other._tree.iter_nodes():
+        for node, _ in core_of(other).tree.iter_nodes():
             if node.parent is not None:
                 assert node.stored_value.device.type == "cuda"
         freed = []

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 import radixcache.events as ev
 import radixcache.events.hashing as ev_hashing
 from radixcache import RadixCache
-from radixcache._core import CORES
+from radixcache._core import BLOCKS, CORES
+from conftest import core_of
 
 try:
     import msgspec
@@ -81,7 +82,7 @@ def tree_pages(cache: RadixCache) -> set:
     """The hashes of every full page in the tree, from a walk of its nodes."""
     last_hash = {}
     pages = set()
-    for node, depth in cache._tree.iter_nodes():
+    for node, depth in core_of(cache).tree.iter_nodes():
         if depth == 0:
             last_hash[node.id] = None
             continue
@@ -1452,7 +1453,7 @@ def _reference_page_chain(seed: int, data: bytes, page_bytes: int) -> list:
     return out
 
 
-def test_page_hash_chain_is_the_documented_function_in_every_core():
+def test_page_hash_chain_is_the_documented_function_in_every_block_module():
     rng = np.random.default_rng(5)
     cases = [(0, b"", 8), (-1, bytes(8), 8), (2**70 + 3, b"\x01" * 24, 16),
              (5, bytes(16), 2**70)]  # a page longer than any data: no pages
@@ -1461,9 +1462,9 @@ def test_page_hash_chain_is_the_documented_function_in_every_core():
         cases.append((int(rng.integers(-2**63, 2**63 - 1)), data, page))
     for seed, data, page in cases:
         expected = _reference_page_chain(seed, data, page)
-        for name, module in CORES.items():
+        for name, module in BLOCKS.items():
             assert module.page_hash_chain(seed, data, page) == expected, name
-    for module in CORES.values():
+    for module in BLOCKS.values():
         with pytest.raises(TypeError, match="data must be bytes"):
             module.page_hash_chain(0, bytearray(8), 8)
         with pytest.raises(TypeError, match="seed must be an int"):

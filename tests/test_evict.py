@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import check_invariants, node_tokens
+from conftest import check_invariants, core_of, node_tokens
 from radixcache import RadixCache
 from radixcache._core import CORES
 
@@ -43,7 +43,7 @@ def build(core: str, policy: str, page_size: int, seed: int, with_kv: bool):
 def contents(cache) -> list:
     return sorted((repr(node.extra_key), tuple(node_tokens(node)), node.terminal,
                    tuple(node.value.tolist()))
-                  for node, depth in cache._tree.iter_nodes() if depth > 0)
+                  for node, depth in core_of(cache).tree.iter_nodes() if depth > 0)
 
 
 def evict_both_ways(core, policy, page_size, seed, with_kv, num_tokens):
@@ -252,11 +252,11 @@ def test_guard_still_taken_after_the_callback_raises_reentry(make_cache):
         cache.insert([i, i])
 
     def free(indices):
-        cache._core.enter("a call in another thread")
+        core_of(cache).enter("a call in another thread")
 
     with pytest.raises(RuntimeError, match="re-entered"):
         cache.evict(8, free)
-    cache._core.leave()
+    core_of(cache).leave()
     assert cache.stats().evictions == 1 and cache.total_size() == 6
     check_invariants(cache)
 
@@ -391,7 +391,7 @@ def arm(key: HostileKey, cache, hostile: str) -> None:
 
 
 def held_values(cache, tier: str = "value") -> list:
-    return sorted(v for node, depth in cache._tree.iter_nodes() if depth > 0
+    return sorted(v for node, depth in core_of(cache).tree.iter_nodes() if depth > 0
                   and getattr(node, tier) is not None for v in getattr(node, tier).tolist())
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import check_invariants, node_tokens
+from conftest import check_invariants, core_of, node_tokens
 from radixcache import RadixCache
 from radixcache.events import BlockRemoved, BlockStored
 from radixcache.router import KvIndexer
@@ -46,7 +46,7 @@ class HostPool:
 
 def node_at(cache, tokens, extra_key=None):
     """The node whose path from the root is exactly ``tokens`` (read-only walk)."""
-    for node, depth in cache._tree.iter_nodes():
+    for node, depth in core_of(cache).tree.iter_nodes():
         if depth and node_tokens(node) == list(tokens) and node.extra_key == extra_key:
             return node
     raise AssertionError(f"no node for {tokens}")
@@ -55,7 +55,7 @@ def node_at(cache, tokens, extra_key=None):
 def tiers(cache) -> dict:
     """{path tokens: (tier, device values or None, host values or None)} of every node."""
     out = {}
-    for node, depth in cache._tree.iter_nodes():
+    for node, depth in core_of(cache).tree.iter_nodes():
         if depth:
             value = node.value
             host = node.host_value
@@ -68,14 +68,14 @@ def tiers(cache) -> dict:
 def snapshot(cache) -> tuple:
     """Everything a bad call must leave unchanged."""
     nodes = []
-    for node, depth in cache._tree.iter_nodes():
+    for node, depth in core_of(cache).tree.iter_nodes():
         value = node.value
         host = node.host_value if cache.host_tier else None
         nodes.append((depth, node.id, tuple(node.key.tolist()), node.tier if cache.host_tier
                       else None, None if value is None else tuple(value.tolist()),
                       None if host is None else tuple(host.tolist()), node.lock_ref,
                       node.last_access_time, node.hit_count, node.priority, node.evicted))
-    return nodes, cache.stats(), cache._tree.clock
+    return nodes, cache.stats(), core_of(cache).tree.clock
 
 
 def two_branches(make_cache, **kwargs):
@@ -591,7 +591,7 @@ def test_a_host_tier_cache_cannot_be_copied(make_cache):
         with pytest.raises(TypeError, match="host_tier=True"):
             how(cache)
     with pytest.raises(TypeError, match="host tier"):
-        cache._core.export_state()
+        core_of(cache).export_state()
 
 
 def test_reset_and_reset_stats(make_cache):
@@ -795,7 +795,7 @@ def test_device_values_through_both_tiers(make_cache):
     # Adoption by an insert with device values: the adopted node gets its slice there.
     result = cache.insert([1, 2, 3, 4, 5, 6], meta_tensor(6))
     assert result.prefix_len == 0
-    for node, depth in cache._tree.iter_nodes():
+    for node, depth in core_of(cache).tree.iter_nodes():
         if depth:
             assert node.value.device.type == "meta"
             assert node.value.shape[0] == node.num_tokens

@@ -181,11 +181,11 @@ def random_op(rng: random.Random, page_size: int) -> dict:
 ])
 @pytest.mark.parametrize("seed", range(6))
 def test_cores_agree_on_the_host_tier(policy, hits, page_size, seed):
-    from radixcache import _core_c, _core_py
+    from radixcache import _core_c, _core_py, _tree_py
 
     rng = random.Random(f"{policy}-{hits}-{page_size}-{seed}")
     # The next node gets the same id on both cores (ids show in messages and break ties).
-    _core_py._next_id = _core_c.Core(1, "lru").tree.root.id
+    _tree_py._next_id = _core_c.Core(1, "lru").tree.root.id
     compiled = Driver(_core_c, page_size, policy, hits)
     pure = Driver(_core_py, page_size, policy, hits)
     for step in range(250):

@@ -18,7 +18,7 @@ import torch
 
 from radixcache import RadixCache
 from radixcache._core import CORES
-from conftest import check_invariants
+from conftest import check_invariants, core_of
 
 SEQ = [3, 1, 4, 1, 5, 9, 2, 6]
 BIG = [2**40 + 7, -(2**40), 2**62, 2**63 - 1, -(2**63), 0, -1, 2**30, 2**60, -(2**60) - 1,
@@ -208,7 +208,7 @@ def test_priority_kinds_accepted(make_cache):
     cache.insert([5, 6], priority=-(2**63))
     with pytest.raises(TypeError, match="priority"):
         cache.insert([7, 8], priority=True)    # a bool is refused, as before
-    priorities = sorted(node.priority for node, depth in cache._tree.iter_nodes() if depth)
+    priorities = sorted(node.priority for node, depth in core_of(cache).tree.iter_nodes() if depth)
     assert priorities == [-(2**63), 3, 5]
 
 

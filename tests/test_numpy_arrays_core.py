@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixcache import _shared
+from radixcache import _state
 from radixcache._core import CORES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -252,17 +252,17 @@ def test_set_value_and_tensor_inputs(core_name):
 
 def test_tensor_declined_before_torch_is_bound(core_name):
     """A tensor given to a numpy-array core before torch is bound in the cores is declined
-    (None), changing nothing; once bound (``_shared.is_tensor`` binds it), it is read."""
+    (None), changing nothing; once bound (``_torch.is_tensor`` binds it), it is read."""
     module = CORES[core_name].__name__
     out = run_python(f"""
         import {module} as m
-        from radixcache import _shared
+        from radixcache import _torch
         core = m.Core(1, "lru", numpy_arrays=True)
         import torch
         tokens = torch.tensor([1, 2, 3])
         print(core.insert(tokens, None), core.match(tokens), core.tree.node_count,
               core.inserts, core.lookups)
-        assert _shared.is_tensor(tokens)
+        assert _torch.is_tensor(tokens)
         print(core.insert(tokens, None).prefix_len, core.match(tokens).indices.tolist())
     """)
     assert out.splitlines() == ["None None 0 0 0", "0 [1, 2, 3]"]
@@ -418,7 +418,7 @@ def test_state_with_device_values_refused(core_name):
         core.import_state(state)
     assert core.tree.node_count == 0 and core.evictable == 0
     assert core.match([1, 2, 3]).length == 0
-    assert _shared.check_state(state, 1)  # (the state itself is well formed)
+    assert _state.check_state(state, 1)  # (the state itself is well formed)
 
 
 def test_the_tensor_stand_in_has_no_instances(core_name):

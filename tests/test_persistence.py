@@ -18,7 +18,7 @@ from radixcache import RadixCache
 from radixcache._core import CORES
 from radixcache.cache import STATE_FORMAT
 
-from conftest import check_invariants
+from conftest import check_invariants, core_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,9 +27,9 @@ def dump(cache: RadixCache) -> list:
     """Every node (root excluded) in display order with everything that decides eviction
     and lookups; ids as ranks (an import hands out fresh ids in the same order)."""
     rows = []
-    ids = sorted(node.id for node, _ in cache._tree.iter_nodes() if node.parent is not None)
+    ids = sorted(node.id for node, _ in core_of(cache).tree.iter_nodes() if node.parent is not None)
     rank = {node_id: i for i, node_id in enumerate(ids)}
-    for node, depth in cache._tree.iter_nodes():
+    for node, depth in core_of(cache).tree.iter_nodes():
         if node.parent is None:
             continue
         rows.append((depth, node.key.tolist(), node.value.tolist(),
@@ -41,7 +41,7 @@ def dump(cache: RadixCache) -> list:
 
 def sizes(cache: RadixCache) -> tuple:
     return (cache.total_size(), cache.evictable_size(), cache.protected_size(),
-            cache.node_count(), cache._tree.clock)
+            cache.node_count(), core_of(cache).tree.clock)
 
 
 def eviction_order(cache: RadixCache) -> list:
@@ -139,7 +139,7 @@ def test_locks_are_not_carried(make_cache):
     loaded = pickle.loads(pickle.dumps(cache))
     check_invariants(loaded)
     assert loaded.protected_size() == 0 and loaded.evictable_size() == 4
-    assert all(n.lock_ref == 0 for n, _ in loaded._tree.iter_nodes())
+    assert all(n.lock_ref == 0 for n, _ in core_of(loaded).tree.iter_nodes())
     assert loaded.evict(4) == 4
     assert cache.protected_size() == 2 and cache.evict(4) == 2  # the original keeps its lock
 
@@ -235,9 +235,9 @@ def test_malformed_state_is_refused(make_cache, damage, message):
 def test_core_refuses_import_into_a_used_tree(make_cache):
     cache = make_cache()
     cache.insert([1, 2])
-    state = cache._core.export_state()
+    state = core_of(cache).export_state()
     with pytest.raises(ValueError, match="empty core"):
-        cache._core.import_state(state)
+        core_of(cache).import_state(state)
     check_invariants(cache)
 
 

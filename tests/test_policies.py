@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import check_invariants, page_sequences
+from conftest import check_invariants, core_of, page_sequences
 
 POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "slru", "priority")
 
@@ -39,12 +39,12 @@ def expected_rank(policy: str, node) -> tuple:
 
 
 def evictable_leaves(cache) -> list:
-    return [node for node, depth in cache._tree.iter_nodes()
+    return [node for node, depth in core_of(cache).tree.iter_nodes()
             if depth > 0 and node.num_children == 0 and node.lock_ref == 0]
 
 
 def locked_nodes(cache) -> list:
-    return [node for node, depth in cache._tree.iter_nodes() if depth > 0 and node.lock_ref > 0]
+    return [node for node, depth in core_of(cache).tree.iter_nodes() if depth > 0 and node.lock_ref > 0]
 
 
 def evict_one_checked(cache, policy: str) -> torch.Tensor | None:
@@ -289,12 +289,12 @@ def test_heap_stays_bounded_under_many_accesses_without_eviction(make_cache, pol
             if (i + round_no) % 2 == 0:
                 cache.inc_lock_ref(handles[i])  # each unlock pushes the leaf again
                 cache.dec_lock_ref(handles[i])
-        assert len(cache._heap) <= bound
+        assert len(core_of(cache).heap) <= bound
     # A last plain pass fixes the recency order exactly: LRU and MRU orders are known.
     last_pass = [(7 * i) % num_leaves for i in range(num_leaves)]
     for i in last_pass:
         cache.match_prefix(seqs[i])
-    assert len(cache._heap) <= bound
+    assert len(core_of(cache).heap) <= bound
     check_invariants(cache)
     victims = []
     while (freed := evict_one_checked(cache, policy)) is not None:

@@ -26,7 +26,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from conftest import check_invariants, node_tokens
+from conftest import check_invariants, core_of, node_tokens
 
 NAMESPACES = (None, "ns")
 # A small alphabet and short sequences so that prefixes collide a lot.
@@ -46,8 +46,8 @@ def tree_contents(cache) -> dict:
     contents = {ns: {} for ns in NAMESPACES}
     spans = []  # (node, namespace, path before the node, key tuple, value list, lock_ref)
     paths = [()]
-    root = cache._tree.root
-    for node, depth in cache._tree.iter_nodes():
+    root = core_of(cache).tree.root
+    for node, depth in core_of(cache).tree.iter_nodes():
         if node is root:
             continue
         del paths[depth:]
@@ -271,9 +271,9 @@ def tier_contents(cache) -> tuple:
     contents = {ns: {} for ns in NAMESPACES}
     spans = []
     paths = [()]
-    root = cache._tree.root
+    root = core_of(cache).tree.root
     page = cache.page_size
-    for node, depth in cache._tree.iter_nodes():
+    for node, depth in core_of(cache).tree.iter_nodes():
         if node is root:
             continue
         del paths[depth:]

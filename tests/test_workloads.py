@@ -33,7 +33,7 @@ from radixcache.workloads import (
     walk_cost,
 )
 
-from conftest import mooncake_trace
+from conftest import core_of, mooncake_trace
 
 MOONCAKE, MOONCAKE_MISSING = mooncake_trace("synthetic")
 
@@ -239,7 +239,7 @@ def test_time_cached_calls_changes_nothing_after_warm_up(core, input_type):
     # Everything is cached: the walk hook sees whole prompts, and another pass splits nothing.
     for request in requests:
         aligned = len(request.prompt) - len(request.prompt) % 4
-        assert cache._walk(request.prompt) == aligned
+        assert core_of(cache).walk(request.prompt) == aligned
     time_cached_calls(cache, requests, input_type, passes=1)
     assert (cache.node_count(), cache.stats().splits) == (nodes, splits)
 
@@ -423,7 +423,7 @@ def test_pool_capacity_beyond_what_a_machine_addresses_is_refused(make):
 @pytest.fixture
 def torch_bound():
     """The cores' torch names bound (until then they take no tensor: nothing counts as one)."""
-    from radixcache._shared import load_torch  # noqa: PLC0415
+    from radixcache._torch import load_torch  # noqa: PLC0415
 
     load_torch()
 

@@ -1,7 +1,7 @@
 """Block hashes: the namespace encoding, the ``sha256`` and ``fast64`` chains, token bytes.
 
-See "Block hash" in ``radixcache.events``. Imports only ``types`` of the package; the tree
-core (whose ``page_hash_chain`` computes the ``fast64`` chain) is imported when first needed,
+See "Block hash" in ``radixcache.events``. Imports only ``types`` of the package; the block
+module (whose ``page_hash_chain`` computes the ``fast64`` chain) is imported when first needed,
 by ``_page_hash_core``, the one place the events package reaches it.
 """
 
@@ -236,7 +236,7 @@ def _chain(parent_hash: Optional[int], namespace: bytes, data: bytes, page_bytes
 
 
 #: ``EventRecorder(block_hash=...)``: ``"sha256"`` (the default, see "Block hash") or
-#: ``"fast64"``: a 64-bit non-cryptographic chain, the tree core's ``page_hash_chain`` seeded
+#: ``"fast64"``: a 64-bit non-cryptographic chain, the block module's ``page_hash_chain`` seeded
 #: by the first 8 bytes of SHA-256(b"radixcache-fast64" + N) for a sequence's first page,
 #: the same in every process and core. A consumer that keys blocks by their token ids (as
 #: ``KvIndexer`` does) reads either; ``fast64`` is for in-process simulation, where hashing
@@ -262,11 +262,11 @@ def fast64_root(namespace: bytes) -> int:
 
 def _page_hash_core() -> ModuleType:
     """The module whose ``page_hash_chain``/``page_hash_bytes`` compute the ``fast64`` chain:
-    the tree core (compiled when built), imported here on first use, so importing
+    the block module (compiled when built), imported here on first use, so importing
     ``radixcache.events`` alone never loads it."""
-    from .._core import core
+    from .._core import blocks
 
-    return core
+    return blocks
 
 
 def _fast_chain(parent_hash: Optional[int], namespace: bytes, data: bytes,

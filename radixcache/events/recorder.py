@@ -60,7 +60,7 @@ class EventRecorder:
         lora_namespaces: If True, a str namespace is sent as ``lora_name`` and an int one as
             ``lora_id``.
         block_hash: How pages are hashed, one of ``BLOCK_HASHES``: ``"sha256"`` (the default,
-            stable and collision resistant) or ``"fast64"`` (the tree core's 64-bit chain, for
+            stable and collision resistant) or ``"fast64"`` (the block module's 64-bit chain, for
             in-process simulation).
 
     Raises:

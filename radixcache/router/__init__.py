@@ -12,13 +12,13 @@ namespace), so any publisher that sends token ids (radixcache, vLLM, SGLang) ind
 same way and a query hashes its tokens the same way. Per copy (a worker's blocks on one
 tier, ``medium``, in one KV-cache group, ``group_idx``), a map from the publisher's block
 hash to the indexer's key resolves ``parent_block_hash`` and ``BlockRemoved``. The keys are
-the ``fast64`` block hash (``radixcache.events.BLOCK_HASHES``: the tree core's
+the ``fast64`` block hash (``radixcache.events.BLOCK_HASHES``: the block module's
 ``page_hash_chain``, compiled when built, seeded by the namespace), so a publisher recording
 with ``block_hash="fast64"`` sends the indexer's own keys: checked against the token ids,
 such blocks need no map entry. The keys are 64-bit and not collision resistant: a hostile
 publisher could make two prefixes share keys; feed the index from trusted workers.
 Memory is proportional to the (block, copy) pairs held: one entry per pair in that map and
-one per distinct block in the tree core's block table (``BlockIndex``, compiled when built:
+one per distinct block in the block module's table (``BlockIndex``, compiled when built:
 16 bytes a slot, and a short list when several copies hold the block), freed when its last
 holder removes it; a worker that holds nothing keeps nothing. Stores, removals and overlap
 queries are one call into that table each (a query hashes its blocks there, as far as any

@@ -2,7 +2,7 @@
 ``radixcache.router``), and ``IndexerStats``, what it applied and skipped.
 
 The block table (``BlockIndex``) and the chain of block keys (``page_hash_chain``) come from
-the tree core (compiled when built); both are reached in one place below.
+the block module (compiled when built); both are reached in one place below.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 # bytes (its ExternalBlockHash).
 _HASH_TYPES = (int, bytes)
 
-# The tree core's block table and page hash chain (compiled when built): the block keys are
-# the chain seeded by the namespace. A table is made per indexer from the core chosen then.
-_page_keys = _core.core.page_hash_chain
+# The block module's table and page hash chain (compiled when built): the block keys are
+# the chain seeded by the namespace. A table is made per indexer from the module chosen then.
+_page_keys = _core.blocks.page_hash_chain
 
 
 def _new_block_index() -> Any:
-    return _core.core.BlockIndex()
+    return _core.blocks.BlockIndex()
 
 
 @dataclass
@@ -227,7 +227,7 @@ class KvIndexer:
         self.block_size = check_int(block_size, "block_size", 1)
         self._page_bytes = self.block_size * 8
         # indexer key -> the ids (``_Copy.cid``) of the copies holding it, a copy once per
-        # publisher hash that maps to the block: the tree core's BlockIndex (compiled when
+        # publisher hash that maps to the block: the block module's BlockIndex (compiled when
         # built); copy ids are reused once their copy is dropped
         self._index = _new_block_index()
         self._free_cids: list = []

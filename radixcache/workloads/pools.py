@@ -17,7 +17,7 @@ import numpy as np
 
 from .._core import core as _default_core
 from .._options import ARRAY_TYPES, MAX_POOL_SLOTS
-from .._shared import is_tensor, load_torch
+from .._torch import is_tensor, load_torch
 from .._validate import check_int
 
 __all__ = ["MAX_POOL_SLOTS", "HostPool", "KVPool", "as_cache_array"]

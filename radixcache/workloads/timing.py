@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .._shared import load_torch
+from .._torch import load_torch
 from .pools import as_cache_array
 from .requests import FRESH_TOKEN_BASE, Request
 
@@ -150,7 +150,7 @@ def time_cached_calls(cache: Any, requests: list[Request], input_type: str, pass
                          request.extra_key))
     match_prefix = cache.match_prefix
     insert = cache.insert
-    walk = cache._walk
+    walk = cache._core.walk  # the core's bare walk
     for _ in range(2):  # cache everything, make every split
         for prompt, full, kv, _p64, _f64, extra_key in prepared:
             match_prefix(prompt, extra_key)

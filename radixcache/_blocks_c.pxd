@@ -1,0 +1,42 @@
+# cython: language_level=3
+"""Declarations of the compiled block index (implemented in _blocks_c.pyx; spec: _blocks_py's
+module docstring)."""
+
+from libc.stdint cimport int32_t, int64_t
+
+
+cdef struct BIEntry:
+    # 16 bytes: a table of a few hundred thousand keys stays in the last-level cache.
+    int64_t key
+    int32_t n          # holdings of the key (0: an empty slot)
+    int32_t one        # n == 1: the holding copy; n >= 2: its list in BlockIndex.lists
+
+
+cdef class BlockIndex:
+    # Open addressing, linear probing, backward-shift deletion; power-of-two capacity.
+    cdef BIEntry* table
+    cdef Py_ssize_t mask
+    cdef Py_ssize_t size       # distinct keys held
+    cdef Py_ssize_t n_pairs    # holdings
+    # Holder lists of keys held more than once (a copy once per holding, earliest first),
+    # of capacity max(4, n rounded up to a power of two); free list positions are reused.
+    cdef int32_t** lists
+    cdef Py_ssize_t lists_cap
+    cdef Py_ssize_t lists_used
+    cdef int32_t* free_lists
+    cdef Py_ssize_t n_free
+    cdef int32_t* marks        # overlap's scratch: a stamp per owner
+    cdef Py_ssize_t marks_cap
+    cdef int32_t stamp
+
+    cdef Py_ssize_t find(self, int64_t key) noexcept
+    cdef int reserve(self, Py_ssize_t keys) except -1
+    cdef int rebuild(self, Py_ssize_t capacity) except -1
+    cdef Py_ssize_t slot_of(self, int64_t key) noexcept
+    cdef const int32_t* copies(self, BIEntry* e) noexcept
+    cdef int32_t new_list(self, int32_t first, int32_t second) except -1
+    cdef void free_list(self, int32_t li) noexcept
+    cdef int hold_key(self, int64_t key, int32_t copy) except -1
+    cdef bint drop_key(self, int64_t key, int32_t copy) noexcept
+    cdef void delete_slot(self, Py_ssize_t i) noexcept
+    cdef void maybe_shrink(self) noexcept

@@ -1,0 +1,692 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
+# cython: cdivision=True, binding=True
+"""Compiled block index and page hashes: the same interface as ``_blocks_py`` (see its
+docstring, the spec), in its own extension module: it serves the router and the fleet's
+workers, not the tree, and shares only C headers with the tree core (``_include/``)."""
+
+cimport cython
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.long cimport PyLong_AsLongLong
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
+from libc.string cimport memmove, memset
+
+import numpy as np
+
+cdef extern from "rc_platform.h":
+    void rc_prefetch(const void* p) noexcept nogil
+    void* rc_huge_alloc(size_t size) nogil
+    void rc_huge_free(void* p) nogil
+
+cdef extern from "Python.h":
+    int PyTraceMalloc_Track(unsigned int domain, uintptr_t ptr, size_t size)
+    int PyTraceMalloc_Untrack(unsigned int domain, uintptr_t ptr)
+
+_ndarray = np.ndarray
+
+
+# -- page hash chain ------------------------------------------------------------------------
+cdef inline uint64_t fmix64(uint64_t h) noexcept nogil:
+    # MurmurHash3's 64-bit finaliser: ends a page's hash, and spreads a key over the table.
+    h ^= h >> 33
+    h *= <uint64_t>0xFF51AFD7ED558CCD
+    h ^= h >> 33
+    h *= <uint64_t>0xC4CEB9FE1A85EC53
+    h ^= h >> 33
+    return h
+
+
+cdef inline uint64_t hash_page(uint64_t h, const unsigned char* w,
+                               Py_ssize_t per_page) noexcept:
+    # One page of page_hash_chain: ``per_page`` int64 little-endian tokens at ``w``.
+    cdef Py_ssize_t i
+    cdef uint64_t t
+    for i in range(per_page):
+        t = (<uint64_t>w[0] | (<uint64_t>w[1] << 8) | (<uint64_t>w[2] << 16)
+             | (<uint64_t>w[3] << 24) | (<uint64_t>w[4] << 32) | (<uint64_t>w[5] << 40)
+             | (<uint64_t>w[6] << 48) | (<uint64_t>w[7] << 56))
+        h = (h ^ t) * <uint64_t>0x9E3779B97F4A7C15
+        h ^= h >> 32
+        w += 8
+    return fmix64(h)
+
+
+cdef int check_chain_args(object seed, object page_bytes) except -1:
+    """The chain's checks after ``data``'s, as ``_blocks_py``'s: ``seed`` and ``page_bytes``
+    exactly ints, ``page_bytes`` a positive multiple of 8."""
+    for name, value in (("seed", seed), ("page_bytes", page_bytes)):
+        if type(value) is not int:  # exactly int: a subclass could change // or &
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if page_bytes <= 0 or page_bytes % 8:
+        raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
+    return 0
+
+
+def page_hash_chain(seed, data, page_bytes):
+    """The chained 64-bit hashes of the full pages of ``data``; see ``_blocks_py``."""
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    check_chain_args(seed, page_bytes)
+    if page_bytes > len(data):
+        return []  # no full page; page_bytes may not even fit in a Py_ssize_t
+    cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
+    cdef Py_ssize_t per_page = page_bytes // 8
+    cdef bytes buffer = data  # immutable: its bytes cannot change under this loop
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(buffer)
+    cdef Py_ssize_t pages = len(buffer) // page_bytes
+    cdef Py_ssize_t page
+    out = [None] * pages
+    for page in range(pages):
+        h = hash_page(h, p + page * per_page * 8, per_page)
+        out[page] = <int64_t>h
+    return out
+
+
+def page_hash_bytes(seed, data, page_bytes):
+    """``page_hash_chain`` as native int64 bytes (no int objects); see ``_blocks_py``."""
+    cdef bint is_array = type(data) is _ndarray
+    if not is_array and type(data) is not bytes:
+        raise TypeError(f"data must be bytes or an int64 numpy array, got {type(data).__name__}")
+    if is_array and (data.dtype.str != "<i8" or data.ndim != 1
+                     or not data.flags.c_contiguous):
+        raise TypeError(f"data as an array must be 1-D contiguous little-endian int64, got "
+                        f"{data.ndim}-D {data.dtype}")
+    check_chain_args(seed, page_bytes)
+    cdef Py_buffer view
+    cdef bytes out
+    cdef const unsigned char* p
+    cdef Py_ssize_t per_page = 0, pages = 0, page, length
+    cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
+    cdef int64_t* q
+    if is_array:
+        # Held for the call (nothing runs meanwhile): its memory stays where it is.
+        PyObject_GetBuffer(data, &view, PyBUF_C_CONTIGUOUS)
+        p = <const unsigned char*>view.buf
+        length = view.len
+    else:
+        p = <const unsigned char*>PyBytes_AS_STRING(<bytes>data)
+        length = len(<bytes>data)
+    try:
+        if page_bytes <= length:
+            per_page = page_bytes // 8
+            pages = length // page_bytes
+        out = PyBytes_FromStringAndSize(NULL, pages * 8)
+        q = <int64_t*>PyBytes_AS_STRING(out)
+        for page in range(pages):
+            h = hash_page(h, p + page * per_page * 8, per_page)
+            q[page] = <int64_t>h
+    finally:
+        if is_array:
+            PyBuffer_Release(&view)
+    return out
+
+
+# -- block index ----------------------------------------------------------------------------
+# KvIndexer's table: 64-bit block key -> the copies (small ints) holding it, a copy once per
+# holding. Inputs are read into owned buffers before anything changes, and no Python code
+# runs while the table is written (exact ints only; nothing allocated that could collect).
+
+# How many keys ahead a batch prefetches its table slot (the table is larger than the cache).
+DEF _BI_AHEAD = 16
+
+# Tables of at least this many bytes live in huge pages where the system offers them (fewer
+# TLB misses: every lookup lands on a random slot); tracemalloc still sees them.
+DEF _BI_HUGE = 2097152
+
+
+cdef BIEntry* _bi_alloc(Py_ssize_t capacity) noexcept:
+    cdef size_t size = capacity * sizeof(BIEntry)
+    cdef void* p = NULL
+    if size < _BI_HUGE:
+        p = PyMem_Malloc(size)
+    else:
+        p = rc_huge_alloc(size)
+        if p != NULL:
+            PyTraceMalloc_Track(0, <uintptr_t>p, size)
+    if p != NULL:
+        memset(p, 0, size)
+    return <BIEntry*>p
+
+
+cdef void _bi_free(BIEntry* table, Py_ssize_t capacity) noexcept:
+    if table == NULL:
+        return
+    if capacity * sizeof(BIEntry) < _BI_HUGE:
+        PyMem_Free(table)
+    else:
+        PyTraceMalloc_Untrack(0, <uintptr_t>table)
+        rc_huge_free(table)
+
+
+cdef inline uint64_t _bi_mix(int64_t key) noexcept:
+    return fmix64(<uint64_t>key ^ <uint64_t>0x5BD1E9955BD1E995)
+
+
+cdef bytes _bi_keys(object keys):
+    """``keys`` as int64 native-order bytes: a list or tuple of ints, or bytes."""
+    cdef Py_ssize_t n, i
+    cdef bytes out
+    cdef int64_t* p
+    if type(keys) is bytes:
+        if len(<bytes>keys) % 8:
+            raise ValueError(f"keys as bytes must hold int64 values (a multiple of 8 bytes), "
+                             f"got {len(<bytes>keys)} bytes")
+        return <bytes>keys
+    if type(keys) is not list and type(keys) is not tuple:
+        raise TypeError(f"keys must be a list or tuple of ints, or bytes, got "
+                        f"{type(keys).__name__}")
+    n = len(keys)
+    out = PyBytes_FromStringAndSize(NULL, n * 8)
+    p = <int64_t*>PyBytes_AS_STRING(out)
+    for i in range(n):
+        item = keys[i]  # a reference: the sequence may not be changed by anything below
+        if type(item) is not int:
+            raise TypeError(f"keys must be ints, got {type(item).__name__} at position {i}")
+        try:
+            p[i] = PyLong_AsLongLong(item)
+        except OverflowError:
+            raise OverflowError(f"key {item} at position {i} does not fit in int64") from None
+    return out
+
+
+cdef int32_t _bi_copy(object copy) except -1:
+    if type(copy) is not int:
+        raise TypeError(f"copy must be an int, got {type(copy).__name__}")
+    if not 0 <= copy < 0x7FFFFFFF:
+        raise ValueError(f"copy must be in [0, 2**31 - 1), got {copy}")
+    return <int32_t>copy
+
+
+cdef int64_t _bi_key(object key) except? -1:
+    if type(key) is not int:
+        raise TypeError(f"key must be an int, got {type(key).__name__}")
+    try:
+        return PyLong_AsLongLong(key)
+    except OverflowError:
+        raise OverflowError(f"key {key} does not fit in int64") from None
+
+
+@cython.final
+cdef class BlockIndex:
+    """BlockIndex()
+--
+
+Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py``."""
+
+    def __cinit__(self):
+        self.table = _bi_alloc(8)
+        if self.table == NULL:
+            raise MemoryError()
+        self.mask = 7
+        self.size = 0
+        self.n_pairs = 0
+        self.lists = NULL
+        self.lists_cap = 0
+        self.lists_used = 0
+        self.free_lists = NULL
+        self.n_free = 0
+        self.marks = NULL
+        self.marks_cap = 0
+        self.stamp = 0
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        for i in range(self.lists_used):
+            PyMem_Free(self.lists[i])  # NULL for a free position
+        PyMem_Free(self.lists)
+        PyMem_Free(self.free_lists)
+        _bi_free(self.table, self.mask + 1)
+        PyMem_Free(self.marks)
+        self.lists = NULL
+        self.free_lists = NULL
+        self.table = NULL
+        self.marks = NULL
+
+    def __reduce__(self):
+        # Every holding as (key, copy), a key's copies earliest first: holding them again in
+        # this order rebuilds the index (native byte order).
+        cdef Py_ssize_t i, j, k
+        cdef bytes keys, copies
+        cdef int64_t* kp
+        cdef int32_t* cp
+        cdef const int32_t* items
+        while True:
+            keys = PyBytes_FromStringAndSize(NULL, self.n_pairs * 8)
+            copies = PyBytes_FromStringAndSize(NULL, self.n_pairs * 4)
+            if len(keys) == self.n_pairs * 8 and len(copies) == self.n_pairs * 4:
+                break  # a finalizer run by those allocations changed nothing
+        kp = <int64_t*>PyBytes_AS_STRING(keys)
+        cp = <int32_t*>PyBytes_AS_STRING(copies)
+        k = 0
+        for i in range(self.mask + 1):
+            if self.table[i].n:
+                items = self.copies(&self.table[i])
+                for j in range(self.table[i].n):
+                    kp[k] = self.table[i].key
+                    cp[k] = items[j]
+                    k += 1
+        return (_block_index_from, (keys, copies))
+
+    cdef Py_ssize_t find(self, int64_t key) noexcept:
+        cdef Py_ssize_t i = <Py_ssize_t>(_bi_mix(key) & <uint64_t>self.mask)
+        while self.table[i].n:
+            if self.table[i].key == key:
+                return i
+            i = (i + 1) & self.mask
+        return -1
+
+    cdef Py_ssize_t slot_of(self, int64_t key) noexcept:
+        # The key's slot, or the empty slot where it goes (the table has room).
+        cdef Py_ssize_t i = <Py_ssize_t>(_bi_mix(key) & <uint64_t>self.mask)
+        while self.table[i].n and self.table[i].key != key:
+            i = (i + 1) & self.mask
+        return i
+
+    cdef const int32_t* copies(self, BIEntry* e) noexcept:
+        return &e.one if e.n == 1 else self.lists[e.one]
+
+    cdef int32_t new_list(self, int32_t first, int32_t second) except -1:
+        cdef int32_t* items = <int32_t*>PyMem_Malloc(4 * sizeof(int32_t))
+        cdef int32_t** grown
+        cdef int32_t* grown_free
+        cdef Py_ssize_t li, cap
+        if items == NULL:
+            raise MemoryError()
+        if self.n_free:
+            self.n_free -= 1
+            li = self.free_lists[self.n_free]
+        else:
+            if self.lists_used == self.lists_cap:
+                cap = max(16, self.lists_cap * 2)
+                if cap > 0x7FFFFFFF:
+                    PyMem_Free(items)
+                    raise OverflowError("too many blocks held more than once")
+                grown = <int32_t**>PyMem_Realloc(self.lists, cap * sizeof(int32_t*))
+                if grown == NULL:
+                    PyMem_Free(items)
+                    raise MemoryError()
+                self.lists = grown
+                grown_free = <int32_t*>PyMem_Realloc(self.free_lists, cap * sizeof(int32_t))
+                if grown_free == NULL:
+                    PyMem_Free(items)
+                    raise MemoryError()
+                self.free_lists = grown_free
+                self.lists_cap = cap
+            li = self.lists_used
+            self.lists_used += 1
+        items[0] = first
+        items[1] = second
+        self.lists[li] = items
+        return <int32_t>li
+
+    cdef void free_list(self, int32_t li) noexcept:
+        PyMem_Free(self.lists[li])
+        self.lists[li] = NULL
+        self.free_lists[self.n_free] = li
+        self.n_free += 1
+
+    cdef int rebuild(self, Py_ssize_t capacity) except -1:
+        cdef BIEntry* old = self.table
+        cdef Py_ssize_t old_cap = self.mask + 1, i, j
+        cdef BIEntry* fresh = _bi_alloc(capacity)
+        if fresh == NULL:
+            raise MemoryError()
+        self.table = fresh
+        self.mask = capacity - 1
+        for i in range(old_cap):
+            if old[i].n:
+                j = self.slot_of(old[i].key)
+                fresh[j] = old[i]
+        _bi_free(old, old_cap)
+        return 0
+
+    cdef int reserve(self, Py_ssize_t keys) except -1:
+        # Room for ``keys`` distinct keys at a load of at most 3/4.
+        cdef Py_ssize_t capacity = self.mask + 1
+        if keys * 4 <= capacity * 3:
+            return 0
+        while keys * 4 > capacity * 3:
+            capacity *= 2
+        return self.rebuild(capacity)
+
+    cdef void maybe_shrink(self) noexcept:
+        cdef Py_ssize_t capacity = self.mask + 1
+        if capacity > 8 and self.size * 8 < capacity:
+            while capacity > 8 and self.size * 4 < capacity:
+                capacity //= 2
+            try:
+                self.rebuild(capacity)
+            except MemoryError:
+                pass  # stays larger
+
+    cdef int hold_key(self, int64_t key, int32_t copy) except -1:
+        # One more holding of ``key`` by ``copy``; the table has room for a new key.
+        cdef Py_ssize_t i = self.slot_of(key)
+        cdef BIEntry* e = &self.table[i]
+        cdef int32_t* items
+        cdef int32_t* grown
+        cdef int32_t n = e.n
+        if n == 0:
+            e.key = key
+            e.one = copy
+            e.n = 1
+            self.size += 1
+        elif n == 1:
+            e.one = self.new_list(e.one, copy)
+            e.n = 2
+        else:
+            if n >= 0x3FFFFFFF:
+                raise OverflowError("too many holdings of one block")
+            items = self.lists[e.one]
+            if n >= 4 and (n & (n - 1)) == 0:  # full: capacity max(4, n rounded up)
+                grown = <int32_t*>PyMem_Realloc(items, 2 * n * sizeof(int32_t))
+                if grown == NULL:
+                    raise MemoryError()
+                self.lists[e.one] = items = grown
+            items[n] = copy
+            e.n = n + 1
+        self.n_pairs += 1
+        return 0
+
+    cdef bint drop_key(self, int64_t key, int32_t copy) noexcept:
+        # One holding of ``key`` by ``copy`` less; False when it holds none. No shrinking.
+        cdef Py_ssize_t i = self.find(key), j
+        cdef BIEntry* e
+        cdef int32_t* items
+        cdef int32_t last
+        if i < 0:
+            return False
+        e = &self.table[i]
+        if e.n == 1:
+            if e.one != copy:
+                return False
+            self.delete_slot(i)
+            self.size -= 1
+            self.n_pairs -= 1
+            return True
+        items = self.lists[e.one]
+        for j in range(e.n):
+            if items[j] == copy:
+                break
+        else:
+            return False
+        # Keep the holders' order: the earliest holding first.
+        memmove(&items[j], &items[j + 1], (e.n - j - 1) * sizeof(int32_t))
+        e.n -= 1
+        if e.n == 1:
+            last = items[0]
+            self.free_list(e.one)
+            e.one = last
+        self.n_pairs -= 1
+        return True
+
+    cdef void delete_slot(self, Py_ssize_t i) noexcept:
+        # Backward-shift deletion (no tombstones) of a slot holding no list.
+        cdef Py_ssize_t mask = self.mask, j = i, home
+        cdef BIEntry* t = self.table
+        while True:
+            j = (j + 1) & mask
+            if t[j].n == 0:
+                break
+            home = <Py_ssize_t>(_bi_mix(t[j].key) & <uint64_t>mask)
+            # Move j back to i unless its home lies cyclically in (i, j].
+            if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
+                t[i] = t[j]
+                i = j
+        memset(&t[i], 0, sizeof(BIEntry))
+
+    def __len__(self):
+        return self.size
+
+    @property
+    def pairs(self):
+        """Holdings: (key, copy) pairs, a copy counted once per holding."""
+        return self.n_pairs
+
+    def hold(self, key, copy):
+        cdef int64_t k = _bi_key(key)
+        cdef int32_t c = _bi_copy(copy)
+        self.reserve(self.size + 1)
+        self.hold_key(k, c)
+
+    def unhold(self, key, copy):
+        cdef int64_t k = _bi_key(key)
+        cdef int32_t c = _bi_copy(copy)
+        cdef bint done = self.drop_key(k, c)
+        if done:
+            self.maybe_shrink()
+        return done
+
+    def holds(self, key, copy):
+        cdef int64_t k = _bi_key(key)
+        cdef int32_t c = _bi_copy(copy)
+        cdef Py_ssize_t i = self.find(k), j
+        cdef const int32_t* items
+        if i < 0:
+            return False
+        items = self.copies(&self.table[i])
+        for j in range(self.table[i].n):
+            if items[j] == c:
+                return True
+        return False
+
+    def holders(self, key):
+        cdef int64_t k = _bi_key(key)
+        cdef Py_ssize_t i = self.find(k), j, n
+        if i < 0:
+            return []
+        n = self.table[i].n
+        # Copy first: making the list may run the garbage collector (and finalizers).
+        cdef bytes snapshot = PyBytes_FromStringAndSize(<char*>self.copies(&self.table[i]),
+                                                        n * sizeof(int32_t))
+        cdef const int32_t* p = <const int32_t*>PyBytes_AS_STRING(snapshot)
+        return [p[j] for j in range(n)]
+
+    def add(self, copy, keys):
+        cdef int32_t c = _bi_copy(copy)
+        cdef bytes data = _bi_keys(keys)
+        cdef const int64_t* p = <const int64_t*>PyBytes_AS_STRING(data)
+        cdef Py_ssize_t n = len(data) // 8, i
+        self.reserve(self.size + n)
+        for i in range(n):
+            if i + _BI_AHEAD < n:
+                rc_prefetch(&self.table[_bi_mix(p[i + _BI_AHEAD]) & <uint64_t>self.mask])
+            self.hold_key(p[i], c)
+        return n
+
+    def store(self, copy, keys):
+        cdef int32_t c = _bi_copy(copy)
+        cdef bytes data = _bi_keys(keys)
+        cdef const int64_t* p = <const int64_t*>PyBytes_AS_STRING(data)
+        cdef Py_ssize_t n = len(data) // 8, i, j, s
+        cdef Py_ssize_t stored = 0, duplicates = 0
+        cdef BIEntry* e
+        cdef const int32_t* items
+        cdef bint held
+        self.reserve(self.size + n)
+        for i in range(n):
+            if i + _BI_AHEAD < n:
+                rc_prefetch(&self.table[_bi_mix(p[i + _BI_AHEAD]) & <uint64_t>self.mask])
+            s = self.slot_of(p[i])
+            e = &self.table[s]
+            held = False
+            if e.n:
+                items = self.copies(e)
+                for j in range(e.n):
+                    if items[j] == c:
+                        held = True
+                        break
+            if held:
+                duplicates += 1
+            else:
+                self.hold_key(p[i], c)
+                stored += 1
+        return stored, duplicates
+
+    def remove(self, copy, keys):
+        cdef int32_t c = _bi_copy(copy)
+        cdef bytes data = _bi_keys(keys)
+        cdef const int64_t* p = <const int64_t*>PyBytes_AS_STRING(data)
+        cdef Py_ssize_t n = len(data) // 8, i
+        cdef Py_ssize_t removed = 0
+        for i in range(n):
+            if i + _BI_AHEAD < n:
+                rc_prefetch(&self.table[_bi_mix(p[i + _BI_AHEAD]) & <uint64_t>self.mask])
+            if self.drop_key(p[i], c):
+                removed += 1
+        self.maybe_shrink()
+        return removed, n - removed
+
+    def clear_copy(self, copy):
+        cdef int32_t c = _bi_copy(copy)
+        cdef Py_ssize_t i, j, k, dropped = 0, cap = self.mask + 1
+        cdef BIEntry* e
+        cdef int32_t* items
+        cdef int32_t last
+        for i in range(cap):
+            e = &self.table[i]
+            if e.n == 1:
+                if e.one == c:
+                    e.n = 0  # emptied; the table is rebuilt below
+                    dropped += 1
+                    self.size -= 1
+            elif e.n > 1:
+                items = self.lists[e.one]
+                k = 0
+                for j in range(e.n):
+                    if items[j] != c:
+                        items[k] = items[j]
+                        k += 1
+                dropped += e.n - k
+                if k == 0:
+                    self.free_list(e.one)
+                    e.n = 0
+                    self.size -= 1
+                elif k == 1:
+                    last = items[0]
+                    self.free_list(e.one)
+                    e.one = last
+                    e.n = 1
+                else:
+                    # The list keeps its capacity (a power of two >= 4 at least k).
+                    e.n = <int32_t>k
+        self.n_pairs -= dropped
+        if dropped:
+            while cap > 8 and self.size * 4 < cap:
+                cap //= 2
+            self.rebuild(cap)  # skips the emptied slots: probe runs come out whole
+        return dropped
+
+    def overlap(self, seed, data, page_bytes, owners):
+        if type(data) is not bytes:
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        check_chain_args(seed, page_bytes)
+        cdef bytes owner_data = _bi_keys(owners)
+        cdef Py_ssize_t n_owners = len(owner_data) // 8, i
+        cdef const int64_t* own = <const int64_t*>PyBytes_AS_STRING(owner_data)
+        for i in range(n_owners):
+            if not -1 <= own[i] < n_owners:
+                raise ValueError(f"owners must be -1 or in [0, {n_owners}), got {own[i]} at "
+                                 f"position {i}")
+        if page_bytes > len(<bytes>data):
+            return []
+        cdef bytes buffer = data
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(buffer)
+        cdef Py_ssize_t per_page = page_bytes // 8
+        cdef Py_ssize_t pages = len(buffer) // page_bytes
+        cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
+        cdef Py_ssize_t page, j, slot, n_active = -1, depth = 0, n_out = 0, k
+        cdef int32_t* marks
+        cdef int32_t* scratch
+        cdef int32_t stamp, cid
+        cdef int64_t o
+        cdef BIEntry* e
+        cdef const int32_t* items
+        # scratch: the active owners (n_owners), then the results (2 * n_owners)
+        scratch = <int32_t*>PyMem_Malloc((3 * n_owners + 1) * sizeof(int32_t))
+        if scratch == NULL:
+            raise MemoryError()
+        if self.marks_cap < n_owners:
+            marks = <int32_t*>PyMem_Realloc(self.marks, (n_owners + 1) * sizeof(int32_t))
+            if marks == NULL:
+                PyMem_Free(scratch)
+                raise MemoryError()
+            memset(marks, 0, (n_owners + 1) * sizeof(int32_t))
+            self.marks = marks
+            self.marks_cap = n_owners
+            self.stamp = 0
+        marks = self.marks
+        cdef int32_t* active = scratch
+        cdef int32_t* out = scratch + n_owners
+        for page in range(pages):
+            h = hash_page(h, p + page * per_page * 8, per_page)
+            slot = self.find(<int64_t>h)
+            if slot < 0:
+                break
+            e = &self.table[slot]
+            if self.stamp >= 0x3FFFFFF0:
+                memset(marks, 0, (self.marks_cap + 1) * sizeof(int32_t))
+                self.stamp = 0
+            self.stamp += 2
+            stamp = self.stamp
+            items = self.copies(e)
+            # mark the owners holding this block
+            for k in range(e.n):
+                cid = items[k]
+                if cid < n_owners:
+                    o = own[cid]
+                    if o >= 0:
+                        marks[o] = stamp
+            if n_active < 0:
+                n_active = 0
+                for k in range(e.n):
+                    cid = items[k]
+                    if cid < n_owners:
+                        o = own[cid]
+                        if o >= 0 and marks[o] == stamp:
+                            marks[o] = stamp + 1  # listed once
+                            active[n_active] = <int32_t>o
+                            n_active += 1
+            else:
+                k = 0
+                for j in range(n_active):
+                    if marks[active[j]] == stamp:
+                        active[k] = active[j]
+                        k += 1
+                    else:
+                        out[2 * n_out] = active[j]
+                        out[2 * n_out + 1] = <int32_t>depth
+                        n_out += 1
+                n_active = k
+            if n_active == 0:
+                break
+            depth += 1
+        for j in range(n_active if n_active > 0 else 0):
+            out[2 * n_out] = active[j]
+            out[2 * n_out + 1] = <int32_t>depth
+            n_out += 1
+        try:
+            snapshot = PyBytes_FromStringAndSize(<char*>out, 2 * n_out * sizeof(int32_t))
+        finally:
+            PyMem_Free(scratch)
+        cdef const int32_t* q = <const int32_t*>PyBytes_AS_STRING(snapshot)
+        return [(q[2 * j], q[2 * j + 1]) for j in range(n_out)]
+
+
+def _block_index_from(keys, copies):
+    """A ``BlockIndex`` holding ``keys[i]`` for ``copies[i]`` (int64 and int32 bytes), in order."""
+    if (type(keys) is not bytes or type(copies) is not bytes or len(keys) % 8
+            or len(copies) % 4 or len(keys) // 8 != len(copies) // 4):
+        raise ValueError("malformed BlockIndex state")
+    cdef Py_ssize_t n = len(keys) // 8, i
+    cdef const int64_t* kp = <const int64_t*>PyBytes_AS_STRING(keys)
+    cdef const int32_t* cp = <const int32_t*>PyBytes_AS_STRING(copies)
+    for i in range(n):
+        if not 0 <= cp[i] < 0x7FFFFFFF:
+            raise ValueError("malformed BlockIndex state")
+    cdef BlockIndex index = BlockIndex()
+    index.reserve(n)
+    for i in range(n):
+        index.hold_key(kp[i], cp[i])
+    return index

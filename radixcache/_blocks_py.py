@@ -1,0 +1,317 @@
+"""Block index and page hashes, pure Python: the reference and the fallback of ``_blocks_c``.
+
+Not part of the tree: the router's ``KvIndexer`` keys and tracks blocks with them, and the
+fleet simulation's workers hash pages with them. ``_blocks_c`` implements exactly this
+interface; the chooser ``_core`` picks between the two by the tree cores' rule
+(``_core.blocks``, or ``_core.get_blocks(name)``).
+
+Interface shared by both modules
+--------------------------------
+``page_hash_chain(seed, data, page_bytes) -> list[int]`` -- the chained 64-bit hashes of the
+full pages of ``data`` (bytes holding int64 little-endian token ids; ``page_bytes`` a
+positive multiple of 8; a trailing partial page is ignored). ``h = seed mod 2**64``; per
+page, per token ``t`` (as uint64): ``h = ((h ^ t) * 0x9E3779B97F4A7C15) mod 2**64; h ^= h >>
+32``; then the page's hash is ``h = fmix64(h)``
+(MurmurHash3's finaliser), which also starts the next page; each is returned as a signed
+int64. Not cryptographic; the same in both modules and in every process. ``TypeError`` when
+``data`` is not exactly ``bytes`` or ``seed``/``page_bytes`` not exactly ``int`` (no
+subclass runs code during the call), ``ValueError`` for a bad ``page_bytes``. The KV
+indexer keys blocks and the fleet simulation's workers hash pages with it.
+
+``page_hash_bytes(seed, data, page_bytes) -> bytes`` -- ``page_hash_chain``'s hashes as
+native int64 bytes (8 per full page; no int objects made), with the same checks, except that
+``data`` may also be a 1-D little-endian int64 numpy array (exactly ``numpy.ndarray``; its
+memory is read in place; another dtype, shape or a strided array is a ``TypeError``).
+
+``BlockIndex()`` -- ``KvIndexer``'s table of held blocks, a map from a 64-bit block key (an
+``int`` in int64) to the copies holding it (``copy``: an ``int`` in ``[0, 2**31 - 1)`` the
+caller assigns; a copy counts once per holding, so it may hold a key more than once).
+``len()`` is the number of distinct keys held, ``pairs`` the number of holdings. ``keys``
+arguments are a list or tuple of ints or native int64 bytes, read whole before anything
+changes. ``hold(key, copy)`` adds one holding;
+``unhold(key, copy) -> bool`` removes one (False: none); ``holds(key, copy) -> bool``;
+``holders(key) -> list`` (the copies, a copy once per holding, earliest first, ``[]`` when
+none); ``add(copy, keys) -> int`` holds every key once more (returns ``len(keys)``);
+``store(copy, keys) -> (stored, duplicates)`` holds, in order, each key ``copy`` does not
+hold yet and counts the others; ``remove(copy, keys) -> (removed, unknown)`` removes one
+holding per key, counting keys ``copy`` did not hold; ``clear_copy(copy) -> int`` removes
+all of ``copy``'s holdings and returns how many; ``overlap(seed, data, page_bytes, owners)
+-> list`` hashes the pages of ``data`` as ``page_hash_chain(seed, data, page_bytes)`` does
+(same argument checks) and walks them while held: ``owners[copy]`` is the owner a copy
+counts for (an int in ``[0, len(owners))``, or -1: not counted; copies past the end are not
+counted); an owner holds a page when one of its copies does. It returns ``[(owner,
+depth)]``, the leading pages each owner holding the first page holds, and stops at the
+first page that no owner still in the run holds (unhashed pages are never hashed). Errors:
+``TypeError`` for a key, copy or keys of another type (``bool`` included), ``OverflowError``
+for a key outside int64, ``ValueError`` for a copy or owner out of range or bytes not a
+multiple of 8, each leaving the index unchanged. It pickles and copies (its holdings, in
+native byte order; a compiled one loads where ``_blocks_c`` is built). No Python code runs
+while the compiled one is written; it frees a table slot with its last holding and shrinks as
+keys leave.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._validate import INT64_MAX, INT64_MIN
+
+__all__ = ["BlockIndex", "page_hash_chain", "page_hash_bytes"]
+
+
+# -- page hash chain (see the module docstring) ---------------------------------------------
+_MASK64 = (1 << 64) - 1
+_CHAIN_MUL = 0x9E3779B97F4A7C15
+_FMIX_1 = 0xFF51AFD7ED558CCD
+_FMIX_2 = 0xC4CEB9FE1A85EC53
+
+
+def _check_chain_args(seed: Any, data: Any, page_bytes: Any) -> None:
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    for name, value in (("seed", seed), ("page_bytes", page_bytes)):
+        if type(value) is not int:  # exactly int: a subclass could change // or &
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if page_bytes <= 0 or page_bytes % 8:
+        raise ValueError(f"page_bytes must be a positive multiple of 8, got {page_bytes}")
+
+
+def page_hash_chain(seed: int, data: bytes, page_bytes: int) -> list:
+    """The chained 64-bit hashes of the full pages of ``data``; see the module docstring."""
+    _check_chain_args(seed, data, page_bytes)
+    mask, mul, f1, f2 = _MASK64, _CHAIN_MUL, _FMIX_1, _FMIX_2
+    tokens = np.frombuffer(data, dtype="<u8", count=len(data) // 8).tolist()
+    per_page = page_bytes // 8
+    h = seed & mask
+    out = []
+    for start in range(0, len(tokens) - per_page + 1, per_page):
+        for t in tokens[start:start + per_page]:
+            h = ((h ^ t) * mul) & mask
+            h ^= h >> 32
+        h ^= h >> 33
+        h = (h * f1) & mask
+        h ^= h >> 33
+        h = (h * f2) & mask
+        h ^= h >> 33
+        out.append(h - (1 << 64) if h >> 63 else h)
+    return out
+
+
+# -- block index (see the module docstring) -------------------------------------------------
+def _index_copy(copy: Any) -> int:
+    if type(copy) is not int:
+        raise TypeError(f"copy must be an int, got {type(copy).__name__}")
+    if not 0 <= copy < 0x7FFFFFFF:
+        raise ValueError(f"copy must be in [0, 2**31 - 1), got {copy}")
+    return copy
+
+
+def _index_key(key: Any) -> int:
+    if type(key) is not int:
+        raise TypeError(f"key must be an int, got {type(key).__name__}")
+    if not INT64_MIN <= key <= INT64_MAX:
+        raise OverflowError(f"key {key} does not fit in int64")
+    return key
+
+
+def _index_keys(keys: Any) -> list:
+    """``keys`` as a new list of int64 ints: a list or tuple of ints, or bytes."""
+    if type(keys) is bytes:
+        if len(keys) % 8:
+            raise ValueError(f"keys as bytes must hold int64 values (a multiple of 8 bytes), "
+                             f"got {len(keys)} bytes")
+        return np.frombuffer(keys, dtype=np.int64).tolist()
+    if type(keys) is not list and type(keys) is not tuple:
+        raise TypeError(f"keys must be a list or tuple of ints, or bytes, got "
+                        f"{type(keys).__name__}")
+    out = list(keys)
+    for i, item in enumerate(out):
+        if type(item) is not int:
+            raise TypeError(f"keys must be ints, got {type(item).__name__} at position {i}")
+        if not INT64_MIN <= item <= INT64_MAX:
+            raise OverflowError(f"key {item} at position {i} does not fit in int64")
+    return out
+
+
+class BlockIndex:
+    """Held blocks: 64-bit block key -> the copies (ints) holding it; see the module docstring."""
+
+    __slots__ = ("_holders", "_pairs")
+
+    def __init__(self) -> None:
+        # key -> the holding copy (an int), or a list of them (a copy once per holding)
+        self._holders: dict = {}
+        self._pairs = 0
+
+    def __reduce__(self) -> Any:
+        keys, copies = [], []
+        for key, current in self._holders.items():
+            for copy in current if type(current) is list else (current,):
+                keys.append(key)
+                copies.append(copy)
+        return (_block_index_from, (np.array(keys, dtype=np.int64).tobytes(),
+                                    np.array(copies, dtype=np.int32).tobytes()))
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    @property
+    def pairs(self) -> int:
+        """Holdings: (key, copy) pairs, a copy counted once per holding."""
+        return self._pairs
+
+    def _hold(self, key: int, copy: int) -> None:
+        holders = self._holders
+        current = holders.get(key)
+        if current is None:
+            holders[key] = copy
+        elif type(current) is list:
+            current.append(copy)
+        else:
+            holders[key] = [current, copy]
+        self._pairs += 1
+
+    def _drop(self, key: int, copy: int) -> bool:
+        holders = self._holders
+        current = holders.get(key)
+        if current is None:
+            return False
+        if type(current) is list:
+            try:
+                current.remove(copy)
+            except ValueError:
+                return False
+            if len(current) == 1:
+                holders[key] = current[0]
+        elif current == copy:
+            del holders[key]
+        else:
+            return False
+        self._pairs -= 1
+        return True
+
+    def _has(self, key: int, copy: int) -> bool:
+        current = self._holders.get(key)
+        return current == copy if type(current) is int else (
+            current is not None and copy in current)
+
+    def hold(self, key: int, copy: int) -> None:
+        key, copy = _index_key(key), _index_copy(copy)
+        self._hold(key, copy)
+
+    def unhold(self, key: int, copy: int) -> bool:
+        key, copy = _index_key(key), _index_copy(copy)
+        return self._drop(key, copy)
+
+    def holds(self, key: int, copy: int) -> bool:
+        key, copy = _index_key(key), _index_copy(copy)
+        return self._has(key, copy)
+
+    def holders(self, key: int) -> list:
+        current = self._holders.get(_index_key(key))
+        if current is None:
+            return []
+        return list(current) if type(current) is list else [current]
+
+    def add(self, copy: int, keys: Any) -> int:
+        copy = _index_copy(copy)
+        keys = _index_keys(keys)
+        for key in keys:
+            self._hold(key, copy)
+        return len(keys)
+
+    def store(self, copy: int, keys: Any) -> tuple:
+        copy = _index_copy(copy)
+        stored = duplicates = 0
+        for key in _index_keys(keys):
+            if self._has(key, copy):
+                duplicates += 1
+            else:
+                self._hold(key, copy)
+                stored += 1
+        return stored, duplicates
+
+    def remove(self, copy: int, keys: Any) -> tuple:
+        copy = _index_copy(copy)
+        keys = _index_keys(keys)
+        removed = sum(1 for key in keys if self._drop(key, copy))
+        return removed, len(keys) - removed
+
+    def clear_copy(self, copy: int) -> int:
+        copy = _index_copy(copy)
+        holders = self._holders
+        dropped = 0
+        for key in list(holders):
+            current = holders[key]
+            if type(current) is list:
+                kept = [c for c in current if c != copy]
+                dropped += len(current) - len(kept)
+                if not kept:
+                    del holders[key]
+                elif len(kept) == 1:
+                    holders[key] = kept[0]
+                else:
+                    holders[key] = kept
+            elif current == copy:
+                del holders[key]
+                dropped += 1
+        self._pairs -= dropped
+        return dropped
+
+    def overlap(self, seed: int, data: bytes, page_bytes: int, owners: Any) -> list:
+        _check_chain_args(seed, data, page_bytes)
+        owners = _index_keys(owners)
+        n_owners = len(owners)
+        for i, owner in enumerate(owners):
+            if not -1 <= owner < n_owners:
+                raise ValueError(f"owners must be -1 or in [0, {n_owners}), got {owner} at "
+                                 f"position {i}")
+        out = []
+        active = None  # owners holding every block so far, in first-seen order
+        depth = 0
+        holders = self._holders
+        for key in page_hash_chain(seed, data, page_bytes):
+            current = holders.get(key)
+            if current is None:
+                break
+            copies = current if type(current) is list else (current,)
+            held = [owners[c] for c in copies if c < n_owners and owners[c] >= 0]
+            if active is None:
+                active = list(dict.fromkeys(held))
+            else:
+                held = set(held)
+                out.extend((owner, depth) for owner in active if owner not in held)
+                active = [owner for owner in active if owner in held]
+            if not active:
+                break
+            depth += 1
+        out.extend((owner, depth) for owner in active or ())
+        return out
+
+
+def page_hash_bytes(seed: int, data: Any, page_bytes: int) -> bytes:
+    """``page_hash_chain`` as native int64 bytes; see the module docstring."""
+    if type(data) is np.ndarray:
+        if data.dtype.str != "<i8" or data.ndim != 1 or not data.flags.c_contiguous:
+            raise TypeError(f"data as an array must be 1-D contiguous little-endian int64, got "
+                            f"{data.ndim}-D {data.dtype}")
+        data = data.tobytes()
+    elif type(data) is not bytes:
+        raise TypeError(f"data must be bytes or an int64 numpy array, got {type(data).__name__}")
+    return np.array(page_hash_chain(seed, data, page_bytes), dtype=np.int64).tobytes()
+
+
+def _block_index_from(keys: Any, copies: Any) -> BlockIndex:
+    """A ``BlockIndex`` holding ``keys[i]`` for ``copies[i]`` (int64 and int32 bytes), in order."""
+    if (type(keys) is not bytes or type(copies) is not bytes or len(keys) % 8
+            or len(copies) % 4 or len(keys) // 8 != len(copies) // 4):
+        raise ValueError("malformed BlockIndex state")
+    copy_list = np.frombuffer(copies, dtype=np.int32).tolist()
+    if any(not 0 <= c < 0x7FFFFFFF for c in copy_list):
+        raise ValueError("malformed BlockIndex state")
+    index = BlockIndex()
+    for key, copy in zip(np.frombuffer(keys, dtype=np.int64).tolist(), copy_list):
+        index._hold(key, copy)
+    return index

@@ -1,0 +1,33 @@
+"""The errors both tree cores raise with the same message (made here, raised there)."""
+
+from __future__ import annotations
+
+__all__ = ["reentered", "stale_match", "lock_host_only", "node_not_copyable"]
+
+
+def reentered(what: str) -> RuntimeError:
+    """The error for a call into a tree core (or its heap) while another call of it runs."""
+    return RuntimeError(
+        f"RadixCache re-entered from inside one of its own calls ({what} while another call "
+        "was running): a token's __index__, an extra_key's __hash__/__eq__, a torch hook, a "
+        "finalizer or another thread called into the cache; serialise calls (one thread, or "
+        "a lock) and keep cache calls out of such hooks"
+    )
+
+
+def stale_match(why: str) -> ValueError:
+    """The error of ``load_back`` for a match whose host continuation is no longer there."""
+    return ValueError(f"stale match: {why}; the tree changed since match_prefix made it "
+                      "(match again)")
+
+
+def lock_host_only(node_id: int) -> ValueError:
+    """The error of ``inc_lock_ref`` on a node that is only on the host."""
+    return ValueError(f"inc_lock_ref on node {node_id}: it is only on the host: load it back "
+                      "first (load_back)")
+
+
+def node_not_copyable() -> TypeError:
+    """The error for pickling or copying a node (either core's): only a whole cache can be."""
+    return TypeError("a RadixTreeNode cannot be pickled or copied on its own: it is part of "
+                     "its cache's tree; pickle or copy the RadixCache instead")
