@@ -45,6 +45,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     InsertResult,
     MatchPrefixParams,
     MatchResult,
+    TreeLock,
 )
 from sglang.srt.mem_cache.events import KVCacheEventRecorder
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -61,6 +62,10 @@ BACKEND_NAME = "radixcache"
 SUPPORTED_EVICTION_POLICIES = ("lru", "fifo", "filo", "mru", "priority")
 
 _INT64_MAX = 2**63 - 1
+_PATH_MEMO_SIZE = 4096
+#: The release receipt of every lock: radixcache's locks are plain counts, with nothing to
+#: replay (SGLang's scheduler reads receipts of SWA caches only).
+_RECEIPT = DecLockRefParams()
 _DROP_FLAG = "drop --radix-cache-backend radixcache to use SGLang's own cache"
 
 
@@ -269,6 +274,9 @@ class RadixcacheBackend(BasePrefixCache):
         self._page_hashes: dict[int, tuple] = {}
         # Slots an allocator refused to take back; given again before the next free.
         self._pending_frees: list[torch.Tensor] = []
+        # The path indices of recent matches by end node, for prefix_device_indices: a path's
+        # slots never change while its end node is cached, so this lives until an eviction.
+        self._path_memo: dict = {}
         self.reset()
 
     # -- identity and configuration ------------------------------------------------------------
@@ -311,6 +319,7 @@ class RadixcacheBackend(BasePrefixCache):
                                         last_host_node=root, best_match_node=root)
         self._page_hashes.clear()
         self._pending_frees.clear()
+        self._path_memo.clear()
         self.kv_events.record_all_cleared()
 
     # -- match -----------------------------------------------------------------------------
@@ -324,6 +333,10 @@ class RadixcacheBackend(BasePrefixCache):
         if not match.length:
             return self._empty_match
         node = match.last_node
+        memo = self._path_memo
+        if len(memo) >= _PATH_MEMO_SIZE:
+            memo.clear()
+        memo[node] = match.indices
         return MatchResult(device_prefix_len=match.length, last_device_node=node,
                            last_host_node=node, best_match_node=node)
 
@@ -334,7 +347,20 @@ class RadixcacheBackend(BasePrefixCache):
         if length >= self.page_size:
             self._cache.match_prefix(_token_array(key.token_ids, length), _namespace(key))
 
+    def prefix_device_indices(self, req: Any) -> torch.Tensor:
+        """The KV slots of ``req``'s matched prefix (the path to its locked match node)."""
+        path = self._path_memo.get(req.last_node)
+        if path is None:
+            path = self.path_device_indices(req.last_node)
+        if len(path) < req.prefix_len:
+            raise ValueError(f"request {req.rid}: prefix_len {req.prefix_len} is longer than "
+                             f"its match node's path ({len(path)} tokens)")
+        return path[:req.prefix_len]
+
     def path_device_indices(self, node: Any) -> torch.Tensor:
+        memoized = self._path_memo.get(node)
+        if memoized is not None:
+            return memoized
         values = []
         root = self._cache.root_node
         while node is not root:
@@ -365,17 +391,20 @@ class RadixcacheBackend(BasePrefixCache):
         elif len(value) < aligned:
             raise ValueError(f"insert: {len(value)} values for {aligned} page-aligned tokens")
         priority = params.priority or 0
-        result = self._insert(tokens, value[:aligned], _namespace(key), priority, key)
+        result = self._insert(tokens, value[:aligned], _namespace(key), priority,
+                              (key.extra_key, key.cache_salt))
         self._free_duplicates(value, params.prev_prefix_len, result.prefix_len)
         return InsertResult(prefix_len=result.prefix_len, last_device_node=result.last_node)
 
     def _insert(self, tokens: np.ndarray, value: torch.Tensor, namespace: Any, priority: int,
-                key: Any) -> Any:
+                names: tuple) -> Any:
+        """radixcache's insert; with events on, the new leaf's BlockStored (``names``: the
+        key's extra_key and cache_salt)."""
         if not self._use_priority:
             priority = 0
         result = self._cache.insert(tokens, value, namespace, priority)
         if self.kv_events.enabled and result.prefix_len < len(tokens):
-            self._record_stored(result, tokens, value, key)
+            self._record_stored(result, tokens, value, names)
         return result
 
     def _free_duplicates(self, value: torch.Tensor, start: int, end: int) -> None:
@@ -399,13 +428,13 @@ class RadixcacheBackend(BasePrefixCache):
                              f"{len(fill_ids)} token ids")
         protected = kv.cache_protected_len
         aligned = up_to - up_to % self.page_size
-        key = RadixKey(fill_ids, req.extra_key, cache_salt=req.cache_salt, limit=aligned)
-        namespace = _namespace(key)
+        extra_key, salt = req.extra_key, req.cache_salt or None
+        namespace = extra_key if salt is None else (extra_key, salt)
         tokens = _token_array(fill_ids, aligned)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         values = row[:aligned].to(dtype=torch.int64, copy=True)
         priority = req.priority or 0
-        result = self._insert(tokens, values, namespace, priority, key)
+        result = self._insert(tokens, values, namespace, priority, (extra_key, salt))
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
         prompt_len = len(req.origin_input_ids)
         prompt_len -= prompt_len % self.page_size
@@ -446,9 +475,15 @@ class RadixcacheBackend(BasePrefixCache):
         if num_tokens <= 0:
             return EvictResult()
         start_time = time.perf_counter()
+        self._path_memo.clear()
         freed = 0
         try:
-            freed = self._cache.evict(num_tokens, self._free_victim)
+            if self.kv_events.enabled:
+                freed = self._cache.evict(num_tokens, self._free_victim)
+            else:
+                # One free for all victims: the same slots, in the same order, as one free
+                # per victim would give the allocator.
+                freed = self._cache.evict(num_tokens, self._free, batch=True)
         finally:
             self.update_eviction_metrics(freed, start_time)
         return EvictResult(num_tokens_evicted=freed)
@@ -470,6 +505,22 @@ class RadixcacheBackend(BasePrefixCache):
                 break
             result.num_tokens_evicted += more.num_tokens_evicted
         return result
+
+    def free_kv_row(self, kv: Any, ranges: list) -> None:
+        """Give back half-open ranges of ``kv``'s row positions to the allocator (SGLang's
+        ``free_kv_row`` for a pool without sliding-window slots)."""
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        segments = []
+        for start, end in ranges:
+            if segments and start == segments[-1][1]:  # adjacent: one segment, pages once
+                segments[-1][1] = end
+            else:
+                segments.append([start, end])
+        segments = [(row[start:end], start) for start, end in segments if end > start]
+        if len(segments) == 1:  # what free_segments does with one segment
+            self.token_to_kv_pool_allocator.free_segment(segments[0][0], start_pos=segments[0][1])
+        elif segments:
+            self.token_to_kv_pool_allocator.free_segments(segments)
 
     def _free_victim(self, indices: torch.Tensor) -> None:
         if self.kv_events.enabled:
@@ -493,6 +544,15 @@ class RadixcacheBackend(BasePrefixCache):
     # -- locks -----------------------------------------------------------------------------
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
         return IncLockRefResult(delta=self._cache.inc_lock_ref(node))
+
+    def lock(self, node: Any) -> TreeLock:
+        """Lock ``node``'s path for one holder; ``unlock`` releases it."""
+        self._cache.inc_lock_ref(node)
+        return TreeLock(node, _RECEIPT)
+
+    def unlock(self, lock: Optional[TreeLock]) -> None:
+        if lock is not None:
+            self._cache.dec_lock_ref(lock.node)
 
     def dec_lock_ref(self, node: Any,
                      params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
@@ -582,13 +642,13 @@ class RadixcacheBackend(BasePrefixCache):
 
     # -- KV events -----------------------------------------------------------------------------
     def _record_stored(self, result: Any, tokens: np.ndarray, value: torch.Tensor,
-                       key: Any) -> None:
+                       names: tuple) -> None:
         """One leaf entered the tree: SGLang's BlockStored events, SGLang's block hashes."""
         page_size = self.page_size
         start = result.prefix_len
         leaf = result.last_node
         parent = leaf.parent
-        extra_key, salt = key.extra_key, key.cache_salt
+        extra_key, salt = names
         if parent is self._cache.root_node:
             prior = None
             if salt is not None:
