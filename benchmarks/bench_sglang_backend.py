@@ -136,8 +136,7 @@ class Loop:
         self.requests = [Req(f"r{i}", "", prompt, SamplingParams(max_new_tokens=len(output)))
                          for i, (prompt, output) in enumerate(requests)]
         self.outputs = [output for _, output in requests]
-        self.cache_seconds = 0.0
-        self._depth = 0
+        self._depth, self._seconds = [0], [0.0]
         for name in CACHE_CALLS:
             self._time_calls(name)
 
@@ -146,17 +145,18 @@ class Loop:
         checkpoint's own lock is inside the checkpoint's time)."""
         method = getattr(self.cache, name)
         clock = time.perf_counter
+        depth, seconds = self._depth, self._seconds
 
         def timed(*args, **kwargs):
-            if self._depth:
+            if depth[0]:
                 return method(*args, **kwargs)
-            self._depth = 1
+            depth[0] = 1
             start = clock()
             try:
                 return method(*args, **kwargs)
             finally:
-                self.cache_seconds += clock() - start
-                self._depth = 0
+                seconds[0] += clock() - start
+                depth[0] = 0
 
         setattr(self.cache, name, timed)
 
@@ -190,7 +190,7 @@ class Loop:
             req.finished_reason = FINISH_LENGTH(length=len(output))
             release_kv_cache(req, cache, checkpoint=True)
         loop_seconds = clock() - loop_start
-        return {"cache": self.cache_seconds, "loop": loop_seconds,
+        return {"cache": self._seconds[0], "loop": loop_seconds,
                 "hit_rate": cached_tokens / prompt_tokens,
                 "tokens": cache.total_size()[0]}
 

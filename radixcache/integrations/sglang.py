@@ -214,6 +214,7 @@ def _token_array(token_ids: Any, length: int) -> np.ndarray:
 
 
 def _check_key(key: Any) -> None:
+    """Raise for a key the backend cannot read (the checks behind the fast type test)."""
     if not isinstance(key, RadixKey):
         raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
     if key.is_bigram:
@@ -325,11 +326,18 @@ class RadixcacheBackend(BasePrefixCache):
     # -- match -----------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key = params.key
-        _check_key(key)
-        length = len(key)  # honours key.limit
+        if type(key) is not RadixKey or key.is_bigram:
+            _check_key(key)
+        token_ids = key.token_ids
+        length = len(token_ids)
+        limit = key.limit
+        if limit is not None and limit < length:
+            length = limit
         if length < self.page_size:
             return self._empty_match
-        match = self._cache.match_prefix(_token_array(key.token_ids, length), _namespace(key))
+        salt = key.cache_salt
+        match = self._cache.match_prefix(_token_array(token_ids, length),
+                                         key.extra_key if salt is None else (key.extra_key, salt))
         if not match.length:
             return self._empty_match
         node = match.last_node
@@ -337,8 +345,7 @@ class RadixcacheBackend(BasePrefixCache):
         if len(memo) >= _PATH_MEMO_SIZE:
             memo.clear()
         memo[node] = match.indices
-        return MatchResult(device_prefix_len=match.length, last_device_node=node,
-                           last_host_node=node, best_match_node=node)
+        return MatchResult(match.length, node, node, node)
 
     def touch_prefix(self, key: RadixKey) -> None:
         """Refresh the recency of ``key``'s cached path, as a match does."""
@@ -352,10 +359,13 @@ class RadixcacheBackend(BasePrefixCache):
         path = self._path_memo.get(req.last_node)
         if path is None:
             path = self.path_device_indices(req.last_node)
-        if len(path) < req.prefix_len:
-            raise ValueError(f"request {req.rid}: prefix_len {req.prefix_len} is longer than "
-                             f"its match node's path ({len(path)} tokens)")
-        return path[:req.prefix_len]
+        length, wanted = path.shape[0], req.prefix_len
+        if length == wanted:
+            return path
+        if length < wanted:
+            raise ValueError(f"request {req.rid}: prefix_len {wanted} is longer than its "
+                             f"match node's path ({length} tokens)")
+        return path[:wanted]
 
     def path_device_indices(self, node: Any) -> torch.Tensor:
         memoized = self._path_memo.get(node)

@@ -342,3 +342,26 @@ def test_eviction_metrics(ours):
     assert (Collector.tokens, Collector.durations) == (4, 1)
     cache.evict(EvictParams(num_tokens=3))  # nothing left: no observation
     assert Collector.durations == 1
+
+
+# -- the real-server script (run needs a GPU: here only what it writes and the arguments) --------
+def test_server_script_commands_parse_and_config_loads(tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "benchmarks", "scripts"))
+    try:
+        import sglang_server  # noqa: PLC0415
+    finally:
+        sys.path.pop(0)
+    from sglang.srt.server_args import prepare_server_args  # noqa: PLC0415
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    model = sglang_server.write_model(tmp_path / "tiny")
+    config = AutoConfig.from_pretrained(str(model))
+    assert config.model_type == "llama" and config.num_hidden_layers == 2
+    for radixcache in (False, True):
+        command = sglang_server.server_command(model, 30123, 16, radixcache, [])
+        assert command[1:3] == ["-m", "sglang.launch_server"]
+        args = prepare_server_args(command[3:])
+        assert (args.load_format, args.skip_tokenizer_init, args.page_size) == ("dummy", True, 16)
+        assert args.radix_cache_backend == ("radixcache" if radixcache else None)
+    plans = sglang_server.conversations(3, 2, seed=0)
+    assert len(plans) == 3 and all(len(turns) == 2 for turns in plans)
