@@ -14,8 +14,10 @@ and output from the allocator (``alloc_token_slots`` / ``alloc_paged_token_slots
 evict through ``evict_for_alloc`` when the pool is short), then the finished request's
 ``release_kv_cache(..., checkpoint=True)`` (checkpoint into the tree, free the rest, unlock).
 Timed: the scheduler's calls into the cache (``CACHE_CALLS``: match, lock, prefix indices,
-eviction, checkpoint, the row free and unlock of the release) -- "cache" -- and the whole loop,
-the scheduler's own work (request bookkeeping, allocator, row writes) included -- "loop".
+eviction, checkpoint, the row free and unlock of the release) -- "cache calls" --, the same
+less the allocator's work inside them (the frees: the same slots for both caches) -- "w/o
+allocator" --, and the whole loop, the scheduler's own work (request bookkeeping, allocation,
+row writes) included -- "whole loop".
 
 Workloads: synthetic chat (``radixcache.workloads.synthetic_chat``, 300 conversations, pool
 65,536 tokens), pages 1 and 16; the Mooncake conversation trace (first 3,000 requests, 512
@@ -78,6 +80,8 @@ CASES = {  # name -> (page size, pool tokens)
     "mooncake-page16": (16, 1 << 21),
 }
 MOONCAKE_REQUESTS = 3000
+#: The allocator's methods a cache calls (their time inside cache calls is "allocator").
+ALLOCATOR_CALLS = ("free", "free_segment", "free_segments", "available_size")
 #: The cache methods the loop's scheduler code calls (timed as "cache").
 CACHE_CALLS = ("match_prefix", "lock", "unlock", "prefix_device_indices", "evict_for_alloc",
                "evict", "checkpoint", "free_kv_row", "claim_kv_row", "on_release")
@@ -136,9 +140,31 @@ class Loop:
         self.requests = [Req(f"r{i}", "", prompt, SamplingParams(max_new_tokens=len(output)))
                          for i, (prompt, output) in enumerate(requests)]
         self.outputs = [output for _, output in requests]
-        self._depth, self._seconds = [0], [0.0]
+        self._depth, self._seconds, self._allocator_seconds = [0], [0.0], [0.0]
         for name in CACHE_CALLS:
             self._time_calls(name)
+        for name in ALLOCATOR_CALLS:
+            self._time_allocator(name)
+
+    def _time_allocator(self, name: str) -> None:
+        """Time the allocator's work done inside the cache's calls (the frees a cache makes:
+        the same slots for both caches)."""
+        method = getattr(self.allocator, name)
+        clock = time.perf_counter
+        depth, seconds = self._depth, self._allocator_seconds
+
+        def timed(*args, **kwargs):
+            if depth[0] != 1:
+                return method(*args, **kwargs)
+            depth[0] = 2
+            start = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                seconds[0] += clock() - start
+                depth[0] = 1
+
+        setattr(self.allocator, name, timed)
 
     def _time_calls(self, name: str) -> None:
         """Time the scheduler's calls of ``name`` on this cache (outermost calls only: a
@@ -191,6 +217,7 @@ class Loop:
             release_kv_cache(req, cache, checkpoint=True)
         loop_seconds = clock() - loop_start
         return {"cache": self._seconds[0], "loop": loop_seconds,
+                "tree": self._seconds[0] - self._allocator_seconds[0],
                 "hit_rate": cached_tokens / prompt_tokens,
                 "tokens": cache.total_size()[0]}
 
@@ -213,7 +240,7 @@ def interleaved(cases: list, rounds: int) -> dict:
                 del loop
                 if rnd:
                     old = best.setdefault(name, dict(run))
-                    for what in ("cache", "loop"):
+                    for what in ("cache", "tree", "loop"):
                         old[what] = min(old[what], run[what])
         assert best["radixcache"]["hit_rate"] > 0
         results[case] = best
@@ -222,16 +249,16 @@ def interleaved(cases: list, rounds: int) -> dict:
 
 def print_table(results: dict, rounds: int) -> None:
     print(f"best of {rounds} interleaved rounds; ratio = SGLang's time / radixcache's")
-    print(f"{'case':17s} {'impl':11s} {'cache calls':>12s} {'whole loop':>11s} "
-          f"{'hit rate':>9s}")
+    print(f"{'case':17s} {'impl':11s} {'cache calls':>12s} {'w/o allocator':>14s} "
+          f"{'whole loop':>11s} {'hit rate':>9s}")
     for case, best in results.items():
         ours = best["radixcache"]
         for name, run in best.items():
-            print(f"{case:17s} {name:11s} {run['cache'] * 1e3:10.1f}ms {run['loop'] * 1e3:9.1f}ms"
-                  f" {run['hit_rate']:9.4f}")
+            print(f"{case:17s} {name:11s} {run['cache'] * 1e3:10.1f}ms {run['tree'] * 1e3:12.1f}ms"
+                  f" {run['loop'] * 1e3:9.1f}ms {run['hit_rate']:9.4f}")
         theirs = best["sglang"]
         print(f"{case:17s} {'ratio':11s} {theirs['cache'] / ours['cache']:11.2f}x "
-              f"{theirs['loop'] / ours['loop']:10.2f}x")
+              f"{theirs['tree'] / ours['tree']:13.2f}x {theirs['loop'] / ours['loop']:10.2f}x")
 
 
 @pytest.mark.skipif("c" not in CORES, reason="the compiled core is not built")

@@ -247,6 +247,8 @@ class RadixcacheBackend(BasePrefixCache):
 
     #: The tree core new instances use (``"c"``, ``"python"``; None: radixcache's default).
     core: Optional[str] = None
+    #: No sliding-window layers (SGLang's budget code reads this of every cache).
+    sliding_window_size: Optional[int] = None
 
     def __init__(self, params: Any, *, core: Optional[str] = None) -> None:
         self.req_to_token_pool = params.req_to_token_pool
@@ -450,12 +452,10 @@ class RadixcacheBackend(BasePrefixCache):
         prompt_len -= prompt_len % self.page_size
         if 0 < prompt_len < aligned:
             # Split the leaf at the prompt boundary so eviction can drop the answer before
-            # the prompt, the prompt one priority up (SGLang does the same).
-            if self._use_priority:
-                self._cache.insert(tokens[:prompt_len], values[:prompt_len], namespace,
-                                   min(priority + 1, _INT64_MAX))
-            else:
-                self._cache.match_prefix(tokens[:prompt_len], namespace)
+            # the prompt, the prompt one priority up (SGLang does the same). The prompt is
+            # cached now: this insert only splits, stamps and raises priorities.
+            self._cache.insert(tokens[:prompt_len], None, namespace,
+                               min(priority + 1, _INT64_MAX) if self._use_priority else 0)
         del tokens
         new_last_node = result.last_node
         free_error = None
@@ -467,8 +467,12 @@ class RadixcacheBackend(BasePrefixCache):
             tree_slots = self.path_device_indices(new_last_node)
             self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, result.prefix_len)),
                                          tree_slots[protected:result.prefix_len])
-        self.unlock(req.lock)
-        req.lock = self.lock(new_last_node)
+        cache = self._cache
+        old_lock = req.lock
+        if old_lock is not None:
+            cache.dec_lock_ref(old_lock.node)
+        cache.inc_lock_ref(new_last_node)
+        req.lock = TreeLock(new_last_node, _RECEIPT)
         kv.cache_protected_len = aligned
         req.last_node = new_last_node
         if free_error is not None:
