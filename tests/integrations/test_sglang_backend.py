@@ -254,7 +254,8 @@ class Side:
             del self.reqs[rid]
             return ("finished",)
         position = req.kv.kv_committed_len
-        if self.allocator.available_size() + self.cache.evictable_size() < 2 * self.allocator.page_size:
+        room = self.allocator.available_size() + self.cache.evictable_size()
+        if room < 2 * self.allocator.page_size:
             return ("stalled",)
         if self.allocator.page_size == 1:
             slot = alloc_token_slots(self.cache, 1)
@@ -461,8 +462,8 @@ def backend_core(request) -> str:
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("page_size", (1, 16), ids=lambda p: f"page{p}")
 def test_same_as_sglang_default_cache(backend_core, monkeypatch, page_size, policy):
-    replay = Replay(backend_core, page_size, policy, seed=zlib.crc32(f"{page_size}-{policy}".encode()),
-                    monkeypatch=monkeypatch)
+    seed = zlib.crc32(f"{page_size}-{policy}".encode())
+    replay = Replay(backend_core, page_size, policy, seed=seed, monkeypatch=monkeypatch)
     try:
         for _ in range(STEPS):
             replay.step()

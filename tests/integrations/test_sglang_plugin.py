@@ -181,29 +181,18 @@ def test_bad_input_changes_nothing(ours):
     req.init_next_round_input(cache)
     with pytest.raises(ValueError, match="up_to"):
         cache.checkpoint(req, up_to=10)
+    other = RadixcacheBackend(_bare_params())
+    other.radix_cache.insert([7, 8])
+    foreign = other.radix_cache.match_prefix([7, 8]).last_node
     with pytest.raises(ValueError, match="not in this cache"):
-        cache.path_device_indices(RadixcacheBackend(_params_like(cache)).root_node.children
-                                  or _foreign_node())
+        cache.path_device_indices(foreign)  # another cache's node
+    other.radix_cache.evict(10)
+    with pytest.raises(ValueError, match="not in this cache"):
+        cache.path_device_indices(foreign)  # an evicted node
     assert _state(cache, allocator) == before
 
 
-def _params_like(cache):
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: PLC0415
-
-    return CacheInitParams(disable=False, req_to_token_pool=cache.req_to_token_pool,
-                           token_to_kv_pool_allocator=cache.token_to_kv_pool_allocator,
-                           page_size=1)
-
-
-def _foreign_node():
-    other = RadixcacheBackend(_params_like_empty())
-    other.radix_cache.insert([7, 8])
-    node = other.radix_cache.match_prefix([7, 8]).last_node
-    other.radix_cache.evict(10)
-    return node
-
-
-def _params_like_empty():
+def _bare_params():
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: PLC0415
 
     return CacheInitParams(disable=False, req_to_token_pool=None,
