@@ -557,7 +557,9 @@ class RadixcacheBackend(BasePrefixCache):
 
     # -- locks -----------------------------------------------------------------------------
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
-        return IncLockRefResult(delta=self._cache.inc_lock_ref(node))
+        """Lock ``node``'s path; ``delta`` is the tokens that became protected (SGLang's
+        unified cache reports the same)."""
+        return IncLockRefResult(delta=-self._cache.inc_lock_ref(node), node_id=node.id)
 
     def lock(self, node: Any) -> TreeLock:
         """Lock ``node``'s path for one holder; ``unlock`` releases it."""
@@ -570,7 +572,10 @@ class RadixcacheBackend(BasePrefixCache):
 
     def dec_lock_ref(self, node: Any,
                      params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
-        return DecLockRefResult(delta=self._cache.dec_lock_ref(node))
+        """Undo one lock of ``node``'s path (``delta`` stays None, as in SGLang's unified
+        cache)."""
+        self._cache.dec_lock_ref(node)
+        return DecLockRefResult()
 
     # -- sizes -----------------------------------------------------------------------------
     def evictable_size(self) -> int:

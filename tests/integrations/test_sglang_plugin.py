@@ -157,6 +157,23 @@ def test_supported_configuration_builds(monkeypatch):
     assert cache.total_size() == (0, 0)
 
 
+def test_lock_results_as_sglang_reports_them(ours, monkeypatch):
+    sgl_cache, sgl_allocator, _ = build_side(None, 1, "lru")
+    results = []
+    for cache, allocator in ((sgl_cache, sgl_allocator), ours[:2]):
+        cache.insert(InsertParams(key=RadixKey(array("q", range(8))), value=allocator.alloc(8)))
+        node = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", range(4))))
+                                  ).last_device_node
+        inc = cache.inc_lock_ref(node)
+        again = cache.inc_lock_ref(node)
+        dec = cache.dec_lock_ref(node, inc.to_dec_params())
+        cache.dec_lock_ref(node, again.to_dec_params())
+        results.append((type(inc).__name__, inc.delta, again.delta, type(dec).__name__,
+                        dec.delta, cache.protected_size(), cache.evictable_size()))
+    assert results[0] == results[1] == ("IncLockRefResult", 4, 0, "DecLockRefResult", None,
+                                        0, 8)
+
+
 # -- bad input: a clear error, nothing changed ---------------------------------------------------
 def _state(cache, allocator):
     return (cache.total_size(), cache.evictable_size(), cache.protected_size(),
