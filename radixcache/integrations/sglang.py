@@ -241,8 +241,20 @@ class RadixcacheBackend(BasePrefixCache):
     """SGLang's ``BasePrefixCache`` over a ``radixcache.RadixCache``.
 
     Node handles (``MatchResult.last_device_node``, ``req.last_node``) are radixcache
-    ``RadixTreeNode`` objects. Built by ``create_backend``; direct construction takes SGLang's
-    ``CacheInitParams`` and skips the start-up checks.
+    ``RadixTreeNode`` objects. Built by ``create_backend``; direct construction skips the
+    start-up checks. The methods are SGLang's ``BasePrefixCache`` interface and behave as
+    SGLang's default cache's do (see ``docs/sglang-backend.md``).
+
+    Args:
+        params: SGLang's ``CacheInitParams``: the request-to-token pool, the token-to-KV
+            allocator (slots are freed through its ``free_segment``/``free_segments``), the
+            page size, the eviction policy, events (``enable_kv_cache_events``,
+            ``dynamo_kv_event_format``, ``kv_event_lora_names``) and ``enable_metrics``.
+        core: The radixcache tree core (``"c"``, ``"python"``); None: the class attribute
+            ``core``, else radixcache's default.
+
+    Raises:
+        ValueError: an eviction policy radixcache does not know.
     """
 
     #: The tree core new instances use (``"c"``, ``"python"``; None: radixcache's default).

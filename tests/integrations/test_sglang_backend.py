@@ -307,7 +307,9 @@ class Side:
         return (self.cache.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted,)
 
     def reset(self) -> tuple:
-        assert not self.reqs
+        """Flush the cache as the scheduler does once idle: every request ends first."""
+        for req in list(self.reqs.values()):
+            self._drop(req, checkpoint=False, reason="flush")
         self.cache.reset()
         self.allocator.clear()
         self.rows.clear()
@@ -439,7 +441,7 @@ class Replay:
             what = self.both("order", probes)
         elif roll < 0.97:
             what = self.both("evict", rng.randrange(0, 3 * self.page_size * 8))
-        elif roll < 0.975 and not self.sgl.reqs:
+        elif roll < 0.973:
             what = self.both("reset")
         else:
             what = ("idle",)
@@ -474,6 +476,7 @@ def test_same_as_sglang_default_cache(backend_core, monkeypatch, page_size, poli
     # evictions (allocator pressure), events, both caches' calls.
     for kind in ("chunk", "finished", "aborted", "retracted", "prefilled", "events"):
         assert counts.get(kind, 0) > 5, (kind, counts)
+    assert counts.get("reset", 0) >= 1, counts
     assert replay.ours.allocator.available_size() < POOL_TOKENS[page_size]
     CALLS[backend_core] = CALLS.get(backend_core, 0) + replay.calls
 
