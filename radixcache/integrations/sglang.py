@@ -455,8 +455,8 @@ class RadixcacheBackend(BasePrefixCache):
         extra_key, salt = req.extra_key, req.cache_salt or None
         namespace = extra_key if salt is None else (extra_key, salt)
         tokens = _token_array(fill_ids, aligned)
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        values = row[:aligned].to(dtype=torch.int64, copy=True)
+        values = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned].to(
+            dtype=torch.int64, copy=True)
         priority = req.priority or 0
         result = self._insert(tokens, values, namespace, priority, (extra_key, salt))
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
@@ -535,18 +535,22 @@ class RadixcacheBackend(BasePrefixCache):
     def free_kv_row(self, kv: Any, ranges: list) -> None:
         """Give back half-open ranges of ``kv``'s row positions to the allocator (SGLang's
         ``free_kv_row`` for a pool without sliding-window slots)."""
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        rows = self.req_to_token_pool.req_to_token
+        allocator = self.token_to_kv_pool_allocator
+        if len(ranges) == 1:  # the release's one range: what free_segments does with it
+            start, end = ranges[0]
+            if end > start:
+                allocator.free_segment(rows[kv.req_pool_idx, start:end], start_pos=start)
+            return
         segments = []
         for start, end in ranges:
             if segments and start == segments[-1][1]:  # adjacent: one segment, pages once
                 segments[-1][1] = end
             else:
                 segments.append([start, end])
-        segments = [(row[start:end], start) for start, end in segments if end > start]
-        if len(segments) == 1:  # what free_segments does with one segment
-            self.token_to_kv_pool_allocator.free_segment(segments[0][0], start_pos=segments[0][1])
-        elif segments:
-            self.token_to_kv_pool_allocator.free_segments(segments)
+        row = rows[kv.req_pool_idx]
+        allocator.free_segments([(row[start:end], start) for start, end in segments
+                                 if end > start])
 
     def _free_victim(self, indices: torch.Tensor) -> None:
         if self.kv_events.enabled:
