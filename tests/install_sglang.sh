@@ -24,10 +24,28 @@ TORCHVISION=$("$PY" -c 'import torch; major, minor = torch.__version__.split("."
     "pyzmq>=25.1.2" tqdm ipython aiohttp transformers==5.19.0 tokenizers==0.23.2 dill \
     apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 gguf openai==2.8.0 partial_json_parser loguru
 
+# PyPI's torchvision wheels are built against CUDA torch: with a CPU-only torch their C ops
+# do not load, and torchvision then registers fake kernels for ops that were never defined,
+# which current torch refuses at import. SGLang only needs torchvision's Python side here:
+# register those fake kernels only when the ops exist.
+"$PY" - <<'PYFIX'
+import importlib.util, pathlib, re
+spec = importlib.util.find_spec("torchvision")
+path = pathlib.Path(spec.submodule_search_locations[0]) / "_meta_registrations.py"
+text = path.read_text()
+guarded = re.sub(r'^@torch\.library\.register_fake\(("torchvision::[a-z_]+")\)$',
+                 r'@(torch.library.register_fake(\1) if torchvision.extension._has_ops() '
+                 r'else (lambda fn: fn))', text, flags=re.M)
+if guarded != text:
+    path.write_text(guarded)
+    print(f"torchvision: fake kernels registered only with its C ops ({path})")
+PYFIX
+
 "$PY" - <<'PYCHECK'
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: F401
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: F401
 import sglang.srt.mem_cache.unified_radix_cache  # noqa: F401
+from sglang.srt.managers.schedule_batch import Req  # noqa: F401
 import sglang
 print(f"sglang {sglang.__version__}: mem_cache imports")
 PYCHECK

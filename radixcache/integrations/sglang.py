@@ -1,0 +1,714 @@
+"""radixcache as SGLang's prefix cache: ``--radix-cache-backend radixcache``.
+
+Installing radixcache next to SGLang (0.5.23) is all it takes: the package declares an entry
+point in SGLang's plugin group ``sglang.srt.plugins``, SGLang calls ``register()`` early in
+every process, and ``register()`` files ``create_backend`` under the name ``radixcache`` in
+SGLang's radix-cache registry. ``python -m sglang.launch_server ... --radix-cache-backend
+radixcache`` then builds a ``RadixcacheBackend`` where SGLang would build its own cache.
+
+``RadixcacheBackend`` is a ``BasePrefixCache`` over a ``radixcache.RadixCache`` (compiled core
+by default). It serves the whole contract SGLang's scheduler uses for a full-attention model --
+``match_prefix``, ``insert``, ``checkpoint`` and the release path, ``evict`` /
+``evict_for_alloc``, locks, sizes, ``path_device_indices``, ``prefix_device_indices``,
+``touch_prefix``, ``dfs_weight_order``, ``reset``, KV events -- and decides as SGLang's default
+cache does (the same matches, the same slots written to request rows, the same slots freed to
+the allocator, the same events), except where a match or insert ends inside a node: there only
+the matched part counts as used (see ``docs/sglang.md``).
+
+``create_backend`` refuses, before the server starts serving, what this cache does not
+implement: sliding-window and Mamba (hybrid) models, hierarchical cache, LMCache, FlexKV,
+external cache linkers, host-pool retraction, MLX, EAGLE's bigram keys, sharded KV pages,
+session and streaming-session radix caches, a disabled radix cache, and eviction policies
+other than ``lru``, ``fifo``, ``filo``, ``mru`` and ``priority``.
+
+This module imports SGLang; ``import radixcache`` never does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from array import array
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+    TreeLock,
+)
+from sglang.srt.mem_cache.events import KVCacheEventRecorder
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.utils import get_hash_str
+
+from ..cache import RadixCache
+
+logger = logging.getLogger(__name__)
+
+#: The name ``--radix-cache-backend`` selects this cache by.
+BACKEND_NAME = "radixcache"
+
+#: ``--radix-eviction-policy`` values this cache serves exactly as SGLang's own cache does.
+SUPPORTED_EVICTION_POLICIES = ("lru", "fifo", "filo", "mru", "priority")
+
+_INT64_MAX = 2**63 - 1
+_PATH_MEMO_SIZE = 4096
+#: The release receipt of every lock: radixcache's locks are plain counts, with nothing to
+#: replay (SGLang's scheduler reads receipts of SWA caches only).
+_RECEIPT = DecLockRefParams()
+_DROP_FLAG = "drop --radix-cache-backend radixcache to use SGLang's own cache"
+
+
+class UnsupportedConfiguration(ValueError):
+    """A server configuration the radixcache backend does not serve (raised at start-up)."""
+
+
+# -- registration ------------------------------------------------------------------------------
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point: file ``create_backend`` as ``radixcache``.
+
+    Safe to call any number of times in one process. A different factory already filed under
+    the name is left in place (with a warning).
+    """
+    from sglang.srt.mem_cache import registry  # noqa: PLC0415 -- only when SGLang asks
+
+    existing = registry.get_radix_cache_factory(BACKEND_NAME)
+    if existing is create_backend:
+        return
+    if existing is not None:
+        logger.warning("radix-cache backend %r is already registered to %r; radixcache "
+                       "leaves it in place", BACKEND_NAME, existing)
+        return
+    registry.register_radix_cache_backend(BACKEND_NAME, create_backend)
+
+
+def _setting(namespace: str, name: str) -> Any:
+    """A published server setting (``get_memory().enable_lmcache``...), None if absent."""
+    from sglang.srt import runtime_context  # noqa: PLC0415
+
+    try:
+        bag = getattr(runtime_context, f"get_{namespace}")()
+        return getattr(bag, name)
+    except (AttributeError, ValueError):  # namespace not published, or no such setting
+        return None
+
+
+def _refusal(ctx: Any) -> Optional[str]:
+    """Why this server configuration cannot run on radixcache (None: it can)."""
+    params = ctx.params
+    if ctx.disable_radix_cache or params.disable:
+        return ("--disable-radix-cache turns prefix caching off, so there is nothing for "
+                "radixcache to do: drop one of the two flags")
+    if ctx.is_hybrid_swa:
+        return ("this model has sliding-window attention layers (hybrid SWA), which "
+                f"radixcache does not cache; {_DROP_FLAG}")
+    if ctx.is_hybrid_ssm:
+        return ("this model keeps Mamba/linear-attention state (hybrid SSM), which radixcache "
+                f"does not cache; {_DROP_FLAG}")
+    if getattr(ctx, "full_tokens_per_layer", None) == 0:
+        return f"this model has no full-attention KV (pure SWA); {_DROP_FLAG}"
+    if hasattr(params.req_to_token_pool, "req_to_c128_sidecar"):
+        return f"this model keeps C128 sidecar pages next to its KV; {_DROP_FLAG}"
+    if ctx.enable_hierarchical_cache or _setting("memory", "enable_hierarchical_cache"):
+        return f"--enable-hierarchical-cache needs SGLang's unified radix tree; {_DROP_FLAG}"
+    if _setting("memory", "enable_lmcache"):
+        return f"--enable-lmcache needs SGLang's unified radix tree; {_DROP_FLAG}"
+    if _setting("memory", "enable_flexkv"):
+        return f"--enable-flexkv needs SGLang's own cache; {_DROP_FLAG}"
+    if _setting("memory", "enable_unified_cache_external_linker"):
+        return ("--enable-unified-cache-external-linker needs SGLang's unified radix tree; "
+                f"{_DROP_FLAG}")
+    if _setting("disagg", "disaggregation_decode_retraction_backup") == "host_pool":
+        return ("--disaggregation-decode-retraction-backup host_pool backs retracted requests "
+                f"up through SGLang's unified radix tree; {_DROP_FLAG}")
+    if params.enable_session_radix_cache or _setting("memory", "enable_session_radix_cache"):
+        return f"--enable-session-radix-cache needs SGLang's unified radix tree; {_DROP_FLAG}"
+    if _setting("serving", "enable_streaming_session"):
+        return f"--enable-streaming-session needs SGLang's unified radix tree; {_DROP_FLAG}"
+    if params.is_eagle:
+        return ("EAGLE speculative decoding keys the cache by token pairs (bigrams), which "
+                f"radixcache does not do; {_DROP_FLAG}")
+    try:
+        from sglang.srt.hardware_backend.mlx.runtime import use_mlx  # noqa: PLC0415
+
+        mlx = use_mlx()
+    except ImportError:
+        mlx = False
+    if mlx:
+        return f"the MLX backend keeps its KV state in SGLang's own cache; {_DROP_FLAG}"
+    from sglang.srt.mem_cache.allocator.page_interleave import (  # noqa: PLC0415
+        page_interleave_shard_size,
+    )
+
+    if page_interleave_shard_size(params.token_to_kv_pool_allocator) > 1:
+        return ("sharded KV pages (rotation bases) need SGLang's unified radix tree; "
+                f"{_DROP_FLAG}")
+    policy = params.eviction_policy
+    if not isinstance(policy, str) or policy.lower() not in SUPPORTED_EVICTION_POLICIES:
+        why = {"lfu": "radixcache counts a hit for every insert through a node, SGLang once "
+                      "per request, so the least-frequently-used node would differ",
+               "slru": "radixcache counts a hit for every insert through a node, SGLang once "
+                       "per request, so the segments would differ",
+               "tlru": "T-LRU's per-node tail bookkeeping lives in SGLang's unified tree"}
+        reason = why.get(str(policy).lower(), "radixcache does not know it")
+        return (f"--radix-eviction-policy {policy}: {reason}; use one of "
+                f"{', '.join(SUPPORTED_EVICTION_POLICIES)}, or {_DROP_FLAG}")
+    if params.eviction_policy_config:
+        return (f"--radix-eviction-policy-config {params.eviction_policy_config!r}: the "
+                f"{policy} policy takes no options; drop the flag")
+    return None
+
+
+def create_backend(ctx: Any) -> "RadixcacheBackend":
+    """SGLang's radix-cache factory for ``--radix-cache-backend radixcache``.
+
+    Args:
+        ctx: SGLang's ``TreeCacheBuildContext``.
+
+    Returns:
+        A ``RadixcacheBackend`` over ``ctx.params``.
+
+    Raises:
+        UnsupportedConfiguration (a ValueError): the model or a flag needs something
+            radixcache does not implement; the message names it and says what to drop.
+    """
+    reason = _refusal(ctx)
+    if reason is not None:
+        raise UnsupportedConfiguration(f"--radix-cache-backend radixcache: {reason}")
+    return RadixcacheBackend(ctx.params)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _namespace(key: RadixKey) -> Any:
+    """The radixcache ``extra_key`` of a RadixKey: its extra_key, and its cache salt with it
+    when there is one (a tuple, which no str extra_key equals)."""
+    salt = key.cache_salt
+    return key.extra_key if salt is None else (key.extra_key, salt)
+
+
+def _token_array(token_ids: Any, length: int) -> np.ndarray:
+    """The first ``length`` token ids as an int64 array, without a copy for array('q').
+
+    The view holds the array's buffer until it is dropped (an array('q') cannot grow while
+    exported), so it must not outlive the call it is made for."""
+    if type(token_ids) is array and token_ids.typecode == "q":
+        if length == 0:
+            return np.empty(0, dtype=np.int64)
+        return np.frombuffer(token_ids, dtype=np.int64, count=length)
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    if tokens.ndim != 1:
+        raise ValueError(f"token ids must be 1-D, got {tokens.ndim}-D")
+    if len(tokens) < length:
+        raise ValueError(f"{length} token ids wanted, {len(tokens)} given")
+    return tokens[:length]
+
+
+def _check_key(key: Any) -> None:
+    """Raise for a key the backend cannot read (the checks behind the fast type test)."""
+    if not isinstance(key, RadixKey):
+        raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
+    if key.is_bigram:
+        raise ValueError("bigram (EAGLE) RadixKeys are not supported by the radixcache backend")
+
+
+class _EventNode:
+    """The shape of a tree node that SGLang's ``KVCacheEventRecorder`` reads."""
+
+    __slots__ = ("key", "parent", "hash_value", "event_hash_value")
+
+    def __init__(self, key: Any, parent: Any, hashes: list) -> None:
+        self.key = key
+        self.parent = parent
+        self.hash_value = hashes
+        self.event_hash_value = hashes
+
+
+_NOT_ROOT = object()  # an event node's parent that is not the root (its own parent is set)
+
+
+# -- the cache ---------------------------------------------------------------------------------
+class RadixcacheBackend(BasePrefixCache):
+    """SGLang's ``BasePrefixCache`` over a ``radixcache.RadixCache``.
+
+    Node handles (``MatchResult.last_device_node``, ``req.last_node``) are radixcache
+    ``RadixTreeNode`` objects. Built by ``create_backend``; direct construction skips the
+    start-up checks. The methods are SGLang's ``BasePrefixCache`` interface and behave as
+    SGLang's default cache's do (see ``docs/sglang-backend.md``).
+
+    Args:
+        params: SGLang's ``CacheInitParams``: the request-to-token pool, the token-to-KV
+            allocator (slots are freed through its ``free_segment``/``free_segments``), the
+            page size, the eviction policy, events (``enable_kv_cache_events``,
+            ``dynamo_kv_event_format``, ``kv_event_lora_names``) and ``enable_metrics``.
+        core: The radixcache tree core (``"c"``, ``"python"``); None: the class attribute
+            ``core``, else radixcache's default.
+
+    Raises:
+        ValueError: an eviction policy radixcache does not know.
+    """
+
+    #: The tree core new instances use (``"c"``, ``"python"``; None: radixcache's default).
+    core: Optional[str] = None
+    #: No sliding-window layers (SGLang's budget code reads this of every cache).
+    sliding_window_size: Optional[int] = None
+
+    def __init__(self, params: Any, *, core: Optional[str] = None) -> None:
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = params.page_size
+        self.disable = False
+        self.is_eagle = False
+        self.eviction_policy = params.eviction_policy.lower()
+        # SGLang orders by priority under the priority policy only; radixcache under every
+        # policy. Priorities given to the others are dropped, so both orders agree.
+        self._use_priority = self.eviction_policy == "priority"
+        self._cache = RadixCache(self.page_size, self.eviction_policy,
+                                 core=core if core is not None else self.core)
+        self.kv_events = KVCacheEventRecorder(
+            enabled=params.enable_kv_cache_events, page_size=self.page_size,
+            dynamo_format=params.dynamo_kv_event_format,
+            lora_names=params.kv_event_lora_names)
+        if params.enable_metrics:
+            self.init_metrics_collector()
+        allocator = self.token_to_kv_pool_allocator
+        device = getattr(allocator, "device", "cpu") if allocator is not None else "cpu"
+        self.device = torch.device(device if isinstance(device, (str, torch.device)) else "cpu")
+        self._empty_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
+        # Event hashes: the first slot of every cached page -> (its SGLang event hash, the
+        # node's extra_key, cache_salt). Only with events on.
+        self._page_hashes: dict[int, tuple] = {}
+        # Slots an allocator refused to take back; given again before the next free.
+        self._pending_frees: list[torch.Tensor] = []
+        # The path indices of recent matches by end node, for prefix_device_indices: a path's
+        # slots never change while its end node is cached, so this lives until an eviction.
+        self._path_memo: dict = {}
+        self.reset()
+
+    # -- identity and configuration ------------------------------------------------------------
+    @property
+    def root_node(self) -> Any:
+        return self._cache.root_node
+
+    @property
+    def radix_cache(self) -> RadixCache:
+        """The ``radixcache.RadixCache`` underneath (read it; change it through this class)."""
+        return self._cache
+
+    def root_node_handle(self, extra_key: Optional[str] = None) -> Any:
+        return self._cache.root_node
+
+    def resolve_node_handle(self, node_handle: Any) -> Any:
+        return node_handle
+
+    def supports_prefix_sharing(self) -> bool:
+        return True
+
+    def supports_fast_match_prefix(self) -> bool:
+        return False
+
+    def supports_swa(self) -> bool:
+        return False
+
+    def supports_auxiliary_swa(self) -> bool:
+        return False
+
+    def supports_mamba(self) -> bool:
+        return False
+
+    # -- reset -----------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop the tree. Its slots are not freed: SGLang clears the allocator itself."""
+        self._cache.reset()
+        root = self._cache.root_node
+        self._empty_match = MatchResult(device_prefix_len=0, last_device_node=root,
+                                        last_host_node=root, best_match_node=root)
+        self._page_hashes.clear()
+        self._pending_frees.clear()
+        self._path_memo.clear()
+        self.kv_events.record_all_cleared()
+
+    # -- match -----------------------------------------------------------------------------
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        key = params.key
+        if type(key) is not RadixKey or key.is_bigram:
+            _check_key(key)
+        token_ids = key.token_ids
+        length = len(token_ids)
+        limit = key.limit
+        if limit is not None and limit < length:
+            length = limit
+        if length < self.page_size:
+            return self._empty_match
+        salt = key.cache_salt
+        match = self._cache.match_prefix(_token_array(token_ids, length),
+                                         key.extra_key if salt is None else (key.extra_key, salt))
+        if not match.length:
+            return self._empty_match
+        node = match.last_node
+        memo = self._path_memo
+        if len(memo) >= _PATH_MEMO_SIZE:
+            memo.clear()
+        memo[node] = match.indices
+        return MatchResult(match.length, node, node, node)
+
+    def touch_prefix(self, key: RadixKey) -> None:
+        """Refresh the recency of ``key``'s cached path, as a match does."""
+        _check_key(key)
+        length = len(key)
+        if length >= self.page_size:
+            self._cache.match_prefix(_token_array(key.token_ids, length), _namespace(key))
+
+    def prefix_device_indices(self, req: Any) -> torch.Tensor:
+        """The KV slots of ``req``'s matched prefix (the path to its locked match node)."""
+        path = self._path_memo.get(req.last_node)
+        if path is None:
+            path = self.path_device_indices(req.last_node)
+        length, wanted = path.shape[0], req.prefix_len
+        if length == wanted:
+            return path
+        if length < wanted:
+            raise ValueError(f"request {req.rid}: prefix_len {wanted} is longer than its "
+                             f"match node's path ({length} tokens)")
+        return path[:wanted]
+
+    def path_device_indices(self, node: Any) -> torch.Tensor:
+        memoized = self._path_memo.get(node)
+        if memoized is not None:
+            return memoized
+        values = []
+        root = self._cache.root_node
+        while node is not root:
+            if node is None or node.evicted:
+                raise ValueError("path_device_indices: the node is not in this cache "
+                                 "(evicted, or from another cache)")
+            values.append(node.value)
+            node = node.parent
+        if not values:
+            return self._empty_indices
+        if len(values) == 1:
+            return values[0]
+        values.reverse()
+        return torch.cat(values)
+
+    # -- insert ----------------------------------------------------------------------------
+    def insert(self, params: InsertParams) -> InsertResult:
+        """Cache ``params.key`` (page-aligned) with ``params.value``; the slots of
+        ``value[prev_prefix_len:prefix_len]`` duplicate cached ones and go back to the
+        allocator, as SGLang's own cache frees them."""
+        key = params.key
+        _check_key(key)
+        aligned = len(key) - len(key) % self.page_size
+        tokens = _token_array(key.token_ids, aligned)
+        value = params.value
+        if value is None:
+            value = torch.from_numpy(np.array(tokens, dtype=np.int64))
+        elif len(value) < aligned:
+            raise ValueError(f"insert: {len(value)} values for {aligned} page-aligned tokens")
+        priority = params.priority or 0
+        result = self._insert(tokens, value[:aligned], _namespace(key), priority,
+                              (key.extra_key, key.cache_salt))
+        self._free_duplicates(value, params.prev_prefix_len, result.prefix_len)
+        return InsertResult(prefix_len=result.prefix_len, last_device_node=result.last_node)
+
+    def _insert(self, tokens: np.ndarray, value: torch.Tensor, namespace: Any, priority: int,
+                names: tuple) -> Any:
+        """radixcache's insert; with events on, the new leaf's BlockStored (``names``: the
+        key's extra_key and cache_salt)."""
+        if not self._use_priority:
+            priority = 0
+        result = self._cache.insert(tokens, value, namespace, priority)
+        if self.kv_events.enabled and result.prefix_len < len(tokens):
+            self._record_stored(result, tokens, value, names)
+        return result
+
+    def _free_duplicates(self, value: torch.Tensor, start: int, end: int) -> None:
+        if start < end:
+            self._free(value[start:end])
+
+    # -- checkpoint and release -------------------------------------------------------------
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        """Insert ``req``'s KV up to row position ``up_to``, point its row at the tree's
+        slots, move its lock to the node the insert ended on and advance
+        ``req.kv.cache_protected_len`` (SGLang's ``checkpoint_into_tree`` for a
+        full-attention cache)."""
+        if type(up_to) is not int or up_to < 0:
+            raise ValueError(f"checkpoint: up_to must be an int >= 0, got {up_to!r}")
+        if up_to == 0:
+            return
+        kv = req.kv
+        fill_ids = req.full_untruncated_fill_ids
+        if len(fill_ids) < up_to:
+            raise ValueError(f"checkpoint: up_to={up_to} but request {req.rid} has "
+                             f"{len(fill_ids)} token ids")
+        protected = kv.cache_protected_len
+        aligned = up_to - up_to % self.page_size
+        extra_key, salt = req.extra_key, req.cache_salt or None
+        namespace = extra_key if salt is None else (extra_key, salt)
+        tokens = _token_array(fill_ids, aligned)
+        values = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned].to(
+            dtype=torch.int64, copy=True)
+        priority = req.priority or 0
+        result = self._insert(tokens, values, namespace, priority, (extra_key, salt))
+        kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
+        prompt_len = len(req.origin_input_ids)
+        prompt_len -= prompt_len % self.page_size
+        if 0 < prompt_len < aligned:
+            # Split the leaf at the prompt boundary so eviction can drop the answer before
+            # the prompt, the prompt one priority up (SGLang does the same). The prompt is
+            # cached now: this insert only splits, stamps and raises priorities.
+            self._cache.insert(tokens[:prompt_len], None, namespace,
+                               min(priority + 1, _INT64_MAX) if self._use_priority else 0)
+        del tokens
+        new_last_node = result.last_node
+        free_error = None
+        try:
+            self._free_duplicates(values, protected, result.prefix_len)
+        except Exception as exc:  # noqa: BLE001 -- finish the bookkeeping, then raise
+            free_error = exc
+        if protected < result.prefix_len:
+            tree_slots = self.path_device_indices(new_last_node)
+            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, result.prefix_len)),
+                                         tree_slots[protected:result.prefix_len])
+        cache = self._cache
+        old_lock = req.lock
+        if old_lock is not None:
+            cache.dec_lock_ref(old_lock.node)
+        cache.inc_lock_ref(new_last_node)
+        req.lock = TreeLock(new_last_node, _RECEIPT)
+        kv.cache_protected_len = aligned
+        req.last_node = new_last_node
+        if free_error is not None:
+            raise free_error
+
+    # -- evict -----------------------------------------------------------------------------
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free unlocked leaves in policy order until ``params.num_tokens`` are freed."""
+        num_tokens = params.num_tokens
+        if type(num_tokens) is not int:
+            raise TypeError(f"EvictParams.num_tokens must be an int, got "
+                            f"{type(num_tokens).__name__}")
+        self._retry_pending_frees()
+        if num_tokens <= 0:
+            return EvictResult()
+        start_time = time.perf_counter()
+        self._path_memo.clear()
+        freed = 0
+        try:
+            if self.kv_events.enabled:
+                freed = self._cache.evict(num_tokens, self._free_victim)
+            else:
+                # One free for all victims: the same slots, in the same order, as one free
+                # per victim would give the allocator.
+                freed = self._cache.evict(num_tokens, self._free, batch=True)
+        finally:
+            self.update_eviction_metrics(freed, start_time)
+        return EvictResult(num_tokens_evicted=freed)
+
+    def evict_for_alloc(self, params: EvictParams, *,
+                        allocation_reclaim_satisfied: Any = None) -> EvictResult:
+        """Evict for an allocation: until the allocator has ``params.num_tokens`` more free
+        tokens than now (what SGLang's own cache does for a full-attention pool)."""
+        if allocation_reclaim_satisfied is not None:
+            raise NotImplementedError("the radixcache backend does not support joint reclaim")
+        allocator = self.token_to_kv_pool_allocator
+        target = allocator.available_size() + params.num_tokens
+        result = self.evict(params)
+        # An allocator whose capacity rises by less than the tokens freed: go on to the target.
+        while (result.num_tokens_evicted and allocator.available_size() < target
+               and self._cache.evictable_size()):
+            more = self.evict(EvictParams(num_tokens=target - allocator.available_size()))
+            if not more.num_tokens_evicted:
+                break
+            result.num_tokens_evicted += more.num_tokens_evicted
+        return result
+
+    def free_kv_row(self, kv: Any, ranges: list) -> None:
+        """Give back half-open ranges of ``kv``'s row positions to the allocator (SGLang's
+        ``free_kv_row`` for a pool without sliding-window slots)."""
+        rows = self.req_to_token_pool.req_to_token
+        allocator = self.token_to_kv_pool_allocator
+        if len(ranges) == 1:  # the release's one range: what free_segments does with it
+            start, end = ranges[0]
+            if end > start:
+                allocator.free_segment(rows[kv.req_pool_idx, start:end], start_pos=start)
+            return
+        segments = []
+        for start, end in ranges:
+            if segments and start == segments[-1][1]:  # adjacent: one segment, pages once
+                segments[-1][1] = end
+            else:
+                segments.append([start, end])
+        row = rows[kv.req_pool_idx]
+        allocator.free_segments([(row[start:end], start) for start, end in segments
+                                 if end > start])
+
+    def _free_victim(self, indices: torch.Tensor) -> None:
+        if self.kv_events.enabled:
+            self._record_removed(indices)
+        self._free(indices)
+
+    def _free(self, indices: torch.Tensor) -> None:
+        try:
+            self.token_to_kv_pool_allocator.free_segment(indices, start_pos=0)
+        except Exception:
+            self._pending_frees.append(indices)
+            raise
+
+    def _retry_pending_frees(self) -> None:
+        pending = self._pending_frees
+        while pending:
+            indices = pending[0]
+            self.token_to_kv_pool_allocator.free_segment(indices, start_pos=0)
+            pending.pop(0)
+
+    # -- locks -----------------------------------------------------------------------------
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        """Lock ``node``'s path; ``delta`` is the tokens that became protected (SGLang's
+        unified cache reports the same)."""
+        return IncLockRefResult(delta=-self._cache.inc_lock_ref(node), node_id=node.id)
+
+    def lock(self, node: Any) -> TreeLock:
+        """Lock ``node``'s path for one holder; ``unlock`` releases it."""
+        self._cache.inc_lock_ref(node)
+        return TreeLock(node, _RECEIPT)
+
+    def unlock(self, lock: Optional[TreeLock]) -> None:
+        if lock is not None:
+            self._cache.dec_lock_ref(lock.node)
+
+    def dec_lock_ref(self, node: Any,
+                     params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
+        """Undo one lock of ``node``'s path (``delta`` stays None, as in SGLang's unified
+        cache)."""
+        self._cache.dec_lock_ref(node)
+        return DecLockRefResult()
+
+    # -- sizes -----------------------------------------------------------------------------
+    def evictable_size(self) -> int:
+        return self._cache.evictable_size()
+
+    def full_evictable_size(self) -> int:
+        return self._cache.evictable_size()
+
+    def protected_size(self) -> int:
+        return self._cache.protected_size()
+
+    def full_protected_size(self) -> int:
+        return self._cache.protected_size()
+
+    def total_size(self) -> tuple:
+        """(tokens cached, 0): SGLang's shape, whose second place counts SWA tokens."""
+        return self._cache.total_size(), 0
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every cached slot, in depth-first order."""
+        values = [node.value for node in self._nodes()]
+        return torch.cat(values) if values else self._empty_indices
+
+    def _nodes(self):
+        stack = list(reversed(self._cache.root_node.children))
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reversed(node.children))
+
+    def sanity_check(self) -> None:
+        """Raise AssertionError if the sizes disagree with the tree."""
+        total = sum(node.num_tokens for node in self._nodes())
+        assert total == self._cache.total_size(), (total, self._cache.total_size())
+
+    def pretty_print(self) -> None:
+        self._cache.pretty_print()
+
+    # -- scheduling order -------------------------------------------------------------------
+    def dfs_weight_order(self, node_handles: Sequence[Any]) -> list[int]:
+        """Request indices in depth-first order of their match nodes, heavier subtrees first
+        (SGLang's order); handles no longer in the tree come last, in their given order."""
+        by_node: dict[int, list[int]] = {}
+        stale: list[int] = []
+        for index, node in enumerate(node_handles):
+            if node is None or node.evicted:
+                stale.append(index)
+            else:
+                by_node.setdefault(id(node), []).append(index)
+        root = self._cache.root_node
+        weight: dict[int, int] = {}
+        postorder = []
+        stack = [(root, False)]
+        while stack:
+            node, seen = stack.pop()
+            if seen:
+                total = len(by_node.get(id(node), ()))
+                for child in node.children:
+                    total += weight[id(child)]
+                weight[id(node)] = total
+                postorder.append(node)
+                continue
+            stack.append((node, True))
+            stack.extend((child, False) for child in node.children)
+        # Children in the order they joined their parent (a split's upper half takes the
+        # place of the node it was cut from), heavier first; a node's requests after its
+        # subtree's, as SGLang orders them.
+        order: list[int] = []
+        stack = [(root, False)]
+        while stack:
+            node, seen = stack.pop()
+            if seen:
+                order.extend(by_node.get(id(node), ()))
+                continue
+            stack.append((node, True))
+            children = sorted(node.children, key=lambda child: (child.created_time, child.id))
+            children.sort(key=lambda child: -weight[id(child)])
+            stack.extend((child, False) for child in reversed(children))
+        found = set(order)
+        order.extend(i for i in range(len(node_handles)) if i not in found and i not in stale)
+        order.extend(stale)
+        return order
+
+    # -- KV events -----------------------------------------------------------------------------
+    def _record_stored(self, result: Any, tokens: np.ndarray, value: torch.Tensor,
+                       names: tuple) -> None:
+        """One leaf entered the tree: SGLang's BlockStored events, SGLang's block hashes."""
+        page_size = self.page_size
+        start = result.prefix_len
+        leaf = result.last_node
+        parent = leaf.parent
+        extra_key, salt = names
+        if parent is self._cache.root_node:
+            prior = None
+            if salt is not None:
+                prior = hashlib.sha256(b"sglang-cache-salt-v1\0" + salt.encode()).hexdigest()
+            parent_node = _EventNode(None, None, [])
+        else:
+            prior = self._page_hashes[int(parent.value[-page_size])][0]
+            parent_node = _EventNode(None, _NOT_ROOT, [prior])
+        leaf_key = RadixKey(array("q", tokens[start:].tobytes()), extra_key, cache_salt=salt)
+        hashes = get_hash_str(leaf_key, prior, page_size=page_size)
+        for slot, page_hash in zip(value[start::page_size].tolist(), hashes):
+            self._page_hashes[slot] = (page_hash, extra_key, salt)
+        self.kv_events.record_store(_EventNode(leaf_key, parent_node, hashes))
+
+    def _record_removed(self, indices: torch.Tensor) -> None:
+        pages = [self._page_hashes.pop(slot) for slot in indices[::self.page_size].tolist()]
+        if not pages:
+            return
+        _, extra_key, salt = pages[0]
+        key = RadixKey(array("q", bytes(8 * len(indices))), extra_key, cache_salt=salt)
+        self.kv_events.record_remove(_EventNode(key, _NOT_ROOT, [page[0] for page in pages]))
+
+    def __repr__(self) -> str:
+        return f"RadixcacheBackend({self._cache!r})"
+
+
+__all__ = ["BACKEND_NAME", "SUPPORTED_EVICTION_POLICIES", "RadixcacheBackend",
+           "UnsupportedConfiguration", "create_backend", "register"]
