@@ -166,21 +166,21 @@ def test_an_engine_restart_on_the_same_endpoints_is_delivered_and_marked(engine)
     indexer = KvIndexer(2)
     with ev.ZmqEventSubscriber(first.endpoint, first.replay_endpoint, topic="kv",
                                start_seq=0) as sub:
-        for i in range(60):
+        for i in range(200):
             first.publish(i)
-        for batch in receive_through(sub, 59):
+        for batch in receive_through(sub, 199):
             indexer.apply("w", batch)
-        assert indexer.blocks_held("w") == 60
+        assert indexer.blocks_held("w") == 200
         check_clean(sub)
         first.shutdown()
         # The worker restarts: its sequence starts again at 0, its cache is empty. Its new
-        # blocks are published until the subscriber hears them (fewer than the 60 old ones,
-        # so the restart shows as the sequence going back).
+        # blocks are published until the subscriber hears them (fewer than the 200 old
+        # ones, so the restart shows as the sequence going back).
         second = engine(endpoints=(first.endpoint, first.replay_endpoint))
         received = []
 
         def publish_new() -> None:
-            if second.count < 40:
+            if second.count < 150:
                 second.publish(1_000 + second.count)
 
         publish_new()

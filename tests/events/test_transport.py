@@ -217,12 +217,13 @@ def test_probes_of_an_idle_publisher_cost_one_round_trip_per_interval():
         with ev.ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint,
                                    probe_interval=0.05) as sub:
             connect(sub, lambda: pub.publish(clear()))
-            replayed, start = sub.replayed, time.monotonic()
-            while sub.probes < 3:
+            replayed, probes, start = sub.replayed, sub.probes, time.monotonic()
+            while sub.probes < probes + 3:
                 assert time.monotonic() - start < WAIT_S, "no probe"
                 assert sub.receive(timeout=0.02) is None
             elapsed = time.monotonic() - start
-            assert sub.probes <= elapsed / 0.05 + 1  # never more than one per interval
+            # Never more than one per interval (a loaded machine makes fewer, never more).
+            assert sub.probes - probes <= elapsed / 0.05 + 1
             assert sub.replayed == replayed and sub.malformed == 0  # nothing was lost
         with ev.ZmqEventSubscriber(pub.endpoint, pub.replay_endpoint,
                                    probe_interval=None) as sub:
@@ -294,22 +295,22 @@ def test_unbounded_timeouts_wait_and_bad_ones_are_refused():
 
 def test_a_replay_that_never_goes_silent_is_not_abandoned(raw):
     """``replay_timeout`` is the silence a replay may keep, not its whole length: a raw
-    ROUTER answers 6 batches 0.25 s apart (longer in all than the 1 s timeout)."""
+    ROUTER answers 5 batches 0.5 s apart (longer in all than the 2 s timeout)."""
     pub, router = raw(zmq.PUB), raw(zmq.ROUTER)
     endpoint, replay_endpoint = bind(pub), bind(router)
-    with ev.ZmqEventSubscriber(endpoint, replay_endpoint, start_seq=0, replay_timeout=1.0,
+    with ev.ZmqEventSubscriber(endpoint, replay_endpoint, start_seq=0, replay_timeout=2.0,
                                probe_interval=None) as sub:
         assert sub.receive(timeout=0) is None
         assert router.poll(int(WAIT_S * 1000))
         identity = router.recv_multipart()[0]
         got = []
-        for seq in range(6):
-            time.sleep(0.25)
+        for seq in range(5):
+            time.sleep(0.5)
             router.send_multipart([identity, b"", b"", seq_bytes(seq),
                                    ev.encode_batch(stored(seq))])
             got += receive_through(sub, seq)
         router.send_multipart([identity, b"", b"", END_SEQ, b""])
-        assert [b.seq for b in got] == list(range(6)) and sub.gaps == []
+        assert [b.seq for b in got] == list(range(5)) and sub.gaps == []
 
 
 # -- closing ----------------------------------------------------------------------------------
