@@ -112,12 +112,39 @@ def load_sglang_kv_events() -> types.ModuleType:
     return importlib.import_module("sglang.srt.disaggregation.kv_events")
 
 
+def wait_released(endpoint: str) -> None:
+    """Wait (bounded) until a TCP endpoint a shut-down publisher bound can be bound again.
+    The engines close their sockets without waiting (their ZeroMQ context is shared), so
+    the port is freed a moment later, by ZeroMQ's own thread: binding it at once fails now
+    and then with "Address already in use". A bind here, in a context of its own that
+    ``term()`` closes for good, shows it free."""
+    if not endpoint.startswith("tcp://"):
+        return  # an ipc path is bound again at once
+    import zmq
+
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+        finally:
+            sock.close()
+            ctx.term()
+        time.sleep(0.01)
+
+
 class EnginePublisher:
     """One engine's ``ZmqEventPublisher`` on this machine, topic ``"kv"``: vLLM's on ipc
     sockets in ``workdir`` (it binds only wildcard and ipc addresses, and connects to the
     others), SGLang's on 127.0.0.1, ports the system picks. Batch ``i`` stores one block, the
     tokens ``(i, i + 1)`` under hash ``10_000 + i``. ``endpoints`` binds the ones of an
-    earlier publisher (a restart)."""
+    earlier publisher, once it has released them (a restart)."""
 
     def __init__(self, engine: str, module: Any, workdir: str,
                  endpoints: Optional[tuple] = None, buffer_steps: int = 10_000) -> None:
@@ -125,6 +152,8 @@ class EnginePublisher:
         self.module = module
         self.count = 0
         self.down = False
+        for endpoint in endpoints or ():
+            wait_released(endpoint)
         if engine == "vllm":
             if endpoints is None:
                 endpoints = (f"ipc://{workdir}/pub", f"ipc://{workdir}/replay")
