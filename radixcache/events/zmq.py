@@ -472,10 +472,12 @@ class ZmqEventSubscriber:
     ``missed`` count every gap and batch). ``replayed`` counts batches that came through
     replay, ``malformed`` messages that were ignored; ``hwm`` is the SUB socket's receive
     high-water mark. The replay protocol is vLLM's and SGLang's (their publishers and
-    radixcache's are read alike; see ``radixcache.events.zmq``). A replay that goes silent
-    for ``replay_timeout`` seconds before its end marker is abandoned (what it missed
-    becomes a gap); ``receive(timeout)`` never waits past its own timeout for it, the
-    replay goes on at the next call.
+    radixcache's are read alike; see ``radixcache.events.zmq``). An answer that loses
+    messages on the way (a hole inside it, or silence once it began) is asked for again
+    from the first one missing, up to ``MAX_REPLAY_RETRIES`` times. A replay that goes
+    silent for ``replay_timeout`` seconds before its end marker is abandoned (what it
+    missed becomes a gap); ``receive(timeout)`` never waits past its own timeout for it,
+    the replay goes on at the next call.
 
     A gap at the end of a burst shows in no later batch: when nothing arrived for
     ``probe_interval`` seconds, ``receive`` asks the replay socket for the batches after the
@@ -529,6 +531,9 @@ class ZmqEventSubscriber:
     #: How many replayed batches are remembered (the latest, a digest each) to recognise
     #: their late copies on the stream (16 MB at most).
     MAX_REPLAYED = 1_000_000
+    #: How many times a replay whose answer lost messages on the way is asked again, from
+    #: the first one missing, before what is still missing counts as a gap.
+    MAX_REPLAY_RETRIES = 3
 
     def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, *,
                  topic: str = "", start_seq: Optional[int] = None,
@@ -573,10 +578,13 @@ class ZmqEventSubscriber:
         self._initial_replay = start_seq is not None and self._replay is not None
         self._pending: collections.deque = collections.deque()
         # A replay in flight: whether one is, when its silence abandons it (None: never),
-        # whether it is a probe, and the stream messages that wait for it.
+        # whether it is a probe, whether its answer has begun, how many more times it may
+        # be asked again, and the stream messages that wait for it.
         self._replay_active = False
         self._replay_deadline: Optional[float] = None
         self._probing = False
+        self._replay_heard = False
+        self._retries_left = 0
         self._backlog: collections.deque = collections.deque()
         self._stream_last: Optional[int] = None  # the last sequence number the stream sent
         self._digests = _Digests(self.MAX_REPLAYED)
@@ -748,12 +756,32 @@ class ZmqEventSubscriber:
         self._expected = seq + 1
         return True
 
-    def _start_replay(self, start: int, probe: bool = False) -> None:
-        """Ask for every buffered batch from ``start`` on; ``_step_replay`` takes the answer."""
+    def _start_replay(self, start: int, probe: bool = False, retry: bool = False) -> None:
+        """Ask for every buffered batch from ``start`` on; ``_step_replay`` takes the answer.
+        A ``retry`` asks again for what an answer lost on the way."""
         self._replay.send_multipart((b"", _seq_bytes(start)))
         self._replay_active = True
         self._probing = probe
+        self._replay_heard = False
+        if not retry:
+            self._retries_left = self.MAX_REPLAY_RETRIES
         self._replay_deadline = _deadline(self._replay_silence())
+
+    def _retry_replay(self) -> bool:
+        """Ask again from the first batch missing, on a fresh socket (the rest of the answer
+        in flight is dropped): the answer lost messages on the way. False when the retries
+        are spent."""
+        if self._retries_left <= 0:
+            return False
+        self._retries_left -= 1
+        self._renew_replay_socket()
+        self._start_replay(self._expected, probe=self._probing, retry=True)
+        return True
+
+    def _renew_replay_socket(self) -> None:
+        # A new identity: the publisher's ROUTER drops what is still addressed to the old.
+        self._replay.close(linger=0)
+        self._replay = self._new_replay_socket()
 
     def _replay_silence(self) -> Optional[float]:
         """Seconds of silence after which the replay in flight is abandoned (None: never)."""
@@ -768,10 +796,12 @@ class ZmqEventSubscriber:
         if not self._replay.poll(_wait_ms(deadline, self._replay_deadline)):
             now = time.monotonic()
             if self._replay_deadline is not None and now >= self._replay_deadline:
-                # No end marker: drop the socket so late replies cannot confuse the next ask.
-                self._replay.close(linger=0)
-                self._replay = self._new_replay_socket()
-                self._end_replay()
+                # No end marker. One that went silent after it began lost its tail (or its
+                # publisher died): ask again. Otherwise drop the socket, so late replies
+                # cannot confuse the next ask, and give up.
+                if not (self._replay_heard and self._retry_replay()):
+                    self._renew_replay_socket()
+                    self._end_replay()
                 return True
             return deadline is None or now < deadline
         frames = self._replay.recv_multipart()
@@ -785,6 +815,13 @@ class ZmqEventSubscriber:
             self._end_replay()
             return True
         self._last_heard = time.monotonic()
+        began, self._replay_heard = self._replay_heard, True
+        if (began and self._expected is not None and seq > self._expected
+                and self._retry_replay()):
+            # A hole inside the answer (its first batch may lie beyond: the buffer starts
+            # there): a ROUTER drops what a client's full queue cannot take (SGLang's keeps
+            # 1,000 messages), or the publisher never sent it. Asking again tells which.
+            return True
         if self._accept(seq, payload):
             self.replayed += 1
             if self._stream_last is None or seq > self._stream_last:

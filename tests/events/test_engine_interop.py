@@ -155,7 +155,8 @@ def test_a_tail_lost_before_the_engine_went_idle_is_recovered_by_a_probe(engine)
             assert [b.seq for b in got] == list(range(first, first + 100))
             assert [b.events for b in got] == [expected(i)
                                                for i in range(first, first + 100)]
-            assert len(link.dropped) == 95 and sub.replayed == 95 and sub.probes >= 1
+            # A probe may come before the stream's 5 did, and replay them too.
+            assert len(link.dropped) == 95 and sub.replayed >= 95 and sub.probes >= 1
             check_clean(sub)
     finally:
         link.close()

@@ -85,6 +85,52 @@ def test_the_older_three_frame_replay_answer_is_still_read(raw):
         assert sub.replayed == 5 and sub.malformed == 0 and sub.gaps == []
 
 
+def test_an_answer_that_lost_messages_is_asked_for_again(raw):
+    """A raw ROUTER plays a publisher whose answers lose messages on the way (as SGLang's
+    ROUTER drops what a client's full queue cannot take): a hole inside an answer, or its
+    silence once it began, makes the subscriber ask again from the first batch missing; a
+    batch the publisher never had stays a gap."""
+    pub, router = raw(zmq.PUB), raw(zmq.ROUTER)
+    endpoint, replay_endpoint = bind(pub), bind(router)
+    got: list = []
+
+    def answer(sub, start: int, seqs: list, end: bool = True) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not router.poll(0):  # the subscriber asks while it receives
+            assert time.monotonic() < deadline, f"no request from {start}"
+            batch = sub.receive(timeout=0.02)
+            if batch is not None:
+                got.append(batch.seq)
+        identity, empty, asked = router.recv_multipart()
+        assert asked == seq_bytes(start)
+        for seq in seqs:
+            router.send_multipart([identity, b"", b"", seq_bytes(seq),
+                                   ev.encode_batch(stored(seq))])
+        if end:
+            router.send_multipart([identity, b"", b"", END_SEQ, b""])
+
+    with ev.ZmqEventSubscriber(endpoint, replay_endpoint, start_seq=0, replay_timeout=1.0,
+                               probe_interval=None) as sub:
+        answer(sub, 0, [0, 1, 2, 5, 6])  # 3 and 4 lost on the way
+        answer(sub, 3, [3, 4, 5, 6])
+        got += [b.seq for b in receive_through(sub, 6)]
+        assert got == list(range(7)) and sub.gaps == []
+        pub.send_multipart([b"", seq_bytes(10), ev.encode_batch(stored(10))])  # a gap
+        answer(sub, 7, [7, 9, 10])  # the publisher never had 8
+        answer(sub, 8, [9, 10])
+        got += [b.seq for b in receive_through(sub, 10)]
+        assert got == [0, 1, 2, 3, 4, 5, 6, 7, 9, 10] and sub.gaps == [(8, 8)]
+        pub.send_multipart([b"", seq_bytes(14), ev.encode_batch(stored(14))])
+        answer(sub, 11, [11, 12], end=False)  # then silence: the tail was lost
+        answer(sub, 13, [13, 14])
+        got += [b.seq for b in receive_through(sub, 14)]
+        assert got[-4:] == [11, 12, 13, 14] and sub.gaps == [(8, 8)]
+        while sub._replay_active:  # the end marker
+            assert sub.receive(timeout=0.05) is None
+        assert sub.malformed == 0 and sub.resets == 0
+        assert not router.poll(0)  # asked no more than that
+
+
 # -- long replays are no restart --------------------------------------------------------------
 class SmallDigestSubscriber(ev.ZmqEventSubscriber):
     MAX_REPLAYED = 1_000
@@ -204,7 +250,8 @@ def test_an_idle_publishers_lost_tail_is_recovered_within_the_probe_interval():
             got = receive_through(sub, first + 99)
             assert [b.seq for b in got] == list(range(first, first + 100))
             assert [b.events for b in got] == [stored(i) for i in range(100)]
-            assert len(link.dropped) == 95 and sub.replayed == 95 and sub.probes >= 1
+            # A probe may come before the stream's 5 did, and replay them too.
+            assert len(link.dropped) == 95 and sub.replayed >= 95 and sub.probes >= 1
             assert sub.gaps == [] and sub.malformed == 0 and sub.resets == 0
     finally:
         link.close()
