@@ -676,7 +676,7 @@ def test_batches_lost_in_transit_are_recovered_mid_stream():
 @needs_transport
 def test_replay_socket_protocol_and_bounded_buffer():
     pub = ev.ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
-                               buffer_steps=3)
+                               topic="kv", buffer_steps=3)
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -688,17 +688,20 @@ def test_replay_socket_protocol_and_bounded_buffer():
         dealer.connect(pub.replay_endpoint)
         # The request a REQ socket sends, (b"", start_seq) after the ROUTER's identity frame.
         dealer.send_multipart([b"", (4).to_bytes(8, "big")])
+        # The answer vLLM's and SGLang's publishers give: (b"", topic, seq, payload) per
+        # batch, then the end marker (b"", b"", -1, b"").
         replies = []
         while True:
             assert dealer.poll(int(SOCKET_WAIT_S * 1000)), "no end marker"
             frames = dealer.recv_multipart()
             replies.append(frames)
-            if int.from_bytes(frames[1], "big", signed=True) == -1:
+            if frames[2] == (-1).to_bytes(8, "big", signed=True):
                 break
-        assert [f[0] for f in replies] == [b""] * 3
-        assert [int.from_bytes(f[1], "big", signed=True) for f in replies] == [4, 5, -1]
-        assert replies[-1][2] == b""
-        decoded = [MAP_WIRE_DECODER.decode(f[2]) for f in replies[:-1]]
+        assert [len(f) for f in replies] == [4] * 3
+        assert [(f[0], f[1]) for f in replies] == [(b"", b"kv"), (b"", b"kv"), (b"", b"")]
+        assert [int.from_bytes(f[2], "big", signed=True) for f in replies] == [4, 5, -1]
+        assert replies[-1][3] == b""
+        decoded = [MAP_WIRE_DECODER.decode(f[3]) for f in replies[:-1]]
         assert [wire_fields(b.events[0], ALL_FIELDS) for b in decoded] == \
             [("BlockRemoved", (4, -4), None, None), ("BlockRemoved", (5, -5), None, None)]
         # Only the last three batches are buffered: a late joiner sees 0..2 as a gap.
@@ -1326,33 +1329,34 @@ def test_a_restarted_publisher_on_the_same_endpoints_is_delivered_and_marked():
             second.close()
 
 
+@needs_transport
 def test_a_stale_duplicate_is_not_a_reset():
     """Replay ran ahead of the stream: the stream's older batches are duplicates, dropped
-    without a reset; the stream going back below what IT sent is a reset."""
-    sub = ev.ZmqEventSubscriber.__new__(ev.ZmqEventSubscriber)
-    sub._expected, sub._replay, sub._stream_last = None, None, None
-    sub._pending, sub._backlog = collections_deque(), collections_deque()
-    sub._restart_next, sub.resets, sub._replayed = False, 0, {}
-    sub._gaps = collections_deque(maxlen=10)
-    sub.gap_count = sub.missed = 0
-    sub._on_stream(3, b"p3")
-    for seq in (4, 5, 6):  # delivered through replay
-        sub._accept(seq, b"p%d" % seq)
-        sub._replayed[seq] = hash(b"p%d" % seq)
-    sub._on_stream(4, b"p4")  # the stream catching up: stale
-    sub._on_stream(5, b"p5")
-    assert sub.resets == 0 and [p[0] for p in sub._pending] == [3, 4, 5, 6]
-    sub._on_stream(6, b"other")  # seq 6 of another publisher (not what replay gave)
-    assert sub.resets == 1 and sub._pending[-1] == (6, b"other", True)
-    assert sub.gaps == [(0, 5)]
-    sub._on_stream(0, b"newer")  # below the stream's own 6: yet another publisher
-    assert sub.resets == 2 and sub._pending[-1] == (0, b"newer", True)
-
-
-def collections_deque(maxlen=None):
-    import collections
-
-    return collections.deque(maxlen=maxlen)
+    without a reset, and so is its late copy of a batch recorded as missed; a payload other
+    than the one replay delivered, or the stream going back below what IT sent, is a reset."""
+    sub = ev.ZmqEventSubscriber("tcp://127.0.0.1:1")  # no replay socket: gaps stay gaps
+    try:
+        sub._on_stream(3, b"p3")
+        for seq in (4, 5, 6):  # delivered through replay
+            assert sub._accept(seq, b"p%d" % seq)
+            sub._digests.add(seq, hash(b"p%d" % seq))
+        sub._on_stream(4, b"p4")  # the stream catching up: stale
+        sub._on_stream(5, b"p5")
+        assert sub.resets == 0 and [p[0] for p in sub._pending] == [3, 4, 5, 6]
+        sub._on_stream(6, b"other")  # seq 6 of another publisher (not what replay gave)
+        assert sub.resets == 1 and sub._pending[-1] == (6, b"other", True)
+        assert sub.gaps == [(0, 5)]
+        sub._on_stream(0, b"newer")  # below the stream's own 6: yet another publisher
+        assert sub.resets == 2 and sub._pending[-1] == (0, b"newer", True)
+        # 1 and 2 recorded as missed, 3 delivered by replay: the stream's late copies of all
+        # three are no reset.
+        assert sub._accept(3, b"q3") and sub.gaps[-1] == (1, 2)
+        sub._digests.add(3, hash(b"q3"))
+        for seq in (1, 2, 3):
+            sub._on_stream(seq, b"q%d" % seq)
+        assert sub.resets == 2 and [p[0] for p in sub._pending][-2:] == [0, 3]
+    finally:
+        sub.close()
 
 
 @needs_transport

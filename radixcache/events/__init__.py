@@ -100,9 +100,12 @@ Transport
 ---------
 ``ZmqEventPublisher`` sends each ``publish(events)`` as three frames on a PUB socket: the topic,
 an 8-byte big-endian sequence number and the encoded batch. A replay ROUTER socket answers
-``(identity, b"", start_seq)`` with every buffered batch from ``start_seq`` on, as
-``(identity, b"", seq, payload)``, then ``(identity, b"", -1, b"")``. ``ZmqEventSubscriber``
-receives batches in order, fills sequence gaps through replay and decodes either encoding.
+``(identity, b"", start_seq)`` as vLLM's and SGLang's publishers do: every buffered batch from
+``start_seq`` on as ``(identity, b"", topic, seq, payload)``, then the end marker
+``(identity, b"", b"", -1, b"")``. ``ZmqEventSubscriber`` receives batches in order, fills
+sequence gaps through replay (reading the engines' answers and radixcache's older
+``(b"", seq, payload)`` ones), probes an idle publisher for a lost tail, tells a restarted
+publisher from a replay's late copies and decodes either encoding.
 """
 
 # The public names live in the package's modules; imports run downward only:

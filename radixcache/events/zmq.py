@@ -1,6 +1,12 @@
 """The ZeroMQ transport: ``ZmqEventPublisher`` and ``ZmqEventSubscriber`` (see "Transport"
 in ``radixcache.events``). Imports ``types`` and ``wire`` of the package; pyzmq and msgspec
 are imported when a publisher or subscriber is made (``pip install radixcache[events]``).
+
+The replay protocol is vLLM's and SGLang's: a DEALER asks a ROUTER with ``(b"", start_seq)``;
+the answer is one message ``(b"", topic, seq, payload)`` per buffered batch from
+``start_seq`` on, then the end marker ``(b"", b"", -1, b"")``. Sequence numbers are 8 bytes,
+big endian. The subscriber also reads the three-frame answers, ``(b"", seq, payload)``, that
+radixcache's publisher sent before it followed the engines.
 """
 
 from __future__ import annotations
@@ -11,8 +17,11 @@ import math
 import queue
 import threading
 import time
-from typing import Iterable, Iterator, Optional
+from array import array
+from bisect import bisect_left
+from typing import Any, Iterable, Iterator, Optional
 
+from .._validate import is_real
 from .types import DEFAULT_ENCODING, KVEvent, _check_encoding
 from .wire import (
     ReceivedBatch,
@@ -25,6 +34,52 @@ from .wire import (
 )
 
 _END_SEQ = -1  # the sequence number of a replay's end marker
+_END_SEQ_BYTES = _END_SEQ.to_bytes(8, "big", signed=True)
+#: The longest single wait on a socket, in milliseconds: longer waits poll again (a poll's
+#: timeout is a C int of milliseconds, about 24.8 days at most).
+_MAX_POLL_MS = 3_600_000
+
+
+def _check_timeout(value: Any, what: str) -> Optional[float]:
+    """Seconds to wait as a float, or None for no limit (``None`` or infinity).
+
+    Raises:
+        TypeError: not a number (a bool is not one).
+        ValueError: NaN or negative.
+    """
+    if value is None:
+        return None
+    if not is_real(value):
+        raise TypeError(f"{what} must be a number of seconds or None, got "
+                        f"{type(value).__name__}")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond a float's range
+        seconds = math.inf if value > 0 else -math.inf
+    if math.isnan(seconds):
+        raise ValueError(f"{what} must be a number of seconds >= 0 or None, got nan")
+    if seconds < 0:
+        raise ValueError(f"{what} must be >= 0 seconds or None, got {seconds:g}")
+    return None if math.isinf(seconds) else seconds
+
+
+def _deadline(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else time.monotonic() + seconds
+
+
+def _wait_ms(*ends: Optional[float]) -> int:
+    """Milliseconds to poll: until the earliest of ``ends`` (monotonic times; None: no
+    limit, -1 when all are None), rounded up so a poll never returns before its end, and at
+    most ``_MAX_POLL_MS`` (the caller polls again)."""
+    finite = [end for end in ends if end is not None]
+    if not finite:
+        return -1
+    left = math.ceil((min(finite) - time.monotonic()) * 1000)
+    return min(_MAX_POLL_MS, max(0, left))
+
+
+def _seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
 
 
 # -- publisher ----------------------------------------------------------------------------
@@ -39,8 +94,10 @@ class ZmqEventPublisher:
     tagged maps, the default) or ``"positional"`` (tagged arrays, for older consumers). A
     batch that cannot be encoded (a namespace msgpack cannot carry) is counted in ``errors``,
     kept in ``last_error`` and leaves a gap, like a failed send. The last ``buffer_steps`` sent
-    batches are kept for the replay socket (``replay_endpoint``, a ROUTER). Both endpoints are
-    bound; ``endpoint`` and ``replay_endpoint`` hold the resolved addresses
+    batches are kept for the replay socket (``replay_endpoint``, a ROUTER), which answers as
+    vLLM's and SGLang's do: a request ``(b"", start_seq)`` gets ``(b"", topic, seq, payload)``
+    for every buffered batch from ``start_seq`` on, then ``(b"", b"", -1, b"")``. Both
+    endpoints are bound; ``endpoint`` and ``replay_endpoint`` hold the resolved addresses
     (``tcp://127.0.0.1:*`` picks a port). Use it as a context manager, or call ``close()``.
     Needs pyzmq and msgspec (``pip install radixcache[events]``).
 
@@ -63,7 +120,8 @@ class ZmqEventPublisher:
 
     _IDLE_WAIT_S = 0.1
     _REPLAY_POLL_S = 0.005
-    _CLOSE_TIMEOUT_S = 10.0
+    #: Seconds ``close`` gives the sending thread, past its timeout, to finish what it holds.
+    _THREAD_EXIT_S = 1.0
 
     def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: Optional[str] = None,
                  topic: str = "", buffer_steps: int = 10_000, *,
@@ -95,6 +153,7 @@ class ZmqEventPublisher:
         self._ctx = zmq.Context()
         self._pub = None
         self._replay = None
+        self._sockets_closed = False
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
@@ -113,6 +172,8 @@ class ZmqEventPublisher:
         self._queue: queue.Queue = queue.Queue(max_queue_size)
         self._buffer: collections.deque = collections.deque(maxlen=buffer_steps)
         self._lock = threading.Lock()
+        # Guards what the sending thread and close() share: the counts flush() waits on,
+        # whether the thread has ended, and whether it must close the sockets when it does.
         self._done = threading.Condition()
         self._next_seq = 0
         self._queued = 0
@@ -122,7 +183,9 @@ class ZmqEventPublisher:
         self.errors = 0
         self.last_error: Optional[BaseException] = None
         self._closing = False
-        self._closed = False
+        self._stop = False  # the sending thread takes no more batches
+        self._thread_done = False
+        self._thread_closes_sockets: Optional[int] = None  # the linger it closes them with
         self._thread = threading.Thread(target=self._run, name="radixcache-kv-events",
                                         daemon=True)
         self._thread.start()
@@ -140,7 +203,7 @@ class ZmqEventPublisher:
 
         Raises:
             TypeError: an item that is not a KV event.
-            RuntimeError: the publisher is closed.
+            RuntimeError: the publisher is closed, or its sending thread has stopped.
         """
         batch = _check_events(events)
         if not batch:
@@ -148,6 +211,10 @@ class ZmqEventPublisher:
         with self._lock:
             if self._closing:
                 raise RuntimeError("publish() on a closed ZmqEventPublisher")
+            if self._thread_done:
+                raise RuntimeError(
+                    f"the sending thread of this ZmqEventPublisher has stopped "
+                    f"(last error: {self.last_error!r})")
             seq = self._next_seq
             self._next_seq += 1
             try:
@@ -162,38 +229,65 @@ class ZmqEventPublisher:
         """Wait until every queued batch went out (or failed to encode, see ``errors``).
 
         Args:
-            timeout: The most seconds to wait (None: as long as it takes).
+            timeout: The most seconds to wait (None or ``math.inf``: as long as it takes).
 
         Returns:
-            True if the queue drained, False if ``timeout`` seconds passed first.
+            True if the queue drained, False if ``timeout`` seconds passed first (or the
+            sending thread stopped with batches left).
+
+        Raises:
+            TypeError, ValueError: a ``timeout`` that is not a number >= 0 or None.
         """
+        wait = _check_timeout(timeout, "timeout")
         with self._done:
-            return self._done.wait_for(lambda: self._handled >= self._queued, timeout)
+            self._done.wait_for(lambda: self._handled >= self._queued or self._thread_done,
+                                wait)
+            return self._handled >= self._queued
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued, stop the sending thread and close the sockets.
+    def close(self, timeout: Optional[float] = 5.0) -> None:
+        """Send what is queued, stop the sending thread and close the sockets and context.
 
-        Calling it again does nothing.
+        Waits up to ``timeout`` seconds for the queue to drain; batches still queued then are
+        not sent (they count in ``dropped``). The sockets linger for what is left of the
+        timeout to deliver what was sent. The sockets and the context are always released:
+        here, or, if the sending thread is still busy past the timeout (a batch whose
+        encoding does not return), by that thread as soon as it is done. Calling it again
+        does nothing.
 
         Args:
-            timeout: The most seconds to wait for the queue to drain, and the sockets' linger.
+            timeout: The most seconds to wait (None or ``math.inf``: until all is sent).
+
+        Raises:
+            TypeError, ValueError: a ``timeout`` that is not a number >= 0 or None (nothing
+                is closed then).
         """
+        wait = _check_timeout(timeout, "timeout")
         with self._lock:
             if self._closing:
                 return
             self._closing = True
-        self.flush(timeout)
-        self._closed = True
-        self._thread.join(self._CLOSE_TIMEOUT_S)
-        if self._thread.is_alive():  # never close sockets another thread still uses
-            return
-        self._close_sockets(linger=int(timeout * 1000))
+        deadline = _deadline(wait)
+        self.flush(wait)
+        self._stop = True
+        self._thread.join(None if deadline is None
+                          else max(0.0, deadline - time.monotonic()) + self._THREAD_EXIT_S)
+        linger = -1 if deadline is None else _wait_ms(deadline)
+        with self._done:
+            if not self._thread_done:  # never close sockets another thread still uses
+                self._thread_closes_sockets = linger
+                return
+        self._close_sockets(linger)
 
     def _close_sockets(self, linger: int) -> None:
-        for sock in (self._pub, self._replay):
-            if sock is not None:
-                sock.close(linger=linger)
-        self._ctx.term()
+        if self._sockets_closed:
+            return
+        self._sockets_closed = True
+        try:
+            for sock in (self._pub, self._replay):
+                if sock is not None:
+                    sock.close(linger=linger)
+        finally:
+            self._ctx.term()
 
     def __enter__(self) -> "ZmqEventPublisher":
         return self
@@ -208,24 +302,30 @@ class ZmqEventPublisher:
 
     # -- background thread ---------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._send_loop()
+        finally:
+            self._finish_thread()
+
+    def _send_loop(self) -> None:
         encoder = self._msgspec.msgpack.Encoder()
         wait = self._REPLAY_POLL_S if self._replay is not None else self._IDLE_WAIT_S
-        while True:
+        while not self._stop:
             if self._replay is not None:
-                self._serve_replays()
+                try:
+                    self._serve_replays()
+                except Exception as exc:  # a socket error: keep publishing
+                    self.errors += 1
+                    self.last_error = exc
             try:
                 seq, ts, batch = self._queue.get(timeout=wait)
             except queue.Empty:
-                if self._closed:
-                    return
                 continue
             try:
                 payload = _encode(encoder, _batch_wire(ts, batch, self.data_parallel_rank,
                                                        self.encoding))
-                self._pub.send_multipart(
-                    (self._topic_bytes, seq.to_bytes(8, "big", signed=True), payload),
-                    copy=False,
-                )
+                self._pub.send_multipart((self._topic_bytes, _seq_bytes(seq), payload),
+                                         copy=False)
                 self._buffer.append((seq, payload))
                 self.sent += 1
             except Exception as exc:  # keep serving; the subscriber sees a gap
@@ -234,6 +334,27 @@ class ZmqEventPublisher:
             with self._done:
                 self._handled += 1
                 self._done.notify_all()
+
+    def _finish_thread(self) -> None:
+        """The thread's last act, however it ends: what is still queued will never be sent
+        (it counts as dropped), flush() waiters wake, and the sockets are closed here when
+        close() gave up waiting for this thread."""
+        left = 0
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+            left += 1
+        with self._lock:
+            self.dropped += left
+        with self._done:
+            self._handled += left
+            self._thread_done = True
+            self._done.notify_all()
+            linger = self._thread_closes_sockets
+        if linger is not None:
+            self._close_sockets(linger)
 
     def _serve_replays(self) -> None:
         zmq = self._zmq
@@ -245,21 +366,98 @@ class ZmqEventPublisher:
                 continue
             identity = frames[0]
             start = int.from_bytes(frames[2], "big", signed=True)
+            tail = []  # newest first: a request for the last few batches reads only those
+            for seq, payload in reversed(self._buffer):
+                if seq < start:
+                    break
+                tail.append((seq, payload))
             try:
-                for seq, payload in list(self._buffer):
-                    if seq >= start:
-                        replay.send_multipart(
-                            (identity, b"", seq.to_bytes(8, "big", signed=True), payload),
-                            flags=zmq.NOBLOCK)
-                replay.send_multipart(
-                    (identity, b"", _END_SEQ.to_bytes(8, "big", signed=True), b""),
-                    flags=zmq.NOBLOCK)
+                for seq, payload in reversed(tail):
+                    if self._stop:  # closing: the client sees a replay without its end
+                        return
+                    replay.send_multipart(
+                        (identity, b"", self._topic_bytes, _seq_bytes(seq), payload),
+                        flags=zmq.NOBLOCK)
+                replay.send_multipart((identity, b"", b"", _END_SEQ_BYTES, b""),
+                                      flags=zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 self.errors += 1
                 self.last_error = exc
 
 
 # -- subscriber ---------------------------------------------------------------------------
+
+class _Digests:
+    """Digests of the batches replay delivered ahead of the stream, in sequence order, the
+    latest ``limit`` of them (16 bytes each): how the stream's late copy of a batch is told
+    from a restarted publisher's batch with the same number."""
+
+    __slots__ = ("_hashes", "_head", "_seqs", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self._seqs = array("q")
+        self._hashes = array("q")
+        self._head = 0  # entries before it are forgotten
+        self.limit = limit
+
+    def __len__(self) -> int:
+        return len(self._seqs) - self._head
+
+    def add(self, seq: int, digest: int) -> None:
+        if len(self._seqs) > self._head and seq <= self._seqs[-1]:
+            self.clear()  # never out of order (a reset starts again from nothing)
+        self._seqs.append(seq)
+        self._hashes.append(digest)
+        if len(self) > self.limit:
+            self._head += 1
+            self._compact()
+
+    def pop_through(self, seq: int) -> Optional[int]:
+        """The digest kept for ``seq`` (None if none), forgetting every one up to ``seq``:
+        the stream, which never goes back, is past them."""
+        seqs = self._seqs
+        end = len(seqs)
+        at = bisect_left(seqs, seq, self._head, end)
+        found = self._hashes[at] if at < end and seqs[at] == seq else None
+        self._head = at + (found is not None)
+        self._compact()
+        return found
+
+    def clear(self) -> None:
+        del self._seqs[:]
+        del self._hashes[:]
+        self._head = 0
+
+    def _compact(self) -> None:
+        head = self._head
+        if head == len(self._seqs):
+            self.clear()
+        elif head > 4096 and 2 * head > len(self._seqs):
+            del self._seqs[:head]
+            del self._hashes[:head]
+            self._head = 0
+
+
+def _stream_seq(frames: list) -> Optional[int]:
+    """The sequence number of a PUB message ``(topic, seq, payload)``, None if malformed."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    seq = int.from_bytes(frames[1], "big", signed=True)
+    return seq if seq >= 0 else None
+
+
+def _replay_message(frames: list) -> Optional[tuple]:
+    """``(seq, payload)`` of a replay answer, ``(_END_SEQ, b"")`` for its end marker, None
+    if malformed. Reads the engines' ``(b"", topic, seq, payload)`` and radixcache's older
+    ``(b"", seq, payload)``; the topic is not checked (one publisher sends one topic, and
+    the end marker's is empty)."""
+    if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
+        return None
+    seq = int.from_bytes(frames[-2], "big", signed=True)
+    if seq == _END_SEQ:
+        return _END_SEQ, b""
+    return (seq, frames[-1]) if seq >= 0 else None
+
 
 class ZmqEventSubscriber:
     """Receives event batches in sequence order, filling gaps from the replay socket.
@@ -272,25 +470,39 @@ class ZmqEventSubscriber:
     (dropped by the publisher, or gone from its buffer) is skipped and listed in ``gaps`` as
     an inclusive ``(first_seq, last_seq)`` range (the latest ``MAX_GAPS``; ``gap_count`` and
     ``missed`` count every gap and batch). ``replayed`` counts batches that came through
-    replay, ``malformed`` frames that were ignored; ``hwm`` is the SUB socket's receive
-    high-water mark. A replay that ends without its end marker for ``replay_timeout`` seconds
-    is abandoned (what it missed becomes a gap); ``receive(timeout)`` never waits past its
-    own timeout for it, the replay goes on at the next call.
+    replay, ``malformed`` messages that were ignored; ``hwm`` is the SUB socket's receive
+    high-water mark. The replay protocol is vLLM's and SGLang's (their publishers and
+    radixcache's are read alike; see ``radixcache.events.zmq``). An answer that loses
+    messages on the way (a hole inside it, or silence once it began) is asked for again
+    from the first one missing, up to ``MAX_REPLAY_RETRIES`` times. A replay that goes
+    silent for ``replay_timeout`` seconds before its end marker is abandoned (what it
+    missed becomes a gap); ``receive(timeout)`` never waits past its own timeout for it,
+    the replay goes on at the next call.
+
+    A gap at the end of a burst shows in no later batch: when nothing arrived for
+    ``probe_interval`` seconds, ``receive`` asks the replay socket for the batches after the
+    last one delivered (a probe, counted in ``probes``). One probe per quiet interval at
+    most, never while a replay runs; its answer is only what this subscriber lacks (an idle
+    publisher answers with its end marker alone), and a probe is abandoned after
+    ``min(replay_timeout, probe_interval)`` seconds of silence.
 
     A publisher that restarts on the same endpoints starts its sequence again at 0. A
-    stream batch below what was already delivered is a stale duplicate only when replay
-    delivered that very batch (the same payload) ahead of the stream; one publisher's PUB
-    stream never goes back, so anything else is a reset. It is counted in ``resets``, the
-    new publisher's batches are delivered from its first one on (replayed when the stream missed them), and the first of them is marked
-    ``ReceivedBatch.restarted``, so ``KvIndexer.apply`` drops what the worker held before. A
-    restart whose first batch the subscriber sees has a sequence number above every one the
-    old publisher sent cannot be told from a gap: it is filled from the new publisher's
-    replay and recorded as a gap if it cannot be.
+    stream batch below what was already delivered is the stream's late copy of a batch that
+    replay delivered first (the same payload) or recorded as missed, when the stream has
+    not gone back; one publisher's PUB stream never goes back, so anything else is a reset.
+    It is counted in ``resets``, the new publisher's batches are delivered from its first one
+    on (replayed when the stream missed them), and the first of them is marked
+    ``ReceivedBatch.restarted``, so ``KvIndexer.apply`` drops what the worker held before.
+    The comparison keeps a digest of each of the latest ``MAX_REPLAYED`` batches replay
+    delivered ahead of the stream (16 bytes each, forgotten as the stream passes them), so a
+    replay of any length is delivered once. A restart whose first batch the subscriber sees
+    has a sequence number above every one the old publisher sent cannot be told from a gap:
+    it is filled from the new publisher's replay and recorded as a gap if it cannot be.
 
     Payloads are decoded by ``decode_batch``, so either encoding is read; one it rejects
     makes ``receive`` raise its ValueError, and the next call goes on with the batch after
-    it. Use it as a context manager, or call ``close()``. Needs pyzmq and msgspec
-    (``pip install radixcache[events]``).
+    it (marked ``restarted`` if the rejected one was). Use it as a context manager, or call
+    ``close()``. Needs pyzmq and msgspec (``pip install radixcache[events]``).
 
     Args:
         endpoint: The publisher's PUB address to connect to (its ``endpoint``).
@@ -299,20 +511,35 @@ class ZmqEventSubscriber:
         topic: Receive only messages whose topic starts with this.
         start_seq: The first sequence number wanted (with ``replay_endpoint``: replayed from
             the publisher's buffer first), or None to start with whatever comes.
-        timeout: Seconds iteration waits for the next batch before it ends (None: forever).
-        replay_timeout: Seconds a replay may go silent before it is abandoned.
-        hwm: The SUB socket's receive high-water mark.
+        timeout: Seconds iteration waits for the next batch before it ends (None or
+            ``math.inf``: forever).
+        replay_timeout: Seconds a replay may go silent before it is abandoned (None or
+            ``math.inf``: never).
+        probe_interval: Seconds of quiet after which the replay socket is probed for a lost
+            tail, > 0 (None or ``math.inf``: never).
+        hwm: The SUB socket's receive high-water mark, an int >= 0.
 
     Raises:
-        TypeError: an endpoint or topic of the wrong type.
-        ValueError: ``start_seq`` is not a non-negative int or None.
+        TypeError: an argument of the wrong type.
+        ValueError: ``start_seq`` is not a non-negative int or None, or a number of seconds
+            or ``hwm`` is out of range.
         ImportError: pyzmq or msgspec is not installed.
     """
 
+    #: How many gap ranges ``gaps`` keeps (the latest); ``gap_count`` and ``missed`` count all.
+    MAX_GAPS = 1000
+    #: How many replayed batches are remembered (the latest, a digest each) to recognise
+    #: their late copies on the stream (16 MB at most).
+    MAX_REPLAYED = 1_000_000
+    #: How many times a replay whose answer lost messages on the way is asked again, from
+    #: the first one missing, before what is still missing counts as a gap.
+    MAX_REPLAY_RETRIES = 3
+
     def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, *,
                  topic: str = "", start_seq: Optional[int] = None,
-                 timeout: Optional[float] = None, replay_timeout: float = 2.0,
-                 hwm: int = 100_000) -> None:
+                 timeout: Optional[float] = None, replay_timeout: Optional[float] = 2.0,
+                 probe_interval: Optional[float] = 1.0, hwm: int = 100_000) -> None:
+        self._closed = True  # until the sockets exist: close() has nothing to release
         zmq, _ = _transport("ZmqEventSubscriber")
         if not isinstance(endpoint, str):
             raise TypeError(f"endpoint must be a str, got {type(endpoint).__name__}")
@@ -322,12 +549,18 @@ class ZmqEventSubscriber:
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
         if start_seq is not None and (not _is_builtin_int(start_seq) or start_seq < 0):
             raise ValueError(f"start_seq must be a non-negative int or None, got {start_seq!r}")
+        if not _is_builtin_int(hwm):
+            raise TypeError(f"hwm must be an int, got {type(hwm).__name__}")
+        if hwm < 0:
+            raise ValueError(f"hwm must be >= 0, got {hwm}")
+        self.timeout = timeout
+        self.replay_timeout = replay_timeout
+        self.probe_interval = probe_interval
         self._zmq = zmq
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
-        self.timeout = timeout
-        self.replay_timeout = replay_timeout
         self._ctx = zmq.Context()
+        self._closed = False
         self._sub = None
         self._replay = None
         try:
@@ -344,43 +577,81 @@ class ZmqEventSubscriber:
         self._expected = start_seq
         self._initial_replay = start_seq is not None and self._replay is not None
         self._pending: collections.deque = collections.deque()
-        # A replay in flight: when it gives up, and the stream frames that wait for it.
+        # A replay in flight: whether one is, when its silence abandons it (None: never),
+        # whether it is a probe, whether its answer has begun, how many more times it may
+        # be asked again, and the stream messages that wait for it.
+        self._replay_active = False
         self._replay_deadline: Optional[float] = None
+        self._probing = False
+        self._replay_heard = False
+        self._retries_left = 0
         self._backlog: collections.deque = collections.deque()
         self._stream_last: Optional[int] = None  # the last sequence number the stream sent
-        # seq -> hash of the payload, for batches replay delivered that the stream has not
-        # passed yet: how a stale duplicate is told from a restarted publisher's batch
-        self._replayed: dict = {}
-        self._restart_next = False
+        self._digests = _Digests(self.MAX_REPLAYED)
+        self._restart_next = False  # the next batch accepted starts a restarted publisher
+        self._restart_owed = False  # a restarted batch was rejected: mark the next one
+        self._last_heard = time.monotonic()  # a batch, or the end of a replay
         self._gaps: collections.deque = collections.deque(maxlen=self.MAX_GAPS)
         self.gap_count = 0
         self.missed = 0
         self.replayed = 0
         self.malformed = 0
         self.resets = 0
+        self.probes = 0
 
-    #: How many gap ranges ``gaps`` keeps (the latest); ``gap_count`` and ``missed`` count all.
-    MAX_GAPS = 1000
-    #: How many replayed batches are remembered (a hash each) to recognise their stream copy.
-    MAX_REPLAYED = 100_000
+    # -- options -------------------------------------------------------------------------
+    @property
+    def timeout(self) -> Optional[float]:
+        """Seconds iteration waits for the next batch (None: forever)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: Optional[float]) -> None:
+        self._timeout = _check_timeout(value, "timeout")
+
+    @property
+    def replay_timeout(self) -> Optional[float]:
+        """Seconds a replay may go silent before it is abandoned (None: never)."""
+        return self._replay_timeout
+
+    @replay_timeout.setter
+    def replay_timeout(self, value: Optional[float]) -> None:
+        self._replay_timeout = _check_timeout(value, "replay_timeout")
+
+    @property
+    def probe_interval(self) -> Optional[float]:
+        """Seconds of quiet before the replay socket is probed for a lost tail (None:
+        never)."""
+        return self._probe_interval
+
+    @probe_interval.setter
+    def probe_interval(self, value: Optional[float]) -> None:
+        seconds = _check_timeout(value, "probe_interval")
+        if seconds == 0:
+            raise ValueError("probe_interval must be > 0 seconds or None, got 0")
+        self._probe_interval = seconds
 
     @property
     def gaps(self) -> list:
         """The latest ``MAX_GAPS`` gaps, as inclusive ``(first_seq, last_seq)`` ranges."""
         return list(self._gaps)
 
-    def _new_replay_socket(self):
-        # DEALER, not REQ: one request is answered by many messages.
-        sock = self._ctx.socket(self._zmq.DEALER)
-        sock.setsockopt(self._zmq.LINGER, 0)
-        sock.connect(self.replay_endpoint)
-        return sock
-
     @property
     def next_seq(self) -> Optional[int]:
         """The sequence number expected next (None before the first batch)."""
         return self._expected
 
+    def _new_replay_socket(self):
+        # DEALER, not REQ: one request is answered by many messages. No receive limit: the
+        # answer is what was asked for, and a full queue would make the publisher's ROUTER
+        # drop the rest of it (SGLang's sends up to 1,000 messages ahead).
+        sock = self._ctx.socket(self._zmq.DEALER)
+        sock.setsockopt(self._zmq.LINGER, 0)
+        sock.setsockopt(self._zmq.RCVHWM, 0)
+        sock.connect(self.replay_endpoint)
+        return sock
+
+    # -- receiving -----------------------------------------------------------------------
     def receive(self, timeout: Optional[float] = None) -> Optional[ReceivedBatch]:
         """Receive the next batch in sequence order, filling gaps from the replay socket.
 
@@ -388,63 +659,81 @@ class ZmqEventSubscriber:
         replay in flight carries on at the next call.
 
         Args:
-            timeout: The most seconds to wait (None: as long as it takes).
+            timeout: The most seconds to wait (None or ``math.inf``: as long as it takes).
 
         Returns:
             A ``ReceivedBatch``, or None when none arrived within ``timeout`` seconds.
 
         Raises:
             ValueError: the batch's payload is malformed (the next call goes on with the
-                batch after it).
+                batch after it), or ``timeout`` is negative or NaN.
+            TypeError: ``timeout`` is not a number or None.
+            RuntimeError: the subscriber is closed.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _deadline(_check_timeout(timeout, "timeout"))
+        if self._closed:
+            raise RuntimeError("receive() on a closed ZmqEventSubscriber")
         if self._initial_replay:
             self._initial_replay = False
             self._start_replay(self._expected)
         while not self._pending:
-            if self._replay_deadline is not None:
+            if self._replay_active:
                 if not self._step_replay(deadline):
                     return None
                 continue
-            if not self._sub.poll(self._wait_ms(deadline)):
-                return None
+            probe_at = self._probe_at()
+            if (probe_at is not None and time.monotonic() >= probe_at
+                    and not self._sub.poll(0)):
+                self.probes += 1
+                self._start_replay(self._expected, probe=True)
+                continue
+            if not self._sub.poll(_wait_ms(deadline, probe_at)):
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue  # a probe is due, or a long wait polls again
             frames = self._sub.recv_multipart()
-            if len(frames) != 3 or len(frames[1]) != 8:
+            seq = _stream_seq(frames)
+            if seq is None:
                 self.malformed += 1
                 continue
-            self._on_stream(int.from_bytes(frames[1], "big", signed=True), frames[2])
+            self._last_heard = time.monotonic()
+            self._on_stream(seq, frames[2])
         seq, payload, restarted = self._pending.popleft()
-        batch = decode_batch(payload, seq)
+        restarted = restarted or self._restart_owed
+        try:
+            batch = decode_batch(payload, seq)
+        except ValueError:
+            self._restart_owed = restarted  # the restart is not lost with its batch
+            raise
+        self._restart_owed = False
         if restarted:
             batch = dataclasses.replace(batch, restarted=True)
         return batch
 
-    @staticmethod
-    def _wait_ms(deadline: Optional[float], limit: Optional[float] = None) -> int:
-        """Milliseconds to poll: until the earlier of ``deadline`` and ``limit`` (-1: forever),
-        rounded up so a poll never returns before its deadline."""
-        ends = [t for t in (deadline, limit) if t is not None]
-        if not ends:
-            return -1
-        return max(0, math.ceil((min(ends) - time.monotonic()) * 1000))
+    def _probe_at(self) -> Optional[float]:
+        """When the next probe is due, None if never (no replay socket, probes off, or no
+        sequence number known to ask from)."""
+        if self._probe_interval is None or self._replay is None or self._expected is None:
+            return None
+        return self._last_heard + self._probe_interval
 
     def _on_stream(self, seq: int, payload: bytes) -> None:
         """A batch from the PUB stream, which one publisher sends in increasing order."""
-        digests = self._replayed
         if self._expected is not None and seq < self._expected:
-            # Below what was delivered: a stale duplicate is a batch that replay delivered
-            # ahead of the stream, byte for byte; anything else is a new publisher on the
-            # same endpoints (it starts again at 0). The stream itself never goes back.
-            stale = ((self._stream_last is None or seq > self._stream_last)
-                     and digests.get(seq) == hash(payload))
-            if not stale:
-                self.resets += 1
-                digests.clear()
-                self._expected = 0
-                self._restart_next = True
+            # Below what was delivered: the stream's late copy of a batch that replay
+            # delivered (the same payload) or recorded as missed, unless the stream went
+            # back (one publisher's never does) or the payload differs: then a new publisher
+            # on the same endpoints, which starts again at 0.
+            went_back = self._stream_last is not None and seq <= self._stream_last
+            digest = None if went_back else self._digests.pop_through(seq)
+            self._stream_last = seq
+            if not went_back and (digest is None or digest == hash(payload)):
+                return
+            self.resets += 1
+            self._expected = 0
+            self._restart_next = True
+        self._digests.clear()  # all below what is expected, so below seq: passed
         self._stream_last = seq
-        while digests and next(iter(digests)) <= seq:  # the stream is past them
-            del digests[next(iter(digests))]
         if (self._expected is not None and seq > self._expected
                 and self._replay is not None):
             self._backlog.append((seq, payload))
@@ -467,37 +756,84 @@ class ZmqEventSubscriber:
         self._expected = seq + 1
         return True
 
-    def _start_replay(self, start: int) -> None:
-        """Ask for every buffered batch from ``start`` on; ``_step_replay`` takes the answer."""
-        self._replay.send_multipart((b"", start.to_bytes(8, "big", signed=True)))
-        self._replay_deadline = time.monotonic() + self.replay_timeout
+    def _start_replay(self, start: int, probe: bool = False, retry: bool = False) -> None:
+        """Ask for every buffered batch from ``start`` on; ``_step_replay`` takes the answer.
+        A ``retry`` asks again for what an answer lost on the way."""
+        self._replay.send_multipart((b"", _seq_bytes(start)))
+        self._replay_active = True
+        self._probing = probe
+        self._replay_heard = False
+        if not retry:
+            self._retries_left = self.MAX_REPLAY_RETRIES
+        self._replay_deadline = _deadline(self._replay_silence())
+
+    def _retry_replay(self) -> bool:
+        """Ask again from the first batch missing, on a fresh socket (the rest of the answer
+        in flight is dropped): the answer lost messages on the way. False when the retries
+        are spent."""
+        if self._retries_left <= 0:
+            return False
+        self._retries_left -= 1
+        self._renew_replay_socket()
+        self._start_replay(self._expected, probe=self._probing, retry=True)
+        return True
+
+    def _renew_replay_socket(self) -> None:
+        # A new identity: the publisher's ROUTER drops what is still addressed to the old.
+        self._replay.close(linger=0)
+        self._replay = self._new_replay_socket()
+
+    def _replay_silence(self) -> Optional[float]:
+        """Seconds of silence after which the replay in flight is abandoned (None: never)."""
+        if not self._probing:
+            return self._replay_timeout
+        if self._replay_timeout is None:
+            return self._probe_interval
+        return min(self._replay_timeout, self._probe_interval)
 
     def _step_replay(self, deadline: Optional[float]) -> bool:
         """Take one replay message, or end the replay; False when ``deadline`` came first."""
-        if not self._replay.poll(self._wait_ms(deadline, self._replay_deadline)):
-            if time.monotonic() < self._replay_deadline:
-                return False  # the caller's deadline; the replay carries on next call
-            # No end marker: drop the socket so late replies cannot confuse the next ask.
-            self._replay.close(linger=0)
-            self._replay = self._new_replay_socket()
-            self._end_replay()
-            return True
+        if not self._replay.poll(_wait_ms(deadline, self._replay_deadline)):
+            now = time.monotonic()
+            if self._replay_deadline is not None and now >= self._replay_deadline:
+                # No end marker. One that went silent after it began lost its tail (or its
+                # publisher died): ask again. Otherwise drop the socket, so late replies
+                # cannot confuse the next ask, and give up.
+                if not (self._replay_heard and self._retry_replay()):
+                    self._renew_replay_socket()
+                    self._end_replay()
+                return True
+            return deadline is None or now < deadline
         frames = self._replay.recv_multipart()
-        if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
+        self._replay_deadline = _deadline(self._replay_silence())  # it is not silent
+        message = _replay_message(frames)
+        if message is None:
             self.malformed += 1
             return True
-        seq = int.from_bytes(frames[1], "big", signed=True)
+        seq, payload = message
         if seq == _END_SEQ:
             self._end_replay()
-        elif self._accept(seq, frames[2]):
+            return True
+        self._last_heard = time.monotonic()
+        began, self._replay_heard = self._replay_heard, True
+        if (began and self._expected is not None and seq > self._expected
+                and self._retry_replay()):
+            # A hole inside the answer (its first batch may lie beyond: the buffer starts
+            # there): a ROUTER drops what a client's full queue cannot take (SGLang's keeps
+            # 1,000 messages), or the publisher never sent it. Asking again tells which.
+            return True
+        if self._accept(seq, payload):
             self.replayed += 1
-            if len(self._replayed) < self.MAX_REPLAYED:
-                self._replayed[seq] = hash(frames[2])
+            if self._stream_last is None or seq > self._stream_last:
+                self._digests.add(seq, hash(payload))
         return True
 
     def _end_replay(self) -> None:
-        # The stream frames that waited go on in order; a gap left now is a real gap.
+        # The stream messages that waited go on in order; a gap left now is a real gap.
+        self._replay_active = False
         self._replay_deadline = None
+        self._probing = False
+        self._last_heard = time.monotonic()
         backlog = self._backlog
         while backlog:
             self._accept(*backlog.popleft())
@@ -505,21 +841,26 @@ class ZmqEventSubscriber:
     def __iter__(self) -> Iterator[ReceivedBatch]:
         """Yield batches in order until none comes within ``timeout`` seconds."""
         while True:
-            batch = self.receive(self.timeout)
+            batch = self.receive(self._timeout)
             if batch is None:
                 return
             yield batch
 
     def close(self) -> None:
-        """Close the sockets (pending messages are dropped)."""
-        for sock in (self._sub, self._replay):
-            if sock is not None:
-                sock.close(linger=0)
-        self._ctx.term()
+        """Close the sockets and the context (pending messages are dropped). Calling it
+        again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for sock in (self._sub, self._replay):
+                if sock is not None:
+                    sock.close(linger=0)
+        finally:
+            self._ctx.term()
 
     def __enter__(self) -> "ZmqEventSubscriber":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
