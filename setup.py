@@ -20,7 +20,13 @@ INCLUDE = ["radixcache/_include"]
 
 
 class StrippedBuildExt(build_ext):
-    """build_ext that drops debug information where the compiler and linker take the flags."""
+    """build_ext that compiles both modules at once (unless told ``-j``) and drops debug
+    information where the compiler and linker take the flags."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = min(2, os.cpu_count() or 1)
 
     def build_extensions(self):
         # "unix": gcc or clang (Linux, macOS, the BSDs); MSVC writes debug info to a separate
