@@ -5,7 +5,7 @@ from a ``--no-build-isolation`` build), the build says so and the package instal
 pure-Python modules, which ``radixcache/_core.py`` then picks.
 
 With gcc or clang the modules are built without debug information, and on Linux linked
-stripped (a tenth of the size); ``RADIXCACHE_DEBUG_SYMBOLS=1`` at build time keeps both, for
+stripped (a sixth of the size); ``RADIXCACHE_DEBUG_SYMBOLS=1`` at build time keeps both, for
 a debugger.
 """
 

@@ -6,9 +6,9 @@ torch: ``loaded_torch``). A cache with numpy index arrays never imports it. A mo
 keeps torch's names in its globals registers a binder (``on_torch``), called once torch is
 bound.
 
-torch is an optional dependency (``radixcache[torch]``): without it numpy-array caches, the
-``radixcache`` command work, and making torch index arrays raises
-``ModuleNotFoundError`` saying how to install it or to use ``array_type="numpy"``.
+torch is an optional dependency (``radixcache[torch]``): without it numpy-array caches and
+the ``radixcache`` command work, and making torch index arrays raises ``ModuleNotFoundError``
+saying how to install it or to use ``array_type="numpy"``.
 """
 
 from __future__ import annotations
