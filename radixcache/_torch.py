@@ -5,17 +5,27 @@ torch is imported only when something needs it: a cache whose index arrays are t
 torch: ``loaded_torch``). A cache with numpy index arrays never imports it. A module that
 keeps torch's names in its globals registers a binder (``on_torch``), called once torch is
 bound.
+
+torch is an optional dependency (``radixcache[torch]``): without it numpy-array caches and
+the ``radixcache`` command work, and making torch index arrays raises ``ModuleNotFoundError``
+saying how to install it or to use ``array_type="numpy"``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["on_torch", "load_torch", "loaded_torch", "is_tensor", "empty_indices",
-           "indices_from_key", "cat_tensors"]
+__all__ = ["TORCH_MISSING", "on_torch", "load_torch", "loaded_torch", "torch_installed",
+           "is_tensor", "empty_indices", "indices_from_key", "cat_tensors"]
+
+#: Why torch index arrays cannot be made without PyTorch, and what to do instead.
+TORCH_MISSING = ("torch index arrays need PyTorch, which is not installed: install it with "
+                 "pip install 'radixcache[torch]', or use numpy index arrays "
+                 "(array_type=\"numpy\"), which never need torch")
 
 _torch: Any = None  # the torch module, once bound
 _torch_binders: list = []
@@ -30,10 +40,20 @@ def on_torch(binder: Callable[[Any], None]) -> None:
 
 
 def load_torch() -> Any:
-    """Import torch if needed, bind it in every registered module, and return it."""
+    """Import torch if needed, bind it in every registered module, and return it.
+
+    Raises:
+        ModuleNotFoundError: torch is not installed (the message names the ``torch`` extra
+            and ``array_type="numpy"``).
+    """
     global _torch
     if _torch is None:
-        import torch  # noqa: PLC0415 -- only a torch-array cache or a tensor input needs it
+        try:
+            import torch  # noqa: PLC0415 -- only a torch-array cache or a tensor input needs it
+        except ModuleNotFoundError as exc:
+            if exc.name != "torch":  # torch is there but broken: its own error says why
+                raise
+            raise ModuleNotFoundError(TORCH_MISSING, name="torch") from None
 
         for binder in _torch_binders:
             binder(torch)
@@ -49,6 +69,11 @@ def loaded_torch() -> Any:
     if "torch" not in sys.modules:
         return None
     return load_torch()
+
+
+def torch_installed() -> bool:
+    """Whether torch can be imported (asked of the import system: torch is not imported)."""
+    return _torch is not None or importlib.util.find_spec("torch") is not None
 
 
 def is_tensor(obj: Any) -> bool:

@@ -254,6 +254,8 @@ class RadixCache:
             ``write_policy`` or ``array_type``, ``event_options`` without
             ``enable_events=True``, an unknown ``block_hash`` or ``record``, or
             ``record="keys"`` with another option or ``host_tier=True``.
+        ModuleNotFoundError: ``array_type="torch"`` (the default) without PyTorch installed
+            (``pip install 'radixcache[torch]'``, or use ``array_type="numpy"``).
     """
 
     def __init__(self, page_size: int = 1, eviction_policy: str = "lru", *,

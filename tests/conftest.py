@@ -8,19 +8,32 @@ each step.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from radixcache import RadixCache
+from radixcache import ARRAY_TYPES, RadixCache
 from radixcache._core import BLOCKS, CORES
 from radixcache.download import find as _find_trace
 
 #: Where CI keeps the Mooncake traces: a folder next to the repository.
 SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+#: Whether PyTorch is installed. Asked of the import system: collecting the tests imports no
+#: torch, so the numpy and command tests run where radixcache was installed without it.
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+#: Marks a test, or one parameter of it, that needs PyTorch: it skips where torch is missing.
+needs_torch = pytest.mark.skipif(not HAS_TORCH,
+                                 reason="needs PyTorch (pip install 'radixcache[torch]')")
+
+#: ``ARRAY_TYPES`` as test parameters: the "torch" case skips where torch is missing.
+ARRAY_TYPE_PARAMS = [pytest.param(kind, marks=needs_torch) if kind == "torch" else kind
+                     for kind in ARRAY_TYPES]
 
 
 def mooncake_trace(name: str = "synthetic"):
@@ -64,6 +77,8 @@ def check_index_array(cache: RadixCache, values, cpu: bool = False) -> None:
         assert type(values) is np.ndarray, type(values)
         assert values.ndim == 1 and values.dtype == np.int64
         return
+    import torch  # noqa: PLC0415 -- a torch cache: torch is there
+
     assert isinstance(values, torch.Tensor) and values.dim() == 1
     assert values.dtype == torch.int64
     if cpu:

@@ -17,7 +17,7 @@ from radixcache.cli import main
 from radixcache.traces import read_trace
 from radixcache.workloads import serve, synthetic_chat
 
-from conftest import mooncake_trace
+from conftest import HAS_TORCH, mooncake_trace
 
 REPO = Path(__file__).resolve().parents[1]
 MOONCAKE, MOONCAKE_MISSING = mooncake_trace("synthetic")
@@ -62,11 +62,13 @@ def write_token_trace(path: Path, records) -> Path:
 
 
 def check_against_library(rows_json, table, requests, core=None):
-    """Every JSON row and table row equals an in-process replay's cache.stats()."""
+    """Every JSON row and table row equals an in-process replay's cache.stats() (numpy index
+    arrays, as the command's caches have)."""
     assert len(rows_json) == len(table)
     for row in rows_json:
         assert list(row) == EXPECTED_KEYS
-        cache = RadixCache(page_size=row["page_size"], eviction_policy=row["policy"], core=core)
+        cache = RadixCache(page_size=row["page_size"], eviction_policy=row["policy"], core=core,
+                           array_type="numpy")
         result = serve(cache, requests, row["capacity"])
         stats = cache.stats()
         assert row["hit_rate"] == stats.hit_rate
@@ -242,9 +244,15 @@ def test_help_exits_0(capsys):
 
 
 def test_bench_quick_runs_every_core():
+    """Every core on torch tensors where torch is installed, else on numpy arrays (and no
+    tensor inputs)."""
     proc = run_cli("bench", "--quick")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
+    array_type = "torch" if HAS_TORCH else "numpy"
+    assert lines[0].split("; ")[-1].startswith(f"index arrays: {array_type}"), lines[0]
+    input_types = {"list", "array", "numpy", "tensor"} if HAS_TORCH else {"list", "array",
+                                                                          "numpy"}
     for core in CORES:
         # One chat row and one row per exercise shape for every core.
         assert sum(line.split()[-4:-3] == [core] for line in lines
@@ -252,8 +260,8 @@ def test_bench_quick_runs_every_core():
         # In-cache rows: 2 page sizes x 4 input types per core, each with a rest share.
         incache = [line.split() for line in lines
                    if line.split()[:1] in (["1"], ["16"]) and line.split()[2:3] == [core]]
-        assert len(incache) == 8
-        assert {row[1] for row in incache} == {"list", "array", "numpy", "tensor"}
+        assert len(incache) == 2 * len(input_types)
+        assert {row[1] for row in incache} == input_types
         assert all(row[-1].endswith("%") for row in incache)
         walk_rows = [line.split() for line in lines
                      if line.startswith(("shallow", "deep")) and line.split()[1] == core]
@@ -552,7 +560,7 @@ def test_unavailable_core_is_a_usage_error(monkeypatch, capsys):
 # -- the host tier ---------------------------------------------------------------------------
 def skip_without_host_tier(core):
     try:
-        RadixCache(core=core, host_tier=True)
+        RadixCache(core=core, host_tier=True, array_type="numpy")
     except TypeError as exc:
         if core != "c":
             raise
@@ -594,16 +602,18 @@ def test_simulate_host_capacity_sweep_rows_table_and_plot(tmp_path, capsys, core
         assert list(row) == EXPECTED_KEYS
         assert row["hit_rate"] == pytest.approx(row["device_hit_rate"] + row["host_hit_rate"])
         if not row["host_capacity"]:
-            plain = serve(RadixCache(core=core_name), requests, row["capacity"])
+            plain = serve(RadixCache(core=core_name, array_type="numpy"), requests,
+                          row["capacity"])
             assert row["hit_rate"] == row["device_hit_rate"] == plain.hit_rate
             assert row["host_hit_rate"] == row["loaded_tokens"] == row["backed_up_tokens"] == 0
             continue
-        cache = RadixCache(core=core_name, host_tier=True, write_policy=row["write_policy"])
+        cache = RadixCache(core=core_name, host_tier=True, write_policy=row["write_policy"],
+                           array_type="numpy")
         expected = serve(cache, requests, row["capacity"], host_capacity=row["host_capacity"])
         for key in ("cached_tokens", "hit_rate", "device_hit_rate", "host_hit_rate",
                     "loaded_tokens", "backed_up_tokens", "evicted_tokens"):
             assert row[key] == getattr(expected, key), key
-    ceiling = serve(RadixCache(core=core_name), requests, 10**9).hit_rate
+    ceiling = serve(RadixCache(core=core_name, array_type="numpy"), requests, 10**9).hit_rate
     unlimited = {(r["capacity"], r["write_policy"]): r["hit_rate"] for r in rows
                  if r["host_capacity"] == 10**9}
     assert unlimited[8000, "write_back"] == unlimited[8000, "write_through"] == ceiling

@@ -22,7 +22,7 @@ PROBE = (
     "from radixcache._core import CORES\n"
     "from radixcache import RadixCache\n"
     "print(json.dumps({'default': radixcache.core_name(), 'cores': sorted(CORES),\n"
-    "                  'cache': RadixCache().core_name,\n"
+    "                  'cache': RadixCache(array_type='numpy').core_name,\n"
     "                  'loaded_c': 'radixcache._core_c' in sys.modules}))\n"
 )
 
@@ -58,18 +58,18 @@ def test_compiled_core_is_the_default_when_built():
 
 
 def test_this_process_default_matches_core_name():
-    assert RadixCache().core_name == radixcache.core_name()
+    assert RadixCache(array_type="numpy").core_name == radixcache.core_name()
     assert radixcache.core_name() in CORES
 
 
 def test_core_argument_selects_the_core(core_name):
-    cache = RadixCache(core=core_name)
+    cache = RadixCache(core=core_name, array_type="numpy")
     assert cache.core_name == core_name
     assert core_name in repr(cache)
 
 
 def test_nodes_of_every_core_are_radix_tree_nodes(make_cache, core_name):
-    cache = make_cache()
+    cache = make_cache(array_type="numpy")
     inserted = cache.insert([1, 2, 3, 4]).last_node
     matched = cache.match_prefix([1, 2]).last_node  # an upper half made by a split
     for node in (cache.root_node, inserted, matched, inserted.parent):

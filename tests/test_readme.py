@@ -75,3 +75,24 @@ def test_host_tier_example_prints_what_the_readme_says():
     after = README[README.index(example) + len(example):]
     documented = re.search(r"prints\n\n```\n(.*?)```", after, re.S).group(1)
     assert _run(example) == documented
+
+
+def test_setup_commands_install_what_they_need():
+    """The README's set-up commands name extras that pyproject.toml defines; the main job's
+    plain ``pip install .`` brings no torch (the command never imports it), while the test
+    command installs the torch extra the suite needs."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    setup = README[README.index("## Set up"):README.index("## Quick start")]
+    main_job, test_command = re.findall(r"```sh\n(.*?)```", setup, re.S)[:2]
+    assert "&& pip install . && radixcache simulate" in main_job
+    assert not any(re.match(r"torch\b", dep) for dep in project["dependencies"])
+    assert any(re.match(r"torch\b", dep) for dep in extras["torch"])
+    named = re.findall(r'pip install (?:-e )?"\.\[([a-z,]+)\]"', setup)
+    assert named, "the set-up section names no extra"
+    for group in named:
+        for extra in group.split(","):
+            assert extra in extras, f"the README installs an undefined extra {extra!r}"
+    tested = re.search(r'pip install -e "\.\[([a-z,]+)\]"', test_command).group(1).split(",")
+    assert {"test", "torch"} <= set(tested), tested

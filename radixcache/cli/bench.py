@@ -1,5 +1,7 @@
 """``radixcache bench``: time every available tree core side by side on the embedded chat
-workload and on insert/exists exercises over a shallow and a deep tree."""
+workload and on insert/exists exercises over a shallow and a deep tree. The caches' index
+arrays are torch tensors where torch is installed, else numpy arrays (the first line says
+which)."""
 
 from __future__ import annotations
 
@@ -16,15 +18,16 @@ if TYPE_CHECKING:
     from ..workloads import Request, ServeResult
 
 
-def _bench_chat(core: str, requests: list[Request], capacity: int,
-                repeat: int) -> tuple[float, ServeResult]:
+def _bench_chat(core: str, requests: list[Request], capacity: int, repeat: int,
+                array_type: str) -> tuple[float, ServeResult]:
     from ..cache import RadixCache  # noqa: PLC0415
     from ..workloads import serve  # noqa: PLC0415
 
     best = math.inf
     result = None
     for _ in range(repeat):
-        result = serve(RadixCache(eviction_policy="lru", core=core), requests, capacity)
+        result = serve(RadixCache(eviction_policy="lru", core=core, array_type=array_type),
+                       requests, capacity)
         best = min(best, result.seconds)
     return best, result
 
@@ -40,10 +43,11 @@ def _run_exercise(run: Callable[[], object], repeat: int) -> tuple[float, object
     return best, built
 
 
-def _exercise_on_cache(core: str, ops: list[tuple[str, list[int]]]) -> tuple[RadixCache, int]:
+def _exercise_on_cache(core: str, ops: list[tuple[str, list[int]]],
+                       array_type: str) -> tuple[RadixCache, int]:
     from ..cache import RadixCache  # noqa: PLC0415
 
-    cache = RadixCache(core=core)
+    cache = RadixCache(core=core, array_type=array_type)
     insert, exists = cache.insert, cache.exists
     found = 0
     for kind, tokens in ops:
@@ -68,6 +72,7 @@ def _exercise_on_set(ops: list[tuple[str, list[int]]]) -> tuple[set, int]:
 def run(args: argparse.Namespace) -> int:
     """``radixcache bench``: time every tree core side by side and print the tables."""
     from .. import _core  # noqa: PLC0415
+    from .._torch import torch_installed  # noqa: PLC0415
     from ..cache import RadixCache  # noqa: PLC0415
     from ..workloads import (INPUT_TYPES, deep_exercise_ops, exercise_ops,  # noqa: PLC0415
                             synthetic_chat, time_cached_calls, walk_cost)
@@ -82,7 +87,12 @@ def run(args: argparse.Namespace) -> int:
               "deep": deep_exercise_ops(num_ops=num_ops)}
     capacity = 65536
     chat_label = f"chat: {len(requests):,} requests, capacity {capacity:,}, lru"
-    print(f"radixcache bench: best of {repeat} run(s); cores: {', '.join(cores)}")
+    # torch tensors, the library's default, where torch is installed; else numpy arrays.
+    array_type = "torch" if torch_installed() else "numpy"
+    input_types = [t for t in INPUT_TYPES if array_type == "torch" or t != "tensor"]
+    print(f"radixcache bench: best of {repeat} run(s); cores: {', '.join(cores)}; "
+          f"index arrays: {array_type}"
+          + ("" if array_type == "torch" else " (torch is not installed)"))
 
     table = []
     chat_seconds: dict[str, float] = {}
@@ -90,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     answers: dict[str, tuple] = {}
     trees: dict[tuple[str, str], RadixCache] = {}
     for core in cores:
-        seconds, result = _bench_chat(core, requests, capacity, repeat)
+        seconds, result = _bench_chat(core, requests, capacity, repeat, array_type)
         chat_seconds[core] = seconds
         table.append([chat_label, core, f"{seconds:.4f}",
                       f"{len(requests) / seconds:,.0f} req/s" if seconds > 0 else "-"])
@@ -98,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         for shape, ops in shapes.items():
             label = f"exercise ({shape}): {len(ops):,} insert/exists calls"
             found_seconds, (cache, found) = _run_exercise(
-                lambda ops=ops: _exercise_on_cache(core, ops), repeat)
+                lambda ops=ops: _exercise_on_cache(core, ops, array_type), repeat)
             trees[shape, core] = cache
             ops_seconds[shape, core] = found_seconds
             found_all.append(found)
@@ -120,9 +130,10 @@ def run(args: argparse.Namespace) -> int:
           "the core's bare walk over the same tokens, and the rest")
     rows = []
     for page_size in (1, 16):
-        for input_type in INPUT_TYPES:
+        for input_type in input_types:
             for core in cores:
-                timing = time_cached_calls(RadixCache(page_size=page_size, core=core),
+                timing = time_cached_calls(RadixCache(page_size=page_size, core=core,
+                                                      array_type=array_type),
                                            requests, input_type, passes=max(3, repeat))
                 us = timing.per_request_us
                 rows.append([str(page_size), input_type, core, f"{us(timing.call_seconds):.2f}",
