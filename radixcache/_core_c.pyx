@@ -525,6 +525,7 @@ cdef class Tree:
         cdef Node root = self.new_node(None, 0)
         root.key_owner = b""
         root.key_ptr = <const int64_t*>PyBytes_AS_STRING(root.key_owner)
+        root.lock_ref = 1  # permanent, as in SGLang: lock and unlock of the root are no-ops
         return root
 
     cdef void teardown(self) noexcept:

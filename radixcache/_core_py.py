@@ -59,7 +59,8 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
 - ``walk(tokens, extra_key) -> int``: read-only longest cached page-aligned prefix length (no
   split, no stamps, no counters): the bare tree walk that the benchmarks time.
 - ``lock(node, delta, held=False) -> int``: ``delta`` +1 or -1; walks node -> root (root
-  excluded), moves the tokens that crossed between unlocked and locked between
+  excluded: its ``lock_ref`` is a permanent 1, as in SGLang, and locking or unlocking the
+  root itself is a no-op returning 0), moves the tokens that crossed between unlocked and locked between
   ``evictable`` and ``protected`` and returns their count; an unlock that makes the node an
   evictable leaf pushes it. ``TypeError`` for a non-node, ``ValueError`` for an evicted node,
   a node of another tree or an unlock below 0, and ``OverflowError`` for a lock past
