@@ -2319,6 +2319,56 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             release_tokens(&b)
         return np.frombuffer(owner, dtype=np.int64)
 
+    def revert_insert(self, list adopted, leaf, bint held=False):
+        """Undo the tiers of a ``held`` insert whose device values could not be set; see
+        _core_py's docstring. Calls nothing out but detach_leaf's namespace bookkeeping
+        (only for a leaf of the root: nothing was adopted then); it works on its own
+        references to the nodes, never on a pointer read before."""
+        cdef Node node, top = None
+        cdef Py_ssize_t i
+        dropped = []  # values and heap entries let go: released after the guard
+        self.take(held, "insert")
+        try:
+            if leaf is not None and not isinstance(leaf, Node):
+                raise TypeError("revert_insert needs the insert's new leaf or None")
+            nodes = []  # our own references, whatever the caller's list becomes
+            for item in adopted:
+                if not isinstance(item[0], Node):
+                    raise TypeError("revert_insert needs take_adopted()'s (node, start) pairs")
+                nodes.append(item[0])
+            if leaf is not None:
+                node = <Node>leaf
+                if (not node.evicted and node.parent_ptr != NULL and node.n_children == 0
+                        and not node.host_only and node.host_owner is None
+                        and node.lock_ref == 0):
+                    self.evictable -= node.key_len
+                    self.inserted_tokens -= node.key_len
+                    top = self.tree.detach_leaf(node, dropped)  # may run user code, last
+            for i in range(len(nodes) - 1, -1, -1):
+                node = <Node>nodes[i]
+                if (node.evicted or node.host_only or node.host_owner is None
+                        or node.lock_ref or node.parent_ptr == NULL
+                        or node.n_children != node.n_host_kids):
+                    continue
+                dropped.append(node.value_owner)
+                node.value_owner = None
+                node.value_ptr = NULL
+                node.value_off = 0
+                node.host_only = True
+                top = <Node>node.parent_ptr
+                top.n_host_kids += 1
+                self.evictable -= node.key_len
+                if node.n_children == 0:
+                    dropped.append(self.push_host_leaf(node))
+            if top is not None and not top.evicted:
+                if top.host_only:
+                    dropped.append(self.push_host_leaf(top))
+                else:
+                    dropped.append(self.push_if_evictable(top))
+        finally:
+            self.give(held)
+        del dropped[:]
+
     def take_new_leaf(self):
         """The leaf the last ``held`` insert made (None if none), forgotten here."""
         leaf = self.new_leaf

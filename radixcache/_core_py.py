@@ -134,7 +134,16 @@ value), or both. The core owns no pool and copies no data.
 - ``insert``: each host-only node of the walked path is adopted, top-down: it takes the
   caller's slots for its tokens (its slice of ``kv``, or the key when ``kv`` is None), is on
   the device again (keeping its host copy) and ``evictable`` grows by its tokens. ``prefix_len``
-  counts only the tokens that were on the device before the call. With ``held``,
+  counts only the tokens that were on the device before the call. With device values (a tensor not on
+  the CPU) cache.py makes the core call ``held`` with ``kv`` None, then copies each adopted
+  node's and the new leaf's slice on the caller's device and stores them with ``set_value``;
+  if any of that raises (a device out of memory, a torch hook), it calls
+  ``revert_insert(adopted, new_leaf, held=True)`` before the error propagates: the new leaf
+  leaves the tree (``evictable`` and ``inserted_tokens`` shrink back) and the adopted nodes
+  are host only again (``evictable`` shrinks back; a childless one goes back on
+  ``host_heap``), so no node keeps its token ids as KV slots. Access times, hit counts,
+  priorities, splits and the ``inserts`` count of the walk stay, as after any insert.
+  ``revert_insert`` skips a node that is no longer as the insert left it. With ``held``,
   ``take_adopted()`` returns (and forgets) the adopted ``(node, start)`` pairs, ``start`` the
   offset of the node's first token in the sequence; ``set_value`` accepts them (device
   values). With ``write_through_hits > 0``, the path's nodes and the new leaf that are on the
@@ -613,6 +622,44 @@ class Core:
         forgotten here."""
         adopted, self.adopted = self.adopted, None
         return [] if adopted is None else adopted
+
+    def revert_insert(self, adopted: list, leaf: Node | None, held: bool = False) -> None:
+        """Undo the tiers of a ``held`` insert whose device values could not be set: its new
+        ``leaf`` (``take_new_leaf()``) leaves the tree and the ``adopted`` nodes
+        (``take_adopted()``) are host only again; see the module docstring."""
+        self._take(held, "insert")
+        garbage: list = []  # dropped values and heap entries: released after the guard
+        try:
+            tree = self.tree
+            top = None
+            if (leaf is not None and not leaf._evicted and leaf._parent is not None
+                    and not leaf._children and leaf._on_device and leaf._host is None
+                    and not leaf._lock_ref):
+                size = leaf.num_tokens
+                top, dropped = tree._detach_leaf(leaf)
+                garbage.append(dropped)
+                self.evictable -= size
+                self.inserted_tokens -= size
+            for node, _ in reversed(adopted):  # bottom-up: the tier invariant holds
+                if (node._evicted or not node._on_device or node._host is None
+                        or node._lock_ref or any(c._on_device for c in node._children.values())):
+                    continue
+                garbage.append(node._value)
+                node._value = None
+                node._on_device = False
+                self.evictable -= node.num_tokens
+                if not node._children:
+                    garbage.append(self.host_heap._push(node))
+                top = node._parent
+            if top is not None:
+                if top._on_device:
+                    garbage.append(self._push_if_evictable(top))
+                elif not top._children:
+                    garbage.append(self.host_heap._push(top))
+        finally:
+            if not held:
+                self._leave()
+        garbage.clear()
 
     def take_new_leaf(self) -> Node | None:
         """The leaf the last ``held`` insert made (None if none), forgotten here."""

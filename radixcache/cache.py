@@ -451,6 +451,11 @@ class RadixCache:
         the device again, keeping its host copy. Adopted tokens do not count in
         ``prefix_len``: their slots are used by the cache, not duplicates.
 
+        With ``kv_indices`` on a device the call copies every slice it keeps there before it
+        stores any; if a copy fails (the device is out of memory, say) the error propagates
+        and no token moved tier: the new leaf is not cached and the nodes it would have
+        adopted are host only again (a split the walk made stays, as do its access times).
+
         Returns:
             An ``InsertResult``: ``prefix_len``, how many leading tokens were cached on the
             device already (their slots in ``kv_indices`` are duplicates the caller may
@@ -521,26 +526,38 @@ class RadixCache:
     def _after_held_insert(self, device_kv: Any, num_tokens: int) -> None:
         """After a held core insert, still under the guard: the nodes it adopted (top-down)
         and its new leaf get their device values (``device_kv``: the caller's indices on a
-        device, else None: the core stored them) and their events."""
+        device, else None: the core stored them) and their events.
+
+        Every device copy is made before any is stored: if one raises (the device is out of
+        memory, a torch hook), the core reverts the insert's tiers (the new leaf leaves, the
+        adopted nodes are host only again) and the error propagates, so no node keeps its
+        token ids as KV slots."""
         core = self._core
         events = self._events
-        torch_module = _torch  # device values: torch is bound
-        if self.host_tier:
-            # Host-only nodes on the path took the caller's slots (adopted), top-down.
-            for node, start in core.take_adopted():
-                if device_kv is not None:
-                    core.set_value(node, device_kv[start:start + node.num_tokens].to(
-                        torch_module.int64, copy=True), True)
-                if events is not None:
-                    events.stored(node)
+        adopted = core.take_adopted() if self.host_tier else []
         leaf = core.take_new_leaf()
-        if leaf is not None:
-            if device_kv is not None:
-                # Values on a device stay there: a copy on the caller's device.
-                start = self._aligned(num_tokens) - leaf.num_tokens  # the tail
-                core.set_value(leaf, device_kv[start:start + leaf.num_tokens].to(
-                    torch_module.int64, copy=True), True)
-            if events is not None:
+        if device_kv is not None and (adopted or leaf is not None):
+            torch_module = _torch  # device values: torch is bound
+            try:
+                # Values on a device stay there: copies on the caller's device.
+                values = [device_kv[start:start + node.num_tokens].to(
+                    torch_module.int64, copy=True) for node, start in adopted]
+                if leaf is not None:
+                    start = self._aligned(num_tokens) - leaf.num_tokens  # the tail
+                    values.append(device_kv[start:start + leaf.num_tokens].to(
+                        torch_module.int64, copy=True))
+                nodes = [node for node, _ in adopted]
+                if leaf is not None:
+                    nodes.append(leaf)
+                for node, value in zip(nodes, values):
+                    core.set_value(node, value, True)
+            except BaseException:
+                core.revert_insert(adopted, leaf, True)
+                raise
+        if events is not None:
+            for node, _ in adopted:
+                events.stored(node)
+            if leaf is not None:
                 events.stored(leaf)
 
     def exists(self, token_ids: Any, extra_key: Any = None) -> bool:

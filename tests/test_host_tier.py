@@ -860,3 +860,95 @@ def test_backup_tensor_that_converts_to_something_else(make_cache, cls, error, m
         cache.evict(2, backup=lambda d: odd)
     assert snapshot(cache) == before
     check_invariants(cache)
+
+
+# -- atomic adoption and insertion ---------------------------------------------------------
+class FailingTorch:
+    """A torch function mode that raises at its ``fail_at``-th torch call (never with None),
+    as a CUDA out-of-memory error in ``.to()`` would; ``calls`` counts what it saw."""
+
+    def __init__(self, fail_at=None):
+        from torch.overrides import TorchFunctionMode
+
+        outer = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                outer.calls += 1
+                if outer.calls == outer.fail_at:
+                    raise torch.OutOfMemoryError("injected: CUDA out of memory")
+                return func(*args, **(kwargs or {}))
+
+        self.fail_at = fail_at
+        self.calls = 0
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def tier_state(cache) -> tuple:
+    """Per cached token (named by its path from the root): its tier, its device values'
+    device and its host slot; then the sizes. A split (which a failed insert may leave,
+    as any insert's walk) does not show."""
+    tokens = {}
+    for node, depth in core_of(cache).tree.iter_nodes():
+        if depth:
+            value = node.value
+            host = node.host_value if cache.host_tier else None
+            path = node_tokens(node)
+            first = len(path) - node.num_tokens
+            for i in range(node.num_tokens):
+                tokens[tuple(path[:first + i + 1])] = (
+                    node.tier if cache.host_tier else None,
+                    None if value is None else value.device.type,
+                    None if host is None else int(host[i]))
+    return (tokens, cache.evictable_size(), cache.protected_size(),
+            cache.host_size() if cache.host_tier else 0)
+
+
+def _host_only_path(make_cache):
+    """page 2, all host only: [1,2,3,4] -> {[5,6,7,8], [9,9]} (device values on meta)."""
+    cache = make_cache(page_size=2, host_tier=True)
+    cache.insert([1, 2, 3, 4, 5, 6, 7, 8], meta_tensor(8))
+    cache.insert([1, 2, 3, 4, 9, 9], meta_tensor(6))
+    assert cache.evict(100, backup=HostPool().backup) == 10
+    return cache
+
+
+def _one_tier(make_cache):
+    cache = make_cache(page_size=2)
+    cache.insert([1, 2, 3, 4], meta_tensor(4))
+    return cache
+
+
+@pytest.mark.parametrize("build, tokens", [
+    (_host_only_path, [1, 2, 3, 4, 5, 6, 7, 8, 10, 10]),  # adopts two nodes, adds a leaf
+    (_host_only_path, [1, 2, 3, 4, 5, 6]),  # adopts the upper half of a split host node
+    (_one_tier, [1, 2, 3, 4, 5, 6]),  # the one-tier new leaf
+])
+def test_insert_with_device_values_is_atomic(make_cache, build, tokens):
+    with FailingTorch() as counter:
+        build(make_cache).insert(tokens, meta_tensor(len(tokens)))
+    assert counter.calls > 2
+    for fail_at in range(1, counter.calls + 1):
+        cache = build(make_cache)
+        before = tier_state(cache)
+        try:
+            with FailingTorch(fail_at):
+                cache.insert(tokens, meta_tensor(len(tokens)))
+        except torch.OutOfMemoryError:
+            # The tiers are as they were: no node holds its token ids as KV slots.
+            assert tier_state(cache) == before, fail_at
+        else:  # a call the insert does not depend on: every node got the caller's slots
+            assert cache.match_prefix(tokens).length == len(tokens), fail_at
+        check_invariants(cache)
+        freed = []
+        cache.evict(100, freed.append, backup=HostPool().backup if cache.host_tier else None)
+        assert [t.device.type for t in freed] == ["meta"] * len(freed), fail_at
+        assert cache.evictable_size() == 0
+        check_invariants(cache)
