@@ -59,7 +59,7 @@ import numpy as np
 
 from ._errors import lock_host_only, node_not_copyable, reentered, stale_match
 from ._handover import hand_over_batch as _hand_over_batch
-from ._handover import host_indices_bytes
+from ._handover import answer_not_kept, host_indices_bytes
 from ._options import KEY_FALLS_ON_ACCESS as _KEY_FALLS_ON_ACCESS
 from ._state import check_state, display_order, id_order
 from ._torch import cat_tensors as _cat_tensors
@@ -1565,6 +1565,17 @@ cdef bytes host_bytes(object host, Py_ssize_t n, bint numpy_arrays):
     return <bytes>data
 
 
+cdef bytes kept_answer(object answer, Py_ssize_t n, bint numpy_arrays):
+    """``host_bytes``; an error meanwhile carries ``answer`` (``_handover.answer_not_kept``)."""
+    try:
+        return host_bytes(answer, n, numpy_arrays)
+    except BaseException as exc:
+        error = answer_not_kept(exc, answer)
+        if error is exc:
+            raise
+        raise error from exc
+
+
 cdef inline object batch_join(bint numpy_arrays):
     """What joins a batch's parts into one array: numpy's concatenate for a core of numpy
     arrays (all on the CPU), else torch's (device parts among them)."""
@@ -2597,7 +2608,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                             if collect:
                                 value = None  # backup's alone: the batch has the indices
                             if host is not None:
-                                host = host_bytes(host, node.key_len, self.numpy_arrays)
+                                answer = host
+                                host = kept_answer(answer, node.key_len, self.numpy_arrays)
                         if host is None:
                             if node.n_children:  # host-only children: it cannot leave the tree
                                 skipped.append(node)
@@ -2611,10 +2623,10 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                             # Read afresh after the calls: the bytes must fit the node now.
                             if (node.evicted or node.host_only or node.host_owner is not None
                                     or len(<bytes>host) != node.key_len * <Py_ssize_t>sizeof(int64_t)):
-                                raise RuntimeError(f"evict: node {node.id} changed during "
-                                                   "its backup")
+                                raise answer_not_kept(RuntimeError(
+                                    f"evict: node {node.id} changed during its backup"), answer)
                             node.host_owner = host
-                            host = None
+                            host = answer = None
                             self.host_size += node.key_len
                             self.backed_up_tokens += node.key_len
                             if on_backup is not None:
@@ -2763,13 +2775,15 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                 host = backup(victim_value(node, False))  # an error: the node stays queued, first
                 if host is None:
                     break  # the host is full: the rest waits for the next call
-                host = host_bytes(host, node.key_len, self.numpy_arrays)
+                answer = host
+                host = kept_answer(answer, node.key_len, self.numpy_arrays)
                 # Read afresh after the calls.
                 if (not queue or queue[0] is not node
                         or node.evicted or node.host_only or node.host_owner is not None
                         or len(<bytes>host) != node.key_len * <Py_ssize_t>sizeof(int64_t)):
-                    raise RuntimeError(f"write_through: node {node.id} changed during its "
-                                       "backup")
+                    raise answer_not_kept(RuntimeError(
+                        f"write_through: node {node.id} changed during its backup"), answer)
+                answer = None
                 garbage.append(queue.popleft())
                 node.queued = False
                 node.host_owner = host

@@ -163,7 +163,13 @@ value), or both. The core owns no pool and copies no data.
   any device; with ``numpy_arrays`` a 1-D int64 numpy array of that length; TypeError or
   ValueError otherwise); a valid one becomes the host value
   (``host_size`` and ``backed_up_tokens`` grow), ``on_backup(node)`` runs and the node is
-  demoted as in (1). (3) Else it is deleted as without a host tier -- unless it has
+  demoted as in (1). Any error raised after ``backup`` returned a non-None answer and
+  before the node keeps it (the checks, a torch hook while they read it, the compiled core's
+  check that the node did not change meanwhile) is raised with the attribute
+  ``host_indices`` set to that answer as returned (``_handover.answer_not_kept``: an
+  exception that takes no attribute is replaced by a ``RuntimeError`` carrying it): the
+  answer's host slots were not kept and go back to the engine. An error from ``backup``
+  itself gets no such attribute. (3) Else it is deleted as without a host tier -- unless it has
   (host-only) children: then it is skipped, left unchanged, and pushed back on ``heap`` when
   the loop ends. If ``backup``, ``on_backup`` or ``on_remove`` raises (or ``backup`` returns a
   bad value), the victim stays (pushed back; a host copy it got stays) and the exception
@@ -179,8 +185,9 @@ value), or both. The core owns no pool and copies no data.
 - ``write_through(backup, on_backup=None) -> int``: tokens copied. Takes the queue in FIFO
   order, dropping entries that are evicted, not on the device or already copied. For each
   other one ``backup(device_indices)`` runs under the guard: None stops the call (that node
-  and the rest stay queued); an exception or a bad value (same checks as ``evict``) leaves
-  the node at the front and propagates; a valid answer becomes its host value (``host_size``,
+  and the rest stay queued); an exception or a bad value (same checks as ``evict``, and an
+  error after the answer carries it in ``host_indices`` as there) leaves the node at the
+  front and propagates; a valid answer becomes its host value (``host_size``,
   ``backed_up_tokens``) and ``on_backup(node)`` runs. The node stays on the device.
 - ``load_back(match, device_values, on_load=None) -> index array``: ``match`` must be a
   ``MatchResult`` whose host continuation is still exactly there (from ``last_host_node`` up to,
@@ -266,7 +273,7 @@ import numpy as np
 # A BlockIndex pickled while the block index lived in this module names its loader here.
 from ._blocks_py import _block_index_from  # noqa: F401
 from ._errors import reentered, stale_match
-from ._handover import hand_over_batch, host_indices_bytes
+from ._handover import answer_not_kept, hand_over_batch, host_indices_bytes
 from ._heap_py import EvictionHeap, device_leaf, host_leaf
 from ._options import KEY_FALLS_ON_ACCESS
 from ._state import check_state, id_order
@@ -820,7 +827,7 @@ class Core:
                             value = node.value  # the tensor backup and free_callback get
                             host = backup(value)
                             if host is not None:
-                                host = host_indices_bytes(host, size, self._numpy_arrays)
+                                host = self._kept_answer(host, size)
                         except BaseException:
                             garbage.append(heap._push(node))  # still a device leaf
                             raise
@@ -946,6 +953,17 @@ class Core:
         hand_over_batch(free_callback, parts or None, error, self._join)
         return freed
 
+    def _kept_answer(self, answer: Any, size: int) -> bytes:
+        """``backup``'s answer for a node of ``size`` tokens, checked, as int64 bytes; an
+        error meanwhile carries the answer (``_handover.answer_not_kept``)."""
+        try:
+            return host_indices_bytes(answer, size, self._numpy_arrays)
+        except BaseException as exc:
+            error = answer_not_kept(exc, answer)
+            if error is exc:
+                raise
+            raise error from exc
+
     def write_through(self, backup: Any, on_backup: Any = None) -> int:
         """Copy the queued nodes to the host, FIFO; see the module docstring."""
         self._take(False, "write_through")
@@ -963,7 +981,7 @@ class Core:
                 host = backup(node.value)  # an error leaves the node queued, at the front
                 if host is None:
                     break  # the host is full: the rest waits for the next call
-                host = host_indices_bytes(host, size, self._numpy_arrays)
+                host = self._kept_answer(host, size)
                 queue.popleft()
                 node._queued = False
                 node._host = host

@@ -688,6 +688,10 @@ class RadixCache:
         ``evict_host`` first, or copy it with ``write_through``). A parent whose children
         all left the device can follow in the same call. A ``backup`` that raises, or
         returns something else than None or a valid tensor, leaves its victim as it was.
+        An error raised after ``backup`` answered and before the answer was kept (a bad
+        value, or a torch hook raising while the cache reads it) carries that answer, as
+        returned, in its ``host_indices`` attribute: those host slots are not the cache's,
+        the engine frees them. An error ``backup`` raised itself has no such attribute.
 
         Returns:
             The number of tokens freed from the device (at least ``num_tokens`` unless
@@ -777,7 +781,9 @@ class RadixCache:
                 device slot), or None when the host is full: the call then stops and the
                 rest stays due for the next one. It runs inside the call: it must not call
                 the cache. If it raises or returns a bad value, the node stays due and the
-                error propagates.
+                error propagates; an error raised after it answered carries the answer in
+                its ``host_indices`` attribute, as in ``evict``: the engine frees those
+                host slots.
 
         Returns:
             The number of tokens copied.

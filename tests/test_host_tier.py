@@ -952,3 +952,78 @@ def test_insert_with_device_values_is_atomic(make_cache, build, tokens):
         assert [t.device.type for t in freed] == ["meta"] * len(freed), fail_at
         assert cache.evictable_size() == 0
         check_invariants(cache)
+
+
+# -- a backup answer is never lost -----------------------------------------------------------
+class Boom(Exception):
+    pass
+
+
+class HookedAnswer(torch.Tensor):
+    """A valid host-index tensor whose torch call named ``fail`` raises (a torch hook)."""
+
+    fail = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # a property: its name is the descriptor's
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name == cls.fail:
+            raise Boom(f"injected in {name}")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("fail", ["dtype", "dim", "shape", "detach", "cpu", "numpy"])
+@pytest.mark.parametrize("call", ["evict", "write_through"])
+def test_a_backup_answer_that_cannot_be_read_comes_back(make_cache, fail, call):
+    policy = "write_back" if call == "evict" else "write_through"
+    cache = two_branches(make_cache, write_policy=policy)
+    before = snapshot(cache)
+    answers = []
+
+    def backup(device_indices):
+        n = device_indices.shape[0]
+        answer = torch.arange(100, 100 + n).as_subclass(HookedAnswer)
+        answers.append(answer)
+        return answer
+
+    HookedAnswer.fail = fail
+    try:
+        with pytest.raises(Boom) as info:
+            if call == "evict":
+                cache.evict(2, backup=backup)
+            else:
+                cache.write_through(backup)
+    finally:
+        HookedAnswer.fail = None
+    # The host slots were not kept: the error hands them back, as backup returned them.
+    assert len(answers) == 1 and info.value.host_indices is answers[0]
+    assert snapshot(cache) == before
+    check_invariants(cache)
+
+
+@pytest.mark.parametrize("call", ["evict", "write_through"])
+def test_backup_errors_say_whether_an_answer_came_back(make_cache, call):
+    policy = "write_back" if call == "evict" else "write_through"
+    cache = two_branches(make_cache, write_policy=policy)
+    before = snapshot(cache)
+
+    def run(backup):
+        if call == "evict":
+            cache.evict(2, backup=backup)
+        else:
+            cache.write_through(backup)
+
+    def raising(device_indices):
+        raise Boom("backup's own")
+
+    with pytest.raises(Boom) as info:  # backup's own error: nothing to hand back
+        run(raising)
+    assert not hasattr(info.value, "host_indices")
+    short = torch.arange(100, 101)
+    with pytest.raises(ValueError, match="1 host indices for 2") as info:  # a bad answer
+        run(lambda device_indices: short)
+    assert info.value.host_indices is short
+    assert snapshot(cache) == before
+    check_invariants(cache)
