@@ -2761,8 +2761,10 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
     def write_through(self, backup, on_backup=None):
         """Copy the queued nodes to the host, FIFO (see ``_core_py``); the tokens copied."""
         cdef int64_t copied = 0
+        cdef Py_ssize_t size, refused = 0
         cdef Node node
         garbage = []
+        skipped = []  # nodes backup had no room for, in queue order: put back first
         self.guard.enter("write_through")
         try:
             queue = self.wt_queue
@@ -2772,9 +2774,20 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     garbage.append(queue.popleft())
                     node.queued = False
                     continue
-                host = backup(victim_value(node, False))  # an error: the node stays queued, first
-                if host is None:
-                    break  # the host is full: the rest waits for the next call
+                size = node.key_len
+                if refused and size >= refused:
+                    skipped.append(queue.popleft())  # no room for it either: not asked
+                    continue
+                host = backup(victim_value(node, False))  # an error: the node stays queued
+                if host is None:  # no room for this one now: retried on a later call
+                    if not queue or queue[0] is not node:
+                        raise RuntimeError(f"write_through: node {node.id} changed during "
+                                           "its backup")
+                    skipped.append(queue.popleft())
+                    refused = size
+                    if size <= self.page_size:
+                        break  # no queued node is smaller
+                    continue
                 answer = host
                 host = kept_answer(answer, node.key_len, self.numpy_arrays)
                 # Read afresh after the calls.
@@ -2795,9 +2808,12 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     on_backup(node)
             return copied
         finally:
+            if skipped:
+                self.wt_queue.extendleft(reversed(skipped))
             self.guard.busy = 0
             node = None
             del garbage[:]
+            del skipped[:]
 
     def load_back(self, match, device_values, on_load=None):
         """Put a match's host continuation back on the device (see ``_core_py``); returns

@@ -184,8 +184,12 @@ value), or both. The core owns no pool and copies no data.
   ``host_heap``.
 - ``write_through(backup, on_backup=None) -> int``: tokens copied. Takes the queue in FIFO
   order, dropping entries that are evicted, not on the device or already copied. For each
-  other one ``backup(device_indices)`` runs under the guard: None stops the call (that node
-  and the rest stay queued); an exception or a bad value (same checks as ``evict``, and an
+  other one ``backup(device_indices)`` runs under the guard. None means "no room for
+  this node now": it stays queued, in its place, and is asked about again on a later call;
+  the call goes on with the nodes behind it, but does not ask about one at least as large
+  as the smallest node refused in this call (it is skipped the same way; after a refused
+  node of ``page_size`` tokens the call ends), so one large node never holds up the copies
+  queued behind it; an exception or a bad value (same checks as ``evict``, and an
   error after the answer carries it in ``host_indices`` as there) leaves the node at the
   front and propagates; a valid answer becomes its host value (``host_size``,
   ``backed_up_tokens``) and ``on_backup(node)`` runs. The node stays on the device.
@@ -968,9 +972,11 @@ class Core:
         """Copy the queued nodes to the host, FIFO; see the module docstring."""
         self._take(False, "write_through")
         garbage: list = []
+        skipped: list = []  # nodes backup had no room for, in queue order: put back first
         try:
             queue = self.tree._queue
             copied = 0
+            refused = 0  # the smallest node backup had no room for in this call (0: none)
             while queue:
                 node = queue[0]
                 if node._evicted or not node._on_device or node._host is not None:
@@ -978,9 +984,16 @@ class Core:
                     node._queued = False
                     continue
                 size = node.num_tokens
-                host = backup(node.value)  # an error leaves the node queued, at the front
-                if host is None:
-                    break  # the host is full: the rest waits for the next call
+                if refused and size >= refused:
+                    skipped.append(queue.popleft())  # no room for it either: not asked
+                    continue
+                host = backup(node.value)  # an error leaves the node queued, in its place
+                if host is None:  # no room for this one now: retried on a later call
+                    skipped.append(queue.popleft())
+                    refused = size
+                    if size <= self.page_size:
+                        break  # no queued node is smaller
+                    continue
                 host = self._kept_answer(host, size)
                 queue.popleft()
                 node._queued = False
@@ -992,8 +1005,11 @@ class Core:
                     on_backup(node)
             return copied
         finally:
+            if skipped:
+                self.tree._queue.extendleft(reversed(skipped))
             self._leave()
             garbage.clear()
+            skipped.clear()
 
     def load_back(self, match: Any, device_values: Any, on_load: Any = None) -> Any:
         """Put a match's host continuation back on the device; see the module docstring."""

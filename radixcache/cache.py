@@ -778,8 +778,12 @@ class RadixCache:
         Args:
             backup: Called with a due node's device indices; allocates host slots, copies
                 the KV there and returns their indices (a 1-D ``torch.int64`` tensor, one per
-                device slot), or None when the host is full: the call then stops and the
-                rest stays due for the next one. It runs inside the call: it must not call
+                device slot), or None when the host has no room for this node now: the
+                node stays due, in its place, for a later call, and the call goes on with
+                the nodes behind it -- asking only about nodes smaller than the smallest
+                it was refused (a node at least as large cannot fit either; after a
+                refused node of one page the call ends). One large node never holds up
+                the copies behind it. It runs inside the call: it must not call
                 the cache. If it raises or returns a bad value, the node stays due and the
                 error propagates; an error raised after it answered carries the answer in
                 its ``host_indices`` attribute, as in ``evict``: the engine frees those

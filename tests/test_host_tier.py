@@ -1027,3 +1027,57 @@ def test_backup_errors_say_whether_an_answer_came_back(make_cache, call):
     assert info.value.host_indices is short
     assert snapshot(cache) == before
     check_invariants(cache)
+
+
+# -- write-through never blocks on one node --------------------------------------------------
+def test_write_through_skips_a_node_that_does_not_fit(make_cache):
+    # page 2; the queue holds [1..8] (8 tokens), then [9,9] and [7,7] (2 each), and a host
+    # with room for 4: the big node waits, the small ones behind it are copied.
+    cache = make_cache(page_size=2, host_tier=True, write_policy="write_through")
+    cache.insert(list(range(1, 9)), list(range(10, 18)))
+    cache.insert([9, 9], [20, 21])
+    cache.insert([7, 7, 5, 5], [30, 31, 32, 33])  # due: [7,7,5,5] (4 tokens)
+    cache.insert([3, 3], [40, 41])
+    pool = HostPool(capacity=4)
+    sizes = []
+
+    def backup(device_indices):
+        sizes.append(device_indices.shape[0])
+        return pool.backup(device_indices)
+
+    assert cache.write_through(backup) == 4  # [9,9] and [3,3]
+    # The 8-token node was refused, the 4-token one asked (smaller), the 2-token ones
+    # copied; nothing at least as large as a refused node was asked about twice.
+    assert sizes == [8, 2, 4, 2]
+    assert node_at(cache, [9, 9]).tier == "device+host"
+    assert node_at(cache, [3, 3]).tier == "device+host"
+    assert node_at(cache, list(range(1, 9))).tier == "device"
+    assert node_at(cache, [7, 7, 5, 5]).tier == "device"
+    check_invariants(cache)
+    # The refused nodes stay due, in their order: copied once the host has room.
+    sizes.clear()
+    pool.capacity = 100
+    assert cache.write_through(backup) == 12
+    assert sizes == [8, 4]
+    assert cache.host_size() == 16
+    assert cache.write_through(backup) == 0 and sizes == [8, 4]
+    check_invariants(cache)
+
+
+def test_write_through_stops_after_a_refused_page(make_cache):
+    cache = make_cache(page_size=2, host_tier=True, write_policy="write_through")
+    for first in (1, 3, 5):
+        cache.insert([first, first], [first, first])
+    sizes = []
+
+    def full(device_indices):
+        sizes.append(device_indices.shape[0])
+        return None
+
+    assert cache.write_through(full) == 0
+    assert sizes == [2]  # no queued node is smaller than one page: the call ends
+    assert cache.write_through(HostPool().backup) == 6  # all three were still due, in order
+    assert [tuple(node.host_value.tolist()) for node in
+            (node_at(cache, [1, 1]), node_at(cache, [3, 3]), node_at(cache, [5, 5]))] == [
+        (100, 101), (102, 103), (104, 105)]
+    check_invariants(cache)
