@@ -171,7 +171,9 @@ value), or both. The core owns no pool and copies no data.
   answer's host slots were not kept and go back to the engine. An error from ``backup``
   itself gets no such attribute. (3) Else it is deleted as without a host tier -- unless it has
   (host-only) children: then it is skipped, left unchanged, and pushed back on ``heap`` when
-  the loop ends. If ``backup``, ``on_backup`` or ``on_remove`` raises (or ``backup`` returns a
+  the loop ends. A skipped node is skipped for the rest of the call, even if a callback
+  (a per-node ``free_callback`` that calls the cache) pushes it on ``heap`` again meanwhile:
+  ``backup`` is asked about a victim at most once per call; the next call asks again. If ``backup``, ``on_backup`` or ``on_remove`` raises (or ``backup`` returns a
   bad value), the victim stays (pushed back; a host copy it got stays) and the exception
   propagates. The device slots of every victim that left go to ``free_callback`` as without a
   host tier; a parent that became a device leaf is pushed (it can follow in the same call).
@@ -813,6 +815,7 @@ class Core:
         use_backup = backup is not None and self.write_through_hits == 0
         handed: list = [None]  # see _hand_over_one
         skipped: list = []  # device leaves that could not leave: pushed back at the end
+        skipping: set = set()  # the same nodes: not asked about again in this call
         freed = 0
         error = None
         try:
@@ -822,6 +825,8 @@ class Core:
                 node = heap._pop(garbage)
                 if node is None:
                     break
+                if node in skipping:
+                    continue  # pushed again (by a callback) after it was skipped: not retried
                 size = node.num_tokens
                 value = None
                 if node._host is None:
@@ -838,6 +843,7 @@ class Core:
                     if host is None:
                         if node._children:  # host-only children: it cannot leave the tree
                             skipped.append(node)
+                            skipping.add(node)
                             continue
                     else:
                         node._host = host
@@ -899,6 +905,7 @@ class Core:
                 self._leave()
         garbage.clear()
         skipped.clear()
+        skipping.clear()
         hand_over_batch(free_callback, parts or None, error, self._join)
         return freed
 

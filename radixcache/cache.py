@@ -685,7 +685,9 @@ class RadixCache:
         one from ``backup``) stays in the tree, host only, and its device slots go to
         ``free_callback``; one that gets none is deleted as without a host tier, except that
         a node with host-only children stays on the device (free host memory with
-        ``evict_host`` first, or copy it with ``write_through``). A parent whose children
+        ``evict_host`` first, or copy it with ``write_through``); ``backup`` is asked about
+        a victim at most once per call, even if a ``free_callback`` makes it a leaf again
+        meanwhile (the next call asks again). A parent whose children
         all left the device can follow in the same call. A ``backup`` that raises, or
         returns something else than None or a valid tensor, leaves its victim as it was.
         An error raised after ``backup`` answered and before the answer was kept (a bad

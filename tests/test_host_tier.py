@@ -1081,3 +1081,33 @@ def test_write_through_stops_after_a_refused_page(make_cache):
             (node_at(cache, [1, 1]), node_at(cache, [3, 3]), node_at(cache, [5, 5]))] == [
         (100, 101), (102, 103), (104, 105)]
     check_invariants(cache)
+
+
+# -- a skipped victim pushed back by a callback ----------------------------------------------
+def test_a_skipped_victim_is_asked_about_once_per_call(make_cache):
+    # [1,2] has host-only children and gets no host copy: skipped. The per-node free_callback
+    # of the next victim, [7,8], locks and unlocks [1,2], which pushes it on the heap again:
+    # the call does not ask about it again; the next call does.
+    cache = two_branches(make_cache)
+    pool = HostPool()
+    assert cache.evict(4, backup=pool.backup) == 4  # [3,4], [5,6] -> host
+    cache.insert([7, 8], [30, 31])
+    upper = node_at(cache, [1, 2])
+    asked = []
+
+    def refuse(device_indices):
+        asked.append(device_indices.tolist())
+        return None
+
+    def free(indices):
+        cache.inc_lock_ref(upper)
+        cache.dec_lock_ref(upper)  # [1,2] is a device leaf again: pushed
+
+    assert cache.evict(4, free, backup=refuse) == 2  # [7,8] deleted, [1,2] skipped
+    assert asked == [[10, 11], [30, 31]]
+    assert upper.tier == "device"
+    check_invariants(cache)
+    asked.clear()
+    assert cache.evict(4, backup=pool.backup) == 2  # the next call: backed up and demoted
+    assert upper.tier == "host"
+    check_invariants(cache)

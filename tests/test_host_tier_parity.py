@@ -81,6 +81,17 @@ class Driver:
 
         def free(value):
             log.append(("free", plain(value), core.evictable, core.host_size))
+            if op["requeue"] and not op["batch"]:
+                # Per node, the guard released: push back on the heap every device node
+                # whose children are all host only (a victim skipped earlier in this call
+                # among them), by locking and unlocking it, and maybe free host room.
+                for node, depth in list(core.tree.iter_nodes()):
+                    if (depth and node.on_device and not node.lock_ref and node.children
+                            and not any(c.on_device for c in node.children)):
+                        core.lock(node, 1)
+                        core.lock(node, -1)
+                if op["requeue"] == "and free host":
+                    core.evict_host(op["num"])
 
         def hook(name):
             return lambda node: log.append((name, node_view(node)))
@@ -171,6 +182,7 @@ def random_op(rng: random.Random, page_size: int) -> dict:
         "pick": rng.randint(0, 50),
         "wrong": 0 if rng.random() < 0.9 else rng.choice([-1, 1]),
         "as_tensor": rng.random() < 0.3,
+        "requeue": rng.choice([None, None, "push", "and free host"]),
         "host_node": rng.random() < 0.3,
     }
 
