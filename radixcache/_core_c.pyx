@@ -2489,7 +2489,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         return 0
 
     def evict(self, num_tokens, free_callback=None, bint batch=False, on_remove=None,
-              backup=None, on_backup=None):
+              backup=None, on_backup=None, free_host=None, on_remove_host=None):
         """The whole evict loop (see ``_core_py``): victims popped, detached and counted
         here; each victim's index tensor made as a match's (one block, one copy), or all of
         them copied into one block for a ``batch`` callback. The guard is released around
@@ -2504,7 +2504,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         target = token_target(num_tokens)
         if self.host_tier:
             return self.evict_tiered(target, free_callback, batch, on_remove, backup,
-                                     on_backup)
+                                     on_backup, free_host, on_remove_host)
         garbage = []  # stale entries and dropped values: released outside the guard
         cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
         # A per-node callback's argument, from its victim to the call (see hand_over_one).
@@ -2559,8 +2559,70 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             self.hand_over_batch(free_callback, value, error)
         return freed
 
+    cdef int host_leave(self, Node node, object free_host, object on_remove_host,
+                        list garbage) except -1:
+        """A host-only node without children leaves the tree as in ``evict_host``:
+        ``on_remove_host`` and its host indices (a new CPU index array) first, then, read
+        afresh, it is detached and counted, then ``free_host`` gets the indices. Nothing
+        read before a call out is used after it."""
+        cdef Node parent
+        if on_remove_host is not None:
+            on_remove_host(node)
+        host = block_tensor(host_data(node), node.key_len, self.numpy_arrays)
+        if (node.evicted or not node.host_only or node.host_owner is None
+                or node.n_children or node.parent_ptr == NULL):
+            raise RuntimeError(f"evict: node {node.id} changed during a callback")
+        self.host_size -= node.key_len
+        self.host_evictions += 1
+        self.host_evicted_tokens += node.key_len
+        parent = self.tree.detach_leaf(node, garbage)  # drops the host value too
+        garbage.append(self.push_host_leaf(parent))
+        parent = None
+        free_host(host)
+        return 0
+
+    cdef bint host_leaf_leaves(self, object free_host, object on_remove_host,
+                               list garbage) except -1:
+        """The first host leaf in policy order leaves (``host_leave``); False if none."""
+        cdef Node node = self.host_heap.pop_entry(garbage)
+        if node is None:
+            return False
+        try:
+            self.host_leave(node, free_host, on_remove_host, garbage)
+        except BaseException:
+            if self.host_heap.usable(node):
+                garbage.append(self.host_heap.push_entry(node))  # still a host leaf
+            raise
+        return True
+
+    cdef int drop_host_below(self, Node top, object free_host, object on_remove_host,
+                             list garbage) except -1:
+        """Every (host-only) descendant of the device leaf ``top`` leaves the tree,
+        bottom-up (``host_leave``). Works on its own references (a Python list)."""
+        cdef Node node
+        cdef Py_ssize_t i
+        cdef PyObject* child
+        order = []  # (-depth, id, node): deepest first, then by id (as the pure core)
+        stack = [(top, 0)]
+        while stack:
+            item = stack.pop()
+            node = <Node>item[0]
+            depth = item[1]
+            if node is not top:
+                order.append((-depth, node.id, node))
+            if node.slots != NULL:
+                for i in range(node.slot_mask + 1):
+                    child = node.slots[i].node
+                    if child != NULL:
+                        stack.append((<Node>child, depth + 1))
+        order.sort()
+        for item in order:  # every node after its descendants
+            self.host_leave(<Node>item[2], free_host, on_remove_host, garbage)
+        return 0
+
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
-                             object on_remove, object backup, object on_backup):
+                             object on_remove, object backup, object on_backup,
+                             object free_host, object on_remove_host):
         """``evict`` with a host tier (see ``_core_py``): a victim with a host copy, or
         given one by ``backup`` (write_back), is demoted to the host; one without is deleted,
         or skipped (pushed back after the loop) when it has host-only children. Every call
@@ -2605,13 +2667,20 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                             else:
                                 value = victim_value(node, False)  # what backup and free_callback get
                             host = backup(value)
+                            # No room: host leaves leave in policy order, one at a time,
+                            # and backup is asked again after each.
+                            while (host is None and free_host is not None
+                                   and self.host_leaf_leaves(free_host, on_remove_host,
+                                                             garbage)):
+                                host = backup(value)
                             if collect:
                                 value = None  # backup's alone: the batch has the indices
                             if host is not None:
                                 answer = host
                                 host = kept_answer(answer, node.key_len, self.numpy_arrays)
                         if host is None:
-                            if node.n_children:  # host-only children: it cannot leave the tree
+                            if node.n_children and free_host is None:
+                                # host-only children: it cannot leave the tree
                                 skipped.append(node)
                                 skipping.add(node)
                                 value = None
@@ -2619,6 +2688,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                                     added = 0
                                     freed_batch.drop_tail(node.key_len)
                                 continue
+                            if node.n_children:  # they leave first, slots to free_host
+                                self.drop_host_below(node, free_host, on_remove_host, garbage)
                         else:
                             # Read afresh after the calls: the bytes must fit the node now.
                             if (node.evicted or node.host_only or node.host_owner is not None

@@ -151,7 +151,7 @@ value), or both. The core owns no pool and copies no data.
   appended to the write-through queue, top-down; a split of a queued node appends its new
   upper half.
 - ``evict(num_tokens, free_callback=None, batch=False, on_remove=None, backup=None,
-  on_backup=None)``: for each victim (a device leaf): (1) with a host copy it is demoted:
+  on_backup=None, free_host=None, on_remove_host=None)``: for each victim (a device leaf): (1) with a host copy it is demoted:
   ``on_remove(node)``, then its device value is dropped (``on_device`` False, ``evictable``,
   ``evictions`` and ``evicted_tokens`` as for a removal); it stays in the tree and goes on
   ``host_heap`` if childless. (2) Else, with ``backup`` and ``write_through_hits == 0``,
@@ -170,10 +170,23 @@ value), or both. The core owns no pool and copies no data.
   exception that takes no attribute is replaced by a ``RuntimeError`` carrying it): the
   answer's host slots were not kept and go back to the engine. An error from ``backup``
   itself gets no such attribute. (3) Else it is deleted as without a host tier -- unless it has
-  (host-only) children: then it is skipped, left unchanged, and pushed back on ``heap`` when
-  the loop ends. A skipped node is skipped for the rest of the call, even if a callback
+  (host-only) children: then, without ``free_host``, it is skipped, left unchanged, and
+  pushed back on ``heap`` when the loop ends. With ``free_host``, its descendants (all host
+  only) leave the tree first, bottom-up, each as a host leaf leaves (below), and the
+  victim is deleted: every victim leaves the device, so the device's eviction order does
+  not depend on the host. A host leaf leaves as in ``evict_host``: ``on_remove_host(node)``,
+  then it is detached and counted (``host_size``, ``host_evictions``,
+  ``host_evicted_tokens``), then ``free_host`` gets its host indices (a new CPU index
+  array), under the guard, like ``backup`` (it must not call the cache). With ``free_host``
+  and ``backup``, a ``backup`` that returns None is followed by host leaves leaving, one at
+  a time in ``host_heap``'s policy order, ``backup`` asked again after each, until it
+  answers or no host leaf is left (SGLang evicts the node's size from the host and retries
+  once; this frees no more than the copy needs). If
+  ``free_host`` or ``on_remove_host`` raises, the nodes that left so far stay gone, the
+  victim stays (pushed back) and the exception propagates. A skipped node is skipped for the rest of the call, even if a callback
   (a per-node ``free_callback`` that calls the cache) pushes it on ``heap`` again meanwhile:
-  ``backup`` is asked about a victim at most once per call; the next call asks again. If ``backup``, ``on_backup`` or ``on_remove`` raises (or ``backup`` returns a
+  ``backup`` is asked about a victim once per call (with ``free_host``, once more per host
+  leaf that left to make room for it); the next call asks again. If ``backup``, ``on_backup`` or ``on_remove`` raises (or ``backup`` returns a
   bad value), the victim stays (pushed back; a host copy it got stays) and the exception
   propagates. The device slots of every victim that left go to ``free_callback`` as without a
   host tier; a parent that became a device leaf is pushed (it can follow in the same call).
@@ -747,12 +760,13 @@ class Core:
         self._take(False, what)
 
     def evict(self, num_tokens: int, free_callback: Any = None, batch: bool = False,
-              on_remove: Any = None, backup: Any = None, on_backup: Any = None) -> int:
+              on_remove: Any = None, backup: Any = None, on_backup: Any = None,
+              free_host: Any = None, on_remove_host: Any = None) -> int:
         """The whole evict loop; see the module docstring. Takes the guard itself (never
         ``held``): it lets go of it around each per-node callback."""
         if self.host_tier:
             return self._evict_tiered(num_tokens, free_callback, batch, on_remove, backup,
-                                      on_backup)
+                                      on_backup, free_host, on_remove_host)
         self._take(False, "evict")
         holding = True
         garbage: list = []  # stale entries, dropped values: released outside the guard
@@ -802,8 +816,56 @@ class Core:
         hand_over_batch(free_callback, parts or None, error, self._join)
         return freed
 
+    def _host_leave(self, node: Node, free_host: Any, on_remove_host: Any,
+                    garbage: list) -> None:
+        """A host-only node without children leaves the tree as in ``evict_host``:
+        ``on_remove_host(node)`` first, then it is detached and counted, then its host
+        indices (a new CPU index array) go to ``free_host``."""
+        if on_remove_host is not None:
+            on_remove_host(node)
+        host = node._host
+        size = node.num_tokens
+        parent, dropped = self.tree._detach_leaf(node)
+        garbage.append(dropped)
+        node._host = None
+        self.host_size -= size
+        self.host_evictions += 1
+        self.host_evicted_tokens += size
+        if host_leaf(parent):
+            garbage.append(self.host_heap._push(parent))
+        free_host(index_array([host], self._numpy_arrays))
+
+    def _host_leaf_leaves(self, free_host: Any, on_remove_host: Any, garbage: list) -> bool:
+        """The first host leaf in policy order leaves (``_host_leave``); False if none."""
+        heap = self.host_heap
+        node = heap._pop(garbage)
+        if node is None:
+            return False
+        try:
+            self._host_leave(node, free_host, on_remove_host, garbage)
+        except BaseException:
+            if not node._evicted:
+                garbage.append(heap._push(node))  # still a host leaf
+            raise
+        return True
+
+    def _drop_host_below(self, node: Node, free_host: Any, on_remove_host: Any,
+                         garbage: list) -> None:
+        """Every (host-only) descendant of the device leaf ``node`` leaves the tree,
+        bottom-up (``_host_leave``)."""
+        order = []  # (-depth, id, node): deepest first, then by id (as the compiled core)
+        stack = [(child, 1) for child in node._children.values()]
+        while stack:
+            below, depth = stack.pop()
+            order.append((-depth, below._id, below))
+            stack.extend((child, depth + 1) for child in below._children.values())
+        order.sort(key=lambda item: item[:2])
+        for _, _, below in order:  # every node after its descendants
+            self._host_leave(below, free_host, on_remove_host, garbage)
+
     def _evict_tiered(self, num_tokens: int, free_callback: Any, batch: bool, on_remove: Any,
-                      backup: Any, on_backup: Any) -> int:
+                      backup: Any, on_backup: Any, free_host: Any = None,
+                      on_remove_host: Any = None) -> int:
         """``evict`` with a host tier: victims with a host copy (or given one by ``backup``)
         are demoted to the host, the others deleted (or skipped when they have host-only
         children); see the module docstring."""
@@ -835,17 +897,28 @@ class Core:
                         try:
                             value = node.value  # the tensor backup and free_callback get
                             host = backup(value)
+                            # No room: host leaves leave in policy order, one at a time,
+                            # and backup is asked again after each.
+                            while (host is None and free_host is not None
+                                   and self._host_leaf_leaves(free_host, on_remove_host,
+                                                              garbage)):
+                                host = backup(value)
                             if host is not None:
                                 host = self._kept_answer(host, size)
                         except BaseException:
                             garbage.append(heap._push(node))  # still a device leaf
                             raise
-                    if host is None:
-                        if node._children:  # host-only children: it cannot leave the tree
+                    if host is None and node._children:  # all of them host only
+                        if free_host is None:  # it cannot leave the tree: skipped
                             skipped.append(node)
                             skipping.add(node)
                             continue
-                    else:
+                        try:  # they leave the tree first, their host slots to free_host
+                            self._drop_host_below(node, free_host, on_remove_host, garbage)
+                        except BaseException:
+                            garbage.append(heap._push(node))  # still a device leaf
+                            raise
+                    if host is not None:
                         node._host = host
                         self.host_size += size
                         self.backed_up_tokens += size

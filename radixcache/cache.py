@@ -651,7 +651,8 @@ class RadixCache:
     def evict(self, num_tokens: int,
               free_callback: Callable[[torch.Tensor], Any] | None = None, *,
               batch: bool = False,
-              backup: Callable[[torch.Tensor], Any] | None = None) -> int:
+              backup: Callable[[torch.Tensor], Any] | None = None,
+              free_host: Callable[[torch.Tensor], Any] | None = None) -> int:
         """Evict unlocked leaves in policy order until ``num_tokens`` are freed.
 
         A parent that becomes an evictable leaf joins in. The loop runs in the tree core, one
@@ -680,12 +681,21 @@ class RadixCache:
                 slots, copies the KV there and returns their indices (a 1-D
                 ``torch.int64`` tensor, one per device slot), or None when the host is
                 full. It runs inside the call: it must not call the cache.
+            free_host: With a host tier: called with the host indices (a new 1-D CPU int64
+                tensor) of each host-only node the call removes, right after it left the
+                tree (as ``evict_host`` would hand them). It runs inside the call, like
+                ``backup``: it must not call the cache. Given it, when ``backup`` finds no
+                room the call removes host-only leaves one at a time in policy order,
+                asking ``backup`` again after each, until it answers or none is left (as
+                SGLang evicts host entries and retries); and a victim that still gets no host copy leaves with its
+                host-only subtree: every victim leaves the device in policy order, however
+                full the host is.
 
         With a host tier, a victim leaves the device only: one that has a host copy (or gets
         one from ``backup``) stays in the tree, host only, and its device slots go to
         ``free_callback``; one that gets none is deleted as without a host tier, except that
-        a node with host-only children stays on the device (free host memory with
-        ``evict_host`` first, or copy it with ``write_through``); ``backup`` is asked about
+        without ``free_host`` a node with host-only children stays on the device (free host
+        memory with ``evict_host`` first, or copy it with ``write_through``); ``backup`` is asked about
         a victim at most once per call, even if a ``free_callback`` makes it a leaf again
         meanwhile (the next call asks again). A parent whose children
         all left the device can follow in the same call. A ``backup`` that raises, or
@@ -700,16 +710,18 @@ class RadixCache:
             nothing evictable was left).
 
         Raises:
-            TypeError: ``num_tokens`` is not an int, ``free_callback`` or ``backup`` is not
-                callable, or ``backup`` returned something else than None or an int64
+            TypeError: ``num_tokens`` is not an int, ``free_callback``, ``backup`` or
+                ``free_host`` is not callable, or ``backup`` returned something else than None or an int64
                 tensor.
-            ValueError: ``backup`` given to a cache without a host tier, or ``backup``
+            ValueError: ``backup`` or ``free_host`` given to a cache without a host tier,
+                or ``backup``
                 returned a tensor that is not 1-D, of another length than the victim's, or
                 without data (meta or sparse).
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
-        if (type(num_tokens) is int and backup is None and self._events is None
+        if (type(num_tokens) is int and backup is None and free_host is None
+                and self._events is None
                 and not self.host_tier and (free_callback is None or callable(free_callback))):
             # The common call, already valid: straight to the core.
             return self._core.evict(num_tokens, free_callback, bool(batch))
@@ -719,16 +731,20 @@ class RadixCache:
                 f"free_callback must be callable, got {type(free_callback).__name__}")
         events = self._events
         if not self.host_tier:
-            if backup is not None:
-                raise ValueError("evict(backup=...) needs a cache with a host tier "
+            if backup is not None or free_host is not None:
+                raise ValueError(f"evict({'backup' if backup is not None else 'free_host'}"
+                                 "=...) needs a cache with a host tier "
                                  "(RadixCache(host_tier=True))")
             return self._core.evict(num_tokens, free_callback, bool(batch),
                                     None if events is None else events.removed)
         if backup is not None and not callable(backup):
             raise TypeError(f"backup must be callable, got {type(backup).__name__}")
+        if free_host is not None and not callable(free_host):
+            raise TypeError(f"free_host must be callable, got {type(free_host).__name__}")
         return self._core.evict(num_tokens, free_callback, bool(batch),
                                 None if events is None else events.removed, backup,
-                                None if events is None else events.stored_host)
+                                None if events is None else events.stored_host, free_host,
+                                None if events is None else events.removed_host)
 
     def _need_host_tier(self, what: str) -> None:
         if not self.host_tier:

@@ -1111,3 +1111,58 @@ def test_a_skipped_victim_is_asked_about_once_per_call(make_cache):
     assert cache.evict(4, backup=pool.backup) == 2  # the next call: backed up and demoted
     assert upper.tier == "host"
     check_invariants(cache)
+
+
+# -- free_host: every victim leaves the device ----------------------------------------------
+@pytest.mark.parametrize("batch", [False, True])
+def test_free_host_lets_a_victim_with_host_children_leave(make_cache, batch):
+    # [1,2] -> {[3,4], [5,6]}, the children host only, [1,2] gets no host copy: without
+    # free_host it stays; with it, the children leave the host and [1,2] is deleted.
+    cache = two_branches(make_cache, enable_events=True)
+    cache.take_events()
+    pool = HostPool()
+    assert cache.evict(4, backup=pool.backup) == 4
+    assert cache.evict(2, backup=lambda d: None) == 0  # skipped: host-only children
+    cache.take_events()
+    freed_device, freed_host = [], []
+    assert cache.evict(2, freed_device.append, batch=batch, backup=lambda d: None,
+                       free_host=freed_host.append) == 2
+    assert [t.tolist() for t in freed_device] == [[10, 11]]
+    assert sorted(t.tolist() for t in freed_host) == [[100, 101], [102, 103]]
+    assert cache.node_count() == 0 and cache.host_size() == 0
+    stats = cache.stats()
+    assert stats.host_evicted_tokens == 4
+    events = cache.take_events()
+    # The children's host blocks, then the victim's device block.
+    assert [(type(e).__name__, e.medium) for e in events] == [
+        ("BlockRemoved", "CPU"), ("BlockRemoved", "CPU"), ("BlockRemoved", "GPU")]
+    check_invariants(cache)
+
+
+def test_free_host_also_under_write_through(make_cache):
+    # With a write-through policy evict never backs up: a victim without a host copy and
+    # with host-only children leaves with them.
+    cache = make_cache(page_size=2, host_tier=True, write_policy="write_through")
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    pool = HostPool()
+    cache.write_through(pool.backup)
+    cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15])  # [5,6]: due, not copied
+    assert cache.evict(2) == 2  # [5,6] deleted (no host copy)
+    assert cache.evict(4) == 4  # [1,2,3,4] demoted (it has its copy)
+    cache.insert([1, 2, 3, 4], [20, 21, 22, 23])  # adopted: device+host
+    cache.insert([1, 2, 7, 7], [20, 21, 30, 31])  # splits [1,2,3,4]
+    assert cache.evict(2) == 2  # [7,7]: no copy, deleted
+    assert cache.evict(2) == 2  # [3,4] demoted
+    freed = []
+    # [1,2] has a host copy (from its split): demoted, nothing for free_host.
+    assert cache.evict(2, free_host=freed.append) == 2 and freed == []
+    check_invariants(cache)
+
+
+def test_free_host_bad_input(make_cache):
+    cache = two_branches(make_cache)
+    with pytest.raises(TypeError, match="free_host must be callable"):
+        cache.evict(2, free_host=3)
+    one_tier = make_cache(page_size=2)
+    with pytest.raises(ValueError, match=r"evict\(free_host=...\) needs a cache with a host"):
+        one_tier.evict(2, free_host=print)

@@ -123,8 +123,13 @@ class Driver:
                 out = (m.length, m.host_length, m.indices.tolist(), node_view(m.last_node),
                        node_view(m.last_host_node))
             elif kind == "evict":
+                def free_host(value):
+                    log.append(("free_host", plain(value), core.host_size))
+
                 out = core.evict(op["num"], free, op["batch"], hook("remove"),
-                                 backup if op["backup"] else None, hook("on_backup"))
+                                 backup if op["backup"] else None, hook("on_backup"),
+                                 free_host if op["free_host"] else None,
+                                 hook("remove_host"))
             elif kind == "evict_host":
                 out = core.evict_host(op["num"], free if op["free"] else None, op["batch"],
                                       hook("remove"))
@@ -183,6 +188,7 @@ def random_op(rng: random.Random, page_size: int) -> dict:
         "wrong": 0 if rng.random() < 0.9 else rng.choice([-1, 1]),
         "as_tensor": rng.random() < 0.3,
         "requeue": rng.choice([None, None, "push", "and free host"]),
+        "free_host": rng.random() < 0.5,
         "host_node": rng.random() < 0.3,
     }
 
