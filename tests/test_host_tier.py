@@ -1166,3 +1166,26 @@ def test_free_host_bad_input(make_cache):
     one_tier = make_cache(page_size=2)
     with pytest.raises(ValueError, match=r"evict\(free_host=...\) needs a cache with a host"):
         one_tier.evict(2, free_host=print)
+
+
+def test_free_host_with_numpy_arrays(make_cache):
+    cache = make_cache(page_size=2, host_tier=True, array_type="numpy")
+    cache.insert([1, 2, 3, 4], np.array([10, 11, 12, 13]))
+    cache.insert([1, 2, 5, 6], np.array([10, 11, 20, 21]))
+    host = iter(range(100, 200))
+
+    def backup(device_indices):
+        return np.array([next(host) for _ in device_indices], dtype=np.int64)
+
+    assert cache.evict(4, backup=backup) == 4
+    freed_host = []
+    # No room: both host leaves leave, one at a time, backup asked after each; it never
+    # answers, so [1,2] is deleted.
+    asked = []
+    assert cache.evict(2, backup=lambda d: asked.append(d.tolist()),
+                       free_host=freed_host.append) == 2
+    assert asked == [[10, 11]] * 3
+    assert all(type(a) is np.ndarray and a.dtype == np.int64 for a in freed_host)
+    assert sorted(a.tolist() for a in freed_host) == [[100, 101], [102, 103]]
+    assert cache.node_count() == 0 and cache.host_size() == 0
+    check_invariants(cache)
