@@ -8,7 +8,7 @@ import numpy as np
 
 from ._torch import loaded_torch
 
-__all__ = ["hand_over_batch", "host_indices_bytes", "answer_not_kept"]
+__all__ = ["answer_not_kept", "hand_over_batch", "host_indices_bytes"]
 
 
 def _hand_over_parts(free_callback, parts, join, join_error, error) -> None:
@@ -64,7 +64,7 @@ def answer_not_kept(error: BaseException, answer) -> BaseException:
     ``RuntimeError`` that carries it (``__cause__``) and the attribute."""
     try:
         error.host_indices = answer
-    except Exception:
+    except (AttributeError, TypeError):
         replaced = RuntimeError("backup's answer was not kept (its host slots are in this "
                                 f"error's host_indices): {error!r}")
         replaced.host_indices = answer

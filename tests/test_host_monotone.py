@@ -10,8 +10,8 @@ which device entries are evicted first, so it can only add hits.
 from __future__ import annotations
 
 import pytest
-
 from conftest import mooncake_trace
+
 from radixcache import RadixCache
 from radixcache.traces import read_trace
 from radixcache.workloads import serve, synthetic_chat
