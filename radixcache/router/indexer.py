@@ -145,7 +145,7 @@ def _namespace_bytes(namespace: Any) -> bytes:
 class _Copy:
     """One worker's blocks on one tier and KV-cache group: ``(worker, medium, group)``."""
 
-    __slots__ = ("worker", "medium", "group", "published", "size", "cid")
+    __slots__ = ("worker", "medium", "group", "published", "direct", "refs", "cid")
 
     def __init__(self, worker: Hashable, medium: str, group: Any) -> None:
         self.worker = worker
@@ -154,8 +154,16 @@ class _Copy:
         # publisher hash -> indexer key, for hashes that are not the key itself; a block
         # published under its own key (a ``fast64`` publisher) is held without an entry
         self.published: dict = {}
-        self.size = 0  # (publisher hash, block) pairs held
+        self.direct = 0  # holdings published under their own key (no ``published`` entry)
+        # indexer key -> how many ``published`` hashes name it; kept only while the copy
+        # holds blocks both ways (None otherwise), to tell its own-key holdings apart
+        self.refs: Optional[dict] = None
         self.cid = -1  # its id in the indexer's BlockIndex, set by KvIndexer._copy
+
+    @property
+    def size(self) -> int:
+        """(publisher hash, block) pairs held: one holding each in the BlockIndex."""
+        return self.direct + len(self.published)
 
     def __repr__(self) -> str:
         return f"_Copy({self.worker!r}, {self.medium!r}, {self.group!r})"
@@ -333,17 +341,53 @@ class KvIndexer:
         if copy.size:
             self._index.clear_copy(copy.cid)
         copy.published = {}
-        copy.size = 0
+        copy.direct = 0
+        copy.refs = None
         self._drop_cid(copy)
 
-    def _holds(self, key: Any, copy: _Copy) -> bool:
-        return (type(key) is int and INT64_MIN <= key <= INT64_MAX
-                and self._index.holds(key, copy.cid))
+    def _refs(self, copy: _Copy) -> dict:
+        """``copy.refs``, counted from ``copy.published`` when not kept yet."""
+        refs = copy.refs
+        if refs is None:
+            refs = copy.refs = {}
+            for key in copy.published.values():
+                refs[key] = refs.get(key, 0) + 1
+        return refs
+
+    def _direct(self, copy: _Copy, block_hash: Any) -> bool:
+        """Whether ``copy`` holds ``block_hash`` as a block's own key (no ``published``
+        entry): one of its holdings of that key is not some other hash's."""
+        if not copy.direct or type(block_hash) is not int or not (
+                INT64_MIN <= block_hash <= INT64_MAX):
+            return False
+        if not copy.published:
+            return self._index.holds(block_hash, copy.cid)
+        named = self._refs(copy).get(block_hash, 0)
+        return self._index.holders(block_hash).count(copy.cid) > named
+
+    def _publish(self, copy: _Copy, block_hash: Any, key: int) -> None:
+        copy.published[block_hash] = key
+        refs = copy.refs
+        if refs is not None:
+            refs[key] = refs.get(key, 0) + 1
+
+    def _unpublish(self, copy: _Copy, block_hash: Any) -> Optional[int]:
+        """Forget ``block_hash`` in ``copy.published``: the key it named, or None."""
+        key = copy.published.pop(block_hash, None)
+        refs = copy.refs
+        if key is not None and refs is not None:
+            if not copy.published:
+                copy.refs = None
+            elif refs[key] == 1:
+                del refs[key]
+            else:
+                refs[key] -= 1
+        return key
 
     def _key_of(self, copy: _Copy, block_hash: Any) -> Optional[int]:
         """The indexer key ``copy`` holds under publisher hash ``block_hash``, or None."""
         key = copy.published.get(block_hash)
-        if key is None and type(block_hash) is int and self._holds(block_hash, copy):
+        if key is None and self._direct(copy, block_hash):
             key = block_hash  # published under its own key
         return key
 
@@ -362,16 +406,9 @@ class KvIndexer:
         return None
 
     def _clear_worker(self, worker: Hashable) -> None:
-        copies = self._copies_of(worker)
-        self._copies.pop(worker, None)
-        for copy in copies:
+        for copy in self._copies_of(worker):
             self._clear_copy(copy)  # drops its id too
-
-    def _hold(self, key: int, copy: _Copy) -> None:
-        self._index.hold(key, copy.cid)
-
-    def _unhold(self, key: int, copy: _Copy) -> None:
-        self._index.unhold(key, copy.cid)
+        self._copies.pop(worker, None)
 
     def _new_cid(self, copy: _Copy) -> None:
         if self._free_cids:
@@ -383,8 +420,12 @@ class KvIndexer:
         self._owner_tables.clear()
 
     def _drop_cid(self, copy: _Copy) -> None:
-        # The copy is being dropped, holding nothing: its id may serve another copy.
+        # The copy is being dropped, holding nothing: its id may serve another copy, once
+        # no block refers to it. The copies' counts add up to the table's holdings unless
+        # one drifted; then this id's holdings are cleared before it is reused.
         if copy.cid >= 0:
+            if self._index.pairs != sum(c.size for c in self._all_copies()):
+                self._index.clear_copy(copy.cid)
             self._free_cids.append(copy.cid)
             copy.cid = -1
             self._cid_version += 1
@@ -529,8 +570,12 @@ class KvIndexer:
                     continue  # no full block: nothing held, as ``apply`` does
                 if copy is None:
                     copy = self._copy(worker, MEDIUM_GPU, None)
-                stored, duplicates = index.store(copy.cid, keys)
-                copy.size += stored
+                if copy.published:  # also fed events under other hashes
+                    keys = array("q", keys).tolist()  # native order, as written
+                    stored, duplicates = self._store_each(copy, keys, keys)
+                else:
+                    stored, duplicates = index.store(copy.cid, keys)
+                    copy.direct += stored
                 stats.stored_blocks += stored
                 stats.duplicate_blocks += duplicates
             elif copy is None:
@@ -540,7 +585,7 @@ class KvIndexer:
                     tuple(array("q", keys)), MEDIUM_GPU))  # native order, as written
             else:
                 removed, unknown = index.remove(copy.cid, keys)
-                copy.size -= removed
+                copy.direct -= removed
                 stats.removed_blocks += removed
                 stats.unknown_removals += unknown
                 self._forget_if_empty(copy)
@@ -586,36 +631,57 @@ class KvIndexer:
             return
         if copy is None:
             copy = self._copy(worker, medium, group)
-        if identity:
-            # No hash map: the blocks this copy does not hold yet, in one call.
+        published = copy.published
+        if identity and not published:
+            # Every holding under its own key: the blocks this copy does not hold yet, in
+            # one call.
             stored, duplicates = self._index.store(copy.cid, keys)
-            copy.size += stored
+            copy.direct += stored
             stats.stored_blocks += stored
             stats.duplicate_blocks += duplicates
             return
-        published = copy.published
-        if published.keys().isdisjoint(hashes) and len(set(hashes)) == len(keys):
+        if (not identity and not copy.direct and published.keys().isdisjoint(hashes)
+                and len(set(hashes)) == len(keys)):
             # New hashes (the common case): in bulk.
-            published.update(zip(hashes, keys))
+            if copy.refs is None:
+                published.update(zip(hashes, keys))
+            else:
+                for block_hash, key in zip(hashes, keys):
+                    self._publish(copy, block_hash, key)
             self._index.add(copy.cid, keys)
-            copy.size += len(keys)
             stats.stored_blocks += len(keys)
             return
-        stored = 0
+        stored, duplicates = self._store_each(copy, hashes, keys)
+        stats.stored_blocks += stored
+        stats.duplicate_blocks += duplicates
+
+    def _store_each(self, copy: _Copy, hashes: Any, keys: list) -> tuple:
+        """Hold ``keys[i]`` for ``copy`` under publisher hash ``hashes[i]``, one at a time:
+        a hash already held for the same key is a duplicate, for another key it is moved
+        (the publisher reused it: the newer block wins). Returns (stored, duplicates)."""
+        stored = duplicates = 0
+        index, cid = self._index, copy.cid
         for block_hash, key in zip(hashes, keys):
-            known = published.get(block_hash)
+            known = copy.published.get(block_hash)
+            own = known is None and self._direct(copy, block_hash)
+            if own:
+                known = block_hash
             if known is not None:
                 if known == key:
-                    stats.duplicate_blocks += 1
+                    duplicates += 1
                     continue
-                # The publisher reused a hash for other content: the newer block wins.
-                self._unhold(known, copy)
-                copy.size -= 1
-            published[block_hash] = key
-            self._hold(key, copy)
+                if own:
+                    copy.direct -= 1
+                else:
+                    self._unpublish(copy, block_hash)
+                index.unhold(known, cid)
+            if type(block_hash) is int and block_hash == key:
+                copy.direct += 1
+            else:
+                self._publish(copy, block_hash, key)
+            index.hold(key, cid)
             stored += 1
-        copy.size += stored
-        stats.stored_blocks += stored
+        return stored, duplicates
 
     def _removed(self, worker: Hashable, event: BlockRemoved) -> None:
         stats = self.stats
@@ -647,24 +713,26 @@ class KvIndexer:
                 for block_hash in hashes:
                     if isinstance(block_hash, int) and not isinstance(block_hash, bool):
                         block_hash = int(block_hash)
-                    if self._holds(block_hash, copy):
-                        self._unhold(block_hash, copy)
+                    if self._direct(copy, block_hash):
+                        self._index.unhold(block_hash, copy.cid)
                         removed += 1
                     else:
                         unknown += 1
+            copy.direct -= removed
         else:
-            published = copy.published
             for block_hash in hashes:
-                key = published.pop(block_hash, None)
+                key = self._unpublish(copy, block_hash)
                 if key is None:
-                    if type(block_hash) is int and self._holds(block_hash, copy):
-                        key = block_hash
-                    else:
+                    if type(block_hash) is not int and isinstance(block_hash, int) \
+                            and not isinstance(block_hash, bool):
+                        block_hash = int(block_hash)
+                    if not self._direct(copy, block_hash):
                         unknown += 1
                         continue
-                self._unhold(key, copy)
+                    key = block_hash
+                    copy.direct -= 1
+                self._index.unhold(key, copy.cid)
                 removed += 1
-        copy.size -= removed
         stats.removed_blocks += removed
         stats.unknown_removals += unknown
         self._forget_if_empty(copy)
