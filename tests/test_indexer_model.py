@@ -1,7 +1,7 @@
 """``KvIndexer`` against a plain reference model: holdings named by the publisher's hash.
 
 The model keeps, per (worker, tier, group), each publisher hash it holds and the block it
-names (namespace, token prefix), with no hashing and no
+names (namespace, token prefix, each block's own extra keys), with no hashing and no
 shared table; the indexer must answer every ``overlap`` as the model does, on each block
 module.
 """
@@ -76,7 +76,9 @@ class ReferenceIndex:
 
     Per worker, its copies ``(medium, group)`` in the order they were made (a copy is
     dropped when it holds nothing), each ``{publisher hash: block}``, a block being
-    ``(namespace, token prefix up to and including it)``."""
+    ``(namespace entry, pages up to and including it)``, a page ``(tokens, extra keys)``:
+    a sequence's first block's ``extra_keys`` entry names its namespace, and any other
+    entry that is not None or the namespace's is the page's own."""
 
     def __init__(self, block_size):
         self.block_size = block_size
@@ -102,8 +104,7 @@ class ReferenceIndex:
         held = copies.get(where, {})
         parent = event.parent_block_hash
         if parent is None:
-            entry = event.extra_keys[0] if event.extra_keys else None
-            block = (entry[0] if entry else None, ())
+            block = (event.extra_keys[0] if event.extra_keys else None, ())
         elif parent in held:
             block = held[parent]
         else:  # another tier of the same worker and group, first made first
@@ -112,12 +113,14 @@ class ReferenceIndex:
                          None)
             if block is None:
                 return  # unknown parent: skipped
-        namespace, prefix = block
+        ns_entry, pages = block
         blocks = []
         for i in range(len(event.block_hashes)):
-            prefix = prefix + tuple(event.token_ids[i * self.block_size:
-                                                    (i + 1) * self.block_size])
-            blocks.append((namespace, prefix))
+            entry = event.extra_keys[i] if event.extra_keys else None
+            pages = pages + ((tuple(event.token_ids[i * self.block_size:
+                                                    (i + 1) * self.block_size]),
+                              None if entry == ns_entry else entry),)
+            blocks.append((ns_entry, pages))
         if not blocks:
             return
         held = self.workers.setdefault(worker, {}).setdefault(where, held)
@@ -137,14 +140,26 @@ class ReferenceIndex:
             if not copies:
                 del self.workers[worker]
 
-    def overlap(self, tokens, namespace, medium="GPU"):
+    def query_blocks(self, tokens, entries, namespace=None):
+        """The blocks a query names: ``entries`` one per block (the first names the
+        namespace unless ``namespace`` does)."""
+        ns_entry = entries[0] if namespace is None else (namespace,)
+        pages, blocks = (), []
+        for i in range(len(tokens) // self.block_size):
+            entry = entries[i] if i < len(entries) else None
+            pages = pages + ((tuple(tokens[i * self.block_size:(i + 1) * self.block_size]),
+                              None if entry == ns_entry else entry),)
+            blocks.append((ns_entry, pages))
+        return blocks
+
+    def overlap(self, tokens, entries, medium="GPU", namespace=None):
         out = {}
+        query = self.query_blocks(tokens, entries, namespace)
         for worker, copies in self.workers.items():
             blocks = {b for (m, _), held in copies.items() if m == medium
                       for b in held.values()}
             n = 0
-            while ((n + 1) * self.block_size <= len(tokens)
-                   and (namespace, tuple(tokens[:(n + 1) * self.block_size])) in blocks):
+            while n < len(query) and query[n] in blocks:
                 n += 1
             if n:
                 out[worker] = n
@@ -152,6 +167,9 @@ class ReferenceIndex:
 
 
 HASH_TYPES = ("bytes32", "int64", "fast64")
+ROOT_ENTRIES = (None, None, extra_keys_entry("a"), extra_keys_entry(7), ("ad", "salt"),
+                ("img-1",))
+IMAGE_ENTRIES = (("img-1",), ("img-2",), ("ad", "img-1"))
 
 
 class EventSource:
@@ -166,9 +184,11 @@ class EventSource:
         self.queries = []
 
     def block_hash(self, kind, block):
-        namespace, prefix = block
         if kind == "fast64":  # the indexer's own key: a fast64 publisher
-            return self.indexer.block_keys(prefix, namespace)[-1]
+            ns_entry, pages = block
+            tokens = [t for page, _ in pages for t in page]
+            entries = [ns_entry] + [entry or ns_entry for _, entry in pages[1:]]
+            return self.indexer.block_keys(tokens, block_extra_keys=entries)[-1]
         digest = hashlib.blake2b(repr(block).encode()).digest()
         if kind == "bytes32":
             return digest[:32]
@@ -183,29 +203,33 @@ class EventSource:
         others = [(h, b) for (m, g), c in copies.items() if g == group for h, b in c.items()]
         roll = rng.random()
         if roll < 0.5 and held:
-            parent, (namespace, prefix) = rng.choice(sorted(held.items(), key=repr))
+            parent, (ns_entry, pages) = rng.choice(sorted(held.items(), key=repr))
         elif roll < 0.6 and others:  # a parent only another tier holds
-            parent, (namespace, prefix) = rng.choice(sorted(others, key=repr))
+            parent, (ns_entry, pages) = rng.choice(sorted(others, key=repr))
         elif roll < 0.63:
-            parent, namespace, prefix = rng.randrange(1 << 40), None, ()  # unknown
-        else:
-            parent, namespace, prefix = None, rng.choice((None, None, "a", 7)), ()
+            parent, ns_entry, pages = rng.randrange(1 << 40), None, ()  # unknown
+        else:  # a namespace (radixcache's layout, a LoRA), or an image first
+            parent, ns_entry, pages = None, rng.choice(ROOT_ENTRIES), ()
         kind = rng.choice(HASH_TYPES)
         mixed = rng.random() < 0.1
-        tokens, hashes = [], []
-        for _ in range(rng.randrange(1, 4)):
+        tokens, hashes, entries = [], [], []
+        for i in range(rng.randrange(1, 4)):
             page = rng.choice(self.pages)
-            prefix = prefix + page
+            # an image's blocks carry its hash; the others the namespace's entry
+            entry = ns_entry if (parent is None and i == 0) or rng.random() < 0.7 else \
+                rng.choice(IMAGE_ENTRIES)
+            pages = pages + ((page, None if entry == ns_entry else entry),)
             tokens += page
+            entries.append(entry)
             block_kind = rng.choice(HASH_TYPES) if mixed else kind
-            hashes.append(self.block_hash(block_kind, (namespace, prefix)))
+            hashes.append(self.block_hash(block_kind, (ns_entry, pages)))
         if rng.random() < 0.03 and held:  # the publisher reuses a hash for other content
             hashes[-1] = rng.choice(sorted(held, key=repr))
-        entry = None if namespace is None else extra_keys_entry(namespace)
-        self.queries.append((prefix, namespace))
+        self.queries.append(([t for page, _ in pages for t in page],
+                             [ns_entry] + [e or ns_entry for _, e in pages[1:]]))
         del self.queries[:-12]
         return BlockStored(tuple(hashes), parent, tuple(tokens), self.block_size,
-                           medium=medium, extra_keys=(entry,) * len(hashes), group_idx=group)
+                           medium=medium, extra_keys=tuple(entries), group_idx=group)
 
     def removed(self, worker):
         rng = self.rng
@@ -260,12 +284,22 @@ def test_indexer_matches_the_reference_under_random_batches(indexer_on, seed):
             indexer.apply(worker, ReceivedBatch(step, 0.0, events, None, restarted=True))
         else:
             indexer.apply(worker, events)
-        for tokens, namespace in source.queries:
+        for tokens, entries in source.queries:
             for medium in ("GPU", "DISK"):
-                want = reference.overlap(tokens, namespace, medium)
-                got = indexer.overlap(tokens, namespace, medium)
+                want = reference.overlap(tokens, entries, medium)
+                got = indexer.overlap(tokens, medium=medium, block_extra_keys=entries)
                 if got != want:
-                    mismatches.append((step, tokens, namespace, medium, got, want))
+                    mismatches.append((step, tokens, entries, medium, got, want))
+            if entries[0] is not None and len(entries[0]) == 1:  # the namespace by name
+                namespace = entries[0][0]
+                want = reference.overlap(tokens, [None] + entries[1:], namespace=namespace)
+                got = indexer.overlap(tokens, namespace, block_extra_keys=[None] + entries[1:])
+                if got != want:
+                    mismatches.append((step, tokens, entries, namespace, got, want))
+            plain = [entries[0]] * len(entries)  # no image keys: stops at the first image
+            if reference.overlap(tokens, plain) != indexer.overlap(
+                    tokens, block_extra_keys=plain):
+                mismatches.append((step, tokens, plain))
         for w in range(3):
             want_held = sum(len(h) for h in reference.workers.get(w, {}).values())
             if indexer.blocks_held(w) != want_held:

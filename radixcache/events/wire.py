@@ -143,6 +143,7 @@ def _stored_from(fields: Any, tag: str) -> BlockStored:
         _wire_optional(fields.optional("lora_name"), str, f"{tag}.lora_name"),
         _wire_extra_keys(fields.optional("extra_keys"), f"{tag}.extra_keys"),
         _wire_optional(fields.optional("group_idx"), int, f"{tag}.group_idx"),
+        _wire_optional(fields.optional("cache_salt"), str, f"{tag}.cache_salt"),
     )
 
 

@@ -7,6 +7,7 @@ the block module (compiled when built); both are reached in one place below.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 import sys
 from array import array
@@ -16,12 +17,14 @@ from typing import Any, Hashable, Iterable, Optional
 from .. import _core
 from .._validate import INT64_MAX, INT64_MIN, check_int, is_int
 from ..events import (
+    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     ReceivedBatch,
     TokenIds,
+    canonical_namespace,
     decode_batch,
     encode_namespace,
     tokens_le_bytes,
@@ -115,23 +118,65 @@ def _root_key(namespace: bytes) -> int:
 
 
 def _event_namespace(event: BlockStored) -> Any:
-    """The namespace of a stored event's blocks: ``extra_keys`` when the publisher sends it.
+    """The namespace of a root event's blocks: its first block's ``extra_keys`` entry when
+    the publisher sends the field, else SGLang's ``lora_name`` and ``cache_salt``.
 
-    vLLM's layout carries ``extra_keys`` per block (None, or a tuple of keys); a subtree never
-    mixes namespaces, so the first block's entry stands for the event. A one-element entry
-    is that element. Without the field, the namespace is None.
+    vLLM's layout carries ``extra_keys`` per block (None, or a tuple of keys); the first
+    block's entry names the sequence (``_entry_namespace``). SGLang sends no extra keys: its
+    hashes depend on the adapter and the salt, so the namespace is ``lora_name``, or
+    ``cache_salt``, or ``(lora_name, cache_salt)`` when both are set; its ``session_id`` is
+    attribution only and never part of a block's identity.
     """
     extra_keys = getattr(event, "extra_keys", None)
-    if not extra_keys:
+    if extra_keys:
+        return _entry_namespace(_entry(extra_keys[0]))
+    lora = getattr(event, "lora_name", None)
+    salt = getattr(event, "cache_salt", None)
+    for value in (lora, salt):
+        if value is not None and not isinstance(value, str):
+            raise TypeError("lora_name and cache_salt must be str or None")
+    if salt is None:
+        return lora
+    return salt if lora is None else (lora, salt)
+
+
+def _entry(entry: Any) -> Optional[tuple]:
+    """A block's ``extra_keys`` entry as a tuple, nested arrays as tuples (a list and a tuple
+    spell the same entry); None for none or an empty one."""
+    if entry is None:
         return None
-    first = extra_keys[0]
-    if isinstance(first, (list, tuple)):
-        if len(first) == 0:
-            return None
-        if len(first) == 1:
-            return first[0]
-        return tuple(first)
-    return first
+    if not isinstance(entry, (list, tuple)):
+        return (_frozen(entry),)
+    return tuple(_frozen(item) for item in entry) or None
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(item) for item in value)
+    return value
+
+
+def _entry_namespace(entry: Optional[tuple]) -> Any:
+    """The namespace an entry names as a sequence's first: a one-element entry is that
+    element, a longer one the tuple."""
+    if entry is None:
+        return None
+    return entry[0] if len(entry) == 1 else entry
+
+
+def _fold(key: int, entry: tuple) -> int:
+    """``key`` with a block's own extra keys (an image's hash, ...) mixed in."""
+    digest = hashlib.blake2b(key.to_bytes(8, "little", signed=True) + _namespace_bytes(entry),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+# SGLang's names for the tiers it shares with vLLM: its pinned host memory is the host tier.
+_MEDIUM_ALIASES = {"CPU_PINNED": MEDIUM_CPU}
+
+
+def _tier(medium: str) -> str:
+    return _MEDIUM_ALIASES.get(medium, medium)
 
 
 def _namespace_bytes(namespace: Any) -> bytes:
@@ -193,7 +238,7 @@ def _event_medium(event: Any) -> str:
         return MEDIUM_GPU
     if not isinstance(medium, str):
         raise TypeError("medium must be a str or None")
-    return medium
+    return _tier(medium)
 
 
 def _event_group(event: Any) -> Any:
@@ -245,6 +290,10 @@ class KvIndexer:
         # worker -> its _Copy, or {(medium, group): _Copy} when it has several; only copies
         # holding at least one block
         self._copies: dict = {}
+        # indexer key -> the extra-keys entry of its sequence's namespace, for blocks stored
+        # with per-block extra keys under a namespace: a key's namespace is fixed by the
+        # key, so an entry is never wrong, only kept a while after its block left
+        self._ns_of: dict = {}
         self.stats = IndexerStats()
 
     # -- workers -----------------------------------------------------------------------
@@ -317,6 +366,8 @@ class KvIndexer:
         Returns:
             The number of blocks (0 for an unknown worker).
         """
+        if medium is not None:
+            medium = _tier(medium)
         return sum(c.size for c in self._copies_of(worker)
                    if medium is None or c.medium == medium)
 
@@ -409,6 +460,14 @@ class KvIndexer:
         for copy in self._copies_of(worker):
             self._clear_copy(copy)  # drops its id too
         self._copies.pop(worker, None)
+        self._prune_namespaces()
+
+    def _prune_namespaces(self) -> None:
+        """Forget the namespaces of blocks no longer held, once they are most of them."""
+        ns_of = self._ns_of
+        if len(ns_of) > 2 * len(self._index) + 1024:
+            holders = self._index.holders
+            self._ns_of = {key: entry for key, entry in ns_of.items() if holders(key)}
 
     def _new_cid(self, copy: _Copy) -> None:
         if self._free_cids:
@@ -609,8 +668,11 @@ class KvIndexer:
                 raise ValueError("token_ids do not fill the blocks")
             copy = self._find(worker, medium, group)
             parent = event.parent_block_hash
+            extra_keys = getattr(event, "extra_keys", None)
             if parent is None:
-                key = _root_key(_namespace_bytes(_event_namespace(event)))
+                namespace = _event_namespace(event)
+                key = _root_key(_namespace_bytes(namespace))
+                ns_entry = _entry(extra_keys[0]) if extra_keys else None
             else:
                 key = None if copy is None else self._key_of(copy, parent)
                 if key is None:
@@ -618,7 +680,12 @@ class KvIndexer:
                 if key is None:
                     stats.unknown_parent += 1
                     return
-            keys = _page_keys(key, data, self._page_bytes)
+                ns_entry = self._ns_of.get(key) if extra_keys else None
+            keys = self._chain_keys(key, data, extra_keys, ns_entry)
+            if ns_entry is not None and extra_keys:
+                # A later event below these blocks tells their extra keys from the
+                # namespace's by it.
+                self._ns_of.update(dict.fromkeys(keys, ns_entry))
             # Published under the indexer's own keys (a fast64 publisher), or checked hashes.
             identity = keys == list(hashes)
             if not identity and not _all_hash_types(hashes):
@@ -736,28 +803,66 @@ class KvIndexer:
         stats.removed_blocks += removed
         stats.unknown_removals += unknown
         self._forget_if_empty(copy)
+        if self._ns_of:
+            self._prune_namespaces()
+
+    def _chain_keys(self, seed: int, data: bytes, extra_keys: Any,
+                    ns_entry: Optional[tuple]) -> list:
+        """The keys of the blocks of ``data`` below ``seed``: the page hash chain, each block
+        whose ``extra_keys`` entry is neither None nor the namespace's own (``ns_entry``)
+        folded with it, the next blocks chained from the folded key."""
+        page_bytes = self._page_bytes
+        if not extra_keys:
+            return _page_keys(seed, data, page_bytes)
+        pages = len(data) // page_bytes
+        folds = []
+        for i, raw in enumerate(extra_keys[:pages]):
+            entry = _entry(raw)
+            if entry is not None and entry != ns_entry:
+                folds.append((i, entry))
+        if not folds:
+            return _page_keys(seed, data, page_bytes)
+        keys: list = []
+        start = 0
+        for i, entry in folds:
+            part = _page_keys(seed, data[start * page_bytes:(i + 1) * page_bytes], page_bytes)
+            part[-1] = seed = _fold(part[-1], entry)
+            keys += part
+            start = i + 1
+        if start < pages:
+            keys += _page_keys(seed, data[start * page_bytes:pages * page_bytes], page_bytes)
+        return keys
 
     # -- queries -----------------------------------------------------------------------
-    def block_keys(self, tokens: Any, extra_key: Any = None) -> list:
+    def block_keys(self, tokens: Any, extra_key: Any = None,
+                   block_extra_keys: Any = None) -> list:
         """Compute the indexer keys of the full blocks of ``tokens``.
 
         Args:
             tokens: A 1-D integer sequence (list, tuple, numpy array, CPU tensor).
-            extra_key: The namespace: None, str, bytes or int.
+            extra_key: The namespace: None, str, bytes or int, or a tuple (an
+                ``extra_keys`` entry of several keys, e.g. SGLang's ``(lora_name,
+                cache_salt)``).
+            block_extra_keys: Per-block extra keys, as vLLM's ``BlockStored.extra_keys``:
+                one entry (None, or a tuple of keys such as an image's hash) per block,
+                from the first; missing entries are None. None: no block has any.
 
         Returns:
             One key (an int) per full block of ``block_size`` tokens, each chained to the
             previous one.
 
         Raises:
-            TypeError: tokens that are not integers, or an ``extra_key`` of another type.
+            TypeError: tokens that are not integers, an ``extra_key`` of another type, or
+                ``block_extra_keys`` that is not a list or tuple of entries.
+            ValueError: the first block's entry names another namespace than ``extra_key``.
             OverflowError: a token that does not fit in int64.
         """
         data = tokens_le_bytes(tokens)
-        return _page_keys(_root_key(encode_namespace(extra_key)), data, self._page_bytes)
+        namespace, entries, ns_entry = self._query_namespace(extra_key, block_extra_keys)
+        return self._chain_keys(_root_key(namespace), data, entries, ns_entry)
 
-    def overlap(self, tokens: Any, extra_key: Any = None, medium: Optional[str] = MEDIUM_GPU
-                ) -> dict:
+    def overlap(self, tokens: Any, extra_key: Any = None, medium: Optional[str] = MEDIUM_GPU,
+                block_extra_keys: Any = None) -> dict:
         """Tell how many leading blocks of ``tokens`` each worker holds.
 
         Only full blocks count; a block counts when any of the worker's KV-cache groups
@@ -765,23 +870,85 @@ class KvIndexer:
 
         Args:
             tokens: A 1-D integer sequence (list, tuple, numpy array, CPU tensor).
-            extra_key: The namespace: None, str, bytes or int.
+            extra_key: The namespace: None, str, bytes or int, or a tuple (see
+                ``block_keys``).
             medium: The tier counted: ``"GPU"`` (the device, also events naming no medium)
-                by default, e.g. ``"CPU"`` for a host tier.
+                by default, e.g. ``"CPU"`` for a host tier (SGLang's ``"CPU_PINNED"`` is
+                the same tier).
+            block_extra_keys: Per-block extra keys (an image's hash on the blocks of its
+                placeholder tokens, ...), as ``block_keys`` takes them: a block matches only
+                a block stored with the same entry.
 
         Returns:
             ``{worker: leading blocks held}`` for every worker that holds at least one.
 
         Raises:
-            TypeError: tokens that are not integers, an ``extra_key`` of another type, or a
-                ``medium`` that is not a str.
+            TypeError: tokens that are not integers, an ``extra_key`` of another type, a
+                ``medium`` that is not a str, or ``block_extra_keys`` of another type.
+            ValueError: the first block's entry names another namespace than ``extra_key``.
             OverflowError: a token that does not fit in int64.
         """
         if medium is None:
             medium = MEDIUM_GPU
         elif not isinstance(medium, str):
             raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
-        return self._overlap(tokens_le_bytes(tokens), encode_namespace(extra_key), medium)
+        medium = _tier(medium)
+        if block_extra_keys is None and type(extra_key) is not tuple:
+            return self._overlap(tokens_le_bytes(tokens), encode_namespace(extra_key), medium)
+        data = tokens_le_bytes(tokens)
+        namespace, entries, ns_entry = self._query_namespace(extra_key, block_extra_keys)
+        seed = _root_key(namespace)
+        keys = self._chain_keys(seed, data, entries, ns_entry)
+        if keys == _page_keys(seed, data, self._page_bytes):
+            return self._overlap(data, namespace, medium)  # no block folded: one call
+        return self._overlap_keys(keys, medium)
+
+    @staticmethod
+    def _query_namespace(extra_key: Any, block_extra_keys: Any) -> tuple:
+        """``(namespace bytes, entries, namespace entry)`` of a query (see ``block_keys``)."""
+        if type(extra_key) is tuple:
+            namespace, ns_entry = _namespace_bytes(extra_key), _entry(extra_key)
+        else:
+            namespace = encode_namespace(extra_key)
+            ns_entry = None if extra_key is None else (canonical_namespace(extra_key),)
+        if block_extra_keys is None:
+            return namespace, None, ns_entry
+        if type(block_extra_keys) not in (list, tuple) or not all(
+                entry is None or isinstance(entry, (list, tuple)) for entry in block_extra_keys):
+            raise TypeError("block_extra_keys must be a list or tuple of entries (None, or a "
+                            "tuple of keys)")
+        entries = list(block_extra_keys)
+        first = _entry(entries[0]) if entries else None
+        if first is not None and first != ns_entry:
+            if extra_key is not None:
+                raise ValueError(f"the first block's extra keys {first!r} name another "
+                                 f"namespace than extra_key {extra_key!r}")
+            # A sequence's first entry is its namespace, as in a stored root event.
+            ns_entry = first
+            namespace = _namespace_bytes(_entry_namespace(first))
+        return namespace, entries, ns_entry
+
+    def _overlap_keys(self, keys: list, medium: Any) -> dict:
+        """``overlap`` of blocks given by their keys: the leading ones each worker holds."""
+        owners, workers = self._owners(medium)
+        n_owners = len(owners)
+        depths: dict = {}
+        active: Optional[list] = None
+        for depth, key in enumerate(keys):
+            held = dict.fromkeys(owners[c] for c in self._index.holders(key)
+                                 if c < n_owners and owners[c] >= 0)
+            if active is None:
+                active = list(held)
+            else:
+                for owner in active:
+                    if owner not in held:
+                        depths[owner] = depth
+                active = [owner for owner in active if owner in held]
+            if not active:
+                break
+        for owner in active or ():
+            depths[owner] = len(keys)
+        return {workers[owner]: depth for owner, depth in depths.items()}
 
     def _overlap(self, data: bytes, namespace: bytes, medium: Any = MEDIUM_GPU) -> dict:
         # The index hashes the query's blocks and walks them in one call, as far as any
