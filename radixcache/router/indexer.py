@@ -42,10 +42,6 @@ _HASH_TYPES = (int, bytes)
 _page_keys = _core.blocks.page_hash_chain
 
 
-def _new_block_index() -> Any:
-    return _core.blocks.BlockIndex()
-
-
 @dataclass
 class IndexerStats:
     """What ``KvIndexer`` applied and what it had to skip (counts since creation).
@@ -192,13 +188,14 @@ class _Copy:
 
     __slots__ = ("worker", "medium", "group", "published", "direct", "refs", "cid")
 
-    def __init__(self, worker: Hashable, medium: str, group: Any) -> None:
+    def __init__(self, worker: Hashable, medium: str, group: Any, published: Any) -> None:
         self.worker = worker
         self.medium = medium
         self.group = group
-        # publisher hash -> indexer key, for hashes that are not the key itself; a block
-        # published under its own key (a ``fast64`` publisher) is held without an entry
-        self.published: dict = {}
+        # publisher hash -> indexer key, for hashes that are not the key itself (the block
+        # module's KeyMap: 16 bytes a hash, whatever its type); a block published under its
+        # own key (a ``fast64`` publisher) is held without an entry
+        self.published = published
         self.direct = 0  # holdings published under their own key (no ``published`` entry)
         # indexer key -> how many ``published`` hashes name it; kept only while the copy
         # holds blocks both ways (None otherwise), to tell its own-key holdings apart
@@ -282,7 +279,8 @@ class KvIndexer:
         # indexer key -> the ids (``_Copy.cid``) of the copies holding it, a copy once per
         # publisher hash that maps to the block: the block module's BlockIndex (compiled when
         # built); copy ids are reused once their copy is dropped
-        self._index = _new_block_index()
+        self._index = _core.blocks.BlockIndex()
+        self._key_map = _core.blocks.KeyMap  # publisher hash maps, same module
         self._free_cids: list = []
         self._next_cid = 0
         self._owner_tables: dict = {}  # medium -> (owners by copy id, workers); see _owners
@@ -310,7 +308,7 @@ class KvIndexer:
         """``worker``'s copy on (medium, group), made when missing."""
         copy = self._find(worker, medium, group)
         if copy is None:
-            copy = _Copy(worker, medium, group)
+            copy = _Copy(worker, medium, group, self._key_map())
             self._new_cid(copy)
             current = self._copies.get(worker)
             if current is None:
@@ -391,7 +389,7 @@ class KvIndexer:
     def _clear_copy(self, copy: _Copy) -> None:
         if copy.size:
             self._index.clear_copy(copy.cid)
-        copy.published = {}
+        copy.published.clear()
         copy.direct = 0
         copy.refs = None
         self._drop_cid(copy)
@@ -417,14 +415,14 @@ class KvIndexer:
         return self._index.holders(block_hash).count(copy.cid) > named
 
     def _publish(self, copy: _Copy, block_hash: Any, key: int) -> None:
-        copy.published[block_hash] = key
+        copy.published.put(block_hash, key)
         refs = copy.refs
         if refs is not None:
             refs[key] = refs.get(key, 0) + 1
 
     def _unpublish(self, copy: _Copy, block_hash: Any) -> Optional[int]:
         """Forget ``block_hash`` in ``copy.published``: the key it named, or None."""
-        key = copy.published.pop(block_hash, None)
+        key = copy.published.pop(block_hash)
         refs = copy.refs
         if key is not None and refs is not None:
             if not copy.published:
@@ -707,11 +705,10 @@ class KvIndexer:
             stats.stored_blocks += stored
             stats.duplicate_blocks += duplicates
             return
-        if (not identity and not copy.direct and published.keys().isdisjoint(hashes)
-                and len(set(hashes)) == len(keys)):
+        if not identity and not copy.direct and published.isdisjoint(hashes):
             # New hashes (the common case): in bulk.
             if copy.refs is None:
-                published.update(zip(hashes, keys))
+                published.update(hashes, keys)
             else:
                 for block_hash, key in zip(hashes, keys):
                     self._publish(copy, block_hash, key)
@@ -894,7 +891,13 @@ class KvIndexer:
             raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
         medium = _tier(medium)
         if block_extra_keys is None and type(extra_key) is not tuple:
-            return self._overlap(tokens_le_bytes(tokens), encode_namespace(extra_key), medium)
+            namespace = encode_namespace(extra_key)
+            if type(tokens) is list:
+                try:  # read by the block index itself: one call for the whole query
+                    return self._overlap(tokens, namespace, medium)
+                except (TypeError, OverflowError):
+                    pass  # not all exact int64s: checked and read as any sequence below
+            return self._overlap(tokens_le_bytes(tokens), namespace, medium)
         data = tokens_le_bytes(tokens)
         namespace, entries, ns_entry = self._query_namespace(extra_key, block_extra_keys)
         seed = _root_key(namespace)
@@ -950,10 +953,13 @@ class KvIndexer:
             depths[owner] = len(keys)
         return {workers[owner]: depth for owner, depth in depths.items()}
 
-    def _overlap(self, data: bytes, namespace: bytes, medium: Any = MEDIUM_GPU) -> dict:
-        # The index hashes the query's blocks and walks them in one call, as far as any
-        # worker's run goes; workers reach it as positions in ``workers``.
+    def _overlap(self, data: Any, namespace: bytes, medium: Any = MEDIUM_GPU) -> dict:
+        # The index hashes the query's blocks (``data``: int64 bytes, or a list of ints) and
+        # walks them in one call, as far as any worker's run goes; workers reach it as
+        # positions in ``workers``.
         owners, workers = self._owners(medium)
+        if type(owners) is list:
+            owners = array("q", owners).tobytes()
         return {workers[owner]: depth for owner, depth in self._index.overlap(
             _root_key(namespace), data, self._page_bytes, owners)}
 
