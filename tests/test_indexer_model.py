@@ -53,6 +53,20 @@ def test_a_duplicate_removal_takes_only_the_holding_it_names(indexer_on):
     assert indexer.overlap(tokens) == {1: 1}
 
 
+def test_a_copy_id_is_reused_only_once_no_block_refers_to_it(indexer_on):
+    """Should a holding ever outlive its copy's count (here made behind the indexer's back),
+    the copy's id is cleared before another copy gets it."""
+    indexer = indexer_on(2)
+    tokens = (1, 2, 3, 4)
+    indexer.apply(0, [BlockStored((11,), None, tokens[:2], 2)])
+    (copy,) = indexer._all_copies()
+    indexer._index.hold(indexer.block_keys(tokens)[1], copy.cid)  # a stray holding
+    indexer.apply(0, [BlockRemoved((11,))])
+    assert indexer.workers == []
+    indexer.apply(1, [BlockStored((21,), None, tokens[:2], 2)])  # gets the freed id
+    assert indexer.overlap(tokens) == {1: 1} and len(indexer) == 1
+
+
 def test_a_key_stored_again_under_its_own_hash_is_a_second_holding(indexer_on):
     """A block held under another hash, then stored under its own key: two holdings, and
     removing the other hash leaves the block held."""
@@ -305,6 +319,8 @@ def test_indexer_matches_the_reference_under_random_batches(indexer_on, seed):
             if indexer.blocks_held(w) != want_held:
                 mismatches.append((step, w, indexer.blocks_held(w), want_held))
         assert sorted(indexer.workers) == sorted(reference.workers)
+        # the copies' counts are the table's holdings: nothing held under a dropped id
+        assert indexer._index.pairs == sum(indexer.blocks_held(w) for w in range(3))
     assert mismatches == []
     for w in range(3):
         indexer.remove_worker(w)

@@ -282,6 +282,7 @@ class KvIndexer:
         self._index = _core.blocks.BlockIndex()
         self._key_map = _core.blocks.KeyMap  # publisher hash maps, same module
         self._free_cids: list = []
+        self._held = 0  # the copies' holdings, together: the table's pairs
         self._next_cid = 0
         self._owner_tables: dict = {}  # medium -> (owners by copy id, workers); see _owners
         self._cid_version = 0  # changes with the copies (the owner tables' validity)
@@ -387,6 +388,7 @@ class KvIndexer:
         self._clear_worker(worker)
 
     def _clear_copy(self, copy: _Copy) -> None:
+        self._held -= copy.size
         if copy.size:
             self._index.clear_copy(copy.cid)
         copy.published.clear()
@@ -478,10 +480,10 @@ class KvIndexer:
 
     def _drop_cid(self, copy: _Copy) -> None:
         # The copy is being dropped, holding nothing: its id may serve another copy, once
-        # no block refers to it. The copies' counts add up to the table's holdings unless
-        # one drifted; then this id's holdings are cleared before it is reused.
+        # no block refers to it. The copies' counts add up to the table's holdings
+        # (``_held``) unless one drifted; then this id's holdings are cleared before reuse.
         if copy.cid >= 0:
-            if self._index.pairs != sum(c.size for c in self._all_copies()):
+            if self._index.pairs != self._held:
                 self._index.clear_copy(copy.cid)
             self._free_cids.append(copy.cid)
             copy.cid = -1
@@ -629,10 +631,13 @@ class KvIndexer:
                     copy = self._copy(worker, MEDIUM_GPU, None)
                 if copy.published:  # also fed events under other hashes
                     keys = array("q", keys).tolist()  # native order, as written
+                    before = copy.size
                     stored, duplicates = self._store_each(copy, keys, keys)
+                    self._held += copy.size - before
                 else:
                     stored, duplicates = index.store(copy.cid, keys)
                     copy.direct += stored
+                    self._held += stored
                 stats.stored_blocks += stored
                 stats.duplicate_blocks += duplicates
             elif copy is None:
@@ -643,6 +648,7 @@ class KvIndexer:
             else:
                 removed, unknown = index.remove(copy.cid, keys)
                 copy.direct -= removed
+                self._held -= removed
                 stats.removed_blocks += removed
                 stats.unknown_removals += unknown
                 self._forget_if_empty(copy)
@@ -696,6 +702,14 @@ class KvIndexer:
             return
         if copy is None:
             copy = self._copy(worker, medium, group)
+        before = copy.size
+        try:
+            self._store_into(copy, hashes, keys, identity)
+        finally:
+            self._held += copy.size - before
+
+    def _store_into(self, copy: _Copy, hashes: Any, keys: list, identity: bool) -> None:
+        stats = self.stats
         published = copy.published
         if identity and not published:
             # Every holding under its own key: the blocks this copy does not hold yet, in
@@ -767,6 +781,7 @@ class KvIndexer:
             stats.unknown_removals += len(hashes)
             return
         removed = unknown = 0
+        before = copy.size
         if not copy.published:
             # Every block held under its own key: one call.
             if type(hashes) is not list and type(hashes) is not tuple:
@@ -797,6 +812,7 @@ class KvIndexer:
                     copy.direct -= 1
                 self._index.unhold(key, copy.cid)
                 removed += 1
+        self._held += copy.size - before
         stats.removed_blocks += removed
         stats.unknown_removals += unknown
         self._forget_if_empty(copy)
