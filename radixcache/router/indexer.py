@@ -7,6 +7,7 @@ the block module (compiled when built); both are reached in one place below.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 import sys
@@ -106,6 +107,7 @@ def _event_token_bytes(token_ids: Any) -> bytes:
     return tokens_le_bytes(token_ids)
 
 
+@functools.lru_cache(maxsize=4096)  # a query's namespace is usually one of a few
 def _root_key(namespace: bytes) -> int:
     # The chain of a sequence starts from its namespace, so equal tokens in two namespaces
     # get different keys: the seed of the fast64 block hash, so a fast64 publisher's hashes
@@ -491,14 +493,15 @@ class KvIndexer:
             self._owner_tables.clear()
 
     def _owners(self, medium: Any) -> tuple:
-        """``(owners, workers)`` for ``BlockIndex.overlap``: ``owners[cid]`` is the position
-        in ``workers`` of the worker of the copy ``cid`` if it is on ``medium`` (a tier, or a
-        tuple of tiers: a block counts when the worker holds it on any of them), else -1."""
+        """``(owners, workers, owners as int64 bytes)`` for ``BlockIndex.overlap``:
+        ``owners[cid]`` is the position in ``workers`` of the worker of the copy ``cid`` if it
+        is on ``medium`` (a tier, or a tuple of tiers: a block counts when the worker holds it
+        on any of them), else -1."""
         media = medium if type(medium) is tuple else (medium,)
         table = self._owner_tables.get(medium)
         if table is None:
             version = self._cid_version
-            owners = [-1] * self._next_cid
+            owners = array("q", [-1]) * self._next_cid
             workers: list = []
             slots: dict = {}
             for copy in self._all_copies():
@@ -508,7 +511,7 @@ class KvIndexer:
                         slot = slots[copy.worker] = len(workers)
                         workers.append(copy.worker)
                     owners[copy.cid] = slot
-            table = (owners, workers)
+            table = (owners, workers, owners.tobytes())
             if version == self._cid_version:  # a worker id's __eq__ changed no copy
                 self._owner_tables[medium] = table
         return table
@@ -949,7 +952,7 @@ class KvIndexer:
 
     def _overlap_keys(self, keys: list, medium: Any) -> dict:
         """``overlap`` of blocks given by their keys: the leading ones each worker holds."""
-        owners, workers = self._owners(medium)
+        owners, workers, _ = self._owners(medium)
         n_owners = len(owners)
         depths: dict = {}
         active: Optional[list] = None
@@ -973,9 +976,7 @@ class KvIndexer:
         # The index hashes the query's blocks (``data``: int64 bytes, or a list of ints) and
         # walks them in one call, as far as any worker's run goes; workers reach it as
         # positions in ``workers``.
-        owners, workers = self._owners(medium)
-        if type(owners) is list:
-            owners = array("q", owners).tobytes()
+        _, workers, owners = self._owners(medium)
         return {workers[owner]: depth for owner, depth in self._index.overlap(
             _root_key(namespace), data, self._page_bytes, owners)}
 
