@@ -1,6 +1,6 @@
 """What ``ZmqEventSubscriber`` recovers, against real publishers, over loopback::
 
-    python benchmarks/event_recovery.py [--only late-join|long-replay|idle-tail]
+    python benchmarks/scripts/event_recovery.py [--only late-join|long-replay|idle-tail]
                                         [--batches 1000000] [--wait 10]
 
 - ``late-join``: vLLM 0.33's and SGLang 0.5.23's own publishers send 50 batches; then a
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 for _path in (REPO_ROOT, REPO_ROOT / "tests" / "events"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))

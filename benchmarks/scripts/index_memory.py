@@ -1,7 +1,7 @@
 """What ``KvIndexer`` holds per block, measured with tracemalloc (everything the index keeps
 reachable, from an empty index)::
 
-    python benchmarks/index_memory.py [--workers 100000] [--blocks 1000000]
+    python benchmarks/scripts/index_memory.py [--workers 100000] [--blocks 1000000]
 
 Rows: one distinct block per worker over ``--workers`` workers; ``--blocks`` blocks held by
 the last of ``--workers`` workers after all the others came and went (each stored and removed
@@ -19,7 +19,7 @@ import sys
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from radixcache.events import BlockRemoved, BlockStored, encode_namespace  # noqa: E402
 from radixcache.router import KvIndexer  # noqa: E402

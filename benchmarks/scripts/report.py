@@ -1,6 +1,6 @@
 """Run the benchmark workloads with time.perf_counter (best of N) and print Markdown tables.
 
-    python benchmarks/report.py [--quick] [--repeat N]
+    python benchmarks/scripts/report.py [--quick] [--repeat N]
                                 [--cases serve,incache,trace,exercise,reading,walk,match,evict]
                                 [--trace-limit N] [--json PATH]
 
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out.append("## Benchmark results\n")
     out.append(
-        f"`python benchmarks/report.py{' --quick' if args.quick else ''}` on "
+        f"`python benchmarks/scripts/report.py{' --quick' if args.quick else ''}` on "
         f"{platform.python_implementation()} {platform.python_version()}, "
         f"{platform.machine()}, {os.cpu_count()} CPUs, numpy {np.__version__}; "
         f"cores: {', '.join(cores)}"

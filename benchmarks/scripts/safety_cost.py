@@ -1,6 +1,6 @@
 """What the safety rules cost (issue 12): the re-entrancy guard per call, GC visibility of nodes.
 
-Run from the repository root: ``python benchmarks/safety_cost.py``. Prints ns per call for a
+Run from the repository root: ``python benchmarks/scripts/safety_cost.py``. Prints ns per call for a
 minimal call through each layer, the guard pattern alone, the exercise workload (10^5
 insert/exists from lists: time and memory), and a full ``gc.collect()`` with a large tree
 alive (nodes are tracked by the collector, so a full collection visits each one). Run it on
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _cases import core_of, exercise_ops, run_exercise_cache  # noqa: E402
 

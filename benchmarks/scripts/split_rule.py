@@ -12,8 +12,8 @@ stamps the lower half with the current call's time, put into a ``RadixCache(core
 Hit rates do not depend on the core (both cores make identical decisions; the test suite
 checks it), only the time taken does.
 
-    python benchmarks/split_rule.py                  # both workloads, every capacity below
-    python benchmarks/split_rule.py --quick          # fewer capacities
+    python benchmarks/scripts/split_rule.py                  # both workloads, every capacity below
+    python benchmarks/scripts/split_rule.py --quick          # fewer capacities
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import argparse
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
+BENCH_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = BENCH_DIR.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+for _path in (str(REPO_ROOT), str(BENCH_DIR)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 from _cases import core_of  # noqa: E402
 from radixcache import RadixCache  # noqa: E402

@@ -16,7 +16,7 @@ import torch
 from conftest import check_invariants, core_of, node_tokens
 from radixcache import InsertResult, MatchResult, RadixCache, RadixTreeNode
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def as_list(tensor: torch.Tensor) -> list[int]:

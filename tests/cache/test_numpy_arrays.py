@@ -26,7 +26,7 @@ from radixcache.workloads import HostPool, KVPool, ServingLoop, serve, synthetic
 if HAS_TORCH:  # else the cases that need it skip (needs_torch)
     import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def as_list(values) -> list:

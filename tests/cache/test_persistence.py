@@ -20,7 +20,7 @@ from radixcache.cache import STATE_FORMAT
 
 from conftest import check_invariants, core_of
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def dump(cache: RadixCache) -> list:

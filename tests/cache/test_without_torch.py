@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: The public modules a user of the command or of numpy-array caches imports.
 PUBLIC = ["radixcache", "radixcache.cli", "radixcache.workloads", "radixcache.traces",

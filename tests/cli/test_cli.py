@@ -19,7 +19,7 @@ from radixcache.workloads import serve, synthetic_chat
 
 from conftest import HAS_TORCH, mooncake_trace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MOONCAKE, MOONCAKE_MISSING = mooncake_trace("synthetic")
 
 # The keys of --json rows, in order: every column of the table.

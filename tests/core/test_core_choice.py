@@ -15,7 +15,7 @@ import radixcache
 from radixcache import RadixCache, RadixTreeNode
 from radixcache._core import CORES
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = (
     "import json, sys, radixcache\n"

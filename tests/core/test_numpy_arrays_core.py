@@ -24,7 +24,7 @@ from radixcache._core import CORES
 if HAS_TORCH:  # else the cases that need it skip (needs_torch)
     import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def numpy_core(core_name, page_size=1, policy="lru", host_tier=False, hits=0):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 PAGES = {"README.md": README}
 PAGES.update({f"docs/{page.name}": page.read_text() for page in sorted((ROOT / "docs").glob("*.md"))})

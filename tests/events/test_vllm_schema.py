@@ -32,7 +32,7 @@ try:
 except ImportError:
     msgspec = zmq = None
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_DIR = Path(os.environ.get("VLLM_KV_EVENTS_DIR", REPO_ROOT / "tests" / ".vllm"))
 SCHEMA_FILE = SCHEMA_DIR / "vllm" / "distributed" / "kv_events.py"
 SOCKET_WAIT_S = 10.0

@@ -23,7 +23,7 @@ worker and the TP group are None (the factory reads none of them for a full-atte
 the server arguments are SGLang's own test install (``RuntimeContext.override_server_args``).
 
 The one deliberate difference (docs/sglang.md) is applied to SGLang's side, exactly as
-tests/test_vs_sglang.py does: where a match or insert ends inside a node, SGLang stamps the
+tests/integrations/test_vs_sglang.py does: where a match or insert ends inside a node, SGLang stamps the
 unmatched lower half as just used; here that half gets back the access time it had before the
 call. That needs SGLang's Python TreeCore (``tree_core_backend="python"``; the Rust TreeCore,
 SGLang's default, is compiled and cannot be patched; SGLang keeps the two equal).

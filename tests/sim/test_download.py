@@ -206,7 +206,7 @@ def test_default_dir(monkeypatch, tmp_path):
 
 def test_catalogue_matches_the_shared_copies():
     # The recorded sizes and checksums were taken from these copies of the published files.
-    shared = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+    shared = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
     present = [name for name in ("conversation", "synthetic")
                if (shared / download.TRACES[name].filename).is_file()]
     if not present:

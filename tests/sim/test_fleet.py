@@ -28,7 +28,7 @@ from radixcache.workloads import Request, serve, synthetic_chat
 
 from conftest import mooncake_trace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MOONCAKE, MOONCAKE_MISSING = mooncake_trace("synthetic")
 FAR_APART_MS = 10**7  # every request finishes long before the next arrives
 

@@ -22,7 +22,7 @@ from radixcache.traces import MOONCAKE, TOKENS, Trace, TraceError, _parse, read_
 from radixcache.workloads import Request, serve, synthetic_chat
 from radixcache.workloads.requests import take_buffer
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 SHARED_TRACES = ["mooncake_synthetic_trace.jsonl", "mooncake_conversation_trace.jsonl"]
 
 
