@@ -42,6 +42,24 @@ def mooncake_trace(name: str = "synthetic"):
     return _find_trace(name, SHARED_TRACES)
 
 
+#: The fixtures that run a test once per tree core or block module, all in one pytest run.
+CORE_FIXTURES = frozenset({"core_name", "make_cache", "blocks"})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark ``default_core`` every test that takes none of ``CORE_FIXTURES`` (and is not marked
+    ``core_independent``): it uses whichever core ``RadixCache()`` picks by default, directly,
+    through the serving loop or the fleet, or in a subprocess (the command). CI runs the
+    suite once (the compiled core by default; the core-parametrized tests on every core), then
+    only these again with ``RADIXCACHE_NO_EXTENSIONS=1 python -m pytest -m default_core``, so
+    the default core's pure-Python choice is tested too and nothing else runs twice."""
+    for item in items:
+        if item.get_closest_marker("core_independent"):
+            continue
+        if CORE_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.default_core)
+
+
 @pytest.fixture(params=list(CORES), ids=list(CORES))
 def core_name(request) -> str:
     """The name of one available tree core ("python", and "c" once it is built)."""
@@ -77,7 +95,7 @@ def check_index_array(cache: RadixCache, values, cpu: bool = False) -> None:
         assert type(values) is np.ndarray, type(values)
         assert values.ndim == 1 and values.dtype == np.int64
         return
-    import torch  # noqa: PLC0415 -- a torch cache: torch is there
+    import torch  # a torch cache: torch is there
 
     assert isinstance(values, torch.Tensor) and values.dim() == 1
     assert values.dtype == torch.int64

@@ -19,6 +19,9 @@ import textwrap
 
 import pytest
 
+#: Docstrings only: no tree core runs, so the pure-core CI run leaves these out.
+pytestmark = pytest.mark.core_independent
+
 MODULES = (
     "radixcache",
     "radixcache.router",
@@ -164,7 +167,8 @@ def problems_of(label: str, obj) -> list:
     return check_callable(label, obj, _own_doc(obj))
 
 
-@pytest.mark.parametrize("label, obj", list(public_objects()), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("label, obj", list(public_objects()),
+                         ids=lambda v: v if isinstance(v, str) else "")
 def test_public_name_is_documented(label, obj):
     problems = problems_of(label, obj)
     assert not problems, "\n".join(problems)

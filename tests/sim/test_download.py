@@ -14,6 +14,9 @@ import pytest
 from radixcache import download
 from radixcache.cli import main
 
+#: Downloads only: no tree core runs, so the pure-core CI run leaves these out.
+pytestmark = pytest.mark.core_independent
+
 LINE = b'{"timestamp": %d, "input_length": 600, "output_length": 3, "hash_ids": [%d, %d]}\n'
 BODY = b"".join(LINE % (i, i, i + 1) for i in range(50))
 
@@ -21,7 +24,7 @@ BODY = b"".join(LINE % (i, i, i + 1) for i in range(50))
 class Handler(http.server.BaseHTTPRequestHandler):
     """Serves ``server.routes[path] = (status, body, declared length or None)``."""
 
-    def do_GET(self):  # noqa: N802 -- http.server's spelling
+    def do_GET(self):  # http.server's spelling
         self.server.hits.append(self.path)
         status, body, declared = self.server.routes.get(self.path, (404, b"not found", None))
         self.send_response(status)
