@@ -21,15 +21,15 @@ REPO_ROOT = BENCH_DIR.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from radixcache import RadixCache  # noqa: E402
-from radixcache._core import CORES  # noqa: E402
-from radixcache.download import find as find_trace  # noqa: E402
-from radixcache.traces import read_trace  # noqa: E402
-from radixcache.workloads import INPUT_TYPES, InCacheTiming, time_cached_calls  # noqa: E402
-from radixcache.workloads import Request  # noqa: E402
-from radixcache.workloads import deep_exercise_ops as make_deep_exercise_ops  # noqa: E402
-from radixcache.workloads import exercise_ops as make_exercise_ops  # noqa: E402
-from radixcache.workloads import synthetic_chat, walk_cost  # noqa: E402
+from radixcache import RadixCache
+from radixcache._core import CORES
+from radixcache.download import find as find_trace
+from radixcache.traces import read_trace
+from radixcache.workloads import InCacheTiming, time_cached_calls
+from radixcache.workloads import Request
+from radixcache.workloads import deep_exercise_ops as make_deep_exercise_ops
+from radixcache.workloads import exercise_ops as make_exercise_ops
+from radixcache.workloads import synthetic_chat, walk_cost
 
 #: The Mooncake-style trace; in CI the shared folder sits next to the repository root.
 #: Elsewhere, ``radixcache trace download synthetic`` puts it where TRACE_MISSING says.
@@ -140,7 +140,7 @@ def exercise_ops_of(shape: str, num_ops: int) -> list:
 def ops_as_arrays(ops: list) -> list:
     """The same ops with each token list as an ``array('q')`` (one array per list object, so
     repeated calls still share their input)."""
-    from array import array  # noqa: PLC0415
+    from array import array
 
     made: dict = {}
     out = []

@@ -118,7 +118,7 @@ class _TimedCache:
 
 def _split(core, page_size, write_policy, requests, capacity):
     """Best-round microseconds per request by call name, one tier and tiered."""
-    from radixcache.workloads import serve  # noqa: PLC0415
+    from radixcache.workloads import serve
 
     best = ({}, {})
     for _ in range(SPLIT_ROUNDS):
@@ -152,7 +152,7 @@ def _split_text(plain, tiered):
 
 
 def _run_pair(benchmark, note, core, page_size, write_policy, requests, capacity):
-    from radixcache.workloads import serve  # noqa: PLC0415 -- keep collection cheap
+    from radixcache.workloads import serve  # keep collection cheap
 
     _host_cache(core, page_size, write_policy)  # skip early where there is no host tier
     host_capacity = HOST_RATIO * capacity

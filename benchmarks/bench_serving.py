@@ -28,7 +28,7 @@ TRACE_LIMIT = FULL.trace_limit
 
 
 def _run_serve(benchmark, note, core, page_size, requests, capacity, rounds):
-    from radixcache.workloads import serve  # noqa: PLC0415 -- keep collection cheap
+    from radixcache.workloads import serve  # keep collection cheap
 
     results = []
 

@@ -47,9 +47,9 @@ for _path in (str(BENCH_DIR.parent), str(BENCH_DIR)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from radixcache._core import CORES  # noqa: E402
-from radixcache.traces import read_trace  # noqa: E402
-from radixcache.workloads import FRESH_TOKEN_BASE, synthetic_chat  # noqa: E402
+from radixcache._core import CORES
+from radixcache.traces import read_trace
+from radixcache.workloads import FRESH_TOKEN_BASE, synthetic_chat
 
 try:
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
@@ -67,7 +67,7 @@ except Exception as exc:  # ImportError, or one of SGLang's own imports failing
     pytest.skip(f"SGLang 0.5.23 is not importable ({type(exc).__name__}: {exc}); "
                 "install it with `bash tests/install_sglang.sh`", allow_module_level=True)
 
-from radixcache.integrations import sglang as backend_module  # noqa: E402
+from radixcache.integrations import sglang as backend_module
 
 torch.set_num_threads(1)
 IMPLEMENTATIONS = ("radixcache", "sglang")

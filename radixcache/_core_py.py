@@ -254,7 +254,7 @@ from typing import Any
 import numpy as np
 
 # A BlockIndex pickled while the block index lived in this module names its loader here.
-from ._blocks_py import _block_index_from  # noqa: F401
+from ._blocks_py import _block_index_from  # noqa: F401 -- the loader old pickles name
 from ._errors import reentered, stale_match
 from ._handover import hand_over_batch, host_indices_bytes
 from ._heap_py import EvictionHeap, device_leaf, host_leaf
@@ -445,7 +445,7 @@ class Core:
         self._take(held, "reset")
         try:
             old_root = self.tree._clear()  # noqa: F841 -- released after the guard
-            old_queue = self.tree._queue  # noqa: F841
+            old_queue = self.tree._queue  # noqa: F841 -- held until the call returns
             self.tree._queue = deque()
             old_entries = []
             for heap in (self.heap, self.host_heap):
@@ -492,7 +492,7 @@ class Core:
             self.matched_tokens += length
             last = path[-1]
             if self._push_on_access:
-                dropped = self._push_if_evictable(last)  # noqa: F841
+                dropped = self._push_if_evictable(last)  # noqa: F841 -- held until the call returns
             return MatchResult(tree._gather(path), last, length)
         finally:
             if not held:
@@ -517,9 +517,9 @@ class Core:
         last = device[-1] if device else tree.root
         last_host = path[-1] if host_length else None
         if self._push_on_access:
-            dropped = self._push_if_evictable(last)  # noqa: F841
+            dropped = self._push_if_evictable(last)
             if last_host is not None and host_leaf(last_host):
-                dropped = self.host_heap._push(last_host)  # noqa: F841
+                dropped = self.host_heap._push(last_host)  # noqa: F841 -- held until the call returns
         indices = tree._gather(device) if device else empty_indices(self._numpy_arrays)
         return MatchResult(indices, last, device_length, host_length, last_host)
 
@@ -563,9 +563,9 @@ class Core:
                     tree._store_value(new_leaf, values[end - added:end])
                 self.evictable += added
                 self.inserted_tokens += added
-                dropped = self.heap._push(new_leaf)  # noqa: F841
+                dropped = self.heap._push(new_leaf)
             elif self._push_on_access or adopted is not None:
-                dropped = self._push_if_evictable(last)  # noqa: F841
+                dropped = self._push_if_evictable(last)  # noqa: F841 -- held until the call returns
             if self.write_through_hits:
                 self._queue_due(last)
             return InsertResult(prefix_len, last)
@@ -640,7 +640,7 @@ class Core:
                 self.evictable += moved
                 self.protected -= moved
                 # Only the bottom node can have become an evictable leaf.
-                dropped = self._push_if_evictable(node)  # noqa: F841
+                dropped = self._push_if_evictable(node)  # noqa: F841 -- held until the call returns
             return moved
         finally:
             if not held:
@@ -659,11 +659,11 @@ class Core:
         self._take(held, "evict")
         try:
             size = node.num_tokens
-            parent, value = self.tree._detach_leaf(node)  # noqa: F841 -- value released later
+            parent, value = self.tree._detach_leaf(node)  # value released later
             self.evictable -= size
             self.evictions += 1
             self.evicted_tokens += size
-            dropped = self._push_if_evictable(parent)  # noqa: F841
+            dropped = self._push_if_evictable(parent)  # noqa: F841 -- held until the call returns
             return size
         finally:
             if not held:
@@ -956,7 +956,7 @@ class Core:
                 hosts.append(node._host)
                 start += size
             self.loaded_tokens += match.host_length
-            dropped = self._push_if_evictable(nodes[-1])  # noqa: F841
+            dropped = self._push_if_evictable(nodes[-1])  # noqa: F841 -- held until the call returns
             if on_load is not None:
                 for node in nodes:
                     on_load(node)
@@ -1008,7 +1008,7 @@ class Core:
         try:
             if self._numpy_arrays and not isinstance(values, np.ndarray):
                 raise _cpu_values_only("set_value", values)
-            previous = self.tree._store_value(node, values)  # noqa: F841
+            previous = self.tree._store_value(node, values)  # noqa: F841 -- held until the call returns
         finally:
             if not held:
                 self._leave()

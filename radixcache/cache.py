@@ -294,7 +294,7 @@ class RadixCache:
             if not enable_events:
                 raise ValueError("event_options given without enable_events=True")
         if enable_events:
-            from .events.recorder import new_recorder  # noqa: PLC0415 -- optional feature
+            from .events.recorder import new_recorder  # optional feature
 
             self._events = new_recorder(page_size, event_options, host_tier=host_tier)
         numpy_arrays = {"numpy_arrays": True} if array_type == "numpy" else {}

@@ -35,14 +35,14 @@ for _path in (REPO_ROOT, REPO_ROOT / "tests" / "events"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-import radixcache.events as ev  # noqa: E402
-from engine_publishers import (  # noqa: E402
+import radixcache.events as ev
+from engine_publishers import (
     EnginePublisher,
     load_sglang_kv_events,
     load_vllm_kv_events,
     short_workdir,
 )
-from transport_helpers import LossyLink  # noqa: E402
+from transport_helpers import LossyLink
 
 ENGINES = {"vllm": load_vllm_kv_events, "sglang": load_sglang_kv_events}
 

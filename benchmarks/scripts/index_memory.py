@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from radixcache.events import BlockRemoved, BlockStored, encode_namespace  # noqa: E402
-from radixcache.router import KvIndexer  # noqa: E402
-from radixcache.router.indexer import _page_keys, _root_key  # noqa: E402
+from radixcache.events import BlockRemoved, BlockStored, encode_namespace
+from radixcache.router import KvIndexer
+from radixcache.router.indexer import _page_keys, _root_key
 
 BLOCK = 16
 CHUNK = 10_000  # blocks per stored event

@@ -25,9 +25,9 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import _cases as cases  # noqa: E402
+import _cases as cases
 
 CASE_NAMES = ("serve", "incache", "trace", "exercise", "reading", "walk", "match", "evict")
 clock = time.perf_counter
@@ -104,8 +104,8 @@ def progress(msg: str) -> None:
 def run_serving(requests: list, capacity: int, cores: list[str], repeat: int,
                 label: str) -> dict:
     """{page_size: {core: {"whole": s, "cache": s, "hit_rate": .., "evicted": ..}}}."""
-    from radixcache import RadixCache  # noqa: PLC0415
-    from radixcache.workloads import serve  # noqa: PLC0415
+    from radixcache import RadixCache
+    from radixcache.workloads import serve
 
     out: dict = {}
     for page_size in cases.SERVE_PAGE_SIZES:
@@ -276,7 +276,8 @@ class Targets:
         if value is None:
             self.rows.append([what, "-", goal, missing if met is not None else "-"])
             return
-        shown = f"{value:.2f}x" if unit == "x" else f"{value:.0f}{' ' if unit == 'ns' else ''}{unit}"
+        space = " " if unit == "ns" else ""
+        shown = f"{value:.2f}x" if unit == "x" else f"{value:.0f}{space}{unit}"
         if met is None:
             self.rows.append([what, shown, goal, "-"])
         else:

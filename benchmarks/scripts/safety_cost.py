@@ -20,10 +20,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _cases import core_of, exercise_ops, run_exercise_cache  # noqa: E402
+from _cases import core_of, exercise_ops, run_exercise_cache
 
-from radixcache import RadixCache  # noqa: E402
-from radixcache._core import CORES  # noqa: E402
+from radixcache import RadixCache
+from radixcache._core import CORES
 
 
 def per_call_ns(fn, calls: int = 200_000, rounds: int = 7) -> float:
@@ -62,7 +62,7 @@ def main() -> None:
         cache.insert([1, 2, 3])
         core_object = core_of(cache)
 
-        def cache_exists(calls: int, exists=cache.exists, tokens=[1, 2, 3]) -> None:
+        def cache_exists(calls: int, exists=cache.exists, tokens=[1, 2, 3]) -> None:  # noqa: B006 -- never mutated
             for _ in range(calls):
                 exists(tokens)
 

@@ -28,11 +28,11 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from _cases import core_of  # noqa: E402
-from radixcache import RadixCache  # noqa: E402
-from radixcache import _core_py  # noqa: E402
-from radixcache.traces import read_trace  # noqa: E402
-from radixcache.workloads import serve, synthetic_chat  # noqa: E402
+from _cases import core_of
+from radixcache import RadixCache
+from radixcache import _core_py
+from radixcache.traces import read_trace
+from radixcache.workloads import serve, synthetic_chat
 
 TRACE_PATH = REPO_ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 

@@ -24,7 +24,7 @@ def build(core: str, policy: str, page_size: int, seed: int, with_kv: bool):
              for _ in range(6)]
     locked = []
     slot = 1000
-    for i in range(60):
+    for _i in range(60):
         seq = rng.choice(bases)[: rng.randrange(0, 5 * page_size + 1)]
         seq = seq + [rng.randrange(50) for _ in range(rng.randrange(1, 4) * page_size)]
         kv = None

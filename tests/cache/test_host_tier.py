@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from conftest import check_invariants, core_of, node_tokens
-from radixcache import RadixCache
 from radixcache.events import BlockRemoved, BlockStored
 from radixcache.router import KvIndexer
 
@@ -636,7 +635,7 @@ def test_every_policy_keeps_the_tier_invariants(make_cache, policy, write_policy
     pool = HostPool(capacity=40)
     locked = []
     slot = 1000
-    for step in range(150):
+    for _step in range(150):
         seq = [int(t) for t in rng.integers(0, 3, size=int(rng.integers(0, 12)))]
         op = rng.integers(0, 6)
         if op == 0:

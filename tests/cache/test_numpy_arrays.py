@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import ARRAY_TYPE_PARAMS, HAS_TORCH, check_invariants, needs_torch
-from radixcache import ARRAY_TYPES, RadixCache
+from radixcache import ARRAY_TYPES
 from radixcache.workloads import HostPool, KVPool, ServingLoop, serve, synthetic_chat
 
 if HAS_TORCH:  # else the cases that need it skip (needs_torch)

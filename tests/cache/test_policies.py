@@ -44,7 +44,8 @@ def evictable_leaves(cache) -> list:
 
 
 def locked_nodes(cache) -> list:
-    return [node for node, depth in core_of(cache).tree.iter_nodes() if depth > 0 and node.lock_ref > 0]
+    return [node for node, depth in core_of(cache).tree.iter_nodes()
+            if depth > 0 and node.lock_ref > 0]
 
 
 def evict_one_checked(cache, policy: str) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import check_invariants, page_sequences
-from radixcache import CacheStats, RadixCache
+from radixcache import CacheStats
 
 POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "slru", "priority")
 

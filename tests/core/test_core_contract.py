@@ -51,7 +51,8 @@ def call_problems(expected: inspect.Signature, actual: inspect.Signature) -> lis
         have = got[i]
         if have.name != param.name:
             problems.append(f"parameter {i} is {have.name!r}, not {param.name!r}")
-        elif have.kind is not param.kind and have.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+        elif (have.kind is not param.kind
+              and have.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD):
             problems.append(f"{param.name!r} is {have.kind.description}, not "
                             f"{param.kind.description}")
         elif param.default is not param.empty and (have.default is have.empty

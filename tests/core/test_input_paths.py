@@ -321,7 +321,8 @@ def test_a_backup_changing_its_device_tensor_leaves_the_node_as_it_was(make_cach
 
 
 @pytest.mark.parametrize("method", ["insert", "match_prefix", "exists"])
-@pytest.mark.parametrize("tokens", [SEQ, np.array(SEQ), torch.tensor(SEQ), [IndexInt(t) for t in SEQ]],
+@pytest.mark.parametrize("tokens", [SEQ, np.array(SEQ), torch.tensor(SEQ),
+                                    [IndexInt(t) for t in SEQ]],
                          ids=["list", "numpy", "tensor", "index-objects"])
 def test_nested_call_from_extra_key_hash_raises_on_every_path(make_cache, method, tokens):
     # Fast path or validation path: a call from inside a call is refused, nothing changes.
@@ -356,7 +357,8 @@ def test_both_cores_agree_on_a_mixed_stream():
     caches = {name: RadixCache(page_size=2, core=name) for name in CORES}
     base = rng.integers(0, 50, size=40).tolist()
     for step in range(300):
-        seq = base[: int(rng.integers(0, 40))] + rng.integers(0, 50, size=int(rng.integers(0, 6))).tolist()
+        head = base[: int(rng.integers(0, 40))]
+        seq = head + rng.integers(0, 50, size=int(rng.integers(0, 6))).tolist()
         make = makers[step % len(makers)]
         op = int(rng.integers(3))
         outcomes = []
@@ -402,9 +404,9 @@ def test_both_cores_read_edge_ints_in_lists_alike():
         for second in EDGE_INTS[i:]:
             for make in (list, tuple):
                 seq = make([7, first, second])
-                outcomes = [(_outcome(lambda: cache.insert(seq)),
-                             _outcome(lambda: cache.match_prefix(seq)),
-                             _outcome(lambda: cache.exists(seq)))
+                outcomes = [(_outcome(lambda: cache.insert(seq)),  # noqa: B023 -- run now
+                             _outcome(lambda: cache.match_prefix(seq)),  # noqa: B023 -- run now
+                             _outcome(lambda: cache.exists(seq)))  # noqa: B023 -- run now
                             for cache in caches.values()]
                 assert all(o == outcomes[0] for o in outcomes), (first, second, outcomes)
     assert len({repr(c.stats()) for c in caches.values()}) == 1

@@ -378,7 +378,7 @@ class Driver:
                 if not self.locked:
                     return ("no lock",)
                 out = core.lock(self.locked.pop(op["pick"] % len(self.locked)), -1)
-        except Exception as exc:  # noqa: BLE001 -- compared across modes
+        except Exception as exc:  # compared across modes
             # Node ids come from one counter per core module: they differ between the two.
             out = ("raised", type(exc).__name__, re.sub(r"\d+", "#", str(exc)))
         return out, log

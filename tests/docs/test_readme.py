@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 PAGES = {"README.md": README}
-PAGES.update({f"docs/{page.name}": page.read_text() for page in sorted((ROOT / "docs").glob("*.md"))})
+PAGES.update({f"docs/{page.name}": page.read_text()
+              for page in sorted((ROOT / "docs").glob("*.md"))})
 BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
 EXAMPLES = [(name, block) for name, text in PAGES.items()
             for block in re.findall(r"```python\n(.*?)```", text, re.S)]

@@ -448,7 +448,8 @@ def test_events_pickled_by_0_1_0_still_load():
     # Pickled when radixcache.events was one module: the names must still resolve.
     import pickle
 
-    objs = pickle.loads((Path(__file__).resolve().parents[1] / "data" / "radixcache-0.1.0.pickle").read_bytes())
+    data = Path(__file__).resolve().parents[1] / "data"
+    objs = pickle.loads((data / "radixcache-0.1.0.pickle").read_bytes())
     stored, removed, cleared = objs["stored"], objs["removed"], objs["cleared"]
     assert (type(stored), type(removed), type(cleared)) == (
         ev.BlockStored, ev.BlockRemoved, ev.AllBlocksCleared)

@@ -358,8 +358,8 @@ class Replay:
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda p: f"page{p}")
 def test_same_decisions_as_sglang(make_cache, monkeypatch, page_size, policy):
-    replay = Replay(make_cache, page_size, policy, seed=zlib.crc32(f"{page_size}-{policy}".encode()),
-                    monkeypatch=monkeypatch)
+    seed = zlib.crc32(f"{page_size}-{policy}".encode())
+    replay = Replay(make_cache, page_size, policy, seed=seed, monkeypatch=monkeypatch)
     for _ in range(OPS):
         replay.step()
     stats = replay.ours.stats()

@@ -555,7 +555,7 @@ class HostTierMachine(RuleBasedStateMachine):
         freed = self.cache.evict_host(num_tokens, lambda idx: got.append(idx.tolist()),
                                       batch=batch)
         gone = [span for span in spans if span[0].evicted]
-        for node, ns, before, key, dev, hst, lock_ref in gone:
+        for _node, ns, before, key, dev, hst, lock_ref in gone:
             assert dev is None and hst is not None and lock_ref == 0
             for end in self.page_ends(len(key)):
                 del self.model[ns][before + key[:end]]
@@ -668,7 +668,7 @@ class HostTierMachine(RuleBasedStateMachine):
             assert self.indexer.blocks_held(0, medium="CPU") == host_pages
         else:
             assert self.indexer.blocks_held(0, medium="CPU") <= host_pages
-        for node, ns, before, key, dev, hst, _ in spans:
+        for _node, ns, before, key, dev, _hst, _ in spans:
             tokens = list(before + key)
             on_gpu = self.indexer.overlap(tokens, ns).get(0, 0)
             assert on_gpu == (len(tokens) // self.page_size if dev is not None

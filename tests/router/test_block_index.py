@@ -118,7 +118,7 @@ def test_random_operations_match_the_model(blocks, seed):
     # (the table grows, and shrinks as they leave); extreme int64 values included.
     pool = [rng.randrange(-I64 - 1, I64 + 1) for _ in range(40)] + [0, -1, I64, -I64 - 1]
     index, model = blocks.BlockIndex(), Model()
-    for step in range(600):
+    for _step in range(600):
         op = rng.randrange(9)
         copy = rng.randrange(4)
         if op == 0:

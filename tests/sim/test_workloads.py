@@ -423,7 +423,7 @@ def test_pool_capacity_beyond_what_a_machine_addresses_is_refused(make):
 @pytest.fixture
 def torch_bound():
     """The cores' torch names bound (until then they take no tensor: nothing counts as one)."""
-    from radixcache._torch import load_torch  # noqa: PLC0415
+    from radixcache._torch import load_torch
 
     load_torch()
 
@@ -573,7 +573,7 @@ _SLOT_KINDS = {
 def test_pool_free_takes_every_input_kind(monkeypatch, pool_kind, kind, push, torch_bound):
     # Whichever path an input takes (a core's one-pass push, or the pool's checked numpy
     # path), the pool ends the same, and refuses the same bad input with the same error.
-    from radixcache.workloads import pools  # noqa: PLC0415
+    from radixcache.workloads import pools
 
     monkeypatch.setattr(pools, "_put_slots", None if push == "none" else CORES[push].put_slots)
     make = _SLOT_KINDS[kind]
@@ -604,7 +604,7 @@ def test_pool_free_takes_every_input_kind(monkeypatch, pool_kind, kind, push, to
 def test_put_slots_holds_no_ids_while_numpy_warns(core, torch_bound):
     # Exporting a stack that warns on writes (a broadcast array) runs Python code: a
     # warning hook that swaps the ids' storage must not leave the push reading freed memory.
-    import warnings  # noqa: PLC0415
+    import warnings
 
     put_slots = CORES[core].put_slots
     stack, _ = np.broadcast_arrays(np.array(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
