@@ -1,7 +1,7 @@
 """Fleet simulation against the single-cache replay, side by side, on the Mooncake
-conversation trace (``../shared/traces/mooncake_conversation_trace.jsonl``, skipped without
-it): one 4-worker ``cache-aware`` run (``simulate_fleet``: the workers hand their blocks'
-keys to the router's ``KvIndexer``, which applies them before every decision) and one
+conversation trace (``radixcache trace download conversation``, or ``RADIXCACHE_TRACE_DIR``;
+skipped without it): one 4-worker ``cache-aware`` run (``simulate_fleet``: the workers hand
+their blocks' keys to the router's ``KvIndexer``, which applies them before every decision) and one
 ``round-robin`` run (no events), against ``serve()`` of one cache, all at 2,000,000 slots (per
 worker for the fleet) and 16-token pages, compiled core. Rounds alternate between the three,
 so machine noise hits them alike; the summary gives each fleet run's best time over the
@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from _cases import REPO_ROOT
+from _cases import trace_file
 
-CONVERSATION_TRACE = REPO_ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+CONVERSATION_TRACE, CONVERSATION_MISSING = trace_file("conversation")
 CAPACITY = 2_000_000
 PAGE_SIZE = 16
 WORKERS = 4
@@ -31,7 +31,7 @@ ROUNDS = 3
 @pytest.fixture(scope="module")
 def conversation():
     if not CONVERSATION_TRACE.is_file():
-        pytest.skip(f"trace not found: {CONVERSATION_TRACE}")
+        pytest.skip(CONVERSATION_MISSING)
     from radixcache.traces import read_trace
 
     limit = os.environ.get("RADIXCACHE_BENCH_FLEET_LIMIT")

@@ -37,7 +37,7 @@ import time
 
 import pytest
 
-from _cases import FULL, REPO_ROOT, benchmark_min_seconds, chat_requests, find_trace
+from _cases import FULL, benchmark_min_seconds, chat_requests, trace_file
 from radixcache import RadixCache
 from radixcache.traces import read_trace
 from radixcache.workloads import Request
@@ -52,8 +52,7 @@ SPLIT_ROUNDS = 3
 HOST_ONLY_CALLS = ("load_back", "evict_host", "write_through", "host_size", "backup")
 CONVERSATION_LIMIT = 3000
 CONVERSATION_CAPACITY = 1_000_000
-_CONVERSATION, _CONVERSATION_MISSING = find_trace(
-    "conversation", REPO_ROOT.parent / "shared" / "traces")
+_CONVERSATION, _CONVERSATION_MISSING = trace_file("conversation")
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,7 @@ for _path in (str(BENCH_DIR.parent), str(BENCH_DIR)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from _cases import trace_file
 from radixcache._core import CORES
 from radixcache.traces import read_trace
 from radixcache.workloads import FRESH_TOKEN_BASE, synthetic_chat
@@ -71,9 +72,7 @@ from radixcache.integrations import sglang as backend_module
 
 torch.set_num_threads(1)
 IMPLEMENTATIONS = ("radixcache", "sglang")
-TRACE = Path(os.environ.get("RADIXCACHE_MOONCAKE_CONVERSATION",
-                            BENCH_DIR.parent.parent / "shared" / "traces"
-                            / "mooncake_conversation_trace.jsonl"))
+TRACE = Path(os.environ.get("RADIXCACHE_MOONCAKE_CONVERSATION", trace_file("conversation")[0]))
 CASES = {  # name -> (page size, pool tokens)
     "chat-page1": (1, 1 << 16),
     "chat-page16": (16, 1 << 16),

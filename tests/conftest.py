@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,8 +20,10 @@ from radixcache import ARRAY_TYPES, RadixCache
 from radixcache._core import BLOCKS, CORES
 from radixcache.download import find as _find_trace
 
-#: Where CI keeps the Mooncake traces: a folder next to the repository.
-SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+#: Folders that may hold the Mooncake traces, searched before ``radixcache trace download``'s:
+#: the ``os.pathsep``-separated ``RADIXCACHE_TRACE_DIR`` (.ci/run points it at CI's shared copies).
+TRACE_DIRS = tuple(Path(p) for p in os.environ.get("RADIXCACHE_TRACE_DIR", "").split(os.pathsep)
+                   if p)
 
 
 #: Whether PyTorch is installed. Asked of the import system: collecting the tests imports no
@@ -37,13 +40,14 @@ ARRAY_TYPE_PARAMS = [pytest.param(kind, marks=needs_torch) if kind == "torch" el
 
 
 def mooncake_trace(name: str = "synthetic"):
-    """(path, "") of a Mooncake trace -- the shared copy, else ``radixcache trace download``'s
+    """(path, "") of a Mooncake trace -- in ``TRACE_DIRS``, else ``radixcache trace download``'s
     -- or (None, a skip message saying where it looked and how to get it)."""
-    return _find_trace(name, SHARED_TRACES)
+    return _find_trace(name, *TRACE_DIRS)
 
 
-#: The fixtures that run a test once per tree core or block module, all in one pytest run.
-CORE_FIXTURES = frozenset({"core_name", "make_cache", "blocks"})
+#: The fixtures that run a test once per tree core or block module, all in one pytest run
+#: (``core``: a few modules parametrize their own by ``CORES``).
+CORE_FIXTURES = frozenset({"core_name", "make_cache", "blocks", "core"})
 
 
 def pytest_collection_modifyitems(config, items) -> None:

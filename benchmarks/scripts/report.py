@@ -5,10 +5,10 @@
                                 [--trace-limit N] [--json PATH]
 
 Same workloads as the pytest-benchmark files (``benchmarks/_cases.py``), every core of this
-build side by side ("python" always, "c" once compiled), then the ratios against the targets
-of issues 3 and 9. Times are the best of N runs; rounds of different cores are interleaved so that
-load from other processes hits them alike. docs/performance.md is made
-from this output.
+build side by side ("python" always, "c" once compiled), then a table of the ratios against
+the project's speed goals (compiled against pure core). Times are the best of N runs; rounds of
+different cores are interleaved so that load from other processes hits them alike.
+docs/performance.md is made from this output.
 """
 
 from __future__ import annotations

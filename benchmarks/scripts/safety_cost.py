@@ -1,4 +1,4 @@
-"""What the safety rules cost (issue 12): the re-entrancy guard per call, GC visibility of nodes.
+"""What the safety rules cost: the re-entrancy guard per call, GC visibility of nodes.
 
 Run from the repository root: ``python benchmarks/scripts/safety_cost.py``. Prints ns per call for a
 minimal call through each layer, the guard pattern alone, the exercise workload (10^5

@@ -28,13 +28,13 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from _cases import core_of
+from _cases import core_of, trace_file
 from radixcache import RadixCache
 from radixcache import _core_py
 from radixcache.traces import read_trace
 from radixcache.workloads import serve, synthetic_chat
 
-TRACE_PATH = REPO_ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE_PATH = trace_file("synthetic")[0]
 
 
 class StampLowerHalfTree(_core_py.Tree):

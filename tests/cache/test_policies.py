@@ -1,5 +1,5 @@
 """Eviction policies: exact hand-built orders per policy, and a Hypothesis property that every
-eviction takes a minimum of the policy's order (computed here from the issue's definitions, not
+eviction takes a minimum of the policy's order (computed here from the documented definitions, not
 from the heap's own key) among the evictable leaves present just before it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conftest import check_invariants, core_of, page_sequences
 POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "slru", "priority")
 
 
-# -- the policies' order, written from the issue text --------------------------------------
+# -- the policies' order, written from their documented definitions -------------------------
 def expected_rank(policy: str, node) -> tuple:
     """Smaller goes first. Every policy starts with priority; no node-id tie-break, so a full
     tie on the definition's attributes leaves several acceptable victims."""

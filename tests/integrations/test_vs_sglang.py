@@ -309,7 +309,7 @@ class Replay:
 
     def evict(self) -> None:
         if self.rng.random() < 0.5:
-            # The issue's recipe: touch the inserted sequences in a random order first.
+            # Touch the inserted sequences in a random order first, so recency differs.
             for tokens, extra_key in self.rng.sample(self.sequences, len(self.sequences)):
                 self.match(tokens, extra_key)
         keys = self.sgl.leaf_keys()
@@ -372,7 +372,7 @@ def test_same_decisions_as_sglang(make_cache, monkeypatch, page_size, policy):
 
 def test_split_rule_correction_matters(make_cache, monkeypatch):
     """Without correction 1, SGLang's stamped lower half makes the two evict different
-    leaves: the scenario from the issue, so the correction above is known to matter."""
+    leaves in this scenario, so the correction above is known to matter."""
     clock = _Clock()
     monkeypatch.setattr(sgl_radix, "time", clock)
     monkeypatch.setattr(sgl_radix, "TreeNode", _TreeNode)

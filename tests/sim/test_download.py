@@ -13,6 +13,7 @@ import pytest
 
 from radixcache import download
 from radixcache.cli import main
+from conftest import TRACE_DIRS
 
 #: Downloads only: no tree core runs, so the pure-core CI run leaves these out.
 pytestmark = pytest.mark.core_independent
@@ -209,13 +210,12 @@ def test_default_dir(monkeypatch, tmp_path):
 
 def test_catalogue_matches_the_shared_copies():
     # The recorded sizes and checksums were taken from these copies of the published files.
-    shared = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-    present = [name for name in ("conversation", "synthetic")
-               if (shared / download.TRACES[name].filename).is_file()]
+    present = [(name, folder) for folder in TRACE_DIRS for name in ("conversation", "synthetic")
+               if (folder / download.TRACES[name].filename).is_file()]
     if not present:
-        pytest.skip(f"no shared trace copies in {shared}")
-    for name in present:
-        assert download.verify(name, shared) is None
+        pytest.skip(f"no trace copies in RADIXCACHE_TRACE_DIR ({list(map(str, TRACE_DIRS))})")
+    for name, folder in present:
+        assert download.verify(name, folder) is None
 
 
 def test_find_says_where_it_looked(monkeypatch, tmp_path):

@@ -8,7 +8,6 @@ import json
 import os
 import pickle
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +20,8 @@ from radixcache.fleet import simulate_fleet, simulate_pooled
 from radixcache.traces import MOONCAKE, TOKENS, Trace, TraceError, _parse, read_trace
 from radixcache.workloads import Request, serve, synthetic_chat
 from radixcache.workloads.requests import take_buffer
+from conftest import mooncake_trace
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 SHARED_TRACES = ["mooncake_synthetic_trace.jsonl", "mooncake_conversation_trace.jsonl"]
 
 
@@ -361,9 +360,9 @@ def test_fleet_replays_with_memory_bounded_by_the_pools(tmp_path, core):
 # -- streaming and materialized replays agree ------------------------------------------------------
 @pytest.mark.parametrize("name", SHARED_TRACES)
 def test_streaming_and_materialized_replays_agree_on_the_shared_traces(name, core):
-    path = SHARED / name
-    if not path.exists():
-        pytest.skip(f"{name} not found: looked in {SHARED} (the shared Mooncake traces)")
+    path, missing = mooncake_trace(name.split("_")[1])
+    if path is None:
+        pytest.skip(missing)
     limit = 800 if core == "c" else 300
     trace = read_trace(path, limit=limit)
     with open(path, encoding="utf-8") as lines:
