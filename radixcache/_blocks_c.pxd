@@ -2,7 +2,7 @@
 """Declarations of the compiled block index (implemented in _blocks_c.pyx; spec: _blocks_py's
 module docstring)."""
 
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 
 
 cdef struct BIEntry:
@@ -40,3 +40,22 @@ cdef class BlockIndex:
     cdef bint drop_key(self, int64_t key, int32_t copy) noexcept
     cdef void delete_slot(self, Py_ssize_t i) noexcept
     cdef void maybe_shrink(self) noexcept
+
+
+cdef struct KMEntry:
+    uint64_t h         # a publisher hash as 64 bits (0: an empty slot)
+    int64_t key        # the block key it names
+
+
+cdef class KeyMap:
+    # Open addressing, linear probing, backward-shift deletion; any capacity (slot h % cap),
+    # kept between 60% and 80% full so an entry costs at most about 27 bytes.
+    cdef KMEntry* table
+    cdef Py_ssize_t cap
+    cdef Py_ssize_t n
+
+    cdef Py_ssize_t find(self, uint64_t h) noexcept
+    cdef int resize(self, Py_ssize_t cap) except -1
+    cdef int room(self, Py_ssize_t more) except -1
+    cdef void insert(self, uint64_t h, int64_t key) noexcept
+    cdef void delete_slot(self, Py_ssize_t i) noexcept

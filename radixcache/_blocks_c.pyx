@@ -7,7 +7,7 @@ workers, not the tree, and shares only C headers with the tree core (``_include/
 cimport cython
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from cpython.long cimport PyLong_AsLongLong
+from cpython.long cimport PyLong_AsLongLong, PyLong_AsUnsignedLongLongMask
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libc.string cimport memmove, memset
@@ -19,7 +19,13 @@ cdef extern from "rc_platform.h":
     void* rc_huge_alloc(size_t size) nogil
     void rc_huge_free(void* p) nogil
 
+cdef extern from "rc_ints.h":
+    int rc_read_int(PyObject* o, int64_t* out) noexcept
+
 cdef extern from "Python.h":
+    ctypedef struct PyObject
+    PyObject* rc_list_item "PyList_GET_ITEM"(object items, Py_ssize_t i) noexcept
+    Py_ssize_t rc_list_size "PyList_GET_SIZE"(object items) noexcept
     int PyTraceMalloc_Track(unsigned int domain, uintptr_t ptr, size_t size)
     int PyTraceMalloc_Untrack(unsigned int domain, uintptr_t ptr)
 
@@ -205,6 +211,37 @@ cdef int64_t _bi_key(object key) except? -1:
         return PyLong_AsLongLong(key)
     except OverflowError:
         raise OverflowError(f"key {key} does not fit in int64") from None
+
+
+cdef bint _LITTLE_ENDIAN = __import__("sys").byteorder == "little"
+
+
+cdef bytes _list_le_bytes(list items):
+    """A list of exact ints as int64 little-endian bytes, read in one loop that calls no
+    Python code (anything but an exact int is a TypeError, an int beyond int64 an
+    OverflowError)."""
+    cdef Py_ssize_t n = len(items), i
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, n * 8)
+    cdef int64_t* p = <int64_t*>PyBytes_AS_STRING(out)
+    if rc_list_size(items) != n:  # a finalizer run by the allocation changed the list
+        return _list_le_bytes(items)
+    for i in range(n):  # the tree core's int reader: no call, so the list cannot change
+        if not rc_read_int(rc_list_item(items, i), &p[i]):
+            item = items[i]
+            if type(item) is not int:
+                raise TypeError(f"token ids must be ints, got {type(item).__name__} at "
+                                f"position {i}")
+            raise OverflowError(f"token id {item} at position {i} does not fit in int64")
+    if not _LITTLE_ENDIAN:
+        for i in range(n):
+            p[i] = <int64_t>_bswap64(<uint64_t>p[i])
+    return out
+
+
+cdef inline uint64_t _bswap64(uint64_t v) noexcept:
+    v = ((v & <uint64_t>0x00FF00FF00FF00FF) << 8) | ((v >> 8) & <uint64_t>0x00FF00FF00FF00FF)
+    v = ((v & <uint64_t>0x0000FFFF0000FFFF) << 16) | ((v >> 16) & <uint64_t>0x0000FFFF0000FFFF)
+    return (v << 32) | (v >> 32)
 
 
 @cython.final
@@ -540,7 +577,7 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
 
     def clear_copy(self, copy):
         cdef int32_t c = _bi_copy(copy)
-        cdef Py_ssize_t i, j, k, dropped = 0, cap = self.mask + 1
+        cdef Py_ssize_t i, j, k, dropped = 0, emptied = 0, cap = self.mask + 1
         cdef BIEntry* e
         cdef int32_t* items
         cdef int32_t last
@@ -550,6 +587,7 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
                 if e.one == c:
                     e.n = 0  # emptied; the table is rebuilt below
                     dropped += 1
+                    emptied += 1
                     self.size -= 1
             elif e.n > 1:
                 items = self.lists[e.one]
@@ -562,6 +600,7 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
                 if k == 0:
                     self.free_list(e.one)
                     e.n = 0
+                    emptied += 1
                     self.size -= 1
                 elif k == 1:
                     last = items[0]
@@ -572,15 +611,17 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
                     # The list keeps its capacity (a power of two >= 4 at least k).
                     e.n = <int32_t>k
         self.n_pairs -= dropped
-        if dropped:
+        if emptied:  # only an emptied slot breaks a probe run
             while cap > 8 and self.size * 4 < cap:
                 cap //= 2
             self.rebuild(cap)  # skips the emptied slots: probe runs come out whole
         return dropped
 
     def overlap(self, seed, data, page_bytes, owners):
-        if type(data) is not bytes:
-            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        if type(data) is list:
+            data = _list_le_bytes(<list>data)
+        elif type(data) is not bytes:
+            raise TypeError(f"data must be bytes or a list of ints, got {type(data).__name__}")
         check_chain_args(seed, page_bytes)
         cdef bytes owner_data = _bi_keys(owners)
         cdef Py_ssize_t n_owners = len(owner_data) // 8, i
@@ -690,3 +731,232 @@ def _block_index_from(keys, copies):
     for i in range(n):
         index.hold_key(kp[i], cp[i])
     return index
+
+
+# -- publisher hash map ---------------------------------------------------------------------
+# KvIndexer's map from a copy's publisher hashes to block keys: a hash is told apart by 64
+# bits (``hash64``), so an entry is 16 bytes whatever the publisher sends.
+DEF _KM_INT_SALT = 0x6A09E667F3BCC909
+DEF _KM_BYTES_SALT = 0xBB67AE8584CAA73B
+
+
+cdef uint64_t _km_hash(object value) except? 0:
+    """``value`` (an int, or bytes) as a nonzero 64-bit hash; see ``_blocks_py.hash64``."""
+    cdef const unsigned char* p
+    cdef Py_ssize_t n, i, j
+    cdef uint64_t h, w
+    if type(value) is bytes:
+        p = <const unsigned char*>PyBytes_AS_STRING(value)
+        n = len(<bytes>value)
+        h = (<uint64_t>n) ^ <uint64_t>_KM_BYTES_SALT
+        i = 0
+        while i < n:
+            w = 0
+            for j in range(min(8, n - i)):
+                w |= (<uint64_t>p[i + j]) << (8 * j)
+            h = fmix64(h ^ w) + <uint64_t>0x9E3779B97F4A7C15
+            i += 8
+        h = fmix64(h)
+    elif type(value) is int:
+        h = fmix64(PyLong_AsUnsignedLongLongMask(value) ^ <uint64_t>_KM_INT_SALT)
+    elif isinstance(value, bytes):
+        return _km_hash(bytes(value))
+    else:
+        return _km_hash(int(_index(value)))
+    return h if h else 1
+
+
+cdef object _index = __import__("operator").index
+
+
+cdef class KeyMap:
+    """KeyMap()
+--
+
+Publisher hash (an int, or bytes) -> block key (an int64); see ``_blocks_py``."""
+
+    def __cinit__(self):
+        self.table = NULL
+        self.cap = 0
+        self.n = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self.table)
+        self.table = NULL
+
+    def __reduce__(self):
+        cdef bytes state = PyBytes_FromStringAndSize(NULL, self.n * 16)
+        cdef uint64_t* out = <uint64_t*>PyBytes_AS_STRING(state)
+        cdef Py_ssize_t i, k = 0
+        for i in range(self.cap):
+            if self.table[i].h and k < len(state) // 16:
+                out[2 * k] = self.table[i].h
+                out[2 * k + 1] = <uint64_t>self.table[i].key
+                k += 1
+        return (_key_map_from, (state,))
+
+    cdef Py_ssize_t find(self, uint64_t h) noexcept:
+        cdef Py_ssize_t i
+        if self.cap == 0:
+            return -1
+        i = <Py_ssize_t>(h % <uint64_t>self.cap)
+        while self.table[i].h:
+            if self.table[i].h == h:
+                return i
+            i += 1
+            if i == self.cap:
+                i = 0
+        return -1
+
+    cdef void insert(self, uint64_t h, int64_t key) noexcept:
+        # A hash not present; the table has room.
+        cdef Py_ssize_t i = <Py_ssize_t>(h % <uint64_t>self.cap)
+        while self.table[i].h:
+            i += 1
+            if i == self.cap:
+                i = 0
+        self.table[i].h = h
+        self.table[i].key = key
+        self.n += 1
+
+    cdef int resize(self, Py_ssize_t cap) except -1:
+        cdef KMEntry* old = self.table
+        cdef Py_ssize_t old_cap = self.cap, i
+        cdef KMEntry* fresh = NULL
+        if cap:
+            fresh = <KMEntry*>PyMem_Malloc(cap * sizeof(KMEntry))
+            if fresh == NULL:
+                raise MemoryError()
+            memset(fresh, 0, cap * sizeof(KMEntry))
+        self.table = fresh
+        self.cap = cap
+        self.n = 0
+        for i in range(old_cap):
+            if old[i].h:
+                self.insert(old[i].h, old[i].key)
+        PyMem_Free(old)
+        return 0
+
+    cdef int room(self, Py_ssize_t more) except -1:
+        # Room for ``more`` new hashes, at most 80% full; a grown table is 60% full.
+        cdef Py_ssize_t need = self.n + more
+        if need * 5 > self.cap * 4:
+            self.resize(need * 5 // 3 + 8)
+        return 0
+
+    cdef void delete_slot(self, Py_ssize_t i) noexcept:
+        # Backward-shift deletion: later entries of the run move back over the hole.
+        cdef Py_ssize_t cap = self.cap, j = i, home
+        cdef KMEntry* t = self.table
+        while True:
+            j += 1
+            if j == cap:
+                j = 0
+            if t[j].h == 0:
+                break
+            home = <Py_ssize_t>(t[j].h % <uint64_t>cap)
+            # Move j back to i unless its home lies cyclically in (i, j].
+            if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
+                t[i] = t[j]
+                i = j
+        t[i].h = 0
+        t[i].key = 0
+        self.n -= 1
+
+    def __len__(self):
+        return self.n
+
+    def get(self, block_hash, default=None):
+        cdef Py_ssize_t i = self.find(_km_hash(block_hash))
+        return default if i < 0 else self.table[i].key
+
+    def __contains__(self, block_hash):
+        return self.find(_km_hash(block_hash)) >= 0
+
+    def pop(self, block_hash, default=None):
+        cdef Py_ssize_t i = self.find(_km_hash(block_hash))
+        cdef int64_t key
+        if i < 0:
+            return default
+        key = self.table[i].key
+        self.delete_slot(i)
+        if self.n * 5 < self.cap and self.cap > 8:
+            try:
+                self.resize(self.n * 5 // 3 + 8 if self.n else 0)
+            except MemoryError:
+                pass  # stays larger
+        return key
+
+    def put(self, block_hash, key):
+        cdef uint64_t h = _km_hash(block_hash)
+        cdef int64_t k = _bi_key(key)
+        cdef Py_ssize_t i = self.find(h)
+        if i >= 0:
+            self.table[i].key = k
+            return
+        self.room(1)
+        self.insert(h, k)
+
+    def isdisjoint(self, hashes):
+        """True when no hash of ``hashes`` is here and none is there twice."""
+        cdef list hs = [_km_hash(value) for value in hashes]
+        if len(set(hs)) != len(hs):
+            return False
+        for h in hs:
+            if self.find(h) >= 0:
+                return False
+        return True
+
+    def update(self, hashes, keys):
+        """Map ``hashes[i]`` to ``keys[i]`` (a list or tuple of ints, or int64 bytes)."""
+        cdef list hs = [_km_hash(value) for value in hashes]
+        cdef bytes data = _bi_keys(keys)
+        cdef const int64_t* kp = <const int64_t*>PyBytes_AS_STRING(data)
+        cdef Py_ssize_t n = len(data) // 8, i, slot
+        if len(hs) != n:
+            raise ValueError(f"{len(hs)} hashes for {n} keys")
+        self.room(n)
+        for i in range(n):
+            slot = self.find(<uint64_t>hs[i])
+            if slot >= 0:
+                self.table[slot].key = kp[i]
+            else:
+                self.insert(<uint64_t>hs[i], kp[i])
+
+    def values(self):
+        cdef bytes snapshot = PyBytes_FromStringAndSize(NULL, self.n * 8)
+        cdef int64_t* out = <int64_t*>PyBytes_AS_STRING(snapshot)
+        cdef Py_ssize_t i, k = 0
+        for i in range(self.cap):
+            if self.table[i].h and k < len(snapshot) // 8:
+                out[k] = self.table[i].key
+                k += 1
+        return np.frombuffer(snapshot, dtype=np.int64).tolist()
+
+    def clear(self):
+        PyMem_Free(self.table)
+        self.table = NULL
+        self.cap = 0
+        self.n = 0
+
+
+def hash64(value):
+    """``value`` (an int, or bytes) as the nonzero 64-bit hash a ``KeyMap`` keeps."""
+    return _km_hash(value)
+
+
+def _key_map_from(state):
+    """A ``KeyMap`` holding the (hash, key) pairs of ``state`` (uint64, int64 pairs)."""
+    if type(state) is not bytes or len(state) % 16:
+        raise ValueError("malformed KeyMap state")
+    cdef const uint64_t* p = <const uint64_t*>PyBytes_AS_STRING(state)
+    cdef Py_ssize_t n = len(state) // 16, i
+    cdef KeyMap out = KeyMap()
+    for i in range(n):
+        if p[2 * i] == 0:
+            raise ValueError("malformed KeyMap state")
+    out.room(n)
+    for i in range(n):
+        if out.find(p[2 * i]) < 0:
+            out.insert(p[2 * i], <int64_t>p[2 * i + 1])
+    return out

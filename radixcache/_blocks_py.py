@@ -37,8 +37,9 @@ hold yet and counts the others; ``remove(copy, keys) -> (removed, unknown)`` rem
 holding per key, counting keys ``copy`` did not hold; ``clear_copy(copy) -> int`` removes
 all of ``copy``'s holdings and returns how many; ``overlap(seed, data, page_bytes, owners)
 -> list`` hashes the pages of ``data`` as ``page_hash_chain(seed, data, page_bytes)`` does
-(same argument checks) and walks them while held: ``owners[copy]`` is the owner a copy
-counts for (an int in ``[0, len(owners))``, or -1: not counted; copies past the end are not
+(same argument checks; ``data`` may also be a list of exact ints, the token ids, read in one
+pass: another item is a ``TypeError``, one beyond int64 an ``OverflowError``) and walks them
+while held: ``owners[copy]`` is the owner a copy counts for (an int in ``[0, len(owners))``, or -1: not counted; copies past the end are not
 counted); an owner holds a page when one of its copies does. It returns ``[(owner,
 depth)]``, the leading pages each owner holding the first page holds, and stops at the
 first page that no owner still in the run holds (unhashed pages are never hashed). Errors:
@@ -48,17 +49,29 @@ multiple of 8, each leaving the index unchanged. It pickles and copies (its hold
 native byte order; a compiled one loads where ``_blocks_c`` is built). No Python code runs
 while the compiled one is written; it frees a table slot with its last holding and shrinks as
 keys leave.
+
+``KeyMap()`` -- a map from publisher hashes (an ``int``, or ``bytes``) to block keys (ints in
+int64), ``KvIndexer``'s per-copy map of the hashes a worker publishes. A hash is kept as
+``hash64(value)``: 64 bits, never 0 (an int by its value mod 2**64, bytes by their content;
+two hashes are told apart by those 64 bits), so an entry costs the same whatever the
+publisher sends (16 bytes in the compiled one, at most 80% full). ``get(h, default=None)``,
+``pop(h, default=None)``, ``put(h, key)``, ``h in m``, ``len(m)``, ``values()`` (the keys, a
+key once per hash), ``clear()``; ``isdisjoint(hashes) -> bool`` (no hash of ``hashes`` is
+held and none is there twice); ``update(hashes, keys)`` maps ``hashes[i]`` to ``keys[i]``
+(``keys`` as ``BlockIndex`` takes them). A hash of another type is a ``TypeError`` (an
+object with ``__index__`` counts as the int it gives). It pickles and copies.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
 
 from ._validate import INT64_MAX, INT64_MIN
 
-__all__ = ["BlockIndex", "page_hash_chain", "page_hash_bytes"]
+__all__ = ["BlockIndex", "KeyMap", "hash64", "page_hash_bytes", "page_hash_chain"]
 
 
 # -- page hash chain (see the module docstring) ---------------------------------------------
@@ -260,7 +273,11 @@ class BlockIndex:
         self._pairs -= dropped
         return dropped
 
-    def overlap(self, seed: int, data: bytes, page_bytes: int, owners: Any) -> list:
+    def overlap(self, seed: int, data: Any, page_bytes: int, owners: Any) -> list:
+        if type(data) is list:
+            data = _list_le_bytes(data)
+        elif type(data) is not bytes:
+            raise TypeError(f"data must be bytes or a list of ints, got {type(data).__name__}")
         _check_chain_args(seed, data, page_bytes)
         owners = _index_keys(owners)
         n_owners = len(owners)
@@ -291,6 +308,16 @@ class BlockIndex:
         return out
 
 
+def _list_le_bytes(items: list) -> bytes:
+    """A list of exact ints as int64 little-endian bytes (``overlap``'s ``data``)."""
+    for i, item in enumerate(items):
+        if type(item) is not int:
+            raise TypeError(f"token ids must be ints, got {type(item).__name__} at position {i}")
+        if not INT64_MIN <= item <= INT64_MAX:
+            raise OverflowError(f"token id {item} at position {i} does not fit in int64")
+    return np.array(items, dtype="<i8").tobytes()
+
+
 def page_hash_bytes(seed: int, data: Any, page_bytes: int) -> bytes:
     """``page_hash_chain`` as native int64 bytes; see the module docstring."""
     if type(data) is np.ndarray:
@@ -315,3 +342,95 @@ def _block_index_from(keys: Any, copies: Any) -> BlockIndex:
     for key, copy in zip(np.frombuffer(keys, dtype=np.int64).tolist(), copy_list):
         index._hold(key, copy)
     return index
+
+
+# -- publisher hash map (see the module docstring) ------------------------------------------
+_KM_INT_SALT = 0x6A09E667F3BCC909
+_KM_BYTES_SALT = 0xBB67AE8584CAA73B
+
+
+def _fmix64(h: int) -> int:
+    h ^= h >> 33
+    h = (h * _FMIX_1) & _MASK64
+    h ^= h >> 33
+    h = (h * _FMIX_2) & _MASK64
+    h ^= h >> 33
+    return h
+
+
+def hash64(value: Any) -> int:
+    """``value`` (an int, or bytes) as the nonzero 64-bit hash a ``KeyMap`` keeps."""
+    if type(value) is bytes:
+        n = len(value)
+        h = n ^ _KM_BYTES_SALT
+        for i in range(0, n, 8):
+            w = int.from_bytes(value[i:i + 8], "little")
+            h = (_fmix64(h ^ w) + _CHAIN_MUL) & _MASK64
+        h = _fmix64(h)
+    elif type(value) is int:
+        h = _fmix64((value & _MASK64) ^ _KM_INT_SALT)
+    elif isinstance(value, bytes):
+        return hash64(bytes(value))
+    else:
+        return hash64(int(operator.index(value)))
+    return h or 1
+
+
+class KeyMap:
+    """Publisher hash (an int, or bytes) -> block key (an int64); see the module docstring."""
+
+    __slots__ = ("_map",)
+
+    def __init__(self) -> None:
+        self._map: dict = {}
+
+    def __reduce__(self) -> Any:
+        items = np.empty((len(self._map), 2), dtype=np.uint64)
+        items[:, 0] = np.array(list(self._map), dtype=np.uint64)
+        items[:, 1] = np.array(list(self._map.values()), dtype=np.int64).view(np.uint64)
+        return (_key_map_from, (items.tobytes(),))
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __contains__(self, block_hash: Any) -> bool:
+        return hash64(block_hash) in self._map
+
+    def get(self, block_hash: Any, default: Any = None) -> Any:
+        return self._map.get(hash64(block_hash), default)
+
+    def pop(self, block_hash: Any, default: Any = None) -> Any:
+        return self._map.pop(hash64(block_hash), default)
+
+    def put(self, block_hash: Any, key: int) -> None:
+        h = hash64(block_hash)
+        self._map[h] = _index_key(key)
+
+    def isdisjoint(self, hashes: Any) -> bool:
+        hs = [hash64(value) for value in hashes]
+        return len(set(hs)) == len(hs) and self._map.keys().isdisjoint(hs)
+
+    def update(self, hashes: Any, keys: Any) -> None:
+        hs = [hash64(value) for value in hashes]
+        keys = _index_keys(keys)
+        if len(hs) != len(keys):
+            raise ValueError(f"{len(hs)} hashes for {len(keys)} keys")
+        self._map.update(zip(hs, keys))
+
+    def values(self) -> list:
+        return list(self._map.values())
+
+    def clear(self) -> None:
+        self._map = {}
+
+
+def _key_map_from(state: Any) -> KeyMap:
+    """A ``KeyMap`` holding the (hash, key) pairs of ``state`` (uint64, int64 pairs)."""
+    if type(state) is not bytes or len(state) % 16:
+        raise ValueError("malformed KeyMap state")
+    pairs = np.frombuffer(state, dtype=np.uint64).reshape(-1, 2)
+    if (pairs[:, 0] == 0).any():
+        raise ValueError("malformed KeyMap state")
+    out = KeyMap()
+    out._map = dict(zip(pairs[:, 0].tolist(), pairs[:, 1].view(np.int64).tolist()))
+    return out

@@ -253,8 +253,15 @@ cdef class Core:
                            str what) except -1
     cdef int hand_over_batch(self, object free_callback, object value,
                              object error) except -1
+    cdef int host_leave(self, Node node, object free_host, object on_remove_host,
+                        list garbage) except -1
+    cdef bint host_leaf_leaves(self, object free_host, object on_remove_host,
+                               list garbage) except -1
+    cdef int drop_host_below(self, Node top, object free_host, object on_remove_host,
+                             list garbage) except -1
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
-                             object on_remove, object backup, object on_backup)
+                             object on_remove, object backup, object on_backup,
+                             object free_host, object on_remove_host)
     cdef void adopt_path(self, Py_ssize_t depth, Py_ssize_t first_host,
                          object adopt_values) noexcept
     cdef int tiered_insert_end(self, Py_ssize_t depth, Py_ssize_t first_host,

@@ -59,7 +59,7 @@ import numpy as np
 
 from ._errors import lock_host_only, node_not_copyable, reentered, stale_match
 from ._handover import hand_over_batch as _hand_over_batch
-from ._handover import host_indices_bytes
+from ._handover import answer_not_kept, host_indices_bytes
 from ._options import KEY_FALLS_ON_ACCESS as _KEY_FALLS_ON_ACCESS
 from ._state import check_state, display_order, id_order
 from ._torch import cat_tensors as _cat_tensors
@@ -525,6 +525,7 @@ cdef class Tree:
         cdef Node root = self.new_node(None, 0)
         root.key_owner = b""
         root.key_ptr = <const int64_t*>PyBytes_AS_STRING(root.key_owner)
+        root.lock_ref = 1  # permanent, as in SGLang: lock and unlock of the root are no-ops
         return root
 
     cdef void teardown(self) noexcept:
@@ -1564,6 +1565,17 @@ cdef bytes host_bytes(object host, Py_ssize_t n, bint numpy_arrays):
     return <bytes>data
 
 
+cdef bytes kept_answer(object answer, Py_ssize_t n, bint numpy_arrays):
+    """``host_bytes``; an error meanwhile carries ``answer`` (``_handover.answer_not_kept``)."""
+    try:
+        return host_bytes(answer, n, numpy_arrays)
+    except BaseException as exc:
+        error = answer_not_kept(exc, answer)
+        if error is exc:
+            raise
+        raise error from exc
+
+
 cdef inline object batch_join(bint numpy_arrays):
     """What joins a batch's parts into one array: numpy's concatenate for a core of numpy
     arrays (all on the CPU), else torch's (device parts among them)."""
@@ -2318,6 +2330,56 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             release_tokens(&b)
         return np.frombuffer(owner, dtype=np.int64)
 
+    def revert_insert(self, list adopted, leaf, bint held=False):
+        """Undo the tiers of a ``held`` insert whose device values could not be set; see
+        _core_py's docstring. Calls nothing out but detach_leaf's namespace bookkeeping
+        (only for a leaf of the root: nothing was adopted then); it works on its own
+        references to the nodes, never on a pointer read before."""
+        cdef Node node, top = None
+        cdef Py_ssize_t i
+        dropped = []  # values and heap entries let go: released after the guard
+        self.take(held, "insert")
+        try:
+            if leaf is not None and not isinstance(leaf, Node):
+                raise TypeError("revert_insert needs the insert's new leaf or None")
+            nodes = []  # our own references, whatever the caller's list becomes
+            for item in adopted:
+                if not isinstance(item[0], Node):
+                    raise TypeError("revert_insert needs take_adopted()'s (node, start) pairs")
+                nodes.append(item[0])
+            if leaf is not None:
+                node = <Node>leaf
+                if (not node.evicted and node.parent_ptr != NULL and node.n_children == 0
+                        and not node.host_only and node.host_owner is None
+                        and node.lock_ref == 0):
+                    self.evictable -= node.key_len
+                    self.inserted_tokens -= node.key_len
+                    top = self.tree.detach_leaf(node, dropped)  # may run user code, last
+            for i in range(len(nodes) - 1, -1, -1):
+                node = <Node>nodes[i]
+                if (node.evicted or node.host_only or node.host_owner is None
+                        or node.lock_ref or node.parent_ptr == NULL
+                        or node.n_children != node.n_host_kids):
+                    continue
+                dropped.append(node.value_owner)
+                node.value_owner = None
+                node.value_ptr = NULL
+                node.value_off = 0
+                node.host_only = True
+                top = <Node>node.parent_ptr
+                top.n_host_kids += 1
+                self.evictable -= node.key_len
+                if node.n_children == 0:
+                    dropped.append(self.push_host_leaf(node))
+            if top is not None and not top.evicted:
+                if top.host_only:
+                    dropped.append(self.push_host_leaf(top))
+                else:
+                    dropped.append(self.push_if_evictable(top))
+        finally:
+            self.give(held)
+        del dropped[:]
+
     def take_new_leaf(self):
         """The leaf the last ``held`` insert made (None if none), forgotten here."""
         leaf = self.new_leaf
@@ -2427,7 +2489,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         return 0
 
     def evict(self, num_tokens, free_callback=None, bint batch=False, on_remove=None,
-              backup=None, on_backup=None):
+              backup=None, on_backup=None, free_host=None, on_remove_host=None):
         """The whole evict loop (see ``_core_py``): victims popped, detached and counted
         here; each victim's index tensor made as a match's (one block, one copy), or all of
         them copied into one block for a ``batch`` callback. The guard is released around
@@ -2442,7 +2504,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         target = token_target(num_tokens)
         if self.host_tier:
             return self.evict_tiered(target, free_callback, batch, on_remove, backup,
-                                     on_backup)
+                                     on_backup, free_host, on_remove_host)
         garbage = []  # stale entries and dropped values: released outside the guard
         cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
         # A per-node callback's argument, from its victim to the call (see hand_over_one).
@@ -2497,8 +2559,70 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             self.hand_over_batch(free_callback, value, error)
         return freed
 
+    cdef int host_leave(self, Node node, object free_host, object on_remove_host,
+                        list garbage) except -1:
+        """A host-only node without children leaves the tree as in ``evict_host``:
+        ``on_remove_host`` and its host indices (a new CPU index array) first, then, read
+        afresh, it is detached and counted, then ``free_host`` gets the indices. Nothing
+        read before a call out is used after it."""
+        cdef Node parent
+        if on_remove_host is not None:
+            on_remove_host(node)
+        host = block_tensor(host_data(node), node.key_len, self.numpy_arrays)
+        if (node.evicted or not node.host_only or node.host_owner is None
+                or node.n_children or node.parent_ptr == NULL):
+            raise RuntimeError(f"evict: node {node.id} changed during a callback")
+        self.host_size -= node.key_len
+        self.host_evictions += 1
+        self.host_evicted_tokens += node.key_len
+        parent = self.tree.detach_leaf(node, garbage)  # drops the host value too
+        garbage.append(self.push_host_leaf(parent))
+        parent = None
+        free_host(host)
+        return 0
+
+    cdef bint host_leaf_leaves(self, object free_host, object on_remove_host,
+                               list garbage) except -1:
+        """The first host leaf in policy order leaves (``host_leave``); False if none."""
+        cdef Node node = self.host_heap.pop_entry(garbage)
+        if node is None:
+            return False
+        try:
+            self.host_leave(node, free_host, on_remove_host, garbage)
+        except BaseException:
+            if self.host_heap.usable(node):
+                garbage.append(self.host_heap.push_entry(node))  # still a host leaf
+            raise
+        return True
+
+    cdef int drop_host_below(self, Node top, object free_host, object on_remove_host,
+                             list garbage) except -1:
+        """Every (host-only) descendant of the device leaf ``top`` leaves the tree,
+        bottom-up (``host_leave``). Works on its own references (a Python list)."""
+        cdef Node node
+        cdef Py_ssize_t i
+        cdef PyObject* child
+        order = []  # (-depth, id, node): deepest first, then by id (as the pure core)
+        stack = [(top, 0)]
+        while stack:
+            item = stack.pop()
+            node = <Node>item[0]
+            depth = item[1]
+            if node is not top:
+                order.append((-depth, node.id, node))
+            if node.slots != NULL:
+                for i in range(node.slot_mask + 1):
+                    child = node.slots[i].node
+                    if child != NULL:
+                        stack.append((<Node>child, depth + 1))
+        order.sort()
+        for item in order:  # every node after its descendants
+            self.host_leave(<Node>item[2], free_host, on_remove_host, garbage)
+        return 0
+
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
-                             object on_remove, object backup, object on_backup):
+                             object on_remove, object backup, object on_backup,
+                             object free_host, object on_remove_host):
         """``evict`` with a host tier (see ``_core_py``): a victim with a host copy, or
         given one by ``backup`` (write_back), is demoted to the host; one without is deleted,
         or skipped (pushed back after the loop) when it has host-only children. Every call
@@ -2543,12 +2667,20 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                             else:
                                 value = victim_value(node, False)  # what backup and free_callback get
                             host = backup(value)
+                            # No room: host leaves leave in policy order, one at a time,
+                            # and backup is asked again after each.
+                            while (host is None and free_host is not None
+                                   and self.host_leaf_leaves(free_host, on_remove_host,
+                                                             garbage)):
+                                host = backup(value)
                             if collect:
                                 value = None  # backup's alone: the batch has the indices
                             if host is not None:
-                                host = host_bytes(host, node.key_len, self.numpy_arrays)
+                                answer = host
+                                host = kept_answer(answer, node.key_len, self.numpy_arrays)
                         if host is None:
-                            if node.n_children:  # host-only children: it cannot leave the tree
+                            if node.n_children and free_host is None:
+                                # host-only children: it cannot leave the tree
                                 skipped.append(node)
                                 skipping.add(node)
                                 value = None
@@ -2556,14 +2688,16 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                                     added = 0
                                     freed_batch.drop_tail(node.key_len)
                                 continue
+                            if node.n_children:  # they leave first, slots to free_host
+                                self.drop_host_below(node, free_host, on_remove_host, garbage)
                         else:
                             # Read afresh after the calls: the bytes must fit the node now.
                             if (node.evicted or node.host_only or node.host_owner is not None
                                     or len(<bytes>host) != node.key_len * <Py_ssize_t>sizeof(int64_t)):
-                                raise RuntimeError(f"evict: node {node.id} changed during "
-                                                   "its backup")
+                                raise answer_not_kept(RuntimeError(
+                                    f"evict: node {node.id} changed during its backup"), answer)
                             node.host_owner = host
-                            host = None
+                            host = answer = None
                             self.host_size += node.key_len
                             self.backed_up_tokens += node.key_len
                             if on_backup is not None:
@@ -2698,8 +2832,10 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
     def write_through(self, backup, on_backup=None):
         """Copy the queued nodes to the host, FIFO (see ``_core_py``); the tokens copied."""
         cdef int64_t copied = 0
+        cdef Py_ssize_t size, refused = 0
         cdef Node node
         garbage = []
+        skipped = []  # nodes backup had no room for, in queue order: put back first
         self.guard.enter("write_through")
         try:
             queue = self.wt_queue
@@ -2709,16 +2845,29 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     garbage.append(queue.popleft())
                     node.queued = False
                     continue
-                host = backup(victim_value(node, False))  # an error: the node stays queued, first
-                if host is None:
-                    break  # the host is full: the rest waits for the next call
-                host = host_bytes(host, node.key_len, self.numpy_arrays)
+                size = node.key_len
+                if refused and size >= refused:
+                    skipped.append(queue.popleft())  # no room for it either: not asked
+                    continue
+                host = backup(victim_value(node, False))  # an error: the node stays queued
+                if host is None:  # no room for this one now: retried on a later call
+                    if not queue or queue[0] is not node:
+                        raise RuntimeError(f"write_through: node {node.id} changed during "
+                                           "its backup")
+                    skipped.append(queue.popleft())
+                    refused = size
+                    if size <= self.page_size:
+                        break  # no queued node is smaller
+                    continue
+                answer = host
+                host = kept_answer(answer, node.key_len, self.numpy_arrays)
                 # Read afresh after the calls.
                 if (not queue or queue[0] is not node
                         or node.evicted or node.host_only or node.host_owner is not None
                         or len(<bytes>host) != node.key_len * <Py_ssize_t>sizeof(int64_t)):
-                    raise RuntimeError(f"write_through: node {node.id} changed during its "
-                                       "backup")
+                    raise answer_not_kept(RuntimeError(
+                        f"write_through: node {node.id} changed during its backup"), answer)
+                answer = None
                 garbage.append(queue.popleft())
                 node.queued = False
                 node.host_owner = host
@@ -2730,9 +2879,12 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     on_backup(node)
             return copied
         finally:
+            if skipped:
+                self.wt_queue.extendleft(reversed(skipped))
             self.guard.busy = 0
             node = None
             del garbage[:]
+            del skipped[:]
 
     def load_back(self, match, device_values, on_load=None):
         """Put a match's host continuation back on the device (see ``_core_py``); returns

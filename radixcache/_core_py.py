@@ -59,7 +59,8 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
 - ``walk(tokens, extra_key) -> int``: read-only longest cached page-aligned prefix length (no
   split, no stamps, no counters): the bare tree walk that the benchmarks time.
 - ``lock(node, delta, held=False) -> int``: ``delta`` +1 or -1; walks node -> root (root
-  excluded), moves the tokens that crossed between unlocked and locked between
+  excluded: its ``lock_ref`` is a permanent 1, as in SGLang, and locking or unlocking the
+  root itself is a no-op returning 0), moves the tokens that crossed between unlocked and locked between
   ``evictable`` and ``protected`` and returns their count; an unlock that makes the node an
   evictable leaf pushes it. ``TypeError`` for a non-node, ``ValueError`` for an evicted node,
   a node of another tree or an unlock below 0, and ``OverflowError`` for a lock past
@@ -133,7 +134,16 @@ value), or both. The core owns no pool and copies no data.
 - ``insert``: each host-only node of the walked path is adopted, top-down: it takes the
   caller's slots for its tokens (its slice of ``kv``, or the key when ``kv`` is None), is on
   the device again (keeping its host copy) and ``evictable`` grows by its tokens. ``prefix_len``
-  counts only the tokens that were on the device before the call. With ``held``,
+  counts only the tokens that were on the device before the call. With device values (a tensor not on
+  the CPU) cache.py makes the core call ``held`` with ``kv`` None, then copies each adopted
+  node's and the new leaf's slice on the caller's device and stores them with ``set_value``;
+  if any of that raises (a device out of memory, a torch hook), it calls
+  ``revert_insert(adopted, new_leaf, held=True)`` before the error propagates: the new leaf
+  leaves the tree (``evictable`` and ``inserted_tokens`` shrink back) and the adopted nodes
+  are host only again (``evictable`` shrinks back; a childless one goes back on
+  ``host_heap``), so no node keeps its token ids as KV slots. Access times, hit counts,
+  priorities, splits and the ``inserts`` count of the walk stay, as after any insert.
+  ``revert_insert`` skips a node that is no longer as the insert left it. With ``held``,
   ``take_adopted()`` returns (and forgets) the adopted ``(node, start)`` pairs, ``start`` the
   offset of the node's first token in the sequence; ``set_value`` accepts them (device
   values). With ``write_through_hits > 0``, the path's nodes and the new leaf that are on the
@@ -141,7 +151,7 @@ value), or both. The core owns no pool and copies no data.
   appended to the write-through queue, top-down; a split of a queued node appends its new
   upper half.
 - ``evict(num_tokens, free_callback=None, batch=False, on_remove=None, backup=None,
-  on_backup=None)``: for each victim (a device leaf): (1) with a host copy it is demoted:
+  on_backup=None, free_host=None, on_remove_host=None)``: for each victim (a device leaf): (1) with a host copy it is demoted:
   ``on_remove(node)``, then its device value is dropped (``on_device`` False, ``evictable``,
   ``evictions`` and ``evicted_tokens`` as for a removal); it stays in the tree and goes on
   ``host_heap`` if childless. (2) Else, with ``backup`` and ``write_through_hits == 0``,
@@ -153,9 +163,30 @@ value), or both. The core owns no pool and copies no data.
   any device; with ``numpy_arrays`` a 1-D int64 numpy array of that length; TypeError or
   ValueError otherwise); a valid one becomes the host value
   (``host_size`` and ``backed_up_tokens`` grow), ``on_backup(node)`` runs and the node is
-  demoted as in (1). (3) Else it is deleted as without a host tier -- unless it has
-  (host-only) children: then it is skipped, left unchanged, and pushed back on ``heap`` when
-  the loop ends. If ``backup``, ``on_backup`` or ``on_remove`` raises (or ``backup`` returns a
+  demoted as in (1). Any error raised after ``backup`` returned a non-None answer and
+  before the node keeps it (the checks, a torch hook while they read it, the compiled core's
+  check that the node did not change meanwhile) is raised with the attribute
+  ``host_indices`` set to that answer as returned (``_handover.answer_not_kept``: an
+  exception that takes no attribute is replaced by a ``RuntimeError`` carrying it): the
+  answer's host slots were not kept and go back to the engine. An error from ``backup``
+  itself gets no such attribute. (3) Else it is deleted as without a host tier -- unless it has
+  (host-only) children: then, without ``free_host``, it is skipped, left unchanged, and
+  pushed back on ``heap`` when the loop ends. With ``free_host``, its descendants (all host
+  only) leave the tree first, bottom-up, each as a host leaf leaves (below), and the
+  victim is deleted: every victim leaves the device, so the device's eviction order does
+  not depend on the host. A host leaf leaves as in ``evict_host``: ``on_remove_host(node)``,
+  then it is detached and counted (``host_size``, ``host_evictions``,
+  ``host_evicted_tokens``), then ``free_host`` gets its host indices (a new CPU index
+  array), under the guard, like ``backup`` (it must not call the cache). With ``free_host``
+  and ``backup``, a ``backup`` that returns None is followed by host leaves leaving, one at
+  a time in ``host_heap``'s policy order, ``backup`` asked again after each, until it
+  answers or no host leaf is left (SGLang evicts the node's size from the host and retries
+  once; this frees no more than the copy needs). If
+  ``free_host`` or ``on_remove_host`` raises, the nodes that left so far stay gone, the
+  victim stays (pushed back) and the exception propagates. A skipped node is skipped for the rest of the call, even if a callback
+  (a per-node ``free_callback`` that calls the cache) pushes it on ``heap`` again meanwhile:
+  ``backup`` is asked about a victim once per call (with ``free_host``, once more per host
+  leaf that left to make room for it); the next call asks again. If ``backup``, ``on_backup`` or ``on_remove`` raises (or ``backup`` returns a
   bad value), the victim stays (pushed back; a host copy it got stays) and the exception
   propagates. The device slots of every victim that left go to ``free_callback`` as without a
   host tier; a parent that became a device leaf is pushed (it can follow in the same call).
@@ -168,9 +199,14 @@ value), or both. The core owns no pool and copies no data.
   ``host_heap``.
 - ``write_through(backup, on_backup=None) -> int``: tokens copied. Takes the queue in FIFO
   order, dropping entries that are evicted, not on the device or already copied. For each
-  other one ``backup(device_indices)`` runs under the guard: None stops the call (that node
-  and the rest stay queued); an exception or a bad value (same checks as ``evict``) leaves
-  the node at the front and propagates; a valid answer becomes its host value (``host_size``,
+  other one ``backup(device_indices)`` runs under the guard. None means "no room for
+  this node now": it stays queued, in its place, and is asked about again on a later call;
+  the call goes on with the nodes behind it, but does not ask about one at least as large
+  as the smallest node refused in this call (it is skipped the same way; after a refused
+  node of ``page_size`` tokens the call ends), so one large node never holds up the copies
+  queued behind it; an exception or a bad value (same checks as ``evict``, and an
+  error after the answer carries it in ``host_indices`` as there) leaves the node at the
+  front and propagates; a valid answer becomes its host value (``host_size``,
   ``backed_up_tokens``) and ``on_backup(node)`` runs. The node stays on the device.
 - ``load_back(match, device_values, on_load=None) -> index array``: ``match`` must be a
   ``MatchResult`` whose host continuation is still exactly there (from ``last_host_node`` up to,
@@ -256,7 +292,7 @@ import numpy as np
 # A BlockIndex pickled while the block index lived in this module names its loader here.
 from ._blocks_py import _block_index_from  # noqa: F401 -- the loader old pickles name
 from ._errors import reentered, stale_match
-from ._handover import hand_over_batch, host_indices_bytes
+from ._handover import answer_not_kept, hand_over_batch, host_indices_bytes
 from ._heap_py import EvictionHeap, device_leaf, host_leaf
 from ._options import KEY_FALLS_ON_ACCESS
 from ._state import check_state, id_order
@@ -613,6 +649,44 @@ class Core:
         adopted, self.adopted = self.adopted, None
         return [] if adopted is None else adopted
 
+    def revert_insert(self, adopted: list, leaf: Node | None, held: bool = False) -> None:
+        """Undo the tiers of a ``held`` insert whose device values could not be set: its new
+        ``leaf`` (``take_new_leaf()``) leaves the tree and the ``adopted`` nodes
+        (``take_adopted()``) are host only again; see the module docstring."""
+        self._take(held, "insert")
+        garbage: list = []  # dropped values and heap entries: released after the guard
+        try:
+            tree = self.tree
+            top = None
+            if (leaf is not None and not leaf._evicted and leaf._parent is not None
+                    and not leaf._children and leaf._on_device and leaf._host is None
+                    and not leaf._lock_ref):
+                size = leaf.num_tokens
+                top, dropped = tree._detach_leaf(leaf)
+                garbage.append(dropped)
+                self.evictable -= size
+                self.inserted_tokens -= size
+            for node, _ in reversed(adopted):  # bottom-up: the tier invariant holds
+                if (node._evicted or not node._on_device or node._host is None
+                        or node._lock_ref or any(c._on_device for c in node._children.values())):
+                    continue
+                garbage.append(node._value)
+                node._value = None
+                node._on_device = False
+                self.evictable -= node.num_tokens
+                if not node._children:
+                    garbage.append(self.host_heap._push(node))
+                top = node._parent
+            if top is not None:
+                if top._on_device:
+                    garbage.append(self._push_if_evictable(top))
+                elif not top._children:
+                    garbage.append(self.host_heap._push(top))
+        finally:
+            if not held:
+                self._leave()
+        garbage.clear()
+
     def take_new_leaf(self) -> Node | None:
         """The leaf the last ``held`` insert made (None if none), forgotten here."""
         leaf, self.new_leaf = self.new_leaf, None
@@ -686,12 +760,13 @@ class Core:
         self._take(False, what)
 
     def evict(self, num_tokens: int, free_callback: Any = None, batch: bool = False,
-              on_remove: Any = None, backup: Any = None, on_backup: Any = None) -> int:
+              on_remove: Any = None, backup: Any = None, on_backup: Any = None,
+              free_host: Any = None, on_remove_host: Any = None) -> int:
         """The whole evict loop; see the module docstring. Takes the guard itself (never
         ``held``): it lets go of it around each per-node callback."""
         if self.host_tier:
             return self._evict_tiered(num_tokens, free_callback, batch, on_remove, backup,
-                                      on_backup)
+                                      on_backup, free_host, on_remove_host)
         self._take(False, "evict")
         holding = True
         garbage: list = []  # stale entries, dropped values: released outside the guard
@@ -741,8 +816,56 @@ class Core:
         hand_over_batch(free_callback, parts or None, error, self._join)
         return freed
 
+    def _host_leave(self, node: Node, free_host: Any, on_remove_host: Any,
+                    garbage: list) -> None:
+        """A host-only node without children leaves the tree as in ``evict_host``:
+        ``on_remove_host(node)`` first, then it is detached and counted, then its host
+        indices (a new CPU index array) go to ``free_host``."""
+        if on_remove_host is not None:
+            on_remove_host(node)
+        host = node._host
+        size = node.num_tokens
+        parent, dropped = self.tree._detach_leaf(node)
+        garbage.append(dropped)
+        node._host = None
+        self.host_size -= size
+        self.host_evictions += 1
+        self.host_evicted_tokens += size
+        if host_leaf(parent):
+            garbage.append(self.host_heap._push(parent))
+        free_host(index_array([host], self._numpy_arrays))
+
+    def _host_leaf_leaves(self, free_host: Any, on_remove_host: Any, garbage: list) -> bool:
+        """The first host leaf in policy order leaves (``_host_leave``); False if none."""
+        heap = self.host_heap
+        node = heap._pop(garbage)
+        if node is None:
+            return False
+        try:
+            self._host_leave(node, free_host, on_remove_host, garbage)
+        except BaseException:
+            if not node._evicted:
+                garbage.append(heap._push(node))  # still a host leaf
+            raise
+        return True
+
+    def _drop_host_below(self, node: Node, free_host: Any, on_remove_host: Any,
+                         garbage: list) -> None:
+        """Every (host-only) descendant of the device leaf ``node`` leaves the tree,
+        bottom-up (``_host_leave``)."""
+        order = []  # (-depth, id, node): deepest first, then by id (as the compiled core)
+        stack = [(child, 1) for child in node._children.values()]
+        while stack:
+            below, depth = stack.pop()
+            order.append((-depth, below._id, below))
+            stack.extend((child, depth + 1) for child in below._children.values())
+        order.sort(key=lambda item: item[:2])
+        for _, _, below in order:  # every node after its descendants
+            self._host_leave(below, free_host, on_remove_host, garbage)
+
     def _evict_tiered(self, num_tokens: int, free_callback: Any, batch: bool, on_remove: Any,
-                      backup: Any, on_backup: Any) -> int:
+                      backup: Any, on_backup: Any, free_host: Any = None,
+                      on_remove_host: Any = None) -> int:
         """``evict`` with a host tier: victims with a host copy (or given one by ``backup``)
         are demoted to the host, the others deleted (or skipped when they have host-only
         children); see the module docstring."""
@@ -754,6 +877,7 @@ class Core:
         use_backup = backup is not None and self.write_through_hits == 0
         handed: list = [None]  # see _hand_over_one
         skipped: list = []  # device leaves that could not leave: pushed back at the end
+        skipping: set = set()  # the same nodes: not asked about again in this call
         freed = 0
         error = None
         try:
@@ -763,6 +887,8 @@ class Core:
                 node = heap._pop(garbage)
                 if node is None:
                     break
+                if node in skipping:
+                    continue  # pushed again (by a callback) after it was skipped: not retried
                 size = node.num_tokens
                 value = None
                 if node._host is None:
@@ -771,16 +897,28 @@ class Core:
                         try:
                             value = node.value  # the tensor backup and free_callback get
                             host = backup(value)
+                            # No room: host leaves leave in policy order, one at a time,
+                            # and backup is asked again after each.
+                            while (host is None and free_host is not None
+                                   and self._host_leaf_leaves(free_host, on_remove_host,
+                                                              garbage)):
+                                host = backup(value)
                             if host is not None:
-                                host = host_indices_bytes(host, size, self._numpy_arrays)
+                                host = self._kept_answer(host, size)
                         except BaseException:
                             garbage.append(heap._push(node))  # still a device leaf
                             raise
-                    if host is None:
-                        if node._children:  # host-only children: it cannot leave the tree
+                    if host is None and node._children:  # all of them host only
+                        if free_host is None:  # it cannot leave the tree: skipped
                             skipped.append(node)
+                            skipping.add(node)
                             continue
-                    else:
+                        try:  # they leave the tree first, their host slots to free_host
+                            self._drop_host_below(node, free_host, on_remove_host, garbage)
+                        except BaseException:
+                            garbage.append(heap._push(node))  # still a device leaf
+                            raise
+                    if host is not None:
                         node._host = host
                         self.host_size += size
                         self.backed_up_tokens += size
@@ -840,6 +978,7 @@ class Core:
                 self._leave()
         garbage.clear()
         skipped.clear()
+        skipping.clear()
         hand_over_batch(free_callback, parts or None, error, self._join)
         return freed
 
@@ -898,13 +1037,26 @@ class Core:
         hand_over_batch(free_callback, parts or None, error, self._join)
         return freed
 
+    def _kept_answer(self, answer: Any, size: int) -> bytes:
+        """``backup``'s answer for a node of ``size`` tokens, checked, as int64 bytes; an
+        error meanwhile carries the answer (``_handover.answer_not_kept``)."""
+        try:
+            return host_indices_bytes(answer, size, self._numpy_arrays)
+        except BaseException as exc:
+            error = answer_not_kept(exc, answer)
+            if error is exc:
+                raise
+            raise error from exc
+
     def write_through(self, backup: Any, on_backup: Any = None) -> int:
         """Copy the queued nodes to the host, FIFO; see the module docstring."""
         self._take(False, "write_through")
         garbage: list = []
+        skipped: list = []  # nodes backup had no room for, in queue order: put back first
         try:
             queue = self.tree._queue
             copied = 0
+            refused = 0  # the smallest node backup had no room for in this call (0: none)
             while queue:
                 node = queue[0]
                 if node._evicted or not node._on_device or node._host is not None:
@@ -912,10 +1064,17 @@ class Core:
                     node._queued = False
                     continue
                 size = node.num_tokens
-                host = backup(node.value)  # an error leaves the node queued, at the front
-                if host is None:
-                    break  # the host is full: the rest waits for the next call
-                host = host_indices_bytes(host, size, self._numpy_arrays)
+                if refused and size >= refused:
+                    skipped.append(queue.popleft())  # no room for it either: not asked
+                    continue
+                host = backup(node.value)  # an error leaves the node queued, in its place
+                if host is None:  # no room for this one now: retried on a later call
+                    skipped.append(queue.popleft())
+                    refused = size
+                    if size <= self.page_size:
+                        break  # no queued node is smaller
+                    continue
+                host = self._kept_answer(host, size)
                 queue.popleft()
                 node._queued = False
                 node._host = host
@@ -926,8 +1085,11 @@ class Core:
                     on_backup(node)
             return copied
         finally:
+            if skipped:
+                self.tree._queue.extendleft(reversed(skipped))
             self._leave()
             garbage.clear()
+            skipped.clear()
 
     def load_back(self, match: Any, device_values: Any, on_load: Any = None) -> Any:
         """Put a match's host continuation back on the device; see the module docstring."""

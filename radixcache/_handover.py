@@ -8,7 +8,7 @@ import numpy as np
 
 from ._torch import loaded_torch
 
-__all__ = ["hand_over_batch", "host_indices_bytes"]
+__all__ = ["answer_not_kept", "hand_over_batch", "host_indices_bytes"]
 
 
 def _hand_over_parts(free_callback, parts, join, join_error, error) -> None:
@@ -53,6 +53,24 @@ def hand_over_batch(free_callback, value, error, join=None) -> None:
             raise
     if error is not None:
         raise error
+
+
+def answer_not_kept(error: BaseException, answer) -> BaseException:
+    """An error raised after ``backup`` returned ``answer`` and before the core kept it
+    (checking or reading it, a torch hook meanwhile, a node that changed during the call):
+    the same exception, given the attribute ``host_indices``, the answer as ``backup``
+    returned it, so that the engine can free those host slots. An error ``backup`` raised
+    itself has no such attribute. An exception that takes no attribute is replaced by a
+    ``RuntimeError`` that carries it (``__cause__``) and the attribute."""
+    try:
+        error.host_indices = answer
+    except (AttributeError, TypeError):
+        replaced = RuntimeError("backup's answer was not kept (its host slots are in this "
+                                f"error's host_indices): {error!r}")
+        replaced.host_indices = answer
+        replaced.__cause__ = error
+        return replaced
+    return error
 
 
 def host_indices_bytes(host, num_tokens: int, numpy_arrays: bool = False) -> bytes:

@@ -269,7 +269,7 @@ class Tree:
         self.clock = 0
         self.node_count = 0
         self.num_splits = 0
-        self.root = self._Node(b"", None, None, 0)
+        self.root = self._new_root()
         # Namespaces in which the empty sequence was inserted (it has no node to mark).
         self._empty_inserted: set = set()
         # The write-through queue (nodes due for a host copy, FIFO); a split of a queued
@@ -560,10 +560,17 @@ class Tree:
         self.node_count -= 1
         return parent, previous
 
+    def _new_root(self) -> Node:
+        """An empty root. Its ``lock_ref`` is a permanent 1, as in SGLang: ``_lock`` never
+        walks into it, so locking or unlocking it changes nothing."""
+        root = self._Node(b"", None, None, 0)
+        root._lock_ref = 1
+        return root
+
     def _clear(self) -> Node:
         """Drop every node (marked evicted) without recursion; returns the old root."""
         old_root = self.root
-        self.root = self._Node(b"", None, None, 0)
+        self.root = self._new_root()
         self._empty_inserted = set()
         self.clock = 0
         self.node_count = 0

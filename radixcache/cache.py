@@ -451,6 +451,11 @@ class RadixCache:
         the device again, keeping its host copy. Adopted tokens do not count in
         ``prefix_len``: their slots are used by the cache, not duplicates.
 
+        With ``kv_indices`` on a device the call copies every slice it keeps there before it
+        stores any; if a copy fails (the device is out of memory, say) the error propagates
+        and no token moved tier: the new leaf is not cached and the nodes it would have
+        adopted are host only again (a split the walk made stays, as do its access times).
+
         Returns:
             An ``InsertResult``: ``prefix_len``, how many leading tokens were cached on the
             device already (their slots in ``kv_indices`` are duplicates the caller may
@@ -521,26 +526,38 @@ class RadixCache:
     def _after_held_insert(self, device_kv: Any, num_tokens: int) -> None:
         """After a held core insert, still under the guard: the nodes it adopted (top-down)
         and its new leaf get their device values (``device_kv``: the caller's indices on a
-        device, else None: the core stored them) and their events."""
+        device, else None: the core stored them) and their events.
+
+        Every device copy is made before any is stored: if one raises (the device is out of
+        memory, a torch hook), the core reverts the insert's tiers (the new leaf leaves, the
+        adopted nodes are host only again) and the error propagates, so no node keeps its
+        token ids as KV slots."""
         core = self._core
         events = self._events
-        torch_module = _torch  # device values: torch is bound
-        if self.host_tier:
-            # Host-only nodes on the path took the caller's slots (adopted), top-down.
-            for node, start in core.take_adopted():
-                if device_kv is not None:
-                    core.set_value(node, device_kv[start:start + node.num_tokens].to(
-                        torch_module.int64, copy=True), True)
-                if events is not None:
-                    events.stored(node)
+        adopted = core.take_adopted() if self.host_tier else []
         leaf = core.take_new_leaf()
-        if leaf is not None:
-            if device_kv is not None:
-                # Values on a device stay there: a copy on the caller's device.
-                start = self._aligned(num_tokens) - leaf.num_tokens  # the tail
-                core.set_value(leaf, device_kv[start:start + leaf.num_tokens].to(
-                    torch_module.int64, copy=True), True)
-            if events is not None:
+        if device_kv is not None and (adopted or leaf is not None):
+            torch_module = _torch  # device values: torch is bound
+            try:
+                # Values on a device stay there: copies on the caller's device.
+                values = [device_kv[start:start + node.num_tokens].to(
+                    torch_module.int64, copy=True) for node, start in adopted]
+                if leaf is not None:
+                    start = self._aligned(num_tokens) - leaf.num_tokens  # the tail
+                    values.append(device_kv[start:start + leaf.num_tokens].to(
+                        torch_module.int64, copy=True))
+                nodes = [node for node, _ in adopted]
+                if leaf is not None:
+                    nodes.append(leaf)
+                for node, value in zip(nodes, values):
+                    core.set_value(node, value, True)
+            except BaseException:
+                core.revert_insert(adopted, leaf, True)
+                raise
+        if events is not None:
+            for node, _ in adopted:
+                events.stored(node)
+            if leaf is not None:
                 events.stored(leaf)
 
     def exists(self, token_ids: Any, extra_key: Any = None) -> bool:
@@ -634,7 +651,8 @@ class RadixCache:
     def evict(self, num_tokens: int,
               free_callback: Callable[[torch.Tensor], Any] | None = None, *,
               batch: bool = False,
-              backup: Callable[[torch.Tensor], Any] | None = None) -> int:
+              backup: Callable[[torch.Tensor], Any] | None = None,
+              free_host: Callable[[torch.Tensor], Any] | None = None) -> int:
         """Evict unlocked leaves in policy order until ``num_tokens`` are freed.
 
         A parent that becomes an evictable leaf joins in. The loop runs in the tree core, one
@@ -663,30 +681,47 @@ class RadixCache:
                 slots, copies the KV there and returns their indices (a 1-D
                 ``torch.int64`` tensor, one per device slot), or None when the host is
                 full. It runs inside the call: it must not call the cache.
+            free_host: With a host tier: called with the host indices (a new 1-D CPU int64
+                tensor) of each host-only node the call removes, right after it left the
+                tree (as ``evict_host`` would hand them). It runs inside the call, like
+                ``backup``: it must not call the cache. Given it, when ``backup`` finds no
+                room the call removes host-only leaves one at a time in policy order,
+                asking ``backup`` again after each, until it answers or none is left (as
+                SGLang evicts host entries and retries); and a victim that still gets no host copy leaves with its
+                host-only subtree: every victim leaves the device in policy order, however
+                full the host is.
 
         With a host tier, a victim leaves the device only: one that has a host copy (or gets
         one from ``backup``) stays in the tree, host only, and its device slots go to
         ``free_callback``; one that gets none is deleted as without a host tier, except that
-        a node with host-only children stays on the device (free host memory with
-        ``evict_host`` first, or copy it with ``write_through``). A parent whose children
+        without ``free_host`` a node with host-only children stays on the device (free host
+        memory with ``evict_host`` first, or copy it with ``write_through``); ``backup`` is asked about
+        a victim at most once per call, even if a ``free_callback`` makes it a leaf again
+        meanwhile (the next call asks again). A parent whose children
         all left the device can follow in the same call. A ``backup`` that raises, or
         returns something else than None or a valid tensor, leaves its victim as it was.
+        An error raised after ``backup`` answered and before the answer was kept (a bad
+        value, or a torch hook raising while the cache reads it) carries that answer, as
+        returned, in its ``host_indices`` attribute: those host slots are not the cache's,
+        the engine frees them. An error ``backup`` raised itself has no such attribute.
 
         Returns:
             The number of tokens freed from the device (at least ``num_tokens`` unless
             nothing evictable was left).
 
         Raises:
-            TypeError: ``num_tokens`` is not an int, ``free_callback`` or ``backup`` is not
-                callable, or ``backup`` returned something else than None or an int64
+            TypeError: ``num_tokens`` is not an int, ``free_callback``, ``backup`` or
+                ``free_host`` is not callable, or ``backup`` returned something else than None or an int64
                 tensor.
-            ValueError: ``backup`` given to a cache without a host tier, or ``backup``
+            ValueError: ``backup`` or ``free_host`` given to a cache without a host tier,
+                or ``backup``
                 returned a tensor that is not 1-D, of another length than the victim's, or
                 without data (meta or sparse).
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
-        if (type(num_tokens) is int and backup is None and self._events is None
+        if (type(num_tokens) is int and backup is None and free_host is None
+                and self._events is None
                 and not self.host_tier and (free_callback is None or callable(free_callback))):
             # The common call, already valid: straight to the core.
             return self._core.evict(num_tokens, free_callback, bool(batch))
@@ -696,16 +731,20 @@ class RadixCache:
                 f"free_callback must be callable, got {type(free_callback).__name__}")
         events = self._events
         if not self.host_tier:
-            if backup is not None:
-                raise ValueError("evict(backup=...) needs a cache with a host tier "
+            if backup is not None or free_host is not None:
+                raise ValueError(f"evict({'backup' if backup is not None else 'free_host'}"
+                                 "=...) needs a cache with a host tier "
                                  "(RadixCache(host_tier=True))")
             return self._core.evict(num_tokens, free_callback, bool(batch),
                                     None if events is None else events.removed)
         if backup is not None and not callable(backup):
             raise TypeError(f"backup must be callable, got {type(backup).__name__}")
+        if free_host is not None and not callable(free_host):
+            raise TypeError(f"free_host must be callable, got {type(free_host).__name__}")
         return self._core.evict(num_tokens, free_callback, bool(batch),
                                 None if events is None else events.removed, backup,
-                                None if events is None else events.stored_host)
+                                None if events is None else events.stored_host, free_host,
+                                None if events is None else events.removed_host)
 
     def _need_host_tier(self, what: str) -> None:
         if not self.host_tier:
@@ -757,10 +796,16 @@ class RadixCache:
         Args:
             backup: Called with a due node's device indices; allocates host slots, copies
                 the KV there and returns their indices (a 1-D ``torch.int64`` tensor, one per
-                device slot), or None when the host is full: the call then stops and the
-                rest stays due for the next one. It runs inside the call: it must not call
+                device slot), or None when the host has no room for this node now: the
+                node stays due, in its place, for a later call, and the call goes on with
+                the nodes behind it -- asking only about nodes smaller than the smallest
+                it was refused (a node at least as large cannot fit either; after a
+                refused node of one page the call ends). One large node never holds up
+                the copies behind it. It runs inside the call: it must not call
                 the cache. If it raises or returns a bad value, the node stays due and the
-                error propagates.
+                error propagates; an error raised after it answered carries the answer in
+                its ``host_indices`` attribute, as in ``evict``: the engine frees those
+                host slots.
 
         Returns:
             The number of tokens copied.

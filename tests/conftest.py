@@ -145,6 +145,7 @@ def check_invariants(cache: RadixCache) -> None:
 
         if node is root:
             assert depth == 0
+            assert node.lock_ref == 1, f"the root's lock_ref is {node.lock_ref}, not 1"
             continue
         assert node.parent is not None
         parent_key = id(node.parent)

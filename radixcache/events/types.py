@@ -41,6 +41,8 @@ class BlockStored:
         extra_keys: One entry per block (a tuple, or None); radixcache puts
             ``(namespace,)`` on every block of a namespaced leaf (see ``extra_keys_entry``).
         group_idx: The KV-cache group (None: radixcache has one).
+        cache_salt: The salt of the request that stored the blocks (SGLang's field; its
+            hashes already depend on it), or None. Sent in the map encoding only.
     """
 
     block_hashes: Tuple[Union[int, bytes], ...]
@@ -52,6 +54,7 @@ class BlockStored:
     lora_name: Optional[str] = None
     extra_keys: Optional[Tuple[Optional[tuple], ...]] = None
     group_idx: Optional[int] = None
+    cache_salt: Optional[str] = None
 
     def to_wire(self, encoding: str = DEFAULT_ENCODING) -> Union[dict, list]:
         """This event as msgpack-ready data (see the wire format in ``radixcache.events``).
@@ -87,6 +90,8 @@ class BlockStored:
                                   for entry in self.extra_keys]
         if self.group_idx is not None:
             wire["group_idx"] = self.group_idx
+        if self.cache_salt is not None:
+            wire["cache_salt"] = self.cache_salt
         return wire
 
 

@@ -59,15 +59,27 @@ def _wire_hash(value: Any, what: str) -> Union[int, bytes]:
     return value
 
 
+# The item types an array may hold: checked over the set of its items' types (one pass in C,
+# not a call per item); msgpack decodes exact ints and bytes, never a subclass.
+_HASH_ITEM_TYPES = frozenset((int, bytes))
+_INT_ITEM_TYPES = frozenset((int,))
+
+
 def _wire_hash_list(value: Any, what: str) -> tuple:
-    if not isinstance(value, (list, tuple)) or not all(
-            _is_builtin_int(v) or isinstance(v, bytes) for v in value):
+    if not isinstance(value, (list, tuple)) or not _HASH_ITEM_TYPES.issuperset(
+            map(type, value)):
+        if isinstance(value, (list, tuple)) and all(
+                _is_builtin_int(v) or isinstance(v, bytes) for v in value):
+            return tuple(value)  # an int or bytes subclass in a hand-made array
         raise ValueError(f"{what} must be an array of ints or bytes")
     return tuple(value)
 
 
 def _wire_int_list(value: Any, what: str) -> Tuple[int, ...]:
-    if not isinstance(value, (list, tuple)) or not all(_is_builtin_int(v) for v in value):
+    if not isinstance(value, (list, tuple)) or not _INT_ITEM_TYPES.issuperset(
+            map(type, value)):
+        if isinstance(value, (list, tuple)) and all(_is_builtin_int(v) for v in value):
+            return tuple(value)  # an int subclass in a hand-made array
         raise ValueError(f"{what} must be an array of ints")
     return tuple(value)
 
@@ -143,6 +155,7 @@ def _stored_from(fields: Any, tag: str) -> BlockStored:
         _wire_optional(fields.optional("lora_name"), str, f"{tag}.lora_name"),
         _wire_extra_keys(fields.optional("extra_keys"), f"{tag}.extra_keys"),
         _wire_optional(fields.optional("group_idx"), int, f"{tag}.group_idx"),
+        _wire_optional(fields.optional("cache_salt"), str, f"{tag}.cache_salt"),
     )
 
 

@@ -7,6 +7,8 @@ the block module (compiled when built); both are reached in one place below.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import operator
 import sys
 from array import array
@@ -16,12 +18,14 @@ from typing import Any, Hashable, Iterable, Optional
 from .. import _core
 from .._validate import INT64_MAX, INT64_MIN, check_int, is_int
 from ..events import (
+    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     ReceivedBatch,
     TokenIds,
+    canonical_namespace,
     decode_batch,
     encode_namespace,
     tokens_le_bytes,
@@ -37,10 +41,6 @@ _HASH_TYPES = (int, bytes)
 # The block module's table and page hash chain (compiled when built): the block keys are
 # the chain seeded by the namespace. A table is made per indexer from the module chosen then.
 _page_keys = _core.blocks.page_hash_chain
-
-
-def _new_block_index() -> Any:
-    return _core.blocks.BlockIndex()
 
 
 @dataclass
@@ -107,6 +107,7 @@ def _event_token_bytes(token_ids: Any) -> bytes:
     return tokens_le_bytes(token_ids)
 
 
+@functools.lru_cache(maxsize=4096)  # a query's namespace is usually one of a few
 def _root_key(namespace: bytes) -> int:
     # The chain of a sequence starts from its namespace, so equal tokens in two namespaces
     # get different keys: the seed of the fast64 block hash, so a fast64 publisher's hashes
@@ -115,23 +116,65 @@ def _root_key(namespace: bytes) -> int:
 
 
 def _event_namespace(event: BlockStored) -> Any:
-    """The namespace of a stored event's blocks: ``extra_keys`` when the publisher sends it.
+    """The namespace of a root event's blocks: its first block's ``extra_keys`` entry when
+    the publisher sends the field, else SGLang's ``lora_name`` and ``cache_salt``.
 
-    vLLM's layout carries ``extra_keys`` per block (None, or a tuple of keys); a subtree never
-    mixes namespaces, so the first block's entry stands for the event. A one-element entry
-    is that element. Without the field, the namespace is None.
+    vLLM's layout carries ``extra_keys`` per block (None, or a tuple of keys); the first
+    block's entry names the sequence (``_entry_namespace``). SGLang sends no extra keys: its
+    hashes depend on the adapter and the salt, so the namespace is ``lora_name``, or
+    ``cache_salt``, or ``(lora_name, cache_salt)`` when both are set; its ``session_id`` is
+    attribution only and never part of a block's identity.
     """
     extra_keys = getattr(event, "extra_keys", None)
-    if not extra_keys:
+    if extra_keys:
+        return _entry_namespace(_entry(extra_keys[0]))
+    lora = getattr(event, "lora_name", None)
+    salt = getattr(event, "cache_salt", None)
+    for value in (lora, salt):
+        if value is not None and not isinstance(value, str):
+            raise TypeError("lora_name and cache_salt must be str or None")
+    if salt is None:
+        return lora
+    return salt if lora is None else (lora, salt)
+
+
+def _entry(entry: Any) -> Optional[tuple]:
+    """A block's ``extra_keys`` entry as a tuple, nested arrays as tuples (a list and a tuple
+    spell the same entry); None for none or an empty one."""
+    if entry is None:
         return None
-    first = extra_keys[0]
-    if isinstance(first, (list, tuple)):
-        if len(first) == 0:
-            return None
-        if len(first) == 1:
-            return first[0]
-        return tuple(first)
-    return first
+    if not isinstance(entry, (list, tuple)):
+        return (_frozen(entry),)
+    return tuple(_frozen(item) for item in entry) or None
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(item) for item in value)
+    return value
+
+
+def _entry_namespace(entry: Optional[tuple]) -> Any:
+    """The namespace an entry names as a sequence's first: a one-element entry is that
+    element, a longer one the tuple."""
+    if entry is None:
+        return None
+    return entry[0] if len(entry) == 1 else entry
+
+
+def _fold(key: int, entry: tuple) -> int:
+    """``key`` with a block's own extra keys (an image's hash, ...) mixed in."""
+    digest = hashlib.blake2b(key.to_bytes(8, "little", signed=True) + _namespace_bytes(entry),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+# SGLang's names for the tiers it shares with vLLM: its pinned host memory is the host tier.
+_MEDIUM_ALIASES = {"CPU_PINNED": MEDIUM_CPU}
+
+
+def _tier(medium: str) -> str:
+    return _MEDIUM_ALIASES.get(medium, medium)
 
 
 def _namespace_bytes(namespace: Any) -> bytes:
@@ -145,17 +188,26 @@ def _namespace_bytes(namespace: Any) -> bytes:
 class _Copy:
     """One worker's blocks on one tier and KV-cache group: ``(worker, medium, group)``."""
 
-    __slots__ = ("worker", "medium", "group", "published", "size", "cid")
+    __slots__ = ("worker", "medium", "group", "published", "direct", "refs", "cid")
 
-    def __init__(self, worker: Hashable, medium: str, group: Any) -> None:
+    def __init__(self, worker: Hashable, medium: str, group: Any, published: Any) -> None:
         self.worker = worker
         self.medium = medium
         self.group = group
-        # publisher hash -> indexer key, for hashes that are not the key itself; a block
-        # published under its own key (a ``fast64`` publisher) is held without an entry
-        self.published: dict = {}
-        self.size = 0  # (publisher hash, block) pairs held
+        # publisher hash -> indexer key, for hashes that are not the key itself (the block
+        # module's KeyMap: 16 bytes a hash, whatever its type); a block published under its
+        # own key (a ``fast64`` publisher) is held without an entry
+        self.published = published
+        self.direct = 0  # holdings published under their own key (no ``published`` entry)
+        # indexer key -> how many ``published`` hashes name it; kept only while the copy
+        # holds blocks both ways (None otherwise), to tell its own-key holdings apart
+        self.refs: Optional[dict] = None
         self.cid = -1  # its id in the indexer's BlockIndex, set by KvIndexer._copy
+
+    @property
+    def size(self) -> int:
+        """(publisher hash, block) pairs held: one holding each in the BlockIndex."""
+        return self.direct + len(self.published)
 
     def __repr__(self) -> str:
         return f"_Copy({self.worker!r}, {self.medium!r}, {self.group!r})"
@@ -185,7 +237,7 @@ def _event_medium(event: Any) -> str:
         return MEDIUM_GPU
     if not isinstance(medium, str):
         raise TypeError("medium must be a str or None")
-    return medium
+    return _tier(medium)
 
 
 def _event_group(event: Any) -> Any:
@@ -229,14 +281,20 @@ class KvIndexer:
         # indexer key -> the ids (``_Copy.cid``) of the copies holding it, a copy once per
         # publisher hash that maps to the block: the block module's BlockIndex (compiled when
         # built); copy ids are reused once their copy is dropped
-        self._index = _new_block_index()
+        self._index = _core.blocks.BlockIndex()
+        self._key_map = _core.blocks.KeyMap  # publisher hash maps, same module
         self._free_cids: list = []
+        self._held = 0  # the copies' holdings, together: the table's pairs
         self._next_cid = 0
         self._owner_tables: dict = {}  # medium -> (owners by copy id, workers); see _owners
         self._cid_version = 0  # changes with the copies (the owner tables' validity)
         # worker -> its _Copy, or {(medium, group): _Copy} when it has several; only copies
         # holding at least one block
         self._copies: dict = {}
+        # indexer key -> the extra-keys entry of its sequence's namespace, for blocks stored
+        # with per-block extra keys under a namespace: a key's namespace is fixed by the
+        # key, so an entry is never wrong, only kept a while after its block left
+        self._ns_of: dict = {}
         self.stats = IndexerStats()
 
     # -- workers -----------------------------------------------------------------------
@@ -253,7 +311,7 @@ class KvIndexer:
         """``worker``'s copy on (medium, group), made when missing."""
         copy = self._find(worker, medium, group)
         if copy is None:
-            copy = _Copy(worker, medium, group)
+            copy = _Copy(worker, medium, group, self._key_map())
             self._new_cid(copy)
             current = self._copies.get(worker)
             if current is None:
@@ -309,6 +367,8 @@ class KvIndexer:
         Returns:
             The number of blocks (0 for an unknown worker).
         """
+        if medium is not None:
+            medium = _tier(medium)
         return sum(c.size for c in self._copies_of(worker)
                    if medium is None or c.medium == medium)
 
@@ -330,20 +390,57 @@ class KvIndexer:
         self._clear_worker(worker)
 
     def _clear_copy(self, copy: _Copy) -> None:
+        self._held -= copy.size
         if copy.size:
             self._index.clear_copy(copy.cid)
-        copy.published = {}
-        copy.size = 0
+        copy.published.clear()
+        copy.direct = 0
+        copy.refs = None
         self._drop_cid(copy)
 
-    def _holds(self, key: Any, copy: _Copy) -> bool:
-        return (type(key) is int and INT64_MIN <= key <= INT64_MAX
-                and self._index.holds(key, copy.cid))
+    def _refs(self, copy: _Copy) -> dict:
+        """``copy.refs``, counted from ``copy.published`` when not kept yet."""
+        refs = copy.refs
+        if refs is None:
+            refs = copy.refs = {}
+            for key in copy.published.values():
+                refs[key] = refs.get(key, 0) + 1
+        return refs
+
+    def _direct(self, copy: _Copy, block_hash: Any) -> bool:
+        """Whether ``copy`` holds ``block_hash`` as a block's own key (no ``published``
+        entry): one of its holdings of that key is not some other hash's."""
+        if not copy.direct or type(block_hash) is not int or not (
+                INT64_MIN <= block_hash <= INT64_MAX):
+            return False
+        if not copy.published:
+            return self._index.holds(block_hash, copy.cid)
+        named = self._refs(copy).get(block_hash, 0)
+        return self._index.holders(block_hash).count(copy.cid) > named
+
+    def _publish(self, copy: _Copy, block_hash: Any, key: int) -> None:
+        copy.published.put(block_hash, key)
+        refs = copy.refs
+        if refs is not None:
+            refs[key] = refs.get(key, 0) + 1
+
+    def _unpublish(self, copy: _Copy, block_hash: Any) -> Optional[int]:
+        """Forget ``block_hash`` in ``copy.published``: the key it named, or None."""
+        key = copy.published.pop(block_hash)
+        refs = copy.refs
+        if key is not None and refs is not None:
+            if not copy.published:
+                copy.refs = None
+            elif refs[key] == 1:
+                del refs[key]
+            else:
+                refs[key] -= 1
+        return key
 
     def _key_of(self, copy: _Copy, block_hash: Any) -> Optional[int]:
         """The indexer key ``copy`` holds under publisher hash ``block_hash``, or None."""
         key = copy.published.get(block_hash)
-        if key is None and type(block_hash) is int and self._holds(block_hash, copy):
+        if key is None and self._direct(copy, block_hash):
             key = block_hash  # published under its own key
         return key
 
@@ -362,16 +459,17 @@ class KvIndexer:
         return None
 
     def _clear_worker(self, worker: Hashable) -> None:
-        copies = self._copies_of(worker)
-        self._copies.pop(worker, None)
-        for copy in copies:
+        for copy in self._copies_of(worker):
             self._clear_copy(copy)  # drops its id too
+        self._copies.pop(worker, None)
+        self._prune_namespaces()
 
-    def _hold(self, key: int, copy: _Copy) -> None:
-        self._index.hold(key, copy.cid)
-
-    def _unhold(self, key: int, copy: _Copy) -> None:
-        self._index.unhold(key, copy.cid)
+    def _prune_namespaces(self) -> None:
+        """Forget the namespaces of blocks no longer held, once they are most of them."""
+        ns_of = self._ns_of
+        if len(ns_of) > 2 * len(self._index) + 1024:
+            holders = self._index.holders
+            self._ns_of = {key: entry for key, entry in ns_of.items() if holders(key)}
 
     def _new_cid(self, copy: _Copy) -> None:
         if self._free_cids:
@@ -383,22 +481,27 @@ class KvIndexer:
         self._owner_tables.clear()
 
     def _drop_cid(self, copy: _Copy) -> None:
-        # The copy is being dropped, holding nothing: its id may serve another copy.
+        # The copy is being dropped, holding nothing: its id may serve another copy, once
+        # no block refers to it. The copies' counts add up to the table's holdings
+        # (``_held``) unless one drifted; then this id's holdings are cleared before reuse.
         if copy.cid >= 0:
+            if self._index.pairs != self._held:
+                self._index.clear_copy(copy.cid)
             self._free_cids.append(copy.cid)
             copy.cid = -1
             self._cid_version += 1
             self._owner_tables.clear()
 
     def _owners(self, medium: Any) -> tuple:
-        """``(owners, workers)`` for ``BlockIndex.overlap``: ``owners[cid]`` is the position
-        in ``workers`` of the worker of the copy ``cid`` if it is on ``medium`` (a tier, or a
-        tuple of tiers: a block counts when the worker holds it on any of them), else -1."""
+        """``(owners, workers, owners as int64 bytes)`` for ``BlockIndex.overlap``:
+        ``owners[cid]`` is the position in ``workers`` of the worker of the copy ``cid`` if it
+        is on ``medium`` (a tier, or a tuple of tiers: a block counts when the worker holds it
+        on any of them), else -1."""
         media = medium if type(medium) is tuple else (medium,)
         table = self._owner_tables.get(medium)
         if table is None:
             version = self._cid_version
-            owners = [-1] * self._next_cid
+            owners = array("q", [-1]) * self._next_cid
             workers: list = []
             slots: dict = {}
             for copy in self._all_copies():
@@ -408,7 +511,7 @@ class KvIndexer:
                         slot = slots[copy.worker] = len(workers)
                         workers.append(copy.worker)
                     owners[copy.cid] = slot
-            table = (owners, workers)
+            table = (owners, workers, owners.tobytes())
             if version == self._cid_version:  # a worker id's __eq__ changed no copy
                 self._owner_tables[medium] = table
         return table
@@ -529,8 +632,15 @@ class KvIndexer:
                     continue  # no full block: nothing held, as ``apply`` does
                 if copy is None:
                     copy = self._copy(worker, MEDIUM_GPU, None)
-                stored, duplicates = index.store(copy.cid, keys)
-                copy.size += stored
+                if copy.published:  # also fed events under other hashes
+                    keys = array("q", keys).tolist()  # native order, as written
+                    before = copy.size
+                    stored, duplicates = self._store_each(copy, keys, keys)
+                    self._held += copy.size - before
+                else:
+                    stored, duplicates = index.store(copy.cid, keys)
+                    copy.direct += stored
+                    self._held += stored
                 stats.stored_blocks += stored
                 stats.duplicate_blocks += duplicates
             elif copy is None:
@@ -540,7 +650,8 @@ class KvIndexer:
                     tuple(array("q", keys)), MEDIUM_GPU))  # native order, as written
             else:
                 removed, unknown = index.remove(copy.cid, keys)
-                copy.size -= removed
+                copy.direct -= removed
+                self._held -= removed
                 stats.removed_blocks += removed
                 stats.unknown_removals += unknown
                 self._forget_if_empty(copy)
@@ -564,8 +675,11 @@ class KvIndexer:
                 raise ValueError("token_ids do not fill the blocks")
             copy = self._find(worker, medium, group)
             parent = event.parent_block_hash
+            extra_keys = getattr(event, "extra_keys", None)
             if parent is None:
-                key = _root_key(_namespace_bytes(_event_namespace(event)))
+                namespace = _event_namespace(event)
+                key = _root_key(_namespace_bytes(namespace))
+                ns_entry = _entry(extra_keys[0]) if extra_keys else None
             else:
                 key = None if copy is None else self._key_of(copy, parent)
                 if key is None:
@@ -573,7 +687,12 @@ class KvIndexer:
                 if key is None:
                     stats.unknown_parent += 1
                     return
-            keys = _page_keys(key, data, self._page_bytes)
+                ns_entry = self._ns_of.get(key) if extra_keys else None
+            keys = self._chain_keys(key, data, extra_keys, ns_entry)
+            if ns_entry is not None and extra_keys:
+                # A later event below these blocks tells their extra keys from the
+                # namespace's by it.
+                self._ns_of.update(dict.fromkeys(keys, ns_entry))
             # Published under the indexer's own keys (a fast64 publisher), or checked hashes.
             identity = keys == list(hashes)
             if not identity and not _all_hash_types(hashes):
@@ -586,36 +705,64 @@ class KvIndexer:
             return
         if copy is None:
             copy = self._copy(worker, medium, group)
-        if identity:
-            # No hash map: the blocks this copy does not hold yet, in one call.
+        before = copy.size
+        try:
+            self._store_into(copy, hashes, keys, identity)
+        finally:
+            self._held += copy.size - before
+
+    def _store_into(self, copy: _Copy, hashes: Any, keys: list, identity: bool) -> None:
+        stats = self.stats
+        published = copy.published
+        if identity and not published:
+            # Every holding under its own key: the blocks this copy does not hold yet, in
+            # one call.
             stored, duplicates = self._index.store(copy.cid, keys)
-            copy.size += stored
+            copy.direct += stored
             stats.stored_blocks += stored
             stats.duplicate_blocks += duplicates
             return
-        published = copy.published
-        if published.keys().isdisjoint(hashes) and len(set(hashes)) == len(keys):
+        if not identity and not copy.direct and published.isdisjoint(hashes):
             # New hashes (the common case): in bulk.
-            published.update(zip(hashes, keys))
+            if copy.refs is None:
+                published.update(hashes, keys)
+            else:
+                for block_hash, key in zip(hashes, keys):
+                    self._publish(copy, block_hash, key)
             self._index.add(copy.cid, keys)
-            copy.size += len(keys)
             stats.stored_blocks += len(keys)
             return
-        stored = 0
+        stored, duplicates = self._store_each(copy, hashes, keys)
+        stats.stored_blocks += stored
+        stats.duplicate_blocks += duplicates
+
+    def _store_each(self, copy: _Copy, hashes: Any, keys: list) -> tuple:
+        """Hold ``keys[i]`` for ``copy`` under publisher hash ``hashes[i]``, one at a time:
+        a hash already held for the same key is a duplicate, for another key it is moved
+        (the publisher reused it: the newer block wins). Returns (stored, duplicates)."""
+        stored = duplicates = 0
+        index, cid = self._index, copy.cid
         for block_hash, key in zip(hashes, keys):
-            known = published.get(block_hash)
+            known = copy.published.get(block_hash)
+            own = known is None and self._direct(copy, block_hash)
+            if own:
+                known = block_hash
             if known is not None:
                 if known == key:
-                    stats.duplicate_blocks += 1
+                    duplicates += 1
                     continue
-                # The publisher reused a hash for other content: the newer block wins.
-                self._unhold(known, copy)
-                copy.size -= 1
-            published[block_hash] = key
-            self._hold(key, copy)
+                if own:
+                    copy.direct -= 1
+                else:
+                    self._unpublish(copy, block_hash)
+                index.unhold(known, cid)
+            if type(block_hash) is int and block_hash == key:
+                copy.direct += 1
+            else:
+                self._publish(copy, block_hash, key)
+            index.hold(key, cid)
             stored += 1
-        copy.size += stored
-        stats.stored_blocks += stored
+        return stored, duplicates
 
     def _removed(self, worker: Hashable, event: BlockRemoved) -> None:
         stats = self.stats
@@ -637,6 +784,7 @@ class KvIndexer:
             stats.unknown_removals += len(hashes)
             return
         removed = unknown = 0
+        before = copy.size
         if not copy.published:
             # Every block held under its own key: one call.
             if type(hashes) is not list and type(hashes) is not tuple:
@@ -647,49 +795,90 @@ class KvIndexer:
                 for block_hash in hashes:
                     if isinstance(block_hash, int) and not isinstance(block_hash, bool):
                         block_hash = int(block_hash)
-                    if self._holds(block_hash, copy):
-                        self._unhold(block_hash, copy)
+                    if self._direct(copy, block_hash):
+                        self._index.unhold(block_hash, copy.cid)
                         removed += 1
                     else:
                         unknown += 1
+            copy.direct -= removed
         else:
-            published = copy.published
             for block_hash in hashes:
-                key = published.pop(block_hash, None)
+                key = self._unpublish(copy, block_hash)
                 if key is None:
-                    if type(block_hash) is int and self._holds(block_hash, copy):
-                        key = block_hash
-                    else:
+                    if type(block_hash) is not int and isinstance(block_hash, int) \
+                            and not isinstance(block_hash, bool):
+                        block_hash = int(block_hash)
+                    if not self._direct(copy, block_hash):
                         unknown += 1
                         continue
-                self._unhold(key, copy)
+                    key = block_hash
+                    copy.direct -= 1
+                self._index.unhold(key, copy.cid)
                 removed += 1
-        copy.size -= removed
+        self._held += copy.size - before
         stats.removed_blocks += removed
         stats.unknown_removals += unknown
         self._forget_if_empty(copy)
+        if self._ns_of:
+            self._prune_namespaces()
+
+    def _chain_keys(self, seed: int, data: bytes, extra_keys: Any,
+                    ns_entry: Optional[tuple]) -> list:
+        """The keys of the blocks of ``data`` below ``seed``: the page hash chain, each block
+        whose ``extra_keys`` entry is neither None nor the namespace's own (``ns_entry``)
+        folded with it, the next blocks chained from the folded key."""
+        page_bytes = self._page_bytes
+        if not extra_keys:
+            return _page_keys(seed, data, page_bytes)
+        pages = len(data) // page_bytes
+        folds = []
+        for i, raw in enumerate(extra_keys[:pages]):
+            entry = _entry(raw)
+            if entry is not None and entry != ns_entry:
+                folds.append((i, entry))
+        if not folds:
+            return _page_keys(seed, data, page_bytes)
+        keys: list = []
+        start = 0
+        for i, entry in folds:
+            part = _page_keys(seed, data[start * page_bytes:(i + 1) * page_bytes], page_bytes)
+            part[-1] = seed = _fold(part[-1], entry)
+            keys += part
+            start = i + 1
+        if start < pages:
+            keys += _page_keys(seed, data[start * page_bytes:pages * page_bytes], page_bytes)
+        return keys
 
     # -- queries -----------------------------------------------------------------------
-    def block_keys(self, tokens: Any, extra_key: Any = None) -> list:
+    def block_keys(self, tokens: Any, extra_key: Any = None,
+                   block_extra_keys: Any = None) -> list:
         """Compute the indexer keys of the full blocks of ``tokens``.
 
         Args:
             tokens: A 1-D integer sequence (list, tuple, numpy array, CPU tensor).
-            extra_key: The namespace: None, str, bytes or int.
+            extra_key: The namespace: None, str, bytes or int, or a tuple (an
+                ``extra_keys`` entry of several keys, e.g. SGLang's ``(lora_name,
+                cache_salt)``).
+            block_extra_keys: Per-block extra keys, as vLLM's ``BlockStored.extra_keys``:
+                one entry (None, or a tuple of keys such as an image's hash) per block,
+                from the first; missing entries are None. None: no block has any.
 
         Returns:
             One key (an int) per full block of ``block_size`` tokens, each chained to the
             previous one.
 
         Raises:
-            TypeError: tokens that are not integers, or an ``extra_key`` of another type.
+            TypeError: tokens that are not integers, an ``extra_key`` of another type, or
+                ``block_extra_keys`` that is not a list or tuple of entries.
+            ValueError: the first block's entry names another namespace than ``extra_key``.
             OverflowError: a token that does not fit in int64.
         """
         data = tokens_le_bytes(tokens)
-        return _page_keys(_root_key(encode_namespace(extra_key)), data, self._page_bytes)
+        namespace, entries, ns_entry = self._query_namespace(extra_key, block_extra_keys)
+        return self._chain_keys(_root_key(namespace), data, entries, ns_entry)
 
-    def overlap(self, tokens: Any, extra_key: Any = None, medium: Optional[str] = MEDIUM_GPU
-                ) -> dict:
+    def overlap(self, tokens: Any, extra_key: Any = None, medium: Optional[str] = MEDIUM_GPU,
+                block_extra_keys: Any = None) -> dict:
         """Tell how many leading blocks of ``tokens`` each worker holds.
 
         Only full blocks count; a block counts when any of the worker's KV-cache groups
@@ -697,28 +886,97 @@ class KvIndexer:
 
         Args:
             tokens: A 1-D integer sequence (list, tuple, numpy array, CPU tensor).
-            extra_key: The namespace: None, str, bytes or int.
+            extra_key: The namespace: None, str, bytes or int, or a tuple (see
+                ``block_keys``).
             medium: The tier counted: ``"GPU"`` (the device, also events naming no medium)
-                by default, e.g. ``"CPU"`` for a host tier.
+                by default, e.g. ``"CPU"`` for a host tier (SGLang's ``"CPU_PINNED"`` is
+                the same tier).
+            block_extra_keys: Per-block extra keys (an image's hash on the blocks of its
+                placeholder tokens, ...), as ``block_keys`` takes them: a block matches only
+                a block stored with the same entry.
 
         Returns:
             ``{worker: leading blocks held}`` for every worker that holds at least one.
 
         Raises:
-            TypeError: tokens that are not integers, an ``extra_key`` of another type, or a
-                ``medium`` that is not a str.
+            TypeError: tokens that are not integers, an ``extra_key`` of another type, a
+                ``medium`` that is not a str, or ``block_extra_keys`` of another type.
+            ValueError: the first block's entry names another namespace than ``extra_key``.
             OverflowError: a token that does not fit in int64.
         """
         if medium is None:
             medium = MEDIUM_GPU
         elif not isinstance(medium, str):
             raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
-        return self._overlap(tokens_le_bytes(tokens), encode_namespace(extra_key), medium)
+        medium = _tier(medium)
+        if block_extra_keys is None and type(extra_key) is not tuple:
+            namespace = encode_namespace(extra_key)
+            if type(tokens) is list:
+                try:  # read by the block index itself: one call for the whole query
+                    return self._overlap(tokens, namespace, medium)
+                except (TypeError, OverflowError):
+                    pass  # not all exact int64s: checked and read as any sequence below
+            return self._overlap(tokens_le_bytes(tokens), namespace, medium)
+        data = tokens_le_bytes(tokens)
+        namespace, entries, ns_entry = self._query_namespace(extra_key, block_extra_keys)
+        seed = _root_key(namespace)
+        keys = self._chain_keys(seed, data, entries, ns_entry)
+        if keys == _page_keys(seed, data, self._page_bytes):
+            return self._overlap(data, namespace, medium)  # no block folded: one call
+        return self._overlap_keys(keys, medium)
 
-    def _overlap(self, data: bytes, namespace: bytes, medium: Any = MEDIUM_GPU) -> dict:
-        # The index hashes the query's blocks and walks them in one call, as far as any
-        # worker's run goes; workers reach it as positions in ``workers``.
-        owners, workers = self._owners(medium)
+    @staticmethod
+    def _query_namespace(extra_key: Any, block_extra_keys: Any) -> tuple:
+        """``(namespace bytes, entries, namespace entry)`` of a query (see ``block_keys``)."""
+        if type(extra_key) is tuple:
+            namespace, ns_entry = _namespace_bytes(extra_key), _entry(extra_key)
+        else:
+            namespace = encode_namespace(extra_key)
+            ns_entry = None if extra_key is None else (canonical_namespace(extra_key),)
+        if block_extra_keys is None:
+            return namespace, None, ns_entry
+        if type(block_extra_keys) not in (list, tuple) or not all(
+                entry is None or isinstance(entry, (list, tuple)) for entry in block_extra_keys):
+            raise TypeError("block_extra_keys must be a list or tuple of entries (None, or a "
+                            "tuple of keys)")
+        entries = list(block_extra_keys)
+        first = _entry(entries[0]) if entries else None
+        if first is not None and first != ns_entry:
+            if extra_key is not None:
+                raise ValueError(f"the first block's extra keys {first!r} name another "
+                                 f"namespace than extra_key {extra_key!r}")
+            # A sequence's first entry is its namespace, as in a stored root event.
+            ns_entry = first
+            namespace = _namespace_bytes(_entry_namespace(first))
+        return namespace, entries, ns_entry
+
+    def _overlap_keys(self, keys: list, medium: Any) -> dict:
+        """``overlap`` of blocks given by their keys: the leading ones each worker holds."""
+        owners, workers, _ = self._owners(medium)
+        n_owners = len(owners)
+        depths: dict = {}
+        active: Optional[list] = None
+        for depth, key in enumerate(keys):
+            held = dict.fromkeys(owners[c] for c in self._index.holders(key)
+                                 if c < n_owners and owners[c] >= 0)
+            if active is None:
+                active = list(held)
+            else:
+                for owner in active:
+                    if owner not in held:
+                        depths[owner] = depth
+                active = [owner for owner in active if owner in held]
+            if not active:
+                break
+        for owner in active or ():
+            depths[owner] = len(keys)
+        return {workers[owner]: depth for owner, depth in depths.items()}
+
+    def _overlap(self, data: Any, namespace: bytes, medium: Any = MEDIUM_GPU) -> dict:
+        # The index hashes the query's blocks (``data``: int64 bytes, or a list of ints) and
+        # walks them in one call, as far as any worker's run goes; workers reach it as
+        # positions in ``workers``.
+        _, workers, owners = self._owners(medium)
         return {workers[owner]: depth for owner, depth in self._index.overlap(
             _root_key(namespace), data, self._page_bytes, owners)}
 

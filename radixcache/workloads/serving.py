@@ -134,10 +134,11 @@ class ServingLoop:
     - ``admit`` first hands the cache's due write-through copies to the host
       (``write_through``, once per admission: the scheduler step; write-through policies
       only), evicting host-only entries when the host is full;
-    - when the device pool is short, it first evicts from the host as many tokens as the
-      device eviction may back up (``write_back``: a device victim without a host copy is
-      copied to the host, and dropped only when the host is still full), then evicts from
-      the device;
+    - when the device pool is short, it evicts from the device (``write_back``: a device
+      victim without a host copy is copied to the host, the cache evicting host-only entries
+      in policy order to make room, and dropped only when the host is still full); a victim that gets no host copy leaves with its host-only children
+      (``evict(..., free_host=...)``), so the device's eviction order never depends on the
+      host's size;
     - the prompt's tokens found only on the host (``host_length``) count as cached: they get
       device slots and are loaded back (``load_back``) before the request runs; the request
       then holds its lock on the whole prefix.
@@ -198,7 +199,7 @@ class ServingLoop:
         self._write_back = host_pool is not None and cache.write_policy == "write_back"
         self._write_through = host_pool is not None and not self._write_back
         self._wanted = 0  # host slots a write-through copy could not get
-        self._largest = 0  # the most tokens a request has had: no node is larger
+        self._dropped = 0  # host tokens an eviction dropped with their device parent
 
     def admit(self, request: Request, *, wait: bool = False) -> Admission | None:
         """Admit a request: match, lock, evict if the pool is short, allocate.
@@ -294,8 +295,6 @@ class ServingLoop:
         self.seconds += clock() - start
         cached = match.length
 
-        if len(prompt) + request.output_len > self._largest:
-            self._largest = len(prompt) + request.output_len
         # The host part needs device slots too: it is loaded back.
         need = len(prompt) - cached + request.output_len
         short = need - pool.available
@@ -339,28 +338,23 @@ class ServingLoop:
     def _evict_device(self, short: int) -> None:
         """Evict ``short`` device tokens, backing victims up to the host (write_back)."""
         cache = self.cache
-        if self._write_back:
-            # A backup cannot evict from the host itself (it runs inside the cache's call):
-            # make the room first. The victims free at least ``short`` tokens and less than
-            # one node more (no node is larger than the largest request), and no more than
-            # is evictable: with that much room every copy fits (victims that already have a
-            # host copy need none).
-            room = (min(short + self._largest - 1, cache.evictable_size())
-                    - self.host_pool.available)
-            if room > 0:
-                self._evict_host(room)
-            backup = self._backup
-        else:
-            backup = None
+        # write_back: a victim without a host copy is backed up; when the host has no room,
+        # the cache evicts host entries in policy order (``free_host``) and asks again.
+        backup = self._backup if self._write_back else None
         # The device slots of every victim in one call (``batch``): fewer calls into the pool.
-        freed = cache.evict(short, self.pool.free, batch=True, backup=backup)
+        # A victim that gets no host copy leaves with its host-only children (``free_host``):
+        # every victim leaves the device in policy order, whatever the host's size.
+        self._dropped = 0
+        freed = cache.evict(short, self.pool.free, batch=True, backup=backup,
+                            free_host=self._free_dropped)
         self.evicted_tokens += freed
-        # A victim that gets no host copy but has host-only children stays on the device (it
-        # cannot leave the tree before them): free host memory and evict again while it helps.
-        while freed < short and self._evict_host(short - freed):
-            more = cache.evict(short - freed, self.pool.free, batch=True, backup=backup)
-            self.evicted_tokens += more
-            freed += more
+        self.host_evicted_tokens += self._dropped
+
+    def _free_dropped(self, host_indices: Any) -> None:
+        """``evict``'s ``free_host``: host-only nodes that left to make room for a copy,
+        or with a device victim."""
+        self._dropped += len(host_indices)
+        self.host_pool.free(host_indices)
 
     def _evict_host(self, num_tokens: int) -> int:
         freed = self.cache.evict_host(num_tokens, self.host_pool.free, batch=True)

@@ -247,6 +247,43 @@ def test_lock_of_an_empty_match_is_a_no_op(make_cache):
     assert (cache.evictable_size(), cache.protected_size()) == (3, 0)
 
 
+def test_root_holds_a_permanent_lock(make_cache):
+    # As in SGLang: the root's lock_ref is 1 from the start, through locks of the root and of
+    # nodes below it, and after reset; locking the root stays a no-op.
+    cache = make_cache()
+    root = cache.root_node
+    assert root.lock_ref == 1
+    cache.insert([1, 2, 3])
+    leaf = cache.match_prefix([1, 2, 3]).last_node
+    for _ in range(3):
+        assert cache.inc_lock_ref(root) == 0
+    assert root.lock_ref == 1
+    assert cache.inc_lock_ref(leaf) == -3
+    assert root.lock_ref == 1 and leaf.lock_ref == 1
+    assert cache.dec_lock_ref(leaf) == 3
+    for _ in range(3):
+        assert cache.dec_lock_ref(root) == 0
+    assert root.lock_ref == 1
+    check_invariants(cache)
+    cache.reset()
+    assert cache.root_node.lock_ref == 1
+    check_invariants(cache)
+
+
+def test_root_lock_of_caches_pickled_by_0_1_0():
+    # Caches pickled while the root's lock_ref was 0 load with the permanent 1.
+    import pickle
+
+    objs = pickle.loads((Path(__file__).parent / "data" / "radixcache-0.1.0.pickle").read_bytes())
+    for name in ("cache_c", "numpy_cache_c", "cache_python", "numpy_cache_python"):
+        cache = objs[name]
+        assert cache.root_node.lock_ref == 1, name
+        out = io.StringIO()
+        cache.pretty_print(file=out)
+        assert out.getvalue().startswith("[len=0 key=[] lock_ref=1]\n"), name
+        check_invariants(cache)
+
+
 # -- eviction ------------------------------------------------------------------------------
 def test_evict_frees_in_lru_order(make_cache):
     cache = make_cache()
@@ -478,7 +515,7 @@ def test_pretty_print_format(make_cache):
     out = io.StringIO()
     cache.pretty_print(out)
     assert out.getvalue() == (
-        "[len=0 key=[] lock_ref=0]\n"
+        "[len=0 key=[] lock_ref=1]\n"
         "  [len=3 key=[1, 2, 3] lock_ref=1]\n"
         "    [len=9 key=[4, 5, 6, 7, 8, 9, 10, 11, 12] lock_ref=1]\n"
         "#tokens: 12\n"
@@ -488,7 +525,7 @@ def test_pretty_print_format(make_cache):
     out = io.StringIO()
     cache.pretty_print(out)
     lines = out.getvalue().splitlines()
-    assert lines[0] == "[len=0 key=[] lock_ref=0]"
+    assert lines[0] == "[len=0 key=[] lock_ref=1]"
     assert lines[-1] == "#tokens: 24"
     # Sibling order is the core's business: compare each subtree's lines as a set.
     assert len(lines) == 6
@@ -508,7 +545,7 @@ def test_pretty_print_defaults_to_stdout(make_cache, capsys):
     cache.insert([4, 2])
     cache.pretty_print()
     assert capsys.readouterr().out == (
-        "[len=0 key=[] lock_ref=0]\n  [len=2 key=[4, 2] lock_ref=0]\n#tokens: 2\n"
+        "[len=0 key=[] lock_ref=1]\n  [len=2 key=[4, 2] lock_ref=0]\n#tokens: 2\n"
     )
 
 
@@ -637,7 +674,7 @@ def test_deep_chain_reset(make_cache, core_name):
         cache.dec_lock_ref(deepest)
     out = io.StringIO()
     cache.pretty_print(out)
-    assert out.getvalue() == "[len=0 key=[] lock_ref=0]\n#tokens: 0\n"
+    assert out.getvalue() == "[len=0 key=[] lock_ref=1]\n#tokens: 0\n"
 
 
 def test_deep_chain_print(make_cache):

@@ -859,3 +859,332 @@ def test_backup_tensor_that_converts_to_something_else(make_cache, cls, error, m
         cache.evict(2, backup=lambda d: odd)
     assert snapshot(cache) == before
     check_invariants(cache)
+
+
+# -- atomic adoption and insertion ---------------------------------------------------------
+class FailingTorch:
+    """A torch function mode that raises at its ``fail_at``-th torch call (never with None),
+    as a CUDA out-of-memory error in ``.to()`` would; ``calls`` counts what it saw."""
+
+    def __init__(self, fail_at=None):
+        from torch.overrides import TorchFunctionMode
+
+        outer = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                outer.calls += 1
+                if outer.calls == outer.fail_at:
+                    raise torch.OutOfMemoryError("injected: CUDA out of memory")
+                return func(*args, **(kwargs or {}))
+
+        self.fail_at = fail_at
+        self.calls = 0
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def tier_state(cache) -> tuple:
+    """Per cached token (named by its path from the root): its tier, its device values'
+    device and its host slot; then the sizes. A split (which a failed insert may leave,
+    as any insert's walk) does not show."""
+    tokens = {}
+    for node, depth in core_of(cache).tree.iter_nodes():
+        if depth:
+            value = node.value
+            host = node.host_value if cache.host_tier else None
+            path = node_tokens(node)
+            first = len(path) - node.num_tokens
+            for i in range(node.num_tokens):
+                tokens[tuple(path[:first + i + 1])] = (
+                    node.tier if cache.host_tier else None,
+                    None if value is None else value.device.type,
+                    None if host is None else int(host[i]))
+    return (tokens, cache.evictable_size(), cache.protected_size(),
+            cache.host_size() if cache.host_tier else 0)
+
+
+def _host_only_path(make_cache):
+    """page 2, all host only: [1,2,3,4] -> {[5,6,7,8], [9,9]} (device values on meta)."""
+    cache = make_cache(page_size=2, host_tier=True)
+    cache.insert([1, 2, 3, 4, 5, 6, 7, 8], meta_tensor(8))
+    cache.insert([1, 2, 3, 4, 9, 9], meta_tensor(6))
+    assert cache.evict(100, backup=HostPool().backup) == 10
+    return cache
+
+
+def _one_tier(make_cache):
+    cache = make_cache(page_size=2)
+    cache.insert([1, 2, 3, 4], meta_tensor(4))
+    return cache
+
+
+@pytest.mark.parametrize("build, tokens", [
+    (_host_only_path, [1, 2, 3, 4, 5, 6, 7, 8, 10, 10]),  # adopts two nodes, adds a leaf
+    (_host_only_path, [1, 2, 3, 4, 5, 6]),  # adopts the upper half of a split host node
+    (_one_tier, [1, 2, 3, 4, 5, 6]),  # the one-tier new leaf
+])
+def test_insert_with_device_values_is_atomic(make_cache, build, tokens):
+    with FailingTorch() as counter:
+        build(make_cache).insert(tokens, meta_tensor(len(tokens)))
+    assert counter.calls > 2
+    for fail_at in range(1, counter.calls + 1):
+        cache = build(make_cache)
+        before = tier_state(cache)
+        try:
+            with FailingTorch(fail_at):
+                cache.insert(tokens, meta_tensor(len(tokens)))
+        except torch.OutOfMemoryError:
+            # The tiers are as they were: no node holds its token ids as KV slots.
+            assert tier_state(cache) == before, fail_at
+        else:  # a call the insert does not depend on: every node got the caller's slots
+            assert cache.match_prefix(tokens).length == len(tokens), fail_at
+        check_invariants(cache)
+        freed = []
+        cache.evict(100, freed.append, backup=HostPool().backup if cache.host_tier else None)
+        assert [t.device.type for t in freed] == ["meta"] * len(freed), fail_at
+        assert cache.evictable_size() == 0
+        check_invariants(cache)
+
+
+# -- a backup answer is never lost -----------------------------------------------------------
+class Boom(Exception):
+    pass
+
+
+class HookedAnswer(torch.Tensor):
+    """A valid host-index tensor whose torch call named ``fail`` raises (a torch hook)."""
+
+    fail = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # a property: its name is the descriptor's
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name == cls.fail:
+            raise Boom(f"injected in {name}")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("fail", ["dtype", "dim", "shape", "detach", "cpu", "numpy"])
+@pytest.mark.parametrize("call", ["evict", "write_through"])
+def test_a_backup_answer_that_cannot_be_read_comes_back(make_cache, fail, call):
+    policy = "write_back" if call == "evict" else "write_through"
+    cache = two_branches(make_cache, write_policy=policy)
+    before = snapshot(cache)
+    answers = []
+
+    def backup(device_indices):
+        n = device_indices.shape[0]
+        answer = torch.arange(100, 100 + n).as_subclass(HookedAnswer)
+        answers.append(answer)
+        return answer
+
+    HookedAnswer.fail = fail
+    try:
+        with pytest.raises(Boom) as info:
+            if call == "evict":
+                cache.evict(2, backup=backup)
+            else:
+                cache.write_through(backup)
+    finally:
+        HookedAnswer.fail = None
+    # The host slots were not kept: the error hands them back, as backup returned them.
+    assert len(answers) == 1 and info.value.host_indices is answers[0]
+    assert snapshot(cache) == before
+    check_invariants(cache)
+
+
+@pytest.mark.parametrize("call", ["evict", "write_through"])
+def test_backup_errors_say_whether_an_answer_came_back(make_cache, call):
+    policy = "write_back" if call == "evict" else "write_through"
+    cache = two_branches(make_cache, write_policy=policy)
+    before = snapshot(cache)
+
+    def run(backup):
+        if call == "evict":
+            cache.evict(2, backup=backup)
+        else:
+            cache.write_through(backup)
+
+    def raising(device_indices):
+        raise Boom("backup's own")
+
+    with pytest.raises(Boom) as info:  # backup's own error: nothing to hand back
+        run(raising)
+    assert not hasattr(info.value, "host_indices")
+    short = torch.arange(100, 101)
+    with pytest.raises(ValueError, match="1 host indices for 2") as info:  # a bad answer
+        run(lambda device_indices: short)
+    assert info.value.host_indices is short
+    assert snapshot(cache) == before
+    check_invariants(cache)
+
+
+# -- write-through never blocks on one node --------------------------------------------------
+def test_write_through_skips_a_node_that_does_not_fit(make_cache):
+    # page 2; the queue holds [1..8] (8 tokens), then [9,9] and [7,7] (2 each), and a host
+    # with room for 4: the big node waits, the small ones behind it are copied.
+    cache = make_cache(page_size=2, host_tier=True, write_policy="write_through")
+    cache.insert(list(range(1, 9)), list(range(10, 18)))
+    cache.insert([9, 9], [20, 21])
+    cache.insert([7, 7, 5, 5], [30, 31, 32, 33])  # due: [7,7,5,5] (4 tokens)
+    cache.insert([3, 3], [40, 41])
+    pool = HostPool(capacity=4)
+    sizes = []
+
+    def backup(device_indices):
+        sizes.append(device_indices.shape[0])
+        return pool.backup(device_indices)
+
+    assert cache.write_through(backup) == 4  # [9,9] and [3,3]
+    # The 8-token node was refused, the 4-token one asked (smaller), the 2-token ones
+    # copied; nothing at least as large as a refused node was asked about twice.
+    assert sizes == [8, 2, 4, 2]
+    assert node_at(cache, [9, 9]).tier == "device+host"
+    assert node_at(cache, [3, 3]).tier == "device+host"
+    assert node_at(cache, list(range(1, 9))).tier == "device"
+    assert node_at(cache, [7, 7, 5, 5]).tier == "device"
+    check_invariants(cache)
+    # The refused nodes stay due, in their order: copied once the host has room.
+    sizes.clear()
+    pool.capacity = 100
+    assert cache.write_through(backup) == 12
+    assert sizes == [8, 4]
+    assert cache.host_size() == 16
+    assert cache.write_through(backup) == 0 and sizes == [8, 4]
+    check_invariants(cache)
+
+
+def test_write_through_stops_after_a_refused_page(make_cache):
+    cache = make_cache(page_size=2, host_tier=True, write_policy="write_through")
+    for first in (1, 3, 5):
+        cache.insert([first, first], [first, first])
+    sizes = []
+
+    def full(device_indices):
+        sizes.append(device_indices.shape[0])
+        return None
+
+    assert cache.write_through(full) == 0
+    assert sizes == [2]  # no queued node is smaller than one page: the call ends
+    assert cache.write_through(HostPool().backup) == 6  # all three were still due, in order
+    assert [tuple(node.host_value.tolist()) for node in
+            (node_at(cache, [1, 1]), node_at(cache, [3, 3]), node_at(cache, [5, 5]))] == [
+        (100, 101), (102, 103), (104, 105)]
+    check_invariants(cache)
+
+
+# -- a skipped victim pushed back by a callback ----------------------------------------------
+def test_a_skipped_victim_is_asked_about_once_per_call(make_cache):
+    # [1,2] has host-only children and gets no host copy: skipped. The per-node free_callback
+    # of the next victim, [7,8], locks and unlocks [1,2], which pushes it on the heap again:
+    # the call does not ask about it again; the next call does.
+    cache = two_branches(make_cache)
+    pool = HostPool()
+    assert cache.evict(4, backup=pool.backup) == 4  # [3,4], [5,6] -> host
+    cache.insert([7, 8], [30, 31])
+    upper = node_at(cache, [1, 2])
+    asked = []
+
+    def refuse(device_indices):
+        asked.append(device_indices.tolist())
+        return None
+
+    def free(indices):
+        cache.inc_lock_ref(upper)
+        cache.dec_lock_ref(upper)  # [1,2] is a device leaf again: pushed
+
+    assert cache.evict(4, free, backup=refuse) == 2  # [7,8] deleted, [1,2] skipped
+    assert asked == [[10, 11], [30, 31]]
+    assert upper.tier == "device"
+    check_invariants(cache)
+    asked.clear()
+    assert cache.evict(4, backup=pool.backup) == 2  # the next call: backed up and demoted
+    assert upper.tier == "host"
+    check_invariants(cache)
+
+
+# -- free_host: every victim leaves the device ----------------------------------------------
+@pytest.mark.parametrize("batch", [False, True])
+def test_free_host_lets_a_victim_with_host_children_leave(make_cache, batch):
+    # [1,2] -> {[3,4], [5,6]}, the children host only, [1,2] gets no host copy: without
+    # free_host it stays; with it, the children leave the host and [1,2] is deleted.
+    cache = two_branches(make_cache, enable_events=True)
+    cache.take_events()
+    pool = HostPool()
+    assert cache.evict(4, backup=pool.backup) == 4
+    assert cache.evict(2, backup=lambda d: None) == 0  # skipped: host-only children
+    cache.take_events()
+    freed_device, freed_host = [], []
+    assert cache.evict(2, freed_device.append, batch=batch, backup=lambda d: None,
+                       free_host=freed_host.append) == 2
+    assert [t.tolist() for t in freed_device] == [[10, 11]]
+    assert sorted(t.tolist() for t in freed_host) == [[100, 101], [102, 103]]
+    assert cache.node_count() == 0 and cache.host_size() == 0
+    stats = cache.stats()
+    assert stats.host_evicted_tokens == 4
+    events = cache.take_events()
+    # The children's host blocks, then the victim's device block.
+    assert [(type(e).__name__, e.medium) for e in events] == [
+        ("BlockRemoved", "CPU"), ("BlockRemoved", "CPU"), ("BlockRemoved", "GPU")]
+    check_invariants(cache)
+
+
+def test_free_host_also_under_write_through(make_cache):
+    # With a write-through policy evict never backs up: a victim without a host copy and
+    # with host-only children leaves with them.
+    cache = make_cache(page_size=2, host_tier=True, write_policy="write_through")
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    pool = HostPool()
+    cache.write_through(pool.backup)
+    cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15])  # [5,6]: due, not copied
+    assert cache.evict(2) == 2  # [5,6] deleted (no host copy)
+    assert cache.evict(4) == 4  # [1,2,3,4] demoted (it has its copy)
+    cache.insert([1, 2, 3, 4], [20, 21, 22, 23])  # adopted: device+host
+    cache.insert([1, 2, 7, 7], [20, 21, 30, 31])  # splits [1,2,3,4]
+    assert cache.evict(2) == 2  # [7,7]: no copy, deleted
+    assert cache.evict(2) == 2  # [3,4] demoted
+    freed = []
+    # [1,2] has a host copy (from its split): demoted, nothing for free_host.
+    assert cache.evict(2, free_host=freed.append) == 2 and freed == []
+    check_invariants(cache)
+
+
+def test_free_host_bad_input(make_cache):
+    cache = two_branches(make_cache)
+    with pytest.raises(TypeError, match="free_host must be callable"):
+        cache.evict(2, free_host=3)
+    one_tier = make_cache(page_size=2)
+    with pytest.raises(ValueError, match=r"evict\(free_host=...\) needs a cache with a host"):
+        one_tier.evict(2, free_host=print)
+
+
+def test_free_host_with_numpy_arrays(make_cache):
+    cache = make_cache(page_size=2, host_tier=True, array_type="numpy")
+    cache.insert([1, 2, 3, 4], np.array([10, 11, 12, 13]))
+    cache.insert([1, 2, 5, 6], np.array([10, 11, 20, 21]))
+    host = iter(range(100, 200))
+
+    def backup(device_indices):
+        return np.array([next(host) for _ in device_indices], dtype=np.int64)
+
+    assert cache.evict(4, backup=backup) == 4
+    freed_host = []
+    # No room: both host leaves leave, one at a time, backup asked after each; it never
+    # answers, so [1,2] is deleted.
+    asked = []
+    assert cache.evict(2, backup=lambda d: asked.append(d.tolist()),
+                       free_host=freed_host.append) == 2
+    assert asked == [[10, 11]] * 3
+    assert all(type(a) is np.ndarray and a.dtype == np.int64 for a in freed_host)
+    assert sorted(a.tolist() for a in freed_host) == [[100, 101], [102, 103]]
+    assert cache.node_count() == 0 and cache.host_size() == 0
+    check_invariants(cache)

@@ -139,7 +139,8 @@ def test_locks_are_not_carried(make_cache):
     loaded = pickle.loads(pickle.dumps(cache))
     check_invariants(loaded)
     assert loaded.protected_size() == 0 and loaded.evictable_size() == 4
-    assert all(n.lock_ref == 0 for n, _ in core_of(loaded).tree.iter_nodes())
+    assert all(n.lock_ref == (1 if depth == 0 else 0)
+               for n, depth in core_of(loaded).tree.iter_nodes())
     assert loaded.evict(4) == 4
     assert cache.protected_size() == 2 and cache.evict(4) == 2  # the original keeps its lock
 

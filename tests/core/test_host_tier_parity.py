@@ -81,6 +81,17 @@ class Driver:
 
         def free(value):
             log.append(("free", plain(value), core.evictable, core.host_size))
+            if op["requeue"] and not op["batch"]:
+                # Per node, the guard released: push back on the heap every device node
+                # whose children are all host only (a victim skipped earlier in this call
+                # among them), by locking and unlocking it, and maybe free host room.
+                for node, depth in list(core.tree.iter_nodes()):
+                    if (depth and node.on_device and not node.lock_ref and node.children
+                            and not any(c.on_device for c in node.children)):
+                        core.lock(node, 1)
+                        core.lock(node, -1)
+                if op["requeue"] == "and free host":
+                    core.evict_host(op["num"])
 
         def hook(name):
             return lambda node: log.append((name, node_view(node)))
@@ -112,8 +123,13 @@ class Driver:
                 out = (m.length, m.host_length, m.indices.tolist(), node_view(m.last_node),
                        node_view(m.last_host_node))
             elif kind == "evict":
+                def free_host(value):
+                    log.append(("free_host", plain(value), core.host_size))
+
                 out = core.evict(op["num"], free, op["batch"], hook("remove"),
-                                 backup if op["backup"] else None, hook("on_backup"))
+                                 backup if op["backup"] else None, hook("on_backup"),
+                                 free_host if op["free_host"] else None,
+                                 hook("remove_host"))
             elif kind == "evict_host":
                 out = core.evict_host(op["num"], free if op["free"] else None, op["batch"],
                                       hook("remove"))
@@ -171,6 +187,8 @@ def random_op(rng: random.Random, page_size: int) -> dict:
         "pick": rng.randint(0, 50),
         "wrong": 0 if rng.random() < 0.9 else rng.choice([-1, 1]),
         "as_tensor": rng.random() < 0.3,
+        "requeue": rng.choice([None, None, "push", "and free host"]),
+        "free_host": rng.random() < 0.5,
         "host_node": rng.random() < 0.3,
     }
 

@@ -358,3 +358,45 @@ def test_two_publisher_hashes_for_the_same_blocks_with_vllms_structs(vllm):
     assert indexer.apply_payload(0, _vllm_payload(vllm, [
         vllm.BlockRemoved(block_hashes=[52], medium="GPU")]))
     assert indexer.overlap(tokens) == {0: 1} and len(indexer) == 1
+
+
+def test_blocks_of_different_images_stay_apart_with_vllms_structs(vllm):
+    """vLLM's per-block ``extra_keys`` (an image's hash on the blocks of its placeholder
+    tokens) are part of a block's identity, as in the engine: the same placeholder tokens
+    with another image are other blocks, whether the image's blocks come in the event of
+    the text before them or in a later one."""
+    from radixcache.router import KvIndexer
+
+    tokens = [1, 2, 3, 4] + [9] * 4  # two text blocks, then two of image placeholders
+    image = {name: [None, None, (name,), (name,)] for name in ("img-a", "img-b")}
+    indexer = KvIndexer(2)
+    assert indexer.apply_payload(0, _vllm_payload(vllm, [
+        _vllm_stored(vllm, [1, 2, 3, 4], tokens, extra_keys=image["img-a"])]))
+    assert indexer.apply_payload(1, _vllm_payload(vllm, [
+        _vllm_stored(vllm, [1, 2], tokens[:4]),  # the text, then the image below it
+        vllm.BlockStored(block_hashes=[5, 6], parent_block_hash=2, token_ids=tokens[4:],
+                         block_size=2, lora_id=None, medium="GPU", lora_name=None,
+                         extra_keys=image["img-b"][2:])]))
+    assert indexer.stats.skipped == 0
+    assert indexer.overlap(tokens, block_extra_keys=image["img-a"]) == {0: 4, 1: 2}
+    assert indexer.overlap(tokens, block_extra_keys=image["img-b"]) == {0: 2, 1: 4}
+    assert indexer.overlap(tokens) == {0: 2, 1: 2}  # no image: the text only
+    assert indexer.block_keys(tokens, block_extra_keys=image["img-a"])[:2] == \
+        indexer.block_keys(tokens)[:2]
+    # A LoRA request: vLLM puts the adapter's name on every block, beside the image.
+    lora = [("ad",), ("ad",), ("ad", "img-a"), ("ad", "img-a")]
+    assert indexer.apply_payload(2, _vllm_payload(vllm, [
+        vllm.BlockStored(block_hashes=[7, 8, 9, 10], parent_block_hash=None,
+                         token_ids=tokens, block_size=2, lora_id=1, medium="GPU",
+                         lora_name="ad", extra_keys=lora)]))
+    assert indexer.overlap(tokens, "ad", block_extra_keys=lora) == {2: 4}
+    assert indexer.overlap(tokens, "ad", block_extra_keys=[None, None] + lora[2:]) == {2: 4}
+    assert indexer.overlap(tokens, "ad") == {2: 2}
+    assert indexer.overlap(tokens, block_extra_keys=lora) == {2: 4}  # the first names it
+    with pytest.raises(ValueError, match="another namespace"):
+        indexer.overlap(tokens, "other", block_extra_keys=lora)
+    with pytest.raises(TypeError, match="block_extra_keys"):
+        indexer.overlap(tokens, block_extra_keys=[None, "img-a"])
+    assert indexer.apply_payload(0, _vllm_payload(vllm, [
+        vllm.BlockRemoved(block_hashes=[3, 4], medium="GPU")]))
+    assert indexer.overlap(tokens, block_extra_keys=image["img-a"]) == {0: 2, 1: 2}

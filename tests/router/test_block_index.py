@@ -10,6 +10,7 @@ direct feed must decide, hit and count exactly as the event path does.
 
 from __future__ import annotations
 
+import copy as copy_module
 import pickle
 import random
 
@@ -663,3 +664,78 @@ def test_a_block_index_pickled_before_it_had_its_own_module_loads(core_name):
     assert type(loaded) is blocks.BlockIndex
     assert loaded.holders(5) == [3, 3] and loaded.holders(-6) == [3]
     assert loaded.holders(2**63 - 1) == [0] and loaded.pairs == 4
+
+
+# -- KeyMap: publisher hash -> block key -------------------------------------------------------
+def test_key_map_matches_a_dict_of_hash64(blocks):
+    """Puts, pops and gets of int and bytes hashes against a dict keyed by ``hash64``; both
+    modules hash alike; bulk updates, pickles and bad input."""
+    rng = random.Random(7)
+    values = ([rng.randrange(-2**63, 2**64) for _ in range(60)]
+              + [rng.randbytes(rng.randrange(0, 40)) for _ in range(60)]
+              + [0, 1, -1, b"", np.int64(5), 2**64 - 1])
+    assert [blocks.hash64(v) for v in values] == [_blocks_py.hash64(v) for v in values]
+    assert blocks.hash64(b"\x01" * 32) != blocks.hash64(b"\x01" * 31)
+    keys, model = blocks.KeyMap(), {}
+    for _ in range(5000):
+        value, roll = rng.choice(values), rng.random()
+        if roll < 0.5:
+            key = rng.randrange(-2**63, 2**63)
+            keys.put(value, key)
+            model[blocks.hash64(value)] = key
+        elif roll < 0.9:
+            assert keys.pop(value) == model.pop(blocks.hash64(value), None)
+        else:
+            assert keys.get(value, "none") == model.get(blocks.hash64(value), "none")
+            assert (value in keys) == (blocks.hash64(value) in model)
+        assert len(keys) == len(model)
+    assert sorted(keys.values()) == sorted(model.values())
+    for clone in (pickle.loads(pickle.dumps(keys)), copy_module.deepcopy(keys)):
+        assert len(clone) == len(keys) and all(clone.get(v) == keys.get(v) for v in values)
+    bulk = blocks.KeyMap()
+    assert bulk.isdisjoint([b"a", 5]) and not bulk.isdisjoint([5, 5])
+    bulk.update([b"a", 5, 7], [1, 2, 3])
+    bulk.update((9,), np.array([4], dtype=np.int64).tobytes())
+    assert [bulk.get(h) for h in (b"a", 5, 7, 9, 8)] == [1, 2, 3, 4, None]
+    assert not bulk.isdisjoint([8, 7]) and bulk.isdisjoint([8])
+    with pytest.raises(TypeError):
+        bulk.put("a str", 1)
+    with pytest.raises(TypeError):
+        bulk.update([1.5], [1])
+    with pytest.raises(ValueError, match="2 hashes for 1 keys"):
+        bulk.update([11, 12], [1])
+    with pytest.raises(OverflowError):
+        bulk.put(11, 2**63)
+    assert len(bulk) == 4 and bulk.get(11) is None
+    bulk.clear()
+    assert len(bulk) == 0 and bulk.get(5) is None
+    bulk.put(5, 6)
+    assert bulk.get(5) == 6
+
+
+def test_overlap_reads_a_list_of_token_ids_as_its_bytes(blocks, monkeypatch):
+    """``overlap`` takes the token ids as a list too: the same answer as from their bytes,
+    and a clear error for an item that is no int64 (``KvIndexer`` then reads such a list as
+    any sequence)."""
+    index = blocks.BlockIndex()
+    tokens = [random.Random(3).randrange(1 << 40) for _ in range(64)]
+    data = np.array(tokens, dtype="<i8").tobytes()
+    keys = blocks.page_hash_chain(5, data, 32)
+    index.add(0, keys[:5])
+    index.add(1, keys[:3])
+    owners = [0, 1]
+    assert index.overlap(5, tokens, 32, owners) == index.overlap(5, data, 32, owners) != []
+    assert index.overlap(5, [], 32, owners) == []
+    with pytest.raises(TypeError, match="token ids must be ints, got float at position 2"):
+        index.overlap(5, [1, 2, 3.0], 32, owners)
+    with pytest.raises(OverflowError, match="position 1"):
+        index.overlap(5, [1, 2**63], 32, owners)
+    monkeypatch.setattr(_core, "blocks", blocks)
+    indexer = KvIndexer(2)
+    indexer.apply(0, [BlockStored((1, 2), None, (4, 5, 6, 7), 2)])
+    assert indexer.overlap([4, 5, 6, 7]) == {0: 2}
+    assert indexer.overlap([4, 5, np.int64(6), 7]) == {0: 2}  # read as any sequence
+    with pytest.raises(OverflowError):
+        indexer.overlap([4, 5, 2**70, 7])
+    with pytest.raises(TypeError):
+        indexer.overlap([4, 5, "6", 7])

@@ -741,3 +741,55 @@ def test_cache_aware_reads_the_host_tier_from_a_caches_events(core_name):
     router.add_load(1, 100)
     assert router.route(prompt) == 1  # 8 host blocks outweigh the load
     assert Router(2, "cache-aware", indexer=router.indexer, host_weight=0).route(prompt) == 0
+
+
+# -- SGLang's own fields ----------------------------------------------------------------------
+@needs_msgspec
+def test_sglang_media_salts_sessions_and_adapters_as_sglang_means_them():
+    """SGLang 0.5.23's own ``BlockStored``: its host tier ``"CPU_PINNED"`` is the host tier
+    (``"CPU"``), ``"DISK"`` and ``"EXTERNAL"`` are tiers of their own; ``cache_salt`` and
+    ``lora_name`` scope a block (its hashes depend on them), ``session_id`` does not."""
+    sglang = pytest.importorskip("sglang.srt.disaggregation.kv_events",
+                                 reason="SGLang is not installed (tests/install_sglang.sh)")
+    encoder = msgspec.msgpack.Encoder()
+
+    def payload(*events):
+        return encoder.encode(sglang.KVEventBatch(ts=1.0, events=list(events)))
+
+    def stored(hashes, tokens, **fields):
+        return sglang.BlockStored(block_hashes=hashes, parent_block_hash=None,
+                                  token_ids=tokens, block_size=2, lora_id=None, **fields)
+
+    tokens = [1, 2, 3, 4]
+    indexer = KvIndexer(2)
+    for worker, medium in enumerate(("GPU", "CPU_PINNED", "DISK", "EXTERNAL")):
+        assert indexer.apply_payload(worker, payload(stored([1, 2], tokens, medium=medium)))
+    assert indexer.overlap(tokens) == {0: 2}
+    assert indexer.overlap(tokens, medium="CPU") == {1: 2}
+    assert indexer.overlap(tokens, medium="CPU_PINNED") == {1: 2}
+    assert indexer.overlap(tokens, medium="DISK") == {2: 2}
+    assert indexer.overlap(tokens, medium="EXTERNAL") == {3: 2}
+    assert indexer.blocks_held(1, "CPU_PINNED") == indexer.blocks_held(1, "CPU") == 2
+    assert indexer.apply_payload(1, payload(sglang.BlockRemoved(block_hashes=[2],
+                                                                medium="CPU_PINNED")))
+    assert indexer.overlap(tokens, medium="CPU") == {1: 1}
+
+    scoped = KvIndexer(2)
+    assert scoped.apply_payload(0, payload(stored([1, 2], tokens, cache_salt="a",
+                                                  session_id="s1")))
+    assert scoped.apply_payload(1, payload(stored([3, 4], tokens, cache_salt="b")))
+    assert scoped.apply_payload(2, payload(stored([5, 6], tokens, session_id="s2")))
+    assert scoped.apply_payload(3, payload(stored([7, 8], tokens, session_id="s3")))
+    assert scoped.apply_payload(4, payload(stored([9, 10], tokens, lora_name="ad")))
+    assert scoped.apply_payload(5, payload(stored([11, 12], tokens, lora_name="ad",
+                                                  cache_salt="a")))
+    assert scoped.stats.skipped == 0
+    assert scoped.overlap(tokens) == {2: 2, 3: 2}  # sessions share their blocks
+    assert scoped.overlap(tokens, "a") == {0: 2}
+    assert scoped.overlap(tokens, "b") == {1: 2}
+    assert scoped.overlap(tokens, "ad") == {4: 2}
+    assert scoped.overlap(tokens, ("ad", "a")) == {5: 2}
+    child = sglang.BlockStored(block_hashes=[13], parent_block_hash=2, token_ids=[5, 6],
+                               block_size=2, lora_id=None, cache_salt="a")
+    assert scoped.apply_payload(0, payload(child))
+    assert scoped.overlap(tokens + [5, 6], "a") == {0: 3}
