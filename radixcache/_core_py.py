@@ -60,8 +60,8 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
   split, no stamps, no counters): the bare tree walk that the benchmarks time.
 - ``lock(node, delta, held=False) -> int``: ``delta`` +1 or -1; walks node -> root (root
   excluded: its ``lock_ref`` is a permanent 1, as in SGLang, and locking or unlocking the
-  root itself is a no-op returning 0), moves the tokens that crossed between unlocked and locked between
-  ``evictable`` and ``protected`` and returns their count; an unlock that makes the node an
+  root itself is a no-op returning 0), moves the tokens that crossed between unlocked and locked
+  between ``evictable`` and ``protected`` and returns their count; an unlock that makes the node an
   evictable leaf pushes it. ``TypeError`` for a non-node, ``ValueError`` for an evicted node,
   a node of another tree or an unlock below 0, and ``OverflowError`` for a lock past
   ``MAX_LOCK_REF`` (2^31 - 1) on any node of the path, changing nothing.
@@ -134,8 +134,8 @@ value), or both. The core owns no pool and copies no data.
 - ``insert``: each host-only node of the walked path is adopted, top-down: it takes the
   caller's slots for its tokens (its slice of ``kv``, or the key when ``kv`` is None), is on
   the device again (keeping its host copy) and ``evictable`` grows by its tokens. ``prefix_len``
-  counts only the tokens that were on the device before the call. With device values (a tensor not on
-  the CPU) cache.py makes the core call ``held`` with ``kv`` None, then copies each adopted
+  counts only the tokens that were on the device before the call. With device values (a tensor not
+  on the CPU) cache.py makes the core call ``held`` with ``kv`` None, then copies each adopted
   node's and the new leaf's slice on the caller's device and stores them with ``set_value``;
   if any of that raises (a device out of memory, a torch hook), it calls
   ``revert_insert(adopted, new_leaf, held=True)`` before the error propagates: the new leaf
@@ -151,8 +151,9 @@ value), or both. The core owns no pool and copies no data.
   appended to the write-through queue, top-down; a split of a queued node appends its new
   upper half.
 - ``evict(num_tokens, free_callback=None, batch=False, on_remove=None, backup=None,
-  on_backup=None, free_host=None, on_remove_host=None)``: for each victim (a device leaf): (1) with a host copy it is demoted:
-  ``on_remove(node)``, then its device value is dropped (``on_device`` False, ``evictable``,
+  on_backup=None, free_host=None, on_remove_host=None)``: for each victim (a device leaf): (1) with
+  a host copy it is demoted: ``on_remove(node)``, then its device value is dropped (``on_device``
+  False, ``evictable``,
   ``evictions`` and ``evicted_tokens`` as for a removal); it stays in the tree and goes on
   ``host_heap`` if childless. (2) Else, with ``backup`` and ``write_through_hits == 0``,
   ``backup(device_indices)`` runs under the guard (``device_indices``: the array
@@ -183,11 +184,13 @@ value), or both. The core owns no pool and copies no data.
   answers or no host leaf is left (SGLang evicts the node's size from the host and retries
   once; this frees no more than the copy needs). If
   ``free_host`` or ``on_remove_host`` raises, the nodes that left so far stay gone, the
-  victim stays (pushed back) and the exception propagates. A skipped node is skipped for the rest of the call, even if a callback
+  victim stays (pushed back) and the exception propagates. A skipped node is skipped for the rest of
+  the call, even if a callback
   (a per-node ``free_callback`` that calls the cache) pushes it on ``heap`` again meanwhile:
   ``backup`` is asked about a victim once per call (with ``free_host``, once more per host
-  leaf that left to make room for it); the next call asks again. If ``backup``, ``on_backup`` or ``on_remove`` raises (or ``backup`` returns a
-  bad value), the victim stays (pushed back; a host copy it got stays) and the exception
+  leaf that left to make room for it); the next call asks again. If ``backup``, ``on_backup`` or
+  ``on_remove`` raises (or ``backup`` returns a bad value), the victim stays (pushed back; a host
+  copy it got stays) and the exception
   propagates. The device slots of every victim that left go to ``free_callback`` as without a
   host tier; a parent that became a device leaf is pushed (it can follow in the same call).
 - ``evict_host(num_tokens, free_callback=None, batch=False, on_remove=None) -> int``: host

@@ -116,9 +116,9 @@ def shared_blocks(kind: str, workers: int, blocks: int) -> KvIndexer:
 
 def by_hash_type(fleet: int, blocks: int, clear_blocks: int) -> None:
     for kind in ("bytes32", "int64", "fast64"):
-        one, index = _measure(lambda: shared_blocks(kind, 1, blocks))
+        one, index = _measure(lambda kind=kind: shared_blocks(kind, 1, blocks))
         del index
-        many, index = _measure(lambda: shared_blocks(kind, fleet, blocks))
+        many, index = _measure(lambda kind=kind: shared_blocks(kind, fleet, blocks))
         assert index.blocks_held(fleet - 1) == blocks and len(index) == blocks
         del index
         pair = (many - one) / ((fleet - 1) * blocks)
