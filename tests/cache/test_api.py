@@ -274,7 +274,7 @@ def test_root_lock_of_caches_pickled_by_0_1_0():
     # Caches pickled while the root's lock_ref was 0 load with the permanent 1.
     import pickle
 
-    objs = pickle.loads((Path(__file__).parent / "data" / "radixcache-0.1.0.pickle").read_bytes())
+    objs = pickle.loads((REPO_ROOT / "tests" / "data" / "radixcache-0.1.0.pickle").read_bytes())
     for name in ("cache_c", "numpy_cache_c", "cache_python", "numpy_cache_python"):
         cache = objs[name]
         assert cache.root_node.lock_ref == 1, name
