@@ -8,6 +8,7 @@ smoke run of ``report.py --quick``.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import tracemalloc
 from dataclasses import dataclass
@@ -21,20 +22,32 @@ REPO_ROOT = BENCH_DIR.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from radixcache import RadixCache  # noqa: E402
-from radixcache._core import CORES  # noqa: E402
-from radixcache.download import find as find_trace  # noqa: E402
-from radixcache.traces import read_trace  # noqa: E402
-from radixcache.workloads import INPUT_TYPES, InCacheTiming, time_cached_calls  # noqa: E402
-from radixcache.workloads import Request  # noqa: E402
-from radixcache.workloads import deep_exercise_ops as make_deep_exercise_ops  # noqa: E402
-from radixcache.workloads import exercise_ops as make_exercise_ops  # noqa: E402
-from radixcache.workloads import synthetic_chat, walk_cost  # noqa: E402
+from radixcache import RadixCache
+from radixcache._core import CORES
+from radixcache.download import find as find_trace
+from radixcache.download import trace_path
+from radixcache.traces import read_trace
+from radixcache.workloads import InCacheTiming, time_cached_calls
+from radixcache.workloads import Request
+from radixcache.workloads import deep_exercise_ops as make_deep_exercise_ops
+from radixcache.workloads import exercise_ops as make_exercise_ops
+from radixcache.workloads import synthetic_chat, walk_cost
 
-#: The Mooncake-style trace; in CI the shared folder sits next to the repository root.
-#: Elsewhere, ``radixcache trace download synthetic`` puts it where TRACE_MISSING says.
-_FOUND, TRACE_MISSING = find_trace("synthetic", REPO_ROOT.parent / "shared" / "traces")
-TRACE_PATH = _FOUND or REPO_ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+#: Folders that may hold the Mooncake traces before ``radixcache trace download``'s own: the
+#: ``os.pathsep``-separated ``RADIXCACHE_TRACE_DIR`` (.ci/run points it at CI's shared copies).
+TRACE_DIRS = tuple(Path(p) for p in os.environ.get("RADIXCACHE_TRACE_DIR", "").split(os.pathsep)
+                   if p)
+
+
+def trace_file(name: str) -> tuple[Path, str]:
+    """(path, "") of Mooncake trace ``name`` (in TRACE_DIRS, else the download folder), or
+    (where ``radixcache trace download`` would put it, a message saying where it looked)."""
+    found, missing = find_trace(name, *TRACE_DIRS)
+    return (found or trace_path(name)), missing
+
+
+#: The Mooncake-style trace; ``radixcache trace download synthetic`` gets it.
+TRACE_PATH, TRACE_MISSING = trace_file("synthetic")
 
 VOCAB_SIZE = 32_000
 
@@ -140,7 +153,7 @@ def exercise_ops_of(shape: str, num_ops: int) -> list:
 def ops_as_arrays(ops: list) -> list:
     """The same ops with each token list as an ``array('q')`` (one array per list object, so
     repeated calls still share their input)."""
-    from array import array  # noqa: PLC0415
+    from array import array
 
     made: dict = {}
     out = []

@@ -1,10 +1,11 @@
 """Fleet simulation against the single-cache replay, side by side, on the Mooncake
-conversation trace (``../shared/traces/mooncake_conversation_trace.jsonl``, skipped without
-it): one 4-worker ``cache-aware`` run (``simulate_fleet``: the workers hand their blocks'
-keys to the router's ``KvIndexer``, which applies them before every decision) and one
-``round-robin`` run (no events), against ``serve()`` of one cache, all at 2,000,000 slots (per worker for the fleet)
-and 16-token pages, compiled core. Rounds alternate between the three, so machine noise hits
-them alike; the summary gives each fleet run's best time over the single replay's best::
+conversation trace (``radixcache trace download conversation``, or ``RADIXCACHE_TRACE_DIR``;
+skipped without it): one 4-worker ``cache-aware`` run (``simulate_fleet``: the workers hand
+their blocks' keys to the router's ``KvIndexer``, which applies them before every decision) and one
+``round-robin`` run (no events), against ``serve()`` of one cache, all at 2,000,000 slots (per
+worker for the fleet) and 16-token pages, compiled core. Rounds alternate between the three,
+so machine noise hits them alike; the summary gives each fleet run's best time over the
+single replay's best::
 
     python -m pytest benchmarks/bench_fleet.py --benchmark-columns=min,mean,rounds
 
@@ -18,9 +19,9 @@ import time
 
 import pytest
 
-from _cases import REPO_ROOT
+from _cases import trace_file
 
-CONVERSATION_TRACE = REPO_ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+CONVERSATION_TRACE, CONVERSATION_MISSING = trace_file("conversation")
 CAPACITY = 2_000_000
 PAGE_SIZE = 16
 WORKERS = 4
@@ -30,8 +31,8 @@ ROUNDS = 3
 @pytest.fixture(scope="module")
 def conversation():
     if not CONVERSATION_TRACE.is_file():
-        pytest.skip(f"trace not found: {CONVERSATION_TRACE}")
-    from radixcache.traces import read_trace  # noqa: PLC0415
+        pytest.skip(CONVERSATION_MISSING)
+    from radixcache.traces import read_trace
 
     limit = os.environ.get("RADIXCACHE_BENCH_FLEET_LIMIT")
     return read_trace(CONVERSATION_TRACE, block_size=512,
@@ -39,9 +40,9 @@ def conversation():
 
 
 def test_fleet_against_single_replay(benchmark, conversation, note):
-    from radixcache import RadixCache  # noqa: PLC0415
-    from radixcache.fleet import simulate_fleet  # noqa: PLC0415
-    from radixcache.workloads import serve  # noqa: PLC0415
+    from radixcache import RadixCache
+    from radixcache.fleet import simulate_fleet
+    from radixcache.workloads import serve
 
     runs = {
         "single": lambda: serve(RadixCache(page_size=PAGE_SIZE), conversation, CAPACITY),

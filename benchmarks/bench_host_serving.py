@@ -37,7 +37,7 @@ import time
 
 import pytest
 
-from _cases import FULL, REPO_ROOT, benchmark_min_seconds, chat_requests, find_trace
+from _cases import FULL, benchmark_min_seconds, chat_requests, trace_file
 from radixcache import RadixCache
 from radixcache.traces import read_trace
 from radixcache.workloads import Request
@@ -52,8 +52,7 @@ SPLIT_ROUNDS = 3
 HOST_ONLY_CALLS = ("load_back", "evict_host", "write_through", "host_size", "backup")
 CONVERSATION_LIMIT = 3000
 CONVERSATION_CAPACITY = 1_000_000
-_CONVERSATION, _CONVERSATION_MISSING = find_trace(
-    "conversation", REPO_ROOT.parent / "shared" / "traces")
+_CONVERSATION, _CONVERSATION_MISSING = trace_file("conversation")
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +117,7 @@ class _TimedCache:
 
 def _split(core, page_size, write_policy, requests, capacity):
     """Best-round microseconds per request by call name, one tier and tiered."""
-    from radixcache.workloads import serve  # noqa: PLC0415
+    from radixcache.workloads import serve
 
     best = ({}, {})
     for _ in range(SPLIT_ROUNDS):
@@ -152,7 +151,7 @@ def _split_text(plain, tiered):
 
 
 def _run_pair(benchmark, note, core, page_size, write_policy, requests, capacity):
-    from radixcache.workloads import serve  # noqa: PLC0415 -- keep collection cheap
+    from radixcache.workloads import serve  # keep collection cheap
 
     _host_cache(core, page_size, write_policy)  # skip early where there is no host tier
     host_capacity = HOST_RATIO * capacity

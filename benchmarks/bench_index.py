@@ -25,10 +25,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixcache import _core  # noqa: E402
-from radixcache._core import BLOCKS  # noqa: E402
-from radixcache.events import BlockStored, decode_batch, encode_batch  # noqa: E402
-from radixcache.router import KvIndexer  # noqa: E402
+from radixcache import _core
+from radixcache._core import BLOCKS
+from radixcache.events import BlockStored, decode_batch, encode_batch
+from radixcache.router import KvIndexer
 
 BLOCK = 16
 WORKERS = 64

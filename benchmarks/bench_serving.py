@@ -11,8 +11,9 @@ setup). Two numbers per row:
 
 Case 1: ``synthetic_chat`` (300 conversations over 16 system prompts of 800-2000 tokens),
 pool of 65536 tokens, page sizes 1 and 16.
-Case 2: the first ``TRACE_LIMIT`` requests of ``../shared/traces/mooncake_synthetic_trace.jsonl``
-(each hash id -> 512 tokens), pool of 2^22 tokens, page sizes 1 and 16; skipped without the file.
+Case 2: the first ``TRACE_LIMIT`` requests of the Mooncake synthetic trace (``radixcache trace
+download synthetic``, or ``RADIXCACHE_TRACE_DIR``; each hash id -> 512 tokens), pool of 2^22
+tokens, page sizes 1 and 16; skipped without the file.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ TRACE_LIMIT = FULL.trace_limit
 
 
 def _run_serve(benchmark, note, core, page_size, requests, capacity, rounds):
-    from radixcache.workloads import serve  # noqa: PLC0415 -- keep collection cheap
+    from radixcache.workloads import serve  # keep collection cheap
 
     results = []
 

@@ -47,9 +47,10 @@ for _path in (str(BENCH_DIR.parent), str(BENCH_DIR)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from radixcache._core import CORES  # noqa: E402
-from radixcache.traces import read_trace  # noqa: E402
-from radixcache.workloads import FRESH_TOKEN_BASE, synthetic_chat  # noqa: E402
+from _cases import trace_file
+from radixcache._core import CORES
+from radixcache.traces import read_trace
+from radixcache.workloads import FRESH_TOKEN_BASE, synthetic_chat
 
 try:
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
@@ -67,13 +68,11 @@ except Exception as exc:  # ImportError, or one of SGLang's own imports failing
     pytest.skip(f"SGLang 0.5.23 is not importable ({type(exc).__name__}: {exc}); "
                 "install it with `bash tests/install_sglang.sh`", allow_module_level=True)
 
-from radixcache.integrations import sglang as backend_module  # noqa: E402
+from radixcache.integrations import sglang as backend_module
 
 torch.set_num_threads(1)
 IMPLEMENTATIONS = ("radixcache", "sglang")
-TRACE = Path(os.environ.get("RADIXCACHE_MOONCAKE_CONVERSATION",
-                            BENCH_DIR.parent.parent / "shared" / "traces"
-                            / "mooncake_conversation_trace.jsonl"))
+TRACE = Path(os.environ.get("RADIXCACHE_MOONCAKE_CONVERSATION", trace_file("conversation")[0]))
 CASES = {  # name -> (page size, pool tokens)
     "chat-page1": (1, 1 << 16),
     "chat-page16": (16, 1 << 16),

@@ -43,7 +43,10 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+sys.path.insert(0, str(BENCH_DIR))
+from _cases import trace_file
+
+DEFAULT_TRACE = trace_file("conversation")[0]
 TIMING_KEYS = {"seconds", "wall_seconds", "requests_per_second"}
 
 

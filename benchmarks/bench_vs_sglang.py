@@ -330,9 +330,9 @@ def test_vs_sglang_chat_eviction_heavy(benchmark, note, implementation, chat_hea
 
 def _interleaved(cases: list[str], rounds: int) -> None:
     """Each case's implementations one round each in turn, ``rounds`` times; best of each."""
-    import gc  # noqa: PLC0415
+    import gc
 
-    from _cases import chat_requests, trace_requests  # noqa: PLC0415
+    from _cases import chat_requests, trace_requests
 
     plans = {"chat-heavy": [(1, heavy_chat_requests, FULL.chat_capacity, HEAVY_IMPLEMENTATIONS)]}
     plans["chat"] = [(p, lambda: chat_requests(FULL), FULL.chat_capacity, IMPLEMENTATIONS)

@@ -4,13 +4,13 @@ Run them with::
 
     python -m pytest benchmarks/ --benchmark-group-by=group --benchmark-columns=min,mean,rounds
 
-The benchmark files are called ``bench_*.py`` so that a plain ``pytest`` over the repository
-never picks them up; the hook below collects them when pytest is pointed at this folder.
+The benchmark files are called ``bench_*.py``: pyproject's ``python_files`` collects them when
+pytest is pointed at this folder, and a plain ``pytest`` (``testpaths = ["tests"]``) never
+reaches them. The standalone scripts are in ``scripts/``.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import sys
 from pathlib import Path
 
@@ -24,8 +24,8 @@ for _path in (str(REPO_ROOT), str(BENCH_DIR)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from radixcache._core import CORES  # noqa: E402 -- needs the path set above
-from _cases import FULL, TRACE_MISSING, TRACE_PATH, chat_requests, trace_requests  # noqa: E402
+from radixcache._core import CORES
+from _cases import FULL, TRACE_MISSING, TRACE_PATH, chat_requests, trace_requests
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +40,6 @@ def trace():
     if not TRACE_PATH.is_file():
         pytest.skip(TRACE_MISSING)
     return trace_requests(FULL.trace_limit)
-
-
-def pytest_collect_file(file_path: Path, parent: pytest.Collector):
-    """Collect ``bench_*.py`` here unless pytest does already (path given, -o python_files)."""
-    if file_path.suffix != ".py" or not file_path.name.startswith("bench_"):
-        return None
-    if BENCH_DIR not in file_path.parents:
-        return None
-    if parent.session.isinitpath(file_path):
-        return None  # named on the command line: pytest's own python plugin collects it
-    patterns = parent.config.getini("python_files")
-    if any(fnmatch.fnmatch(file_path.name, pattern) for pattern in patterns):
-        return None
-    return pytest.Module.from_parent(parent, path=file_path)
 
 
 _NOTES: list[tuple[str, str, str]] = []

@@ -39,8 +39,9 @@ all of ``copy``'s holdings and returns how many; ``overlap(seed, data, page_byte
 -> list`` hashes the pages of ``data`` as ``page_hash_chain(seed, data, page_bytes)`` does
 (same argument checks; ``data`` may also be a list of exact ints, the token ids, read in one
 pass: another item is a ``TypeError``, one beyond int64 an ``OverflowError``) and walks them
-while held: ``owners[copy]`` is the owner a copy counts for (an int in ``[0, len(owners))``, or -1: not counted; copies past the end are not
-counted); an owner holds a page when one of its copies does. It returns ``[(owner,
+while held: ``owners[copy]`` is the owner a copy counts for (an int in ``[0, len(owners))``, or -1:
+not counted; copies past the end are not counted); an owner holds a page when one of its copies
+does. It returns ``[(owner,
 depth)]``, the leading pages each owner holding the first page holds, and stops at the
 first page that no owner still in the run holds (unhashed pages are never hashed). Errors:
 ``TypeError`` for a key, copy or keys of another type (``bool`` included), ``OverflowError``

@@ -5,7 +5,7 @@ Typing Protocols of the module ``_core.core`` is (``CoreModule``: ``_core_py`` o
 block module (``BlocksModule``: ``_blocks_py`` or ``_blocks_c``) and its ``BlockIndex``. The
 prose that says what each member does is the spec: ``_core_py``'s module docstring (and
 ``_blocks_py``'s); ``_core_c.pyi`` and ``_blocks_c.pyi`` state the same members for the
-compiled modules. tests/test_core_contract.py checks that both cores and both block modules
+compiled modules. tests/core/test_core_contract.py checks that both cores and both block modules
 have every member here, with call signatures that accept every call these allow, and that
 the stubs declare them.
 

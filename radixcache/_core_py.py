@@ -60,8 +60,8 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
   split, no stamps, no counters): the bare tree walk that the benchmarks time.
 - ``lock(node, delta, held=False) -> int``: ``delta`` +1 or -1; walks node -> root (root
   excluded: its ``lock_ref`` is a permanent 1, as in SGLang, and locking or unlocking the
-  root itself is a no-op returning 0), moves the tokens that crossed between unlocked and locked between
-  ``evictable`` and ``protected`` and returns their count; an unlock that makes the node an
+  root itself is a no-op returning 0), moves the tokens that crossed between unlocked and locked
+  between ``evictable`` and ``protected`` and returns their count; an unlock that makes the node an
   evictable leaf pushes it. ``TypeError`` for a non-node, ``ValueError`` for an evicted node,
   a node of another tree or an unlock below 0, and ``OverflowError`` for a lock past
   ``MAX_LOCK_REF`` (2^31 - 1) on any node of the path, changing nothing.
@@ -134,8 +134,8 @@ value), or both. The core owns no pool and copies no data.
 - ``insert``: each host-only node of the walked path is adopted, top-down: it takes the
   caller's slots for its tokens (its slice of ``kv``, or the key when ``kv`` is None), is on
   the device again (keeping its host copy) and ``evictable`` grows by its tokens. ``prefix_len``
-  counts only the tokens that were on the device before the call. With device values (a tensor not on
-  the CPU) cache.py makes the core call ``held`` with ``kv`` None, then copies each adopted
+  counts only the tokens that were on the device before the call. With device values (a tensor not
+  on the CPU) cache.py makes the core call ``held`` with ``kv`` None, then copies each adopted
   node's and the new leaf's slice on the caller's device and stores them with ``set_value``;
   if any of that raises (a device out of memory, a torch hook), it calls
   ``revert_insert(adopted, new_leaf, held=True)`` before the error propagates: the new leaf
@@ -151,8 +151,9 @@ value), or both. The core owns no pool and copies no data.
   appended to the write-through queue, top-down; a split of a queued node appends its new
   upper half.
 - ``evict(num_tokens, free_callback=None, batch=False, on_remove=None, backup=None,
-  on_backup=None, free_host=None, on_remove_host=None)``: for each victim (a device leaf): (1) with a host copy it is demoted:
-  ``on_remove(node)``, then its device value is dropped (``on_device`` False, ``evictable``,
+  on_backup=None, free_host=None, on_remove_host=None)``: for each victim (a device leaf): (1) with
+  a host copy it is demoted: ``on_remove(node)``, then its device value is dropped (``on_device``
+  False, ``evictable``,
   ``evictions`` and ``evicted_tokens`` as for a removal); it stays in the tree and goes on
   ``host_heap`` if childless. (2) Else, with ``backup`` and ``write_through_hits == 0``,
   ``backup(device_indices)`` runs under the guard (``device_indices``: the array
@@ -183,11 +184,13 @@ value), or both. The core owns no pool and copies no data.
   answers or no host leaf is left (SGLang evicts the node's size from the host and retries
   once; this frees no more than the copy needs). If
   ``free_host`` or ``on_remove_host`` raises, the nodes that left so far stay gone, the
-  victim stays (pushed back) and the exception propagates. A skipped node is skipped for the rest of the call, even if a callback
+  victim stays (pushed back) and the exception propagates. A skipped node is skipped for the rest of
+  the call, even if a callback
   (a per-node ``free_callback`` that calls the cache) pushes it on ``heap`` again meanwhile:
   ``backup`` is asked about a victim once per call (with ``free_host``, once more per host
-  leaf that left to make room for it); the next call asks again. If ``backup``, ``on_backup`` or ``on_remove`` raises (or ``backup`` returns a
-  bad value), the victim stays (pushed back; a host copy it got stays) and the exception
+  leaf that left to make room for it); the next call asks again. If ``backup``, ``on_backup`` or
+  ``on_remove`` raises (or ``backup`` returns a bad value), the victim stays (pushed back; a host
+  copy it got stays) and the exception
   propagates. The device slots of every victim that left go to ``free_callback`` as without a
   host tier; a parent that became a device leaf is pushed (it can follow in the same call).
 - ``evict_host(num_tokens, free_callback=None, batch=False, on_remove=None) -> int``: host
@@ -290,7 +293,7 @@ from typing import Any
 import numpy as np
 
 # A BlockIndex pickled while the block index lived in this module names its loader here.
-from ._blocks_py import _block_index_from  # noqa: F401
+from ._blocks_py import _block_index_from  # noqa: F401 -- the loader old pickles name
 from ._errors import reentered, stale_match
 from ._handover import answer_not_kept, hand_over_batch, host_indices_bytes
 from ._heap_py import EvictionHeap, device_leaf, host_leaf
@@ -481,7 +484,7 @@ class Core:
         self._take(held, "reset")
         try:
             old_root = self.tree._clear()  # noqa: F841 -- released after the guard
-            old_queue = self.tree._queue  # noqa: F841
+            old_queue = self.tree._queue  # noqa: F841 -- held until the call returns
             self.tree._queue = deque()
             old_entries = []
             for heap in (self.heap, self.host_heap):
@@ -528,7 +531,7 @@ class Core:
             self.matched_tokens += length
             last = path[-1]
             if self._push_on_access:
-                dropped = self._push_if_evictable(last)  # noqa: F841
+                dropped = self._push_if_evictable(last)  # noqa: F841 -- held until the call returns
             return MatchResult(tree._gather(path), last, length)
         finally:
             if not held:
@@ -553,9 +556,9 @@ class Core:
         last = device[-1] if device else tree.root
         last_host = path[-1] if host_length else None
         if self._push_on_access:
-            dropped = self._push_if_evictable(last)  # noqa: F841
+            dropped = self._push_if_evictable(last)
             if last_host is not None and host_leaf(last_host):
-                dropped = self.host_heap._push(last_host)  # noqa: F841
+                dropped = self.host_heap._push(last_host)  # noqa: F841 -- held until the call returns
         indices = tree._gather(device) if device else empty_indices(self._numpy_arrays)
         return MatchResult(indices, last, device_length, host_length, last_host)
 
@@ -599,9 +602,9 @@ class Core:
                     tree._store_value(new_leaf, values[end - added:end])
                 self.evictable += added
                 self.inserted_tokens += added
-                dropped = self.heap._push(new_leaf)  # noqa: F841
+                dropped = self.heap._push(new_leaf)
             elif self._push_on_access or adopted is not None:
-                dropped = self._push_if_evictable(last)  # noqa: F841
+                dropped = self._push_if_evictable(last)  # noqa: F841 -- held until the call returns
             if self.write_through_hits:
                 self._queue_due(last)
             return InsertResult(prefix_len, last)
@@ -714,7 +717,7 @@ class Core:
                 self.evictable += moved
                 self.protected -= moved
                 # Only the bottom node can have become an evictable leaf.
-                dropped = self._push_if_evictable(node)  # noqa: F841
+                dropped = self._push_if_evictable(node)  # noqa: F841 -- held until the call returns
             return moved
         finally:
             if not held:
@@ -733,11 +736,11 @@ class Core:
         self._take(held, "evict")
         try:
             size = node.num_tokens
-            parent, value = self.tree._detach_leaf(node)  # noqa: F841 -- value released later
+            parent, value = self.tree._detach_leaf(node)  # value released later
             self.evictable -= size
             self.evictions += 1
             self.evicted_tokens += size
-            dropped = self._push_if_evictable(parent)  # noqa: F841
+            dropped = self._push_if_evictable(parent)  # noqa: F841 -- held until the call returns
             return size
         finally:
             if not held:
@@ -1118,7 +1121,7 @@ class Core:
                 hosts.append(node._host)
                 start += size
             self.loaded_tokens += match.host_length
-            dropped = self._push_if_evictable(nodes[-1])  # noqa: F841
+            dropped = self._push_if_evictable(nodes[-1])  # noqa: F841 -- held until the call returns
             if on_load is not None:
                 for node in nodes:
                     on_load(node)
@@ -1170,7 +1173,7 @@ class Core:
         try:
             if self._numpy_arrays and not isinstance(values, np.ndarray):
                 raise _cpu_values_only("set_value", values)
-            previous = self.tree._store_value(node, values)  # noqa: F841
+            previous = self.tree._store_value(node, values)  # noqa: F841 -- held until the call returns
         finally:
             if not held:
                 self._leave()

@@ -124,7 +124,7 @@ class EvictionHeap:
         if not self._enter(False):
             raise reentered("push")
         try:
-            dropped = self._push(node)  # released when the call returns  # noqa: F841
+            dropped = self._push(node)  # noqa: F841 -- released when the call returns
         finally:
             self._leave()
 

@@ -49,7 +49,7 @@ def load_torch() -> Any:
     global _torch
     if _torch is None:
         try:
-            import torch  # noqa: PLC0415 -- only a torch-array cache or a tensor input needs it
+            import torch  # only a torch-array cache or a tensor input needs it
         except ModuleNotFoundError as exc:
             if exc.name != "torch":  # torch is there but broken: its own error says why
                 raise

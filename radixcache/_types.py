@@ -18,7 +18,7 @@ __all__ = ["RadixTreeNode", "MatchResult", "InsertResult", "MAX_LOCK_REF"]
 MAX_LOCK_REF = 2**31 - 1
 
 
-class RadixTreeNode(ABC):
+class RadixTreeNode(ABC):  # noqa: B024 -- for isinstance: each core registers its node
     """A node of a ``RadixCache`` tree, as ``MatchResult.last_node`` and the like give it.
 
     Each tree core has its own node class; ``isinstance(node, RadixTreeNode)`` holds for

@@ -294,7 +294,7 @@ class RadixCache:
             if not enable_events:
                 raise ValueError("event_options given without enable_events=True")
         if enable_events:
-            from .events.recorder import new_recorder  # noqa: PLC0415 -- optional feature
+            from .events.recorder import new_recorder  # optional feature
 
             self._events = new_recorder(page_size, event_options, host_tier=host_tier)
         numpy_arrays = {"numpy_arrays": True} if array_type == "numpy" else {}
@@ -687,16 +687,16 @@ class RadixCache:
                 ``backup``: it must not call the cache. Given it, when ``backup`` finds no
                 room the call removes host-only leaves one at a time in policy order,
                 asking ``backup`` again after each, until it answers or none is left (as
-                SGLang evicts host entries and retries); and a victim that still gets no host copy leaves with its
-                host-only subtree: every victim leaves the device in policy order, however
-                full the host is.
+                SGLang evicts host entries and retries); and a victim that still gets no host copy
+                leaves with its host-only subtree: every victim leaves the device in policy order,
+                however full the host is.
 
         With a host tier, a victim leaves the device only: one that has a host copy (or gets
         one from ``backup``) stays in the tree, host only, and its device slots go to
         ``free_callback``; one that gets none is deleted as without a host tier, except that
         without ``free_host`` a node with host-only children stays on the device (free host
-        memory with ``evict_host`` first, or copy it with ``write_through``); ``backup`` is asked about
-        a victim at most once per call, even if a ``free_callback`` makes it a leaf again
+        memory with ``evict_host`` first, or copy it with ``write_through``); ``backup`` is asked
+        about a victim at most once per call, even if a ``free_callback`` makes it a leaf again
         meanwhile (the next call asks again). A parent whose children
         all left the device can follow in the same call. A ``backup`` that raises, or
         returns something else than None or a valid tensor, leaves its victim as it was.
@@ -711,8 +711,8 @@ class RadixCache:
 
         Raises:
             TypeError: ``num_tokens`` is not an int, ``free_callback``, ``backup`` or
-                ``free_host`` is not callable, or ``backup`` returned something else than None or an int64
-                tensor.
+                ``free_host`` is not callable, or ``backup`` returned something else than None or an
+                int64 tensor.
             ValueError: ``backup`` or ``free_host`` given to a cache without a host tier,
                 or ``backup``
                 returned a tensor that is not 1-D, of another length than the victim's, or

@@ -94,7 +94,7 @@ def _info(name: str) -> TraceInfo:
 
 
 def _sha256(path: Path) -> str:
-    import hashlib  # noqa: PLC0415 -- the command's start-up does not need it
+    import hashlib  # the command's start-up does not need it
 
     digest = hashlib.sha256()
     with open(path, "rb") as stream:
@@ -205,9 +205,9 @@ def _remove_dirs(created: list[Path]) -> None:
 def _fetch(url: str, out, progress) -> None:
     """Stream ``url`` into ``out``; DownloadError (one line) for any failure."""
     # Imported here: the command's start-up (which names the traces) does not need them.
-    import http.client  # noqa: PLC0415
-    import urllib.error  # noqa: PLC0415
-    import urllib.request  # noqa: PLC0415
+    import http.client
+    import urllib.error
+    import urllib.request
 
     request = urllib.request.Request(url, headers={"User-Agent": "radixcache"})
     try:

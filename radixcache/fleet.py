@@ -619,6 +619,6 @@ def simulate_pooled(requests: Sequence[Request], num_workers: int, capacity: int
 
 
 def _with(result: FleetResult, **changes: Any) -> FleetResult:
-    from dataclasses import replace  # noqa: PLC0415
+    from dataclasses import replace
 
     return replace(result, **changes)

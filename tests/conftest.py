@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,8 +20,10 @@ from radixcache import ARRAY_TYPES, RadixCache
 from radixcache._core import BLOCKS, CORES
 from radixcache.download import find as _find_trace
 
-#: Where CI keeps the Mooncake traces: a folder next to the repository.
-SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+#: Folders that may hold the Mooncake traces, searched before ``radixcache trace download``'s:
+#: the ``os.pathsep``-separated ``RADIXCACHE_TRACE_DIR`` (.ci/run points it at CI's shared copies).
+TRACE_DIRS = tuple(Path(p) for p in os.environ.get("RADIXCACHE_TRACE_DIR", "").split(os.pathsep)
+                   if p)
 
 
 #: Whether PyTorch is installed. Asked of the import system: collecting the tests imports no
@@ -37,9 +40,28 @@ ARRAY_TYPE_PARAMS = [pytest.param(kind, marks=needs_torch) if kind == "torch" el
 
 
 def mooncake_trace(name: str = "synthetic"):
-    """(path, "") of a Mooncake trace -- the shared copy, else ``radixcache trace download``'s
+    """(path, "") of a Mooncake trace -- in ``TRACE_DIRS``, else ``radixcache trace download``'s
     -- or (None, a skip message saying where it looked and how to get it)."""
-    return _find_trace(name, SHARED_TRACES)
+    return _find_trace(name, *TRACE_DIRS)
+
+
+#: The fixtures that run a test once per tree core or block module, all in one pytest run
+#: (``core``: a few modules parametrize their own by ``CORES``).
+CORE_FIXTURES = frozenset({"core_name", "make_cache", "blocks", "core"})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark ``default_core`` every test that takes none of ``CORE_FIXTURES`` (and is not marked
+    ``core_independent``): it uses whichever core ``RadixCache()`` picks by default, directly,
+    through the serving loop or the fleet, or in a subprocess (the command). CI runs the
+    suite once (the compiled core by default; the core-parametrized tests on every core), then
+    only these again with ``RADIXCACHE_NO_EXTENSIONS=1 python -m pytest -m default_core``, so
+    the default core's pure-Python choice is tested too and nothing else runs twice."""
+    for item in items:
+        if item.get_closest_marker("core_independent"):
+            continue
+        if CORE_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.default_core)
 
 
 @pytest.fixture(params=list(CORES), ids=list(CORES))
@@ -77,7 +99,7 @@ def check_index_array(cache: RadixCache, values, cpu: bool = False) -> None:
         assert type(values) is np.ndarray, type(values)
         assert values.ndim == 1 and values.dtype == np.int64
         return
-    import torch  # noqa: PLC0415 -- a torch cache: torch is there
+    import torch  # a torch cache: torch is there
 
     assert isinstance(values, torch.Tensor) and values.dim() == 1
     assert values.dtype == torch.int64

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fetch vLLM's KV-event schema for tests/test_vllm_schema.py: download the vLLM wheel (no
+# Fetch vLLM's KV-event schema for tests/events/test_vllm_schema.py: download the vLLM wheel (no
 # dependencies, ~340 MB, seconds from the package index), extract only
 # vllm/distributed/kv_events.py, delete the wheel. The file is never committed.
 #   VLLM_VERSION        which vLLM (default 0.33.0, the first release with tagged-map events)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install SGLang 0.5.23 for the differential test (tests/test_vs_sglang.py) and the side-by-side
+# Install SGLang 0.5.23 for the differential test (tests/integrations/test_vs_sglang.py) and the side-by-side
 # benchmark (benchmarks/bench_vs_sglang.py), into the active Python environment. CI (.ci/run)
 # and people both call this one script.
 #

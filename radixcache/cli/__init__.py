@@ -45,7 +45,7 @@ def _keep_freed_memory() -> None:
     a library does not set its host's allocator."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes  # noqa: PLC0415
+    import ctypes
 
     try:
         mallopt = ctypes.CDLL(None).mallopt

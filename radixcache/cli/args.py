@@ -45,12 +45,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("radixcache")
     except PackageNotFoundError:  # not installed: run from a source tree
-        from .. import __version__  # noqa: PLC0415
+        from .. import __version__
 
         return __version__
 
@@ -360,10 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write the merged rows there (default: print them on stdout)")
     merge.add_argument("--plot", metavar="OUT.png",
                        help="plot the merged rows as 'simulate --plot' does")
-    for name, command in (("simulate", sim), ("bench", bench), ("merge", merge)):
+    for _name, command in (("simulate", sim), ("bench", bench), ("merge", merge)):
         command.set_defaults(parser=command)
 
-    from ..download import TRACES  # noqa: PLC0415 -- standard library only
+    from ..download import TRACES  # standard library only
 
     trace = sub.add_parser(
         "trace", prog="radixcache trace", help="download or list the public Mooncake traces",

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 def _bench_chat(core: str, requests: list[Request], capacity: int, repeat: int,
                 array_type: str) -> tuple[float, ServeResult]:
-    from ..cache import RadixCache  # noqa: PLC0415
-    from ..workloads import serve  # noqa: PLC0415
+    from ..cache import RadixCache
+    from ..workloads import serve
 
     best = math.inf
     result = None
@@ -45,7 +45,7 @@ def _run_exercise(run: Callable[[], object], repeat: int) -> tuple[float, object
 
 def _exercise_on_cache(core: str, ops: list[tuple[str, list[int]]],
                        array_type: str) -> tuple[RadixCache, int]:
-    from ..cache import RadixCache  # noqa: PLC0415
+    from ..cache import RadixCache
 
     cache = RadixCache(core=core, array_type=array_type)
     insert, exists = cache.insert, cache.exists
@@ -71,10 +71,10 @@ def _exercise_on_set(ops: list[tuple[str, list[int]]]) -> tuple[set, int]:
 
 def run(args: argparse.Namespace) -> int:
     """``radixcache bench``: time every tree core side by side and print the tables."""
-    from .. import _core  # noqa: PLC0415
-    from .._torch import torch_installed  # noqa: PLC0415
-    from ..cache import RadixCache  # noqa: PLC0415
-    from ..workloads import (INPUT_TYPES, deep_exercise_ops, exercise_ops,  # noqa: PLC0415
+    from .. import _core
+    from .._torch import torch_installed
+    from ..cache import RadixCache
+    from ..workloads import (INPUT_TYPES, deep_exercise_ops, exercise_ops,
                             synthetic_chat, time_cached_calls, walk_cost)
 
     repeat = args.repeat or (1 if args.quick else 3)
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         for shape, ops in shapes.items():
             label = f"exercise ({shape}): {len(ops):,} insert/exists calls"
             found_seconds, (cache, found) = _run_exercise(
-                lambda ops=ops: _exercise_on_cache(core, ops, array_type), repeat)
+                lambda ops=ops, core=core: _exercise_on_cache(core, ops, array_type), repeat)
             trees[shape, core] = cache
             ops_seconds[shape, core] = found_seconds
             found_all.append(found)

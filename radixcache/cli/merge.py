@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{option} {path}: that is one of the shard files")
     if args.plot:
         try:
-            import matplotlib  # noqa: F401, PLC0415 -- fail before reading the shards
+            import matplotlib  # noqa: F401 -- fail before reading the shards
         except ImportError:
             raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
         plot_format(args.plot)

@@ -66,7 +66,7 @@ def progress_bar(quiet: bool, **options: Any) -> Any:
     if quiet or not sys.stderr.isatty():
         return None
     try:
-        from tqdm import tqdm  # noqa: PLC0415 -- only needed on a terminal
+        from tqdm import tqdm  # only needed on a terminal
     except ImportError:
         return None
     return tqdm(file=sys.stderr, leave=False, **options)

@@ -26,7 +26,7 @@ _COLUMN_NAMES = {"policy": "eviction policy", "write_policy": "write policy", "r
 
 def _palette(n: int) -> list:
     """``n`` distinct colours (repeating only past 20)."""
-    from matplotlib import colormaps  # noqa: PLC0415
+    from matplotlib import colormaps
 
     return list(colormaps["tab10" if n <= 10 else "tab20"].colors)
 
@@ -48,7 +48,7 @@ def _legend(ax: Any, title: str) -> None:
 def _finish_plot(path: str, fig: Any, ax: Any, rows: list[dict], xlabel: str, title: str,
                  legend_title: str) -> None:
     """Axes shared by both plots (hit rate against capacity), then the atomic PNG write."""
-    from matplotlib.ticker import NullLocator  # noqa: PLC0415
+    from matplotlib.ticker import NullLocator
 
     capacities = sorted({r["capacity"] for r in rows})
     if capacities[-1] >= 10 * capacities[0]:
@@ -75,7 +75,7 @@ def hit_rate_limits(hit_rates: Sequence[float]) -> tuple[float, float]:
 
 def _plot_formats() -> dict[str, str]:
     """The file formats matplotlib can write here: extension -> description."""
-    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.figure import Figure
 
     return Figure().canvas.get_supported_filetypes()
 
@@ -93,7 +93,7 @@ def plot_format(path: str) -> str:
 
 def write_plot(path: str, rows: list[dict], trace_name: str, page_size: int) -> None:
     # Figure without pyplot renders PNG through the Agg canvas: no GUI backend involved.
-    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
     ax = fig.add_subplot()
@@ -116,7 +116,7 @@ def write_plot(path: str, rows: list[dict], trace_name: str, page_size: int) -> 
 
 def write_fleet_plot(path: str, rows: list[dict], trace_name: str, page_size: int,
                      workers: int) -> None:
-    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
     ax = fig.add_subplot()
@@ -154,8 +154,8 @@ def write_host_plot(path: str, rows: list[dict], trace_name: str, page_size: int
                     workers: int = 1) -> None:
     """Hit rate against host capacity: one line per device capacity (and eviction policy,
     write policy and router when there are several); host 0 (no host tier) starts every line."""
-    from matplotlib.figure import Figure  # noqa: PLC0415
-    from matplotlib.ticker import NullLocator  # noqa: PLC0415
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
 
     fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
     ax = fig.add_subplot()
@@ -170,7 +170,7 @@ def write_host_plot(path: str, rows: list[dict], trace_name: str, page_size: int
     for i, line in enumerate(lines):
         capacity, rest = line[0], dict(zip(varying, line[1:]))
 
-        def on_line(r: dict, host_too: bool) -> bool:
+        def on_line(r: dict, host_too: bool, capacity=capacity, rest=rest) -> bool:
             return r["capacity"] == capacity and all(
                 r.get(k) == v for k, v in rest.items() if host_too or k != "write_policy")
 

@@ -197,15 +197,15 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.plot, "--plot")
     if args.plot:
         try:
-            import matplotlib  # noqa: F401, PLC0415 -- fail now, not after the replay
+            import matplotlib  # noqa: F401 -- fail now, not after the replay
         except ImportError:
             raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
         plot_format(args.plot)
     # The run starts: numpy and the cores from here on (the caches use numpy index arrays:
     # torch is not imported).
-    from .. import _core  # noqa: PLC0415
-    from ..cache import RadixCache  # noqa: PLC0415
-    from ..traces import TraceError, check_timestamps  # noqa: PLC0415
+    from .. import _core
+    from ..cache import RadixCache
+    from ..traces import TraceError, check_timestamps
 
     if args.core is not None and args.core not in _core.CORES:
         raise UsageError(f"--core {args.core}: the compiled core is not built here "
@@ -319,7 +319,7 @@ def _ms(seconds: float | None) -> str:
 
 def _run_fleet(args: argparse.Namespace, requests: Trace, trace_name: str, core: str,
                largest_need: int, source: TraceSource) -> int:
-    from ..fleet import TimeModel, arrival_times  # noqa: PLC0415
+    from ..fleet import TimeModel, arrival_times
 
     try:
         arrivals = arrival_times(requests, args.interval)

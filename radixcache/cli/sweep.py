@@ -127,8 +127,8 @@ def run_sweep(points: Sequence, run_point: Callable[[Any, Any], Any], jobs: int 
                     bar.close()
         return results
 
-    from concurrent.futures import ProcessPoolExecutor, as_completed  # noqa: PLC0415
-    from concurrent.futures.process import BrokenProcessPool  # noqa: PLC0415
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
 
     results = [None] * len(points)
     _SWEEP = (run_point, points)
@@ -184,7 +184,7 @@ def _finished(bar: Any, quiet: bool, finished: int, total: int, text: str) -> No
 def _run_on(executor: Executor, points: Sequence, run_point: Callable[[Any, Any], Any],
             quiet: bool, label: Callable[[Any], str]) -> list:
     """``run_sweep`` on the caller's executor."""
-    from concurrent.futures import BrokenExecutor, as_completed  # noqa: PLC0415
+    from concurrent.futures import BrokenExecutor, as_completed
 
     results = [None] * len(points)
     futures: dict = {}
@@ -232,8 +232,8 @@ class TraceSource(NamedTuple):
             TraceError: a malformed trace.
             OSError: an unreadable one.
         """
-        from ..traces import Trace, read_trace  # noqa: PLC0415
-        from ..workloads import synthetic_chat  # noqa: PLC0415
+        from ..traces import Trace, read_trace
+        from ..workloads import synthetic_chat
 
         if self.path is None:
             requests = Trace.from_requests(synthetic_chat(seed=self.seed))
@@ -250,7 +250,7 @@ _LOADING = threading.Lock()
 def _load(source: TraceSource, counts: tuple[int, int]) -> Trace:
     """``source``'s trace, read once per process; it must hold what the driver's held."""
     global _LOADED
-    from ..traces import TraceError  # noqa: PLC0415
+    from ..traces import TraceError
 
     where = f"{source.path!r} on {socket.gethostname()}"
     with _LOADING:  # threads of one worker share one read
@@ -304,8 +304,8 @@ class ServePoint(_TracePoints):
         self.page_size = page_size
 
     def __call__(self, point: tuple, progress: Any = None) -> ServeResult:
-        from ..cache import RadixCache  # noqa: PLC0415
-        from ..workloads import serve  # noqa: PLC0415
+        from ..cache import RadixCache
+        from ..workloads import serve
 
         capacity, policy, host, write_policy = point
         requests = self.requests()
@@ -342,8 +342,8 @@ class FleetPoint(_TracePoints):
         return state
 
     def __call__(self, point: tuple, progress: Any = None) -> FleetResult:
-        from .._options import POOLED  # noqa: PLC0415
-        from ..fleet import arrival_times, simulate_fleet, simulate_pooled  # noqa: PLC0415
+        from .._options import POOLED
+        from ..fleet import arrival_times, simulate_fleet, simulate_pooled
 
         capacity, policy, host, write_policy, router = point
         requests = self.requests()
@@ -409,7 +409,7 @@ def take_shard(args: argparse.Namespace, points: list, run_point: _TracePoints,
     radixcache version, the core, ``ROW_OPTIONS`` and every point of the sweep."""
     if args.shard is None:
         return points, None
-    from .. import __version__  # noqa: PLC0415
+    from .. import __version__
 
     index, count = args.shard
     part = shard_slice(len(points), index, count)

@@ -26,7 +26,7 @@ def _download_progress(name: str, quiet: bool):
 
 def run(args: argparse.Namespace) -> int:
     """``radixcache trace list`` and ``radixcache trace download NAME``."""
-    from .. import download  # noqa: PLC0415 -- standard library only
+    from .. import download  # standard library only
 
     directory = args.dir
     if args.trace_command == "list":

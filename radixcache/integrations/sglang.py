@@ -80,7 +80,7 @@ def register() -> None:
     Safe to call any number of times in one process. A different factory already filed under
     the name is left in place (with a warning).
     """
-    from sglang.srt.mem_cache import registry  # noqa: PLC0415 -- only when SGLang asks
+    from sglang.srt.mem_cache import registry  # only when SGLang asks
 
     existing = registry.get_radix_cache_factory(BACKEND_NAME)
     if existing is create_backend:
@@ -94,7 +94,7 @@ def register() -> None:
 
 def _setting(namespace: str, name: str) -> Any:
     """A published server setting (``get_memory().enable_lmcache``...), None if absent."""
-    from sglang.srt import runtime_context  # noqa: PLC0415
+    from sglang.srt import runtime_context
 
     try:
         bag = getattr(runtime_context, f"get_{namespace}")()
@@ -139,14 +139,14 @@ def _refusal(ctx: Any) -> Optional[str]:
         return ("EAGLE speculative decoding keys the cache by token pairs (bigrams), which "
                 f"radixcache does not do; {_DROP_FLAG}")
     try:
-        from sglang.srt.hardware_backend.mlx.runtime import use_mlx  # noqa: PLC0415
+        from sglang.srt.hardware_backend.mlx.runtime import use_mlx
 
         mlx = use_mlx()
     except ImportError:
         mlx = False
     if mlx:
         return f"the MLX backend keeps its KV state in SGLang's own cache; {_DROP_FLAG}"
-    from sglang.srt.mem_cache.allocator.page_interleave import (  # noqa: PLC0415
+    from sglang.srt.mem_cache.allocator.page_interleave import (
         page_interleave_shard_size,
     )
 
@@ -473,7 +473,7 @@ class RadixcacheBackend(BasePrefixCache):
         free_error = None
         try:
             self._free_duplicates(values, protected, result.prefix_len)
-        except Exception as exc:  # noqa: BLE001 -- finish the bookkeeping, then raise
+        except Exception as exc:  # finish the bookkeeping, then raise
             free_error = exc
         if protected < result.prefix_len:
             tree_slots = self.path_device_indices(new_last_node)

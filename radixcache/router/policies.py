@@ -61,8 +61,8 @@ class Router:
     router that polls its workers instead). Feed the indexer with each worker's events
     (``router.indexer.apply(worker, events)``); worker ids in the events are the ints
     ``0 .. num_workers-1``: ``cache-aware`` routing raises ValueError naming any other id
-    the indexer holds blocks for, rather than ignoring its blocks. Not thread-safe: serialise ``route`` with the load reports and the
-    indexer's ``apply``.
+    the indexer holds blocks for, rather than ignoring its blocks. Not thread-safe: serialise
+    ``route`` with the load reports and the indexer's ``apply``.
 
     Args:
         num_workers: How many workers, an int >= 1.

@@ -74,8 +74,8 @@ class Request:
             output = _token_array(self.output, "output")
             if len(output) != self.output_len:
                 raise ValueError(
-                    f"output has {counted(len(output), 'token')} but output_len is {self.output_len}"
-                )
+                    f"output has {counted(len(output), 'token')} but output_len is "
+                    f"{self.output_len}")
             object.__setattr__(self, "output", output)
         if self.timestamp is not None:
             object.__setattr__(self, "timestamp", check_real(self.timestamp, "timestamp", low=0))

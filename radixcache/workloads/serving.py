@@ -136,9 +136,9 @@ class ServingLoop:
       only), evicting host-only entries when the host is full;
     - when the device pool is short, it evicts from the device (``write_back``: a device
       victim without a host copy is copied to the host, the cache evicting host-only entries
-      in policy order to make room, and dropped only when the host is still full); a victim that gets no host copy leaves with its host-only children
-      (``evict(..., free_host=...)``), so the device's eviction order never depends on the
-      host's size;
+      in policy order to make room, and dropped only when the host is still full); a victim that
+      gets no host copy leaves with its host-only children (``evict(..., free_host=...)``), so the
+      device's eviction order never depends on the host's size;
     - the prompt's tokens found only on the host (``host_length``) count as cached: they get
       device slots and are loaded back (``load_back``) before the request runs; the request
       then holds its lock on the whole prefix.

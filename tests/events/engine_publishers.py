@@ -1,5 +1,5 @@
 """vLLM's and SGLang's own ``ZmqEventPublisher`` classes, loaded and driven alike, for the
-interop tests (``test_engine_interop.py``) and ``benchmarks/event_recovery.py``.
+interop tests (``test_engine_interop.py``) and ``benchmarks/scripts/event_recovery.py``.
 
 SGLang's is imported from the installed package (``bash tests/install_sglang.sh``). vLLM's
 is loaded from the one file ``tests/fetch_vllm_kv_events.sh`` extracts from its wheel,

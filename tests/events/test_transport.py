@@ -141,7 +141,7 @@ def test_a_replay_far_ahead_of_the_stream_is_delivered_once(subscriber):
     """A batch lost at the start of a burst: the replay from it delivers the whole burst
     (5 times ``SmallDigestSubscriber``'s digest cap) before the stream's copies arrive;
     each of them is dropped as the copy it is, none taken for a restarted publisher.
-    (``benchmarks/event_recovery.py`` does the same with 10^6 batches and the default.)"""
+    (``benchmarks/scripts/event_recovery.py`` does the same with 10^6 batches and the default.)"""
     burst = 5 * SmallDigestSubscriber.MAX_REPLAYED
     pub = ev.ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
                                buffer_steps=burst + 100)

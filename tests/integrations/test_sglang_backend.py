@@ -23,10 +23,10 @@ worker and the TP group are None (the factory reads none of them for a full-atte
 the server arguments are SGLang's own test install (``RuntimeContext.override_server_args``).
 
 The one deliberate difference (docs/sglang.md) is applied to SGLang's side, exactly as
-tests/test_vs_sglang.py does: where a match or insert ends inside a node, SGLang stamps the
-unmatched lower half as just used; here that half gets back the access time it had before the
-call. That needs SGLang's Python TreeCore (``tree_core_backend="python"``; the Rust TreeCore,
-SGLang's default, is compiled and cannot be patched; SGLang keeps the two equal).
+tests/integrations/test_vs_sglang.py does: where a match or insert ends inside a node, SGLang
+stamps the unmatched lower half as just used; here that half gets back the access time it had
+before the call. That needs SGLang's Python TreeCore (``tree_core_backend="python"``; the Rust
+TreeCore, SGLang's default, is compiled and cannot be patched; SGLang keeps the two equal).
 
 Skips (saying why) where SGLang is not importable; fails instead with
 ``RADIXCACHE_REQUIRE_SGLANG=1`` (CI).
@@ -356,7 +356,7 @@ class Replay:
                  split_rule: bool = True) -> None:
         monkeypatch.setattr(RadixcacheBackend, "core", core)
         backend_module.register()
-        from sglang.srt.mem_cache.events import KvEventLoraNames  # noqa: PLC0415
+        from sglang.srt.mem_cache.events import KvEventLoraNames
 
         def lora_names():
             names = KvEventLoraNames()
@@ -454,7 +454,7 @@ class Replay:
 
 @pytest.fixture(params=["c", "python"])
 def backend_core(request) -> str:
-    from radixcache._core import CORES  # noqa: PLC0415
+    from radixcache._core import CORES
 
     if request.param not in CORES:
         pytest.skip(f"the {request.param!r} core is not available in this build")

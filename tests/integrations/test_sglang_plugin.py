@@ -82,9 +82,9 @@ def test_importing_radixcache_does_not_import_sglang():
 # -- start-up refusals -------------------------------------------------------------------------
 def _build_with(monkeypatch, server_args=None, policy="lru", **ctx_flags):
     backend_module.register()
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: PLC0415
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: PLC0415
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: PLC0415
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     allocator = TokenToKVPoolAllocator(64, torch.float16, "cpu", None, need_sort=True)
     rows = ReqToTokenPool(size=2, max_context_len=64, device="cpu", enable_memory_saver=False)
@@ -140,7 +140,7 @@ def test_unsupported_eviction_policy_refused(monkeypatch, policy):
 
 def test_mlx_refused(monkeypatch):
     # No Apple device here: SGLang's own MLX switch is patched on.
-    import sglang.srt.hardware_backend.mlx.runtime as mlx_runtime  # noqa: PLC0415
+    import sglang.srt.hardware_backend.mlx.runtime as mlx_runtime
 
     monkeypatch.setattr(mlx_runtime, "use_mlx", lambda: True)
     with pytest.raises(UnsupportedConfiguration, match="MLX"):
@@ -210,7 +210,7 @@ def test_bad_input_changes_nothing(ours):
 
 
 def _bare_params():
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: PLC0415
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     return CacheInitParams(disable=False, req_to_token_pool=None,
                            token_to_kv_pool_allocator=None, page_size=1)
@@ -316,7 +316,7 @@ def test_abort_mid_chunk_returns_every_slot(ours):
 
 # -- events and metrics -------------------------------------------------------------------------
 def test_events_are_sglang_structs_its_publisher_encodes(core_name, monkeypatch):
-    import msgspec  # noqa: PLC0415
+    import msgspec
 
     monkeypatch.setattr(RadixcacheBackend, "core", core_name)
     backend_module.register()
@@ -354,11 +354,11 @@ def test_eviction_metrics(ours):
 def test_server_script_commands_parse_and_config_loads(tmp_path):
     sys.path.insert(0, os.path.join(REPO, "benchmarks", "scripts"))
     try:
-        import sglang_server  # noqa: PLC0415
+        import sglang_server
     finally:
         sys.path.pop(0)
-    from sglang.srt.server_args import prepare_server_args  # noqa: PLC0415
-    from transformers import AutoConfig  # noqa: PLC0415
+    from sglang.srt.server_args import prepare_server_args
+    from transformers import AutoConfig
 
     model = sglang_server.write_model(tmp_path / "tiny")
     config = AutoConfig.from_pretrained(str(model))

@@ -1,0 +1,741 @@
+"""The block modules' ``BlockIndex`` (``KvIndexer``'s table of held blocks) and the fleet's
+direct feed of block keys (``event_options={"record": "keys"}`` and ``KvIndexer.apply_keys``),
+on every available core.
+
+The index is checked against a plain model (key -> list of copies) over random operation
+sequences, its errors on bad input (each leaving it unchanged), and ``KvIndexer`` over the
+compiled index against ``KvIndexer`` over the pure one on the same events. The fleet's
+direct feed must decide, hit and count exactly as the event path does.
+"""
+
+from __future__ import annotations
+
+import copy as copy_module
+import pickle
+import random
+
+import numpy as np
+import pytest
+
+from radixcache import _blocks_py, _core
+from radixcache._core import BLOCKS, CORES
+from radixcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixcache.events.hashing import fast64_root
+from radixcache.events.recorder import KEYS_REMOVED, KEYS_STORED
+from radixcache.fleet import EventLag, InProcessChannel, TimeModel, simulate_fleet
+from radixcache.router import KvIndexer
+from radixcache.workloads import Request, synthetic_chat
+
+I64 = (1 << 63) - 1
+
+
+class Model:
+    """What a BlockIndex must answer: key -> the copies holding it, a copy per holding."""
+
+    def __init__(self):
+        self.holders = {}
+
+    def hold(self, key, copy):
+        self.holders.setdefault(key, []).append(copy)
+
+    def unhold(self, key, copy):
+        held = self.holders.get(key, [])
+        if copy not in held:
+            return False
+        held.remove(copy)
+        if not held:
+            del self.holders[key]
+        return True
+
+    def store(self, copy, keys):
+        stored = duplicates = 0
+        for key in keys:
+            if copy in self.holders.get(key, []):
+                duplicates += 1
+            else:
+                self.hold(key, copy)
+                stored += 1
+        return stored, duplicates
+
+    def remove(self, copy, keys):
+        removed = sum(self.unhold(key, copy) for key in keys)
+        return removed, len(keys) - removed
+
+    def clear_copy(self, copy):
+        dropped = 0
+        for key in list(self.holders):
+            while self.unhold(key, copy):
+                dropped += 1
+        return dropped
+
+    def overlap(self, keys, owners):
+        out, active, depth = [], None, 0
+        for key in keys:
+            held = [owners[c] for c in self.holders.get(key, []) if c < len(owners)
+                    and owners[c] >= 0]
+            if key not in self.holders:
+                break
+            if active is None:
+                active = list(dict.fromkeys(held))
+            else:
+                out += [(o, depth) for o in active if o not in held]
+                active = [o for o in active if o in held]
+            if not active:
+                break
+            depth += 1
+        return out + [(o, depth) for o in active or ()]
+
+    @property
+    def pairs(self):
+        return sum(len(v) for v in self.holders.values())
+
+
+def state(index, keys):
+    return len(index), index.pairs, {k: index.holders(k) for k in keys}
+
+
+def check_same(index, model, keys):
+    assert len(index) == len(model.holders)
+    assert index.pairs == model.pairs
+    for key in keys:
+        assert index.holders(key) == model.holders.get(key, [])
+        for copy in range(4):
+            assert index.holds(key, copy) == (copy in model.holders.get(key, []))
+
+
+def as_input(keys, rng):
+    kind = rng.randrange(3)
+    if kind == 0:
+        return list(keys)
+    if kind == 1:
+        return tuple(keys)
+    return np.array(keys, dtype=np.int64).tobytes()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operations_match_the_model(blocks, seed):
+    rng = random.Random(seed)
+    # Few keys (collisions, several holders, a copy holding a key twice), and bursts of many
+    # (the table grows, and shrinks as they leave); extreme int64 values included.
+    pool = [rng.randrange(-I64 - 1, I64 + 1) for _ in range(40)] + [0, -1, I64, -I64 - 1]
+    index, model = blocks.BlockIndex(), Model()
+    for _step in range(600):
+        op = rng.randrange(9)
+        copy = rng.randrange(4)
+        if op == 0:
+            key = rng.choice(pool)
+            index.hold(key, copy)
+            model.hold(key, copy)
+        elif op == 1:
+            key = rng.choice(pool)
+            assert index.unhold(key, copy) == model.unhold(key, copy)
+        elif op in (2, 3):
+            keys = [rng.choice(pool) for _ in range(rng.randrange(8))]
+            assert index.store(copy, as_input(keys, rng)) == model.store(copy, keys)
+        elif op == 4:
+            keys = [rng.choice(pool) for _ in range(rng.randrange(8))]
+            assert index.add(copy, as_input(keys, rng)) == len(keys)
+            for key in keys:
+                model.hold(key, copy)
+        elif op == 5:
+            keys = [rng.choice(pool) for _ in range(rng.randrange(8))]
+            assert index.remove(copy, as_input(keys, rng)) == model.remove(copy, keys)
+        elif op == 6 and rng.random() < 0.2:
+            assert index.clear_copy(copy) == model.clear_copy(copy)
+        elif op == 7 and rng.random() < 0.1:
+            burst = [rng.randrange(-I64 - 1, I64 + 1) for _ in range(rng.randrange(1, 3000))]
+            assert index.store(copy, burst) == model.store(copy, burst)
+            check_same(index, model, pool + burst)
+            assert index.remove(copy, burst) == model.remove(copy, burst)
+        elif op == 8:
+            # A chain of hashed pages, partly held by some copies; owners map copies to
+            # 0..2 (two copies may share an owner, one may count for none).
+            data = np.array([rng.randrange(50) for _ in range(4 * rng.randrange(12))],
+                            dtype="<i8").tobytes()
+            seed_key = rng.randrange(-I64 - 1, I64 + 1)
+            keys = blocks.page_hash_chain(seed_key, data, 32)
+            for c in range(4):
+                if rng.random() < 0.5 and keys:
+                    prefix = keys[:rng.randrange(len(keys) + 1)]
+                    index.add(c, prefix)
+                    for key in prefix:
+                        model.hold(key, c)
+            owners = [rng.choice((-1, 0, 1, 2)) for _ in range(rng.randrange(5))]
+            owners = [min(o, len(owners) - 1) for o in owners]
+            got = index.overlap(seed_key, data, 32, owners)
+            assert sorted(got) == sorted(model.overlap(keys, owners))
+            assert got == model.overlap(keys, owners)  # dropouts in order, then the rest
+        check_same(index, model, pool)
+    # Everything can leave: the table ends empty.
+    for copy in range(4):
+        assert index.clear_copy(copy) == model.clear_copy(copy)
+    assert len(index) == 0 and index.pairs == 0
+
+
+
+def test_both_cores_agree_on_one_sequence():
+    if len(BLOCKS) < 2:
+        pytest.skip("only one block module is available")
+    rng = random.Random(7)
+    indexes = [module.BlockIndex() for module in BLOCKS.values()]
+    pool = [rng.randrange(-I64 - 1, I64 + 1) for _ in range(30)]
+    for _ in range(2000):
+        copy, keys = rng.randrange(5), [rng.choice(pool) for _ in range(rng.randrange(6))]
+        name = rng.choice(("store", "add", "remove", "remove", "clear_copy"))
+        args = (copy,) if name == "clear_copy" else (copy, keys)
+        results = {repr(getattr(index, name)(*args)) for index in indexes}
+        assert len(results) == 1, (name, results)
+        assert len({repr(state(index, pool)) for index in indexes}) == 1
+
+
+def test_overlap_stops_where_no_owner_holds_on(blocks):
+    index = blocks.BlockIndex()
+    data = np.arange(64, dtype="<i8").tobytes()  # 8 pages of 8 tokens
+    keys = blocks.page_hash_chain(5, data, 64)
+    index.add(0, keys[:6])        # copy 0: pages 0-5
+    index.add(1, keys[:2])        # copy 1: pages 0-1
+    index.add(2, keys[:8])        # copy 2: all, but on another tier (owner -1)
+    index.add(3, keys[1:8])       # copy 3: misses page 0: never in the run
+    assert index.overlap(5, data, 64, [0, 1, -1, 2]) == [(1, 2), (0, 6)]
+    assert index.overlap(5, data, 64, [0, 0, -1, 2]) == [(0, 6)]   # two copies, one owner
+    assert index.overlap(5, data, 64, [-1, -1, 0, 1]) == [(0, 8)]
+    assert index.overlap(5, data, 64, [0]) == [(0, 6)]             # copies 1.. not counted
+    assert index.overlap(5, data, 64, []) == []
+    assert index.overlap(6, data, 64, [0, 1, 2, 3]) == []          # another seed: nothing
+    assert index.overlap(5, data[:-8], 64, [0, 1]) == [(1, 2), (0, 6)]  # 7 full pages
+    assert index.overlap(5, data[:60], 8 * 64, [0, 1]) == []       # no full page
+
+
+BAD_CALLS = [
+    ("hold", ("1", 0), TypeError, "key must be an int"),
+    ("hold", (1.0, 0), TypeError, "key must be an int"),
+    ("hold", (True, 0), TypeError, "key must be an int"),
+    ("hold", (np.int64(1), 0), TypeError, "key must be an int"),
+    ("hold", (1 << 63, 0), OverflowError, "does not fit in int64"),
+    ("hold", (-(1 << 63) - 1, 0), OverflowError, "does not fit in int64"),
+    ("hold", (1, -1), ValueError, "copy must be in"),
+    ("hold", (1, 1 << 31), ValueError, "copy must be in"),
+    ("hold", (1, False), TypeError, "copy must be an int"),
+    ("hold", (1, "0"), TypeError, "copy must be an int"),
+    ("unhold", (None, 0), TypeError, "key must be an int"),
+    ("holds", (1 << 64, 0), OverflowError, "does not fit in int64"),
+    ("holders", ("k",), TypeError, "key must be an int"),
+    ("store", (0, [1, 2, "3"]), TypeError, "keys must be ints, got str at position 2"),
+    ("store", (0, [1, 2, 1 << 63]), OverflowError, "at position 2 does not fit in int64"),
+    ("store", (0, [1, True]), TypeError, "got bool at position 1"),
+    ("store", (0, [1, 2.0]), TypeError, "got float at position 1"),
+    ("store", (0, {1, 2}), TypeError, "keys must be a list or tuple of ints, or bytes"),
+    ("store", (0, np.array([1, 2])), TypeError, "keys must be a list or tuple"),
+    ("store", (0, b"1234567"), ValueError, "multiple of 8 bytes"),
+    ("add", (0, [1, 2, None]), TypeError, "keys must be ints, got NoneType at position 2"),
+    ("add", (-1, [1]), ValueError, "copy must be in"),
+    ("remove", (0, [1, 2, "x"]), TypeError, "at position 2"),
+    ("remove", (0, iter([1])), TypeError, "keys must be a list or tuple"),
+    ("clear_copy", (None,), TypeError, "copy must be an int"),
+    ("overlap", (1.0, b"", 8, []), TypeError, "seed must be an int"),
+    ("overlap", (1, bytearray(8), 8, []), TypeError, "data must be bytes"),
+    ("overlap", (1, b"", 12, []), ValueError, "page_bytes must be a positive multiple of 8"),
+    ("overlap", (1, b"", 0, []), ValueError, "page_bytes must be a positive multiple of 8"),
+    ("overlap", (1, b"", 8, [0, 2]), ValueError, "owners must be -1 or in [0, 2)"),
+    ("overlap", (1, b"", 8, [-2]), ValueError, "owners must be -1 or in [0, 1)"),
+    ("overlap", (1, b"", 8, [0.0]), TypeError, "keys must be ints"),
+]
+
+
+@pytest.mark.parametrize("name,args,error,message", BAD_CALLS,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_CALLS)])
+def test_bad_input_raises_and_changes_nothing(blocks, name, args, error, message):
+    index = blocks.BlockIndex()
+    index.store(0, [1, 2, 3])
+    index.store(1, [2, 5])
+    index.hold(2, 0)
+    before = state(index, [1, 2, 3, 5])
+    with pytest.raises(error, match=__import__("re").escape(message)):
+        getattr(index, name)(*args)
+    assert state(index, [1, 2, 3, 5]) == before
+
+
+def test_page_hash_bytes_matches_the_chain(blocks):
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(-2**63, 2**63 - 1, 100, dtype=np.int64)
+    data = tokens.astype("<i8").tobytes()
+    for seed in (0, -1, 12345, I64):
+        expected = np.array(blocks.page_hash_chain(seed, data, 32), dtype=np.int64)
+        assert blocks.page_hash_bytes(seed, data, 32) == expected.tobytes()
+        view = tokens.astype("<i8")
+        view.flags.writeable = False
+        assert blocks.page_hash_bytes(seed, view, 32) == expected.tobytes()
+    assert blocks.page_hash_bytes(0, data[:31], 32) == b""
+    for bad, message in ((tokens.astype(np.int32), "1-D contiguous little-endian int64"),
+                         (tokens[::2], "1-D contiguous"), (tokens.reshape(10, 10), "2-D"),
+                         (list(tokens), "data must be bytes or an int64 numpy array")):
+        with pytest.raises(TypeError, match=message):
+            blocks.page_hash_bytes(0, bad, 32)
+    with pytest.raises(ValueError, match="page_bytes"):
+        blocks.page_hash_bytes(0, data, 12)
+
+
+def test_pickle_and_copy_keep_every_holding(blocks):
+    import copy as copy_module
+    index = blocks.BlockIndex()
+    index.store(0, [1, 2, 3, -(1 << 63), I64])
+    index.add(1, [2, 2])
+    index.hold(2, 0)
+    keys = [1, 2, 3, -(1 << 63), I64, 4]
+    for clone in (pickle.loads(pickle.dumps(index)), copy_module.deepcopy(index),
+                  copy_module.copy(index)):
+        assert type(clone) is type(index)
+        assert state(clone, keys) == state(index, keys)
+        assert clone.holders(2) == [0, 1, 1, 0]  # order kept
+        clone.clear_copy(0)
+        assert index.holders(2) == [0, 1, 1, 0]  # independent
+    assert state(pickle.loads(pickle.dumps(blocks.BlockIndex())), keys) == (0, 0, {
+        k: [] for k in keys})
+    restore = index.__reduce__()[0]
+    for bad in ((b"1234567", b""), (b"12345678", b""), (b"12345678", b"\xff" * 4),
+                ("12345678", b"1234"), (b"12345678", b"12345")):
+        with pytest.raises(ValueError, match="malformed BlockIndex state"):
+            restore(*bad)
+
+
+# -- KvIndexer over each index -------------------------------------------------------------
+def random_events(rng, block_size, tokens, held):
+    """One batch of a worker's events: sequences stored from their first block or continued
+    from a stored one (``held``: what the worker stored, (hashes, keys, end block, medium,
+    group)), under the indexer's own keys or SHA-like publisher hashes, on two tiers and
+    two groups; removals of known and unknown blocks, bytes hashes, clears."""
+    events = []
+    blocks = len(tokens) // block_size
+    for _ in range(rng.randrange(1, 6)):
+        kind = rng.random()
+        if kind < 0.55 or not held:
+            n = rng.randrange(1, 4)
+            base = rng.choice(held) if held and rng.random() < 0.5 else None
+            if base is not None and base[2] + n <= blocks:
+                _, base_keys, start, medium, group = base
+                parent, seed = base[0][-1], base_keys[-1]
+            else:
+                start, parent, seed = 0, None, fast64_root(b"")
+                medium, group = rng.choice((None, "GPU", "CPU")), rng.choice((None, 1))
+            toks = tokens[start * block_size:(start + n) * block_size]
+            keys = _core.blocks.page_hash_chain(
+                seed, np.array(toks, dtype="<i8").tobytes(), block_size * 8)
+            own = rng.random() < 0.5
+            hashes = tuple(keys) if own else tuple(rng.randrange(1 << 62) for _ in keys)
+            if rng.random() < 0.05:
+                parent = rng.randrange(1 << 62)  # a parent the index never saw: counted
+            events.append(BlockStored(hashes, parent, tuple(toks), block_size, medium=medium,
+                                      group_idx=group))
+            held.append((hashes, keys, start + n, medium, group))
+        elif kind < 0.9:
+            hashes, _, _, medium, group = rng.choice(held)
+            part = list(hashes[rng.randrange(len(hashes)):])
+            if rng.random() < 0.2:
+                part.append(rng.randrange(1 << 62))  # unknown
+            events.append(BlockRemoved(tuple(part), medium, group_idx=group))
+        elif kind < 0.95:
+            events.append(AllBlocksCleared())
+            held.clear()
+        else:
+            events.append(BlockRemoved((b"\x01" * 32,)))  # a bytes hash: never held
+    return events
+
+
+def test_indexer_on_the_compiled_index_equals_the_pure_one():
+    if len(BLOCKS) < 2:
+        pytest.skip("only one block module is available")
+    rng = random.Random(11)
+    block_size = 2
+    tokens = [rng.randrange(6) for _ in range(40)]
+    fast, pure = KvIndexer(block_size), KvIndexer(block_size)
+    pure._index = _blocks_py.BlockIndex()
+    assert type(fast._index) is BLOCKS["c"].BlockIndex
+    held = {w: [] for w in (0, 1, 2, "w3")}
+    for _ in range(400):
+        worker = rng.choice((0, 1, 2, "w3"))
+        events = random_events(rng, block_size, tokens, held[worker])
+        fast.apply(worker, events)
+        pure.apply(worker, events)
+        assert fast.stats == pure.stats
+        assert len(fast) == len(pure)
+        for w in (0, 1, 2, "w3"):
+            for medium in (None, "GPU", "CPU"):
+                assert fast.blocks_held(w, medium) == pure.blocks_held(w, medium)
+        query = tokens[:rng.randrange(len(tokens))]
+        for medium in ("GPU", "CPU"):
+            assert fast.overlap(query, medium=medium) == pure.overlap(query, medium=medium)
+    stats = fast.stats
+    assert stats.stored_blocks and stats.removed_blocks and stats.cleared
+    assert stats.unknown_parent and stats.unknown_removals and stats.duplicate_blocks
+    # An indexer pickles and copies with its block table.
+    import copy as copy_module
+    for clone in (pickle.loads(pickle.dumps(fast)), copy_module.deepcopy(pure)):
+        assert clone.stats == fast.stats and len(clone) == len(fast)
+        for w in (0, 1, 2, "w3"):
+            assert clone.blocks_held(w) == fast.blocks_held(w)
+            assert clone.overlap(tokens) == fast.overlap(tokens)
+        clone.remove_worker(0)
+        assert fast.blocks_held(0) == pure.blocks_held(0)
+
+
+class HostileWorker:
+    """A worker id whose __hash__/__eq__ run code: they must never reach the compiled part.
+    The ``countdown``-th __eq__ call once armed runs ``action``."""
+
+    calls = 0
+    countdown = 0
+    action = None
+
+    def __init__(self, name):
+        self.name = name
+
+    def __hash__(self):
+        HostileWorker.calls += 1
+        return 7  # every such worker collides
+
+    def __eq__(self, other):
+        HostileWorker.calls += 1
+        if HostileWorker.action is not None:
+            HostileWorker.countdown -= 1
+            if HostileWorker.countdown == 0:
+                action, HostileWorker.action = HostileWorker.action, None
+                action()
+        return isinstance(other, HostileWorker) and other.name == self.name
+
+
+@pytest.mark.parametrize("countdown", range(1, 7))
+def test_hostile_worker_ids_stay_in_python(blocks, monkeypatch, countdown):
+    monkeypatch.setattr(_core, "blocks", blocks)
+    monkeypatch.setattr(HostileWorker, "action", None)
+    indexer = KvIndexer(2)
+    tokens = [1, 2, 3, 4, 5, 6]
+
+    def store(worker, n):
+        keys = indexer.block_keys(tokens[:n])
+        indexer.apply(worker, [BlockStored(tuple(keys), None, tuple(tokens[:n]), 2)])
+
+    a, b = HostileWorker("a"), HostileWorker("b")
+    for worker, n in ((a, 6), (b, 4), (1, 2)):
+        store(worker, n)
+
+    def reenter():
+        # While the indexer looks its workers up: one leaves (its copy id is freed) and
+        # another arrives (a copy id is taken).
+        indexer.remove_worker(1)
+        store(5, 4)
+
+    HostileWorker.calls = 0
+    HostileWorker.countdown, HostileWorker.action = countdown, reenter
+    first = indexer.overlap(tokens)
+    assert HostileWorker.calls > 0  # their methods ran (in Python)
+    # The answer is the state before or after (or between); the next is the state after.
+    assert first in ({a: 3, b: 2, 1: 1}, {a: 3, b: 2, 5: 2}, {a: 3, b: 2})
+    if HostileWorker.action is None:  # it re-entered
+        assert indexer.blocks_held(1) == 0
+        assert indexer.overlap(tokens) == {a: 3, b: 2, 5: 2}
+    else:
+        assert indexer.overlap(tokens) == {a: 3, b: 2, 1: 1}
+        HostileWorker.action = None
+    store(2, 6)
+    assert indexer.overlap(tokens)[2] == 3
+    assert indexer.overlap(tokens, medium="CPU") == {}
+
+
+# -- the fleet's direct feed ----------------------------------------------------------------
+def namespaced_chat():
+    requests = synthetic_chat(num_conversations=30, num_system_prompts=3, seed=9,
+                              system_prompt_len=(30, 90), user_len=(3, 20),
+                              output_len=(3, 20))
+    # Two tenants share the token ids of some conversations: the namespace must key them.
+    return [Request(r.prompt, r.output_len, r.output, extra_key=("t1" if i % 3 else None))
+            for i, r in enumerate(requests)]
+
+
+def comparable(result):
+    return {k: v for k, v in result.__dict__.items() if k not in ("seconds", "wall_seconds")}
+
+
+@pytest.mark.parametrize("lag", [EventLag(), EventLag(requests=3), EventLag(ms=40.0)],
+                         ids=["no-lag", "3-requests", "40ms"])
+@pytest.mark.parametrize("capacity", [120, 2000], ids=["evicting", "roomy"])
+def test_direct_feed_decides_like_the_event_path(core_name, lag, capacity):
+    requests = namespaced_chat()
+    common = dict(page_size=4, core=core_name, interval_ms=20, event_lag=lag,
+                  time_model=TimeModel(prefill_tokens_per_s=3000.0, decode_tokens_per_s=300.0))
+    direct = simulate_fleet(requests, 3, capacity, "cache-aware", **common)
+    events = simulate_fleet(requests, 3, capacity, "cache-aware",
+                            channels=[InProcessChannel() for _ in range(3)], **common)
+    assert comparable(direct) == comparable(events)
+    stats = direct.indexer_stats
+    assert stats["stored_blocks"] > 0 and direct.cached_tokens > 0
+    if capacity == 120:
+        assert stats["removed_blocks"] > 0 and direct.evicted_tokens > 0
+    assert stats["unknown_parent"] == stats["unknown_removals"] == 0
+    assert len(set(direct.decisions)) == 3
+
+
+def test_direct_feed_on_the_pure_index_decides_like_the_compiled_one(monkeypatch):
+    if len(CORES) < 2 or len(BLOCKS) < 2:
+        pytest.skip("only one tree core is available")
+    requests = namespaced_chat()
+    common = dict(page_size=4, interval_ms=20, event_lag=EventLag(requests=1))
+    results = []
+    for name in ("c", "python"):
+        monkeypatch.setattr(_core, "core", CORES[name])  # the caches' core
+        monkeypatch.setattr(_core, "blocks", BLOCKS[name])  # the index's
+        results.append(simulate_fleet(requests, 3, 150, "cache-aware", **common))
+    assert comparable(results[0]) == comparable(results[1])
+
+
+def test_a_large_table_grows_and_empties(blocks):
+    # Past a few MiB the compiled table lives in its own (huge-page) allocation.
+    keys = np.random.default_rng(5).integers(-2**63, 2**63 - 1, 200_000, dtype=np.int64)
+    data = keys.tobytes()
+    index = blocks.BlockIndex()
+    assert index.store(3, data) == (len(set(keys.tolist())), len(keys) - len(set(keys.tolist())))
+    assert index.store(3, data[:800]) == (0, 100)
+    assert index.add(4, data[:80]) == 10
+    assert index.holders(int(keys[0])) == [3, 4]
+    assert index.remove(3, data) == (len(index) and len(set(keys.tolist())), 0)
+    assert len(index) == 10 and index.pairs == 10
+    assert index.clear_copy(4) == 10
+    assert len(index) == 0 and index.pairs == 0
+    assert index.store(3, data[:80]) == (10, 0)
+
+
+@pytest.mark.parametrize("block_hash", ["sha256", "fast64"])
+def test_insert_records_the_same_events_on_the_fast_and_the_checked_path(make_cache,
+                                                                         block_hash):
+    # int64 arrays take the core's fast path, int32 ones the checked path: with events on,
+    # both must record the same stream (a new leaf's BlockStored, evictions, splits).
+    rng = random.Random(4)
+    options = {"block_hash": block_hash}
+    fast = make_cache(page_size=4, enable_events=True, event_options=options)
+    checked = make_cache(page_size=4, enable_events=True, event_options=options)
+    stems = [[rng.randrange(9) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
+    stored = removed = 0
+    for step in range(300):
+        tokens = rng.choice(stems)[:rng.randrange(0, 30)] + [
+            rng.randrange(9) for _ in range(rng.randrange(0, 9))]
+        kv = np.arange(len(tokens), dtype=np.int64) + 1000 * step
+        fast.insert(np.array(tokens, dtype=np.int64), kv)
+        checked.insert(np.array(tokens, dtype=np.int32), kv)
+        if rng.random() < 0.2:
+            fast.match_prefix(np.array(tokens, dtype=np.int64))
+            checked.match_prefix(np.array(tokens, dtype=np.int64))
+        if rng.random() < 0.15:
+            count = rng.randrange(1, 40)
+            fast.evict(count)
+            checked.evict(count)
+        events = fast.take_events()
+        assert events == checked.take_events()
+        stored += sum(type(e) is BlockStored for e in events)
+        removed += sum(type(e) is BlockRemoved for e in events)
+    assert stored > 50 and removed > 10
+
+
+# -- the public contract of the direct feed -------------------------------------------------
+def drive_twins(caches, rng, steps=200):
+    """The same inserts, matches, evictions and resets on every cache; yields each step."""
+    stems = [[rng.randrange(7) for _ in range(rng.randrange(4, 24))] for _ in range(5)]
+    for step in range(steps):
+        tokens = rng.choice(stems)[:rng.randrange(0, 24)] + [
+            rng.randrange(7) for _ in range(rng.randrange(0, 7))]
+        extra_key = rng.choice([None, None, "tenant", 3])
+        for cache in caches:
+            cache.insert(tokens, np.arange(len(tokens), dtype=np.int64) + 1000 * step,
+                         extra_key=extra_key)
+        if rng.random() < 0.2:
+            count = rng.randrange(1, 30)
+            for cache in caches:
+                cache.evict(count)
+        if step == steps // 2:
+            for cache in caches:
+                cache.reset()
+        yield step
+
+
+def test_key_records_index_exactly_as_fast64_events(make_cache):
+    rng = random.Random(11)
+    keyed = make_cache(page_size=2, enable_events=True, event_options={"record": "keys"},
+                       array_type="numpy")
+    evented = make_cache(page_size=2, enable_events=True,
+                         event_options={"block_hash": "fast64"}, array_type="numpy")
+    by_keys, by_events = KvIndexer(2), KvIndexer(2)
+    kinds = set()
+    for step in drive_twins([keyed, evented], rng):
+        records, events = keyed.take_events(), evented.take_events()
+        assert len(records) == len(events)
+        for record, event in zip(records, events):
+            if type(event) is AllBlocksCleared:
+                assert type(record) is AllBlocksCleared
+                kinds.add("cleared")
+                continue
+            # A record's keys are the event's fast64 hashes, as native int64 bytes.
+            assert np.frombuffer(record[1], dtype=np.int64).tolist() == list(event.block_hashes)
+            if type(event) is BlockStored:
+                assert record[0] == KEYS_STORED and record[2] == event.parent_block_hash
+                kinds.add("stored")
+            else:
+                assert type(event) is BlockRemoved and record[0] == KEYS_REMOVED
+                assert len(record) == 2
+                kinds.add("removed")
+        by_keys.apply_keys(step % 3, records)
+        by_events.apply(step % 3, events)
+        assert by_keys.stats == by_events.stats
+        probe = rng.choice([[1, 2, 3, 4, 5, 6], [0, 1, 2, 3], [6, 5, 4, 3, 2, 1, 0, 0]])
+        for extra_key in (None, "tenant", 3):
+            assert by_keys.overlap(probe, extra_key) == by_events.overlap(probe, extra_key)
+    assert kinds == {"stored", "removed", "cleared"}
+    assert by_keys.stats.stored_blocks > 50 and by_keys.stats.removed_blocks > 10
+    assert [by_keys.blocks_held(w) for w in range(3)] == [
+        by_events.blocks_held(w) for w in range(3)]
+
+
+@pytest.mark.parametrize("options, host_tier, exc, pattern", [
+    ({"record": 1}, False, TypeError, "event option record must be a str, got int"),
+    ({"record": "objects"}, False, ValueError, "unknown record 'objects'; valid: events, keys"),
+    ({"record": "keys", "medium": "CPU"}, False, ValueError,
+     "record='keys' takes no other option, got 'medium'"),
+    ({"record": "keys", "block_hash": "fast64"}, False, ValueError,
+     "record='keys' takes no other option, got 'block_hash'"),
+    ({"record": "keys"}, True, ValueError, "record='keys' needs a cache without a host tier"),
+    ({"recorder": "keys"}, False, TypeError, "unknown event option 'recorder'; valid: .*record"),
+])
+def test_bad_record_option_is_refused(make_cache, options, host_tier, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        make_cache(page_size=2, enable_events=True, event_options=options, host_tier=host_tier)
+
+
+def test_record_events_is_the_default_recorder(make_cache):
+    explicit = make_cache(page_size=2, enable_events=True, event_options={"record": "events"})
+    default = make_cache(page_size=2, enable_events=True)
+    for cache in (explicit, default):
+        cache.insert([1, 2, 3, 4])
+    assert explicit.take_events() == default.take_events() != []
+
+
+def test_apply_keys_skips_and_counts_malformed_records(make_cache):
+    cache = make_cache(page_size=2, enable_events=True, event_options={"record": "keys"})
+    cache.insert([1, 2, 3, 4])
+    good = cache.take_events()
+    indexer = KvIndexer(2)
+    indexer.apply_keys(0, good)
+    held = (indexer.overlap([1, 2, 3, 4]), len(indexer), indexer.stats.as_dict())
+    assert held[0] == {0: 2}
+    keys = good[0][1]
+    bad = [
+        "stored", None, (), (KEYS_STORED,), (KEYS_STORED, keys), (KEYS_REMOVED, keys, None),
+        (KEYS_STORED, keys[:5], None), (KEYS_STORED, list(keys), None),
+        (KEYS_STORED, keys, "parent"), (KEYS_STORED, keys, [1]), (7, keys, None),
+        (True, keys), (np.int64(1), keys), (KEYS_REMOVED, bytearray(keys)),
+        (KEYS_STORED, keys, None, None),
+    ]
+    indexer.apply_keys(0, bad)
+    stats = indexer.stats.as_dict()
+    assert stats["malformed_events"] == len(bad)
+    assert stats["batches"] == held[2]["batches"] + 1
+    assert stats["events"] == held[2]["events"] + len(bad)
+    assert (indexer.overlap([1, 2, 3, 4]), len(indexer)) == held[:2]
+    indexer.apply_keys(0, 42)  # not a batch
+    assert indexer.stats.malformed_batches == 1
+    for worker in (None, [0]):
+        with pytest.raises(TypeError, match="worker must be a hashable id"):
+            indexer.apply_keys(worker, good)
+    assert (indexer.overlap([1, 2, 3, 4]), len(indexer)) == held[:2]
+    # An unknown parent and removals of blocks never held are counted like apply's.
+    indexer.apply_keys(1, [(KEYS_STORED, keys[8:], 12345), (KEYS_REMOVED, keys)])
+    assert indexer.stats.unknown_parent == 1 and indexer.stats.unknown_removals == 2
+    assert 1 not in indexer.workers
+
+
+def test_a_block_index_pickled_before_it_had_its_own_module_loads(core_name):
+    """A BlockIndex pickled while the block index lived in the tree core names its loader
+    there (``radixcache._core_c._block_index_from``): that name still loads it."""
+    blocks = BLOCKS[core_name]
+    index = blocks.BlockIndex()
+    index.add(3, [5, -6, 5])
+    index.hold(2**63 - 1, 0)
+    loader, args = index.__reduce__()
+    assert loader.__module__ == blocks.__name__
+    old_name = f"{CORES[core_name].__name__}\n_block_index_from\n".encode()
+    old_pickle = b"\x80\x03c" + old_name + pickle.dumps(args, 3)[2:-1] + b"R."
+    loaded = pickle.loads(old_pickle)
+    assert type(loaded) is blocks.BlockIndex
+    assert loaded.holders(5) == [3, 3] and loaded.holders(-6) == [3]
+    assert loaded.holders(2**63 - 1) == [0] and loaded.pairs == 4
+
+
+# -- KeyMap: publisher hash -> block key -------------------------------------------------------
+def test_key_map_matches_a_dict_of_hash64(blocks):
+    """Puts, pops and gets of int and bytes hashes against a dict keyed by ``hash64``; both
+    modules hash alike; bulk updates, pickles and bad input."""
+    rng = random.Random(7)
+    values = ([rng.randrange(-2**63, 2**64) for _ in range(60)]
+              + [rng.randbytes(rng.randrange(0, 40)) for _ in range(60)]
+              + [0, 1, -1, b"", np.int64(5), 2**64 - 1])
+    assert [blocks.hash64(v) for v in values] == [_blocks_py.hash64(v) for v in values]
+    assert blocks.hash64(b"\x01" * 32) != blocks.hash64(b"\x01" * 31)
+    keys, model = blocks.KeyMap(), {}
+    for _ in range(5000):
+        value, roll = rng.choice(values), rng.random()
+        if roll < 0.5:
+            key = rng.randrange(-2**63, 2**63)
+            keys.put(value, key)
+            model[blocks.hash64(value)] = key
+        elif roll < 0.9:
+            assert keys.pop(value) == model.pop(blocks.hash64(value), None)
+        else:
+            assert keys.get(value, "none") == model.get(blocks.hash64(value), "none")
+            assert (value in keys) == (blocks.hash64(value) in model)
+        assert len(keys) == len(model)
+    assert sorted(keys.values()) == sorted(model.values())
+    for clone in (pickle.loads(pickle.dumps(keys)), copy_module.deepcopy(keys)):
+        assert len(clone) == len(keys) and all(clone.get(v) == keys.get(v) for v in values)
+    bulk = blocks.KeyMap()
+    assert bulk.isdisjoint([b"a", 5]) and not bulk.isdisjoint([5, 5])
+    bulk.update([b"a", 5, 7], [1, 2, 3])
+    bulk.update((9,), np.array([4], dtype=np.int64).tobytes())
+    assert [bulk.get(h) for h in (b"a", 5, 7, 9, 8)] == [1, 2, 3, 4, None]
+    assert not bulk.isdisjoint([8, 7]) and bulk.isdisjoint([8])
+    with pytest.raises(TypeError):
+        bulk.put("a str", 1)
+    with pytest.raises(TypeError):
+        bulk.update([1.5], [1])
+    with pytest.raises(ValueError, match="2 hashes for 1 keys"):
+        bulk.update([11, 12], [1])
+    with pytest.raises(OverflowError):
+        bulk.put(11, 2**63)
+    assert len(bulk) == 4 and bulk.get(11) is None
+    bulk.clear()
+    assert len(bulk) == 0 and bulk.get(5) is None
+    bulk.put(5, 6)
+    assert bulk.get(5) == 6
+
+
+def test_overlap_reads_a_list_of_token_ids_as_its_bytes(blocks, monkeypatch):
+    """``overlap`` takes the token ids as a list too: the same answer as from their bytes,
+    and a clear error for an item that is no int64 (``KvIndexer`` then reads such a list as
+    any sequence)."""
+    index = blocks.BlockIndex()
+    tokens = [random.Random(3).randrange(1 << 40) for _ in range(64)]
+    data = np.array(tokens, dtype="<i8").tobytes()
+    keys = blocks.page_hash_chain(5, data, 32)
+    index.add(0, keys[:5])
+    index.add(1, keys[:3])
+    owners = [0, 1]
+    assert index.overlap(5, tokens, 32, owners) == index.overlap(5, data, 32, owners) != []
+    assert index.overlap(5, [], 32, owners) == []
+    with pytest.raises(TypeError, match="token ids must be ints, got float at position 2"):
+        index.overlap(5, [1, 2, 3.0], 32, owners)
+    with pytest.raises(OverflowError, match="position 1"):
+        index.overlap(5, [1, 2**63], 32, owners)
+    monkeypatch.setattr(_core, "blocks", blocks)
+    indexer = KvIndexer(2)
+    indexer.apply(0, [BlockStored((1, 2), None, (4, 5, 6, 7), 2)])
+    assert indexer.overlap([4, 5, 6, 7]) == {0: 2}
+    assert indexer.overlap([4, 5, np.int64(6), 7]) == {0: 2}  # read as any sequence
+    with pytest.raises(OverflowError):
+        indexer.overlap([4, 5, 2**70, 7])
+    with pytest.raises(TypeError):
+        indexer.overlap([4, 5, "6", 7])
