@@ -372,3 +372,72 @@ def test_two_router_processes_share_a_namespace_and_a_killed_one_resumes(server,
     for tokens, _ in expected_overlap(400):
         assert reader.overlap(tokens) == local.overlap(tokens)
     assert len(reader) == len(local)
+
+
+# -- the loopback ZeroMQ fleet ---------------------------------------------------------------
+def test_loopback_zmq_fleet_routes_the_same_on_the_redis_index(server, namespace, on_core):
+    pytest.importorskip("zmq")
+    from test_fleet import ZmqChannel
+
+    from radixcache.fleet import TimeModel, simulate_fleet
+    from radixcache.workloads import synthetic_chat
+
+    requests = synthetic_chat(num_conversations=12, num_system_prompts=3, seed=5,
+                              system_prompt_len=(40, 80), user_len=(4, 12),
+                              output_len=(4, 12))
+    prompts = [(r.prompt.tolist(), r.extra_key) for r in requests]
+    local_index = KvIndexer(4)
+    remote_index = KvIndexer(4, store=server.url, namespace=namespace)
+    checked = []
+
+    class CheckedChannel(ZmqChannel):
+        """Each batch off the wire goes to an in-process index and the Redis one, which must
+        agree after it; the fleet's router (on the Redis index) then applies it again."""
+
+        def __init__(self, worker):
+            super().__init__()
+            self.worker = worker
+
+        def take(self, max_time, max_step):
+            out = []
+            while (self.pending and self.pending[0][0] <= max_time
+                   and self.pending[0][1] <= max_step):
+                _, _, seq = self.pending.popleft()
+                batch = self.sub.receive(timeout=10.0)
+                assert batch is not None and batch.seq == seq
+                local_index.apply(self.worker, batch)
+                remote_index.apply(self.worker, batch)
+                for tokens, key in prompts[::3]:
+                    assert remote_index.overlap(tokens, key) == local_index.overlap(tokens, key)
+                checked.append(seq)
+                out.append(batch)
+            return out
+
+    common = dict(page_size=4, core=on_core, interval_ms=50,
+                  time_model=TimeModel(prefill_tokens_per_s=2000.0, decode_tokens_per_s=200.0))
+    local = simulate_fleet(requests, 3, 400, "cache-aware", **common)
+    channels = [CheckedChannel(w) for w in range(3)]
+    router = Router(3, "cache-aware", block_size=4, indexer=remote_index)
+    wired = simulate_fleet(requests, 3, 400, router, channels=channels, **common)
+    assert len(checked) > len(requests)
+    assert wired.decisions == local.decisions and len(set(local.decisions)) == 3
+    assert wired.cached_tokens == local.cached_tokens > 0
+    assert remote_index.stats.stale_batches == len(checked)  # applied twice: once counted
+    assert remote_index.stats.store_errors == 0
+
+
+def test_a_full_store_is_counted_and_lookups_go_on(server, namespace):
+    indexer = KvIndexer(2, store=server.url, namespace=namespace)
+    indexer.apply("a", [BlockStored((1,), None, (1, 2), 2)])
+    client = server.client()
+    client.config_set("maxmemory", "1")  # every write refused (noeviction)
+    try:
+        indexer.apply("a", [BlockStored((2,), 1, (3, 4), 2)])  # refused: counted, no raise
+        assert indexer.stats.store_errors == 1
+        time.sleep(0.6)
+        assert indexer.overlap([1, 2, 3, 4]) == {"a": 1}  # lookups write nothing: answered
+    finally:
+        client.config_set("maxmemory", "0")
+    assert indexer.resume_seq("a") is None  # no numbered batch was ever stored
+    indexer.apply("a", [BlockStored((2,), 1, (3, 4), 2)])
+    assert indexer.overlap([1, 2, 3, 4]) == {"a": 2}

@@ -555,7 +555,8 @@ class RedisStore:
         # What this router applied in process may not have reached the store: take every
         # owned worker over again from the store once it answers.
         for worker, (_epoch, seq) in list(self._owned.items()):
-            self._resume.setdefault(worker, seq + 1)
+            if seq >= 0:
+                self._resume.setdefault(worker, seq + 1)
             self._drop_view(worker)
 
     def _drop_view(self, worker: Hashable) -> None:
@@ -707,7 +708,8 @@ class RedisStore:
         if worker in self._resume:
             return self._resume[worker]
         if worker in self._owned:
-            return self._owned[worker][1] + 1
+            seq = self._owned[worker][1]
+            return None if seq < 0 else seq + 1
         try:
             raw = self.client.hget(self.prefix + b"seq", self._wid(worker))
         except self._redis_errors:
