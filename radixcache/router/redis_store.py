@@ -121,31 +121,37 @@ local held_delta = {}
 local function bump(key8, wid, m, d)
   local bk = P .. 'b:' .. key8
   local v = redis.call('GET', bk)
+  local f = 'h:' .. wid .. ':' .. m
+  if not v then
+    if d > 0 then
+      redis.call('SET', bk, wid .. ':' .. m .. ':' .. d)
+      blocks_delta = blocks_delta + 1
+      held_delta[f] = (held_delta[f] or 0) + d
+    end
+    return
+  end
   local out = {}
   local found = false
-  if v then
-    for w, mm, c in string.gmatch(v, '(%d+):(%d+):(%d+)') do
-      if w == wid and mm == m then
-        found = true
-        local n = tonumber(c) + d
-        if n > 0 then out[#out + 1] = w .. ':' .. mm .. ':' .. n end
-      else
-        out[#out + 1] = w .. ':' .. mm .. ':' .. c
-      end
+  for w, mm, c in string.gmatch(v, '(%d+):(%d+):(%d+)') do
+    if w == wid and mm == m then
+      found = true
+      local n = tonumber(c) + d
+      if n > 0 then out[#out + 1] = w .. ':' .. mm .. ':' .. n end
+    else
+      out[#out + 1] = w .. ':' .. mm .. ':' .. c
     end
   end
-  if not found and d > 0 then out[#out + 1] = wid .. ':' .. m .. ':' .. d end
+  if not found then
+    if d <= 0 then return end
+    out[#out + 1] = wid .. ':' .. m .. ':' .. d
+  end
   if #out == 0 then
-    if v then
-      redis.call('DEL', bk)
-      blocks_delta = blocks_delta - 1
-    end
+    redis.call('DEL', bk)
+    blocks_delta = blocks_delta - 1
   else
     redis.call('SET', bk, table.concat(out, ','))
-    if not v then blocks_delta = blocks_delta + 1 end
   end
-  local f = 'h:' .. wid .. ':' .. m
-  held_delta[f] = (held_delta[f] or 0) + (found and d or math.max(d, 0))
+  held_delta[f] = (held_delta[f] or 0) + d
 end
 -- the net holdings and publisher hashes of a journal
 local function parse(j)
@@ -226,34 +232,33 @@ redis.call('ZADD', P .. 'leases', now_ms() + lease_ms, wid)
 for a = 7, #ARGV, 3 do
   local cid, m, ops = ARGV[a], ARGV[a + 1], ARGV[a + 2]
   local jk = P .. 'j:' .. cid
-  local buf = {}
   local live = 0
+  local seg = 1  -- the journal records since the last 'C' start here
   local i, n = 1, #ops
   while i <= n do
     local t = string.sub(ops, i, i)
-    if t == '+' or t == '-' then
-      local d = (t == '+') and 1 or -1
-      bump(string.sub(ops, i + 1, i + 8), wid, m, d)
-      live = live + d
-      buf[#buf + 1] = string.sub(ops, i, i + 8)
+    if t == '+' then
+      bump(string.sub(ops, i + 1, i + 8), wid, m, 1)
+      live = live + 1
+      i = i + 9
+    elseif t == '-' then
+      bump(string.sub(ops, i + 1, i + 8), wid, m, -1)
+      live = live - 1
       i = i + 9
     elseif t == 'P' then
-      local len = string.byte(ops, i + 9) * 256 + string.byte(ops, i + 10)
-      buf[#buf + 1] = string.sub(ops, i, i + 10 + len)
-      i = i + 11 + len
+      i = i + 11 + string.byte(ops, i + 9) * 256 + string.byte(ops, i + 10)
     elseif t == 'Q' then
-      local len = string.byte(ops, i + 1) * 256 + string.byte(ops, i + 2)
-      buf[#buf + 1] = string.sub(ops, i, i + 2 + len)
-      i = i + 3 + len
+      i = i + 3 + string.byte(ops, i + 1) * 256 + string.byte(ops, i + 2)
     else -- 'C'
-      if #buf > 0 then redis.call('APPEND', jk, table.concat(buf)); buf = {} end
+      if i > seg then redis.call('APPEND', jk, string.sub(ops, seg, i - 1)) end
       if live ~= 0 then redis.call('HINCRBY', P .. 'n', 'c:' .. cid, live); live = 0 end
       clear_copy(cid, wid, m)
       i = i + 1
+      seg = i
     end
   end
-  if #buf > 0 then
-    local size = redis.call('APPEND', jk, table.concat(buf))
+  if n >= seg then
+    local size = redis.call('APPEND', jk, string.sub(ops, seg, n))
     local pairs_held = redis.call('HINCRBY', P .. 'n', 'c:' .. cid, live)
     if size > 4096 + 128 * pairs_held then
       -- compact: the net holdings and the live publisher hashes only
