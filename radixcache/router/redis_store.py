@@ -7,11 +7,14 @@ scripts (run with EVALSHA); no server module. Every key of an index starts with
 
 Key layout:
 
-- ``P b:<key>`` (``key``: the block's 8-byte indexer key): a string, the block's holders,
-  ``wid:medium:count`` entries joined by ``,`` (``count``: the worker's holdings of the
-  block on that tier, summed over its KV-cache groups). Deleted with its last holder. A
-  lookup reads one of these per block, in one script call, and stops at the first missing
-  one.
+- ``P b:<k0k1>`` (a hash; ``k0k1``: the first 2 bytes of the block's 8-byte indexer key,
+  little endian, so 65,536 buckets): field the other 6 bytes of the key, value the block's
+  holders, ``wid:medium:count`` entries joined by ``,`` (``count``: the worker's holdings of
+  the block on that tier, summed over its KV-cache groups). The field is deleted with its
+  last holder. Buckets stay small hashes (listpack encoding, up to Redis's
+  ``hash-max-listpack-entries``, 128 by default: 8 million blocks) and cost about 20 bytes a
+  block. A lookup reads one field per block, in one script call, and stops at the first
+  missing one.
 - ``P j:<cid>``: a string, the journal of one copy (a worker's blocks on one tier in one
   KV-cache group): 9 bytes per held block (``+key``), with removals (``-key``) and the
   publisher hashes of publishers whose hashes are not the indexer's keys. It lists the
@@ -119,12 +122,13 @@ local blocks_delta = 0
 local held_delta = {}
 -- add d holdings of block key8 for (wid, m)
 local function bump(key8, wid, m, d)
-  local bk = P .. 'b:' .. key8
-  local v = redis.call('GET', bk)
+  local bk = P .. 'b:' .. string.sub(key8, 1, 2)
+  local fk = string.sub(key8, 3, 8)
+  local v = redis.call('HGET', bk, fk)
   local f = 'h:' .. wid .. ':' .. m
   if not v then
     if d > 0 then
-      redis.call('SET', bk, wid .. ':' .. m .. ':' .. d)
+      redis.call('HSET', bk, fk, wid .. ':' .. m .. ':' .. d)
       blocks_delta = blocks_delta + 1
       held_delta[f] = (held_delta[f] or 0) + d
     end
@@ -146,10 +150,10 @@ local function bump(key8, wid, m, d)
     out[#out + 1] = wid .. ':' .. m .. ':' .. d
   end
   if #out == 0 then
-    redis.call('DEL', bk)
+    redis.call('HDEL', bk, fk)
     blocks_delta = blocks_delta - 1
   else
-    redis.call('SET', bk, table.concat(out, ','))
+    redis.call('HSET', bk, fk, table.concat(out, ','))
   end
   held_delta[f] = (held_delta[f] or 0) + d
 end
@@ -285,26 +289,31 @@ local P, media, keys = ARGV[1], ARGV[2], ARGV[3]
 local active, order = nil, {}
 local depth = 0
 local out = {}
+local last = nil
 for i = 1, #keys, 8 do
-  local v = redis.call('GET', P .. 'b:' .. string.sub(keys, i, i + 7))
+  local v = redis.call('HGET', P .. 'b:' .. string.sub(keys, i, i + 1),
+                       string.sub(keys, i + 2, i + 7))
   if not v then break end
-  local held = {}
-  for w, m in string.gmatch(v, '(%d+):(%d+):%d+') do
-    if string.find(media, ',' .. m .. ',', 1, true) then held[w] = true end
-  end
-  local alive = false
-  if active == nil then
-    active = {}
-    for w in pairs(held) do active[w] = true; order[#order + 1] = w; alive = true end
-  else
-    for _, w in ipairs(order) do
-      if active[w] then
-        if held[w] then alive = true
-        else active[w] = nil; out[#out + 1] = w; out[#out + 1] = depth end
+  if v ~= last then  -- the same holders as the block before: the same runs go on
+    last = v
+    local held = {}
+    for w, m in string.gmatch(v, '(%d+):(%d+):%d+') do
+      if string.find(media, ',' .. m .. ',', 1, true) then held[w] = true end
+    end
+    local alive = false
+    if active == nil then
+      active = {}
+      for w in pairs(held) do active[w] = true; order[#order + 1] = w; alive = true end
+    else
+      for _, w in ipairs(order) do
+        if active[w] then
+          if held[w] then alive = true
+          else active[w] = nil; out[#out + 1] = w; out[#out + 1] = depth end
+        end
       end
     end
+    if not alive then break end
   end
-  if not alive then break end
   depth = depth + 1
 end
 for _, w in ipairs(order) do
