@@ -441,3 +441,14 @@ def test_a_full_store_is_counted_and_lookups_go_on(server, namespace):
     assert indexer.resume_seq("a") is None  # no numbered batch was ever stored
     indexer.apply("a", [BlockStored((2,), 1, (3, 4), 2)])
     assert indexer.overlap([1, 2, 3, 4]) == {"a": 2}
+
+
+def test_the_router_fleet_page_example_runs(server):
+    import re
+
+    page = (HERE.parent / "docs" / "router-fleet.md").read_text()
+    example = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    example = example.replace("redis://redis-primary:6379/0", server.url)
+    scope = {}
+    exec(compile(example, "router-fleet.md", "exec"), scope)
+    assert scope["indexer"]._store is not None and scope["router"].route([1] * 40) in range(8)
