@@ -452,3 +452,60 @@ def test_the_router_fleet_page_example_runs(server):
     scope = {}
     exec(compile(example, "router-fleet.md", "exec"), scope)
     assert scope["indexer"]._store is not None and scope["router"].route([1] * 40) in range(8)
+
+
+# -- fleet simulation with router replicas ----------------------------------------------------
+def _chat():
+    from radixcache.fleet import TimeModel
+    from radixcache.workloads import synthetic_chat
+
+    requests = synthetic_chat(num_conversations=16, num_system_prompts=3, seed=11,
+                              system_prompt_len=(40, 80), user_len=(4, 12), output_len=(4, 12))
+    common = dict(page_size=4, interval_ms=20,
+                  time_model=TimeModel(prefill_tokens_per_s=2000.0, decode_tokens_per_s=200.0))
+    return requests, common
+
+
+def test_fleet_with_one_replica_on_the_shared_index_routes_as_in_process(server, on_core):
+    from radixcache.fleet import simulate_fleet
+
+    requests, common = _chat()
+    local = simulate_fleet(requests, 4, 300, "cache-aware", core=on_core, **common)
+    shared = simulate_fleet(requests, 4, 300, "cache-aware", core=on_core, routers=1,
+                            index=server.url, **common)
+    assert shared.decisions == local.decisions and len(set(local.decisions)) > 1
+    assert shared.cached_tokens == local.cached_tokens > 0
+    assert shared.ttft_p50 == local.ttft_p50
+    assert not any(server.client().scan_iter(b"rc:simulate-*"))  # its namespace is gone
+
+
+def test_fleet_replicas_share_what_they_ingest_only_through_the_index(server):
+    from radixcache.fleet import simulate_fleet
+
+    requests, common = _chat()
+    split = simulate_fleet(requests, 4, 300, "cache-aware", routers=2, **common)
+    shared = simulate_fleet(requests, 4, 300, "cache-aware", routers=2, index=server.url,
+                            **common)
+    # The same ingest (worker w by replica w mod 2): the shared index stores every batch once.
+    assert shared.indexer_stats["batches"] == split.indexer_stats["batches"] > 0
+    assert shared.indexer_stats["store_errors"] == 0
+    # Per-replica indexes see half the workers: replica 0 never routes on worker 1's blocks
+    # (it cannot see them), so the decisions differ from the shared index's.
+    assert shared.decisions != split.decisions
+    assert shared.requests == split.requests == len(requests)
+
+
+def test_fleet_replicas_without_a_store():
+    from radixcache.fleet import simulate_fleet
+    from radixcache.router import Router as _Router
+
+    requests, common = _chat()
+    one = simulate_fleet(requests, 4, 300, "cache-aware", **common)
+    again = simulate_fleet(requests, 4, 300, "cache-aware", routers=1, **common)
+    assert (again.decisions, again.cached_tokens) == (one.decisions, one.cached_tokens)
+    three = simulate_fleet(requests, 4, 300, "round-robin", routers=3, **common)
+    assert three.requests == len(requests)
+    with pytest.raises(ValueError, match="routers and index apply only"):
+        simulate_fleet(requests, 4, 300, _Router(4, block_size=4), routers=2, **common)
+    with pytest.raises(ValueError, match="routers must be"):
+        simulate_fleet(requests, 4, 300, "cache-aware", routers=0, **common)

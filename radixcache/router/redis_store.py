@@ -981,5 +981,11 @@ class RedisStore:
             return 0
         return 0 if raw is None else int(raw)
 
+    def drop_namespace(self) -> None:
+        """Delete every key of this namespace (scans the keyspace: for simulations and
+        tests, not for a live fleet)."""
+        for key in self.client.scan_iter(self.prefix + b"*", count=10_000):
+            self.client.unlink(key)
+
     def close(self) -> None:
         self.client.close()
