@@ -509,3 +509,26 @@ def test_fleet_replicas_without_a_store():
         simulate_fleet(requests, 4, 300, _Router(4, block_size=4), routers=2, **common)
     with pytest.raises(ValueError, match="routers must be"):
         simulate_fleet(requests, 4, 300, "cache-aware", routers=0, **common)
+
+
+def test_simulate_command_reports_the_shared_index_beside_per_replica_indexes(server, tmp_path,
+                                                                              capsys):
+    import json
+
+    from radixcache.cli import main
+
+    out = tmp_path / "rows.json"
+    assert main(["simulate", "--limit", "60", "--capacity", "3000", "--workers", "4",
+                 "--router", "cache-aware,round-robin", "--routers", "2", "--index", server.url,
+                 "--quiet", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    by_router = {row["router"]: row for row in rows}
+    assert set(by_router) == {"cache-aware", "cache-aware/shared", "round-robin", "pooled"}
+    assert all(row["requests"] == 60 for row in rows)
+    assert "2 router replicas; shared index" in capsys.readouterr().out
+    # Without a fleet, or with a URL that is none, the command says so.
+    assert main(["simulate", "--limit", "5", "--routers", "2"]) == 2
+    assert "--routers applies to a fleet" in capsys.readouterr().err
+    assert main(["simulate", "--workers", "2", "--index", "http://x"]) == 2
+    assert "not a redis://" in capsys.readouterr().err
