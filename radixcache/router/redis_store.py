@@ -19,8 +19,8 @@ Key layout:
   KV-cache group): 9 bytes per held block (``+key``), with removals (``-key``) and the
   publisher hashes of publishers whose hashes are not the indexer's keys. It lists the
   copy's blocks, so a dead worker's blocks are collected without scanning the keyspace, and
-  a router that takes the worker over rebuilds its view from it. Compacted when removals
-  make it long.
+  a router that takes the worker over rebuilds its view from it. Compacted (to the net
+  holdings and live hashes) when it grows past twice its last compacted size.
 - ``P seq`` (hash): worker id -> ``epoch:seq``, the last batch applied.
 - ``P lease:<wid>`` (string, with a time to live): the token of the router that owns the
   worker's ingest. ``P leases`` (sorted set): worker id by lease expiry, what the
@@ -195,10 +195,16 @@ local function clear_copy(cid, wid, m)
     end
     redis.call('DEL', jk)
   end
-  redis.call('HDEL', P .. 'n', 'c:' .. cid)
+  redis.call('HDEL', P .. 'n', 'c:' .. cid, 'z:' .. cid)
 end
 local function flush_counters()
   if blocks_delta ~= 0 then redis.call('HINCRBY', P .. 'n', 'blocks', blocks_delta) end
+  local media = {}
+  for f, d in pairs(held_delta) do
+    local m = string.match(f, ':(%d+)$')
+    media['m:' .. m] = (media['m:' .. m] or 0) + d
+  end
+  for f, d in pairs(media) do held_delta[f] = d end
   for f, d in pairs(held_delta) do
     if d ~= 0 then
       local left = redis.call('HINCRBY', P .. 'n', f, d)
@@ -263,8 +269,9 @@ for a = 7, #ARGV, 3 do
   end
   if n >= seg then
     local size = redis.call('APPEND', jk, string.sub(ops, seg, n))
-    local pairs_held = redis.call('HINCRBY', P .. 'n', 'c:' .. cid, live)
-    if size > 4096 + 128 * pairs_held then
+    redis.call('HINCRBY', P .. 'n', 'c:' .. cid, live)
+    local last = tonumber(redis.call('HGET', P .. 'n', 'z:' .. cid) or '0')
+    if size > 4096 + 2 * last then
       -- compact: the net holdings and the live publisher hashes only
       local counts, order, pub = parse(redis.call('GET', jk))
       local parts = {}
@@ -272,7 +279,9 @@ for a = 7, #ARGV, 3 do
         for _ = 1, counts[k] do parts[#parts + 1] = '+' .. k end
       end
       for h, k in pairs(pub) do parts[#parts + 1] = pub_record(h, k) end
-      redis.call('SET', jk, table.concat(parts))
+      local compacted = table.concat(parts)
+      redis.call('SET', jk, compacted)
+      redis.call('HSET', P .. 'n', 'z:' .. cid, #compacted)
     end
   elseif live ~= 0 then
     redis.call('HINCRBY', P .. 'n', 'c:' .. cid, live)
@@ -932,7 +941,7 @@ class RedisStore:
         raw = self.client.hgetall(self.prefix + b"n")
         held = {}
         for field, value in raw.items():
-            if field.startswith(b"h:"):
+            if field.startswith(b"h:") and field.count(b":") == 2:
                 wid, code = field[2:].decode().split(":")
                 held[(wid, code)] = int(value)
         return held
@@ -970,6 +979,20 @@ class RedisStore:
             return 0
         except TypeError:
             return 0
+
+    def holds_on(self, medium: str) -> bool:
+        """Whether any worker holds a block on tier ``medium`` (one round trip)."""
+        if not self._available():
+            return False
+        try:
+            code = self._mcode(medium, create=False)
+            if code is None:
+                return False
+            raw = self.client.hget(self.prefix + b"n", f"m:{code}")
+        except self._redis_errors:
+            self._failed()
+            return False
+        return raw is not None and int(raw) > 0
 
     def __len__(self) -> int:
         if not self._available():
