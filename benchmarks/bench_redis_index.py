@@ -166,6 +166,14 @@ def memory_per_pair(client, url, namespace: str, blocks: int, holders: int) -> t
     return total / pairs, blocks_bytes / pairs, journal_bytes / pairs, len(index)
 
 
+def script_us(client) -> float:
+    """Mean server time of the script calls since the last CONFIG RESETSTAT, microseconds."""
+    stats = client.info("commandstats")
+    calls = sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+    usec = sum(v["usec"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+    return usec / calls if calls else 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -191,19 +199,29 @@ def main() -> None:
                 batches = fleet_batches(args.steps, 8, block_hash)
                 n = block_events(batches)
                 best = {"in-process": 0.0, "redis": 0.0}
+                server_us = []
                 for r in range(args.rounds):
                     for name in best:
                         u = None if name == "in-process" else url
+                        client.config_resetstat()
                         elapsed = ingest(u, f"i{block_hash}{r}", batches)
                         best[name] = max(best[name], n / elapsed)
+                        if u is not None:
+                            server_us.append(script_us(client))
                 print(f"  {block_hash:7s} publisher: in-process {best['in-process']:>12,.0f}"
                       f"   redis {best['redis']:>10,.0f}   ratio "
                       f"{best['in-process'] / best['redis']:.1f}x   "
                       f"({n:,} block events, {args.steps} batches)")
+                per_batch = min(server_us) / 1e6
+                print(f"          server script time {per_batch * 1e6:.0f} us per batch: "
+                      f"{n / len(batches) / per_batch:,.0f} block events/s of server time")
             print("\noverlap of an 8k-token prompt (512 blocks), 16 workers, one lookup")
+            client.config_resetstat()
             lat = lookup_latency(url, "lat", args.rounds)
             for name, (p50, p99) in lat.items():
                 print(f"  {name:10s} p50 {p50 * 1e3:7.3f} ms   p99 {p99 * 1e3:7.3f} ms")
+            print(f"  server script time per call (lookups and the fill): "
+                  f"{script_us(client):.0f} us mean")
             print("\nmemory per (block, worker) pair (MEMORY USAGE, all the namespace's keys)")
             for holders in (1, 4):
                 per, blocks_b, journal_b, nblocks = memory_per_pair(
