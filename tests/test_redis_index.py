@@ -26,6 +26,7 @@ from radixcache import RadixCache, _core
 from radixcache._core import BLOCKS, CORES
 from radixcache.events import (
     AllBlocksCleared,
+    BlockRemoved,
     BlockStored,
     ReceivedBatch,
     encode_namespace,
@@ -557,3 +558,63 @@ def test_compacted_journals_give_the_same_blocks_back(server, namespace):
         taken.apply(worker, ReceivedBatch(seq, 0.0, events, None))
         assert_same(local, taken, queries, rng)
     assert taken.stats.unknown_parent == local.stats.unknown_parent - before
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bytes of two lengths", "ints past int64", "a mix"])
+def test_publisher_hashes_of_every_kind_survive_a_take_over(server, namespace, kind):
+    # The journal writes a batch's hashes as one run when they are all of one kind (bytes of
+    # one length, or int64s) and one by one otherwise; either way a router that takes the
+    # worker over maps the same hashes to the same blocks (removals by hash agree).
+    rng = random.Random(len(kind))
+
+    def new_hash():
+        if kind == "bytes":
+            return rng.randbytes(32)
+        if kind == "bytes of two lengths":
+            return rng.randbytes(rng.choice((16, 32)))
+        if kind == "ints past int64":
+            return rng.randrange(1 << 64, 1 << 70)
+        return rng.choice((rng.randbytes(32), rng.randrange(-(1 << 63), 1 << 63),
+                           rng.randrange(1 << 64, 1 << 70)))
+
+    chains: list = []  # (hashes, tokens) of stored chains
+    batches, queries = [], []
+    for _ in range(160):
+        events = []
+        for _ in range(rng.randint(1, 3)):
+            n = rng.randint(1, 6)
+            tokens = [rng.randrange(3) for _ in range(2 * n)]
+            if chains and rng.random() < 0.5:
+                parent_hashes, parent_tokens = rng.choice(chains)
+                parent, prefix = parent_hashes[-1], parent_tokens
+            else:
+                parent, prefix = None, []
+            hashes = [new_hash() for _ in range(n)]
+            events.append(BlockStored(tuple(hashes), parent, tuple(tokens), 2))
+            chains.append((hashes, prefix + tokens))
+            queries.append((prefix + tokens, None))
+        if len(chains) > 4 and rng.random() < 0.6:
+            hashes, _ = chains.pop(rng.randrange(len(chains)))
+            gone = hashes[rng.randrange(len(hashes)):]
+            # sometimes with hashes never stored, and a hash stored again in the same batch
+            if rng.random() < 0.3:
+                gone = gone + [new_hash()]
+            events.append(BlockRemoved(tuple(gone)))
+        batches.append((rng.choice(("w0", "w1")), events))
+    local = KvIndexer(2)
+    first = KvIndexer(2, store=server.url, namespace=namespace, owner="a")
+    for seq, (worker, events) in enumerate(batches[:100]):
+        local.apply(worker, ReceivedBatch(seq, 0.0, events, None))
+        first.apply(worker, ReceivedBatch(seq, 0.0, events, None))
+    assert_same(local, first, queries, rng)
+    first.close()
+    taken = KvIndexer(2, store=server.url, namespace=namespace, owner="a")
+    for seq, (worker, events) in enumerate(batches[100:], 100):
+        local.apply(worker, ReceivedBatch(seq, 0.0, events, None))
+        taken.apply(worker, ReceivedBatch(seq, 0.0, events, None))
+        assert_same(local, taken, queries, rng)
+    assert local.stats.removed_blocks > 0
+    assert len(taken) == len(local)
+    for worker in ("w0", "w1"):
+        assert taken.blocks_held(worker, None) == local.blocks_held(worker, None)
+    taken.close()

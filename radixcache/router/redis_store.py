@@ -16,8 +16,9 @@ Key layout:
   block. A lookup reads one field per block, in one script call, and stops at the first
   missing one.
 - ``P j:<cid>``: a string, the journal of one copy (a worker's blocks on one tier in one
-  KV-cache group): 9 bytes per held block (``+key``), with removals (``-key``) and the
-  publisher hashes of publishers whose hashes are not the indexer's keys. It lists the
+  KV-cache group): runs of held blocks (``+``, a 4-byte count, 8 bytes per block) and of
+  removals (``-``), and the publisher hashes of publishers whose hashes are not the
+  indexer's keys (in runs too when a batch's hashes are bytes of one length). It lists the
   copy's blocks, so a dead worker's blocks are collected without scanning the keyspace, and
   a router that takes the worker over rebuilds its view from it. Compacted (to the net
   holdings and live hashes) when it grows past twice its last compacted size.
@@ -86,15 +87,50 @@ def _keys_from_bytes(data: bytes) -> list:
     return keys.tolist()
 
 
+def _run_bytes(op: str, keys: list) -> bytes:
+    """A run of holdings in the script's ops: op, the count (4 bytes), the keys."""
+    return op.encode() + len(keys).to_bytes(4, "big") + _key_bytes(keys)
+
+
+_BYTES = {bytes}
+_INT = {int}
+
+
 def _hash_bytes(block_hash: Any) -> bytes:
-    """A publisher hash as journal bytes: ``i`` + decimal for an int, ``b`` + the bytes."""
+    """A publisher hash as journal bytes: ``b`` + the bytes, ``q`` + 8 bytes (little endian)
+    for an int that fits in int64, ``i`` + decimal for a larger one."""
     if type(block_hash) is bytes:
         return b"b" + block_hash
-    return b"i" + str(int(block_hash)).encode()
+    value = int(block_hash)
+    if -(1 << 63) <= value < (1 << 63):
+        return b"q" + value.to_bytes(8, "little", signed=True)
+    return b"i" + str(value).encode()
 
 
 def _hash_from_bytes(data: bytes) -> Any:
-    return data[1:] if data[:1] == b"b" else int(data[1:])
+    tag = data[:1]
+    if tag == b"b":
+        return data[1:]
+    if tag == b"q":
+        return int.from_bytes(data[1:9], "little", signed=True)
+    return int(data[1:])
+
+
+def _hash_run(hashes: list) -> Optional[tuple]:
+    """``(tag, length, data)`` of publisher hashes all of one kind (bytes of one length, or
+    ints that fit in int64), each hash's journal bytes being tag + its ``length`` bytes in
+    ``data``; None for a mix."""
+    kinds = set(map(type, hashes))
+    if kinds == _BYTES:
+        lengths = set(map(len, hashes))
+        if len(lengths) == 1:
+            return b"b", lengths.pop(), b"".join(hashes)
+    elif kinds == _INT:
+        try:
+            return b"q", 8, _key_bytes(hashes)
+        except OverflowError:
+            return None
+    return None
 
 
 def _worker_name(worker: Hashable) -> str:
@@ -120,19 +156,28 @@ local function now_ms()
 end
 local blocks_delta = 0
 local held_delta = {}
--- add d holdings of block key8 for (wid, m)
-local function bump(key8, wid, m, d)
-  local bk = P .. 'b:' .. string.sub(key8, 1, 2)
-  local fk = string.sub(key8, 3, 8)
+local function u32(s, i)
+  local a, b, c, d = string.byte(s, i, i + 3)
+  return ((a * 256 + b) * 256 + c) * 256 + d
+end
+local function u16(s, i)
+  local a, b = string.byte(s, i, i + 1)
+  return a * 256 + b
+end
+local function u32s(n)
+  return string.char(math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
+                     math.floor(n / 256) % 256, n % 256)
+end
+-- add d holdings of block (bucket bk, field fk) for (wid, m); the holdings changed
+local function bump_at(bk, fk, wid, m, d)
   local v = redis.call('HGET', bk, fk)
-  local f = 'h:' .. wid .. ':' .. m
   if not v then
     if d > 0 then
       redis.call('HSET', bk, fk, wid .. ':' .. m .. ':' .. d)
       blocks_delta = blocks_delta + 1
-      held_delta[f] = (held_delta[f] or 0) + d
+      return d
     end
-    return
+    return 0
   end
   local out = {}
   local found = false
@@ -146,7 +191,7 @@ local function bump(key8, wid, m, d)
     end
   end
   if not found then
-    if d <= 0 then return end
+    if d <= 0 then return 0 end
     out[#out + 1] = wid .. ':' .. m .. ':' .. d
   end
   if #out == 0 then
@@ -155,7 +200,33 @@ local function bump(key8, wid, m, d)
   else
     redis.call('HSET', bk, fk, table.concat(out, ','))
   end
-  held_delta[f] = (held_delta[f] or 0) + d
+  return d
+end
+local function bump(key8, wid, m, d)
+  local f = 'h:' .. wid .. ':' .. m
+  local got = bump_at(P .. 'b:' .. string.sub(key8, 1, 2), string.sub(key8, 3, 8), wid, m, d)
+  if got ~= 0 then held_delta[f] = (held_delta[f] or 0) + got end
+end
+-- a run of n blocks (8 bytes each from s[at]) held once more (d = 1) or once less (-1)
+local function bump_run(s, at, n, wid, m, d)
+  local bp = P .. 'b:'
+  local single = wid .. ':' .. m .. ':1'
+  local held = 0
+  for p = at, at + 8 * (n - 1), 8 do
+    local bk = bp .. string.sub(s, p, p + 1)
+    local fk = string.sub(s, p + 2, p + 7)
+    -- a block no worker holds yet (the common case of a store): one call
+    if d > 0 and redis.call('HSETNX', bk, fk, single) == 1 then
+      blocks_delta = blocks_delta + 1
+      held = held + 1
+    else
+      held = held + bump_at(bk, fk, wid, m, d)
+    end
+  end
+  if held ~= 0 then
+    local f = 'h:' .. wid .. ':' .. m
+    held_delta[f] = (held_delta[f] or 0) + held
+  end
 end
 -- the net holdings and publisher hashes of a journal
 local function parse(j)
@@ -164,16 +235,35 @@ local function parse(j)
   while i <= n do
     local t = string.sub(j, i, i)
     if t == '+' or t == '-' then
-      local k = string.sub(j, i + 1, i + 8)
-      if counts[k] == nil then counts[k] = 0; order[#order + 1] = k end
-      counts[k] = counts[k] + (t == '+' and 1 or -1)
-      i = i + 9
+      local c = u32(j, i + 1)
+      local d = t == '+' and 1 or -1
+      for p = i + 5, i + 5 + 8 * (c - 1), 8 do
+        local k = string.sub(j, p, p + 7)
+        if counts[k] == nil then counts[k] = 0; order[#order + 1] = k end
+        counts[k] = counts[k] + d
+      end
+      i = i + 5 + 8 * c
+    elseif t == 'H' then
+      local c, len, kind = u32(j, i + 1), u16(j, i + 5), string.sub(j, i + 7, i + 7)
+      local hs = i + 8 + 8 * c
+      for x = 0, c - 1 do
+        local p = i + 8 + 8 * x
+        local h = hs + len * x
+        pub[kind .. string.sub(j, h, h + len - 1)] = string.sub(j, p, p + 7)
+      end
+      i = hs + len * c
+    elseif t == 'G' then
+      local c, len, kind = u32(j, i + 1), u16(j, i + 5), string.sub(j, i + 7, i + 7)
+      for h = i + 8, i + 8 + len * (c - 1), len do
+        pub[kind .. string.sub(j, h, h + len - 1)] = nil
+      end
+      i = i + 8 + len * c
     elseif t == 'P' then
-      local len = string.byte(j, i + 9) * 256 + string.byte(j, i + 10)
+      local len = u16(j, i + 9)
       pub[string.sub(j, i + 11, i + 10 + len)] = string.sub(j, i + 1, i + 8)
       i = i + 11 + len
     else -- 'Q'
-      local len = string.byte(j, i + 1) * 256 + string.byte(j, i + 2)
+      local len = u16(j, i + 1)
       pub[string.sub(j, i + 3, i + 2 + len)] = nil
       i = i + 3 + len
     end
@@ -223,8 +313,12 @@ local function collect_worker(wid)
 end
 """
 
-# ARGV: P, wid, token, lease_ms, epoch, seq, then (cid, m, ops) triples. Ops: '+'key,
-# '-'key, 'P'key len2 hash, 'Q' len2 hash, 'C' (clear the copy).
+# ARGV: P, wid, token, lease_ms, epoch, seq, then (cid, m, ops) triples. Ops (counts and
+# lengths big endian): '+' n4 keys (n blocks held once more), '-' n4 keys (once less),
+# 'H' n4 len2 tag keys hashes (n publisher hashes of one length, mapped to keys), 'G' n4
+# len2 tag hashes (unmapped), 'P' key len2 hash, 'Q' len2 hash, 'C' (clear the copy). A
+# hash is its journal bytes: 'b' + the bytes, 'q' + an int64 (8 bytes, little endian) or
+# 'i' + a larger int in decimal; a run's hashes are its tag + each one's len bytes.
 _APPLY = "#!lua\n" + _LUA_COMMON + r"""
 local wid, token = ARGV[2], ARGV[3]
 local lease_ms, epoch, seq = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -247,18 +341,20 @@ for a = 7, #ARGV, 3 do
   local i, n = 1, #ops
   while i <= n do
     local t = string.sub(ops, i, i)
-    if t == '+' then
-      bump(string.sub(ops, i + 1, i + 8), wid, m, 1)
-      live = live + 1
-      i = i + 9
-    elseif t == '-' then
-      bump(string.sub(ops, i + 1, i + 8), wid, m, -1)
-      live = live - 1
-      i = i + 9
+    if t == '+' or t == '-' then
+      local c = u32(ops, i + 1)
+      local d = t == '+' and 1 or -1
+      if c > 0 then bump_run(ops, i + 5, c, wid, m, d) end
+      live = live + d * c
+      i = i + 5 + 8 * c
+    elseif t == 'H' then
+      i = i + 8 + u32(ops, i + 1) * (8 + u16(ops, i + 5))
+    elseif t == 'G' then
+      i = i + 8 + u32(ops, i + 1) * u16(ops, i + 5)
     elseif t == 'P' then
-      i = i + 11 + string.byte(ops, i + 9) * 256 + string.byte(ops, i + 10)
+      i = i + 11 + u16(ops, i + 9)
     elseif t == 'Q' then
-      i = i + 3 + string.byte(ops, i + 1) * 256 + string.byte(ops, i + 2)
+      i = i + 3 + u16(ops, i + 1)
     else -- 'C'
       if i > seg then redis.call('APPEND', jk, string.sub(ops, seg, i - 1)) end
       if live ~= 0 then redis.call('HINCRBY', P .. 'n', 'c:' .. cid, live); live = 0 end
@@ -274,10 +370,11 @@ for a = 7, #ARGV, 3 do
     if size > 4096 + 2 * last then
       -- compact: the net holdings and the live publisher hashes only
       local counts, order, pub = parse(redis.call('GET', jk))
-      local parts = {}
+      local parts = {''}
       for _, k in ipairs(order) do
-        for _ = 1, counts[k] do parts[#parts + 1] = '+' .. k end
+        for _ = 1, counts[k] do parts[#parts + 1] = k end
       end
+      parts[1] = '+' .. u32s(#parts - 1)
       for h, k in pairs(pub) do parts[#parts + 1] = pub_record(h, k) end
       local compacted = table.concat(parts)
       redis.call('SET', jk, compacted)
@@ -420,9 +517,10 @@ return 'ok'
 
 class _Recorder:
     """A ``BlockIndex`` that forwards every call and records the holdings each one changed,
-    in order: ``ops`` is a list of ``(copy, op, key)``, ``copy`` the ``(worker, medium,
-    group)`` of the copy, op ``+`` (a holding added), ``-`` (removed) or ``C`` (the copy
-    cleared). ``idents`` names the copy ids (kept by the view's ``_new_cid``)."""
+    in order: ``ops`` is a list of ``(copy, op, keys)``, ``copy`` the ``(worker, medium,
+    group)`` of the copy, op ``+`` (holdings of ``keys`` added), ``-`` (removed) or ``C``
+    (the copy cleared; ``keys`` None). ``idents`` names the copy ids (kept by the view's
+    ``_new_cid``)."""
 
     __slots__ = ("inner", "ops", "idents")
 
@@ -442,12 +540,12 @@ class _Recorder:
 
     def hold(self, key: int, copy: int) -> None:
         self.inner.hold(key, copy)
-        self.ops.append((self.idents[copy], "+", key))
+        self.ops.append((self.idents[copy], "+", [key]))
 
     def unhold(self, key: int, copy: int) -> bool:
         dropped = self.inner.unhold(key, copy)
         if dropped:
-            self.ops.append((self.idents[copy], "-", key))
+            self.ops.append((self.idents[copy], "-", [key]))
         return dropped
 
     def holds(self, key: int, copy: int) -> bool:
@@ -456,8 +554,8 @@ class _Recorder:
     def add(self, copy: int, keys: Any) -> int:
         keys = self._ints(keys)
         added = self.inner.add(copy, keys)
-        ident = self.idents[copy]
-        self.ops.extend((ident, "+", key) for key in keys)
+        if keys:
+            self.ops.append((self.idents[copy], "+", keys))
         return added
 
     def store(self, copy: int, keys: Any) -> tuple:
@@ -472,26 +570,22 @@ class _Recorder:
                 if not inner.holds(key, copy):
                     new.append(key)
         result = inner.store(copy, keys)
-        ident = self.idents[copy]
-        self.ops.extend((ident, "+", key) for key in new)
+        if new:
+            self.ops.append((self.idents[copy], "+", new))
         return result
 
     def remove(self, copy: int, keys: Any) -> tuple:
         keys = self._ints(keys)
         array("q", keys)  # TypeError/OverflowError before anything changes, as the index
         inner = self.inner
-        ident = self.idents[copy]
-        ops = self.ops
-        removed = 0
-        for key in keys:
-            if inner.unhold(key, copy):
-                ops.append((ident, "-", key))
-                removed += 1
-        return removed, len(keys) - removed
+        gone = [key for key in keys if inner.unhold(key, copy)]
+        if gone:
+            self.ops.append((self.idents[copy], "-", gone))
+        return len(gone), len(keys) - len(gone)
 
     def clear_copy(self, copy: int) -> int:
         dropped = self.inner.clear_copy(copy)
-        self.ops.append((self.idents[copy], "C", 0))
+        self.ops.append((self.idents[copy], "C", None))
         return dropped
 
     def overlap(self, *args: Any) -> list:
@@ -672,9 +766,26 @@ class RedisStore:
             while i < n:
                 tag = journal[i:i + 1]
                 if tag in (b"+", b"-"):
-                    key = _keys_from_bytes(journal[i + 1:i + 9])[0]
-                    counts[key] = counts.get(key, 0) + (1 if tag == b"+" else -1)
-                    i += 9
+                    count = int.from_bytes(journal[i + 1:i + 5], "big")
+                    step = 1 if tag == b"+" else -1
+                    for key in _keys_from_bytes(journal[i + 5:i + 5 + 8 * count]):
+                        counts[key] = counts.get(key, 0) + step
+                    i += 5 + 8 * count
+                elif tag in (b"H", b"G"):
+                    count = int.from_bytes(journal[i + 1:i + 5], "big")
+                    length = int.from_bytes(journal[i + 5:i + 7], "big")
+                    kind = journal[i + 7:i + 8]
+                    i += 8
+                    if tag == b"H":
+                        keys = _keys_from_bytes(journal[i:i + 8 * count])
+                        i += 8 * count
+                    for x in range(count):
+                        block_hash = _hash_from_bytes(kind + journal[i:i + length])
+                        i += length
+                        if tag == b"H":
+                            published[block_hash] = keys[x]
+                        else:
+                            published.pop(block_hash, None)
                 elif tag == b"P":
                     length = int.from_bytes(journal[i + 9:i + 11], "big")
                     key = _keys_from_bytes(journal[i + 1:i + 9])[0]
@@ -811,21 +922,29 @@ class RedisStore:
                 buf = per_copy[(medium, group)] = bytearray()
             return buf
 
-        # Holdings, per copy in the order they changed.
-        pending: dict = {}
-        for ident, op, key in self._recorder.ops:
+        # Holdings, per copy in the order they changed, as runs of one op.
+        pending: dict = {}  # (medium, group) -> [op, keys] of the run not yet written
+        for ident, op, keys in self._recorder.ops:
             if ident[0] != worker:
                 continue
             where = (ident[1], ident[2])
+            run = pending.get(where)
             if op == "C":
                 buf = out(*where)
-                buf += self._ops_bytes(pending.pop(where, []))
+                if run is not None:
+                    buf += _run_bytes(run[0], run[1])
+                    del pending[where]
                 buf += b"C"
-            else:
-                pending.setdefault(where, []).append((op, key))
+            elif run is None:
                 out(*where)
-        for where, ops in pending.items():
-            per_copy[where] += self._ops_bytes(ops)
+                pending[where] = [op, list(keys)]
+            elif run[0] == op:
+                run[1] += keys
+            else:
+                per_copy[where] += _run_bytes(run[0], run[1])
+                pending[where] = [op, list(keys)]
+        for where, (op, keys) in pending.items():
+            per_copy[where] += _run_bytes(op, keys)
         # Publisher hashes: each hash the batch named, as the view now maps it.
         view = self.view
         for event in events:
@@ -848,6 +967,18 @@ class RedisStore:
             self._publishing.add(ident)
             published = copy.published
             buf = out(medium, group)
+            run = _hash_run(hashes) if hashes else None
+            if run is not None:
+                # hashes of one kind (a SHA-256 publisher's): one record for the lot
+                tag, length, data = run
+                keys = [published.get(h) for h in hashes]
+                head = len(hashes).to_bytes(4, "big") + length.to_bytes(2, "big") + tag
+                if None not in keys:
+                    buf += b"H" + head + _key_bytes(keys) + data
+                    continue
+                if keys.count(None) == len(keys):
+                    buf += b"G" + head + data
+                    continue
             for block_hash in hashes:
                 if type(block_hash) not in (int, bytes):
                     try:
@@ -870,15 +1001,6 @@ class RedisStore:
                 cid, code = self._cid(wid, medium, group)
                 args += [cid, code, bytes(buf)]
         return args
-
-    @staticmethod
-    def _ops_bytes(ops: list) -> bytes:
-        keys = _key_bytes([key for _, key in ops])
-        out = bytearray()
-        for i, (op, _) in enumerate(ops):
-            out += op.encode()
-            out += keys[8 * i:8 * i + 8]
-        return bytes(out)
 
     def apply_payload(self, worker: Hashable, payload: bytes, seq: int = -1) -> bool:
         self.view._check_worker(worker)
