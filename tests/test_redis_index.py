@@ -618,3 +618,17 @@ def test_publisher_hashes_of_every_kind_survive_a_take_over(server, namespace, k
     for worker in ("w0", "w1"):
         assert taken.blocks_held(worker, None) == local.blocks_held(worker, None)
     taken.close()
+
+
+def test_scripts_flushed_from_the_server_are_loaded_again(server, namespace):
+    # The script calls go on their own connection; a server without the scripts (restarted,
+    # or SCRIPT FLUSH) gets them again and the call is answered, not counted as a failure.
+    index = KvIndexer(2, store=server.url, namespace=namespace)
+    client = server.client()
+    index.apply(0, [BlockStored((1,), None, (1, 2), 2)])
+    client.script_flush()
+    index.apply(0, [BlockStored((2,), 1, (3, 4), 2)])
+    client.script_flush()
+    assert index.overlap([1, 2, 3, 4]) == {0: 2}
+    assert index.stats.store_errors == 0
+    index.close()

@@ -774,8 +774,8 @@ class KvIndexer:
         # The index hashes the query's blocks and walks them in one call, as far as any
         # worker's run goes; workers reach it as positions in ``workers``.
         if self._store is not None:
-            return self._store.overlap(
-                _page_keys(_root_key(namespace), data, self._page_bytes), medium)
+            return self._store.overlap(_core.blocks.page_hash_bytes(
+                _root_key(namespace), data, self._page_bytes), medium)
         owners, workers = self._owners(medium)
         return {workers[owner]: depth for owner, depth in self._index.overlap(
             _root_key(namespace), data, self._page_bytes, owners)}

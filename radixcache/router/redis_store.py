@@ -626,6 +626,8 @@ class RedisStore:
             raise ValueError(f"namespace must be a non-empty str without ':', got {namespace!r}")
         if not isinstance(lease_s, (int, float)) or not lease_s > 0:
             raise ValueError(f"lease_s must be a number > 0, got {lease_s!r}")
+        self._no_script = redis.exceptions.NoScriptError
+        self._conn = None  # the connection of the script calls, made on the first one
         self._redis_errors = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError,
                               OSError)
         self.url = url
@@ -663,6 +665,27 @@ class RedisStore:
         self._last_renew = time.monotonic()
 
     # -- plumbing -------------------------------------------------------------------------
+    def _call(self, script: Any, args: list) -> Any:
+        """``script(args=args)`` in one EVALSHA on this store's own connection, packed here
+        (the client's general command path costs more than the batch's own encoding); a
+        server that lost its scripts (restarted) gets them through the client again."""
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = self.client.connection_pool.make_connection()
+        parts = [b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n0\r\n"
+                 % (len(args) + 3, script.sha.encode())]
+        for arg in args:
+            if type(arg) is not bytes:
+                arg = str(arg).encode()
+            parts.append(b"$%d\r\n" % len(arg))
+            parts.append(arg)
+            parts.append(b"\r\n")
+        try:
+            conn.send_packed_command([b"".join(parts)], check_health=False)
+            return conn.read_response()
+        except self._no_script:
+            return script(args=args)
+
     def _available(self) -> bool:
         return time.monotonic() >= self._down_until
 
@@ -887,8 +910,8 @@ class RedisStore:
                 view.apply(worker, events)
                 touched = events.events if isinstance(events, ReceivedBatch) else events
             args = self._batch_args(worker, touched)
-            reply = self._apply(args=[self.prefix, self._wids[worker], self.token,
-                                      self.lease_ms, epoch, seq, *args])
+            reply = self._call(self._apply, [self.prefix, self._wids[worker], self.token,
+                                             self.lease_ms, epoch, seq, *args])
         except self._redis_errors:
             self._failed()
             if seq >= 0:
@@ -1031,7 +1054,9 @@ class RedisStore:
             self.stats.foreign_batches += 1
 
     # -- queries --------------------------------------------------------------------------
-    def overlap(self, keys: list, medium: Any) -> dict:
+    def overlap(self, keys: bytes, medium: Any) -> dict:
+        """The overlap of the chain ``keys`` (native int64 bytes, as the block module's
+        ``page_hash_bytes`` gives them) on tier(s) ``medium``."""
         if not keys:
             return {}
         if not self._available():
@@ -1043,8 +1068,10 @@ class RedisStore:
             codes = [c for c in (self._mcode(m, create=False) for m in media) if c is not None]
             if not codes:
                 return {}
-            reply = self._overlap_script(
-                args=[self.prefix, "," + ",".join(codes) + ",", _key_bytes(keys)])
+            if not _LITTLE_ENDIAN:
+                keys = _key_bytes(_keys_from_bytes(keys))  # the stored keys are little endian
+            reply = self._call(self._overlap_script,
+                               [self.prefix, "," + ",".join(codes) + ",", keys])
             names = self._names
             result = {}
             for wid, depth in zip(reply[::2], reply[1::2]):
@@ -1133,4 +1160,7 @@ class RedisStore:
             self.client.unlink(key)
 
     def close(self) -> None:
+        if self._conn is not None:
+            self._conn.disconnect()
+            self._conn = None
         self.client.close()
