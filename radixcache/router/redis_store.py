@@ -392,19 +392,20 @@ return 'ok'
 # ARGV: P, media (",m1,m2,"), keys (8 bytes each). Returns wid, depth, wid, depth, ...
 _OVERLAP = "#!lua flags=no-writes\n" + r"""
 local P, media, keys = ARGV[1], ARGV[2], ARGV[3]
+local call, sub, find, gmatch = redis.call, string.sub, string.find, string.gmatch
+local bp = P .. 'b:'
 local active, order = nil, {}
 local depth = 0
 local out = {}
 local last = nil
 for i = 1, #keys, 8 do
-  local v = redis.call('HGET', P .. 'b:' .. string.sub(keys, i, i + 1),
-                       string.sub(keys, i + 2, i + 7))
+  local v = call('HGET', bp .. sub(keys, i, i + 1), sub(keys, i + 2, i + 7))
   if not v then break end
   if v ~= last then  -- the same holders as the block before: the same runs go on
     last = v
     local held = {}
-    for w, m in string.gmatch(v, '(%d+):(%d+):%d+') do
-      if string.find(media, ',' .. m .. ',', 1, true) then held[w] = true end
+    for w, m in gmatch(v, '(%d+):(%d+):%d+') do
+      if find(media, ',' .. m .. ',', 1, true) then held[w] = true end
     end
     local alive = false
     if active == nil then
