@@ -150,6 +150,7 @@ def _worker_name(worker: Hashable) -> str:
 # Shared Lua: the holders string of a block, and a copy's journal.
 _LUA_COMMON = r"""
 local P = ARGV[1]
+local call, sub = redis.call, string.sub
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -213,10 +214,10 @@ local function bump_run(s, at, n, wid, m, d)
   local single = wid .. ':' .. m .. ':1'
   local held = 0
   for p = at, at + 8 * (n - 1), 8 do
-    local bk = bp .. string.sub(s, p, p + 1)
-    local fk = string.sub(s, p + 2, p + 7)
+    local bk = bp .. sub(s, p, p + 1)
+    local fk = sub(s, p + 2, p + 7)
     -- a block no worker holds yet (the common case of a store): one call
-    if d > 0 and redis.call('HSETNX', bk, fk, single) == 1 then
+    if d > 0 and call('HSETNX', bk, fk, single) == 1 then
       blocks_delta = blocks_delta + 1
       held = held + 1
     else
