@@ -271,10 +271,6 @@ local function parse(j)
   end
   return counts, order, pub
 end
-local function pub_record(h, k)
-  local len = #h
-  return 'P' .. k .. string.char(math.floor(len / 256), len % 256) .. h
-end
 -- drop every holding of copy cid (worker wid, tier m)
 local function clear_copy(cid, wid, m)
   local jk = P .. 'j:' .. cid
@@ -376,7 +372,24 @@ for a = 7, #ARGV, 3 do
         for _ = 1, counts[k] do parts[#parts + 1] = k end
       end
       parts[1] = '+' .. u32s(#parts - 1)
-      for h, k in pairs(pub) do parts[#parts + 1] = pub_record(h, k) end
+      -- the live publisher hashes, one 'H' run per kind and length
+      local runs, kinds = {}, {}
+      for h, k in pairs(pub) do
+        local g = sub(h, 1, 1) .. (#h - 1)
+        local run = runs[g]
+        if not run then
+          run = {sub(h, 1, 1), #h - 1, {}, {}}
+          runs[g] = run
+          kinds[#kinds + 1] = g
+        end
+        run[3][#run[3] + 1] = k
+        run[4][#run[4] + 1] = sub(h, 2)
+      end
+      for _, g in ipairs(kinds) do
+        local run = runs[g]
+        parts[#parts + 1] = 'H' .. u32s(#run[3]) .. string.char(math.floor(run[2] / 256),
+          run[2] % 256) .. run[1] .. table.concat(run[3]) .. table.concat(run[4])
+      end
       local compacted = table.concat(parts)
       redis.call('SET', jk, compacted)
       redis.call('HSET', P .. 'n', 'z:' .. cid, #compacted)
