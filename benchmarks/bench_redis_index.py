@@ -12,6 +12,8 @@ Skips (exit 0, a message) without ``redis-server`` or the ``redis`` client.
   own keys); block events per second, best of interleaved rounds.
 - overlap: an 8k-token prompt, page 16 (512 blocks), 16 workers holding prefixes of it of
   random depth; p50 and p99 of single lookups (one round trip each).
+- floor: a script that only returns, called the way the index calls its scripts: the round
+  trip every batch and every lookup pays before any work.
 - memory: ``MEMORY USAGE`` summed over the namespace's keys, per (block, worker) pair, for
   blocks held by one worker and by four.
 """
@@ -31,7 +33,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radixcache.events import BlockRemoved, BlockStored, ReceivedBatch  # noqa: E402
-from radixcache.events.hashing import block_hashes  # noqa: E402
+from radixcache import _core  # noqa: E402
+from radixcache.events import encode_namespace, tokens_le_bytes  # noqa: E402
+from radixcache.events.hashing import block_hashes, fast64_root  # noqa: E402
 from radixcache.router import KvIndexer  # noqa: E402
 
 PAGE = 16
@@ -114,7 +118,7 @@ def ingest(url: str, namespace: str, batches: list) -> float:
     return elapsed
 
 
-def lookup_latency(url, namespace, rounds: int) -> tuple:
+def lookup_latency(url, namespace, rounds: int, client) -> tuple:
     rng = random.Random(1)
     tokens = [rng.randrange(32000) for _ in range(8192)]
     keys = KvIndexer(PAGE).block_keys(tokens)
@@ -126,6 +130,7 @@ def lookup_latency(url, namespace, rounds: int) -> tuple:
             index.apply(w, [BlockStored(tuple(keys[:depth]), None, tuple(tokens[:depth * PAGE]),
                                         PAGE)])
     assert indexes["redis"].overlap(tokens) == indexes["in-process"].overlap(tokens)
+    client.config_resetstat()  # the lookups' script time only
     out = {name: [] for name in indexes}
     for _ in range(rounds):
         for name, index in indexes.items():
@@ -136,7 +141,36 @@ def lookup_latency(url, namespace, rounds: int) -> tuple:
                 samples.append(time.perf_counter() - t0)
             samples.sort()
             out[name].append((samples[len(samples) // 2], samples[int(len(samples) * 0.99)]))
-    return {name: min(v, key=lambda x: x[1]) for name, v in out.items()}
+    # the router's own part of a lookup: the prompt's tokens as bytes, its chain of keys
+    root = fast64_root(encode_namespace(None))
+    samples = []
+    for _ in range(500):
+        t0 = time.perf_counter()
+        _core.blocks.page_hash_bytes(root, tokens_le_bytes(tokens), 8 * PAGE)
+        samples.append(time.perf_counter() - t0)
+    samples.sort()
+    best = {name: min(v, key=lambda x: x[1]) for name, v in out.items()}
+    return best, samples[len(samples) // 2]
+
+
+def floor_us(url: str, rounds: int) -> tuple:
+    """p50 and mean of a script that only returns, called as the index calls its scripts."""
+    index = KvIndexer(PAGE, store=url, namespace="floor")
+    store = index._store
+    script = store.client.register_script("return 'ok'")
+    store._call(script, [store.prefix])
+    best = None
+    for _ in range(rounds):
+        samples = []
+        for _ in range(2000):
+            t0 = time.perf_counter()
+            store._call(script, [store.prefix])
+            samples.append(time.perf_counter() - t0)
+        samples.sort()
+        row = (samples[len(samples) // 2] * 1e6, sum(samples) / len(samples) * 1e6)
+        best = row if best is None or row[1] < best[1] else best
+    index.close()
+    return best
 
 
 def memory_per_pair(client, url, namespace: str, blocks: int, holders: int) -> tuple:
@@ -199,7 +233,7 @@ def main() -> None:
                 batches = fleet_batches(args.steps, 8, block_hash)
                 n = block_events(batches)
                 best = {"in-process": 0.0, "redis": 0.0}
-                server_us = []
+                server_us, total_us = [], []
                 for r in range(args.rounds):
                     for name in best:
                         u = None if name == "in-process" else url
@@ -208,6 +242,7 @@ def main() -> None:
                         best[name] = max(best[name], n / elapsed)
                         if u is not None:
                             server_us.append(script_us(client))
+                            total_us.append(elapsed / len(batches) * 1e6)
                 print(f"  {block_hash:7s} publisher: in-process {best['in-process']:>12,.0f}"
                       f"   redis {best['redis']:>10,.0f}   ratio "
                       f"{best['in-process'] / best['redis']:.1f}x   "
@@ -215,13 +250,20 @@ def main() -> None:
                 per_batch = min(server_us) / 1e6
                 print(f"          server script time {per_batch * 1e6:.0f} us per batch: "
                       f"{n / len(batches) / per_batch:,.0f} block events/s of server time")
+                fastest = min(range(len(total_us)), key=total_us.__getitem__)
+                print(f"          fastest round: {total_us[fastest]:.0f} us per batch, of which "
+                      f"server {server_us[fastest]:.0f} us, the rest the router (its view, "
+                      f"the call, the round trip)")
+            p50, mean = floor_us(url, args.rounds)
+            print(f"\nfloor: a script that only returns, p50 {p50:.0f} us, mean {mean:.0f} us "
+                  f"per call ({1e6 / mean:,.0f} calls/s)")
             print("\noverlap of an 8k-token prompt (512 blocks), 16 workers, one lookup")
-            client.config_resetstat()
-            lat = lookup_latency(url, "lat", args.rounds)
+            lat, router_part = lookup_latency(url, "lat", args.rounds, client)
             for name, (p50, p99) in lat.items():
                 print(f"  {name:10s} p50 {p50 * 1e3:7.3f} ms   p99 {p99 * 1e3:7.3f} ms")
-            print(f"  server script time per call (lookups and the fill): "
-                  f"{script_us(client):.0f} us mean")
+            server = script_us(client)
+            print(f"  server script time per lookup: {server:.0f} us mean; the router's part "
+                  f"(tokens to bytes, the chain of keys): {router_part * 1e6:.0f} us p50")
             print("\nmemory per (block, worker) pair (MEMORY USAGE, all the namespace's keys)")
             for holders in (1, 4):
                 per, blocks_b, journal_b, nblocks = memory_per_pair(
