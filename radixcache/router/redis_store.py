@@ -18,17 +18,20 @@ Key layout:
 - ``P j:<cid>``: a string, the journal of one copy (a worker's blocks on one tier in one
   KV-cache group): runs of held blocks (``+``, a 4-byte count, 8 bytes per block) and of
   removals (``-``), and the publisher hashes of publishers whose hashes are not the
-  indexer's keys (in runs too when a batch's hashes are bytes of one length). It lists the
-  copy's blocks, so a dead worker's blocks are collected without scanning the keyspace, and
-  a router that takes the worker over rebuilds its view from it. Compacted (to the net
-  holdings and live hashes) when it grows past twice its last compacted size.
+  indexer's keys (in runs too when a batch's hashes are int64s, or bytes of one length).
+  It lists the copy's blocks, so a dead worker's blocks are collected without scanning the
+  keyspace, and a router that takes the worker over rebuilds its view from it. Compacted
+  (to the net holdings and live hashes) when it grows past twice its last compacted size
+  with a third of its records or more dead (removed blocks, unmapped hashes), and past four
+  times in any case.
 - ``P seq`` (hash): worker id -> ``epoch:seq``, the last batch applied.
 - ``P lease:<wid>`` (string, with a time to live): the token of the router that owns the
   worker's ingest. ``P leases`` (sorted set): worker id by lease expiry, what the
   collector reads.
 - ``P workers``, ``P copies``, ``P media`` (hashes): the names of worker ids, copy ids and
   tier codes, both ways; ``P wc:<wid>`` (set): the worker's copies; ``P n`` (hash): counters
-  (distinct blocks, holdings per worker and tier, journal sizes, id allocation).
+  (distinct blocks, holdings per worker and tier, journal sizes and dead records, id
+  allocation).
 
 Ingest. The router that owns a worker's ingest keeps the worker's blocks in an in-process
 ``KvIndexer`` (its view), applies each batch there, and sends what changed, holdings and
@@ -282,7 +285,7 @@ local function clear_copy(cid, wid, m)
     end
     redis.call('DEL', jk)
   end
-  redis.call('HDEL', P .. 'n', 'c:' .. cid, 'z:' .. cid)
+  redis.call('HDEL', P .. 'n', 'c:' .. cid, 'z:' .. cid, 'd:' .. cid)
 end
 local function flush_counters()
   if blocks_delta ~= 0 then redis.call('HINCRBY', P .. 'n', 'blocks', blocks_delta) end
@@ -334,6 +337,7 @@ for a = 7, #ARGV, 3 do
   local cid, m, ops = ARGV[a], ARGV[a + 1], ARGV[a + 2]
   local jk = P .. 'j:' .. cid
   local live = 0
+  local dead = 0  -- journal records this batch made dead (removals, unmapped hashes)
   local seg = 1  -- the journal records since the last 'C' start here
   local i, n = 1, #ops
   while i <= n do
@@ -343,28 +347,37 @@ for a = 7, #ARGV, 3 do
       local d = t == '+' and 1 or -1
       if c > 0 then bump_run(ops, i + 5, c, wid, m, d) end
       live = live + d * c
+      if d < 0 then dead = dead + c end
       i = i + 5 + 8 * c
     elseif t == 'H' then
       i = i + 8 + u32(ops, i + 1) * (8 + u16(ops, i + 5))
     elseif t == 'G' then
-      i = i + 8 + u32(ops, i + 1) * u16(ops, i + 5)
+      local c = u32(ops, i + 1)
+      dead = dead + c
+      i = i + 8 + c * u16(ops, i + 5)
     elseif t == 'P' then
       i = i + 11 + u16(ops, i + 9)
     elseif t == 'Q' then
+      dead = dead + 1
       i = i + 3 + u16(ops, i + 1)
     else -- 'C'
       if i > seg then redis.call('APPEND', jk, string.sub(ops, seg, i - 1)) end
       if live ~= 0 then redis.call('HINCRBY', P .. 'n', 'c:' .. cid, live); live = 0 end
       clear_copy(cid, wid, m)
+      dead = 0
       i = i + 1
       seg = i
     end
   end
   if n >= seg then
     local size = redis.call('APPEND', jk, string.sub(ops, seg, n))
-    redis.call('HINCRBY', P .. 'n', 'c:' .. cid, live)
-    local last = tonumber(redis.call('HGET', P .. 'n', 'z:' .. cid) or '0')
-    if size > 4096 + 2 * last then
+    local held = redis.call('HINCRBY', P .. 'n', 'c:' .. cid, live)
+    if dead > 0 then redis.call('HINCRBY', P .. 'n', 'd:' .. cid, dead) end
+    local z = redis.call('HMGET', P .. 'n', 'z:' .. cid, 'd:' .. cid)
+    local last, gone = tonumber(z[1] or '0'), tonumber(z[2] or '0')
+    -- Compacted past twice its last compacted size when a third of its records or more
+    -- are dead, past four times in any case (a journal of live blocks gains nothing).
+    if size > 4096 + 4 * last or (size > 4096 + 2 * last and 2 * gone >= held) then
       -- compact: the net holdings and the live publisher hashes only
       local counts, order, pub = parse(redis.call('GET', jk))
       local parts = {''}
@@ -393,6 +406,7 @@ for a = 7, #ARGV, 3 do
       local compacted = table.concat(parts)
       redis.call('SET', jk, compacted)
       redis.call('HSET', P .. 'n', 'z:' .. cid, #compacted)
+      redis.call('HDEL', P .. 'n', 'd:' .. cid)
     end
   elseif live ~= 0 then
     redis.call('HINCRBY', P .. 'n', 'c:' .. cid, live)
