@@ -32,9 +32,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixcache.events import BlockRemoved, BlockStored, ReceivedBatch  # noqa: E402
 from radixcache import _core  # noqa: E402
-from radixcache.events import encode_namespace, tokens_le_bytes  # noqa: E402
+from radixcache.events import (  # noqa: E402
+    BlockRemoved,
+    BlockStored,
+    ReceivedBatch,
+    encode_namespace,
+    tokens_le_bytes,
+)
 from radixcache.events.hashing import block_hashes, fast64_root  # noqa: E402
 from radixcache.router import KvIndexer  # noqa: E402
 
