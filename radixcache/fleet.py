@@ -41,6 +41,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -51,7 +52,7 @@ from ._options import (DEFAULT_DECODE_TPS, DEFAULT_INTERVAL_MS, DEFAULT_PREFILL_
                        EventLag)
 from ._options import DEFAULT_LOAD_TPS, WRITE_POLICIES
 from .cache import RadixCache
-from .router import Router
+from .router import KvIndexer, Router
 from .traces import Trace, check_timestamps
 from ._validate import check_int, check_real
 from .workloads import Request, ServingLoop
@@ -250,6 +251,52 @@ class InProcessChannel:
 _FINISH, _PREFILLED = 0, 1
 
 
+class _Ingest:
+    """What the fleet feeds events to with router replicas: worker ``w``'s batches go to
+    replica ``w mod R``'s indexer; ``stats`` sums the replicas' counts."""
+
+    def __init__(self, routers: list) -> None:
+        self._indexers = [router.indexer for router in routers]
+
+    def apply(self, worker: int, events: Any) -> None:
+        self._indexers[worker % len(self._indexers)].apply(worker, events)
+
+    def apply_keys(self, worker: int, records: Any) -> None:
+        self._indexers[worker % len(self._indexers)].apply_keys(worker, records)
+
+    @property
+    def stats(self) -> Any:
+        from .router import IndexerStats
+
+        total = IndexerStats()
+        for indexer in self._indexers:
+            for name, value in indexer.stats.as_dict().items():
+                setattr(total, name, getattr(total, name) + value)
+        return total
+
+
+class _Replicas:
+    """R router replicas in front of one fleet (see ``simulate_fleet``'s ``routers``):
+    request ``i`` goes to replica ``i mod R`` (a load balancer's round robin), which counts
+    only the load it dispatched itself."""
+
+    def __init__(self, routers: list) -> None:
+        self.routers = routers
+        self.indexer = _Ingest(routers)
+        self._of: dict = {}  # request index -> the replica that routed it
+
+    def dispatch(self, index: int, prompt: Any, extra_key: Any, tokens: int) -> int:
+        router = self.routers[index % len(self.routers)]
+        self._of[index] = router
+        worker = router.route(prompt, extra_key)
+        router.add_load(worker, tokens)
+        return worker
+
+    def unload(self, index: int, worker: int, tokens: int, done: bool = False) -> None:
+        router = self._of.pop(index) if done else self._of[index]
+        router.remove_load(worker, tokens)
+
+
 def _percentiles(values: list) -> tuple:
     if not values:
         return None, None
@@ -314,6 +361,14 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
         prompt_lengths = [len(r.prompt) for r in requests]
         output_lengths = [r.output_len for r in requests]
 
+    replicas = isinstance(router, _Replicas)
+
+    def unload(index: int, worker: int, tokens: int, done: bool = False) -> None:
+        if replicas:
+            router.unload(index, worker, tokens, done)
+        else:
+            router.remove_load(worker, tokens)
+
     def publish(worker: int, now: float) -> None:
         if with_events:
             events = caches[worker].take_events()
@@ -338,8 +393,8 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
                     blocked[worker] = True
                     break
                 if router is not None:
-                    router.remove_load(worker, int(prompt_lengths[index])
-                                       + int(output_lengths[index]))
+                    unload(index, worker, int(prompt_lengths[index])
+                           + int(output_lengths[index]), True)
                 continue
             running[worker] += 1
             compute = len(request.prompt) - admission.cached
@@ -363,7 +418,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             publish(worker, now)
             ttfts.append(now - arrivals[index])
             if router is not None:
-                router.remove_load(worker, len(request.prompt))
+                unload(index, worker, len(request.prompt))
             tie += 1
             heapq.heappush(heap, (now + request.output_len / decode_tps, _FINISH, tie, worker,
                                   index, admission))
@@ -374,7 +429,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             running[worker] -= 1
             blocked[worker] = False
             if router is not None:
-                router.remove_load(worker, request.output_len)
+                unload(index, worker, request.output_len, True)
             if not busy[worker]:
                 start_next(worker, now)  # a request may have waited for room
 
@@ -396,8 +451,12 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
                     for w in range(num_workers):
                         for events in channels[w].take(max_time, max_step):
                             apply(w, events)
-                worker = router.route(request.prompt, request.extra_key)
-                router.add_load(worker, len(request.prompt) + request.output_len)
+                if replicas:
+                    worker = router.dispatch(index, request.prompt, request.extra_key,
+                                             len(request.prompt) + request.output_len)
+                else:
+                    worker = router.route(request.prompt, request.extra_key)
+                    router.add_load(worker, len(request.prompt) + request.output_len)
                 request = None  # made again when admitted
             steps += 1
             decisions.append(worker)
@@ -489,7 +548,8 @@ def simulate_fleet(requests: Sequence[Request], num_workers: int, capacity: int,
                    progress: Optional[Callable[[int], Any]] = None,
                    channels: Optional[list] = None,
                    publish_events: Optional[bool] = None, host_capacity: int = 0,
-                   write_policy: str = "write_back") -> FleetResult:
+                   write_policy: str = "write_back", routers: int = 1,
+                   index: Optional[str] = None) -> FleetResult:
     """Replay ``requests`` over ``num_workers`` workers of ``capacity`` slots behind a router.
 
     ``router`` is a policy name (``radixcache.router.ROUTING_POLICIES``; ``router_options``
@@ -498,7 +558,13 @@ def simulate_fleet(requests: Sequence[Request], num_workers: int, capacity: int,
     ``arrival_times(requests, interval_ms)``. ``channels``, one per worker, carry the
     workers' events to the router (default ``InProcessChannel``); each needs
     ``publish(events, time_s, step)``, ``take(max_time, max_step)`` and ``close()``.
-    ``progress(1)`` is called per request routed. ``publish_events``: whether the workers
+    ``progress(1)`` is called per request routed. ``routers`` > 1 puts that many router
+    replicas (each a ``Router`` of the policy) in front of the workers: request ``i`` goes to
+    replica ``i mod routers``, which counts only the load it dispatched, and worker ``w``'s
+    events are ingested by replica ``w mod routers``; each replica indexes only the workers
+    it ingests, unless ``index`` names a Redis or Valkey server (``redis://...``): then the
+    replicas ingest into one shared ``KvIndexer(store=index)`` that every replica reads (a
+    fresh namespace, deleted afterwards). ``publish_events``: whether the workers
     record and send KV events; by default only when the router reads them
     (``Router.uses_events``, i.e. ``cache-aware``) or ``channels`` are given: the other
     policies keep no cache state, and events never change what a cache does, so skipping
@@ -522,6 +588,9 @@ def simulate_fleet(requests: Sequence[Request], num_workers: int, capacity: int,
         progress: Called with 1 per request routed, or None.
         channels: One channel per worker, or None (see above).
         publish_events: Whether the workers record and send KV events (None: see above).
+        routers: Router replicas, an int >= 1 (with a policy name only).
+        index: None (each replica's index in process), or the URL of the Redis or Valkey
+            server of a shared index (with a policy name only; needs ``radixcache[redis]``).
         host_capacity: Host slots per worker, an int >= 0 (0: no host tier). With a host
             tier the workers' events report its blocks (``medium="CPU"``) and ``cache-aware``
             counts them at ``Router.host_weight``.
@@ -535,8 +604,8 @@ def simulate_fleet(requests: Sequence[Request], num_workers: int, capacity: int,
             not ``Request``, a ``time_model`` or ``event_lag`` of another class).
         ValueError: a count < 1, arrivals that are not one finite non-decreasing time per
             request, a ``Router`` whose workers or block size do not match, options with a
-            ``Router``, not one channel per worker, a negative ``host_capacity`` or an
-            unknown ``write_policy``.
+            ``Router``, not one channel per worker, a negative ``host_capacity``, an
+            unknown ``write_policy``, or ``routers`` or ``index`` with a ``Router``.
     """
     arrivals = _check_common(requests, num_workers, capacity, arrivals, interval_ms)
     host_capacity = _check_host(host_capacity, write_policy)
@@ -544,25 +613,51 @@ def simulate_fleet(requests: Sequence[Request], num_workers: int, capacity: int,
         raise TypeError(f"time_model must be a TimeModel, got {type(time_model).__name__}")
     if not isinstance(event_lag, EventLag):
         raise TypeError(f"event_lag must be an EventLag, got {type(event_lag).__name__}")
+    routers = check_int(routers, "routers", 1)
+    replicated = routers > 1 or index is not None
     if isinstance(router, Router):
         if router.num_workers != num_workers or router.block_size != page_size:
             raise ValueError("router must have num_workers workers and block_size page_size")
         if router_options:
             raise ValueError("router_options apply only when router is a policy name")
+        if replicated:
+            raise ValueError("routers and index apply only when router is a policy name")
         name = router.policy
     else:
         name = router
         router = Router(num_workers, router, block_size=page_size, **(router_options or {}))
+    shared = None
+    if replicated:
+        # Replica r ingests workers w with w mod R == r; with a store, into the one index.
+        namespace = f"simulate-{uuid.uuid4().hex}"
+        replicas = []
+        for replica in range(routers):
+            indexer = None
+            if index is not None:
+                indexer = KvIndexer(page_size, store=index, namespace=namespace,
+                                    owner=f"replica-{replica}", lease_s=24 * 3600.0)
+                shared = shared or indexer
+            replicas.append(router if replica == 0 and indexer is None else
+                            Router(num_workers, name, block_size=page_size, indexer=indexer,
+                                   **(router_options or {})))
+        router = _Replicas(replicas)
     if channels is not None and len(channels) != num_workers:
         raise ValueError(f"need one channel per worker ({num_workers}), got {len(channels)}")
     if publish_events is None:
-        publish_events = router.uses_events or channels is not None
-    return _replay(requests, arrivals, int(num_workers), int(capacity), router, name,
-                   page_size=page_size, eviction_policy=eviction_policy, core=core,
-                   time_model=time_model, prefill_tps=time_model.prefill_tokens_per_s,
-                   event_lag=event_lag, progress=progress, channels=channels,
-                   with_events=bool(publish_events), host_capacity=host_capacity,
-                   write_policy=write_policy, load_tps=time_model.load_tokens_per_s)
+        uses_events = (router.routers[0] if isinstance(router, _Replicas) else router).uses_events
+        publish_events = uses_events or channels is not None
+    try:
+        return _replay(requests, arrivals, int(num_workers), int(capacity), router, name,
+                       page_size=page_size, eviction_policy=eviction_policy, core=core,
+                       time_model=time_model, prefill_tps=time_model.prefill_tokens_per_s,
+                       event_lag=event_lag, progress=progress, channels=channels,
+                       with_events=bool(publish_events), host_capacity=host_capacity,
+                       write_policy=write_policy, load_tps=time_model.load_tokens_per_s)
+    finally:
+        if shared is not None:
+            shared._store.drop_namespace()
+            for replica in router.routers:
+                replica.indexer.close()
 
 
 def simulate_pooled(requests: Sequence[Request], num_workers: int, capacity: int, *,

@@ -103,6 +103,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _store_url(text: str) -> str:
+    """The URL of a Redis or Valkey server."""
+    if not text.startswith(("redis://", "rediss://", "unix://")):
+        raise argparse.ArgumentTypeError(f"not a redis://, rediss:// or unix:// URL: {text!r}")
+    return text
+
+
 def _plain_positive_int(text: str) -> int:
     """A small count (workers, repeats): digits only."""
     try:
@@ -332,7 +339,15 @@ def build_parser() -> argparse.ArgumentParser:
              "over ~26 GB/s of PCIe)"),
             ("--host-weight", _number(0, True), "W",
              "cache-aware: weight of a block held only on a worker's host tier, as a fraction "
-             f"of a device block, 0..1 (default {DEFAULT_HOST_WEIGHT:g})")):
+             f"of a device block, 0..1 (default {DEFAULT_HOST_WEIGHT:g})"),
+            ("--routers", _plain_positive_int, "R",
+             "router replicas in front of the workers: request i goes to replica i mod R, "
+             "worker w's events to replica w mod R, each replica indexing only the workers it "
+             "ingests (default 1)"),
+            ("--index", _store_url, "URL",
+             "redis://host:port/db of a Redis or Valkey server: cache-aware also runs with its "
+             "--routers replicas on one shared index there, the 'cache-aware/shared' row "
+             "(needs radixcache[redis])")):
         fleet.add_argument(flag, type=parse, default=None, metavar=metavar, help=text)
 
     bench = sub.add_parser(

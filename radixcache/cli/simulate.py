@@ -18,7 +18,8 @@ from .args import (CAPACITY_FRACTIONS, DEFAULT_CAPACITIES, DEFAULT_ROUTERS, Usag
                    capacity_list, router_list)
 from .output import check_output_path, format_table, short_count, warn, write_json
 from .plots import plot_format, write_fleet_plot, write_host_plot, write_plot
-from .sweep import FleetPoint, ServePoint, TraceSource, run_sweep, take_shard, write_shard
+from .sweep import (SHARED_SUFFIX, FleetPoint, ServePoint, TraceSource, run_sweep, take_shard,
+                    write_shard)
 
 if TYPE_CHECKING:
     from ..fleet import FleetResult
@@ -38,7 +39,7 @@ FLEET_DEFAULTS = {"router": DEFAULT_ROUTERS, "event_lag": "0", "prefill_tps": DE
                   "decode_tps": DEFAULT_DECODE_TPS, "interval": DEFAULT_INTERVAL_MS,
                   "load_weight": DEFAULT_LOAD_WEIGHT, "prefill_weight": 1.0,
                   "prefix_blocks": "auto", "load_tps": DEFAULT_LOAD_TPS,
-                  "host_weight": DEFAULT_HOST_WEIGHT}
+                  "host_weight": DEFAULT_HOST_WEIGHT, "routers": 1, "index": None}
 
 EMBEDDED_NAME = "synthetic chat (embedded)"
 #: Traces larger than this get a "reading" line first (parsing takes seconds).
@@ -340,7 +341,9 @@ def _run_fleet(args: argparse.Namespace, requests: Trace, trace_name: str, core:
           f"{args.decode_tps:g} tokens/s per request; arrivals "
           + ("from the trace's timestamps" if timed else f"every {args.interval:g} ms")
           + f"; cache-aware weights: prefill {args.prefill_weight:g}, load "
-            f"{args.load_weight:g}" + host_note)
+            f"{args.load_weight:g}" + host_note
+          + (f"; {args.routers} router replicas" if args.routers > 1 else "")
+          + (f"; shared index {args.index}" if args.index else ""))
 
     def label(point: tuple) -> str:
         capacity, policy, host, write_policy, router = point
@@ -349,10 +352,13 @@ def _run_fleet(args: argparse.Namespace, requests: Trace, trace_name: str, core:
 
     run_point = FleetPoint(source, requests, core, args.page_size, workers=args.workers,
                            event_lag=args.event_lag, router_options=router_options,
-                           time_model=time_model, interval=args.interval, arrivals=arrivals)
+                           time_model=time_model, interval=args.interval, arrivals=arrivals,
+                           routers=args.routers, index=args.index)
+    routers = [name for router in args.router for name in (
+        (router, router + SHARED_SUFFIX) if args.index and router == "cache-aware" else (router,))]
     points = [(capacity, policy, host, write_policy, router) for capacity in args.capacity
               for policy in args.policy for host, write_policy in _host_points(args)
-              for router in [*args.router, POOLED]]
+              for router in [*routers, POOLED]]
     points, args.shard_record = take_shard(args, points, run_point, trace_name)
     results = iter(run_sweep(points, run_point, args.jobs, args.quiet, label, len(requests),
                              executor=args.executor))

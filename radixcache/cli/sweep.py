@@ -325,7 +325,8 @@ class FleetPoint(_TracePoints):
 
     def __init__(self, source: TraceSource, requests: Trace, core: str, page_size: int, *,
                  workers: int, event_lag: Any, router_options: dict, time_model: TimeModel,
-                 interval: float, arrivals: Any) -> None:
+                 interval: float, arrivals: Any, routers: int = 1,
+                 index: str | None = None) -> None:
         super().__init__(source, requests)
         self.core = core
         self.page_size = page_size
@@ -335,6 +336,8 @@ class FleetPoint(_TracePoints):
         self.time_model = time_model
         self.interval = interval
         self._arrivals = arrivals
+        self.routers = routers  # router replicas
+        self.index = index  # the shared index's server, for the ``.../shared`` rows
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -356,9 +359,17 @@ class FleetPoint(_TracePoints):
             common.update(host_capacity=host, write_policy=write_policy)
         if router == POOLED:
             return simulate_pooled(requests, self.workers, capacity, **common)
+        if router.endswith(SHARED_SUFFIX):  # the replicas on one shared index
+            result = simulate_fleet(requests, self.workers, capacity,
+                                    router[:-len(SHARED_SUFFIX)], event_lag=self.event_lag,
+                                    router_options=self.router_options, routers=self.routers,
+                                    index=self.index, **common)
+            from dataclasses import replace
+
+            return replace(result, router=router)
         return simulate_fleet(requests, self.workers, capacity, router,
                               event_lag=self.event_lag, router_options=self.router_options,
-                              **common)
+                              routers=self.routers, **common)
 
 
 # -- shards: fixed slices of a sweep and their files -----------------------------------------
@@ -370,7 +381,10 @@ SHARD_FORMAT_VERSION = 1
 #: trace, the core and the points), and ``merge`` joins only shards that agree on all of them.
 ROW_OPTIONS = ("page_size", "block_size", "limit", "seed", "workers", "event_lag",
                "prefill_tps", "decode_tps", "interval", "load_weight", "prefill_weight",
-               "prefix_blocks", "load_tps", "host_weight")
+               "prefix_blocks", "load_tps", "host_weight", "routers")
+
+#: The suffix of a router row run on a shared index (``simulate --index URL``).
+SHARED_SUFFIX = "/shared"
 
 
 def shard_slice(points: int, index: int, shards: int) -> range:

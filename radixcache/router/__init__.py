@@ -28,6 +28,10 @@ Bad input from the wire never raises: an event that cannot be applied (a removal
 unknown block, a stored block whose parent is unknown, a wrong block size, a malformed event
 or payload) is skipped and counted in ``stats``.
 
+``KvIndexer(block_size, store="redis://...", namespace=...)`` keeps the same index in Redis
+or Valkey instead (``radixcache.router.redis_store``; ``radixcache[redis]``), shared by
+router replicas and surviving their restarts, with the same answers.
+
 ``Router`` picks a worker per request with one of ``ROUTING_POLICIES``; ``cache-aware``
 scores each worker by the prefill it would still need after its cached overlap (from the
 indexer) plus a weighted load, as NVIDIA Dynamo's KV router does. Load is reported by the

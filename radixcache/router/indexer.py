@@ -60,6 +60,14 @@ class IndexerStats:
         malformed_events: Events skipped: not an event, or inconsistent fields.
         malformed_batches: Wire payloads that could not be decoded.
         restarts: Restarted publishers whose blocks were dropped.
+        store_errors: Calls to the store (``KvIndexer(store=...)``) that failed: it could
+            not be reached, or refused a write (out of memory).
+        blind_lookups: Lookups answered ``{}`` (cache-blind routing) because the store
+            failed.
+        stale_batches: Batches skipped: not newer than the worker's stored sequence number
+            (already applied, by this router or another).
+        foreign_batches: Batches skipped: another router owns the worker's ingest.
+        collected_workers: Workers whose lease expired, their blocks collected.
     """
 
     batches: int = 0             #: event batches applied (``apply`` calls)
@@ -74,6 +82,11 @@ class IndexerStats:
     malformed_events: int = 0    #: events skipped: not an event, or inconsistent fields
     malformed_batches: int = 0   #: wire payloads that could not be decoded
     restarts: int = 0            #: restarted publishers whose blocks were dropped
+    store_errors: int = 0        #: store calls that failed (unreachable, or out of memory)
+    blind_lookups: int = 0       #: lookups answered ``{}`` because the store failed
+    stale_batches: int = 0       #: batches not newer than the stored sequence: skipped
+    foreign_batches: int = 0     #: batches of a worker another router owns: skipped
+    collected_workers: int = 0   #: workers whose lease expired: their blocks collected
 
     @property
     def skipped(self) -> int:
@@ -266,17 +279,36 @@ class KvIndexer:
     reports another tier. Memory is one entry per (block, copy) and one per distinct block;
     a worker holding nothing costs nothing.
 
+    With ``store="redis://host:port/db"`` the index lives in Redis or Valkey, shared by
+    every ``KvIndexer`` given the same store and ``namespace`` (router replicas), and it
+    survives their restarts; the answers are the same. A worker's ingest is owned by one
+    router at a time (a lease of ``lease_s`` seconds, renewed by its batches and by
+    ``renew``); ``collect_expired`` drops the blocks of workers whose lease expired. If the
+    store fails, lookups answer ``{}`` (cache-blind routing) and the failures are counted in
+    ``stats``; nothing raises. See ``radixcache.router.redis_store``.
+
     Args:
         block_size: The workers' page size (tokens per block), an int >= 1. Events of
             another block size are skipped and counted.
+        store: None (the index in this process), or the URL of a Redis or Valkey server
+            (``redis://``, ``rediss://`` or ``unix://``); needs ``radixcache[redis]``.
+        namespace: With ``store``: the name of the shared index (a str without ``:``).
+        lease_s: With ``store``: seconds a worker's lease lasts without a batch or a
+            ``renew``.
+        owner: With ``store``: this router's owner token (a str), e.g. its pod name, so that
+            it takes its workers back at once after a restart; None: a new random token.
 
     Raises:
         TypeError: ``block_size`` is not an int.
-        ValueError: ``block_size`` < 1.
+        ValueError: ``block_size`` < 1, or a bad ``store``, ``namespace`` or ``lease_s``.
+        ImportError: ``store`` without the ``redis`` client installed.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, store: Optional[str] = None,
+                 namespace: str = "default", lease_s: float = 30.0,
+                 owner: Optional[str] = None) -> None:
         self.block_size = check_int(block_size, "block_size", 1)
+        self._store = None
         self._page_bytes = self.block_size * 8
         # indexer key -> the ids (``_Copy.cid``) of the copies holding it, a copy once per
         # publisher hash that maps to the block: the block module's BlockIndex (compiled when
@@ -296,6 +328,10 @@ class KvIndexer:
         # key, so an entry is never wrong, only kept a while after its block left
         self._ns_of: dict = {}
         self.stats = IndexerStats()
+        if store is not None:
+            from .redis_store import RedisStore  # only here: importing radixcache needs no redis
+
+            self._store = RedisStore(self, store, namespace, lease_s, owner)
 
     # -- workers -----------------------------------------------------------------------
     @staticmethod
@@ -351,7 +387,10 @@ class KvIndexer:
 
     @property
     def workers(self) -> list:
-        """The workers holding at least one block (any tier), in first-seen order."""
+        """The workers holding at least one block (any tier), in first-seen order (with a
+        store: in the order the store first saw them)."""
+        if self._store is not None:
+            return self._store.workers()
         return list(self._copies)
 
     def blocks_held(self, worker: Hashable, medium: Optional[str] = None) -> int:
@@ -369,6 +408,8 @@ class KvIndexer:
         """
         if medium is not None:
             medium = _tier(medium)
+        if self._store is not None:
+            return self._store.blocks_held(worker, medium)
         return sum(c.size for c in self._copies_of(worker)
                    if medium is None or c.medium == medium)
 
@@ -378,6 +419,8 @@ class KvIndexer:
         Returns:
             The number of blocks.
         """
+        if self._store is not None:
+            return len(self._store)
         return len(self._index)
 
     def remove_worker(self, worker: Hashable) -> None:
@@ -387,6 +430,9 @@ class KvIndexer:
         Args:
             worker: The worker id; an unknown one is ignored.
         """
+        if self._store is not None:
+            self._store.remove_worker(worker)
+            return
         self._clear_worker(worker)
 
     def _clear_copy(self, copy: _Copy) -> None:
@@ -528,8 +574,12 @@ class KvIndexer:
             worker: The worker id (any hashable).
             events: The batch: an iterable of ``BlockStored``, ``BlockRemoved`` and
                 ``AllBlocksCleared`` (as ``RadixCache.take_events()`` returns them), or a
-                subscriber's ``ReceivedBatch``.
+                subscriber's ``ReceivedBatch``. With a store, a ``ReceivedBatch``'s ``seq``
+                is recorded, and a batch not newer than the recorded one is skipped.
         """
+        if self._store is not None:
+            self._store.apply(worker, events)
+            return
         self._check_worker(worker)
         stats = self.stats
         stats.batches += 1
@@ -567,6 +617,8 @@ class KvIndexer:
             True if the payload was applied, False if it was malformed (then counted in
             ``stats.malformed_batches``; nothing is kept for the worker).
         """
+        if self._store is not None:
+            return self._store.apply_payload(worker, payload, seq)
         self._check_worker(worker)
         try:
             batch = decode_batch(payload, seq)
@@ -599,6 +651,9 @@ class KvIndexer:
         Raises:
             TypeError: ``worker`` is None or not hashable.
         """
+        if self._store is not None:
+            self._store.apply_keys(worker, records)
+            return
         self._check_worker(worker)
         stats = self.stats
         stats.batches += 1
@@ -952,6 +1007,8 @@ class KvIndexer:
 
     def _overlap_keys(self, keys: list, medium: Any) -> dict:
         """``overlap`` of blocks given by their keys: the leading ones each worker holds."""
+        if self._store is not None:
+            return self._store.overlap(array("q", keys).tobytes(), medium)
         owners, workers, _ = self._owners(medium)
         n_owners = len(owners)
         depths: dict = {}
@@ -976,11 +1033,63 @@ class KvIndexer:
         # The index hashes the query's blocks (``data``: int64 bytes, or a list of ints) and
         # walks them in one call, as far as any worker's run goes; workers reach it as
         # positions in ``workers``.
+        if self._store is not None:
+            if type(data) is not bytes:
+                data = tokens_le_bytes(data)
+            return self._store.overlap(_core.blocks.page_hash_bytes(
+                _root_key(namespace), data, self._page_bytes), medium)
         _, workers, owners = self._owners(medium)
         return {workers[owner]: depth for owner, depth in self._index.overlap(
             _root_key(namespace), data, self._page_bytes, owners)}
 
+    # -- a shared store --------------------------------------------------------------------
+    def resume_seq(self, worker: Hashable) -> Optional[int]:
+        """Tell where ``worker``'s stream resumes: the sequence number after the last batch
+        stored for it (what a subscriber's ``start_seq`` asks the publisher to replay from).
+
+        Args:
+            worker: The worker id.
+
+        Returns:
+            The sequence number, or None: no store, no stored batch, or the store failed.
+        """
+        return None if self._store is None else self._store.resume_seq(worker)
+
+    def renew(self, workers: Optional[Iterable[Hashable]] = None) -> None:
+        """Renew the leases of the workers this indexer owns (their batches also renew them).
+
+        Call it for workers known to be alive but quiet, well within ``lease_s``. Nothing
+        without a store.
+
+        Args:
+            workers: The worker ids (None: every worker this indexer owns).
+        """
+        if self._store is not None:
+            self._store.renew(list(self._store._owned) if workers is None else workers)
+
+    def collect_expired(self, limit: int = 100) -> list:
+        """Drop the blocks of the workers whose lease expired (any router may call it).
+
+        Reads the leases by expiry and each dead worker's own list of blocks: no scan of
+        the store. Nothing without a store.
+
+        Args:
+            limit: At most this many workers per call.
+
+        Returns:
+            The workers collected.
+        """
+        return [] if self._store is None else self._store.collect(limit)
+
+    def close(self) -> None:
+        """Close the connection to the store (nothing without one)."""
+        if self._store is not None:
+            self._store.close()
+
     def __repr__(self) -> str:
+        if self._store is not None:
+            return (f"KvIndexer(block_size={self.block_size}, store={self._store.url!r}, "
+                    f"namespace={self._store.namespace!r})")
         return (f"KvIndexer(block_size={self.block_size}, workers={len(self._copies)}, "
                 f"blocks={len(self._index)})")
 

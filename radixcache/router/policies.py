@@ -332,6 +332,8 @@ class Router:
     def _has_host_blocks(self) -> bool:
         """Whether the indexer holds any block on a worker's host tier."""
         indexer = self.indexer
+        if indexer._store is not None:  # one round trip, not one per worker
+            return indexer._store.holds_on(MEDIUM_CPU)
         return any(indexer.blocks_held(worker, MEDIUM_CPU) for worker in indexer.workers)
 
     def _with_host_blocks(self, data: bytes, namespace: bytes, overlap: dict) -> dict:
