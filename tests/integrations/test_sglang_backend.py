@@ -70,7 +70,7 @@ from radixcache.integrations.sglang import RadixcacheBackend
 
 #: Random scheduler steps per (core, page size, policy) sequence.
 STEPS = 2200
-POLICIES = ("lru", "priority", "fifo", "filo", "mru")
+POLICIES = ("lru", "priority", "fifo", "filo", "mru", "lfu", "slru")
 POOL_TOKENS = {1: 384, 16: 1024}
 ROWS = 8
 #: Scheduler-level calls into our cache, per core (summed in the closing line).
@@ -492,6 +492,33 @@ def test_split_rule_correction_matters(monkeypatch):
                 replay.step()
     finally:
         replay.close()
+
+
+def test_hit_counting_per_request_matters(monkeypatch):
+    """Counting a hit for every insert through a node (radixcache's default) instead of once
+    per request, as SGLang does, makes the lfu order diverge: the comparison above sees it."""
+    from radixcache import RadixCache  # noqa: PLC0415
+
+    insert = RadixCache.insert
+
+    def every_insert_counts(self, *args, hits_from=0, **kwargs):
+        return insert(self, *args, **kwargs)
+
+    monkeypatch.setattr(RadixCache, "insert", every_insert_counts)
+    replay = Replay("c" if "c" in _cores() else "python", 16, "lfu",
+                    seed=zlib.crc32(b"16-lfu"), monkeypatch=monkeypatch)
+    try:
+        with pytest.raises(AssertionError, match="differ|!="):
+            for _ in range(STEPS):
+                replay.step()
+    finally:
+        replay.close()
+
+
+def _cores() -> tuple:
+    from radixcache._core import CORES  # noqa: PLC0415
+
+    return tuple(CORES)
 
 
 def teardown_module(module) -> None:
