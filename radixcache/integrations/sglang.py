@@ -459,9 +459,15 @@ class RadixcacheBackend(BasePrefixCache):
         values = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned].to(
             dtype=torch.int64, copy=True)
         priority = req.priority or 0
+        use_priority = self._use_priority
         # A node counts one hit per request: those this request inserted before counted then.
-        result = self._insert(tokens, values, namespace, priority, (extra_key, salt),
-                              kv.cache_inserted_len)
+        if self.kv_events.enabled:
+            result = self._insert(tokens, values, namespace, priority, (extra_key, salt),
+                                  kv.cache_inserted_len)
+        else:
+            result = self._cache.insert(tokens, values, namespace,
+                                        priority if use_priority else 0,
+                                        hits_from=kv.cache_inserted_len)
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
         prompt_len = len(req.origin_input_ids)
         prompt_len -= prompt_len % self.page_size
@@ -470,7 +476,7 @@ class RadixcacheBackend(BasePrefixCache):
             # the prompt, the prompt one priority up (SGLang does the same). The prompt is
             # cached now: this insert only splits, stamps and raises priorities (no hits).
             self._cache.insert(tokens[:prompt_len], None, namespace,
-                               min(priority + 1, _INT64_MAX) if self._use_priority else 0,
+                               min(priority + 1, _INT64_MAX) if use_priority else 0,
                                hits_from=prompt_len)
         del tokens
         new_last_node = result.last_node
@@ -501,10 +507,16 @@ class RadixcacheBackend(BasePrefixCache):
         if type(num_tokens) is not int:
             raise TypeError(f"EvictParams.num_tokens must be an int, got "
                             f"{type(num_tokens).__name__}")
-        self._retry_pending_frees()
+        return EvictResult(num_tokens_evicted=self._evict(num_tokens))
+
+    def _evict(self, num_tokens: int) -> int:
+        """``evict`` for an int: the tokens freed."""
+        if self._pending_frees:
+            self._retry_pending_frees()
         if num_tokens <= 0:
-            return EvictResult()
-        start_time = time.perf_counter()
+            return 0
+        collector = self.metrics_collector
+        start_time = time.perf_counter() if collector is not None else 0.0
         self._path_memo.clear()
         freed = 0
         try:
@@ -515,8 +527,9 @@ class RadixcacheBackend(BasePrefixCache):
                 # per victim would give the allocator.
                 freed = self._cache.evict(num_tokens, self._free, batch=True)
         finally:
-            self.update_eviction_metrics(freed, start_time)
-        return EvictResult(num_tokens_evicted=freed)
+            if collector is not None:
+                self.update_eviction_metrics(freed, start_time)
+        return freed
 
     def evict_for_alloc(self, params: EvictParams, *,
                         allocation_reclaim_satisfied: Any = None) -> EvictResult:
@@ -524,17 +537,21 @@ class RadixcacheBackend(BasePrefixCache):
         tokens than now (what SGLang's own cache does for a full-attention pool)."""
         if allocation_reclaim_satisfied is not None:
             raise NotImplementedError("the radixcache backend does not support joint reclaim")
+        num_tokens = params.num_tokens
+        if type(num_tokens) is not int:
+            raise TypeError(f"EvictParams.num_tokens must be an int, got "
+                            f"{type(num_tokens).__name__}")
         allocator = self.token_to_kv_pool_allocator
-        target = allocator.available_size() + params.num_tokens
-        result = self.evict(params)
+        target = allocator.available_size() + num_tokens
+        freed = self._evict(num_tokens)
         # An allocator whose capacity rises by less than the tokens freed: go on to the target.
-        while (result.num_tokens_evicted and allocator.available_size() < target
+        while (freed and allocator.available_size() < target
                and self._cache.evictable_size()):
-            more = self.evict(EvictParams(num_tokens=target - allocator.available_size()))
-            if not more.num_tokens_evicted:
+            more = self._evict(target - allocator.available_size())
+            if not more:
                 break
-            result.num_tokens_evicted += more.num_tokens_evicted
-        return result
+            freed += more
+        return EvictResult(num_tokens_evicted=freed)
 
     def free_kv_row(self, kv: Any, ranges: list) -> None:
         """Give back half-open ranges of ``kv``'s row positions to the allocator (SGLang's

@@ -99,7 +99,8 @@ def _server_args(backend: str | None):
     return _CONTEXT.override_server_args(radix_cache_backend=backend)
 
 
-def build_side(backend: str | None, page_size: int, policy: str, lora_names=None):
+def build_side(backend: str | None, page_size: int, policy: str, lora_names=None,
+               events: bool = True):
     kv_pool = MHATokenToKVPool(size=POOL_TOKENS[page_size], page_size=page_size,
                                dtype=torch.float16, head_num=1, head_dim=2, layer_num=1,
                                device="cpu", enable_memory_saver=False)
@@ -113,7 +114,7 @@ def build_side(backend: str | None, page_size: int, policy: str, lora_names=None
                           enable_memory_saver=False)
     params = CacheInitParams(disable=False, req_to_token_pool=rows,
                              token_to_kv_pool_allocator=allocator, page_size=page_size,
-                             eviction_policy=policy, enable_kv_cache_events=True,
+                             eviction_policy=policy, enable_kv_cache_events=events,
                              tree_core_backend=None if backend else "python")
     if lora_names is not None:
         params.kv_event_lora_names = lora_names
@@ -353,7 +354,7 @@ class Replay:
     """Drives ours and SGLang's through one random sequence and compares after each step."""
 
     def __init__(self, core: str, page_size: int, policy: str, seed: int, monkeypatch,
-                 split_rule: bool = True) -> None:
+                 split_rule: bool = True, events: bool = True) -> None:
         monkeypatch.setattr(RadixcacheBackend, "core", core)
         backend_module.register()
         from sglang.srt.mem_cache.events import KvEventLoraNames  # noqa: PLC0415
@@ -363,8 +364,8 @@ class Replay:
             names.register(types.SimpleNamespace(lora_id="id-a", extra_key="ns-a"), "adapter-a")
             return names
 
-        sgl = build_side(None, page_size, policy, lora_names())
-        ours = build_side("radixcache", page_size, policy, lora_names())
+        sgl = build_side(None, page_size, policy, lora_names(), events)
+        ours = build_side("radixcache", page_size, policy, lora_names(), events)
         assert type(sgl[0]).__name__ == "UnifiedRadixCache"
         assert isinstance(ours[0], RadixcacheBackend) and ours[0].radix_cache.core_name == core
         if split_rule:
@@ -478,6 +479,22 @@ def test_same_as_sglang_default_cache(backend_core, monkeypatch, page_size, poli
         assert counts.get(kind, 0) > 5, (kind, counts)
     assert counts.get("reset", 0) >= 1, counts
     assert replay.ours.allocator.available_size() < POOL_TOKENS[page_size]
+    CALLS[backend_core] = CALLS.get(backend_core, 0) + replay.calls
+
+
+@pytest.mark.parametrize("policy", ("lru", "lfu"))
+def test_same_as_sglang_default_cache_without_events(backend_core, monkeypatch, policy):
+    """Events off: the backend's insert skips the event bookkeeping (another code path)."""
+    replay = Replay(backend_core, 16, policy, seed=zlib.crc32(f"quiet-{policy}".encode()),
+                    monkeypatch=monkeypatch, events=False)
+    try:
+        for _ in range(STEPS // 2):
+            replay.step()
+    finally:
+        replay.close()
+    assert replay.counts.get("finished", 0) > 5 and not replay.counts.get("events"), \
+        replay.counts
+    assert replay.ours.allocator.available_size() < POOL_TOKENS[16]
     CALLS[backend_core] = CALLS.get(backend_core, 0) + replay.calls
 
 
