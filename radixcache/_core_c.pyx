@@ -2019,9 +2019,10 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             release_tokens(&b)
             self.give(held)
 
-    def insert(self, tokens, kv=None, extra_key=None, priority=0, bint held=False):
+    def insert(self, tokens, kv=None, extra_key=None, priority=0, bint held=False,
+               hits_from=0):
         cdef TokenBuf b, v
-        cdef int64_t prio, ns, now
+        cdef int64_t prio, ns, now, hits_after
         cdef Py_ssize_t end, pos = 0, common, prefix_len
         cdef bint whole, split_here, private = extra_key is not None
         cdef Node node, child, leaf = None
@@ -2040,6 +2041,15 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         try:
             prio = PyLong_AsLongLong(priority)
         except OverflowError:
+            return None
+        # A path node counts a hit when it ends past hits_from tokens.
+        if type(hits_from) is not int:
+            return None
+        try:
+            hits_after = PyLong_AsLongLong(hits_from)
+        except OverflowError:
+            return None
+        if hits_after < 0:
             return None
         self.take(held, "insert")
         try:
@@ -2098,7 +2108,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     lower = child
                     child = self.tree.split(child, common)
                 child.last_access_time = now
-                child.hit_count += 1
+                if pos + common > hits_after:
+                    child.hit_count += 1
                 if prio > child.priority:
                     child.priority = prio
                 if tiered:
@@ -2132,7 +2143,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     if leaf_values is leaf_key:  # the values follow the tokens
                         leaf.value_ptr += end - pos
                 leaf.priority = prio
-                leaf.hit_count = 1
+                leaf.hit_count = 1 if end > hits_after else 0
                 leaf.ns = ns
                 leaf.extra_key = extra_key
                 h = self.tree.page_hash(leaf.key_ptr, ns)

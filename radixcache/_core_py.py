@@ -47,10 +47,12 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
   clock tick (none when the aligned length is 0); counts a lookup and the queried/matched
   tokens; for policies in ``KEY_FALLS_ON_ACCESS`` pushes the matched leaf again. ``indices``
   is one new index array (a new empty one on a miss, with ``last_node`` the root).
-- ``insert(tokens, kv, extra_key, priority, held=False) -> InsertResult | None``: walks,
-  splits where the key diverges inside a node, adds the uncached remainder as one new leaf
-  (with ``held``, ``take_new_leaf()`` returns it afterwards) holding a copy of its slice of ``kv``,
-  stamps the path, raises priorities, counts one hit per path node (a new leaf starts at 1),
+- ``insert(tokens, kv, extra_key, priority, held=False, hits_from=0) -> InsertResult |
+  None``: walks, splits where the key diverges inside a node, adds the uncached remainder as
+  one new leaf (with ``held``, ``take_new_leaf()`` returns it afterwards) holding a copy of its
+  slice of ``kv``, stamps the path, raises priorities, counts one hit per path node that ends
+  past ``hits_from`` tokens (an int in [0, 2^63); a new leaf starts at 1 if it ends past
+  ``hits_from``, else at 0; the default 0 counts every node),
   marks the last node terminal when the sequence was page aligned, updates sizes and
   counters and pushes the new leaf on the heap.
 - ``exists(tokens, extra_key, held=False) -> bool | None``: read-only exact-sequence test.
@@ -563,8 +565,10 @@ class Core:
         return MatchResult(indices, last, device_length, host_length, last_host)
 
     def insert(self, tokens: Any, kv: Any = None, extra_key: Any = None, priority: Any = 0,
-               held: bool = False) -> InsertResult | None:
+               held: bool = False, hits_from: Any = 0) -> InsertResult | None:
         if type(priority) is not int or not INT64_MIN <= priority <= INT64_MAX:
+            return None
+        if type(hits_from) is not int or not 0 <= hits_from <= INT64_MAX:
             return None
         self._take(held, "insert")
         try:
@@ -580,7 +584,8 @@ class Core:
                 if values is None:
                     return None
             tree = self.tree
-            prefix_len, last, new_leaf, adopted = tree._insert(buf, extra_key, priority)
+            prefix_len, last, new_leaf, adopted = tree._insert(buf, extra_key, priority,
+                                                            hits_from)
             self.inserts += 1
             if held:
                 self.new_leaf = new_leaf  # for cache.py's take_new_leaf()

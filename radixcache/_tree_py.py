@@ -387,8 +387,10 @@ class Tree:
             node = child
         return path, pos // TOKEN_BYTES
 
-    def _insert(self, buf: bytes, extra_key: Any = None, priority: int = 0):
+    def _insert(self, buf: bytes, extra_key: Any = None, priority: int = 0,
+                hits_from: int = 0):
         end = self._aligned_end(buf)
+        hits_bytes = hits_from * TOKEN_BYTES  # a node counts a hit if it ends past this
         whole = end == len(buf)
         node = self.root
         if end == 0:
@@ -405,7 +407,8 @@ class Tree:
             if child is None:
                 break
             child._last_access_time = now
-            child._hit_count += 1
+            if pos + common > hits_bytes:
+                child._hit_count += 1
             if priority > child._priority:
                 child._priority = priority
             if not child._on_device:  # host only: the Core adopts it (the caller's slots)
@@ -419,7 +422,7 @@ class Tree:
         new_leaf = None
         if pos < end:
             new_leaf = self._Node(buf[pos:end], node, extra_key, now, priority)
-            new_leaf._hit_count = 1
+            new_leaf._hit_count = 1 if end > hits_bytes else 0
             first = buf[pos:pos + self._page_bytes]
             ckey = self._child_key(node, extra_key, first)  # hashes extra_key: may raise
             node._children[ckey] = new_leaf

@@ -111,6 +111,13 @@ def _check_priority(priority: Any) -> int:
     return priority
 
 
+def _check_hits_from(hits_from: Any) -> int:
+    hits_from = check_int(hits_from, "hits_from", low=0)
+    if hits_from > INT64_MAX:
+        raise OverflowError(f"hits_from {hits_from} does not fit in int64")
+    return hits_from
+
+
 def _check_extra_key(extra_key: Any) -> None:
     try:
         hash(extra_key)
@@ -199,8 +206,9 @@ class RadixCache:
             whole number of pages; the tree stores only whole pages.
         eviction_policy: Which unlocked leaf ``evict`` frees first, one of
             ``EVICTION_POLICIES``: ``"lru"`` (default) least recently used; ``"lfu"`` fewest
-            hits (an insert through or ending at a node is a hit), ties by LRU; ``"fifo"``
-            oldest created; ``"mru"`` most recently used; ``"filo"`` newest created;
+            hits (an insert through or ending at a node is a hit; see ``insert``'s
+            ``hits_from``), ties by LRU; ``"fifo"`` oldest created; ``"mru"`` most recently
+            used; ``"filo"`` newest created;
             ``"slru"`` nodes hit fewer than 2 times before the others, LRU in each segment;
             ``"priority"`` lowest priority, then LRU. With every policy a lower ``priority``
             (see ``insert``) goes before a higher one.
@@ -427,13 +435,13 @@ class RadixCache:
         return result
 
     def insert(self, token_ids: Any, kv_indices: Any = None, extra_key: Any = None,
-               priority: int = 0) -> InsertResult:
+               priority: int = 0, *, hits_from: int = 0) -> InsertResult:
         """Cache ``token_ids`` with their KV slot indices.
 
         Only whole pages are cached. The part already in the tree is left as it is (its
-        nodes' priority is raised to ``priority`` and they count a hit); the rest becomes one
-        new leaf holding a copy of its slice of ``kv_indices``. The sequence is marked, so
-        that ``exists`` finds it.
+        nodes' priority is raised to ``priority``, and those that end past ``hits_from``
+        tokens count a hit); the rest becomes one new leaf holding a copy of its slice of
+        ``kv_indices``. The sequence is marked, so that ``exists`` finds it.
 
         Args:
             token_ids: The tokens (prompt and output): a list or tuple of ints, an
@@ -445,6 +453,12 @@ class RadixCache:
             extra_key: The namespace (any hashable; see ``match_prefix``).
             priority: An int64; with every eviction policy a lower priority is evicted
                 before a higher one.
+            hits_from: Count a hit only on the nodes of the path that end past this many
+                tokens (an int >= 0; the default 0 counts every node). A caller that inserts
+                a growing sequence in steps passes the length it inserted before, so that
+                each node counts one hit per sequence, as SGLang counts them for its
+                ``lfu`` and ``slru`` policies. A new leaf that ends at or before
+                ``hits_from`` starts with no hit.
 
         With a host tier, a node on the path that is only on the host is adopted: it takes
         the caller's slots for its tokens (a copy of that slice of ``kv_indices``) and is on
@@ -463,11 +477,12 @@ class RadixCache:
 
         Raises:
             TypeError: tokens or indices that are not integers, an unhashable ``extra_key``,
-                a ``priority`` that is not an int, or (with events on) an ``extra_key`` that
-                events cannot carry.
-            ValueError: tokens or indices that are not 1-D, tokens on a device, or fewer
-                indices than page-aligned tokens.
-            OverflowError: a token, index or priority that does not fit in int64.
+                a ``priority`` or ``hits_from`` that is not an int, or (with events on) an
+                ``extra_key`` that events cannot carry.
+            ValueError: tokens or indices that are not 1-D, tokens on a device, fewer
+                indices than page-aligned tokens, or a negative ``hits_from``.
+            OverflowError: a token, index, priority or ``hits_from`` that does not fit in
+                int64.
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile, or another thread wrote ``token_ids`` while the
                 call read them (the rest of the sequence is then not cached).
@@ -475,7 +490,8 @@ class RadixCache:
         events = self._events
         # extra_key None: a namespace events always carry.
         if events is None or (extra_key is None and not self.host_tier):
-            result = self._core.insert(token_ids, kv_indices, extra_key, priority)
+            result = self._core.insert(token_ids, kv_indices, extra_key, priority, False,
+                                       hits_from)
             if result is not None:
                 if events is not None and result.prefix_len < self._aligned(len(token_ids)):
                     events.stored(result.last_node)  # the new leaf, where the tokens end
@@ -483,7 +499,7 @@ class RadixCache:
         elif extra_key is None:
             # With a host tier the adopted nodes' events come first: the core call is held,
             # so that it leaves them (and its new leaf) to take afterwards.
-            result = self._held_insert(token_ids, kv_indices, priority)
+            result = self._held_insert(token_ids, kv_indices, priority, hits_from)
             if result is not None:
                 return result
         # An unusual input, a bad one, or events on (the recorder has its own rules for
@@ -498,25 +514,28 @@ class RadixCache:
                     self._events.check_extra_key(extra_key)  # fail before the tree changes
             if type(priority) is not int or not INT64_MIN <= priority <= INT64_MAX:
                 priority = _check_priority(priority)
+            if type(hits_from) is not int or not 0 <= hits_from <= INT64_MAX:
+                hits_from = _check_hits_from(hits_from)
             kv = None
             if kv_indices is not None:
                 kv = self._kv_values(kv_indices, self._aligned(len(tokens)))
             on_device = kv is not None and not isinstance(kv, np.ndarray)
             result = _checked(core.insert(tokens, None if on_device else kv, extra_key,
-                                          priority, True))
+                                          priority, True, hits_from))
             self._after_held_insert(kv if on_device else None, len(tokens))
             return result
         finally:
             core.leave()
 
-    def _held_insert(self, token_ids: Any, kv_indices: Any, priority: Any) -> Any:
+    def _held_insert(self, token_ids: Any, kv_indices: Any, priority: Any,
+                     hits_from: Any) -> Any:
         """``insert``'s fast path with events and a host tier (default namespace): the core
         under the cache's guard, then the events of the nodes it adopted and of its new leaf,
         as the checked path emits them; None when the core declined the input."""
         core = self._core
         core.enter("insert")
         try:
-            result = core.insert(token_ids, kv_indices, None, priority, True)
+            result = core.insert(token_ids, kv_indices, None, priority, True, hits_from)
             if result is not None:
                 self._after_held_insert(None, len(token_ids))
             return result

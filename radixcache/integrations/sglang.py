@@ -18,8 +18,9 @@ the matched part counts as used (see ``docs/sglang.md``).
 ``create_backend`` refuses, before the server starts serving, what this cache does not
 implement: sliding-window and Mamba (hybrid) models, hierarchical cache, LMCache, FlexKV,
 external cache linkers, host-pool retraction, MLX, EAGLE's bigram keys, sharded KV pages,
-session and streaming-session radix caches, a disabled radix cache, and eviction policies
-other than ``lru``, ``fifo``, ``filo``, ``mru`` and ``priority``.
+session and streaming-session radix caches, a disabled radix cache, eviction policies other
+than ``lru``, ``lfu``, ``fifo``, ``filo``, ``mru``, ``slru`` and ``priority``, and eviction
+policy options.
 
 This module imports SGLang; ``import radixcache`` never does.
 """
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "radixcache"
 
 #: ``--radix-eviction-policy`` values this cache serves exactly as SGLang's own cache does.
-SUPPORTED_EVICTION_POLICIES = ("lru", "fifo", "filo", "mru", "priority")
+SUPPORTED_EVICTION_POLICIES = ("lru", "lfu", "fifo", "filo", "mru", "slru", "priority")
 
 _INT64_MAX = 2**63 - 1
 _PATH_MEMO_SIZE = 4096
@@ -155,17 +156,16 @@ def _refusal(ctx: Any) -> Optional[str]:
                 f"{_DROP_FLAG}")
     policy = params.eviction_policy
     if not isinstance(policy, str) or policy.lower() not in SUPPORTED_EVICTION_POLICIES:
-        why = {"lfu": "radixcache counts a hit for every insert through a node, SGLang once "
-                      "per request, so the least-frequently-used node would differ",
-               "slru": "radixcache counts a hit for every insert through a node, SGLang once "
-                       "per request, so the segments would differ",
-               "tlru": "T-LRU's per-node tail bookkeeping lives in SGLang's unified tree"}
+        why = {"tlru": "T-LRU's per-node tail bookkeeping lives in SGLang's unified tree"}
         reason = why.get(str(policy).lower(), "radixcache does not know it")
         return (f"--radix-eviction-policy {policy}: {reason}; use one of "
                 f"{', '.join(SUPPORTED_EVICTION_POLICIES)}, or {_DROP_FLAG}")
     if params.eviction_policy_config:
-        return (f"--radix-eviction-policy-config {params.eviction_policy_config!r}: the "
-                f"{policy} policy takes no options; drop the flag")
+        takes = ("radixcache's slru protects a node from its second hit on (SGLang's default "
+                 "protected_threshold, 2)" if policy.lower() == "slru"
+                 else f"the {policy} policy takes no options")
+        return (f"--radix-eviction-policy-config {params.eviction_policy_config!r}: {takes}; "
+                "drop the flag")
     return None
 
 
@@ -404,7 +404,8 @@ class RadixcacheBackend(BasePrefixCache):
     def insert(self, params: InsertParams) -> InsertResult:
         """Cache ``params.key`` (page-aligned) with ``params.value``; the slots of
         ``value[prev_prefix_len:prefix_len]`` duplicate cached ones and go back to the
-        allocator, as SGLang's own cache frees them."""
+        allocator, as SGLang's own cache frees them. Only the nodes that end past
+        ``params.inserted_len`` count a hit (SGLang counts one per request)."""
         key = params.key
         _check_key(key)
         aligned = len(key) - len(key) % self.page_size
@@ -416,17 +417,17 @@ class RadixcacheBackend(BasePrefixCache):
             raise ValueError(f"insert: {len(value)} values for {aligned} page-aligned tokens")
         priority = params.priority or 0
         result = self._insert(tokens, value[:aligned], _namespace(key), priority,
-                              (key.extra_key, key.cache_salt))
+                              (key.extra_key, key.cache_salt), params.inserted_len or 0)
         self._free_duplicates(value, params.prev_prefix_len, result.prefix_len)
         return InsertResult(prefix_len=result.prefix_len, last_device_node=result.last_node)
 
     def _insert(self, tokens: np.ndarray, value: torch.Tensor, namespace: Any, priority: int,
-                names: tuple) -> Any:
-        """radixcache's insert; with events on, the new leaf's BlockStored (``names``: the
-        key's extra_key and cache_salt)."""
+                names: tuple, hits_from: int) -> Any:
+        """radixcache's insert (hits counted past ``hits_from`` tokens); with events on, the
+        new leaf's BlockStored (``names``: the key's extra_key and cache_salt)."""
         if not self._use_priority:
             priority = 0
-        result = self._cache.insert(tokens, value, namespace, priority)
+        result = self._cache.insert(tokens, value, namespace, priority, hits_from=hits_from)
         if self.kv_events.enabled and result.prefix_len < len(tokens):
             self._record_stored(result, tokens, value, names)
         return result
@@ -458,16 +459,25 @@ class RadixcacheBackend(BasePrefixCache):
         values = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned].to(
             dtype=torch.int64, copy=True)
         priority = req.priority or 0
-        result = self._insert(tokens, values, namespace, priority, (extra_key, salt))
+        use_priority = self._use_priority
+        # A node counts one hit per request: those this request inserted before counted then.
+        if self.kv_events.enabled:
+            result = self._insert(tokens, values, namespace, priority, (extra_key, salt),
+                                  kv.cache_inserted_len)
+        else:
+            result = self._cache.insert(tokens, values, namespace,
+                                        priority if use_priority else 0,
+                                        hits_from=kv.cache_inserted_len)
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
         prompt_len = len(req.origin_input_ids)
         prompt_len -= prompt_len % self.page_size
         if 0 < prompt_len < aligned:
             # Split the leaf at the prompt boundary so eviction can drop the answer before
             # the prompt, the prompt one priority up (SGLang does the same). The prompt is
-            # cached now: this insert only splits, stamps and raises priorities.
+            # cached now: this insert only splits, stamps and raises priorities (no hits).
             self._cache.insert(tokens[:prompt_len], None, namespace,
-                               min(priority + 1, _INT64_MAX) if self._use_priority else 0)
+                               min(priority + 1, _INT64_MAX) if use_priority else 0,
+                               hits_from=prompt_len)
         del tokens
         new_last_node = result.last_node
         free_error = None
@@ -497,10 +507,16 @@ class RadixcacheBackend(BasePrefixCache):
         if type(num_tokens) is not int:
             raise TypeError(f"EvictParams.num_tokens must be an int, got "
                             f"{type(num_tokens).__name__}")
-        self._retry_pending_frees()
+        return EvictResult(num_tokens_evicted=self._evict(num_tokens))
+
+    def _evict(self, num_tokens: int) -> int:
+        """``evict`` for an int: the tokens freed."""
+        if self._pending_frees:
+            self._retry_pending_frees()
         if num_tokens <= 0:
-            return EvictResult()
-        start_time = time.perf_counter()
+            return 0
+        collector = self.metrics_collector
+        start_time = time.perf_counter() if collector is not None else 0.0
         self._path_memo.clear()
         freed = 0
         try:
@@ -511,8 +527,9 @@ class RadixcacheBackend(BasePrefixCache):
                 # per victim would give the allocator.
                 freed = self._cache.evict(num_tokens, self._free, batch=True)
         finally:
-            self.update_eviction_metrics(freed, start_time)
-        return EvictResult(num_tokens_evicted=freed)
+            if collector is not None:
+                self.update_eviction_metrics(freed, start_time)
+        return freed
 
     def evict_for_alloc(self, params: EvictParams, *,
                         allocation_reclaim_satisfied: Any = None) -> EvictResult:
@@ -520,17 +537,21 @@ class RadixcacheBackend(BasePrefixCache):
         tokens than now (what SGLang's own cache does for a full-attention pool)."""
         if allocation_reclaim_satisfied is not None:
             raise NotImplementedError("the radixcache backend does not support joint reclaim")
+        num_tokens = params.num_tokens
+        if type(num_tokens) is not int:
+            raise TypeError(f"EvictParams.num_tokens must be an int, got "
+                            f"{type(num_tokens).__name__}")
         allocator = self.token_to_kv_pool_allocator
-        target = allocator.available_size() + params.num_tokens
-        result = self.evict(params)
+        target = allocator.available_size() + num_tokens
+        freed = self._evict(num_tokens)
         # An allocator whose capacity rises by less than the tokens freed: go on to the target.
-        while (result.num_tokens_evicted and allocator.available_size() < target
+        while (freed and allocator.available_size() < target
                and self._cache.evictable_size()):
-            more = self.evict(EvictParams(num_tokens=target - allocator.available_size()))
-            if not more.num_tokens_evicted:
+            more = self._evict(target - allocator.available_size())
+            if not more:
                 break
-            result.num_tokens_evicted += more.num_tokens_evicted
-        return result
+            freed += more
+        return EvictResult(num_tokens_evicted=freed)
 
     def free_kv_row(self, kv: Any, ranges: list) -> None:
         """Give back half-open ranges of ``kv``'s row positions to the allocator (SGLang's

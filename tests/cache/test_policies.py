@@ -146,6 +146,48 @@ def test_split_by_insert_counts_the_insert_on_the_upper_half_only(make_cache):
     assert (upper.hit_count, lower.hit_count, new_leaf.hit_count) == (3, 2, 1)
 
 
+@pytest.mark.parametrize("options", [{}, {"enable_events": True}, {"host_tier": True}])
+def test_hits_from_counts_only_the_nodes_that_end_past_it(make_cache, options):
+    # A sequence inserted in steps (chunked prefill), each step passing the length inserted
+    # before: every node counts one hit for the sequence, as SGLang counts them.
+    cache = make_cache(**options)
+    first = cache.insert([1, 2, 3, 4], [10, 11, 12, 13]).last_node
+    assert first.hit_count == 1
+    second = cache.insert([1, 2, 3, 4, 5, 6, 7, 8], list(range(10, 18)), hits_from=4).last_node
+    assert (first.hit_count, second.hit_count) == (1, 1)
+    # Again up to where it was inserted: no node counts, not even a split's upper half.
+    assert cache.insert([1, 2, 3, 4, 5, 6], list(range(10, 16)), hits_from=8).prefix_len == 6
+    upper = second.parent
+    assert upper is not first and upper.num_tokens == 2 and upper.parent is first
+    assert (first.hit_count, upper.hit_count, second.hit_count) == (1, 1, 1)
+    # Another sequence through the same prefix counts once per node it passes.
+    cache.insert([1, 2, 3, 4, 5, 6, 9], list(range(20, 27)))
+    assert (first.hit_count, upper.hit_count, second.hit_count) == (2, 2, 1)
+    # hits_from inside a node: the node ends past it, so it counts.
+    cache.insert([1, 2, 3, 4, 5, 6], list(range(10, 16)), hits_from=5)
+    assert (first.hit_count, upper.hit_count) == (2, 3)
+    check_invariants(cache)
+
+
+def test_a_new_leaf_that_ends_at_hits_from_starts_with_no_hit(make_cache):
+    cache = make_cache(page_size=2)
+    assert cache.insert([1, 2, 3, 4], hits_from=4).last_node.hit_count == 0
+    assert cache.insert([5, 6, 7, 8], hits_from=3).last_node.hit_count == 1
+    assert cache.insert([9, 9, 9, 9, 9], hits_from=4).last_node.hit_count == 0  # 4 aligned
+    assert cache.insert([8, 8], hits_from=2**63 - 1).last_node.hit_count == 0
+
+
+@pytest.mark.parametrize("hits_from, order", [(0, [20, 10]), (2, [10, 20])])
+def test_hits_from_decides_the_lfu_order(make_cache, hits_from, order):
+    cache = make_cache(eviction_policy="lfu")
+    cache.insert([1, 1], [10, 11])
+    cache.insert([2, 2], [20, 21])
+    cache.insert([2, 2], [20, 21])  # B: two hits
+    cache.insert([1, 1], [10, 11], hits_from=hits_from)  # A again, the newest access
+    # hits_from 0: A has two hits too, and B is older; hits_from 2: A keeps one hit.
+    assert eviction_order(cache) == order
+
+
 def test_insert_raises_priority_along_the_path_but_never_lowers_it(make_cache):
     cache = make_cache()
     leaf = cache.insert([1, 2, 3], priority=2).last_node

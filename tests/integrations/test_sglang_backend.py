@@ -70,7 +70,7 @@ from radixcache.integrations.sglang import RadixcacheBackend
 
 #: Random scheduler steps per (core, page size, policy) sequence.
 STEPS = 2200
-POLICIES = ("lru", "priority", "fifo", "filo", "mru")
+POLICIES = ("lru", "priority", "fifo", "filo", "mru", "lfu", "slru")
 POOL_TOKENS = {1: 384, 16: 1024}
 ROWS = 8
 #: Scheduler-level calls into our cache, per core (summed in the closing line).
@@ -99,7 +99,8 @@ def _server_args(backend: str | None):
     return _CONTEXT.override_server_args(radix_cache_backend=backend)
 
 
-def build_side(backend: str | None, page_size: int, policy: str, lora_names=None):
+def build_side(backend: str | None, page_size: int, policy: str, lora_names=None,
+               events: bool = True):
     kv_pool = MHATokenToKVPool(size=POOL_TOKENS[page_size], page_size=page_size,
                                dtype=torch.float16, head_num=1, head_dim=2, layer_num=1,
                                device="cpu", enable_memory_saver=False)
@@ -113,7 +114,7 @@ def build_side(backend: str | None, page_size: int, policy: str, lora_names=None
                           enable_memory_saver=False)
     params = CacheInitParams(disable=False, req_to_token_pool=rows,
                              token_to_kv_pool_allocator=allocator, page_size=page_size,
-                             eviction_policy=policy, enable_kv_cache_events=True,
+                             eviction_policy=policy, enable_kv_cache_events=events,
                              tree_core_backend=None if backend else "python")
     if lora_names is not None:
         params.kv_event_lora_names = lora_names
@@ -353,7 +354,7 @@ class Replay:
     """Drives ours and SGLang's through one random sequence and compares after each step."""
 
     def __init__(self, core: str, page_size: int, policy: str, seed: int, monkeypatch,
-                 split_rule: bool = True) -> None:
+                 split_rule: bool = True, events: bool = True) -> None:
         monkeypatch.setattr(RadixcacheBackend, "core", core)
         backend_module.register()
         from sglang.srt.mem_cache.events import KvEventLoraNames
@@ -363,8 +364,8 @@ class Replay:
             names.register(types.SimpleNamespace(lora_id="id-a", extra_key="ns-a"), "adapter-a")
             return names
 
-        sgl = build_side(None, page_size, policy, lora_names())
-        ours = build_side("radixcache", page_size, policy, lora_names())
+        sgl = build_side(None, page_size, policy, lora_names(), events)
+        ours = build_side("radixcache", page_size, policy, lora_names(), events)
         assert type(sgl[0]).__name__ == "UnifiedRadixCache"
         assert isinstance(ours[0], RadixcacheBackend) and ours[0].radix_cache.core_name == core
         if split_rule:
@@ -481,6 +482,22 @@ def test_same_as_sglang_default_cache(backend_core, monkeypatch, page_size, poli
     CALLS[backend_core] = CALLS.get(backend_core, 0) + replay.calls
 
 
+@pytest.mark.parametrize("policy", ("lru", "lfu"))
+def test_same_as_sglang_default_cache_without_events(backend_core, monkeypatch, policy):
+    """Events off: the backend's insert skips the event bookkeeping (another code path)."""
+    replay = Replay(backend_core, 16, policy, seed=zlib.crc32(f"quiet-{policy}".encode()),
+                    monkeypatch=monkeypatch, events=False)
+    try:
+        for _ in range(STEPS // 2):
+            replay.step()
+    finally:
+        replay.close()
+    assert replay.counts.get("finished", 0) > 5 and not replay.counts.get("events"), \
+        replay.counts
+    assert replay.ours.allocator.available_size() < POOL_TOKENS[16]
+    CALLS[backend_core] = CALLS.get(backend_core, 0) + replay.calls
+
+
 def test_split_rule_correction_matters(monkeypatch):
     """Without the correction SGLang's side is given, the two diverge: the comparison above
     can fail, and the stated difference is the only one it forgives."""
@@ -492,6 +509,33 @@ def test_split_rule_correction_matters(monkeypatch):
                 replay.step()
     finally:
         replay.close()
+
+
+def test_hit_counting_per_request_matters(monkeypatch):
+    """Counting a hit for every insert through a node (radixcache's default) instead of once
+    per request, as SGLang does, makes the lfu order diverge: the comparison above sees it."""
+    from radixcache import RadixCache  # noqa: PLC0415
+
+    insert = RadixCache.insert
+
+    def every_insert_counts(self, *args, hits_from=0, **kwargs):
+        return insert(self, *args, **kwargs)
+
+    monkeypatch.setattr(RadixCache, "insert", every_insert_counts)
+    replay = Replay("c" if "c" in _cores() else "python", 16, "lfu",
+                    seed=zlib.crc32(b"16-lfu"), monkeypatch=monkeypatch)
+    try:
+        with pytest.raises(AssertionError, match="differ|!="):
+            for _ in range(STEPS):
+                replay.step()
+    finally:
+        replay.close()
+
+
+def _cores() -> tuple:
+    from radixcache._core import CORES  # noqa: PLC0415
+
+    return tuple(CORES)
 
 
 def teardown_module(module) -> None:

@@ -91,6 +91,7 @@ def _build_with(monkeypatch, server_args=None, policy="lru", **ctx_flags):
     params = CacheInitParams(disable=ctx_flags.pop("params_disable", False),
                              req_to_token_pool=rows, token_to_kv_pool_allocator=allocator,
                              page_size=1, eviction_policy=policy,
+                             eviction_policy_config=ctx_flags.pop("policy_config", None),
                              is_eagle=ctx_flags.pop("is_eagle", False))
     flags = dict(is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False,
                  disable_radix_cache=False)
@@ -132,10 +133,18 @@ def test_refused_at_start_up(monkeypatch, case):
     assert named in message and "--radix-cache-backend radixcache" in message, message
 
 
-@pytest.mark.parametrize("policy", ["lfu", "slru", "tlru", "random"])
+@pytest.mark.parametrize("policy", ["tlru", "random"])
 def test_unsupported_eviction_policy_refused(monkeypatch, policy):
     with pytest.raises(UnsupportedConfiguration, match=f"--radix-eviction-policy {policy}"):
         _build_with(monkeypatch, policy=policy)
+
+
+@pytest.mark.parametrize("policy, named", [("slru", "protected_threshold"),
+                                           ("lfu", "takes no options")])
+def test_eviction_policy_options_refused(monkeypatch, policy, named):
+    with pytest.raises(UnsupportedConfiguration, match="--radix-eviction-policy-config") as info:
+        _build_with(monkeypatch, policy=policy, policy_config={"protected_threshold": 3})
+    assert named in str(info.value)
 
 
 def test_mlx_refused(monkeypatch):

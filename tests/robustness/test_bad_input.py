@@ -219,6 +219,18 @@ def test_priority_out_of_int64(make_cache, priority):
     assert_untouched(cache, before)
 
 
+@pytest.mark.parametrize("hits_from, exc", [
+    (-1, ValueError), (1.5, TypeError), ("3", TypeError), (None, TypeError),
+    (True, TypeError), (2**63, OverflowError)])
+@pytest.mark.parametrize("extra_key", [None, "ns"])
+def test_bad_hits_from(make_cache, hits_from, exc, extra_key):
+    cache = populated(make_cache)
+    before = snapshot(cache)
+    with pytest.raises(exc, match="hits_from"):
+        cache.insert([1, 2, 3, 9], hits_from=hits_from, extra_key=extra_key)
+    assert_untouched(cache, before)
+
+
 def test_extreme_int64_priorities_are_accepted(make_cache):
     cache = make_cache()
     cache.insert([1], priority=2**63 - 1)
