@@ -514,7 +514,7 @@ def test_split_rule_correction_matters(monkeypatch):
 def test_hit_counting_per_request_matters(monkeypatch):
     """Counting a hit for every insert through a node (radixcache's default) instead of once
     per request, as SGLang does, makes the lfu order diverge: the comparison above sees it."""
-    from radixcache import RadixCache  # noqa: PLC0415
+    from radixcache import RadixCache
 
     insert = RadixCache.insert
 
@@ -533,7 +533,7 @@ def test_hit_counting_per_request_matters(monkeypatch):
 
 
 def _cores() -> tuple:
-    from radixcache._core import CORES  # noqa: PLC0415
+    from radixcache._core import CORES
 
     return tuple(CORES)
 
