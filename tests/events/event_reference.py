@@ -5,11 +5,26 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from pathlib import Path
 from typing import Any, List, Optional
+
+import pytest
 
 import radixcache.events as ev
 from radixcache import RadixCache
+from radixcache._core import CORES
 from conftest import core_of
+
+try:
+    import msgspec
+    import zmq
+except ImportError:  # the transport is optional; its tests skip
+    msgspec = zmq = None
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+needs_transport = pytest.mark.skipif(msgspec is None, reason="pyzmq/msgspec not installed")
+CORE_NAMES = sorted(CORES)
+SOCKET_WAIT_S = 10.0  # upper bound on any one wait for a socket; tests finish far sooner
 
 
 def ref_namespace(extra_key: Any) -> bytes:

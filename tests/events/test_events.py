@@ -26,18 +26,10 @@ import radixcache.events as ev
 import radixcache.events.hashing as ev_hashing
 from radixcache import RadixCache
 from radixcache._core import BLOCKS, CORES
-from event_reference import ref_chain, ref_hash, replay_into, stored, tree_pages
+from event_reference import (
+    CORE_NAMES, REPO_ROOT, msgspec, ref_chain, ref_hash, replay_into, stored, tree_pages,
+)
 
-try:
-    import msgspec
-    import zmq
-except ImportError:  # the transport is optional; its tests skip
-    msgspec = zmq = None
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-needs_transport = pytest.mark.skipif(msgspec is None, reason="pyzmq/msgspec not installed")
-CORE_NAMES = sorted(CORES)
-SOCKET_WAIT_S = 10.0  # upper bound on any one wait for a socket; tests finish far sooner
 
 
 # -- hashing ---------------------------------------------------------------------------------

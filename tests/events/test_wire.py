@@ -9,7 +9,6 @@ import random
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, List, Optional, Tuple, Union
 
 import numpy as np
@@ -17,19 +16,11 @@ import pytest
 
 import radixcache.events as ev
 from radixcache import RadixCache
-from radixcache._core import CORES
-from event_reference import ref_chain, replay_into, tree_pages
+from event_reference import (
+    REPO_ROOT, SOCKET_WAIT_S, msgspec, needs_transport, zmq,
+    ref_chain, replay_into, tree_pages,
+)
 
-try:
-    import msgspec
-    import zmq
-except ImportError:  # the transport is optional; its tests skip
-    msgspec = zmq = None
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-needs_transport = pytest.mark.skipif(msgspec is None, reason="pyzmq/msgspec not installed")
-CORE_NAMES = sorted(CORES)
-SOCKET_WAIT_S = 10.0  # upper bound on any one wait for a socket; tests finish far sooner
 
 
 # -- transport -------------------------------------------------------------------------------
