@@ -531,8 +531,9 @@ class ZmqEventSubscriber:
     #: How many replayed batches are remembered (the latest, a digest each) to recognise
     #: their late copies on the stream (16 MB at most).
     MAX_REPLAYED = 1_000_000
-    #: How many times a replay whose answer lost messages on the way is asked again, from
-    #: the first one missing, before what is still missing counts as a gap.
+    #: How many times in a row a replay whose answer lost messages on the way is asked again,
+    #: from the first one missing, without getting further, before what is still missing
+    #: counts as a gap (an answer that got further starts the count again).
     MAX_REPLAY_RETRIES = 3
 
     def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, *,
@@ -585,6 +586,7 @@ class ZmqEventSubscriber:
         self._probing = False
         self._replay_heard = False
         self._retries_left = 0
+        self._retry_from = 0  # where the last ask of the replay in flight started
         self._backlog: collections.deque = collections.deque()
         self._stream_last: Optional[int] = None  # the last sequence number the stream sent
         self._digests = _Digests(self.MAX_REPLAYED)
@@ -765,15 +767,21 @@ class ZmqEventSubscriber:
         self._replay_heard = False
         if not retry:
             self._retries_left = self.MAX_REPLAY_RETRIES
+            self._retry_from = start
         self._replay_deadline = _deadline(self._replay_silence())
 
     def _retry_replay(self) -> bool:
         """Ask again from the first batch missing, on a fresh socket (the rest of the answer
         in flight is dropped): the answer lost messages on the way. False when the retries
         are spent."""
+        if self._expected is not None and self._expected > self._retry_from:
+            # This answer got further than the last ask: a busy machine losing the tail of
+            # a long answer, not a publisher that lacks the batches. Not stuck yet.
+            self._retries_left = self.MAX_REPLAY_RETRIES
         if self._retries_left <= 0:
             return False
         self._retries_left -= 1
+        self._retry_from = self._expected
         self._renew_replay_socket()
         self._start_replay(self._expected, probe=self._probing, retry=True)
         return True

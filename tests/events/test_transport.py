@@ -131,6 +131,43 @@ def test_an_answer_that_lost_messages_is_asked_for_again(raw):
         assert not router.poll(0)  # asked no more than that
 
 
+
+def test_an_answer_that_loses_messages_but_gets_further_is_asked_for_until_whole(raw):
+    """A busy machine can lose a long answer's messages at several places: every ask that
+    gets further than the last one starts the count of retries again, so more holes than
+    ``MAX_REPLAY_RETRIES`` are still filled."""
+    pub, router = raw(zmq.PUB), raw(zmq.ROUTER)
+    endpoint, replay_endpoint = bind(pub), bind(router)
+    got: list = []
+
+    def answer(sub, start: int, seqs: list) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not router.poll(0):  # the subscriber asks while it receives
+            assert time.monotonic() < deadline, f"no request from {start}"
+            batch = sub.receive(timeout=0.02)
+            if batch is not None:
+                got.append(batch.seq)
+        identity, _, asked = router.recv_multipart()
+        assert asked == seq_bytes(start)
+        for seq in seqs:
+            router.send_multipart([identity, b"", b"", seq_bytes(seq),
+                                   ev.encode_batch(stored(seq))])
+        router.send_multipart([identity, b"", b"", END_SEQ, b""])
+
+    holes = 2 * ev.ZmqEventSubscriber.MAX_REPLAY_RETRIES + 1
+    last = holes + 3
+    with ev.ZmqEventSubscriber(endpoint, replay_endpoint, start_seq=0, replay_timeout=1.0,
+                               probe_interval=None) as sub:
+        # Each answer loses the batch after its first: more holes than retries, each ask
+        # one batch further than the one before.
+        for start in range(holes):
+            answer(sub, start, [start] + list(range(start + 2, last + 1)))
+        answer(sub, holes, list(range(holes, last + 1)))
+        got += [b.seq for b in receive_through(sub, last)]
+        assert got == list(range(last + 1)) and sub.gaps == [] and sub.missed == 0
+        assert sub.malformed == 0 and sub.resets == 0
+        assert not router.poll(0)  # asked no more than that
+
 # -- long replays are no restart --------------------------------------------------------------
 class SmallDigestSubscriber(ev.ZmqEventSubscriber):
     MAX_REPLAYED = 1_000
