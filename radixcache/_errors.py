@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["reentered", "stale_match", "lock_host_only", "node_not_copyable"]
+from typing import Any
+
+__all__ = ["reentered", "stale_match", "lock_host_only", "node_not_copyable",
+           "cpu_values_only"]
 
 
 def reentered(what: str) -> RuntimeError:
@@ -31,3 +34,10 @@ def node_not_copyable() -> TypeError:
     """The error for pickling or copying a node (either core's): only a whole cache can be."""
     return TypeError("a RadixTreeNode cannot be pickled or copied on its own: it is part of "
                      "its cache's tree; pickle or copy the RadixCache instead")
+
+
+def cpu_values_only(what: str, values: Any) -> TypeError:
+    """The error of a pure core of numpy arrays given values that are not a numpy array
+    (cache.py hands it CPU values only, as int64 numpy arrays)."""
+    return TypeError(f"{what}: a cache with numpy arrays holds CPU values only, given as an "
+                     f"int64 numpy array, got {type(values).__name__}")
