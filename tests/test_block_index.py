@@ -713,6 +713,46 @@ def test_key_map_matches_a_dict_of_hash64(blocks):
     assert bulk.get(5) == 6
 
 
+@pytest.mark.parametrize("page_bytes", [8, 24, 128, 4104])
+def test_overlap_of_a_list_answers_and_fails_as_of_its_bytes(blocks, page_bytes):
+    """A list is read as it is walked, over several reads of its ids: the answer is that of
+    its bytes at every length, and an id that is no int64 is named wherever it lies (in the
+    walked blocks, past where the walk stops, in a last partial page, in a list shorter than
+    a page), before a wrong other argument."""
+    rng = random.Random(page_bytes)
+    per_page = page_bytes // 8
+    tokens = [rng.randrange(-(1 << 62), 1 << 62) for _ in range(per_page * 700 + per_page // 2)]
+    data = np.array(tokens, dtype="<i8").tobytes()
+    keys = blocks.page_hash_chain(9, data, page_bytes)
+    index = blocks.BlockIndex()
+    index.add(0, keys[:650])
+    index.add(1, keys[:2])  # a copy on no owner
+    index.add(2, keys[3:9])  # not from the first block: never counted
+    index.add(3, keys[:1])
+    owners = [0, -1, 2, 1]
+    for length in (0, 1, per_page - 1, per_page, per_page + 1, 5 * per_page, 650 * per_page,
+                   650 * per_page + 1, len(tokens)):
+        assert index.overlap(9, tokens[:length], page_bytes, owners) == \
+            index.overlap(9, data[:8 * length], page_bytes, owners)
+    assert index.overlap(9, tokens, page_bytes, owners) == [(1, 1), (0, 650)]
+    for position in (0, per_page - 1, per_page * 300, per_page * 660, len(tokens) - 1):
+        for bad, error in ((1.0, TypeError), (2**63, OverflowError), (True, TypeError)):
+            hostile = list(tokens)
+            hostile[position] = bad
+            with pytest.raises(error, match=f"at position {position}( |$)"):
+                index.overlap(9, hostile, page_bytes, owners)
+            with pytest.raises(error, match=f"at position {position}( |$)"):
+                index.overlap(9, hostile, page_bytes, [0, 7, 0, 0])  # the ids' error first
+    with pytest.raises(TypeError, match="at position 0"):
+        index.overlap(9, ["x"], page_bytes, owners)  # shorter than a page
+    with pytest.raises(ValueError, match="owners must be -1 or in"):
+        index.overlap(9, tokens, page_bytes, [0, 7])
+    with pytest.raises(ValueError, match="page_bytes must be a positive multiple of 8"):
+        index.overlap(9, tokens, 12, owners)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        index.overlap(9.0, tokens, page_bytes, owners)
+
+
 def test_overlap_reads_a_list_of_token_ids_as_its_bytes(blocks, monkeypatch):
     """``overlap`` takes the token ids as a list too: the same answer as from their bytes,
     and a clear error for an item that is no int64 (``KvIndexer`` then reads such a list as
