@@ -26,6 +26,7 @@ cdef extern from "Python.h":
     ctypedef struct PyObject
     PyObject* rc_list_item "PyList_GET_ITEM"(object items, Py_ssize_t i) noexcept
     Py_ssize_t rc_list_size "PyList_GET_SIZE"(object items) noexcept
+    PyObject* rc_tuple_item "PyTuple_GET_ITEM"(object items, Py_ssize_t i) noexcept
     int PyTraceMalloc_Track(unsigned int domain, uintptr_t ptr, size_t size)
     int PyTraceMalloc_Untrack(unsigned int domain, uintptr_t ptr)
 
@@ -233,6 +234,30 @@ cdef bytes _list_le_bytes(list items, Py_ssize_t offset=0):
                                 f"position {i + offset}")
             raise OverflowError(f"token id {item} at position {i + offset} does not fit in "
                                 f"int64")
+    if not _LITTLE_ENDIAN:
+        for i in range(n):
+            p[i] = <int64_t>_bswap64(<uint64_t>p[i])
+    return out
+
+
+def ids_le_bytes(items):
+    """A list or tuple of exact ints as int64 little-endian bytes; see ``_blocks_py``."""
+    if type(items) is list:
+        return _list_le_bytes(<list>items)
+    if type(items) is not tuple:
+        raise TypeError(f"token ids must be a list or tuple, got {type(items).__name__}")
+    # A tuple cannot change: read in place, no Python code runs.
+    cdef tuple ids = <tuple>items
+    cdef Py_ssize_t n = len(ids), i
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, n * 8)
+    cdef int64_t* p = <int64_t*>PyBytes_AS_STRING(out)
+    for i in range(n):
+        if not rc_read_int(rc_tuple_item(ids, i), &p[i]):
+            item = ids[i]
+            if type(item) is not int:
+                raise TypeError(f"token ids must be ints, got {type(item).__name__} at "
+                                f"position {i}")
+            raise OverflowError(f"token id {item} at position {i} does not fit in int64")
     if not _LITTLE_ENDIAN:
         for i in range(n):
             p[i] = <int64_t>_bswap64(<uint64_t>p[i])

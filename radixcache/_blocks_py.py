@@ -23,6 +23,10 @@ native int64 bytes (8 per full page; no int objects made), with the same checks,
 ``data`` may also be a 1-D little-endian int64 numpy array (exactly ``numpy.ndarray``; its
 memory is read in place; another dtype, shape or a strided array is a ``TypeError``).
 
+``ids_le_bytes(items) -> bytes`` -- a list or tuple of exact ints (token ids) as int64
+little-endian bytes, read in one pass: another item is a ``TypeError``, one beyond int64 an
+``OverflowError``, each naming its position (``KvIndexer`` reads an event's token ids so).
+
 ``BlockIndex()`` -- ``KvIndexer``'s table of held blocks, a map from a 64-bit block key (an
 ``int`` in int64) to the copies holding it (``copy``: an ``int`` in ``[0, 2**31 - 1)`` the
 caller assigns; a copy counts once per holding, so it may hold a key more than once).
@@ -65,13 +69,16 @@ object with ``__index__`` counts as the int it gives). It pickles and copies.
 from __future__ import annotations
 
 import operator
+import sys
+from array import array
 from typing import Any
 
 import numpy as np
 
 from ._validate import INT64_MAX, INT64_MIN
 
-__all__ = ["BlockIndex", "KeyMap", "hash64", "page_hash_bytes", "page_hash_chain"]
+__all__ = ["BlockIndex", "KeyMap", "hash64", "ids_le_bytes", "page_hash_bytes",
+           "page_hash_chain"]
 
 
 # -- page hash chain (see the module docstring) ---------------------------------------------
@@ -308,14 +315,33 @@ class BlockIndex:
         return out
 
 
-def _list_le_bytes(items: list) -> bytes:
-    """A list of exact ints as int64 little-endian bytes (``overlap``'s ``data``)."""
+def _list_le_bytes(items: Any) -> bytes:
+    """A list (or tuple) of exact ints as int64 little-endian bytes (``overlap``'s ``data``)."""
     for i, item in enumerate(items):
         if type(item) is not int:
             raise TypeError(f"token ids must be ints, got {type(item).__name__} at position {i}")
         if not INT64_MIN <= item <= INT64_MAX:
             raise OverflowError(f"token id {item} at position {i} does not fit in int64")
     return np.array(items, dtype="<i8").tobytes()
+
+
+def ids_le_bytes(items: Any) -> bytes:
+    """A list or tuple of exact ints as int64 little-endian bytes; see the module docstring."""
+    if type(items) is not list and type(items) is not tuple:
+        raise TypeError(f"token ids must be a list or tuple, got {type(items).__name__}")
+    if set(map(type, items)) <= _INT_ONLY:  # the types in one pass, then the values
+        try:
+            out = array("q", items)
+        except OverflowError:
+            pass  # named below
+        else:
+            if sys.byteorder != "little":
+                out.byteswap()
+            return out.tobytes()
+    return _list_le_bytes(items)
+
+
+_INT_ONLY = frozenset((int,))
 
 
 def page_hash_bytes(seed: int, data: Any, page_bytes: int) -> bytes:

@@ -779,3 +779,21 @@ def test_overlap_reads_a_list_of_token_ids_as_its_bytes(blocks, monkeypatch):
         indexer.overlap([4, 5, 2**70, 7])
     with pytest.raises(TypeError):
         indexer.overlap([4, 5, "6", 7])
+
+
+def test_ids_le_bytes_reads_exact_int64s_and_names_the_first_bad_id(blocks):
+    ids = [0, 1, -1, 2**63 - 1, -(2**63), 50_000, 2**40]
+    want = np.array(ids, dtype="<i8").tobytes()
+    assert blocks.ids_le_bytes(ids) == blocks.ids_le_bytes(tuple(ids)) == want
+    assert blocks.ids_le_bytes([]) == blocks.ids_le_bytes(()) == b""
+    for container in (list, tuple):
+        with pytest.raises(TypeError, match="got bool at position 2"):
+            blocks.ids_le_bytes(container([1, 2, True, 1.0]))
+        with pytest.raises(TypeError, match="got float at position 1"):
+            blocks.ids_le_bytes(container([1, 1.0, 2**70]))
+        with pytest.raises(OverflowError, match="token id 9223372036854775808 at position 3"):
+            blocks.ids_le_bytes(container([1, 2, 3, 2**63, "x"]))
+        with pytest.raises(OverflowError, match="at position 0"):
+            blocks.ids_le_bytes(container([-(2**63) - 1]))
+    with pytest.raises(TypeError, match="must be a list or tuple, got ndarray"):
+        blocks.ids_le_bytes(np.array(ids))

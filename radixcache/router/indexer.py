@@ -41,6 +41,7 @@ _HASH_TYPES = (int, bytes)
 # The block module's table and page hash chain (compiled when built): the block keys are
 # the chain seeded by the namespace. A table is made per indexer from the module chosen then.
 _page_keys = _core.blocks.page_hash_chain
+_ids_le_bytes = _core.blocks.ids_le_bytes
 
 
 @dataclass
@@ -99,11 +100,17 @@ _HASH_TYPE_SET = set(_HASH_TYPES)
 
 def _event_token_bytes(token_ids: Any) -> bytes:
     """An event's token ids as int64 little-endian bytes; a tuple or list (what events hold)
-    goes through ``array('q')``, cheaper than numpy for Python ints."""
+    is read by the block module in one pass, or through ``array('q')`` when an item is no
+    exact int (a bool, an int subclass: taken as before), cheaper than numpy."""
     if type(token_ids) is TokenIds:
         return token_ids.le_bytes
-    if _LITTLE_ENDIAN and type(token_ids) in (tuple, list):
-        return array("q", token_ids).tobytes()  # TypeError/OverflowError for non-int64 items
+    if type(token_ids) is tuple or type(token_ids) is list:
+        try:
+            return _ids_le_bytes(token_ids)
+        except (TypeError, OverflowError):
+            pass  # any int64 value array('q') takes, or its error
+        if _LITTLE_ENDIAN:
+            return array("q", token_ids).tobytes()  # TypeError/OverflowError: not int64
     return tokens_le_bytes(token_ids)
 
 
