@@ -1016,6 +1016,40 @@ Publisher hash (an int, or bytes) -> block key (an int64); see ``_blocks_py``.""
             else:
                 self.insert(<uint64_t>hs[i], kp[i])
 
+    def add_new(self, hashes, keys):
+        """``update`` when ``isdisjoint(hashes)`` (True), else nothing (False); one pass
+        over C buffers, no int object per hash."""
+        cdef tuple values = tuple(hashes)  # hashing may run code: a snapshot
+        cdef Py_ssize_t n = len(values), i, j, mask = 1
+        cdef bytes hbuf = PyBytes_FromStringAndSize(NULL, n * 8)
+        cdef uint64_t* hs = <uint64_t*>PyBytes_AS_STRING(hbuf)
+        for i in range(n):
+            hs[i] = _km_hash(values[i])
+        cdef bytes data = _bi_keys(keys)
+        cdef const int64_t* kp = <const int64_t*>PyBytes_AS_STRING(data)
+        if len(data) // 8 != n:
+            raise ValueError(f"{n} hashes for {len(data) // 8} keys")
+        # none twice: a set of the batch's hashes (0 is never a hash), at most half full
+        while mask < 2 * n:
+            mask *= 2
+        cdef bytes seen_buf = PyBytes_FromStringAndSize(NULL, mask * 8)
+        cdef uint64_t* seen = <uint64_t*>PyBytes_AS_STRING(seen_buf)
+        memset(seen, 0, mask * 8)
+        mask -= 1
+        for i in range(n):
+            if self.find(hs[i]) >= 0:
+                return False
+            j = <Py_ssize_t>(fmix64(hs[i]) & <uint64_t>mask)
+            while seen[j]:
+                if seen[j] == hs[i]:
+                    return False
+                j = (j + 1) & mask
+            seen[j] = hs[i]
+        self.room(n)
+        for i in range(n):
+            self.insert(hs[i], kp[i])
+        return True
+
     def values(self):
         cdef bytes snapshot = PyBytes_FromStringAndSize(NULL, self.n * 8)
         cdef int64_t* out = <int64_t*>PyBytes_AS_STRING(snapshot)

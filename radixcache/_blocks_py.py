@@ -62,7 +62,9 @@ publisher sends (16 bytes in the compiled one, at most 80% full). ``get(h, defau
 ``pop(h, default=None)``, ``put(h, key)``, ``h in m``, ``len(m)``, ``values()`` (the keys, a
 key once per hash), ``clear()``; ``isdisjoint(hashes) -> bool`` (no hash of ``hashes`` is
 held and none is there twice); ``update(hashes, keys)`` maps ``hashes[i]`` to ``keys[i]``
-(``keys`` as ``BlockIndex`` takes them). A hash of another type is a ``TypeError`` (an
+(``keys`` as ``BlockIndex`` takes them); ``add_new(hashes, keys) -> bool`` does so only
+when ``isdisjoint(hashes)`` (True), else changes nothing (False), with ``update``'s checks.
+A hash of another type is a ``TypeError`` (an
 object with ``__index__`` counts as the int it gives). It pickles and copies.
 """
 
@@ -442,6 +444,16 @@ class KeyMap:
         if len(hs) != len(keys):
             raise ValueError(f"{len(hs)} hashes for {len(keys)} keys")
         self._map.update(zip(hs, keys))
+
+    def add_new(self, hashes: Any, keys: Any) -> bool:
+        hs = [hash64(value) for value in hashes]
+        keys = _index_keys(keys)
+        if len(hs) != len(keys):
+            raise ValueError(f"{len(hs)} hashes for {len(keys)} keys")
+        if len(set(hs)) != len(hs) or not self._map.keys().isdisjoint(hs):
+            return False
+        self._map.update(zip(hs, keys))
+        return True
 
     def values(self) -> list:
         return list(self._map.values())

@@ -797,3 +797,23 @@ def test_ids_le_bytes_reads_exact_int64s_and_names_the_first_bad_id(blocks):
             blocks.ids_le_bytes(container([-(2**63) - 1]))
     with pytest.raises(TypeError, match="must be a list or tuple, got ndarray"):
         blocks.ids_le_bytes(np.array(ids))
+
+
+def test_key_map_add_new_maps_only_a_batch_of_new_distinct_hashes(blocks):
+    m = blocks.KeyMap()
+    assert m.add_new([5, b"h", 2**64 - 1], [1, 2, 3]) is True
+    assert (m.get(5), m.get(b"h"), m.get(-1), len(m)) == (1, 2, 3, 3)  # -1: 2**64 - 1 mod 2**64
+    for hashes in ([6, 5], [7, 7], [8, b"h"]):  # one held, one there twice: nothing changes
+        assert m.add_new(hashes, [9, 9]) is False
+        assert len(m) == 3 and m.get(6) is None and m.get(7) is None and m.get(5) == 1
+    assert m.add_new((), b"") is True and len(m) == 3
+    many = list(range(100, 1100))
+    assert m.add_new(many, many) is True and len(m) == 1003 and m.get(1099) == 1099
+    assert m.add_new(many[:1] + [5000], [1, 2]) is False and m.get(5000) is None
+    with pytest.raises(TypeError):
+        m.add_new([1.5], [1])
+    with pytest.raises(ValueError, match="2 hashes for 1 keys"):
+        m.add_new([11, 12], [1])
+    with pytest.raises(OverflowError):
+        m.add_new([11], [2**63])
+    assert len(m) == 1003 and m.get(11) is None

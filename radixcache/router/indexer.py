@@ -729,11 +729,11 @@ class KvIndexer:
             stats.stored_blocks += stored
             stats.duplicate_blocks += duplicates
             return
-        if not identity and not copy.direct and published.isdisjoint(hashes):
-            # New hashes (the common case): in bulk.
-            if copy.refs is None:
-                published.update(hashes, keys)
-            else:
+        if not identity and not copy.direct and (
+                published.add_new(hashes, keys) if copy.refs is None
+                else published.isdisjoint(hashes)):
+            # New hashes (the common case): in bulk, mapped already when no refs are kept.
+            if copy.refs is not None:
                 for block_hash, key in zip(hashes, keys):
                     self._publish(copy, block_hash, key)
             self._index.add(copy.cid, keys)
