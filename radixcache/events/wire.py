@@ -395,6 +395,23 @@ def _decode_typed(payload: Any, msgspec: Any) -> Optional[tuple]:
     return batch.ts, batch.events, batch.data_parallel_rank
 
 
+def _typed_events(payload: Any) -> Optional[list]:
+    """The typed structs of a batch the typed decoder takes (see ``_decode_typed``), else
+    None (then ``decode_batch`` reads it, or names what is wrong). For ``KvIndexer``, which
+    reads a struct as it reads an event (the same fields), but for ``extra_keys``:
+    ``_event_of`` makes the event of a struct that has them."""
+    _, msgspec = _transport("decode_batch")
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        return None
+    typed = _decode_typed(payload, msgspec)
+    return None if typed is None else typed[1]
+
+
+def _typed_kinds() -> tuple:
+    """``(stored struct types, removed struct types)`` of ``_typed_events``."""
+    return _TYPED[2], _TYPED[3]
+
+
 def _event_of(event: Any) -> KVEvent:
     """The KV event of a typed struct (see ``_decode_typed``)."""
     _, _, stored, removed = _TYPED

@@ -31,6 +31,7 @@ from ..events import (
     tokens_le_bytes,
 )
 from ..events.hashing import fast64_root
+from ..events.wire import _event_of, _typed_events, _typed_kinds
 from ..events.recorder import KEYS_REMOVED, KEYS_STORED
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -575,12 +576,30 @@ class KvIndexer:
             ``stats.malformed_batches``; nothing is kept for the worker).
         """
         self._check_worker(worker)
-        try:
-            batch = decode_batch(payload, seq)
-        except (ValueError, TypeError):
-            self.stats.malformed_batches += 1
-            return False
-        self.apply(worker, batch.events)
+        events = _typed_events(payload)
+        if events is None:  # not one the typed decoder takes: read field by field
+            try:
+                batch = decode_batch(payload, seq)
+            except (ValueError, TypeError):
+                self.stats.malformed_batches += 1
+                return False
+            self.apply(worker, batch.events)
+            return True
+        # Checked by the decoder: its structs are read as the events they decode to (the
+        # same fields, lists for tuples), but those with extra keys, made into events.
+        stats = self.stats
+        stats.batches += 1
+        stored, removed = _typed_kinds()
+        for event in events:
+            stats.events += 1
+            kind = type(event)
+            if kind in stored:
+                self._stored(worker, event if event.extra_keys is None else _event_of(event))
+            elif kind in removed:
+                self._removed(worker, event)
+            else:
+                self._clear_worker(worker)
+                stats.cleared += 1
         return True
 
     def apply_keys(self, worker: Hashable, records: Iterable[Any]) -> None:
