@@ -264,6 +264,71 @@ def ids_le_bytes(items):
     return out
 
 
+cdef inline uint64_t _be(const unsigned char* p, int size) noexcept:
+    cdef uint64_t v = 0
+    cdef int i
+    for i in range(size):
+        v = (v << 8) | p[i]
+    return v
+
+
+def msgpack_ids(data):
+    """A msgpack array of ints as int64 little-endian bytes, or None; see ``_blocks_py``."""
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
+    cdef Py_ssize_t size = len(<bytes>data), pos, n, i
+    cdef unsigned char b
+    cdef uint64_t u
+    cdef int64_t v
+    cdef int width
+    if size == 0:
+        return None
+    b = p[0]
+    if 0x90 <= b <= 0x9F:
+        n, pos = b & 0x0F, 1
+    elif b == 0xDC and size >= 3:
+        n, pos = <Py_ssize_t>_be(p + 1, 2), 3
+    elif b == 0xDD and size >= 5:
+        n, pos = <Py_ssize_t>_be(p + 1, 4), 5
+    else:
+        return None
+    if n > size - pos:  # at least a byte an id
+        return None
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, n * 8)
+    cdef int64_t* q = <int64_t*>PyBytes_AS_STRING(out)
+    for i in range(n):
+        if pos >= size:
+            return None
+        b = p[pos]
+        if b <= 0x7F:  # positive fixint
+            v = b
+            pos += 1
+        elif b >= 0xE0:  # negative fixint
+            v = <int64_t>b - 256
+            pos += 1
+        elif 0xCC <= b <= 0xD3:  # uint8..uint64, int8..int64
+            width = 1 << ((b - 0xCC) & 3)
+            if width > size - pos - 1:
+                return None
+            u = _be(p + pos + 1, width)
+            if b <= 0xCF:
+                if u > <uint64_t>0x7FFFFFFFFFFFFFFF:
+                    return None  # beyond int64
+                v = <int64_t>u
+            elif width == 8:
+                v = <int64_t>u
+            else:  # sign-extend
+                v = <int64_t>(u << (64 - 8 * width)) >> (64 - 8 * width)
+            pos += 1 + width
+        else:
+            return None
+        q[i] = <int64_t>_bswap64(<uint64_t>v) if not _LITTLE_ENDIAN else v
+    if pos != size:
+        return None
+    return out
+
+
 cdef int _check_owners(bytes owner_data) except -1:
     cdef Py_ssize_t n_owners = len(owner_data) // 8, i
     cdef const int64_t* own = <const int64_t*>PyBytes_AS_STRING(owner_data)

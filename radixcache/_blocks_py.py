@@ -27,6 +27,11 @@ memory is read in place; another dtype, shape or a strided array is a ``TypeErro
 little-endian bytes, read in one pass: another item is a ``TypeError``, one beyond int64 an
 ``OverflowError``, each naming its position (``KvIndexer`` reads an event's token ids so).
 
+``msgpack_ids(data) -> bytes | None`` -- ``data``, the bytes of one msgpack value, as
+int64 little-endian bytes when it is exactly an array of ints that fit in int64 (any of
+msgpack's int forms); None for anything else (another value, an int beyond int64, bytes
+missing or left over). ``KvIndexer`` reads a payload's token ids so, undecoded.
+
 ``BlockIndex()`` -- ``KvIndexer``'s table of held blocks, a map from a 64-bit block key (an
 ``int`` in int64) to the copies holding it (``copy``: an ``int`` in ``[0, 2**31 - 1)`` the
 caller assigns; a copy counts once per holding, so it may hold a key more than once).
@@ -79,8 +84,8 @@ import numpy as np
 
 from ._validate import INT64_MAX, INT64_MIN
 
-__all__ = ["BlockIndex", "KeyMap", "hash64", "ids_le_bytes", "page_hash_bytes",
-           "page_hash_chain"]
+__all__ = ["BlockIndex", "KeyMap", "hash64", "ids_le_bytes", "msgpack_ids",
+           "page_hash_bytes", "page_hash_chain"]
 
 
 # -- page hash chain (see the module docstring) ---------------------------------------------
@@ -344,6 +349,55 @@ def ids_le_bytes(items: Any) -> bytes:
 
 
 _INT_ONLY = frozenset((int,))
+
+# msgpack's int forms past the fixints: first byte -> (width, signed)
+_MSGPACK_INTS = {0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False),
+                 0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True)}
+
+
+def msgpack_ids(data: Any) -> Any:
+    """A msgpack array of ints as int64 little-endian bytes, or None; see the module
+    docstring."""
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    if not data:
+        return None
+    head = data[0]
+    if 0x90 <= head <= 0x9F:
+        n, pos = head & 0x0F, 1
+    elif head == 0xDC and len(data) >= 3:
+        n, pos = int.from_bytes(data[1:3], "big"), 3
+    elif head == 0xDD and len(data) >= 5:
+        n, pos = int.from_bytes(data[1:5], "big"), 5
+    else:
+        return None
+    if n > len(data) - pos:
+        return None
+    ids = []
+    for _ in range(n):
+        if pos >= len(data):
+            return None
+        b = data[pos]
+        if b <= 0x7F:
+            ids.append(b)
+            pos += 1
+        elif b >= 0xE0:
+            ids.append(b - 256)
+            pos += 1
+        elif b in _MSGPACK_INTS:
+            width, signed = _MSGPACK_INTS[b]
+            if width > len(data) - pos - 1:
+                return None
+            value = int.from_bytes(data[pos + 1:pos + 1 + width], "big", signed=signed)
+            if value > INT64_MAX:
+                return None
+            ids.append(value)
+            pos += 1 + width
+        else:
+            return None
+    if pos != len(data):
+        return None
+    return np.array(ids, dtype="<i8").tobytes()
 
 
 def page_hash_bytes(seed: int, data: Any, page_bytes: int) -> bytes:

@@ -817,3 +817,29 @@ def test_key_map_add_new_maps_only_a_batch_of_new_distinct_hashes(blocks):
     with pytest.raises(OverflowError):
         m.add_new([11], [2**63])
     assert len(m) == 1003 and m.get(11) is None
+
+
+def test_msgpack_ids_reads_exactly_an_array_of_int64s(blocks):
+    """Every msgpack int form, array headers of each size; anything else is None."""
+    msgspec = pytest.importorskip("msgspec")
+    rng = random.Random(5)
+    edges = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1, -1, -32,
+             -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -(2**63)]
+    for n in (0, 1, 15, 16, 300, 70000):
+        ids = [rng.choice(edges) if rng.random() < 0.5 else rng.randrange(-(2**63), 2**63)
+               for _ in range(n)]
+        raw = msgspec.msgpack.encode(ids)
+        assert blocks.msgpack_ids(raw) == np.array(ids, dtype="<i8").tobytes()
+        if n:
+            assert blocks.msgpack_ids(raw[:-1]) is None  # cut short
+        assert blocks.msgpack_ids(raw + b"\x00") is None  # left over
+    # array32 header, and ints written wider than needed
+    assert blocks.msgpack_ids(b"\xdd\x00\x00\x00\x02\xcf" + (5).to_bytes(8, "big") + b"\xd0\xff") \
+        == np.array([5, -1], dtype="<i8").tobytes()
+    for value in ([2**63], [2**64 - 1], [1.0], [True], [None], ["1"], [b"1"], [[1]], {"a": 1},
+                  1, "x", [1, 2.5]):
+        assert blocks.msgpack_ids(msgspec.msgpack.encode(value)) is None
+    assert blocks.msgpack_ids(b"") is None and blocks.msgpack_ids(b"\xdc\x00") is None
+    assert blocks.msgpack_ids(b"\x91\xcd\x01") is None  # a uint16 cut short
+    with pytest.raises(TypeError, match="data must be bytes"):
+        blocks.msgpack_ids(bytearray(b"\x90"))

@@ -313,20 +313,28 @@ def _decode_checked(payload: Any, seq: int, msgspec: Any) -> ReceivedBatch:
 # types, required fields and places; unknown fields and trailing places ignored). Anything
 # they refuse (a malformed batch, events in both encodings) is read field by field, which
 # accepts it or names what is wrong: the answer and the errors are those of that reading.
-_TYPED: Any = None  # (map decoder, positional decoder, stored types, removed types), built once
+# (map decoder, positional decoder, stored types, removed types), built once: token ids as
+# ints, and (``_TYPED_RAW``, for ``KvIndexer``) as their msgpack bytes, undecoded
+_TYPED: Any = None
+_TYPED_RAW: Any = None
 
 
 def _typed_decoders(msgspec: Any) -> tuple:
-    global _TYPED
-    if _TYPED is not None:
-        return _TYPED
+    global _TYPED, _TYPED_RAW
+    if _TYPED is None:
+        _TYPED_RAW = _build_typed(msgspec, msgspec.Raw)
+        _TYPED = _build_typed(msgspec, list[int])
+    return _TYPED
+
+
+def _build_typed(msgspec: Any, Tokens: Any) -> tuple:
     Hash = Union[int, bytes]
     Struct = msgspec.Struct
 
     class StoredMap(Struct, tag_field="type", tag="BlockStored"):
         block_hashes: list[Hash]
         parent_block_hash: Optional[Hash]
-        token_ids: list[int]
+        token_ids: Tokens
         block_size: int
         lora_id: Optional[int] = None
         medium: Optional[str] = None
@@ -348,7 +356,7 @@ def _typed_decoders(msgspec: Any) -> tuple:
     class StoredPos(Struct, tag="BlockStored", array_like=True):
         block_hashes: list[Hash]
         parent_block_hash: Optional[Hash]
-        token_ids: list[int]
+        token_ids: Tokens
         block_size: int
         lora_id: Optional[int]
         medium: Optional[str]
@@ -373,15 +381,16 @@ def _typed_decoders(msgspec: Any) -> tuple:
         return Batch
 
     decoder = msgspec.msgpack.Decoder
-    _TYPED = (decoder(batch_type(Union[StoredMap, RemovedMap, ClearedMap])),
-              decoder(batch_type(Union[StoredPos, RemovedPos, ClearedPos])),
-              (StoredMap, StoredPos), (RemovedMap, RemovedPos))
-    return _TYPED
+    return (decoder(batch_type(Union[StoredMap, RemovedMap, ClearedMap])),
+            decoder(batch_type(Union[StoredPos, RemovedPos, ClearedPos])),
+            (StoredMap, StoredPos), (RemovedMap, RemovedPos))
 
 
-def _decode_typed(payload: Any, msgspec: Any) -> Optional[tuple]:
-    """``(ts, typed events, data_parallel_rank)`` of a batch the structs take, else None."""
-    by_map, by_place, _, _ = _typed_decoders(msgspec)
+def _decode_typed(payload: Any, msgspec: Any, raw: bool = False) -> Optional[tuple]:
+    """``(ts, typed events, data_parallel_rank)`` of a batch the structs take, else None;
+    ``raw``: the token ids left as their msgpack bytes (``msgspec.Raw``, unchecked)."""
+    _typed_decoders(msgspec)
+    by_map, by_place, _, _ = _TYPED_RAW if raw else _TYPED
     try:
         try:
             batch = by_map.decode(payload)
@@ -396,34 +405,34 @@ def _decode_typed(payload: Any, msgspec: Any) -> Optional[tuple]:
 
 
 def _typed_events(payload: Any) -> Optional[list]:
-    """The typed structs of a batch the typed decoder takes (see ``_decode_typed``), else
-    None (then ``decode_batch`` reads it, or names what is wrong). For ``KvIndexer``, which
-    reads a struct as it reads an event (the same fields), but for ``extra_keys``:
-    ``_event_of`` makes the event of a struct that has them."""
+    """The typed structs of a batch the typed decoder takes (see ``_decode_typed``), their
+    token ids left as msgpack bytes (``msgspec.Raw``), else None (then ``decode_batch``
+    reads it, or names what is wrong). For ``KvIndexer``, which reads the token ids itself
+    and a struct as it reads an event (the same fields), but for ``extra_keys``:
+    ``_event_of`` makes the event of a struct that has them, once its token ids are read."""
     _, msgspec = _transport("decode_batch")
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         return None
-    typed = _decode_typed(payload, msgspec)
+    typed = _decode_typed(payload, msgspec, raw=True)
     return None if typed is None else typed[1]
 
 
 def _typed_kinds() -> tuple:
     """``(stored struct types, removed struct types)`` of ``_typed_events``."""
-    return _TYPED[2], _TYPED[3]
+    return _TYPED_RAW[2], _TYPED_RAW[3]
 
 
 def _event_of(event: Any) -> KVEvent:
     """The KV event of a typed struct (see ``_decode_typed``)."""
-    _, _, stored, removed = _TYPED
     kind = type(event)
-    if kind in stored:
+    if kind in _TYPED[2] or kind in _TYPED_RAW[2]:
         extra_keys = event.extra_keys
         return BlockStored(
             tuple(event.block_hashes), event.parent_block_hash, tuple(event.token_ids),
             event.block_size, event.lora_id, event.medium, event.lora_name,
             None if extra_keys is None else _frozen(extra_keys), event.group_idx,
             event.cache_salt)
-    if kind in removed:
+    if kind in _TYPED[3] or kind in _TYPED_RAW[3]:
         return BlockRemoved(tuple(event.block_hashes), event.medium, event.group_idx)
     return AllBlocksCleared()
 

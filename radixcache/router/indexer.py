@@ -43,6 +43,7 @@ _HASH_TYPES = (int, bytes)
 # the chain seeded by the namespace. A table is made per indexer from the module chosen then.
 _page_keys = _core.blocks.page_hash_chain
 _ids_le_bytes = _core.blocks.ids_le_bytes
+_msgpack_ids = _core.blocks.msgpack_ids
 
 
 @dataclass
@@ -578,18 +579,20 @@ class KvIndexer:
         self._check_worker(worker)
         events = _typed_events(payload)
         if events is None:  # not one the typed decoder takes: read field by field
-            try:
-                batch = decode_batch(payload, seq)
-            except (ValueError, TypeError):
-                self.stats.malformed_batches += 1
-                return False
-            self.apply(worker, batch.events)
-            return True
-        # Checked by the decoder: its structs are read as the events they decode to (the
-        # same fields, lists for tuples), but those with extra keys, made into events.
+            return self._apply_checked(worker, payload, seq)
+        # Checked by the decoder but for the token ids, read here from their msgpack bytes
+        # (any batch with ids that are not all int64s is read field by field above); then
+        # its structs are read as the events they decode to (the same fields, lists for
+        # tuples), but those with extra keys, made into events.
+        stored, removed = _typed_kinds()
+        for event in events:
+            if type(event) in stored:
+                ids = _msgpack_ids(bytes(event.token_ids))
+                if ids is None:
+                    return self._apply_checked(worker, payload, seq)
+                event.token_ids = TokenIds(ids)
         stats = self.stats
         stats.batches += 1
-        stored, removed = _typed_kinds()
         for event in events:
             stats.events += 1
             kind = type(event)
@@ -600,6 +603,15 @@ class KvIndexer:
             else:
                 self._clear_worker(worker)
                 stats.cleared += 1
+        return True
+
+    def _apply_checked(self, worker: Hashable, payload: Any, seq: int) -> bool:
+        try:
+            batch = decode_batch(payload, seq)
+        except (ValueError, TypeError):
+            self.stats.malformed_batches += 1
+            return False
+        self.apply(worker, batch.events)
         return True
 
     def apply_keys(self, worker: Hashable, records: Iterable[Any]) -> None:
