@@ -350,6 +350,13 @@ def ids_le_bytes(items: Any) -> bytes:
 
 _INT_ONLY = frozenset((int,))
 
+try:  # the wire's optional decoder: an array of ints read without a Python loop
+    import msgspec
+    _IDS_DECODER: Any = msgspec.msgpack.Decoder(list[int])
+    _IDS_DECODER_ERROR: Any = msgspec.DecodeError
+except ImportError:  # then the loop in msgpack_ids
+    _IDS_DECODER = None
+
 # msgpack's int forms past the fixints: first byte -> (width, signed)
 _MSGPACK_INTS = {0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False),
                  0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True)}
@@ -360,6 +367,11 @@ def msgpack_ids(data: Any) -> Any:
     docstring."""
     if type(data) is not bytes:
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    if _IDS_DECODER is not None:  # msgspec checks the array and its items in C
+        try:
+            return ids_le_bytes(_IDS_DECODER.decode(data))
+        except (_IDS_DECODER_ERROR, OverflowError):
+            return None
     if not data:
         return None
     head = data[0]

@@ -819,9 +819,15 @@ def test_key_map_add_new_maps_only_a_batch_of_new_distinct_hashes(blocks):
     assert len(m) == 1003 and m.get(11) is None
 
 
-def test_msgpack_ids_reads_exactly_an_array_of_int64s(blocks):
-    """Every msgpack int form, array headers of each size; anything else is None."""
+@pytest.mark.parametrize("reader", ["default", "loop"])
+def test_msgpack_ids_reads_exactly_an_array_of_int64s(blocks, reader, monkeypatch):
+    """Every msgpack int form, array headers of each size; anything else is None (the pure
+    module's own loop too, used where msgspec is missing)."""
     msgspec = pytest.importorskip("msgspec")
+    if reader == "loop":
+        if blocks is not _blocks_py:
+            pytest.skip("the pure module's loop")
+        monkeypatch.setattr(_blocks_py, "_IDS_DECODER", None)
     rng = random.Random(5)
     edges = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1, -1, -32,
              -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -(2**63)]
