@@ -1,5 +1,6 @@
 """The wire format: events as msgpack batches in either encoding (``"map"``,
-``"positional"``), ``ReceivedBatch``, and the check for the optional pyzmq and msgspec.
+``"positional"``; decoded by msgspec's typed decoder, or field by field for a batch it
+refuses), ``ReceivedBatch``, and the check for the optional pyzmq and msgspec.
 
 See "Wire format" in ``radixcache.events``. Imports only ``types`` of the package. Its
 annotations are evaluated, as in ``types``: ``ReceivedBatch`` names ``radixcache.events``
