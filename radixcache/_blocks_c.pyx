@@ -26,6 +26,7 @@ cdef extern from "Python.h":
     ctypedef struct PyObject
     PyObject* rc_list_item "PyList_GET_ITEM"(object items, Py_ssize_t i) noexcept
     Py_ssize_t rc_list_size "PyList_GET_SIZE"(object items) noexcept
+    PyObject* rc_tuple_item "PyTuple_GET_ITEM"(object items, Py_ssize_t i) noexcept
     int PyTraceMalloc_Track(unsigned int domain, uintptr_t ptr, size_t size)
     int PyTraceMalloc_Untrack(unsigned int domain, uintptr_t ptr)
 
@@ -216,18 +217,43 @@ cdef int64_t _bi_key(object key) except? -1:
 cdef bint _LITTLE_ENDIAN = __import__("sys").byteorder == "little"
 
 
-cdef bytes _list_le_bytes(list items):
+cdef bytes _list_le_bytes(list items, Py_ssize_t offset=0):
     """A list of exact ints as int64 little-endian bytes, read in one loop that calls no
     Python code (anything but an exact int is a TypeError, an int beyond int64 an
-    OverflowError)."""
+    OverflowError; positions named from ``offset``)."""
     cdef Py_ssize_t n = len(items), i
     cdef bytes out = PyBytes_FromStringAndSize(NULL, n * 8)
     cdef int64_t* p = <int64_t*>PyBytes_AS_STRING(out)
     if rc_list_size(items) != n:  # a finalizer run by the allocation changed the list
-        return _list_le_bytes(items)
+        return _list_le_bytes(items, offset)
     for i in range(n):  # the tree core's int reader: no call, so the list cannot change
         if not rc_read_int(rc_list_item(items, i), &p[i]):
             item = items[i]
+            if type(item) is not int:
+                raise TypeError(f"token ids must be ints, got {type(item).__name__} at "
+                                f"position {i + offset}")
+            raise OverflowError(f"token id {item} at position {i + offset} does not fit in "
+                                f"int64")
+    if not _LITTLE_ENDIAN:
+        for i in range(n):
+            p[i] = <int64_t>_bswap64(<uint64_t>p[i])
+    return out
+
+
+def ids_le_bytes(items):
+    """A list or tuple of exact ints as int64 little-endian bytes; see ``_blocks_py``."""
+    if type(items) is list:
+        return _list_le_bytes(<list>items)
+    if type(items) is not tuple:
+        raise TypeError(f"token ids must be a list or tuple, got {type(items).__name__}")
+    # A tuple cannot change: read in place, no Python code runs.
+    cdef tuple ids = <tuple>items
+    cdef Py_ssize_t n = len(ids), i
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, n * 8)
+    cdef int64_t* p = <int64_t*>PyBytes_AS_STRING(out)
+    for i in range(n):
+        if not rc_read_int(rc_tuple_item(ids, i), &p[i]):
+            item = ids[i]
             if type(item) is not int:
                 raise TypeError(f"token ids must be ints, got {type(item).__name__} at "
                                 f"position {i}")
@@ -236,6 +262,81 @@ cdef bytes _list_le_bytes(list items):
         for i in range(n):
             p[i] = <int64_t>_bswap64(<uint64_t>p[i])
     return out
+
+
+cdef inline uint64_t _be(const unsigned char* p, int size) noexcept:
+    cdef uint64_t v = 0
+    cdef int i
+    for i in range(size):
+        v = (v << 8) | p[i]
+    return v
+
+
+def msgpack_ids(data):
+    """A msgpack array of ints as int64 little-endian bytes, or None; see ``_blocks_py``."""
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
+    cdef Py_ssize_t size = len(<bytes>data), pos, n, i
+    cdef unsigned char b
+    cdef uint64_t u
+    cdef int64_t v
+    cdef int width
+    if size == 0:
+        return None
+    b = p[0]
+    if 0x90 <= b <= 0x9F:
+        n, pos = b & 0x0F, 1
+    elif b == 0xDC and size >= 3:
+        n, pos = <Py_ssize_t>_be(p + 1, 2), 3
+    elif b == 0xDD and size >= 5:
+        n, pos = <Py_ssize_t>_be(p + 1, 4), 5
+    else:
+        return None
+    if n > size - pos:  # at least a byte an id
+        return None
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, n * 8)
+    cdef int64_t* q = <int64_t*>PyBytes_AS_STRING(out)
+    for i in range(n):
+        if pos >= size:
+            return None
+        b = p[pos]
+        if b <= 0x7F:  # positive fixint
+            v = b
+            pos += 1
+        elif b >= 0xE0:  # negative fixint
+            v = <int64_t>b - 256
+            pos += 1
+        elif 0xCC <= b <= 0xD3:  # uint8..uint64, int8..int64
+            width = 1 << ((b - 0xCC) & 3)
+            if width > size - pos - 1:
+                return None
+            u = _be(p + pos + 1, width)
+            if b <= 0xCF:
+                if u > <uint64_t>0x7FFFFFFFFFFFFFFF:
+                    return None  # beyond int64
+                v = <int64_t>u
+            elif width == 8:
+                v = <int64_t>u
+            else:  # sign-extend
+                v = <int64_t>(u << (64 - 8 * width)) >> (64 - 8 * width)
+            pos += 1 + width
+        else:
+            return None
+        q[i] = <int64_t>_bswap64(<uint64_t>v) if not _LITTLE_ENDIAN else v
+    if pos != size:
+        return None
+    return out
+
+
+cdef int _check_owners(bytes owner_data) except -1:
+    cdef Py_ssize_t n_owners = len(owner_data) // 8, i
+    cdef const int64_t* own = <const int64_t*>PyBytes_AS_STRING(owner_data)
+    for i in range(n_owners):
+        if not -1 <= own[i] < n_owners:
+            raise ValueError(f"owners must be -1 or in [0, {n_owners}), got {own[i]} at "
+                             f"position {i}")
+    return 0
 
 
 cdef inline uint64_t _bswap64(uint64_t v) noexcept:
@@ -618,36 +719,63 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         return dropped
 
     def overlap(self, seed, data, page_bytes, owners):
+        # A list of token ids is read as it is hashed (its ints are loaded while the chain's
+        # multiplies run), and every id is checked, walked or not: the same answer and the
+        # same errors as reading it into bytes first, which is what happens when another
+        # argument is wrong (the ids' errors come first).
+        cdef list items = None
+        cdef bytes owner_data = None
         if type(data) is list:
-            data = _list_le_bytes(<list>data)
+            try:
+                check_chain_args(seed, page_bytes)
+                owner_data = _bi_keys(owners)
+                _check_owners(owner_data)
+                items = <list>data
+            except (TypeError, ValueError, OverflowError):
+                data = _list_le_bytes(<list>data)
+                owner_data = None
         elif type(data) is not bytes:
             raise TypeError(f"data must be bytes or a list of ints, got {type(data).__name__}")
-        check_chain_args(seed, page_bytes)
-        cdef bytes owner_data = _bi_keys(owners)
+        if items is None:
+            check_chain_args(seed, page_bytes)
+            owner_data = _bi_keys(owners)
+            _check_owners(owner_data)
         cdef Py_ssize_t n_owners = len(owner_data) // 8, i
         cdef const int64_t* own = <const int64_t*>PyBytes_AS_STRING(owner_data)
-        for i in range(n_owners):
-            if not -1 <= own[i] < n_owners:
-                raise ValueError(f"owners must be -1 or in [0, {n_owners}), got {own[i]} at "
-                                 f"position {i}")
-        if page_bytes > len(<bytes>data):
+        cdef Py_ssize_t length = len(items) * 8 if items is not None else len(<bytes>data)
+        cdef bytes buffer = None
+        cdef const unsigned char* p = NULL
+        if page_bytes > length:
+            if items is not None:
+                _list_le_bytes(items)  # every id checked, as when read first
             return []
-        cdef bytes buffer = data
-        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(buffer)
+        if items is None:
+            buffer = data
+            p = <const unsigned char*>PyBytes_AS_STRING(buffer)
         cdef Py_ssize_t per_page = page_bytes // 8
-        cdef Py_ssize_t pages = len(buffer) // page_bytes
+        cdef Py_ssize_t pages = length // page_bytes
         cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
         cdef Py_ssize_t page, j, slot, n_active = -1, depth = 0, n_out = 0, k
+        cdef Py_ssize_t n_items = 0, done = 0, bad = -1
         cdef int32_t* marks
         cdef int32_t* scratch
+        cdef int64_t* words = NULL
+        cdef int64_t ignored
         cdef int32_t stamp, cid
         cdef int64_t o
         cdef BIEntry* e
-        cdef const int32_t* items
-        # scratch: the active owners (n_owners), then the results (2 * n_owners)
-        scratch = <int32_t*>PyMem_Malloc((3 * n_owners + 1) * sizeof(int32_t))
+        cdef const int32_t* items_of
+        # scratch: the active owners (n_owners), then the results (2 * n_owners); a page of
+        # a list's ids after them
+        cdef Py_ssize_t head = ((3 * n_owners + 1) * sizeof(int32_t) + 7) // 8 * 8
+        # a list's ids are read a chunk of pages (about 4 KiB) at a time, then hashed
+        cdef Py_ssize_t chunk = max(1, 4096 // (per_page * 8)), first = 0, last = 0
+        scratch = <int32_t*>PyMem_Malloc(head + (chunk * per_page * 8 if items is not None
+                                                 else 0))
         if scratch == NULL:
             raise MemoryError()
+        if items is not None:
+            words = <int64_t*>(<char*>scratch + head)
         if self.marks_cap < n_owners:
             marks = <int32_t*>PyMem_Realloc(self.marks, (n_owners + 1) * sizeof(int32_t))
             if marks == NULL:
@@ -660,8 +788,29 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         marks = self.marks
         cdef int32_t* active = scratch
         cdef int32_t* out = scratch + n_owners
+        if items is not None:
+            # From here on nothing runs Python code or allocates: the list cannot change.
+            n_items = rc_list_size(items)
+            pages = (n_items * 8) // page_bytes
         for page in range(pages):
-            h = hash_page(h, p + page * per_page * 8, per_page)
+            if items is not None:
+                if page == last:  # read the next chunk of pages
+                    first = page
+                    last = min(pages, page + chunk)
+                    for j in range((last - first) * per_page):
+                        if not rc_read_int(rc_list_item(items, done + j), &words[j]):
+                            bad = done + j
+                            break
+                    if bad >= 0:
+                        break
+                    if not _LITTLE_ENDIAN:
+                        for j in range((last - first) * per_page):
+                            words[j] = <int64_t>_bswap64(<uint64_t>words[j])
+                    done = last * per_page
+                h = hash_page(h, <const unsigned char*>(words + (page - first) * per_page),
+                              per_page)
+            else:
+                h = hash_page(h, p + page * per_page * 8, per_page)
             slot = self.find(<int64_t>h)
             if slot < 0:
                 break
@@ -671,10 +820,10 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
                 self.stamp = 0
             self.stamp += 2
             stamp = self.stamp
-            items = self.copies(e)
+            items_of = self.copies(e)
             # mark the owners holding this block
             for k in range(e.n):
-                cid = items[k]
+                cid = items_of[k]
                 if cid < n_owners:
                     o = own[cid]
                     if o >= 0:
@@ -682,7 +831,7 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
             if n_active < 0:
                 n_active = 0
                 for k in range(e.n):
-                    cid = items[k]
+                    cid = items_of[k]
                     if cid < n_owners:
                         o = own[cid]
                         if o >= 0 and marks[o] == stamp:
@@ -703,6 +852,15 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
             if n_active == 0:
                 break
             depth += 1
+        if items is not None and bad < 0:
+            for i in range(done, n_items):  # the ids past the walk are checked too
+                if not rc_read_int(rc_list_item(items, i), &ignored):
+                    bad = i
+                    break
+        if bad >= 0:
+            PyMem_Free(scratch)
+            _list_le_bytes(items[bad:bad + 1], bad)  # raises for the id at ``bad``
+            raise AssertionError("unreachable")
         for j in range(n_active if n_active > 0 else 0):
             out[2 * n_out] = active[j]
             out[2 * n_out + 1] = <int32_t>depth
@@ -922,6 +1080,40 @@ Publisher hash (an int, or bytes) -> block key (an int64); see ``_blocks_py``.""
                 self.table[slot].key = kp[i]
             else:
                 self.insert(<uint64_t>hs[i], kp[i])
+
+    def add_new(self, hashes, keys):
+        """``update`` when ``isdisjoint(hashes)`` (True), else nothing (False); one pass
+        over C buffers, no int object per hash."""
+        cdef tuple values = tuple(hashes)  # hashing may run code: a snapshot
+        cdef Py_ssize_t n = len(values), i, j, mask = 1
+        cdef bytes hbuf = PyBytes_FromStringAndSize(NULL, n * 8)
+        cdef uint64_t* hs = <uint64_t*>PyBytes_AS_STRING(hbuf)
+        for i in range(n):
+            hs[i] = _km_hash(values[i])
+        cdef bytes data = _bi_keys(keys)
+        cdef const int64_t* kp = <const int64_t*>PyBytes_AS_STRING(data)
+        if len(data) // 8 != n:
+            raise ValueError(f"{n} hashes for {len(data) // 8} keys")
+        # none twice: a set of the batch's hashes (0 is never a hash), at most half full
+        while mask < 2 * n:
+            mask *= 2
+        cdef bytes seen_buf = PyBytes_FromStringAndSize(NULL, mask * 8)
+        cdef uint64_t* seen = <uint64_t*>PyBytes_AS_STRING(seen_buf)
+        memset(seen, 0, mask * 8)
+        mask -= 1
+        for i in range(n):
+            if self.find(hs[i]) >= 0:
+                return False
+            j = <Py_ssize_t>(fmix64(hs[i]) & <uint64_t>mask)
+            while seen[j]:
+                if seen[j] == hs[i]:
+                    return False
+                j = (j + 1) & mask
+            seen[j] = hs[i]
+        self.room(n)
+        for i in range(n):
+            self.insert(hs[i], kp[i])
+        return True
 
     def values(self):
         cdef bytes snapshot = PyBytes_FromStringAndSize(NULL, self.n * 8)

@@ -23,6 +23,15 @@ native int64 bytes (8 per full page; no int objects made), with the same checks,
 ``data`` may also be a 1-D little-endian int64 numpy array (exactly ``numpy.ndarray``; its
 memory is read in place; another dtype, shape or a strided array is a ``TypeError``).
 
+``ids_le_bytes(items) -> bytes`` -- a list or tuple of exact ints (token ids) as int64
+little-endian bytes, read in one pass: another item is a ``TypeError``, one beyond int64 an
+``OverflowError``, each naming its position (``KvIndexer`` reads an event's token ids so).
+
+``msgpack_ids(data) -> bytes | None`` -- ``data``, the bytes of one msgpack value, as
+int64 little-endian bytes when it is exactly an array of ints that fit in int64 (any of
+msgpack's int forms); None for anything else (another value, an int beyond int64, bytes
+missing or left over). ``KvIndexer`` reads a payload's token ids so, undecoded.
+
 ``BlockIndex()`` -- ``KvIndexer``'s table of held blocks, a map from a 64-bit block key (an
 ``int`` in int64) to the copies holding it (``copy``: an ``int`` in ``[0, 2**31 - 1)`` the
 caller assigns; a copy counts once per holding, so it may hold a key more than once).
@@ -59,20 +68,25 @@ publisher sends (16 bytes in the compiled one, at most 80% full). ``get(h, defau
 ``pop(h, default=None)``, ``put(h, key)``, ``h in m``, ``len(m)``, ``values()`` (the keys, a
 key once per hash), ``clear()``; ``isdisjoint(hashes) -> bool`` (no hash of ``hashes`` is
 held and none is there twice); ``update(hashes, keys)`` maps ``hashes[i]`` to ``keys[i]``
-(``keys`` as ``BlockIndex`` takes them). A hash of another type is a ``TypeError`` (an
+(``keys`` as ``BlockIndex`` takes them); ``add_new(hashes, keys) -> bool`` does so only
+when ``isdisjoint(hashes)`` (True), else changes nothing (False), with ``update``'s checks.
+A hash of another type is a ``TypeError`` (an
 object with ``__index__`` counts as the int it gives). It pickles and copies.
 """
 
 from __future__ import annotations
 
 import operator
+import sys
+from array import array
 from typing import Any
 
 import numpy as np
 
 from ._validate import INT64_MAX, INT64_MIN
 
-__all__ = ["BlockIndex", "KeyMap", "hash64", "page_hash_bytes", "page_hash_chain"]
+__all__ = ["BlockIndex", "KeyMap", "hash64", "ids_le_bytes", "msgpack_ids",
+           "page_hash_bytes", "page_hash_chain"]
 
 
 # -- page hash chain (see the module docstring) ---------------------------------------------
@@ -309,14 +323,94 @@ class BlockIndex:
         return out
 
 
-def _list_le_bytes(items: list) -> bytes:
-    """A list of exact ints as int64 little-endian bytes (``overlap``'s ``data``)."""
+def _list_le_bytes(items: Any) -> bytes:
+    """A list (or tuple) of exact ints as int64 little-endian bytes (``overlap``'s ``data``)."""
     for i, item in enumerate(items):
         if type(item) is not int:
             raise TypeError(f"token ids must be ints, got {type(item).__name__} at position {i}")
         if not INT64_MIN <= item <= INT64_MAX:
             raise OverflowError(f"token id {item} at position {i} does not fit in int64")
     return np.array(items, dtype="<i8").tobytes()
+
+
+def ids_le_bytes(items: Any) -> bytes:
+    """A list or tuple of exact ints as int64 little-endian bytes; see the module docstring."""
+    if type(items) is not list and type(items) is not tuple:
+        raise TypeError(f"token ids must be a list or tuple, got {type(items).__name__}")
+    if set(map(type, items)) <= _INT_ONLY:  # the types in one pass, then the values
+        try:
+            out = array("q", items)
+        except OverflowError:
+            pass  # named below
+        else:
+            if sys.byteorder != "little":
+                out.byteswap()
+            return out.tobytes()
+    return _list_le_bytes(items)
+
+
+_INT_ONLY = frozenset((int,))
+
+try:  # the wire's optional decoder: an array of ints read without a Python loop
+    import msgspec
+    _IDS_DECODER: Any = msgspec.msgpack.Decoder(list[int])
+    _IDS_DECODER_ERROR: Any = msgspec.DecodeError
+except ImportError:  # then the loop in msgpack_ids
+    _IDS_DECODER = None
+
+# msgpack's int forms past the fixints: first byte -> (width, signed)
+_MSGPACK_INTS = {0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False),
+                 0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True)}
+
+
+def msgpack_ids(data: Any) -> Any:
+    """A msgpack array of ints as int64 little-endian bytes, or None; see the module
+    docstring."""
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    if _IDS_DECODER is not None:  # msgspec checks the array and its items in C
+        try:
+            return ids_le_bytes(_IDS_DECODER.decode(data))
+        except (_IDS_DECODER_ERROR, OverflowError):
+            return None
+    if not data:
+        return None
+    head = data[0]
+    if 0x90 <= head <= 0x9F:
+        n, pos = head & 0x0F, 1
+    elif head == 0xDC and len(data) >= 3:
+        n, pos = int.from_bytes(data[1:3], "big"), 3
+    elif head == 0xDD and len(data) >= 5:
+        n, pos = int.from_bytes(data[1:5], "big"), 5
+    else:
+        return None
+    if n > len(data) - pos:
+        return None
+    ids = []
+    for _ in range(n):
+        if pos >= len(data):
+            return None
+        b = data[pos]
+        if b <= 0x7F:
+            ids.append(b)
+            pos += 1
+        elif b >= 0xE0:
+            ids.append(b - 256)
+            pos += 1
+        elif b in _MSGPACK_INTS:
+            width, signed = _MSGPACK_INTS[b]
+            if width > len(data) - pos - 1:
+                return None
+            value = int.from_bytes(data[pos + 1:pos + 1 + width], "big", signed=signed)
+            if value > INT64_MAX:
+                return None
+            ids.append(value)
+            pos += 1 + width
+        else:
+            return None
+    if pos != len(data):
+        return None
+    return np.array(ids, dtype="<i8").tobytes()
 
 
 def page_hash_bytes(seed: int, data: Any, page_bytes: int) -> bytes:
@@ -417,6 +511,16 @@ class KeyMap:
         if len(hs) != len(keys):
             raise ValueError(f"{len(hs)} hashes for {len(keys)} keys")
         self._map.update(zip(hs, keys))
+
+    def add_new(self, hashes: Any, keys: Any) -> bool:
+        hs = [hash64(value) for value in hashes]
+        keys = _index_keys(keys)
+        if len(hs) != len(keys):
+            raise ValueError(f"{len(hs)} hashes for {len(keys)} keys")
+        if len(set(hs)) != len(hs) or not self._map.keys().isdisjoint(hs):
+            return False
+        self._map.update(zip(hs, keys))
+        return True
 
     def values(self) -> list:
         return list(self._map.values())

@@ -94,7 +94,10 @@ place, ignoring fields it does not know (later ones in an array, unknown keys in
 Required: ``block_hashes``, ``parent_block_hash`` (nil at the root), ``token_ids`` and
 ``block_size`` of a BlockStored, ``block_hashes`` of a BlockRemoved; the other fields are
 None when absent. Block hashes may be ints or bytes (vLLM's ``ExternalBlockHash``).
-Anything else raises ValueError naming the batch and the field.
+Anything else raises ValueError naming the batch and the field. A batch whose events are
+all in one encoding is decoded and checked by msgspec's typed decoder (structs in each
+layout, tagged by the event type), with no check per token in Python; a batch it refuses is
+read field by field, so the answer and the error are the same either way.
 
 Transport
 ---------

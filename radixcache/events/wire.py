@@ -1,5 +1,6 @@
 """The wire format: events as msgpack batches in either encoding (``"map"``,
-``"positional"``), ``ReceivedBatch``, and the check for the optional pyzmq and msgspec.
+``"positional"``; decoded by msgspec's typed decoder, or field by field for a batch it
+refuses), ``ReceivedBatch``, and the check for the optional pyzmq and msgspec.
 
 See "Wire format" in ``radixcache.events``. Imports only ``types`` of the package. Its
 annotations are evaluated, as in ``types``: ``ReceivedBatch`` names ``radixcache.events``
@@ -270,6 +271,16 @@ def decode_batch(payload: bytes, seq: int = -1) -> ReceivedBatch:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise ValueError(f"malformed event batch {seq}: a payload is bytes, got "
                          f"{type(payload).__name__}")
+    typed = _decode_typed(payload, msgspec)
+    if typed is not None:
+        ts, events, rank = typed
+        return ReceivedBatch(seq, ts, [_event_of(event) for event in events], rank, payload)
+    return _decode_checked(payload, seq, msgspec)
+
+
+def _decode_checked(payload: Any, seq: int, msgspec: Any) -> ReceivedBatch:
+    """``decode_batch`` field by field: any batch, its events in either encoding, even
+    mixed; what is malformed is named."""
     try:
         batch = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
@@ -295,6 +306,136 @@ def decode_batch(payload: bytes, seq: int = -1) -> ReceivedBatch:
         except ValueError as exc:
             raise ValueError(f"malformed event batch {seq}, event {index}: {exc}") from None
     return ReceivedBatch(seq, float(ts), decoded, rank, payload)
+
+
+# -- typed decoding ----------------------------------------------------------------------
+# A batch whose events are all in one encoding is decoded and checked by msgspec itself, into
+# the structs below, which take exactly what the field-by-field reading takes (the same
+# types, required fields and places; unknown fields and trailing places ignored). Anything
+# they refuse (a malformed batch, events in both encodings) is read field by field, which
+# accepts it or names what is wrong: the answer and the errors are those of that reading.
+# (map decoder, positional decoder, stored types, removed types), built once: token ids as
+# ints, and (``_TYPED_RAW``, for ``KvIndexer``) as their msgpack bytes, undecoded
+_TYPED: Any = None
+_TYPED_RAW: Any = None
+
+
+def _typed_decoders(msgspec: Any) -> tuple:
+    global _TYPED, _TYPED_RAW
+    if _TYPED is None:
+        _TYPED_RAW = _build_typed(msgspec, msgspec.Raw)
+        _TYPED = _build_typed(msgspec, list[int])
+    return _TYPED
+
+
+def _build_typed(msgspec: Any, Tokens: Any) -> tuple:
+    Hash = Union[int, bytes]
+    Struct = msgspec.Struct
+
+    class StoredMap(Struct, tag_field="type", tag="BlockStored"):
+        block_hashes: list[Hash]
+        parent_block_hash: Optional[Hash]
+        token_ids: Tokens
+        block_size: int
+        lora_id: Optional[int] = None
+        medium: Optional[str] = None
+        lora_name: Optional[str] = None
+        extra_keys: Any = None  # checked by _wire_extra_keys
+        group_idx: Optional[int] = None
+        cache_salt: Optional[str] = None
+
+    class RemovedMap(Struct, tag_field="type", tag="BlockRemoved"):
+        block_hashes: list[Hash]
+        medium: Optional[str] = None
+        group_idx: Optional[int] = None
+
+    class ClearedMap(Struct, tag_field="type", tag="AllBlocksCleared"):
+        pass
+
+    # The positional layout (_POSITIONAL_PLACES): the tag, then the places; the first
+    # _POSITIONAL_NEEDED are required.
+    class StoredPos(Struct, tag="BlockStored", array_like=True):
+        block_hashes: list[Hash]
+        parent_block_hash: Optional[Hash]
+        token_ids: Tokens
+        block_size: int
+        lora_id: Optional[int]
+        medium: Optional[str]
+        lora_name: Optional[str] = None
+        extra_keys: Any = None
+        group_idx: Optional[int] = None
+        cache_salt = None  # not a place: never sent in this layout
+
+    class RemovedPos(Struct, tag="BlockRemoved", array_like=True):
+        block_hashes: list[Hash]
+        medium: Optional[str]
+        group_idx: Optional[int] = None
+
+    class ClearedPos(Struct, tag="AllBlocksCleared", array_like=True):
+        pass
+
+    def batch_type(event_type: Any) -> type:
+        class Batch(Struct, array_like=True, forbid_unknown_fields=True):
+            ts: float  # an int or a float, not a bool
+            events: list[event_type]
+            data_parallel_rank: Optional[int] = None
+        return Batch
+
+    decoder = msgspec.msgpack.Decoder
+    return (decoder(batch_type(Union[StoredMap, RemovedMap, ClearedMap])),
+            decoder(batch_type(Union[StoredPos, RemovedPos, ClearedPos])),
+            (StoredMap, StoredPos), (RemovedMap, RemovedPos))
+
+
+def _decode_typed(payload: Any, msgspec: Any, raw: bool = False) -> Optional[tuple]:
+    """``(ts, typed events, data_parallel_rank)`` of a batch the structs take, else None;
+    ``raw``: the token ids left as their msgpack bytes (``msgspec.Raw``, unchecked)."""
+    _typed_decoders(msgspec)
+    by_map, by_place, _, _ = _TYPED_RAW if raw else _TYPED
+    try:
+        try:
+            batch = by_map.decode(payload)
+        except msgspec.ValidationError:
+            batch = by_place.decode(payload)
+        for event in batch.events:
+            if getattr(event, "extra_keys", None) is not None:
+                _wire_extra_keys(event.extra_keys, "extra_keys")  # the same check
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return None  # a ValidationError is a DecodeError
+    return batch.ts, batch.events, batch.data_parallel_rank
+
+
+def _typed_events(payload: Any) -> Optional[list]:
+    """The typed structs of a batch the typed decoder takes (see ``_decode_typed``), their
+    token ids left as msgpack bytes (``msgspec.Raw``), else None (then ``decode_batch``
+    reads it, or names what is wrong). For ``KvIndexer``, which reads the token ids itself
+    and a struct as it reads an event (the same fields), but for ``extra_keys``:
+    ``_event_of`` makes the event of a struct that has them, once its token ids are read."""
+    _, msgspec = _transport("decode_batch")
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        return None
+    typed = _decode_typed(payload, msgspec, raw=True)
+    return None if typed is None else typed[1]
+
+
+def _typed_kinds() -> tuple:
+    """``(stored struct types, removed struct types)`` of ``_typed_events``."""
+    return _TYPED_RAW[2], _TYPED_RAW[3]
+
+
+def _event_of(event: Any) -> KVEvent:
+    """The KV event of a typed struct (see ``_decode_typed``)."""
+    kind = type(event)
+    if kind in _TYPED[2] or kind in _TYPED_RAW[2]:
+        extra_keys = event.extra_keys
+        return BlockStored(
+            tuple(event.block_hashes), event.parent_block_hash, tuple(event.token_ids),
+            event.block_size, event.lora_id, event.medium, event.lora_name,
+            None if extra_keys is None else _frozen(extra_keys), event.group_idx,
+            event.cache_salt)
+    if kind in _TYPED[3] or kind in _TYPED_RAW[3]:
+        return BlockRemoved(tuple(event.block_hashes), event.medium, event.group_idx)
+    return AllBlocksCleared()
 
 
 def _check_events(events: Iterable[Any]) -> tuple:

@@ -31,6 +31,7 @@ from ..events import (
     tokens_le_bytes,
 )
 from ..events.hashing import fast64_root
+from ..events.wire import _event_of, _typed_events, _typed_kinds
 from ..events.recorder import KEYS_REMOVED, KEYS_STORED
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -41,6 +42,8 @@ _HASH_TYPES = (int, bytes)
 # The block module's table and page hash chain (compiled when built): the block keys are
 # the chain seeded by the namespace. A table is made per indexer from the module chosen then.
 _page_keys = _core.blocks.page_hash_chain
+_ids_le_bytes = _core.blocks.ids_le_bytes
+_msgpack_ids = _core.blocks.msgpack_ids
 
 
 @dataclass
@@ -112,11 +115,17 @@ _HASH_TYPE_SET = set(_HASH_TYPES)
 
 def _event_token_bytes(token_ids: Any) -> bytes:
     """An event's token ids as int64 little-endian bytes; a tuple or list (what events hold)
-    goes through ``array('q')``, cheaper than numpy for Python ints."""
+    is read by the block module in one pass, or through ``array('q')`` when an item is no
+    exact int (a bool, an int subclass: taken as before), cheaper than numpy."""
     if type(token_ids) is TokenIds:
         return token_ids.le_bytes
-    if _LITTLE_ENDIAN and type(token_ids) in (tuple, list):
-        return array("q", token_ids).tobytes()  # TypeError/OverflowError for non-int64 items
+    if type(token_ids) is tuple or type(token_ids) is list:
+        try:
+            return _ids_le_bytes(token_ids)
+        except (TypeError, OverflowError):
+            pass  # any int64 value array('q') takes, or its error
+        if _LITTLE_ENDIAN:
+            return array("q", token_ids).tobytes()  # TypeError/OverflowError: not int64
     return tokens_le_bytes(token_ids)
 
 
@@ -620,6 +629,35 @@ class KvIndexer:
         if self._store is not None:
             return self._store.apply_payload(worker, payload, seq)
         self._check_worker(worker)
+        events = _typed_events(payload)
+        if events is None:  # not one the typed decoder takes: read field by field
+            return self._apply_checked(worker, payload, seq)
+        # Checked by the decoder but for the token ids, read here from their msgpack bytes
+        # (any batch with ids that are not all int64s is read field by field above); then
+        # its structs are read as the events they decode to (the same fields, lists for
+        # tuples), but those with extra keys, made into events.
+        stored, removed = _typed_kinds()
+        for event in events:
+            if type(event) in stored:
+                ids = _msgpack_ids(bytes(event.token_ids))
+                if ids is None:
+                    return self._apply_checked(worker, payload, seq)
+                event.token_ids = TokenIds(ids)
+        stats = self.stats
+        stats.batches += 1
+        for event in events:
+            stats.events += 1
+            kind = type(event)
+            if kind in stored:
+                self._stored(worker, event if event.extra_keys is None else _event_of(event))
+            elif kind in removed:
+                self._removed(worker, event)
+            else:
+                self._clear_worker(worker)
+                stats.cleared += 1
+        return True
+
+    def _apply_checked(self, worker: Hashable, payload: Any, seq: int) -> bool:
         try:
             batch = decode_batch(payload, seq)
         except (ValueError, TypeError):
@@ -777,11 +815,11 @@ class KvIndexer:
             stats.stored_blocks += stored
             stats.duplicate_blocks += duplicates
             return
-        if not identity and not copy.direct and published.isdisjoint(hashes):
-            # New hashes (the common case): in bulk.
-            if copy.refs is None:
-                published.update(hashes, keys)
-            else:
+        if not identity and not copy.direct and (
+                published.add_new(hashes, keys) if copy.refs is None
+                else published.isdisjoint(hashes)):
+            # New hashes (the common case): in bulk, mapped already when no refs are kept.
+            if copy.refs is not None:
                 for block_hash, key in zip(hashes, keys):
                     self._publish(copy, block_hash, key)
             self._index.add(copy.cid, keys)

@@ -13,6 +13,8 @@ from typing import Any, List, Optional, Tuple, Union
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 import radixcache.events as ev
 from radixcache import RadixCache
@@ -558,6 +560,92 @@ def test_decoder_reads_map_fields_by_name_and_ignores_unknown_ones():
     assert mixed.events == [ev.AllBlocksCleared(), dataclasses.replace(
         MAP_STORED_EVENT, block_hashes=(b"\x01" * 32, 5), parent_block_hash=b"\x02" * 32)]
     assert ev.decode_event(map_stored()) == MAP_STORED_EVENT
+
+
+# Field values a hostile or newer publisher may send: well typed ones and every kind of
+# wrong one (bools for ints, floats, strs for bytes, maps, nested arrays, huge ints).
+_ODD_VALUES = st.sampled_from([None, 0, -1, 2**63, 2**64 - 1, -(2**63), True, 1.5, "x", b"h",
+                               [], [1], [b"a", 2], [True], [1.0], ["x"], [[1]], [None],
+                               [[1], None], [{"a": 1}], {"a": 1}, [[[[[1]]]]],
+                               [1 - 2**63, 2**63 - 1]])
+_MAP_FIELDS = ("type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+               "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "cache_salt",
+               "session_id")
+
+
+@st.composite
+def _wire_events(draw: Any) -> Any:
+    """A well-formed event in either encoding, maybe with fields removed, changed or added."""
+    stored = ev.BlockStored(
+        tuple(draw(st.lists(st.one_of(st.integers(-(2**63), 2**64 - 1), st.binary(max_size=9)),
+                            max_size=3))),
+        draw(st.one_of(st.none(), st.integers(-5, 5), st.binary(min_size=1, max_size=4))),
+        tuple(draw(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=6))),
+        draw(st.integers(1, 4)), draw(st.one_of(st.none(), st.integers(0, 3))),
+        draw(st.sampled_from([None, "GPU", "CPU_PINNED"])),
+        draw(st.sampled_from([None, "lora"])),
+        draw(st.sampled_from([None, (("ns",), None), ((1, ("mm", 0)),)])),
+        draw(st.one_of(st.none(), st.integers(0, 2))), draw(st.sampled_from([None, "s"])))
+    event = draw(st.sampled_from([stored, ev.BlockRemoved(stored.block_hashes,
+                                                          stored.medium, stored.group_idx),
+                                  ev.AllBlocksCleared()]))
+    wire = event.to_wire(draw(st.sampled_from(["map", "positional"])))
+    for _ in range(draw(st.integers(0, 2))):
+        if isinstance(wire, dict):
+            field = draw(st.sampled_from(_MAP_FIELDS))
+            if draw(st.booleans()):
+                wire.pop(field, None)
+            else:
+                wire[field] = draw(_ODD_VALUES)
+        elif draw(st.booleans()):  # cut short (fewer places), or one place dropped
+            if draw(st.booleans()):
+                del wire[draw(st.integers(0, len(wire))):]
+            elif wire:
+                wire.pop(draw(st.integers(0, len(wire) - 1)))
+        else:
+            wire.insert(draw(st.integers(0, len(wire))), draw(_ODD_VALUES))
+    return wire
+
+
+@needs_transport
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=st.lists(_wire_events(), max_size=4),
+       head=st.one_of(st.just([0.5]), st.just([3]), st.sampled_from([[True], ["t"], [None]])),
+       tail=st.one_of(st.just([]), st.sampled_from([[0], [None], [-(2**63)], [2**64 - 1]]),
+                      st.sampled_from([[1.0], [0, 0], [True]])))
+@example(events=[["BlockStored", [1], None, [1, 1], 2, None]], head=[0.5], tail=[])
+@example(events=[["BlockRemoved", [1]]], head=[0.5], tail=[])
+@example(events=[["BlockStored", [1], None, [1, 1], 2, None, None, "n", None, 1, "x"],
+                 ["AllBlocksCleared", 1], ["BlockRemoved", [b"a"], "CPU", 2, 3]],
+         head=[1], tail=[0])
+@example(events=[{"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 1],
+                  "block_size": 2}], head=[0.5], tail=[])
+@example(events=[{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                  "token_ids": [1, 1], "block_size": 2, "extra_keys": [[{"a": 1}]]}],
+         head=[0.5], tail=[])
+@example(events=[{"type": "AllBlocksCleared"}, ["AllBlocksCleared"]], head=[0.5], tail=[])
+def test_typed_decoding_answers_and_fails_as_the_field_by_field_reading(events, head, tail):
+    """Batches all in one encoding are decoded by typed structs; every batch, well formed or
+    not, must decode to the same events, or fail with the same message, as the reading of
+    each field (the one that names what is wrong)."""
+    from radixcache.events import wire as wire_module
+    payload = msgspec.msgpack.encode(head + [events] + tail)
+
+    def outcome(decode: Any) -> Any:
+        try:
+            return decode()
+        except ValueError as exc:
+            return str(exc)
+
+    typed = outcome(lambda: ev.decode_batch(payload, 4))
+    checked = outcome(lambda: wire_module._decode_checked(payload, 4, msgspec))
+    assert typed == checked
+    if not isinstance(typed, str):
+        assert typed.ts == checked.ts and type(typed.ts) is float
+        assert [type(e) for e in typed.events] == [type(e) for e in checked.events]
+        for mine, theirs in zip(typed.events, checked.events):  # bytes vs ints, tuples
+            assert [type(v) for v in dataclasses.astuple(mine)] == \
+                [type(v) for v in dataclasses.astuple(theirs)]
 
 
 @needs_transport

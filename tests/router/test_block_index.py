@@ -713,6 +713,46 @@ def test_key_map_matches_a_dict_of_hash64(blocks):
     assert bulk.get(5) == 6
 
 
+@pytest.mark.parametrize("page_bytes", [8, 24, 128, 4104])
+def test_overlap_of_a_list_answers_and_fails_as_of_its_bytes(blocks, page_bytes):
+    """A list is read as it is walked, over several reads of its ids: the answer is that of
+    its bytes at every length, and an id that is no int64 is named wherever it lies (in the
+    walked blocks, past where the walk stops, in a last partial page, in a list shorter than
+    a page), before a wrong other argument."""
+    rng = random.Random(page_bytes)
+    per_page = page_bytes // 8
+    tokens = [rng.randrange(-(1 << 62), 1 << 62) for _ in range(per_page * 700 + per_page // 2)]
+    data = np.array(tokens, dtype="<i8").tobytes()
+    keys = blocks.page_hash_chain(9, data, page_bytes)
+    index = blocks.BlockIndex()
+    index.add(0, keys[:650])
+    index.add(1, keys[:2])  # a copy on no owner
+    index.add(2, keys[3:9])  # not from the first block: never counted
+    index.add(3, keys[:1])
+    owners = [0, -1, 2, 1]
+    for length in (0, 1, per_page - 1, per_page, per_page + 1, 5 * per_page, 650 * per_page,
+                   650 * per_page + 1, len(tokens)):
+        assert index.overlap(9, tokens[:length], page_bytes, owners) == \
+            index.overlap(9, data[:8 * length], page_bytes, owners)
+    assert index.overlap(9, tokens, page_bytes, owners) == [(1, 1), (0, 650)]
+    for position in (0, per_page - 1, per_page * 300, per_page * 660, len(tokens) - 1):
+        for bad, error in ((1.0, TypeError), (2**63, OverflowError), (True, TypeError)):
+            hostile = list(tokens)
+            hostile[position] = bad
+            with pytest.raises(error, match=f"at position {position}( |$)"):
+                index.overlap(9, hostile, page_bytes, owners)
+            with pytest.raises(error, match=f"at position {position}( |$)"):
+                index.overlap(9, hostile, page_bytes, [0, 7, 0, 0])  # the ids' error first
+    with pytest.raises(TypeError, match="at position 0"):
+        index.overlap(9, ["x"], page_bytes, owners)  # shorter than a page
+    with pytest.raises(ValueError, match="owners must be -1 or in"):
+        index.overlap(9, tokens, page_bytes, [0, 7])
+    with pytest.raises(ValueError, match="page_bytes must be a positive multiple of 8"):
+        index.overlap(9, tokens, 12, owners)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        index.overlap(9.0, tokens, page_bytes, owners)
+
+
 def test_overlap_reads_a_list_of_token_ids_as_its_bytes(blocks, monkeypatch):
     """``overlap`` takes the token ids as a list too: the same answer as from their bytes,
     and a clear error for an item that is no int64 (``KvIndexer`` then reads such a list as
@@ -739,3 +779,73 @@ def test_overlap_reads_a_list_of_token_ids_as_its_bytes(blocks, monkeypatch):
         indexer.overlap([4, 5, 2**70, 7])
     with pytest.raises(TypeError):
         indexer.overlap([4, 5, "6", 7])
+
+
+def test_ids_le_bytes_reads_exact_int64s_and_names_the_first_bad_id(blocks):
+    ids = [0, 1, -1, 2**63 - 1, -(2**63), 50_000, 2**40]
+    want = np.array(ids, dtype="<i8").tobytes()
+    assert blocks.ids_le_bytes(ids) == blocks.ids_le_bytes(tuple(ids)) == want
+    assert blocks.ids_le_bytes([]) == blocks.ids_le_bytes(()) == b""
+    for container in (list, tuple):
+        with pytest.raises(TypeError, match="got bool at position 2"):
+            blocks.ids_le_bytes(container([1, 2, True, 1.0]))
+        with pytest.raises(TypeError, match="got float at position 1"):
+            blocks.ids_le_bytes(container([1, 1.0, 2**70]))
+        with pytest.raises(OverflowError, match="token id 9223372036854775808 at position 3"):
+            blocks.ids_le_bytes(container([1, 2, 3, 2**63, "x"]))
+        with pytest.raises(OverflowError, match="at position 0"):
+            blocks.ids_le_bytes(container([-(2**63) - 1]))
+    with pytest.raises(TypeError, match="must be a list or tuple, got ndarray"):
+        blocks.ids_le_bytes(np.array(ids))
+
+
+def test_key_map_add_new_maps_only_a_batch_of_new_distinct_hashes(blocks):
+    m = blocks.KeyMap()
+    assert m.add_new([5, b"h", 2**64 - 1], [1, 2, 3]) is True
+    assert (m.get(5), m.get(b"h"), m.get(-1), len(m)) == (1, 2, 3, 3)  # -1: 2**64 - 1 mod 2**64
+    for hashes in ([6, 5], [7, 7], [8, b"h"]):  # one held, one there twice: nothing changes
+        assert m.add_new(hashes, [9, 9]) is False
+        assert len(m) == 3 and m.get(6) is None and m.get(7) is None and m.get(5) == 1
+    assert m.add_new((), b"") is True and len(m) == 3
+    many = list(range(100, 1100))
+    assert m.add_new(many, many) is True and len(m) == 1003 and m.get(1099) == 1099
+    assert m.add_new(many[:1] + [5000], [1, 2]) is False and m.get(5000) is None
+    with pytest.raises(TypeError):
+        m.add_new([1.5], [1])
+    with pytest.raises(ValueError, match="2 hashes for 1 keys"):
+        m.add_new([11, 12], [1])
+    with pytest.raises(OverflowError):
+        m.add_new([11], [2**63])
+    assert len(m) == 1003 and m.get(11) is None
+
+
+@pytest.mark.parametrize("reader", ["default", "loop"])
+def test_msgpack_ids_reads_exactly_an_array_of_int64s(blocks, reader, monkeypatch):
+    """Every msgpack int form, array headers of each size; anything else is None (the pure
+    module's own loop too, used where msgspec is missing)."""
+    msgspec = pytest.importorskip("msgspec")
+    if reader == "loop":
+        if blocks is not _blocks_py:
+            pytest.skip("the pure module's loop")
+        monkeypatch.setattr(_blocks_py, "_IDS_DECODER", None)
+    rng = random.Random(5)
+    edges = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1, -1, -32,
+             -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -(2**63)]
+    for n in (0, 1, 15, 16, 300, 70000):
+        ids = [rng.choice(edges) if rng.random() < 0.5 else rng.randrange(-(2**63), 2**63)
+               for _ in range(n)]
+        raw = msgspec.msgpack.encode(ids)
+        assert blocks.msgpack_ids(raw) == np.array(ids, dtype="<i8").tobytes()
+        if n:
+            assert blocks.msgpack_ids(raw[:-1]) is None  # cut short
+        assert blocks.msgpack_ids(raw + b"\x00") is None  # left over
+    # array32 header, and ints written wider than needed
+    assert blocks.msgpack_ids(b"\xdd\x00\x00\x00\x02\xcf" + (5).to_bytes(8, "big") + b"\xd0\xff") \
+        == np.array([5, -1], dtype="<i8").tobytes()
+    for value in ([2**63], [2**64 - 1], [1.0], [True], [None], ["1"], [b"1"], [[1]], {"a": 1},
+                  1, "x", [1, 2.5]):
+        assert blocks.msgpack_ids(msgspec.msgpack.encode(value)) is None
+    assert blocks.msgpack_ids(b"") is None and blocks.msgpack_ids(b"\xdc\x00") is None
+    assert blocks.msgpack_ids(b"\x91\xcd\x01") is None  # a uint16 cut short
+    with pytest.raises(TypeError, match="data must be bytes"):
+        blocks.msgpack_ids(bytearray(b"\x90"))

@@ -19,9 +19,15 @@ from radixcache.events import (
     BlockRemoved,
     BlockStored,
     ReceivedBatch,
+    encode_batch,
     extra_keys_entry,
 )
 from radixcache.router import KvIndexer
+
+try:
+    import msgspec
+except ImportError:  # the wire is optional: payloads are then applied as events
+    msgspec = None
 
 
 @pytest.fixture
@@ -283,8 +289,11 @@ class EventSource:
         return worker, events, restarted
 
 
+@pytest.mark.parametrize("via", ["events", "payloads"])
 @pytest.mark.parametrize("seed", range(12))
-def test_indexer_matches_the_reference_under_random_batches(indexer_on, seed):
+def test_indexer_matches_the_reference_under_random_batches(indexer_on, seed, via):
+    """``via="payloads"``: each batch that is no restart goes through the wire (vLLM's map
+    encoding) to ``apply_payload``, which applies the typed decoder's structs."""
     rng = random.Random(seed)
     block_size = rng.choice((1, 2, 3))
     indexer = indexer_on(block_size)
@@ -296,6 +305,8 @@ def test_indexer_matches_the_reference_under_random_batches(indexer_on, seed):
         if restarted:  # the reference applied them already; replay them after the drop
             reference.apply(worker, events, restarted=True)
             indexer.apply(worker, ReceivedBatch(step, 0.0, events, None, restarted=True))
+        elif via == "payloads" and msgspec is not None:
+            assert indexer.apply_payload(worker, encode_batch(events, ts=0.0), step)
         else:
             indexer.apply(worker, events)
         for tokens, entries in source.queries:

@@ -793,3 +793,40 @@ def test_sglang_media_salts_sessions_and_adapters_as_sglang_means_them():
                                block_size=2, lora_id=None, cache_salt="a")
     assert scoped.apply_payload(0, payload(child))
     assert scoped.overlap(tokens + [5, 6], "a") == {0: 3}
+
+
+@needs_msgspec
+@pytest.mark.parametrize("token_ids", [
+    [1, 2, 3, 4], [1, 2, 3, 2**63], [1, 2, 3, 2**64 - 1], [-(2**63), 0, -1, 5], [1, 2, 3, 4.0],
+    [1, 2, True, 4], [1, 2, 3], [1, 2, 3, None], "abcd", None, {"a": 1}, [[1], 2, 3, 4],
+])
+@pytest.mark.parametrize("encoding", ["map", "positional"])
+def test_apply_payload_reads_token_ids_as_the_decoded_events_would(blocks, monkeypatch,
+                                                                 token_ids, encoding):
+    """``apply_payload`` reads the token ids from their msgpack bytes: any ids, well formed
+    or not, give the stats and holdings of applying the events ``decode_batch`` makes (or
+    a malformed batch, when it refuses them)."""
+    import msgspec
+
+    import radixcache.router.indexer as indexer_module
+    monkeypatch.setattr(indexer_module, "_msgpack_ids", blocks.msgpack_ids)
+    stored = ["BlockStored", [11, 12], None, token_ids, 2, None, None]
+    if encoding == "map":
+        stored = dict(zip(["type", "block_hashes", "parent_block_hash", "token_ids",
+                           "block_size", "lora_id", "medium"], stored))
+    removed = {"type": "BlockRemoved", "block_hashes": [12]} if encoding == "map" else \
+        ["BlockRemoved", [12], None]
+    payload = msgspec.msgpack.encode([1.0, [stored, removed], 0])
+    by_payload, by_events = KvIndexer(2), KvIndexer(2)
+    accepted = by_payload.apply_payload(7, payload, 3)
+    try:
+        by_events.apply(7, decode_batch(payload, 3))
+    except ValueError:
+        by_events.stats.malformed_batches += 1
+        assert not accepted
+    else:
+        assert accepted
+    assert by_payload.stats.as_dict() | {"batches": 0} == \
+        by_events.stats.as_dict() | {"batches": 0}
+    assert by_payload.blocks_held(7) == by_events.blocks_held(7)
+    assert by_payload.overlap([1, 2, 3, 4]) == by_events.overlap([1, 2, 3, 4])
