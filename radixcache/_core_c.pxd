@@ -239,6 +239,7 @@ cdef class Core:
     cdef int acquire(self, object obj, TokenBuf* b, bint for_kv, bint private) except -1
     cdef int64_t read_query(self, object tokens, TokenBuf* b, object extra_key) except -3
     cdef object match_result(self, object indices, object node, Py_ssize_t length)
+    cdef object path_indices(self, Py_ssize_t count, Py_ssize_t length)
     cdef object insert_result(self, Py_ssize_t prefix_len, object node)
     cdef object push_if_evictable(self, Node node)
     cdef void prefetch_victims(self) noexcept

@@ -1895,14 +1895,33 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         except TypeError:
             return _DECLINED
 
+    cdef object path_indices(self, Py_ssize_t count, Py_ssize_t length):
+        """The index array of the first ``count`` nodes of ``self.path`` (``length`` tokens
+        in all, > 0): their values joined in path order, in one new array."""
+        cdef Py_ssize_t i, total = 0
+        cdef Node child
+        cdef char* out
+        for i in range(count):
+            child = <Node>self.path[i]
+            if child.value_ptr == NULL and child.value_owner is not None:
+                # Device values: torch concatenates (a new tensor).
+                return _cat_tensors([path_value(<Node>self.path[i]) for i in range(count)])
+        # A capsule is not tracked by the collector: no Python code runs until the copy is
+        # done.
+        capsule = rc_int64_capsule(length, <int64_t**>&out)
+        for i in range(count):
+            child = <Node>self.path[i]
+            memcpy(out + total, child.value_ptr if child.value_ptr != NULL else child.key_ptr,
+                   child.key_len * sizeof(int64_t))
+            total += child.key_len * sizeof(int64_t)
+        return index_array(capsule, self.numpy_arrays)
+
     cdef object host_match_result(self, Py_ssize_t depth):
         """The end of a match with a host tier: the path's first ``depth`` nodes are in
         ``self.path``; those on the device come first (the invariant), the host-only ones
         after them are the host continuation."""
-        cdef Py_ssize_t i, ndev = 0, length = 0, host_length = 0, total
+        cdef Py_ssize_t i, ndev = 0, length = 0, host_length = 0
         cdef Node child, node = self.tree.root, last_host
-        cdef bint device = False
-        cdef char* out
         for i in range(depth):
             child = <Node>self.path[i]
             if child.host_only:
@@ -1921,34 +1940,16 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         if ndev == 0:
             indices = new_empty_indices(self.numpy_arrays)
         else:
-            for i in range(ndev):
-                child = <Node>self.path[i]
-                if child.value_ptr == NULL and child.value_owner is not None:
-                    device = True
-                    break
-            if device:
-                indices = _cat_tensors([path_value(<Node>self.path[i]) for i in range(ndev)])
-            else:
-                capsule = rc_int64_capsule(length, <int64_t**>&out)
-                total = 0
-                for i in range(ndev):
-                    child = <Node>self.path[i]
-                    memcpy(out + total,
-                           child.value_ptr if child.value_ptr != NULL else child.key_ptr,
-                           child.key_len * sizeof(int64_t))
-                    total += child.key_len * sizeof(int64_t)
-                indices = index_array(capsule, self.numpy_arrays)
+            indices = self.path_indices(ndev, length)
         return rc_make_match(_MatchResult, _MATCH_SLOTS, indices, node, length, host_length,
                              last_host)
 
     def match(self, tokens, extra_key=None, bint held=False):
         cdef TokenBuf b
         cdef int64_t ns
-        cdef Py_ssize_t end, pos = 0, common, depth = 0, i, total
+        cdef Py_ssize_t end, pos = 0, common, depth = 0, i
         cdef int64_t now
-        cdef bint device = False
         cdef Node node, child, lower
-        cdef char* out
         b.held = False
         self.take(held, "match_prefix")
         try:
@@ -1994,27 +1995,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             self.matched_tokens += pos
             if self.push_on_access:
                 dropped = self.push_if_evictable(node)
-            for i in range(depth):
-                child = <Node>self.path[i]
-                if child.value_ptr == NULL and child.value_owner is not None:
-                    device = True
-                    break
-            if device:
-                # Device values: torch concatenates (a new tensor).
-                indices = _cat_tensors([path_value(<Node>self.path[i]) for i in range(depth)])
-            else:
-                # A capsule is not tracked by the collector: no Python code runs until the
-                # copy is done.
-                capsule = rc_int64_capsule(pos, <int64_t**>&out)
-                total = 0
-                for i in range(depth):
-                    child = <Node>self.path[i]
-                    memcpy(out + total,
-                           child.value_ptr if child.value_ptr != NULL else child.key_ptr,
-                           child.key_len * sizeof(int64_t))
-                    total += child.key_len * sizeof(int64_t)
-                indices = index_array(capsule, self.numpy_arrays)
-            return self.match_result(indices, node, pos)
+            return self.match_result(self.path_indices(depth, pos), node, pos)
         finally:
             release_tokens(&b)
             self.give(held)
