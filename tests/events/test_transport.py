@@ -85,6 +85,25 @@ def test_the_older_three_frame_replay_answer_is_still_read(raw):
         assert sub.replayed == 5 and sub.malformed == 0 and sub.gaps == []
 
 
+def answer_replay(router, sub, got: list, start: int, seqs: list, end: bool = True) -> None:
+    """Play a publisher's replay ROUTER: wait for ``sub`` to ask from ``start`` (receiving
+    meanwhile, the batches' numbers going to ``got``), then answer with the batches ``seqs``
+    in the engines' layout, and the end marker unless ``end`` is false."""
+    deadline = time.monotonic() + WAIT_S
+    while not router.poll(0):  # the subscriber asks while it receives
+        assert time.monotonic() < deadline, f"no request from {start}"
+        batch = sub.receive(timeout=0.02)
+        if batch is not None:
+            got.append(batch.seq)
+    identity, _, asked = router.recv_multipart()
+    assert asked == seq_bytes(start)
+    for seq in seqs:
+        router.send_multipart([identity, b"", b"", seq_bytes(seq),
+                               ev.encode_batch(stored(seq))])
+    if end:
+        router.send_multipart([identity, b"", b"", END_SEQ, b""])
+
+
 def test_an_answer_that_lost_messages_is_asked_for_again(raw):
     """A raw ROUTER plays a publisher whose answers lose messages on the way (as SGLang's
     ROUTER drops what a client's full queue cannot take): a hole inside an answer, or its
@@ -95,19 +114,7 @@ def test_an_answer_that_lost_messages_is_asked_for_again(raw):
     got: list = []
 
     def answer(sub, start: int, seqs: list, end: bool = True) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not router.poll(0):  # the subscriber asks while it receives
-            assert time.monotonic() < deadline, f"no request from {start}"
-            batch = sub.receive(timeout=0.02)
-            if batch is not None:
-                got.append(batch.seq)
-        identity, empty, asked = router.recv_multipart()
-        assert asked == seq_bytes(start)
-        for seq in seqs:
-            router.send_multipart([identity, b"", b"", seq_bytes(seq),
-                                   ev.encode_batch(stored(seq))])
-        if end:
-            router.send_multipart([identity, b"", b"", END_SEQ, b""])
+        answer_replay(router, sub, got, start, seqs, end)
 
     with ev.ZmqEventSubscriber(endpoint, replay_endpoint, start_seq=0, replay_timeout=1.0,
                                probe_interval=None) as sub:
@@ -141,18 +148,7 @@ def test_an_answer_that_loses_messages_but_gets_further_is_asked_for_until_whole
     got: list = []
 
     def answer(sub, start: int, seqs: list) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not router.poll(0):  # the subscriber asks while it receives
-            assert time.monotonic() < deadline, f"no request from {start}"
-            batch = sub.receive(timeout=0.02)
-            if batch is not None:
-                got.append(batch.seq)
-        identity, _, asked = router.recv_multipart()
-        assert asked == seq_bytes(start)
-        for seq in seqs:
-            router.send_multipart([identity, b"", b"", seq_bytes(seq),
-                                   ev.encode_batch(stored(seq))])
-        router.send_multipart([identity, b"", b"", END_SEQ, b""])
+        answer_replay(router, sub, got, start, seqs)
 
     holes = 2 * ev.ZmqEventSubscriber.MAX_REPLAY_RETRIES + 1
     last = holes + 3
