@@ -38,7 +38,6 @@ from radixcache.events import (
     BlockStored,
     ReceivedBatch,
     encode_namespace,
-    tokens_le_bytes,
 )
 from radixcache.events.hashing import block_hashes, fast64_root
 from radixcache.router import KvIndexer
@@ -146,12 +145,12 @@ def lookup_latency(url, namespace, rounds: int, client) -> tuple:
                 samples.append(time.perf_counter() - t0)
             samples.sort()
             out[name].append((samples[len(samples) // 2], samples[int(len(samples) * 0.99)]))
-    # the router's own part of a lookup: the prompt's tokens as bytes, its chain of keys
+    # the router's own part of a lookup: the prompt's tokens (a list) as bytes, its chain of keys
     root = fast64_root(encode_namespace(None))
     samples = []
     for _ in range(500):
         t0 = time.perf_counter()
-        _core.blocks.page_hash_bytes(root, tokens_le_bytes(tokens), 8 * PAGE)
+        _core.blocks.page_hash_bytes(root, _core.blocks.ids_le_bytes(tokens), 8 * PAGE)
         samples.append(time.perf_counter() - t0)
     samples.sort()
     best = {name: min(v, key=lambda x: x[1]) for name, v in out.items()}
@@ -197,7 +196,7 @@ def memory_per_pair(client, url, namespace: str, blocks: int, holders: int) -> t
             pipe.memory_usage(key, samples=0)
         for key, size in zip(chunk, pipe.execute()):
             total += size
-            if key.startswith(prefix + b"b:"):
+            if key == prefix + b"blocks":
                 blocks_bytes += size
             elif key.startswith(prefix + b"j:"):
                 journal_bytes += size

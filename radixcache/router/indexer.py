@@ -1073,7 +1073,7 @@ class KvIndexer:
         # positions in ``workers``.
         if self._store is not None:
             if type(data) is not bytes:
-                data = tokens_le_bytes(data)
+                data = _ids_le_bytes(data)  # TypeError/OverflowError as the block index's
             return self._store.overlap(_core.blocks.page_hash_bytes(
                 _root_key(namespace), data, self._page_bytes), medium)
         _, workers, owners = self._owners(medium)

@@ -7,14 +7,13 @@ scripts (run with EVALSHA); no server module. Every key of an index starts with
 
 Key layout:
 
-- ``P b:<k0k1>`` (a hash; ``k0k1``: the first 2 bytes of the block's 8-byte indexer key,
-  little endian, so 65,536 buckets): field the other 6 bytes of the key, value the block's
-  holders, ``wid:medium:count`` entries joined by ``,`` (``count``: the worker's holdings of
-  the block on that tier, summed over its KV-cache groups). The field is deleted with its
-  last holder. Buckets stay small hashes (listpack encoding, up to Redis's
-  ``hash-max-listpack-entries``, 128 by default: 8 million blocks) and cost about 20 bytes a
-  block. A lookup reads one field per block, in one script call, and stops at the first
-  missing one.
+- ``P blocks`` (a hash): field a block's 8-byte indexer key (little endian), value its
+  holders, ``,wid:medium:count`` entries (``count``: the worker's holdings of the block on
+  that tier, summed over its KV-cache groups). The field is deleted with its last holder.
+  One hash, so a lookup reads a chunk of the prompt's chain in one ``HMGET`` (32 blocks,
+  then twice as many up to 256) and stops at the first block no worker holds; a batch
+  reads and writes its blocks with one ``HMGET`` and one ``HSET`` per run. About 60 bytes
+  a block (a hash table's entry) for one holder.
 - ``P j:<cid>``: a string, the journal of one copy (a worker's blocks on one tier in one
   KV-cache group): runs of held blocks (``+``, a 4-byte count, 8 bytes per block) and of
   removals (``-``), and the publisher hashes of publishers whose hashes are not the
@@ -172,16 +171,33 @@ local function u32s(n)
   return string.char(math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
                      math.floor(n / 256) % 256, n % 256)
 end
--- add d holdings of block (bucket bk, field fk) for (wid, m); the holdings changed
-local function bump_at(bk, fk, wid, m, d)
-  local v = redis.call('HGET', bk, fk)
+-- Blocks are read with one HMGET and written back with one HSET and one HDEL per run of
+-- keys (in chunks): every Lua instruction counts (a script runs under a count hook), so the
+-- per-block work is kept to a few table reads and writes.
+local BK = P .. 'blocks'
+local CHUNK = 2000  -- keys per call (Lua's unpack and struct.unpack stop near 8,000 values)
+local rep, unpack_s = string.rep, struct.unpack
+-- the n 8-byte keys of s from s[at]
+local function keys_at(s, at, n)
+  if n <= CHUNK then
+    local keys = {unpack_s(rep('c8', n), s, at)}
+    keys[n + 1] = nil  -- struct.unpack's next position
+    return keys
+  end
+  local keys = {}
+  for c = 0, n - 1, CHUNK do
+    local k = math.min(CHUNK, n - c)
+    local part = {unpack_s(rep('c8', k), s, at + 8 * c)}
+    for x = 1, k do keys[c + x] = part[x] end
+  end
+  return keys
+end
+-- holders string v (or false) with d holdings more for (wid, m): the new string (false:
+-- none left) and the holdings changed
+local function bumped(v, wid, m, d)
   if not v then
-    if d > 0 then
-      redis.call('HSET', bk, fk, wid .. ':' .. m .. ':' .. d)
-      blocks_delta = blocks_delta + 1
-      return d
-    end
-    return 0
+    if d > 0 then return ',' .. wid .. ':' .. m .. ':' .. d, d end
+    return false, 0
   end
   local out = {}
   local found = false
@@ -195,42 +211,63 @@ local function bump_at(bk, fk, wid, m, d)
     end
   end
   if not found then
-    if d <= 0 then return 0 end
+    if d <= 0 then return v, 0 end
     out[#out + 1] = wid .. ':' .. m .. ':' .. d
   end
-  if #out == 0 then
-    redis.call('HDEL', bk, fk)
-    blocks_delta = blocks_delta - 1
-  else
-    redis.call('HSET', bk, fk, table.concat(out, ','))
-  end
-  return d
+  if #out == 0 then return false, d end
+  return ',' .. table.concat(out, ','), d
 end
-local function bump(key8, wid, m, d)
-  local f = 'h:' .. wid .. ':' .. m
-  local got = bump_at(P .. 'b:' .. string.sub(key8, 1, 2), string.sub(key8, 3, 8), wid, m, d)
-  if got ~= 0 then held_delta[f] = (held_delta[f] or 0) + got end
-end
--- a run of n blocks (8 bytes each from s[at]) held once more (d = 1) or once less (-1)
-local function bump_run(s, at, n, wid, m, d)
-  local bp = P .. 'b:'
-  local single = wid .. ':' .. m .. ':1'
-  local held = 0
-  for p = at, at + 8 * (n - 1), 8 do
-    local bk = bp .. sub(s, p, p + 1)
-    local fk = sub(s, p + 2, p + 7)
-    -- a block no worker holds yet (the common case of a store): one call
-    if d > 0 and call('HSETNX', bk, fk, single) == 1 then
-      blocks_delta = blocks_delta + 1
-      held = held + 1
-    else
-      held = held + bump_at(bk, fk, wid, m, d)
-    end
-  end
+local function held_by(wid, m, held)
   if held ~= 0 then
     local f = 'h:' .. wid .. ':' .. m
     held_delta[f] = (held_delta[f] or 0) + held
   end
+end
+-- add d holdings (per[key] when per is given) of the n blocks keys for (wid, m). A key met
+-- twice in a chunk ends the chunk there: the next one reads what this one wrote.
+local function bump_keys(keys, n, wid, m, d, per)
+  local single = ',' .. wid .. ':' .. m .. ':1'
+  local held = 0
+  local a = 1
+  while a <= n do
+    local b = math.min(a + CHUNK - 1, n)
+    local got = call('HMGET', BK, unpack(keys, a, b))
+    local sets, ns, dels, nd, seen = {}, 0, {}, 0, {}
+    local after = b + 1
+    for x = a, b do
+      local k = keys[x]
+      if seen[k] then after = x; break end
+      seen[k] = true
+      local v = got[x - a + 1]
+      local dd = d
+      if per then dd = per[k] end
+      if not v and dd == 1 then  -- a block no worker holds yet: the common case of a store
+        ns = ns + 2; sets[ns - 1] = k; sets[ns] = single
+        blocks_delta = blocks_delta + 1
+        held = held + 1
+      else
+        local nv, done = bumped(v, wid, m, dd)
+        if done ~= 0 then
+          held = held + done
+          if nv then
+            ns = ns + 2; sets[ns - 1] = k; sets[ns] = nv
+            if not v then blocks_delta = blocks_delta + 1 end
+          else
+            nd = nd + 1; dels[nd] = k
+            blocks_delta = blocks_delta - 1
+          end
+        end
+      end
+    end
+    if ns > 0 then call('HSET', BK, unpack(sets, 1, ns)) end
+    if nd > 0 then call('HDEL', BK, unpack(dels, 1, nd)) end
+    a = after
+  end
+  held_by(wid, m, held)
+end
+-- a run of n blocks (8 bytes each from s[at]) held once more (d = 1) or once less (-1)
+local function bump_run(s, at, n, wid, m, d)
+  bump_keys(keys_at(s, at, n), n, wid, m, d)
 end
 -- the net holdings and publisher hashes of a journal
 local function parse(j)
@@ -280,9 +317,11 @@ local function clear_copy(cid, wid, m)
   local j = redis.call('GET', jk)
   if j then
     local counts, order = parse(j)
+    local keys, per = {}, {}
     for _, k in ipairs(order) do
-      if counts[k] > 0 then bump(k, wid, m, -counts[k]) end
+      if counts[k] > 0 then keys[#keys + 1] = k; per[k] = -counts[k] end
     end
+    bump_keys(keys, #keys, wid, m, 0, per)
     redis.call('DEL', jk)
   end
   redis.call('HDEL', P .. 'n', 'c:' .. cid, 'z:' .. cid, 'd:' .. cid)
@@ -418,41 +457,65 @@ return 'ok'
 """
 
 # ARGV: P, media (",m1,m2,"), keys (8 bytes each). Returns wid, depth, wid, depth, ...
+# The blocks are read with one HMGET per chunk of the chain (32 blocks, then twice as many
+# up to 256), so a walk reads at most one chunk past where it stops. A block whose holders
+# are the string of the block before (the common case) costs a table read and a compare;
+# when they change, each worker still in its run is looked for as ",wid:m:" (one plain find
+# per tier of the query), no string made.
 _OVERLAP = "#!lua flags=no-writes\n" + r"""
 local P, media, keys = ARGV[1], ARGV[2], ARGV[3]
-local call, sub, find, gmatch = redis.call, string.sub, string.find, string.gmatch
-local bp = P .. 'b:'
-local active, order = nil, {}
-local depth = 0
+local call, find, gmatch = redis.call, string.find, string.gmatch
+local rep, unpack_s = string.rep, struct.unpack
+local bk = P .. 'blocks'
+local needles, order = nil, {}  -- per worker in its run: ",wid:m:" per tier of the query
 local out = {}
 local last = nil
-for i = 1, #keys, 8 do
-  local v = call('HGET', bp .. sub(keys, i, i + 1), sub(keys, i + 2, i + 7))
-  if not v then break end
-  if v ~= last then  -- the same holders as the block before: the same runs go on
-    last = v
-    local held = {}
-    for w, m in gmatch(v, '(%d+):(%d+):%d+') do
-      if find(media, ',' .. m .. ',', 1, true) then held[w] = true end
-    end
-    local alive = false
-    if active == nil then
-      active = {}
-      for w in pairs(held) do active[w] = true; order[#order + 1] = w; alive = true end
-    else
-      for _, w in ipairs(order) do
-        if active[w] then
-          if held[w] then alive = true
-          else active[w] = nil; out[#out + 1] = w; out[#out + 1] = depth end
+local n = #keys / 8
+local pos, chunk = 0, 32
+local depth = nil  -- where the walk stopped
+while depth == nil and pos < n do
+  local m = math.min(chunk, n - pos)
+  -- the chunk's fields, and struct.unpack's next position: a field no block has
+  local got = call('HMGET', bk, unpack_s(rep('c8', m), keys, 8 * pos + 1))
+  for x = 1, m do
+    local v = got[x]
+    if v ~= last then  -- the same holders as the block before: the same runs go on
+      last = v
+      if not v then depth = pos + x - 1; break end
+      if needles == nil then
+        needles = {}
+        for w, mm in gmatch(v, '(%d+):(%d+):%d+') do
+          if needles[w] == nil and find(media, ',' .. mm .. ',', 1, true) then
+            local ws = {}
+            for code in gmatch(media, '%d+') do ws[#ws + 1] = ',' .. w .. ':' .. code .. ':' end
+            needles[w] = ws
+            order[#order + 1] = w
+          end
         end
+        if #order == 0 then depth = 0; break end
+      else
+        local alive = false
+        for _, w in ipairs(order) do
+          local ws = needles[w]
+          if ws then
+            local held = false
+            for _, needle in ipairs(ws) do
+              if find(v, needle, 1, true) then held = true; break end
+            end
+            if held then alive = true
+            else needles[w] = false; out[#out + 1] = w; out[#out + 1] = pos + x - 1 end
+          end
+        end
+        if not alive then depth = pos + x - 1; break end
       end
     end
-    if not alive then break end
   end
-  depth = depth + 1
+  pos = pos + m
+  if chunk < 256 then chunk = chunk * 2 end
 end
+depth = depth or n
 for _, w in ipairs(order) do
-  if active[w] then out[#out + 1] = w; out[#out + 1] = depth end
+  if needles[w] then out[#out + 1] = w; out[#out + 1] = depth end
 end
 return out
 """

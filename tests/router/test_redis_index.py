@@ -247,6 +247,42 @@ def test_reapplying_a_batch_is_harmless(server, namespace):
     assert second_router.resume_seq("a") == 2
 
 
+def test_long_chains_big_batches_and_a_block_held_twice_agree(server, namespace):
+    # A lookup reads the chain in chunks and a batch its blocks in chunks of runs: chains
+    # and events past those chunks, a walk that ends inside a chunk, and a block one copy
+    # holds twice (two publisher hashes of the same tokens) removed in one event.
+    rng = random.Random(5)
+    local = KvIndexer(2)
+    remote = KvIndexer(2, store=server.url, namespace=namespace)
+    tokens = [rng.randrange(1000) for _ in range(2 * 4500)]
+    keys = local.block_keys(tokens)
+    twice = [BlockStored((b"h1",), None, (7, 7), 2), BlockStored((b"h2",), None, (7, 7), 2)]
+    steps = [
+        ("a", [BlockStored(tuple(keys), None, tuple(tokens), 2)]),
+        ("b", [BlockStored(tuple(keys[:2100]), None, tuple(tokens[:4200]), 2)]),
+        ("c", [BlockStored(tuple(keys[:257]), None, tuple(tokens[:514]), 2)]),
+        ("a", [BlockRemoved(tuple(keys[2050:4400]))]),
+        ("b", twice),
+        ("b", [BlockRemoved((b"h1", b"h2"))]),
+        ("b", twice + [BlockRemoved((b"h2",))]),
+    ]
+    for worker, events in steps:
+        for idx in (local, remote):
+            idx.apply(worker, events)
+        for query in (tokens, tokens[:600], tokens[:4102], tokens[:9000], [7, 7], [7, 7, 1, 2]):
+            assert remote.overlap(query) == local.overlap(query)
+        assert len(remote) == len(local)
+        for worker_id in ("a", "b", "c"):
+            assert remote.blocks_held(worker_id) == local.blocks_held(worker_id)
+    assert remote.overlap(tokens) == {"a": 2050, "b": 2100, "c": 257}
+    assert remote.overlap([7, 7]) == {"b": 1}
+    remote.remove_worker("a")
+    local.remove_worker("a")
+    assert remote.overlap(tokens) == local.overlap(tokens) == {"b": 2100, "c": 257}
+    assert len(remote) == len(local)
+    remote.close()
+
+
 def test_worker_ids_must_read_back(server, namespace):
     remote = KvIndexer(2, store=server.url, namespace=namespace)
     with pytest.raises(TypeError, match="worker id of a store-backed KvIndexer"):
@@ -276,8 +312,7 @@ def test_expired_lease_collects_the_dead_workers_blocks(server, namespace):
     assert keep.workers == ["alive"]
     # the dead worker's keys are gone from the store: only the live worker's remain
     client = server.client()
-    prefix = f"rc:{namespace}:b:".encode()
-    assert sum(client.hlen(key) for key in client.scan_iter(prefix + b"*")) == 3
+    assert client.hlen(f"rc:{namespace}:blocks") == 3
     # A renewed lease is not collected.
     short = KvIndexer(2, store=server.url, namespace=namespace, lease_s=0.4)
     short.apply("quiet", [BlockStored((5,), None, (7, 7), 2)])
