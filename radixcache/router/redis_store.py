@@ -662,13 +662,17 @@ class _Recorder:
         keys = self._ints(keys)
         array("q", keys)  # TypeError/OverflowError before anything changes, as the index
         inner = self.inner
-        new = []
-        seen = set()
-        for key in keys:
-            if key not in seen:
-                seen.add(key)
-                if not inner.holds(key, copy):
-                    new.append(key)
+        holds = inner.holds
+        if len(set(keys)) == len(keys):
+            new = [key for key in keys if not holds(key, copy)]
+        else:
+            new = []
+            seen = set()
+            for key in keys:
+                if key not in seen:
+                    seen.add(key)
+                    if not holds(key, copy):
+                        new.append(key)
         result = inner.store(copy, keys)
         if new:
             self.ops.append((self.idents[copy], "+", new))
@@ -1074,8 +1078,13 @@ class RedisStore:
                 pending[where] = [op, list(keys)]
         for where, (op, keys) in pending.items():
             per_copy[where] += _run_bytes(op, keys)
-        # Publisher hashes: each hash the batch named, as the view now maps it.
+        # Publisher hashes: each hash the batch named, as the view now maps it (none when
+        # no copy of the worker maps any: a publisher of the indexer's own keys).
         view = self.view
+        publishing = self._publishing
+        if not any(copy.published or (worker, copy.medium, copy.group) in publishing
+                   for copy in view._copies_of(worker)):
+            events = ()
         for event in events:
             if not isinstance(event, (BlockStored, BlockRemoved)):
                 continue
