@@ -68,7 +68,8 @@ from ..events import (
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
-#: Seconds a worker's lease lasts without a batch or a ``renew`` (the default).
+#: Seconds a worker's lease lasts without a renewal (the default): a batch renews it once a
+#: third of it has passed, ``renew`` at once.
 DEFAULT_LEASE_S = 30.0
 #: Seconds the store is left alone after a failure before it is tried again.
 RETRY_S = 0.5
@@ -370,8 +371,11 @@ if stored and seq >= 0 then
   local se, ss = string.match(stored, '(-?%d+):(-?%d+)')
   if tonumber(se) == epoch and seq <= tonumber(ss) then return 'stale' end
 end
-redis.call('SET', lk, token, 'PX', lease_ms)
-redis.call('ZADD', P .. 'leases', now_ms() + lease_ms, wid)
+-- the lease: renewed once a third of it has passed (most batches leave it as it is)
+if not cur or redis.call('PTTL', lk) < lease_ms - lease_ms / 3 then
+  redis.call('SET', lk, token, 'PX', lease_ms)
+  redis.call('ZADD', P .. 'leases', now_ms() + lease_ms, wid)
+end
 for a = 7, #ARGV, 3 do
   local cid, m, ops = ARGV[a], ARGV[a + 1], ARGV[a + 2]
   local jk = P .. 'j:' .. cid
@@ -470,7 +474,7 @@ local bk = P .. 'blocks'
 local needles, order = nil, {}  -- per worker in its run: ",wid:m:" per tier of the query
 local out = {}
 local last = nil
-local n = #keys / 8
+local n = math.floor(#keys / 8)
 local pos, chunk = 0, 32
 local depth = nil  -- where the walk stopped
 while depth == nil and pos < n do
