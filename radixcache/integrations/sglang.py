@@ -461,7 +461,7 @@ class RadixcacheBackend(BasePrefixCache):
         self._free_duplicates(value, params.prev_prefix_len, result.prefix_len)
         return InsertResult(prefix_len=result.prefix_len, last_device_node=result.last_node)
 
-    def _insert(self, tokens: np.ndarray, value: torch.Tensor, namespace: Any, priority: int,
+    def _insert(self, tokens: np.ndarray, value: Any, namespace: Any, priority: int,
                 names: tuple, hits_from: int) -> Any:
         """radixcache's insert (hits counted past ``hits_from`` tokens); with events on, the
         new leaf's BlockStored (``names``: the key's extra_key and cache_salt)."""
@@ -472,9 +472,13 @@ class RadixcacheBackend(BasePrefixCache):
             self._record_stored(result, tokens, value, names)
         return result
 
-    def _free_duplicates(self, value: torch.Tensor, start: int, end: int) -> None:
+    def _free_duplicates(self, value: Any, start: int, end: int) -> None:
+        """Free ``value[start:end]`` (``value``: a tensor, or a numpy array of int64)."""
         if start < end:
-            self._free(value[start:end])
+            duplicates = value[start:end]
+            if type(duplicates) is np.ndarray:
+                duplicates = torch.from_numpy(duplicates)
+            self._free(duplicates)
 
     # -- checkpoint and release -------------------------------------------------------------
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
@@ -499,7 +503,8 @@ class RadixcacheBackend(BasePrefixCache):
         table = self.req_to_token_pool.req_to_token
         rows = _cpu_array(table)
         if rows is not None:
-            values = torch.from_numpy(rows[kv.req_pool_idx, :aligned].astype(np.int64))
+            # A numpy copy: read and handed to the tree core faster than a tensor.
+            values = rows[kv.req_pool_idx, :aligned].astype(np.int64)
         else:
             values = table[kv.req_pool_idx, :aligned].to(dtype=torch.int64, copy=True)
         priority = req.priority or 0
@@ -783,7 +788,7 @@ class RadixcacheBackend(BasePrefixCache):
         return order
 
     # -- KV events -----------------------------------------------------------------------------
-    def _record_stored(self, result: Any, tokens: np.ndarray, value: torch.Tensor,
+    def _record_stored(self, result: Any, tokens: np.ndarray, value: Any,
                        names: tuple) -> None:
         """One leaf entered the tree: SGLang's BlockStored events, SGLang's block hashes."""
         page_size = self.page_size
