@@ -80,7 +80,7 @@ CASES = {  # name -> (page size, pool tokens)
 }
 MOONCAKE_REQUESTS = 3000
 #: The allocator's methods a cache calls (their time inside cache calls is "allocator").
-ALLOCATOR_CALLS = ("free", "free_segment", "free_segments", "available_size")
+ALLOCATOR_CALLS = ("free", "free_segment", "free_segments", "free_page_ids", "available_size")
 #: The cache methods the loop's scheduler code calls (timed as "cache").
 CACHE_CALLS = ("match_prefix", "lock", "unlock", "prefix_device_indices", "evict_for_alloc",
                "evict", "checkpoint", "free_kv_row", "claim_kv_row", "on_release")

@@ -213,6 +213,42 @@ def _token_array(token_ids: Any, length: int) -> np.ndarray:
     return tokens[:length]
 
 
+# What the backend knows of an allocator (``RadixcacheBackend._allocator_kind``).
+_OTHER_ALLOCATOR = 0
+#: SGLang's stock page-1 allocator: a free raises ``available_size`` by exactly the tokens it
+#: hands back (outside a free group).
+_TOKEN_ALLOCATOR = 1
+#: SGLang's stock paged allocator, of the cache's page size: the same, and its
+#: ``free_segment(slots, start_pos=p)`` is, after its checks, ``free_page_ids`` of the page of
+#: every ``page_size``-th slot.
+_PAGED_ALLOCATOR = 2
+
+
+def _allocator_kind(allocator: Any, page_size: int) -> int:
+    """``allocator``'s kind: ``_TOKEN_ALLOCATOR``, ``_PAGED_ALLOCATOR`` or
+    ``_OTHER_ALLOCATOR`` (subclasses included: they may change any of it)."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    kind = type(allocator)
+    if kind is TokenToKVPoolAllocator and page_size == 1:
+        return _TOKEN_ALLOCATOR
+    if kind is PagedTokenToKVPoolAllocator and allocator.page_size == page_size:
+        return _PAGED_ALLOCATOR
+    return _OTHER_ALLOCATOR
+
+
+def _cpu_array(tensor: Any) -> Optional[np.ndarray]:
+    """A plain CPU tensor's numpy view (sharing its memory), else None. numpy reads and
+    slices a few hundred slots in a fraction of the time torch's indexing takes."""
+    if type(tensor) is torch.Tensor and tensor.is_cpu:
+        try:
+            return tensor.numpy()
+        except (RuntimeError, TypeError):  # a negative-bit view, a dtype numpy lacks...
+            return None
+    return None
+
+
 def _check_key(key: Any) -> None:
     """Raise for a key the backend cannot read (the checks behind the fast type test)."""
     if not isinstance(key, RadixKey):
@@ -247,7 +283,9 @@ class RadixcacheBackend(BasePrefixCache):
 
     Args:
         params: SGLang's ``CacheInitParams``: the request-to-token pool, the token-to-KV
-            allocator (slots are freed through its ``free_segment``/``free_segments``), the
+            allocator (slots are freed through its ``free_segment``/``free_segments``; SGLang's
+            stock paged allocator's whole pages through ``free_page_ids``, which is what its
+            ``free_segment`` calls), the
             page size, the eviction policy, events (``enable_kv_cache_events``,
             ``dynamo_kv_event_format``, ``kv_event_lora_names``) and ``enable_metrics``.
         core: The radixcache tree core (``"c"``, ``"python"``); None: the class attribute
@@ -292,6 +330,8 @@ class RadixcacheBackend(BasePrefixCache):
         # The path indices of recent matches by end node, for prefix_device_indices: a path's
         # slots never change while its end node is cached, so this lives until an eviction.
         self._path_memo: dict = {}
+        # (the allocator, its _allocator_kind): read again when the allocator is replaced
+        self._known_allocator: tuple = (None, _OTHER_ALLOCATOR)
         self.reset()
 
     # -- identity and configuration ------------------------------------------------------------
@@ -421,7 +461,7 @@ class RadixcacheBackend(BasePrefixCache):
         self._free_duplicates(value, params.prev_prefix_len, result.prefix_len)
         return InsertResult(prefix_len=result.prefix_len, last_device_node=result.last_node)
 
-    def _insert(self, tokens: np.ndarray, value: torch.Tensor, namespace: Any, priority: int,
+    def _insert(self, tokens: np.ndarray, value: Any, namespace: Any, priority: int,
                 names: tuple, hits_from: int) -> Any:
         """radixcache's insert (hits counted past ``hits_from`` tokens); with events on, the
         new leaf's BlockStored (``names``: the key's extra_key and cache_salt)."""
@@ -432,9 +472,13 @@ class RadixcacheBackend(BasePrefixCache):
             self._record_stored(result, tokens, value, names)
         return result
 
-    def _free_duplicates(self, value: torch.Tensor, start: int, end: int) -> None:
+    def _free_duplicates(self, value: Any, start: int, end: int) -> None:
+        """Free ``value[start:end]`` (``value``: a tensor, or a numpy array of int64)."""
         if start < end:
-            self._free(value[start:end])
+            duplicates = value[start:end]
+            if type(duplicates) is np.ndarray:
+                duplicates = torch.from_numpy(duplicates)
+            self._free(duplicates)
 
     # -- checkpoint and release -------------------------------------------------------------
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
@@ -456,8 +500,13 @@ class RadixcacheBackend(BasePrefixCache):
         extra_key, salt = req.extra_key, req.cache_salt or None
         namespace = extra_key if salt is None else (extra_key, salt)
         tokens = _token_array(fill_ids, aligned)
-        values = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned].to(
-            dtype=torch.int64, copy=True)
+        table = self.req_to_token_pool.req_to_token
+        rows = _cpu_array(table)
+        if rows is not None:
+            # A numpy copy: read and handed to the tree core faster than a tensor.
+            values = rows[kv.req_pool_idx, :aligned].astype(np.int64)
+        else:
+            values = table[kv.req_pool_idx, :aligned].to(dtype=torch.int64, copy=True)
         priority = req.priority or 0
         use_priority = self._use_priority
         # A node counts one hit per request: those this request inserted before counted then.
@@ -542,6 +591,17 @@ class RadixcacheBackend(BasePrefixCache):
             raise TypeError(f"EvictParams.num_tokens must be an int, got "
                             f"{type(num_tokens).__name__}")
         allocator = self.token_to_kv_pool_allocator
+        if (self._allocator_kind(allocator) and allocator.free_group is None
+                and not self._pending_frees):
+            # The capacity rises by exactly the tokens freed: short of the target only when
+            # the eviction freed fewer than asked (and then another pass may find more).
+            freed = self._evict(num_tokens)
+            while freed and freed < num_tokens and self._cache.evictable_size():
+                more = self._evict(num_tokens - freed)
+                if not more:
+                    break
+                freed += more
+            return EvictResult(num_tokens_evicted=freed)
         target = allocator.available_size() + num_tokens
         freed = self._evict(num_tokens)
         # An allocator whose capacity rises by less than the tokens freed: go on to the target.
@@ -553,6 +613,14 @@ class RadixcacheBackend(BasePrefixCache):
             freed += more
         return EvictResult(num_tokens_evicted=freed)
 
+    def _allocator_kind(self, allocator: Any) -> int:
+        """``_allocator_kind(allocator)``, kept while the allocator stays the same object."""
+        known, kind = self._known_allocator
+        if allocator is not known:
+            kind = _allocator_kind(allocator, self.page_size)
+            self._known_allocator = (allocator, kind)
+        return kind
+
     def free_kv_row(self, kv: Any, ranges: list) -> None:
         """Give back half-open ranges of ``kv``'s row positions to the allocator (SGLang's
         ``free_kv_row`` for a pool without sliding-window slots)."""
@@ -561,7 +629,20 @@ class RadixcacheBackend(BasePrefixCache):
         if len(ranges) == 1:  # the release's one range: what free_segments does with it
             start, end = ranges[0]
             if end > start:
-                allocator.free_segment(rows[kv.req_pool_idx, start:end], start_pos=start)
+                table = _cpu_array(rows)
+                if table is None:
+                    allocator.free_segment(rows[kv.req_pool_idx, start:end], start_pos=start)
+                    return
+                row = table[kv.req_pool_idx]
+                page_size = self.page_size
+                if (self._allocator_kind(allocator) == _PAGED_ALLOCATOR
+                        and start % page_size == 0 and not allocator.debug_mode):
+                    # What the paged allocator's free_segment frees: the page of every
+                    # page_size-th slot from start.
+                    allocator.free_page_ids(torch.from_numpy(row[start:end:page_size]
+                                                             // page_size))
+                else:
+                    allocator.free_segment(torch.from_numpy(row[start:end]), start_pos=start)
             return
         segments = []
         for start, end in ranges:
@@ -579,8 +660,18 @@ class RadixcacheBackend(BasePrefixCache):
         self._free(indices)
 
     def _free(self, indices: torch.Tensor) -> None:
+        allocator = self.token_to_kv_pool_allocator
         try:
-            self.token_to_kv_pool_allocator.free_segment(indices, start_pos=0)
+            slots = None
+            if self._allocator_kind(allocator) == _PAGED_ALLOCATOR and not allocator.debug_mode:
+                slots = _cpu_array(indices)
+            if slots is not None and len(slots):
+                # What free_segment(indices, start_pos=0) frees, its page ids computed by
+                # numpy (a fraction of torch's time on a few pages).
+                page_size = self.page_size
+                allocator.free_page_ids(torch.from_numpy(slots[::page_size] // page_size))
+            else:
+                allocator.free_segment(indices, start_pos=0)
         except Exception:
             self._pending_frees.append(indices)
             raise
@@ -697,7 +788,7 @@ class RadixcacheBackend(BasePrefixCache):
         return order
 
     # -- KV events -----------------------------------------------------------------------------
-    def _record_stored(self, result: Any, tokens: np.ndarray, value: torch.Tensor,
+    def _record_stored(self, result: Any, tokens: np.ndarray, value: Any,
                        names: tuple) -> None:
         """One leaf entered the tree: SGLang's BlockStored events, SGLang's block hashes."""
         page_size = self.page_size

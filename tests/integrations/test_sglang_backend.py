@@ -99,17 +99,37 @@ def _server_args(backend: str | None):
     return _CONTEXT.override_server_args(radix_cache_backend=backend)
 
 
+def _counting(allocator_class: type) -> type:
+    """A subclass of one of SGLang's stock allocators that counts its ``free_segment``
+    calls. The backend treats it as an allocator it does not know: it frees through
+    ``free_segment`` and reads the capacity from ``available_size``."""
+
+    class Counting(allocator_class):
+        free_segment_calls = 0
+
+        def free_segment(self, free_index, *, start_pos):
+            self.free_segment_calls += 1
+            return super().free_segment(free_index, start_pos=start_pos)
+
+    return Counting
+
+
 def build_side(backend: str | None, page_size: int, policy: str, lora_names=None,
-               events: bool = True):
+               events: bool = True, counting_allocator: bool = False):
     kv_pool = MHATokenToKVPool(size=POOL_TOKENS[page_size], page_size=page_size,
                                dtype=torch.float16, head_num=1, head_dim=2, layer_num=1,
                                device="cpu", enable_memory_saver=False)
     if page_size == 1:
-        allocator = TokenToKVPoolAllocator(POOL_TOKENS[page_size], torch.float16, "cpu",
-                                           kv_pool, need_sort=True)
+        kind = TokenToKVPoolAllocator
+        if counting_allocator:
+            kind = _counting(kind)
+        allocator = kind(POOL_TOKENS[page_size], torch.float16, "cpu", kv_pool, need_sort=True)
     else:
-        allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS[page_size], page_size,
-                                                torch.float16, "cpu", kv_pool, need_sort=True)
+        kind = PagedTokenToKVPoolAllocator
+        if counting_allocator:
+            kind = _counting(kind)
+        allocator = kind(POOL_TOKENS[page_size], page_size, torch.float16, "cpu", kv_pool,
+                         need_sort=True)
     rows = ReqToTokenPool(size=ROWS, max_context_len=4096, device="cpu",
                           enable_memory_saver=False)
     params = CacheInitParams(disable=False, req_to_token_pool=rows,
@@ -354,7 +374,8 @@ class Replay:
     """Drives ours and SGLang's through one random sequence and compares after each step."""
 
     def __init__(self, core: str, page_size: int, policy: str, seed: int, monkeypatch,
-                 split_rule: bool = True, events: bool = True) -> None:
+                 split_rule: bool = True, events: bool = True,
+                 counting_allocator: bool = False) -> None:
         monkeypatch.setattr(RadixcacheBackend, "core", core)
         backend_module.register()
         from sglang.srt.mem_cache.events import KvEventLoraNames
@@ -365,7 +386,8 @@ class Replay:
             return names
 
         sgl = build_side(None, page_size, policy, lora_names(), events)
-        ours = build_side("radixcache", page_size, policy, lora_names(), events)
+        ours = build_side("radixcache", page_size, policy, lora_names(), events,
+                          counting_allocator)
         assert type(sgl[0]).__name__ == "UnifiedRadixCache"
         assert isinstance(ours[0], RadixcacheBackend) and ours[0].radix_cache.core_name == core
         if split_rule:
@@ -495,6 +517,28 @@ def test_same_as_sglang_default_cache_without_events(backend_core, monkeypatch, 
     assert replay.counts.get("finished", 0) > 5 and not replay.counts.get("events"), \
         replay.counts
     assert replay.ours.allocator.available_size() < POOL_TOKENS[16]
+    CALLS[backend_core] = CALLS.get(backend_core, 0) + replay.calls
+
+
+@pytest.mark.parametrize("page_size", (1, 16), ids=lambda p: f"page{p}")
+def test_same_as_sglang_default_cache_on_an_unknown_allocator(backend_core, monkeypatch,
+                                                              page_size):
+    """An allocator the backend does not know (here a subclass of SGLang's stock one): the
+    backend frees through its free_segment and reads its capacity from available_size,
+    where for the stock allocators it does both itself (another code path)."""
+    replay = Replay(backend_core, page_size, "lru",
+                    seed=zlib.crc32(f"unknown-allocator-{page_size}".encode()),
+                    monkeypatch=monkeypatch, counting_allocator=True)
+    try:
+        for _ in range(STEPS // 2):
+            replay.step()
+    finally:
+        replay.close()
+    counts = replay.counts
+    assert counts.get("finished", 0) > 5 and counts.get("evict", 0) > 5, counts
+    # (the stock paged allocator gets the backend's frees through free_page_ids instead)
+    assert replay.ours.allocator.free_segment_calls > 50, replay.ours.allocator.free_segment_calls
+    assert replay.ours.allocator.available_size() < POOL_TOKENS[page_size]
     CALLS[backend_core] = CALLS.get(backend_core, 0) + replay.calls
 
 
