@@ -324,6 +324,9 @@ class KvIndexer:
         # built); copy ids are reused once their copy is dropped
         self._index = _core.blocks.BlockIndex()
         self._key_map = _core.blocks.KeyMap  # publisher hash maps, same module
+        # a payload's batch read and applied in one call each (same module)
+        self._read_wire = _core.blocks.read_wire
+        self._apply_wire = _core.blocks.apply_wire
         self._free_cids: list = []
         self._held = 0  # the copies' holdings, together: the table's pairs
         self._next_cid = 0
@@ -336,6 +339,7 @@ class KvIndexer:
         # with per-block extra keys under a namespace: a key's namespace is fixed by the
         # key, so an entry is never wrong, only kept a while after its block left
         self._ns_of: dict = {}
+        self._root_seed = _root_key(encode_namespace(None))  # a chain's seed, no namespace
         self.stats = IndexerStats()
         if store is not None:
             from .redis_store import RedisStore  # only here: importing radixcache needs no redis
@@ -352,11 +356,14 @@ class KvIndexer:
         if worker is None:
             raise TypeError("worker must be a hashable id, not None")
 
-    def _copy(self, worker: Hashable, medium: str, group: Any) -> _Copy:
-        """``worker``'s copy on (medium, group), made when missing."""
+    def _copy(self, worker: Hashable, medium: str, group: Any,
+              published: Any = None) -> _Copy:
+        """``worker``'s copy on (medium, group), made when missing (with ``published`` as
+        its map of publisher hashes, when given)."""
         copy = self._find(worker, medium, group)
         if copy is None:
-            copy = _Copy(worker, medium, group, self._key_map())
+            copy = _Copy(worker, medium, group,
+                         self._key_map() if published is None else published)
             self._new_cid(copy)
             current = self._copies.get(worker)
             if current is None:
@@ -629,6 +636,10 @@ class KvIndexer:
         if self._store is not None:
             return self._store.apply_payload(worker, payload, seq)
         self._check_worker(worker)
+        batch = self._read_wire(payload) if type(payload) is bytes else None
+        if batch is not None:
+            self._apply_batch(worker, batch, payload)
+            return True
         events = _typed_events(payload)
         if events is None:  # not one the typed decoder takes: read field by field
             return self._apply_checked(worker, payload, seq)
@@ -656,6 +667,89 @@ class KvIndexer:
                 self._clear_worker(worker)
                 stats.cleared += 1
         return True
+
+    def _apply_batch(self, worker: Hashable, batch: Any, payload: bytes) -> None:
+        """Apply a batch the block module read (``read_wire``): its events in order, as
+        many at a time as the block module applies in one call (``apply_wire``), any other
+        one (a clear, a parent on another tier, holdings both ways) here, from the events
+        ``decode_batch`` reads from the same payload."""
+        stats = self.stats
+        stats.batches += 1
+        n = len(batch)
+        tier = MEDIUM_GPU if batch.medium is None else _tier(batch.medium)
+        group = batch.group
+        start = 0
+        events = None
+        while True:
+            start = self._apply_run(worker, batch, start, tier, group)
+            if start >= n:
+                return
+            if events is None:
+                events = decode_batch(payload).events
+            event = events[start]
+            stats.events += 1
+            if isinstance(event, BlockStored):
+                self._stored(worker, event)
+            elif isinstance(event, BlockRemoved):
+                self._removed(worker, event)
+            else:
+                self._clear_worker(worker)
+                stats.cleared += 1
+            start += 1
+
+    def _apply_run(self, worker: Hashable, batch: Any, start: int, tier: str,
+                   group: Any) -> int:
+        """Apply ``batch``'s events from ``start`` to ``worker``'s copy on (``tier``,
+        ``group``) in one call into the block module, up to the first it leaves to
+        ``_apply_batch``; returns where it stopped."""
+        copy = self._find(worker, tier, group)
+        current = self._copies.get(worker)
+        if current is None or current is copy:
+            alone = True  # no other copy may hold a parent
+        elif type(current) is _Copy:
+            alone = current.group != group
+        else:
+            alone = not any(other.group == group for other in current.values()
+                            if other is not copy)
+        if copy is None:
+            published = self._key_map()
+            free = self._free_cids
+            cid = free[-1] if free else self._next_cid  # what _new_cid will give it
+            direct = 0
+        else:
+            if copy.refs is not None:
+                return start  # held both ways: one event at a time
+            published, cid, direct = copy.published, copy.cid, copy.direct
+        before = direct + len(published)
+        (end, stored, duplicates, removed, unknown_removals, unknown_parent,
+         wrong_block_size, malformed, direct) = self._apply_wire(
+            self._index, batch, start, published, cid, direct, self.block_size,
+            self._root_seed, alone, bool(self._ns_of))
+        after = direct + len(published)
+        self._held += after - before
+        if copy is None:
+            if after:
+                copy = self._copy(worker, tier, group, published)
+                copy.direct = direct
+        else:
+            copy.direct = direct
+            if not after:
+                self._forget_if_empty(copy)
+        stats = self.stats
+        stats.events += end - start
+        if stored or duplicates:
+            stats.stored_blocks += stored
+            stats.duplicate_blocks += duplicates
+        if removed or unknown_removals:
+            stats.removed_blocks += removed
+            stats.unknown_removals += unknown_removals
+            if self._ns_of:
+                self._prune_namespaces()
+        if unknown_parent or wrong_block_size or malformed:
+            stats.unknown_parent += unknown_parent
+            stats.wrong_block_size += wrong_block_size
+            stats.malformed_events += malformed
+        return end
 
     def _apply_checked(self, worker: Hashable, payload: Any, seq: int) -> bool:
         try:
