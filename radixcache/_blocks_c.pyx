@@ -137,6 +137,9 @@ def page_hash_bytes(seed, data, page_bytes):
 # How many keys ahead a batch prefetches its table slot (the table is larger than the cache).
 DEF _BI_AHEAD = 16
 
+# How many slots ahead clear_copy fetches a holder list (and twice as far, its place).
+DEF _BI_CLEAR_AHEAD = 8
+
 # Tables of at least this many bytes live in huge pages where the system offers them (fewer
 # TLB misses: every lookup lands on a random slot); tracemalloc still sees them.
 DEF _BI_HUGE = 2097152
@@ -683,6 +686,12 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         cdef int32_t* items
         cdef int32_t last
         for i in range(cap):
+            # A holder list is two loads away (its place in ``lists``, then the list): both
+            # are fetched ahead, the place twice as far as the list.
+            if i + 2 * _BI_CLEAR_AHEAD < cap and self.table[i + 2 * _BI_CLEAR_AHEAD].n > 1:
+                rc_prefetch(&self.lists[self.table[i + 2 * _BI_CLEAR_AHEAD].one])
+            if i + _BI_CLEAR_AHEAD < cap and self.table[i + _BI_CLEAR_AHEAD].n > 1:
+                rc_prefetch(self.lists[self.table[i + _BI_CLEAR_AHEAD].one])
             e = &self.table[i]
             if e.n == 1:
                 if e.one == c:
