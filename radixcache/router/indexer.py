@@ -356,14 +356,11 @@ class KvIndexer:
         if worker is None:
             raise TypeError("worker must be a hashable id, not None")
 
-    def _copy(self, worker: Hashable, medium: str, group: Any,
-              published: Any = None) -> _Copy:
-        """``worker``'s copy on (medium, group), made when missing (with ``published`` as
-        its map of publisher hashes, when given)."""
+    def _copy(self, worker: Hashable, medium: str, group: Any) -> _Copy:
+        """``worker``'s copy on (medium, group), made when missing."""
         copy = self._find(worker, medium, group)
         if copy is None:
-            copy = _Copy(worker, medium, group,
-                         self._key_map() if published is None else published)
+            copy = _Copy(worker, medium, group, self._key_map())
             self._new_cid(copy)
             current = self._copies.get(worker)
             if current is None:
@@ -712,29 +709,22 @@ class KvIndexer:
             alone = not any(other.group == group for other in current.values()
                             if other is not copy)
         if copy is None:
-            published = self._key_map()
-            free = self._free_cids
-            cid = free[-1] if free else self._next_cid  # what _new_cid will give it
-            direct = 0
-        else:
-            if copy.refs is not None:
-                return start  # held both ways: one event at a time
-            published, cid, direct = copy.published, copy.cid, copy.direct
+            # made first (and forgotten below if it holds nothing): a worker id's own code
+            # runs while it is made, never between the call and the copy it fills
+            copy = self._copy(worker, tier, group)
+        elif copy.refs is not None:
+            return start  # held both ways: one event at a time
+        published, direct = copy.published, copy.direct
         before = direct + len(published)
         (end, stored, duplicates, removed, unknown_removals, unknown_parent,
          wrong_block_size, malformed, direct) = self._apply_wire(
-            self._index, batch, start, published, cid, direct, self.block_size,
+            self._index, batch, start, published, copy.cid, direct, self.block_size,
             self._root_seed, alone, bool(self._ns_of))
+        copy.direct = direct
         after = direct + len(published)
         self._held += after - before
-        if copy is None:
-            if after:
-                copy = self._copy(worker, tier, group, published)
-                copy.direct = direct
-        else:
-            copy.direct = direct
-            if not after:
-                self._forget_if_empty(copy)
+        if not after:
+            self._forget_if_empty(copy)
         stats = self.stats
         stats.events += end - start
         if stored or duplicates:

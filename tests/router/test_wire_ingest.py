@@ -365,3 +365,37 @@ def test_apply_payload_keeps_the_decoders_answers_for_what_it_does_not_read(inde
     assert indexer.apply_payload(0, bytearray(encode([0, [["BlockStored", [1], None, [1, 2],
                                                           2, None, None]]])))
     assert indexer.blocks_held(0) == 1
+
+
+def test_a_worker_id_whose_code_reenters_leaves_the_index_whole(indexer_on):
+    """A worker id's ``__eq__`` applies other batches (new copies, their ids taken and given
+    back) while ``apply_payload`` looks up and makes its copy: every holding still belongs to
+    a live copy, and the counts add up."""
+    indexer = indexer_on(2)
+    payloads = [encode([0, [["BlockStored", [i, i + 1], None, [i, 1, 2, 3], 2, None, None]]])
+                for i in range(0, 40, 2)]
+    drop = encode([0, [["AllBlocksCleared"]]])
+    calls = [0]
+
+    class Worker:
+        def __init__(self, name):
+            self.name = name
+
+        def __hash__(self):
+            return 1  # every id in one bucket: lookups compare
+
+        def __eq__(self, other):
+            calls[0] += 1
+            if calls[0] % 3 == 0:  # another worker comes, or goes
+                indexer.apply_payload(100 + calls[0] % 4,
+                                      drop if calls[0] % 2 else payloads[calls[0] % 20])
+            return isinstance(other, Worker) and other.name == self.name
+
+    workers = [Worker(n) for n in range(4)]
+    for step, payload in enumerate(payloads * 3):
+        assert indexer.apply_payload(workers[step % 4], payload)
+        everyone = list(indexer.workers)
+        assert indexer._index.pairs == indexer._held == sum(indexer.blocks_held(w)
+                                                             for w in everyone)
+        state(indexer)  # every holding's copy id names a live copy
+    assert calls[0] > 20
