@@ -1403,6 +1403,7 @@ cdef int _grow(void** buf, Py_ssize_t* cap, Py_ssize_t need, size_t item) except
 
 
 @cython.final
+@cython.no_gc  # holds a str and an int at most: never in a cycle
 cdef class WireBatch:
     """A batch ``read_wire`` read: its events in buffers of its own (see ``_blocks_py``)."""
 

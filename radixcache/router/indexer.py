@@ -699,13 +699,16 @@ class KvIndexer:
         """Apply ``batch``'s events from ``start`` to ``worker``'s copy on (``tier``,
         ``group``) in one call into the block module, up to the first it leaves to
         ``_apply_batch``; returns where it stopped."""
-        copy = self._find(worker, tier, group)
         current = self._copies.get(worker)
-        if current is None or current is copy:
-            alone = True  # no other copy may hold a parent
-        elif type(current) is _Copy:
-            alone = current.group != group
+        if type(current) is _Copy:  # the usual case: one copy
+            if current.medium == tier and current.group == group:
+                copy, alone = current, True
+            else:
+                copy, alone = None, current.group != group
+        elif current is None:
+            copy, alone = None, True  # no other copy may hold a parent
         else:
+            copy = current.get((tier, group))
             alone = not any(other.group == group for other in current.values()
                             if other is not copy)
         if copy is None:

@@ -368,14 +368,17 @@ def test_apply_payload_keeps_the_decoders_answers_for_what_it_does_not_read(inde
 
 
 def test_a_worker_id_whose_code_reenters_leaves_the_index_whole(indexer_on):
-    """A worker id's ``__eq__`` applies other batches (new copies, their ids taken and given
-    back) while ``apply_payload`` looks up and makes its copy: every holding still belongs to
-    a live copy, and the counts add up."""
+    """A worker id's ``__eq__`` applies other workers' batches (copies made and dropped, their
+    ids taken and given back) while ``apply_payload`` looks up and makes its copy: every
+    holding still belongs to the copy that counts it, and the counts add up."""
     indexer = indexer_on(2)
     payloads = [encode([0, [["BlockStored", [i, i + 1], None, [i, 1, 2, 3], 2, None, None]]])
                 for i in range(0, 40, 2)]
     drop = encode([0, [["AllBlocksCleared"]]])
     calls = [0]
+    armed = [True]  # not while the test itself reads the index
+    extras: list = []
+    fresh = iter(range(1000, 10**6))
 
     class Worker:
         def __init__(self, name):
@@ -385,17 +388,26 @@ def test_a_worker_id_whose_code_reenters_leaves_the_index_whole(indexer_on):
             return 1  # every id in one bucket: lookups compare
 
         def __eq__(self, other):
-            calls[0] += 1
-            if calls[0] % 3 == 0:  # another worker comes, or goes
-                indexer.apply_payload(100 + calls[0] % 4,
-                                      drop if calls[0] % 2 else payloads[calls[0] % 20])
+            if armed[0]:
+                calls[0] += 1
+                if calls[0] % 2 and extras:  # a worker goes: its copy id is free
+                    indexer.apply_payload(extras.pop(), drop)
+                else:  # a new worker comes: it takes a free copy id
+                    extras.append(next(fresh))
+                    indexer.apply_payload(extras[-1], payloads[calls[0] % 20])
             return isinstance(other, Worker) and other.name == self.name
 
     workers = [Worker(n) for n in range(4)]
     for step, payload in enumerate(payloads * 3):
         assert indexer.apply_payload(workers[step % 4], payload)
+        armed[0] = False
         everyone = list(indexer.workers)
         assert indexer._index.pairs == indexer._held == sum(indexer.blocks_held(w)
                                                              for w in everyone)
-        state(indexer)  # every holding's copy id names a live copy
+        _, copies, holdings, _, _ = state(indexer)  # every holding names a live copy
+        held_by = {}
+        for _, name in holdings:
+            held_by[name] = held_by.get(name, 0) + 1
+        assert held_by == {repr(name): size for name, (_, size, _) in copies.items()}
+        armed[0] = True
     assert calls[0] > 20
