@@ -31,7 +31,7 @@ from ..events import (
     tokens_le_bytes,
 )
 from ..events.hashing import fast64_root
-from ..events.wire import _event_of, _typed_events, _typed_kinds
+from ..events.wire import _event_of, _transport, _typed_events, _typed_kinds
 from ..events.recorder import KEYS_REMOVED, KEYS_STORED
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -42,6 +42,7 @@ _HASH_TYPES = (int, bytes)
 # The block module's table and page hash chain (compiled when built): the block keys are
 # the chain seeded by the namespace. A table is made per indexer from the module chosen then.
 _page_keys = _core.blocks.page_hash_chain
+_DECODER = [False]  # whether decode_batch's optional dependencies were found
 _ids_le_bytes = _core.blocks.ids_le_bytes
 _msgpack_ids = _core.blocks.msgpack_ids
 
@@ -633,6 +634,9 @@ class KvIndexer:
         if self._store is not None:
             return self._store.apply_payload(worker, payload, seq)
         self._check_worker(worker)
+        if not _DECODER[0]:  # what the block module leaves is decoded: msgspec is needed
+            _transport("decode_batch")  # ImportError, before anything is applied
+            _DECODER[0] = True
         batch = self._read_wire(payload) if type(payload) is bytes else None
         if batch is not None:
             self._apply_batch(worker, batch, payload)
