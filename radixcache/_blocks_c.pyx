@@ -10,7 +10,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLong, PyLong_AsUnsignedLongLongMask
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
-from libc.string cimport memmove, memset
+from libc.string cimport memcmp, memmove, memset
 
 import numpy as np
 
@@ -136,6 +136,9 @@ def page_hash_bytes(seed, data, page_bytes):
 
 # How many keys ahead a batch prefetches its table slot (the table is larger than the cache).
 DEF _BI_AHEAD = 16
+
+# How many slots ahead clear_copy fetches a holder list (and twice as far, its place).
+DEF _BI_CLEAR_AHEAD = 8
 
 # Tables of at least this many bytes live in huge pages where the system offers them (fewer
 # TLB misses: every lookup lands on a random slot); tracemalloc still sees them.
@@ -683,6 +686,12 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         cdef int32_t* items
         cdef int32_t last
         for i in range(cap):
+            # A holder list is two loads away (its place in ``lists``, then the list): both
+            # are fetched ahead, the place twice as far as the list.
+            if i + 2 * _BI_CLEAR_AHEAD < cap and self.table[i + 2 * _BI_CLEAR_AHEAD].n > 1:
+                rc_prefetch(&self.lists[self.table[i + 2 * _BI_CLEAR_AHEAD].one])
+            if i + _BI_CLEAR_AHEAD < cap and self.table[i + _BI_CLEAR_AHEAD].n > 1:
+                rc_prefetch(self.lists[self.table[i + _BI_CLEAR_AHEAD].one])
             e = &self.table[i]
             if e.n == 1:
                 if e.one == c:
@@ -898,30 +907,36 @@ DEF _KM_INT_SALT = 0x6A09E667F3BCC909
 DEF _KM_BYTES_SALT = 0xBB67AE8584CAA73B
 
 
+cdef inline uint64_t _km_hash_mem(const unsigned char* p, Py_ssize_t n) noexcept:
+    """The hash of bytes ``p[:n]`` (``hash64`` of a bytes value), nonzero."""
+    cdef Py_ssize_t i = 0, j
+    cdef uint64_t h = (<uint64_t>n) ^ <uint64_t>_KM_BYTES_SALT, w
+    while i < n:
+        w = 0
+        for j in range(min(8, n - i)):
+            w |= (<uint64_t>p[i + j]) << (8 * j)
+        h = fmix64(h ^ w) + <uint64_t>0x9E3779B97F4A7C15
+        i += 8
+    h = fmix64(h)
+    return h if h else 1
+
+
+cdef inline uint64_t _km_hash_u64(uint64_t value) noexcept:
+    """The hash of an int whose value mod 2**64 is ``value``, nonzero."""
+    cdef uint64_t h = fmix64(value ^ <uint64_t>_KM_INT_SALT)
+    return h if h else 1
+
+
 cdef uint64_t _km_hash(object value) except? 0:
     """``value`` (an int, or bytes) as a nonzero 64-bit hash; see ``_blocks_py.hash64``."""
-    cdef const unsigned char* p
-    cdef Py_ssize_t n, i, j
-    cdef uint64_t h, w
     if type(value) is bytes:
-        p = <const unsigned char*>PyBytes_AS_STRING(value)
-        n = len(<bytes>value)
-        h = (<uint64_t>n) ^ <uint64_t>_KM_BYTES_SALT
-        i = 0
-        while i < n:
-            w = 0
-            for j in range(min(8, n - i)):
-                w |= (<uint64_t>p[i + j]) << (8 * j)
-            h = fmix64(h ^ w) + <uint64_t>0x9E3779B97F4A7C15
-            i += 8
-        h = fmix64(h)
+        return _km_hash_mem(<const unsigned char*>PyBytes_AS_STRING(value), len(<bytes>value))
     elif type(value) is int:
-        h = fmix64(PyLong_AsUnsignedLongLongMask(value) ^ <uint64_t>_KM_INT_SALT)
+        return _km_hash_u64(PyLong_AsUnsignedLongLongMask(value))
     elif isinstance(value, bytes):
         return _km_hash(bytes(value))
     else:
         return _km_hash(int(_index(value)))
-    return h if h else 1
 
 
 cdef object _index = __import__("operator").index
@@ -1152,3 +1167,759 @@ def _key_map_from(state):
         if out.find(p[2 * i]) < 0:
             out.insert(p[2 * i], <int64_t>p[2 * i + 1])
     return out
+
+
+# -- wire batches ---------------------------------------------------------------------------
+# KvIndexer's ingest of a payload in one call: ``read_wire`` reads and checks a whole batch
+# into buffers of its own (nothing else changes), ``apply_wire`` applies its events to one
+# copy's holdings, calling no Python code. The batches read and what each event does: see
+# ``_blocks_py``.
+
+DEF _MP_NIL = 1
+DEF _MP_BOOL = 2
+DEF _MP_INT = 3
+DEF _MP_FLOAT = 4
+DEF _MP_STR = 5
+DEF _MP_BIN = 6
+DEF _MP_ARRAY = 7
+DEF _MP_MAP = 8
+
+DEF _MP_DEPTH = 8  # how deeply a value of a field not read may nest
+
+DEF _W_STORED = 1
+DEF _W_REMOVED = 2
+DEF _W_CLEARED = 3
+
+
+cdef struct MPVal:
+    int kind
+    bint big           # an int beyond int64 (a uint64 over 2**63 - 1)
+    int64_t i          # an int's value (not big)
+    uint64_t u         # an int's value mod 2**64
+    Py_ssize_t at      # a str's or bin's first byte
+    Py_ssize_t n       # a str's or bin's length; an array's items; a map's pairs
+
+
+cdef int _mp_next(const unsigned char* p, Py_ssize_t size, Py_ssize_t* pos,
+                  MPVal* v) noexcept:
+    """Read the head of the value at ``pos[0]`` into ``v`` and move ``pos[0]`` past it (past a
+    str's or bin's bytes too). 0: not a value read here (truncated, an ext, a str that is not
+    ASCII, a count beyond the bytes left)."""
+    cdef Py_ssize_t at = pos[0], n = 0, i
+    cdef unsigned char b
+    cdef int width = 0
+    cdef uint64_t u
+    if at >= size:
+        return 0
+    b = p[at]
+    at += 1
+    v.big = False
+    if b <= 0x7F or b >= 0xE0:  # fixints
+        v.kind = _MP_INT
+        v.i = <int64_t>b if b <= 0x7F else <int64_t>b - 256
+        v.u = <uint64_t>v.i
+        pos[0] = at
+        return 1
+    if 0xCC <= b <= 0xD3:  # uint8..uint64, int8..int64
+        width = 1 << ((b - 0xCC) & 3)
+        if width > size - at:
+            return 0
+        u = _be(p + at, width)
+        if b <= 0xCF:
+            v.u = u
+            v.big = u > <uint64_t>0x7FFFFFFFFFFFFFFF
+            v.i = <int64_t>u
+        else:
+            if width < 8:  # sign-extend
+                v.i = <int64_t>(u << (64 - 8 * width)) >> (64 - 8 * width)
+            else:
+                v.i = <int64_t>u
+            v.u = <uint64_t>v.i
+        v.kind = _MP_INT
+        pos[0] = at + width
+        return 1
+    if b == 0xC0:
+        v.kind = _MP_NIL
+        pos[0] = at
+        return 1
+    if b == 0xC2 or b == 0xC3:
+        v.kind = _MP_BOOL
+        pos[0] = at
+        return 1
+    if b == 0xCA or b == 0xCB:
+        width = 4 if b == 0xCA else 8
+        if width > size - at:
+            return 0
+        v.kind = _MP_FLOAT
+        pos[0] = at + width
+        return 1
+    if 0x80 <= b <= 0x8F:
+        v.kind = _MP_MAP
+        n = b & 0x0F
+    elif 0x90 <= b <= 0x9F:
+        v.kind = _MP_ARRAY
+        n = b & 0x0F
+    elif 0xA0 <= b <= 0xBF:
+        v.kind = _MP_STR
+        n = b & 0x1F
+    else:
+        if b == 0xD9 or b == 0xC4:
+            width = 1
+        elif b == 0xDA or b == 0xC5 or b == 0xDC or b == 0xDE:
+            width = 2
+        elif b == 0xDB or b == 0xC6 or b == 0xDD or b == 0xDF:
+            width = 4
+        else:
+            return 0  # 0xC1 (never used), ext
+        if width > size - at:
+            return 0
+        n = <Py_ssize_t>_be(p + at, width)
+        at += width
+        if b == 0xD9 or b == 0xDA or b == 0xDB:
+            v.kind = _MP_STR
+        elif b == 0xC4 or b == 0xC5 or b == 0xC6:
+            v.kind = _MP_BIN
+        elif b == 0xDC or b == 0xDD:
+            v.kind = _MP_ARRAY
+        else:
+            v.kind = _MP_MAP
+    v.n = n
+    if v.kind == _MP_MAP:
+        if n > (size - at) // 2:  # at least two bytes a pair
+            return 0
+    elif n > size - at:  # a str's or bin's bytes, at least a byte an item
+        return 0
+    if v.kind == _MP_STR or v.kind == _MP_BIN:
+        v.at = at
+        if v.kind == _MP_STR:
+            for i in range(n):
+                if p[at + i] >= 0x80:
+                    return 0
+        at += n
+    pos[0] = at
+    return 1
+
+
+cdef int _mp_skip(const unsigned char* p, Py_ssize_t size, Py_ssize_t* pos,
+                  int depth) noexcept:
+    """Move ``pos[0]`` past one whole value; 0 where ``_mp_next`` gives 0 or it nests deeper
+    than ``_MP_DEPTH``."""
+    cdef MPVal v
+    cdef Py_ssize_t i, count
+    if not _mp_next(p, size, pos, &v):
+        return 0
+    if v.kind == _MP_ARRAY or v.kind == _MP_MAP:
+        if depth >= _MP_DEPTH:
+            return 0
+        count = v.n * 2 if v.kind == _MP_MAP else v.n
+        for i in range(count):
+            if not _mp_skip(p, size, pos, depth + 1):
+                return 0
+    return 1
+
+
+cdef inline bint _mp_is(const unsigned char* p, MPVal* v, const char* name) noexcept:
+    # Whether the str ``v`` is ``name``.
+    cdef Py_ssize_t i = 0
+    while name[i]:
+        if i >= v.n or p[v.at + i] != <unsigned char>name[i]:
+            return False
+        i += 1
+    return i == v.n
+
+
+# The fields of an event, in the positional layout's order after the tag.
+DEF _F_HASHES = 0
+DEF _F_PARENT = 1
+DEF _F_TOKENS = 2
+DEF _F_BLOCK_SIZE = 3
+DEF _F_LORA_ID = 4
+DEF _F_MEDIUM = 5
+DEF _F_LORA_NAME = 6
+DEF _F_EXTRA_KEYS = 7
+DEF _F_GROUP = 8
+DEF _F_CACHE_SALT = 9
+DEF _F_TYPE = 10
+
+
+
+cdef int _field_of(const unsigned char* p, MPVal* key) noexcept:
+    # The field a map key names (_F_*), or -1: a field no event has.
+    if _mp_is(p, key, "block_hashes"):
+        return _F_HASHES
+    if _mp_is(p, key, "parent_block_hash"):
+        return _F_PARENT
+    if _mp_is(p, key, "token_ids"):
+        return _F_TOKENS
+    if _mp_is(p, key, "block_size"):
+        return _F_BLOCK_SIZE
+    if _mp_is(p, key, "lora_id"):
+        return _F_LORA_ID
+    if _mp_is(p, key, "medium"):
+        return _F_MEDIUM
+    if _mp_is(p, key, "lora_name"):
+        return _F_LORA_NAME
+    if _mp_is(p, key, "extra_keys"):
+        return _F_EXTRA_KEYS
+    if _mp_is(p, key, "group_idx"):
+        return _F_GROUP
+    if _mp_is(p, key, "cache_salt"):
+        return _F_CACHE_SALT
+    if _mp_is(p, key, "type"):
+        return _F_TYPE
+    return -1
+
+
+cdef struct WEvent:
+    int32_t kind          # _W_STORED, _W_REMOVED, _W_CLEARED
+    int32_t parent        # 1: a parent hash, 0: none
+    int32_t parent_int    # the parent is an int in int64 (``parent_i``)
+    int32_t extra         # extra_keys sent (an array of nils)
+    Py_ssize_t tok        # its first token id in WireBatch.tokens
+    Py_ssize_t n_tok
+    Py_ssize_t hsh        # its first hash in WireBatch.h64 / hval / hint
+    Py_ssize_t n_hsh
+    int64_t block_size
+    uint64_t parent_h     # hash64 of the parent
+    int64_t parent_i
+    Py_ssize_t medium_at  # its medium: -1 none (nil), else the str's place and length
+    Py_ssize_t medium_n
+    int32_t has_group
+    int64_t group
+
+
+cdef int _grow(void** buf, Py_ssize_t* cap, Py_ssize_t need, size_t item) except -1:
+    cdef Py_ssize_t new_cap = cap[0]
+    cdef void* grown
+    if need <= new_cap:
+        return 0
+    new_cap = max(need, 2 * new_cap, 16)
+    grown = PyMem_Realloc(buf[0], new_cap * item)
+    if grown == NULL:
+        raise MemoryError()
+    buf[0] = grown
+    cap[0] = new_cap
+    return 0
+
+
+@cython.final
+@cython.no_gc  # holds a str and an int at most: never in a cycle
+cdef class WireBatch:
+    """A batch ``read_wire`` read: its events in buffers of its own (see ``_blocks_py``)."""
+
+    cdef WEvent* events
+    cdef Py_ssize_t n, events_cap
+    cdef int64_t* tokens           # every event's token ids, int64 little-endian
+    cdef Py_ssize_t n_tokens, tokens_cap
+    cdef uint64_t* h64             # every event's hashes: hash64
+    cdef int64_t* hval             # the hash as an int64 when hint
+    cdef unsigned char* hint       # the hash is an int in int64
+    cdef Py_ssize_t n_hashes, hashes_cap, hint_cap, hval_cap
+    cdef Py_ssize_t max_hsh        # the most hashes of one event
+    cdef object _medium            # the tier of its stores and removals (None: none)
+    cdef object _group
+
+    def __cinit__(self):
+        self.events = NULL
+        self.tokens = NULL
+        self.h64 = NULL
+        self.hval = NULL
+        self.hint = NULL
+        self.n = self.events_cap = self.n_tokens = self.tokens_cap = 0
+        self.n_hashes = self.hashes_cap = self.hint_cap = self.hval_cap = self.max_hsh = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self.events)
+        PyMem_Free(self.tokens)
+        PyMem_Free(self.h64)
+        PyMem_Free(self.hval)
+        PyMem_Free(self.hint)
+
+    def __len__(self):
+        return self.n
+
+    @property
+    def medium(self):
+        """The ``medium`` of its stores and removals (one for all of them; ``"GPU"`` for
+        those that name none), or None when it has none."""
+        return self._medium
+
+    @property
+    def group(self):
+        """The ``group_idx`` of its stores and removals (one for all of them), or None."""
+        return self._group
+
+    def __reduce__(self):
+        raise TypeError("a WireBatch is not pickled: read the payload again")
+
+    cdef int hashes_room(self, Py_ssize_t more) except -1:
+        cdef Py_ssize_t need = self.n_hashes + more
+        _grow(<void**>&self.h64, &self.hashes_cap, need, sizeof(uint64_t))
+        _grow(<void**>&self.hval, &self.hval_cap, need, sizeof(int64_t))
+        _grow(<void**>&self.hint, &self.hint_cap, need, sizeof(unsigned char))
+        return 0
+
+    cdef int read_hashes(self, const unsigned char* p, Py_ssize_t size, Py_ssize_t* pos,
+                         WEvent* e) except -1:
+        cdef MPVal v
+        cdef Py_ssize_t k, j, count
+        if not _mp_next(p, size, pos, &v) or v.kind != _MP_ARRAY:
+            return 0
+        count = v.n
+        self.hashes_room(count)
+        e.hsh = self.n_hashes
+        e.n_hsh = count
+        for k in range(count):
+            j = self.n_hashes + k
+            if not _mp_next(p, size, pos, &v):
+                return 0
+            if v.kind == _MP_INT:
+                self.h64[j] = _km_hash_u64(v.u)
+                self.hval[j] = v.i
+                self.hint[j] = not v.big
+            elif v.kind == _MP_BIN:
+                self.h64[j] = _km_hash_mem(p + v.at, v.n)
+                self.hval[j] = 0
+                self.hint[j] = 0
+            else:
+                return 0
+        self.n_hashes += e.n_hsh
+        if e.n_hsh > self.max_hsh:
+            self.max_hsh = e.n_hsh
+        return 1
+
+    cdef int read_tokens(self, const unsigned char* p, Py_ssize_t size, Py_ssize_t* pos,
+                         WEvent* e) except -1:
+        cdef MPVal v
+        cdef Py_ssize_t k, count
+        cdef int64_t* q
+        if not _mp_next(p, size, pos, &v) or v.kind != _MP_ARRAY:
+            return 0
+        count = v.n
+        _grow(<void**>&self.tokens, &self.tokens_cap, self.n_tokens + count, sizeof(int64_t))
+        e.tok = self.n_tokens
+        e.n_tok = count
+        q = self.tokens + self.n_tokens
+        cdef Py_ssize_t at = pos[0]
+        cdef unsigned char b
+        for k in range(count):
+            # the usual forms inline (token ids below 2**32), the others read as any value
+            b = p[at] if at < size else 0xC1
+            if b <= 0x7F:
+                q[k] = b
+                at += 1
+            elif b == 0xCD and size - at >= 3:
+                q[k] = (<int64_t>p[at + 1] << 8) | p[at + 2]
+                at += 3
+            elif b == 0xCE and size - at >= 5:
+                q[k] = <int64_t>_be(p + at + 1, 4)
+                at += 5
+            elif b == 0xCC and size - at >= 2:
+                q[k] = p[at + 1]
+                at += 2
+            else:
+                pos[0] = at
+                if not _mp_next(p, size, pos, &v) or v.kind != _MP_INT or v.big:
+                    return 0
+                at = pos[0]
+                q[k] = v.i
+        pos[0] = at
+        if not _LITTLE_ENDIAN:
+            for k in range(count):
+                q[k] = <int64_t>_bswap64(<uint64_t>q[k])
+        self.n_tokens += e.n_tok
+        return 1
+
+    cdef int read_field(self, int field, const unsigned char* p, Py_ssize_t size,
+                        Py_ssize_t* pos, WEvent* e) except -1:
+        """One field's value, as every event type takes it (a value another event type
+        ignores but this one would not take: 0, not read here)."""
+        cdef MPVal v
+        cdef Py_ssize_t k, count
+        if field == _F_HASHES:
+            return self.read_hashes(p, size, pos, e)
+        if field == _F_TOKENS:
+            return self.read_tokens(p, size, pos, e)
+        if not _mp_next(p, size, pos, &v):
+            return 0
+        if field == _F_PARENT:
+            if v.kind == _MP_NIL:
+                e.parent = 0
+            elif v.kind == _MP_INT:
+                e.parent = 1
+                e.parent_h = _km_hash_u64(v.u)
+                e.parent_i = v.i
+                e.parent_int = not v.big
+            elif v.kind == _MP_BIN:
+                e.parent = 1
+                e.parent_h = _km_hash_mem(p + v.at, v.n)
+                e.parent_int = 0
+            else:
+                return 0
+        elif field == _F_BLOCK_SIZE:
+            if v.kind != _MP_INT or v.big:
+                return 0
+            e.block_size = v.i
+        elif field == _F_LORA_ID:
+            return v.kind == _MP_NIL or v.kind == _MP_INT
+        elif field == _F_MEDIUM:
+            if v.kind == _MP_STR:
+                if v.n > 64:
+                    return 0
+                e.medium_at = v.at
+                e.medium_n = v.n
+            elif v.kind != _MP_NIL:
+                return 0
+        elif field == _F_LORA_NAME or field == _F_CACHE_SALT:
+            return v.kind == _MP_NIL  # a namespace: read by KvIndexer itself
+        elif field == _F_EXTRA_KEYS:
+            if v.kind == _MP_ARRAY:
+                e.extra = 1
+                count = v.n
+                for k in range(count):  # only entries that are nil
+                    if not _mp_next(p, size, pos, &v) or v.kind != _MP_NIL:
+                        return 0
+            elif v.kind != _MP_NIL:
+                return 0
+        elif field == _F_GROUP:
+            if v.kind == _MP_INT and not v.big:
+                e.has_group = 1
+                e.group = v.i
+            elif v.kind != _MP_NIL:
+                return 0
+        elif field == _F_TYPE:
+            if v.kind != _MP_STR:
+                return 0
+            if _mp_is(p, &v, "BlockStored"):
+                e.kind = _W_STORED
+            elif _mp_is(p, &v, "BlockRemoved"):
+                e.kind = _W_REMOVED
+            elif _mp_is(p, &v, "AllBlocksCleared"):
+                e.kind = _W_CLEARED
+            else:
+                return 0
+        return 1
+
+    cdef int read_map_event(self, const unsigned char* p, Py_ssize_t size, Py_ssize_t* pos,
+                            Py_ssize_t pairs, WEvent* e) except -1:
+        cdef MPVal key
+        cdef int field, seen = 0, need
+        cdef Py_ssize_t k
+        for k in range(pairs):
+            if not _mp_next(p, size, pos, &key) or key.kind != _MP_STR:
+                return 0
+            field = _field_of(p, &key)
+            if field < 0:
+                if not _mp_skip(p, size, pos, 1):
+                    return 0
+                continue
+            if seen & (1 << field):
+                return 0  # a field twice
+            seen |= 1 << field
+            if not self.read_field(field, p, size, pos, e):
+                return 0
+        if e.kind == _W_STORED:
+            need = ((1 << _F_HASHES) | (1 << _F_PARENT) | (1 << _F_TOKENS)
+                    | (1 << _F_BLOCK_SIZE))
+        elif e.kind == _W_REMOVED:
+            need = 1 << _F_HASHES
+        elif e.kind == _W_CLEARED:
+            need = 0
+        else:
+            return 0  # no type
+        return (seen & need) == need
+
+    cdef int read_array_event(self, const unsigned char* p, Py_ssize_t size,
+                              Py_ssize_t* pos, Py_ssize_t items, WEvent* e) except -1:
+        cdef int places, k
+        cdef Py_ssize_t rest
+        if items < 1 or not self.read_field(_F_TYPE, p, size, pos, e):
+            return 0
+        if e.kind == _W_STORED:  # hashes, parent, tokens, block size, lora id, medium, ...
+            if items < 7:
+                return 0
+            places = <int>min(items - 1, _F_GROUP + 1)
+            for k in range(places):
+                if not self.read_field(k, p, size, pos, e):
+                    return 0
+        elif e.kind == _W_REMOVED:  # hashes, medium, group
+            if items < 3:
+                return 0
+            places = <int>min(items - 1, 3)
+            for k in range(places):
+                if not self.read_field(_F_HASHES if k == 0 else _F_MEDIUM if k == 1
+                                       else _F_GROUP, p, size, pos, e):
+                    return 0
+        else:
+            places = 0
+        for rest in range(items - 1 - places):  # places past the known ones: not read
+            if not _mp_skip(p, size, pos, 1):
+                return 0
+        return 1
+
+    cdef int read(self, bytes data) except -1:
+        """1: ``data`` read whole, 0: not one read here."""
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
+        cdef Py_ssize_t size = len(data), pos = 0, k, n_batch, n_events
+        cdef MPVal v
+        cdef WEvent* e
+        cdef WEvent* first = NULL
+        cdef int layout = 0  # _MP_MAP or _MP_ARRAY: one layout a batch
+        if not _mp_next(p, size, &pos, &v) or v.kind != _MP_ARRAY or not 2 <= v.n <= 3:
+            return 0
+        n_batch = v.n
+        if not _mp_next(p, size, &pos, &v) or (v.kind != _MP_INT and v.kind != _MP_FLOAT):
+            return 0  # ts
+        if not _mp_next(p, size, &pos, &v) or v.kind != _MP_ARRAY:
+            return 0
+        n_events = v.n
+        _grow(<void**>&self.events, &self.events_cap, n_events, sizeof(WEvent))
+        for k in range(n_events):
+            e = &self.events[k]
+            memset(e, 0, sizeof(WEvent))
+            e.medium_at = -1
+            if not _mp_next(p, size, &pos, &v) or (v.kind != _MP_MAP and v.kind != _MP_ARRAY):
+                return 0
+            if layout and v.kind != layout:
+                return 0
+            layout = v.kind
+            if v.kind == _MP_MAP:
+                if not self.read_map_event(p, size, &pos, v.n, e):
+                    return 0
+            elif not self.read_array_event(p, size, &pos, v.n, e):
+                return 0
+            self.n = k + 1
+            if e.kind == _W_CLEARED:
+                continue
+            if first == NULL:
+                first = e
+            elif (first.has_group != e.has_group or first.group != e.group
+                  or not _same_medium(p, first, e)):
+                return 0  # one copy a batch
+        if n_batch == 3:
+            if not _mp_next(p, size, &pos, &v) or (v.kind != _MP_NIL and v.kind != _MP_INT):
+                return 0  # data_parallel_rank
+        if pos != size:
+            return 0
+        if first != NULL:
+            self._medium = ("GPU" if first.medium_at < 0 else
+                            (<bytes>p[first.medium_at:first.medium_at + first.medium_n]
+                             ).decode("ascii"))
+            self._group = first.group if first.has_group else None
+        return 1
+
+
+cdef bint _same_medium(const unsigned char* p, WEvent* a, WEvent* b) noexcept:
+    # Whether two events name one tier (none is "GPU").
+    cdef const unsigned char* x = p + a.medium_at
+    cdef const unsigned char* y = p + b.medium_at
+    cdef Py_ssize_t nx = a.medium_n, ny = b.medium_n
+    if a.medium_at < 0:
+        x, nx = <const unsigned char*>"GPU", 3
+    if b.medium_at < 0:
+        y, ny = <const unsigned char*>"GPU", 3
+    return nx == ny and memcmp(x, y, nx) == 0
+
+
+def read_wire(data):
+    """A wire batch read into a ``WireBatch``, or None; see ``_blocks_py``."""
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    cdef WireBatch batch = WireBatch()
+    if not batch.read(<bytes>data):
+        return None
+    return batch
+
+
+cdef inline bint _bi_holds(BlockIndex index, int64_t key, int32_t c) noexcept:
+    cdef Py_ssize_t i = index.find(key), j
+    cdef const int32_t* items
+    if i < 0:
+        return False
+    items = index.copies(&index.table[i])
+    for j in range(index.table[i].n):
+        if items[j] == c:
+            return True
+    return False
+
+
+cdef bint _km_all_new(KeyMap keymap, const uint64_t* hs, Py_ssize_t m, uint64_t* seen,
+                      Py_ssize_t mask) noexcept:
+    # KeyMap.add_new's test: no hash held, none twice (``seen``: mask + 1 words).
+    cdef Py_ssize_t k, j
+    memset(seen, 0, (mask + 1) * sizeof(uint64_t))
+    for k in range(m):
+        if keymap.find(hs[k]) >= 0:
+            return False
+        j = <Py_ssize_t>(fmix64(hs[k]) & <uint64_t>mask)
+        while seen[j]:
+            if seen[j] == hs[k]:
+                return False
+            j = (j + 1) & mask
+        seen[j] = hs[k]
+    return True
+
+
+def apply_wire(BlockIndex index not None, WireBatch batch not None, start, KeyMap keymap not None,
+               copy, direct, block_size, seed, alone, ns):
+    """Apply ``batch``'s events from ``start`` to one copy's holdings; see ``_blocks_py``."""
+    if type(start) is not int or type(direct) is not int or type(block_size) is not int:
+        raise TypeError("start, direct and block_size must be ints")
+    if type(seed) is not int:
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if type(alone) is not bool or type(ns) is not bool:
+        raise TypeError("alone and ns must be bools")
+    cdef int32_t c = _bi_copy(copy)
+    if not 0 <= start <= batch.n:
+        raise ValueError(f"start must be in [0, {batch.n}], got {start}")
+    if not 0 <= direct < 2 ** 62:
+        raise ValueError(f"direct must be in [0, 2**62), got {direct}")
+    if not 1 <= block_size < 2 ** 62:
+        raise ValueError(f"block_size must be in [1, 2**62), got {block_size}")
+    cdef uint64_t h0 = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
+    cdef Py_ssize_t first = start, n = batch.n, ev, k, m, slot, mask = 1
+    cdef Py_ssize_t d = direct, st
+    cdef int64_t bs = block_size
+    cdef bint lone = alone is True, namespaced = ns is True, identity, bail = False
+    cdef Py_ssize_t stored = 0, duplicates = 0, removed = 0, unknown_removals = 0
+    cdef Py_ssize_t unknown_parent = 0, wrong_block_size = 0, malformed = 0
+    cdef uint64_t h
+    cdef int64_t known
+    cdef WEvent* e
+    cdef const uint64_t* hs
+    cdef const int64_t* hv
+    cdef const unsigned char* hi
+    # From here on no Python code runs: the batch, the index and the map are only ours.
+    if d > 0 and keymap.n > 0:
+        return (start, 0, 0, 0, 0, 0, 0, 0, d)  # held both ways: KvIndexer's own path
+    while mask < 2 * batch.max_hsh:
+        mask *= 2
+    cdef int64_t* keys = <int64_t*>PyMem_Malloc((batch.max_hsh + 1) * sizeof(int64_t)
+                                                + mask * sizeof(uint64_t))
+    if keys == NULL:
+        raise MemoryError()
+    cdef uint64_t* seen = <uint64_t*>(keys + batch.max_hsh + 1)
+    mask -= 1
+    try:
+        ev = first
+        while ev < n:
+            e = &batch.events[ev]
+            m = e.n_hsh
+            hs = batch.h64 + e.hsh
+            hv = batch.hval + e.hsh
+            hi = batch.hint + e.hsh
+            if e.kind == _W_CLEARED:
+                break
+            if e.kind == _W_STORED:
+                if e.block_size != bs:
+                    wrong_block_size += 1
+                elif e.n_tok % bs or e.n_tok // bs != m:
+                    malformed += 1
+                else:
+                    if e.parent:
+                        if e.extra and namespaced:
+                            break  # the parent's namespace decides: KvIndexer's own path
+                        slot = keymap.find(e.parent_h)
+                        if slot >= 0:
+                            h = <uint64_t>keymap.table[slot].key
+                        elif d > 0 and e.parent_int and _bi_holds(index, e.parent_i, c):
+                            h = <uint64_t>e.parent_i
+                        elif not lone:
+                            break  # another tier may hold the parent
+                        else:
+                            unknown_parent += 1
+                            ev += 1
+                            continue
+                    else:
+                        h = h0
+                    if m == 0:
+                        ev += 1
+                        continue
+                    identity = True
+                    for k in range(m):
+                        h = hash_page(h, <const unsigned char*>(batch.tokens + e.tok + k * bs),
+                                      <Py_ssize_t>bs)
+                        keys[k] = <int64_t>h
+                        if identity and (not hi[k] or hv[k] != keys[k]):
+                            identity = False
+                    if identity and keymap.n == 0:
+                        # every block published under its own key
+                        index.reserve(index.size + m)
+                        st = 0
+                        for k in range(m):
+                            if _bi_holds(index, keys[k], c):
+                                duplicates += 1
+                            else:
+                                index.hold_key(keys[k], c)
+                                st += 1
+                        stored += st
+                        d += st
+                    elif not identity and d == 0:
+                        if _km_all_new(keymap, hs, m, seen, mask):
+                            keymap.room(m)
+                            index.reserve(index.size + m)
+                            for k in range(m):
+                                if k + _BI_AHEAD < m:
+                                    rc_prefetch(&index.table[_bi_mix(keys[k + _BI_AHEAD])
+                                                             & <uint64_t>index.mask])
+                                keymap.insert(hs[k], keys[k])
+                                index.hold_key(keys[k], c)
+                            stored += m
+                        else:
+                            for k in range(m):
+                                if hi[k] and hv[k] == keys[k]:
+                                    bail = True  # a block under its own key among others
+                                    break
+                            if bail:
+                                break
+                            keymap.room(m)
+                            index.reserve(index.size + m)
+                            for k in range(m):  # one at a time: duplicates, moved hashes
+                                slot = keymap.find(hs[k])
+                                if slot >= 0:
+                                    known = keymap.table[slot].key
+                                    if known == keys[k]:
+                                        duplicates += 1
+                                        continue
+                                    keymap.delete_slot(slot)
+                                    index.drop_key(known, c)
+                                keymap.insert(hs[k], keys[k])
+                                index.hold_key(keys[k], c)
+                                stored += 1
+                            index.maybe_shrink()
+                    else:
+                        break  # both ways: KvIndexer's own path
+            else:  # removed
+                if keymap.n == 0 and d == 0:
+                    unknown_removals += m  # the copy holds nothing
+                elif keymap.n > 0:
+                    for k in range(m):
+                        slot = keymap.find(hs[k])
+                        if slot < 0:
+                            unknown_removals += 1
+                        else:
+                            known = keymap.table[slot].key
+                            keymap.delete_slot(slot)
+                            index.drop_key(known, c)
+                            removed += 1
+                    if keymap.n * 5 < keymap.cap and keymap.cap > 8:
+                        try:
+                            keymap.resize(keymap.n * 5 // 3 + 8 if keymap.n else 0)
+                        except MemoryError:
+                            pass  # stays larger
+                    index.maybe_shrink()
+                else:
+                    st = 0
+                    for k in range(m):
+                        if hi[k] and index.drop_key(hv[k], c):
+                            st += 1
+                        else:
+                            unknown_removals += 1
+                    removed += st
+                    d -= st
+                    index.maybe_shrink()
+            ev += 1
+    finally:
+        PyMem_Free(keys)
+    return (ev, stored, duplicates, removed, unknown_removals, unknown_parent,
+            wrong_block_size, malformed, d)

@@ -72,6 +72,46 @@ held and none is there twice); ``update(hashes, keys)`` maps ``hashes[i]`` to ``
 when ``isdisjoint(hashes)`` (True), else changes nothing (False), with ``update``'s checks.
 A hash of another type is a ``TypeError`` (an
 object with ``__index__`` counts as the int it gives). It pickles and copies.
+
+``read_wire(data) -> WireBatch | None`` -- ``KvIndexer``'s one-call ingest of a wire payload
+(``data``: exactly ``bytes``, else a ``TypeError``), first half: the batch read whole and
+checked, into a ``WireBatch`` of its own (it never looks at ``data`` again), or None for a
+payload it does not read, which the caller reads otherwise (``decode_batch``). It reads
+``[ts, [events...]]`` or ``[ts, [events...], data_parallel_rank]`` (``ts`` an int or a
+float, the rank nil or an int) whose events are all tagged maps or all tagged arrays, the
+layouts and fields of "Wire format" in ``radixcache.events``, with: block hashes and a
+parent that are ints (any msgpack int) or bin; token ids, ``block_size`` and ``group_idx``
+ints in int64; ``lora_id`` nil or an int; ``medium`` nil or an ASCII str of at most 64
+bytes; ``lora_name`` and ``cache_salt`` nil; ``extra_keys`` nil or an array of nils; every
+str ASCII; no field twice; fields no event has (a map's other keys, an array's places past
+the known ones) skipped, any value but an ext, nested at most 8 deep; and one copy for all its
+stores and removals (the same ``medium``, nil being ``"GPU"``, and the same ``group_idx``).
+Every payload it reads is one ``decode_batch`` reads, event for event; both modules read
+exactly the same payloads. ``len(batch)`` is its events; ``batch.medium`` the ``medium`` of
+its stores and removals (``"GPU"`` for nil; None when it has none), ``batch.group`` their
+``group_idx``. It neither pickles nor copies.
+
+``apply_wire(index, batch, start, keymap, copy, direct, block_size, seed, alone, ns) ->
+tuple`` -- the second half: ``batch``'s events from position ``start`` applied in order to
+one copy's holdings, as ``KvIndexer`` applies them to a copy whose hashes are in ``keymap``
+(a ``KeyMap``) and ``direct`` holdings in ``index`` under their own keys, copy id ``copy``,
+until an event it leaves to the caller. A ``BlockStored`` of another ``block_size`` is
+counted and skipped, one whose token ids do not fill its blocks is malformed; its parent is
+looked up in ``keymap``, else among the copy's own-key holdings; a root block's chain starts
+from ``seed`` (``page_hash_chain``); a parent it does not find is counted unknown when
+``alone`` (no other copy of the worker in the same group may hold it), else left to the
+caller. Blocks published under their own keys (every hash equal to its key) are held like
+``BlockIndex.store``; others like ``KeyMap.add_new`` then ``BlockIndex.add`` when all are
+new, else one at a time (a hash held for the same key is a duplicate, for another key it is
+moved). A ``BlockRemoved`` takes the holding each hash names. It leaves to the caller: an
+``AllBlocksCleared``, an event with ``extra_keys`` and a parent when ``ns`` (the caller keeps
+namespaces), a store that would hold blocks both under their own keys and in ``keymap``, and
+everything when the copy holds both ways already. Returns ``(next, stored, duplicates,
+removed, unknown_removals, unknown_parent, wrong_block_size, malformed, direct)``: the
+position of the first event not applied (``len(batch)`` when all were), the counts, and the
+copy's own-key holdings after. No Python code runs while it applies (its arguments are checked
+first: ``TypeError`` for another type, ``ValueError`` for ``start``, ``copy``, ``direct`` or
+``block_size`` out of range, each changing nothing).
 """
 
 from __future__ import annotations
@@ -85,8 +125,8 @@ import numpy as np
 
 from ._validate import INT64_MAX, INT64_MIN
 
-__all__ = ["BlockIndex", "KeyMap", "hash64", "ids_le_bytes", "msgpack_ids",
-           "page_hash_bytes", "page_hash_chain"]
+__all__ = ["BlockIndex", "KeyMap", "WireBatch", "apply_wire", "hash64", "ids_le_bytes",
+           "msgpack_ids", "page_hash_bytes", "page_hash_chain", "read_wire"]
 
 
 # -- page hash chain (see the module docstring) ---------------------------------------------
@@ -539,3 +579,407 @@ def _key_map_from(state: Any) -> KeyMap:
     out = KeyMap()
     out._map = dict(zip(pairs[:, 0].tolist(), pairs[:, 1].view(np.int64).tolist()))
     return out
+
+
+# -- wire batches (see the module docstring) ------------------------------------------------
+_MP_DEPTH = 8  # how deeply a value of a field not read may nest
+_STORED, _REMOVED, _CLEARED = 1, 2, 3
+_EVENT_TAGS = {"BlockStored": _STORED, "BlockRemoved": _REMOVED, "AllBlocksCleared": _CLEARED}
+_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+           "lora_name", "extra_keys", "group_idx", "cache_salt", "type")
+_F_HASHES, _F_PARENT, _F_TOKENS, _F_BLOCK_SIZE, _F_MEDIUM, _F_GROUP, _F_TYPE = 0, 1, 2, 3, 5, 8, 10
+
+
+class _Decline(Exception):
+    """Not a batch ``read_wire`` reads."""
+
+
+class _Reader:
+    """msgpack values as ``read_wire`` reads them, from ``pos`` (see the module docstring)."""
+
+    __slots__ = ("data", "pos")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def _take(self, n: int) -> bytes:
+        if n > len(self.data) - self.pos:
+            raise _Decline
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def next(self) -> tuple:
+        """``(kind, value)``: ("int", int), ("nil"|"bool"|"float", None), ("str", str),
+        ("bin", bytes), ("array"|"map", count)."""
+        b = self._take(1)[0]
+        if b <= 0x7F:
+            return "int", b
+        if b >= 0xE0:
+            return "int", b - 256
+        if 0xCC <= b <= 0xD3:
+            width = 1 << ((b - 0xCC) & 3)
+            return "int", int.from_bytes(self._take(width), "big", signed=b >= 0xD0)
+        if b == 0xC0:
+            return "nil", None
+        if b in (0xC2, 0xC3):
+            return "bool", None
+        if b in (0xCA, 0xCB):
+            self._take(4 if b == 0xCA else 8)
+            return "float", None
+        if 0x80 <= b <= 0x8F:
+            kind, n = "map", b & 0x0F
+        elif 0x90 <= b <= 0x9F:
+            kind, n = "array", b & 0x0F
+        elif 0xA0 <= b <= 0xBF:
+            kind, n = "str", b & 0x1F
+        else:
+            forms = {0xD9: ("str", 1), 0xDA: ("str", 2), 0xDB: ("str", 4), 0xC4: ("bin", 1),
+                     0xC5: ("bin", 2), 0xC6: ("bin", 4), 0xDC: ("array", 2),
+                     0xDD: ("array", 4), 0xDE: ("map", 2), 0xDF: ("map", 4)}
+            if b not in forms:
+                raise _Decline  # 0xC1 (never used), ext
+            kind, width = forms[b]
+            n = int.from_bytes(self._take(width), "big")
+        left = len(self.data) - self.pos
+        if n > (left // 2 if kind == "map" else left):
+            raise _Decline
+        if kind == "str":
+            raw = self._take(n)
+            if not raw.isascii():
+                raise _Decline
+            return kind, raw.decode("ascii")
+        if kind == "bin":
+            return kind, self._take(n)
+        return kind, n
+
+    def ids(self, count: int) -> bytes:
+        """The ``count`` ints (token ids) that follow, as int64 little-endian bytes: ints
+        in int64 only."""
+        data, pos = self.data, self.pos
+        start = pos
+        for _ in range(count):
+            b = data[pos] if pos < len(data) else 0xC1
+            if b <= 0x7F or b >= 0xE0:
+                pos += 1
+            elif 0xCC <= b <= 0xD3:
+                pos += 1 + (1 << ((b - 0xCC) & 3))
+            else:
+                raise _Decline
+        if pos > len(data):
+            raise _Decline
+        self.pos = pos
+        out = msgpack_ids(b"\xdd" + count.to_bytes(4, "big") + data[start:pos])
+        if out is None:  # an int beyond int64
+            raise _Decline
+        return out
+
+    def skip(self, depth: int) -> None:
+        kind, value = self.next()
+        if kind in ("array", "map"):
+            if depth >= _MP_DEPTH:
+                raise _Decline
+            for _ in range(value * 2 if kind == "map" else value):
+                self.skip(depth + 1)
+
+
+class _WireEvent:
+    __slots__ = ("kind", "hashes", "parent", "tokens", "block_size", "medium", "group",
+                 "extra")
+
+    def __init__(self) -> None:
+        self.kind = 0
+        self.hashes: list = []
+        self.parent: Any = None
+        self.tokens = b""  # int64 little-endian
+        self.block_size = 0
+        self.medium = "GPU"
+        self.group: Any = None
+        self.extra = False
+
+
+def _read_field(r: _Reader, field: int, e: _WireEvent) -> None:
+    if field in (_F_HASHES, _F_TOKENS):
+        kind, count = r.next()
+        if kind != "array":
+            raise _Decline
+        if field == _F_TOKENS:
+            e.tokens = r.ids(count)
+            return
+        items = []
+        for _ in range(count):
+            kind, value = r.next()
+            if kind not in ("int", "bin"):
+                raise _Decline
+            items.append(value)
+        e.hashes = items
+        return
+    kind, value = r.next()
+    name = _FIELDS[field]
+    if name == "parent_block_hash":
+        if kind not in ("nil", "int", "bin"):
+            raise _Decline
+        e.parent = value
+    elif name in ("block_size", "group_idx"):
+        if kind == "int" and INT64_MIN <= value <= INT64_MAX:
+            if name == "block_size":
+                e.block_size = value
+            else:
+                e.group = value
+        elif kind != "nil" or name == "block_size":
+            raise _Decline
+    elif name == "lora_id":
+        if kind not in ("nil", "int"):
+            raise _Decline
+    elif name == "medium":
+        if kind == "str" and len(value) <= 64:
+            e.medium = value
+        elif kind != "nil":
+            raise _Decline
+    elif name in ("lora_name", "cache_salt"):
+        if kind != "nil":
+            raise _Decline  # a namespace: read by KvIndexer itself
+    elif name == "extra_keys":
+        if kind == "array":
+            e.extra = True
+            for _ in range(value):
+                if r.next()[0] != "nil":
+                    raise _Decline
+        elif kind != "nil":
+            raise _Decline
+    else:  # type
+        if kind != "str" or value not in _EVENT_TAGS:
+            raise _Decline
+        e.kind = _EVENT_TAGS[value]
+
+
+def _read_map_event(r: _Reader, pairs: int, e: _WireEvent) -> None:
+    seen = set()
+    for _ in range(pairs):
+        kind, key = r.next()
+        if kind != "str":
+            raise _Decline
+        if key not in _FIELDS:
+            r.skip(1)
+            continue
+        field = _FIELDS.index(key)
+        if field in seen:
+            raise _Decline  # a field twice
+        seen.add(field)
+        _read_field(r, field, e)
+    need = {_STORED: {_F_HASHES, _F_PARENT, _F_TOKENS, _F_BLOCK_SIZE},
+            _REMOVED: {_F_HASHES}, _CLEARED: set()}.get(e.kind)
+    if need is None or not need <= seen:
+        raise _Decline
+
+
+def _read_array_event(r: _Reader, items: int, e: _WireEvent) -> None:
+    if items < 1:
+        raise _Decline
+    _read_field(r, _F_TYPE, e)
+    if e.kind == _STORED:
+        if items < 7:
+            raise _Decline
+        places = list(range(min(items - 1, _F_GROUP + 1)))
+    elif e.kind == _REMOVED:
+        if items < 3:
+            raise _Decline
+        places = [_F_HASHES, _F_MEDIUM, _F_GROUP][:items - 1]
+    else:
+        places = []
+    for field in places:
+        _read_field(r, field, e)
+    for _ in range(items - 1 - len(places)):
+        r.skip(1)
+
+
+class WireBatch:
+    """A batch ``read_wire`` read: its events (see the module docstring)."""
+
+    __slots__ = ("_events", "_medium", "_group")
+
+    def __init__(self) -> None:
+        self._events: list = []
+        self._medium: Any = None
+        self._group: Any = None
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    @property
+    def medium(self) -> Any:
+        return self._medium
+
+    @property
+    def group(self) -> Any:
+        return self._group
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a WireBatch is not pickled: read the payload again")
+
+
+def read_wire(data: Any) -> Any:
+    """A wire batch read into a ``WireBatch``, or None; see the module docstring."""
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    r = _Reader(data)
+    batch = WireBatch()
+    try:
+        kind, n_batch = r.next()
+        if kind != "array" or not 2 <= n_batch <= 3:
+            raise _Decline
+        if r.next()[0] not in ("int", "float"):
+            raise _Decline  # ts
+        kind, n_events = r.next()
+        if kind != "array":
+            raise _Decline
+        layout = None
+        first = None
+        for _ in range(n_events):
+            kind, count = r.next()
+            if kind not in ("map", "array") or layout not in (None, kind):
+                raise _Decline  # one layout a batch
+            layout = kind
+            e = _WireEvent()
+            if kind == "map":
+                _read_map_event(r, count, e)
+            else:
+                _read_array_event(r, count, e)
+            batch._events.append(e)
+            if e.kind == _CLEARED:
+                continue
+            if first is None:
+                first = e
+            elif (first.medium, first.group) != (e.medium, e.group):
+                raise _Decline  # one copy a batch
+        if n_batch == 3 and r.next()[0] not in ("nil", "int"):
+            raise _Decline  # data_parallel_rank
+        if r.pos != len(data):
+            raise _Decline
+    except _Decline:
+        return None
+    if first is not None:
+        batch._medium, batch._group = first.medium, first.group
+    return batch
+
+
+def apply_wire(index: BlockIndex, batch: WireBatch, start: int, keymap: KeyMap, copy: int,
+               direct: int, block_size: int, seed: int, alone: bool, ns: bool) -> tuple:
+    """Apply ``batch``'s events from ``start`` to one copy's holdings; see the module
+    docstring."""
+    if type(index) is not BlockIndex or type(batch) is not WireBatch or type(
+            keymap) is not KeyMap:
+        raise TypeError("apply_wire takes a BlockIndex, a WireBatch and a KeyMap")
+    if type(start) is not int or type(direct) is not int or type(block_size) is not int:
+        raise TypeError("start, direct and block_size must be ints")
+    if type(seed) is not int:
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if type(alone) is not bool or type(ns) is not bool:
+        raise TypeError("alone and ns must be bools")
+    c = _index_copy(copy)
+    n = len(batch._events)
+    if not 0 <= start <= n:
+        raise ValueError(f"start must be in [0, {n}], got {start}")
+    if not 0 <= direct < 2 ** 62:
+        raise ValueError(f"direct must be in [0, 2**62), got {direct}")
+    if not 1 <= block_size < 2 ** 62:
+        raise ValueError(f"block_size must be in [1, 2**62), got {block_size}")
+    seed &= _MASK64
+    d = direct
+    stored = duplicates = removed = unknown_removals = unknown_parent = 0
+    wrong_block_size = malformed = 0
+    km = keymap._map
+    if d > 0 and km:
+        return (start, 0, 0, 0, 0, 0, 0, 0, d)  # held both ways: KvIndexer's own path
+    ev = start
+    while ev < n:
+        e = batch._events[ev]
+        if e.kind == _CLEARED:
+            break
+        hs = [hash64(h) for h in e.hashes]
+        own = [type(h) is int and INT64_MIN <= h <= INT64_MAX for h in e.hashes]
+        m = len(hs)
+        if e.kind == _STORED:
+            if e.block_size != block_size:
+                wrong_block_size += 1
+            elif len(e.tokens) != m * block_size * 8:
+                malformed += 1
+            else:
+                if e.parent is not None:
+                    if e.extra and ns:
+                        break  # the parent's namespace decides: KvIndexer's own path
+                    ph = hash64(e.parent)
+                    if ph in km:
+                        h = km[ph]
+                    elif d > 0 and type(e.parent) is int and INT64_MIN <= e.parent <= INT64_MAX \
+                            and index._has(e.parent, c):
+                        h = e.parent
+                    elif not alone:
+                        break  # another tier may hold the parent
+                    else:
+                        unknown_parent += 1
+                        ev += 1
+                        continue
+                else:
+                    h = seed
+                if m == 0:
+                    ev += 1
+                    continue
+                keys = page_hash_chain(h, e.tokens, block_size * 8)
+                identity = all(own[k] and e.hashes[k] == keys[k] for k in range(m))
+                if identity and not km:
+                    st = 0
+                    for key in keys:
+                        if index._has(key, c):
+                            duplicates += 1
+                        else:
+                            index._hold(key, c)
+                            st += 1
+                    stored += st
+                    d += st
+                elif not identity and d == 0:
+                    if len(set(hs)) == m and km.keys().isdisjoint(hs):
+                        for k in range(m):
+                            km[hs[k]] = keys[k]
+                            index._hold(keys[k], c)
+                        stored += m
+                    else:
+                        if any(own[k] and e.hashes[k] == keys[k] for k in range(m)):
+                            break  # a block under its own key among others
+                        for k in range(m):  # one at a time: duplicates, moved hashes
+                            known = km.get(hs[k])
+                            if known is not None:
+                                if known == keys[k]:
+                                    duplicates += 1
+                                    continue
+                                del km[hs[k]]
+                                index._drop(known, c)
+                            km[hs[k]] = keys[k]
+                            index._hold(keys[k], c)
+                            stored += 1
+                else:
+                    break  # both ways: KvIndexer's own path
+        else:  # removed
+            if not km and d == 0:
+                unknown_removals += m  # the copy holds nothing
+            elif km:
+                for k in range(m):
+                    known = km.pop(hs[k], None)
+                    if known is None:
+                        unknown_removals += 1
+                    else:
+                        index._drop(known, c)
+                        removed += 1
+            else:
+                st = 0
+                for k in range(m):
+                    if own[k] and index._drop(e.hashes[k], c):
+                        st += 1
+                    else:
+                        unknown_removals += 1
+                removed += st
+                d -= st
+        ev += 1
+    return (ev, stored, duplicates, removed, unknown_removals, unknown_parent,
+            wrong_block_size, malformed, d)

@@ -31,7 +31,7 @@ from ..events import (
     tokens_le_bytes,
 )
 from ..events.hashing import fast64_root
-from ..events.wire import _event_of, _typed_events, _typed_kinds
+from ..events.wire import _event_of, _transport, _typed_events, _typed_kinds
 from ..events.recorder import KEYS_REMOVED, KEYS_STORED
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -42,6 +42,7 @@ _HASH_TYPES = (int, bytes)
 # The block module's table and page hash chain (compiled when built): the block keys are
 # the chain seeded by the namespace. A table is made per indexer from the module chosen then.
 _page_keys = _core.blocks.page_hash_chain
+_DECODER = [False]  # whether decode_batch's optional dependencies were found
 _ids_le_bytes = _core.blocks.ids_le_bytes
 _msgpack_ids = _core.blocks.msgpack_ids
 
@@ -324,6 +325,9 @@ class KvIndexer:
         # built); copy ids are reused once their copy is dropped
         self._index = _core.blocks.BlockIndex()
         self._key_map = _core.blocks.KeyMap  # publisher hash maps, same module
+        # a payload's batch read and applied in one call each (same module)
+        self._read_wire = _core.blocks.read_wire
+        self._apply_wire = _core.blocks.apply_wire
         self._free_cids: list = []
         self._held = 0  # the copies' holdings, together: the table's pairs
         self._next_cid = 0
@@ -336,6 +340,7 @@ class KvIndexer:
         # with per-block extra keys under a namespace: a key's namespace is fixed by the
         # key, so an entry is never wrong, only kept a while after its block left
         self._ns_of: dict = {}
+        self._root_seed = _root_key(encode_namespace(None))  # a chain's seed, no namespace
         self.stats = IndexerStats()
         if store is not None:
             from .redis_store import RedisStore  # only here: importing radixcache needs no redis
@@ -629,6 +634,13 @@ class KvIndexer:
         if self._store is not None:
             return self._store.apply_payload(worker, payload, seq)
         self._check_worker(worker)
+        if not _DECODER[0]:  # what the block module leaves is decoded: msgspec is needed
+            _transport("decode_batch")  # ImportError, before anything is applied
+            _DECODER[0] = True
+        batch = self._read_wire(payload) if type(payload) is bytes else None
+        if batch is not None:
+            self._apply_batch(worker, batch, payload)
+            return True
         events = _typed_events(payload)
         if events is None:  # not one the typed decoder takes: read field by field
             return self._apply_checked(worker, payload, seq)
@@ -656,6 +668,85 @@ class KvIndexer:
                 self._clear_worker(worker)
                 stats.cleared += 1
         return True
+
+    def _apply_batch(self, worker: Hashable, batch: Any, payload: bytes) -> None:
+        """Apply a batch the block module read (``read_wire``): its events in order, as
+        many at a time as the block module applies in one call (``apply_wire``), any other
+        one (a clear, a parent on another tier, holdings both ways) here, from the events
+        ``decode_batch`` reads from the same payload."""
+        stats = self.stats
+        stats.batches += 1
+        n = len(batch)
+        tier = MEDIUM_GPU if batch.medium is None else _tier(batch.medium)
+        group = batch.group
+        start = 0
+        events = None
+        while True:
+            start = self._apply_run(worker, batch, start, tier, group)
+            if start >= n:
+                return
+            if events is None:
+                events = decode_batch(payload).events
+            event = events[start]
+            stats.events += 1
+            if isinstance(event, BlockStored):
+                self._stored(worker, event)
+            elif isinstance(event, BlockRemoved):
+                self._removed(worker, event)
+            else:
+                self._clear_worker(worker)
+                stats.cleared += 1
+            start += 1
+
+    def _apply_run(self, worker: Hashable, batch: Any, start: int, tier: str,
+                   group: Any) -> int:
+        """Apply ``batch``'s events from ``start`` to ``worker``'s copy on (``tier``,
+        ``group``) in one call into the block module, up to the first it leaves to
+        ``_apply_batch``; returns where it stopped."""
+        current = self._copies.get(worker)
+        if type(current) is _Copy:  # the usual case: one copy
+            if current.medium == tier and current.group == group:
+                copy, alone = current, True
+            else:
+                copy, alone = None, current.group != group
+        elif current is None:
+            copy, alone = None, True  # no other copy may hold a parent
+        else:
+            copy = current.get((tier, group))
+            alone = not any(other.group == group for other in current.values()
+                            if other is not copy)
+        if copy is None:
+            # made first (and forgotten below if it holds nothing): a worker id's own code
+            # runs while it is made, never between the call and the copy it fills
+            copy = self._copy(worker, tier, group)
+        elif copy.refs is not None:
+            return start  # held both ways: one event at a time
+        published, direct = copy.published, copy.direct
+        before = direct + len(published)
+        (end, stored, duplicates, removed, unknown_removals, unknown_parent,
+         wrong_block_size, malformed, direct) = self._apply_wire(
+            self._index, batch, start, published, copy.cid, direct, self.block_size,
+            self._root_seed, alone, bool(self._ns_of))
+        copy.direct = direct
+        after = direct + len(published)
+        self._held += after - before
+        if not after:
+            self._forget_if_empty(copy)
+        stats = self.stats
+        stats.events += end - start
+        if stored or duplicates:
+            stats.stored_blocks += stored
+            stats.duplicate_blocks += duplicates
+        if removed or unknown_removals:
+            stats.removed_blocks += removed
+            stats.unknown_removals += unknown_removals
+            if self._ns_of:
+                self._prune_namespaces()
+        if unknown_parent or wrong_block_size or malformed:
+            stats.unknown_parent += unknown_parent
+            stats.wrong_block_size += wrong_block_size
+            stats.malformed_events += malformed
+        return end
 
     def _apply_checked(self, worker: Hashable, payload: Any, seq: int) -> bool:
         try:
