@@ -753,6 +753,75 @@ def test_overlap_of_a_list_answers_and_fails_as_of_its_bytes(blocks, page_bytes)
         index.overlap(9.0, tokens, page_bytes, owners)
 
 
+@pytest.mark.parametrize("page_bytes", [8, 64, 256])
+def test_overlap_stops_at_every_depth_as_the_reference_does(blocks, page_bytes):
+    """The walk hashes and probes pages ahead of the one it counts: wherever the run ends
+    (every depth up to past the lead, owners dropping out one by one, blocks held by many
+    copies, a table grown large and shrunk), the answer is the pure module's, from a list
+    and from bytes."""
+    rng = random.Random(page_bytes)
+    per_page = page_bytes // 8
+    tokens = [rng.randrange(1 << 40) for _ in range(per_page * 60)]
+    data = np.array(tokens, dtype="<i8").tobytes()
+    keys = blocks.page_hash_chain(3, data, page_bytes)
+    owners = [0, 1, 2, 3, -1, 0, 4, 5]
+    for depth in range(0, 45):
+        indexes = [module.BlockIndex() for module in (blocks, _blocks_py)]
+        for index in indexes:
+            index.add(0, keys[:depth])
+            index.add(1, keys[:depth // 2])
+            index.add(2, keys[:depth // 3] + keys[depth // 3 + 1:depth])  # a hole
+            index.add(4, keys[:depth])  # on no owner
+            index.add(5, keys[:depth // 4])  # the same owner as copy 0
+            for c in (6, 7):  # many holders of the first blocks: holder lists
+                index.add(c, keys[:5])
+            index.add(8, [rng.randrange(-I64, I64) for _ in range(3000)])  # a larger table
+            index.remove(8, [])
+        want = indexes[1].overlap(3, data, page_bytes, owners)
+        for index in indexes:
+            assert index.overlap(3, data, page_bytes, owners) == want, depth
+            assert index.overlap(3, tokens, page_bytes, owners) == want, depth
+            assert index.overlap(3, tokens[:depth * per_page + 1], page_bytes, owners) == \
+                indexes[1].overlap(3, data[:8 * (depth * per_page + 1)], page_bytes, owners)
+        indexes[0].clear_copy(8)  # shrunk: the same answers
+        assert indexes[0].overlap(3, tokens, page_bytes, owners) == want, depth
+
+
+def test_overlap_of_a_list_runs_no_code_of_its_items(blocks):
+    """The walk reads a list's ids without calling out: an int subclass or an ``__index__``
+    object is refused by type wherever it lies (its code never runs, the list stays as it
+    was), even past where the walk stops and when the walk has hashed past it."""
+    calls = []
+
+    class Index:
+        def __index__(self):
+            calls.append(1)
+            tokens.clear()
+            return 1
+
+    class Int(int):
+        def __index__(self):
+            calls.append(1)
+            tokens.clear()
+            return int(self)
+
+    base = [random.Random(7).randrange(1 << 40) for _ in range(8 * 40)]
+    data = np.array(base, dtype="<i8").tobytes()
+    keys = blocks.page_hash_chain(1, data, 64)
+    index = blocks.BlockIndex()
+    index.add(0, keys[:20])
+    for position in (0, 8 * 19 + 3, 8 * 21, 8 * 39 + 7):
+        for bad in (Index(), Int(5)):
+            tokens = list(base)
+            tokens[position] = bad
+            with pytest.raises(TypeError, match=f"got {type(bad).__name__} at position "
+                                                f"{position}( |$)"):
+                index.overlap(1, tokens, 64, [0])
+            assert len(tokens) == len(base) and tokens[position] is bad
+    assert calls == []
+    assert index.overlap(1, base, 64, [0]) == [(0, 20)]
+
+
 def test_overlap_reads_a_list_of_token_ids_as_its_bytes(blocks, monkeypatch):
     """``overlap`` takes the token ids as a list too: the same answer as from their bytes,
     and a clear error for an item that is no int64 (``KvIndexer`` then reads such a list as
