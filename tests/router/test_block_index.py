@@ -592,6 +592,31 @@ def test_key_records_index_exactly_as_fast64_events(make_cache):
         by_events.blocks_held(w) for w in range(3)]
 
 
+def test_key_records_read_a_split_upper_half_from_its_lower_half(make_cache):
+    """A leaf stored below the upper half of a split chains from that half's last page: the
+    key recorder reads it from the keys it recorded for the lower half (no page hashed
+    again), and it is the fast64 event's parent hash, however often the path splits."""
+    keyed = make_cache(page_size=2, enable_events=True, event_options={"record": "keys"},
+                       array_type="numpy")
+    evented = make_cache(page_size=2, enable_events=True,
+                         event_options={"block_hash": "fast64"}, array_type="numpy")
+    rehashed = []
+    recorder = keyed._events
+    chain = recorder._chain
+    recorder._chain = lambda *args: rehashed.append(args) or chain(*args)
+    base = list(range(1, 21))
+    for cache in (keyed, evented):
+        cache.insert(np.array(base, dtype=np.int64))
+        cache.take_events()
+    for cut in (12, 6, 16, 2):  # the leaf splits at 12, its upper half at 6, ...
+        for cache in (keyed, evented):
+            cache.insert(np.array(base[:cut] + [99, 98], dtype=np.int64))
+        records, events = keyed.take_events(), evented.take_events()
+        stored = [r for r in records if r[0] == KEYS_STORED]
+        assert len(stored) == 1 and stored[0][2] == events[-1].parent_block_hash is not None
+    assert rehashed == []
+
+
 @pytest.mark.parametrize("options, host_tier, exc, pattern", [
     ({"record": 1}, False, TypeError, "event option record must be a str, got int"),
     ({"record": "objects"}, False, ValueError, "unknown record 'objects'; valid: events, keys"),
