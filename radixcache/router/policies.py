@@ -334,6 +334,8 @@ class Router:
         indexer = self.indexer
         if indexer._store is not None:  # one round trip, not one per worker
             return indexer._store.holds_on(MEDIUM_CPU)
+        if not indexer._owners(MEDIUM_CPU)[1]:  # no worker has a copy on the host tier
+            return False
         return any(indexer.blocks_held(worker, MEDIUM_CPU) for worker in indexer.workers)
 
     def _with_host_blocks(self, data: bytes, namespace: bytes, overlap: dict) -> dict:
