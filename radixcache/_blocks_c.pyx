@@ -725,7 +725,13 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         # argument is wrong (the ids' errors come first).
         cdef list items = None
         cdef bytes owner_data = None
-        if type(data) is list:
+        cdef bint is_array = type(data) is _ndarray
+        cdef Py_buffer view
+        if is_array:
+            if data.dtype.str != "<i8" or data.ndim != 1 or not data.flags.c_contiguous:
+                raise TypeError(f"data as an array must be 1-D contiguous little-endian int64, "
+                                f"got {data.ndim}-D {data.dtype}")
+        elif type(data) is list:
             try:
                 check_chain_args(seed, page_bytes)
                 owner_data = _bi_keys(owners)
@@ -735,18 +741,25 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
                 data = _list_le_bytes(<list>data)
                 owner_data = None
         elif type(data) is not bytes:
-            raise TypeError(f"data must be bytes or a list of ints, got {type(data).__name__}")
+            raise TypeError(f"data must be bytes, a list of ints or an int64 numpy array, got "
+                            f"{type(data).__name__}")
         if items is None:
             check_chain_args(seed, page_bytes)
             owner_data = _bi_keys(owners)
             _check_owners(owner_data)
-        cdef Py_ssize_t length = len(items) * 8 if items is not None else len(<bytes>data)
+        cdef Py_ssize_t length
+        if items is not None:
+            length = len(items) * 8
+        elif is_array:
+            length = data.nbytes
+        else:
+            length = len(<bytes>data)
         if page_bytes > length:
             if items is not None:
                 _list_le_bytes(items)  # every id checked, as when read first
             return []
         cdef Py_ssize_t n_owners = len(owner_data) // 8, j
-        cdef bytes buffer = None if items is not None else <bytes>data
+        cdef bytes buffer = None if items is not None or is_array else <bytes>data
         # scratch: the active owners (n_owners), then the results (2 * n_owners)
         cdef int32_t* scratch = <int32_t*>PyMem_Malloc((3 * n_owners + 1) * sizeof(int32_t))
         cdef int32_t* marks
@@ -767,9 +780,20 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         cdef const unsigned char* p = NULL
         if buffer is not None:
             p = <const unsigned char*>PyBytes_AS_STRING(buffer)
+        elif is_array:
+            # Held for the walk (no Python code runs meanwhile): its memory stays where it is.
+            try:
+                PyObject_GetBuffer(data, &view, PyBUF_C_CONTIGUOUS)
+            except BaseException:
+                PyMem_Free(scratch)
+                raise
+            p = <const unsigned char*>view.buf
+            length = min(length, view.len)
         n_out = _walk(self, <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF), items, p, length,
                       page_bytes // 8, <const int64_t*>PyBytes_AS_STRING(owner_data),
                       n_owners, scratch, &bad)
+        if is_array:
+            PyBuffer_Release(&view)
         if bad >= 0:
             PyMem_Free(scratch)
             _list_le_bytes(items[bad:bad + 1], bad)  # raises for the id at ``bad``

@@ -812,6 +812,44 @@ def test_overlap_stops_at_every_depth_as_the_reference_does(blocks, page_bytes):
         assert indexes[0].overlap(3, tokens, page_bytes, owners) == want, depth
 
 
+def test_overlap_reads_an_int64_array_in_place_as_its_bytes(blocks, monkeypatch):
+    """An exactly 1-D contiguous little-endian int64 numpy array is read in place: the answer
+    of its bytes; any other array is refused by type, a view or a subclass included, and
+    ``KvIndexer`` reads those as any sequence."""
+    rng = random.Random(5)
+    tokens = np.array([rng.randrange(1 << 30) for _ in range(8 * 30 + 3)], dtype="<i8")
+    data = tokens.tobytes()
+    keys = blocks.page_hash_chain(4, data, 64)
+    index = blocks.BlockIndex()
+    index.add(0, keys[:20])
+    index.add(1, keys[:7])
+    want = index.overlap(4, data, 64, [0, 1])
+    assert want == [(1, 7), (0, 20)]
+    assert index.overlap(4, tokens, 64, [0, 1]) == want
+    assert index.overlap(4, tokens[:8 * 7], 64, [0, 1]) == [(0, 7), (1, 7)]
+    assert index.overlap(4, tokens[:5], 64, [0, 1]) == []
+    assert index.overlap(4, np.array([], dtype="<i8"), 64, [0, 1]) == []
+
+    class Sub(np.ndarray):
+        pass
+
+    for bad in (tokens.astype(np.int32), tokens.astype(">i8"), tokens[::2],
+                tokens.reshape(-1, 1), tokens.view(Sub)):
+        with pytest.raises(TypeError, match="data"):
+            index.overlap(4, bad, 64, [0, 1])
+    with pytest.raises(TypeError, match="seed must be an int"):
+        index.overlap(4.0, tokens, 64, [0, 1])
+    with pytest.raises(ValueError, match="owners must be -1 or in"):
+        index.overlap(4, tokens, 64, [0, 5])
+    monkeypatch.setattr(_core, "blocks", blocks)
+    indexer = KvIndexer(8)
+    indexer.apply(0, [BlockStored(tuple(keys[:20]), None, tuple(tokens[:160].tolist()), 8)])
+    assert indexer.overlap(tokens) == {0: 20}
+    for other in (tokens[::1].astype(">i8"), tokens.astype(np.int32), tokens.view(Sub),
+                  list(tokens)):
+        assert indexer.overlap(other) == {0: 20}
+
+
 def test_overlap_of_a_list_runs_no_code_of_its_items(blocks):
     """The walk reads a list's ids without calling out: an int subclass or an ``__index__``
     object is refused by type wherever it lies (its code never runs, the list stays as it
