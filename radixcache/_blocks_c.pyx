@@ -808,10 +808,10 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         return [(q[2 * j], q[2 * j + 1]) for j in range(n_out)]
 
 
-# How many pages overlap's walk hashes ahead of the page it probes (a power of two): their
-# table slots are fetched meanwhile, so a walk over a table larger than the cache waits for
-# memory about once per this many pages instead of once a page. The lead grows from one page
-# as the walk goes on, so a walk that stops early hashes at most as many pages again.
+# The most pages overlap's walk hashes before it probes them: their table slots are fetched
+# while the next ones are hashed, so a walk over a table larger than the cache waits for
+# memory about once per batch of pages instead of once a page. Batches grow from one page,
+# so a walk that stops early hashes at most as many pages again.
 DEF _OV_AHEAD = 16
 
 
@@ -824,11 +824,10 @@ cdef Py_ssize_t _walk(BlockIndex index, uint64_t h, list items, const unsigned c
     owners of ``scratch``; returns how many. An id of ``items`` that is not an exact int64
     (walked or not) sets ``bad`` to its position instead."""
     cdef Py_ssize_t pages = length // (per_page * 8), n_items = length // 8
-    cdef Py_ssize_t page, hashed = 0, probed = 0, lead = 1, j, k, slot
+    cdef Py_ssize_t page, first = 0, last = 0, batch = 1, q, j, k, slot
     cdef Py_ssize_t n_active = -1, depth = 0, n_out = 0, at
     cdef uint64_t ring[_OV_AHEAD]
     cdef Py_ssize_t slots[_OV_AHEAD]
-    cdef uint64_t t
     cdef int64_t v
     cdef int32_t stamp, cid
     cdef int64_t o
@@ -840,33 +839,36 @@ cdef Py_ssize_t _walk(BlockIndex index, uint64_t h, list items, const unsigned c
     cdef int32_t* active = scratch
     cdef int32_t* out = scratch + n_owners
     for page in range(pages):
-        # Hash up to ``lead`` pages ahead, fetching each one's home slot.
-        while hashed < pages and hashed <= page + lead:
-            if items is not None:
-                at = hashed * per_page
-                for j in range(per_page):
-                    if not rc_read_int(rc_list_item(items, at + j), &v):
-                        bad[0] = at + j
-                        return 0
-                    h = (h ^ <uint64_t>v) * <uint64_t>0x9E3779B97F4A7C15
-                    h ^= h >> 32
-                h = fmix64(h)
-            else:
-                h = hash_page(h, p + hashed * per_page * 8, per_page)
-            ring[hashed & (_OV_AHEAD - 1)] = h
-            rc_prefetch(&table[_bi_mix(<int64_t>h) & mask])
-            hashed += 1
-        # Probe up to half the lead ahead (their slots have had time to arrive), fetching
-        # the holder list of a block held more than once.
-        while probed < hashed and probed <= page + lead // 2:
-            slot = index.find(<int64_t>ring[probed & (_OV_AHEAD - 1)])
-            slots[probed & (_OV_AHEAD - 1)] = slot
-            if slot >= 0 and table[slot].n > 1:
-                rc_prefetch(index.lists[table[slot].one])
-            probed += 1
-        if lead < _OV_AHEAD - 1:
-            lead += 1
-        slot = slots[page & (_OV_AHEAD - 1)]
+        if page == last:
+            # The next batch: hash its pages, fetching each one's home slot...
+            first = page
+            last = min(pages, page + batch)
+            if batch < _OV_AHEAD:
+                batch *= 2
+            for q in range(first, last):
+                if items is not None:
+                    at = q * per_page
+                    for j in range(per_page):
+                        if not rc_read_int(rc_list_item(items, at + j), &v):
+                            bad[0] = at + j
+                            return 0
+                        h = (h ^ <uint64_t>v) * <uint64_t>0x9E3779B97F4A7C15
+                        h ^= h >> 32
+                    h = fmix64(h)
+                else:
+                    h = hash_page(h, p + q * per_page * 8, per_page)
+                ring[q - first] = h
+                rc_prefetch(&table[_bi_mix(<int64_t>h) & mask])
+            # ... then find them, fetching the holder list of a block held more than once
+            # (past a block no one holds, the walk stops).
+            for q in range(first, last):
+                slot = index.find(<int64_t>ring[q - first])
+                slots[q - first] = slot
+                if slot < 0:
+                    break
+                if table[slot].n > 1:
+                    rc_prefetch(index.lists[table[slot].one])
+        slot = slots[page - first]
         if slot < 0:
             break
         e = &table[slot]
@@ -908,7 +910,7 @@ cdef Py_ssize_t _walk(BlockIndex index, uint64_t h, list items, const unsigned c
             break
         depth += 1
     if items is not None:
-        for j in range(hashed * per_page, n_items):  # the ids past the walk are checked too
+        for j in range(last * per_page, n_items):  # the ids past the walk are checked too
             if not rc_read_int(rc_list_item(items, j), &v):
                 bad[0] = j
                 return 0

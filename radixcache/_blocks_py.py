@@ -53,8 +53,8 @@ while held: ``owners[copy]`` is the owner a copy counts for (an int in ``[0, len
 not counted; copies past the end are not counted); an owner holds a page when one of its copies
 does. It returns ``[(owner,
 depth)]``, the leading pages each owner holding the first page holds, and stops at the
-first page that no owner still in the run holds (the compiled module hashes and probes up to
-16 pages past the page it counts, to fetch their table slots meanwhile; nothing past the stop
+first page that no owner still in the run holds (the compiled module hashes pages in batches of
+up to 16 before it probes them, to fetch their table slots meanwhile; nothing past the stop
 counts). Errors:
 ``TypeError`` for a key, copy or keys of another type (``bool`` included), ``OverflowError``
 for a key outside int64, ``ValueError`` for a copy or owner out of range or bytes not a
