@@ -828,7 +828,7 @@ cdef Py_ssize_t _walk(BlockIndex index, uint64_t h, list items, const unsigned c
     cdef Py_ssize_t n_active = -1, depth = 0, n_out = 0, at
     cdef uint64_t ring[_OV_AHEAD]
     cdef Py_ssize_t slots[_OV_AHEAD]
-    cdef int64_t v
+    cdef int64_t v, key
     cdef int32_t stamp, cid
     cdef int64_t o
     cdef BIEntry* e
@@ -858,14 +858,20 @@ cdef Py_ssize_t _walk(BlockIndex index, uint64_t h, list items, const unsigned c
                 else:
                     h = hash_page(h, p + q * per_page * 8, per_page)
                 ring[q - first] = h
-                rc_prefetch(&table[_bi_mix(<int64_t>h) & mask])
+                slot = <Py_ssize_t>(_bi_mix(<int64_t>h) & mask)  # the key's home slot
+                slots[q - first] = slot
+                rc_prefetch(&table[slot])
             # ... then find them, fetching the holder list of a block held more than once
             # (past a block no one holds, the walk stops).
             for q in range(first, last):
-                slot = index.find(<int64_t>ring[q - first])
-                slots[q - first] = slot
-                if slot < 0:
+                key = <int64_t>ring[q - first]
+                slot = slots[q - first]
+                while table[slot].n and table[slot].key != key:  # BlockIndex.find's probe
+                    slot = (slot + 1) & <Py_ssize_t>mask
+                if not table[slot].n:
+                    slots[q - first] = -1
                     break
+                slots[q - first] = slot
                 if table[slot].n > 1:
                     rc_prefetch(index.lists[table[slot].one])
         slot = slots[page - first]
