@@ -778,18 +778,20 @@ def test_overlap_of_a_list_answers_and_fails_as_of_its_bytes(blocks, page_bytes)
         index.overlap(9.0, tokens, page_bytes, owners)
 
 
-@pytest.mark.parametrize("page_bytes", [8, 64, 256])
-def test_overlap_stops_at_every_depth_as_the_reference_does(blocks, page_bytes):
-    """The walk hashes and probes pages ahead of the one it counts: wherever the run ends
-    (every depth up to past the lead, owners dropping out one by one, blocks held by many
-    copies, a table grown large and shrunk), the answer is the pure module's, from a list
-    and from bytes."""
+@pytest.mark.parametrize("page_bytes, others", [(8, 3000), (64, 3000), (256, 3000),
+                                                (8, 70_000), (64, 70_000)])
+def test_overlap_stops_at_every_depth_as_the_reference_does(blocks, page_bytes, others):
+    """The walk hashes and probes pages ahead of the one it counts (on a small table and on
+    one larger than a CPU cache): wherever the run ends (every depth up to past the lead,
+    owners dropping out one by one, blocks held by many copies, a table grown large and
+    shrunk), the answer is the pure module's, from a list and from bytes."""
     rng = random.Random(page_bytes)
     per_page = page_bytes // 8
     tokens = [rng.randrange(1 << 40) for _ in range(per_page * 60)]
     data = np.array(tokens, dtype="<i8").tobytes()
     keys = blocks.page_hash_chain(3, data, page_bytes)
     owners = [0, 1, 2, 3, -1, 0, 4, 5]
+    filler = np.array([rng.randrange(-I64, I64) for _ in range(others)], dtype=np.int64).tobytes()
     for depth in range(0, 45):
         indexes = [module.BlockIndex() for module in (blocks, _blocks_py)]
         for index in indexes:
@@ -800,7 +802,7 @@ def test_overlap_stops_at_every_depth_as_the_reference_does(blocks, page_bytes):
             index.add(5, keys[:depth // 4])  # the same owner as copy 0
             for c in (6, 7):  # many holders of the first blocks: holder lists
                 index.add(c, keys[:5])
-            index.add(8, [rng.randrange(-I64, I64) for _ in range(3000)])  # a larger table
+            index.add(8, filler)  # a larger table
             index.remove(8, [])
         want = indexes[1].overlap(3, data, page_bytes, owners)
         for index in indexes:
