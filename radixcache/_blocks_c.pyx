@@ -728,13 +728,19 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         return dropped
 
     def overlap(self, seed, data, page_bytes, owners):
-        # A list of token ids is read as it is hashed (its ints are loaded while the chain's
+        # A list of token ids is read as it is hashed (each id loaded while the chain's
         # multiplies run), and every id is checked, walked or not: the same answer and the
         # same errors as reading it into bytes first, which is what happens when another
         # argument is wrong (the ids' errors come first).
         cdef list items = None
         cdef bytes owner_data = None
-        if type(data) is list:
+        cdef bint is_array = type(data) is _ndarray
+        cdef Py_buffer view
+        if is_array:
+            if data.dtype.str != "<i8" or data.ndim != 1 or not data.flags.c_contiguous:
+                raise TypeError(f"data as an array must be 1-D contiguous little-endian int64, "
+                                f"got {data.ndim}-D {data.dtype}")
+        elif type(data) is list:
             try:
                 check_chain_args(seed, page_bytes)
                 owner_data = _bi_keys(owners)
@@ -744,47 +750,30 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
                 data = _list_le_bytes(<list>data)
                 owner_data = None
         elif type(data) is not bytes:
-            raise TypeError(f"data must be bytes or a list of ints, got {type(data).__name__}")
+            raise TypeError(f"data must be bytes, a list of ints or an int64 numpy array, got "
+                            f"{type(data).__name__}")
         if items is None:
             check_chain_args(seed, page_bytes)
             owner_data = _bi_keys(owners)
             _check_owners(owner_data)
-        cdef Py_ssize_t n_owners = len(owner_data) // 8, i
-        cdef const int64_t* own = <const int64_t*>PyBytes_AS_STRING(owner_data)
-        cdef Py_ssize_t length = len(items) * 8 if items is not None else len(<bytes>data)
-        cdef bytes buffer = None
-        cdef const unsigned char* p = NULL
+        cdef Py_ssize_t length
+        if items is not None:
+            length = len(items) * 8
+        elif is_array:
+            length = data.nbytes
+        else:
+            length = len(<bytes>data)
         if page_bytes > length:
             if items is not None:
                 _list_le_bytes(items)  # every id checked, as when read first
             return []
-        if items is None:
-            buffer = data
-            p = <const unsigned char*>PyBytes_AS_STRING(buffer)
-        cdef Py_ssize_t per_page = page_bytes // 8
-        cdef Py_ssize_t pages = length // page_bytes
-        cdef uint64_t h = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
-        cdef Py_ssize_t page, j, slot, n_active = -1, depth = 0, n_out = 0, k
-        cdef Py_ssize_t n_items = 0, done = 0, bad = -1
+        cdef Py_ssize_t n_owners = len(owner_data) // 8, j
+        cdef bytes buffer = None if items is not None or is_array else <bytes>data
+        # scratch: the active owners (n_owners), then the results (2 * n_owners)
+        cdef int32_t* scratch = <int32_t*>PyMem_Malloc((3 * n_owners + 1) * sizeof(int32_t))
         cdef int32_t* marks
-        cdef int32_t* scratch
-        cdef int64_t* words = NULL
-        cdef int64_t ignored
-        cdef int32_t stamp, cid
-        cdef int64_t o
-        cdef BIEntry* e
-        cdef const int32_t* items_of
-        # scratch: the active owners (n_owners), then the results (2 * n_owners); a page of
-        # a list's ids after them
-        cdef Py_ssize_t head = ((3 * n_owners + 1) * sizeof(int32_t) + 7) // 8 * 8
-        # a list's ids are read a chunk of pages (about 4 KiB) at a time, then hashed
-        cdef Py_ssize_t chunk = max(1, 4096 // (per_page * 8)), first = 0, last = 0
-        scratch = <int32_t*>PyMem_Malloc(head + (chunk * per_page * 8 if items is not None
-                                                 else 0))
         if scratch == NULL:
             raise MemoryError()
-        if items is not None:
-            words = <int64_t*>(<char*>scratch + head)
         if self.marks_cap < n_owners:
             marks = <int32_t*>PyMem_Realloc(self.marks, (n_owners + 1) * sizeof(int32_t))
             if marks == NULL:
@@ -794,92 +783,157 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
             self.marks = marks
             self.marks_cap = n_owners
             self.stamp = 0
-        marks = self.marks
-        cdef int32_t* active = scratch
-        cdef int32_t* out = scratch + n_owners
-        if items is not None:
-            # From here on nothing runs Python code or allocates: the list cannot change.
-            n_items = rc_list_size(items)
-            pages = (n_items * 8) // page_bytes
-        for page in range(pages):
-            if items is not None:
-                if page == last:  # read the next chunk of pages
-                    first = page
-                    last = min(pages, page + chunk)
-                    for j in range((last - first) * per_page):
-                        if not rc_read_int(rc_list_item(items, done + j), &words[j]):
-                            bad = done + j
-                            break
-                    if bad >= 0:
-                        break
-                    if not _LITTLE_ENDIAN:
-                        for j in range((last - first) * per_page):
-                            words[j] = <int64_t>_bswap64(<uint64_t>words[j])
-                    done = last * per_page
-                h = hash_page(h, <const unsigned char*>(words + (page - first) * per_page),
-                              per_page)
-            else:
-                h = hash_page(h, p + page * per_page * 8, per_page)
-            slot = self.find(<int64_t>h)
-            if slot < 0:
-                break
-            e = &self.table[slot]
-            if self.stamp >= 0x3FFFFFF0:
-                memset(marks, 0, (self.marks_cap + 1) * sizeof(int32_t))
-                self.stamp = 0
-            self.stamp += 2
-            stamp = self.stamp
-            items_of = self.copies(e)
-            # mark the owners holding this block
-            for k in range(e.n):
-                cid = items_of[k]
-                if cid < n_owners:
-                    o = own[cid]
-                    if o >= 0:
-                        marks[o] = stamp
-            if n_active < 0:
-                n_active = 0
-                for k in range(e.n):
-                    cid = items_of[k]
-                    if cid < n_owners:
-                        o = own[cid]
-                        if o >= 0 and marks[o] == stamp:
-                            marks[o] = stamp + 1  # listed once
-                            active[n_active] = <int32_t>o
-                            n_active += 1
-            else:
-                k = 0
-                for j in range(n_active):
-                    if marks[active[j]] == stamp:
-                        active[k] = active[j]
-                        k += 1
-                    else:
-                        out[2 * n_out] = active[j]
-                        out[2 * n_out + 1] = <int32_t>depth
-                        n_out += 1
-                n_active = k
-            if n_active == 0:
-                break
-            depth += 1
-        if items is not None and bad < 0:
-            for i in range(done, n_items):  # the ids past the walk are checked too
-                if not rc_read_int(rc_list_item(items, i), &ignored):
-                    bad = i
-                    break
+        # From here to the snapshot nothing runs Python code or allocates: a list of ids
+        # cannot change, and the owners' and the data's bytes are held by this frame.
+        cdef Py_ssize_t n_out, bad = -1
+        cdef const unsigned char* p = NULL
+        if buffer is not None:
+            p = <const unsigned char*>PyBytes_AS_STRING(buffer)
+        elif is_array:
+            # Held for the walk (no Python code runs meanwhile): its memory stays where it is.
+            try:
+                PyObject_GetBuffer(data, &view, PyBUF_C_CONTIGUOUS)
+            except BaseException:
+                PyMem_Free(scratch)
+                raise
+            p = <const unsigned char*>view.buf
+            length = min(length, view.len)
+        n_out = _walk(self, <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF), items, p, length,
+                      page_bytes // 8, <const int64_t*>PyBytes_AS_STRING(owner_data),
+                      n_owners, scratch, &bad)
+        if is_array:
+            PyBuffer_Release(&view)
         if bad >= 0:
             PyMem_Free(scratch)
             _list_le_bytes(items[bad:bad + 1], bad)  # raises for the id at ``bad``
             raise AssertionError("unreachable")
-        for j in range(n_active if n_active > 0 else 0):
-            out[2 * n_out] = active[j]
-            out[2 * n_out + 1] = <int32_t>depth
-            n_out += 1
+        cdef bytes snapshot
         try:
-            snapshot = PyBytes_FromStringAndSize(<char*>out, 2 * n_out * sizeof(int32_t))
+            snapshot = PyBytes_FromStringAndSize(<char*>(scratch + n_owners),
+                                                 2 * n_out * sizeof(int32_t))
         finally:
             PyMem_Free(scratch)
         cdef const int32_t* q = <const int32_t*>PyBytes_AS_STRING(snapshot)
         return [(q[2 * j], q[2 * j + 1]) for j in range(n_out)]
+
+
+# The most pages overlap's walk hashes before it probes them: their table slots are fetched
+# while the next ones are hashed, so a walk over a table larger than the cache waits for
+# memory about once per batch of pages instead of once a page. Batches grow from one page,
+# so a walk that stops early hashes at most as many pages again.
+DEF _OV_AHEAD = 16
+
+
+cdef Py_ssize_t _walk(BlockIndex index, uint64_t h, list items, const unsigned char* p,
+                      Py_ssize_t length, Py_ssize_t per_page, const int64_t* own,
+                      Py_ssize_t n_owners, int32_t* scratch, Py_ssize_t* bad) noexcept:
+    """``BlockIndex.overlap``'s walk, no Python code run: hashes the pages of ``items`` (a list
+    of ids, read here) or of ``p`` (``length`` bytes), probes them while some owner holds
+    every page so far, and writes ``(owner, depth)`` pairs after the ``n_owners`` active
+    owners of ``scratch``; returns how many. An id of ``items`` that is not an exact int64
+    (walked or not) sets ``bad`` to its position instead."""
+    cdef Py_ssize_t pages = length // (per_page * 8), n_items = length // 8
+    cdef Py_ssize_t page, first = 0, last = 0, batch = 1, q, j, k, slot
+    cdef Py_ssize_t n_active = -1, depth = 0, n_out = 0, at
+    cdef uint64_t ring[_OV_AHEAD]
+    cdef Py_ssize_t slots[_OV_AHEAD]
+    cdef int64_t v, key
+    cdef int32_t stamp, cid
+    cdef int64_t o
+    cdef BIEntry* e
+    cdef BIEntry* table = index.table
+    cdef uint64_t mask = <uint64_t>index.mask
+    cdef const int32_t* items_of
+    cdef int32_t* marks = index.marks
+    cdef int32_t* active = scratch
+    cdef int32_t* out = scratch + n_owners
+    for page in range(pages):
+        if page == last:
+            # The next batch: hash its pages, fetching each one's home slot...
+            first = page
+            last = min(pages, page + batch)
+            if batch < _OV_AHEAD:
+                batch *= 2
+            for q in range(first, last):
+                if items is not None:
+                    at = q * per_page
+                    for j in range(per_page):
+                        if not rc_read_int(rc_list_item(items, at + j), &v):
+                            bad[0] = at + j
+                            return 0
+                        h = (h ^ <uint64_t>v) * <uint64_t>0x9E3779B97F4A7C15
+                        h ^= h >> 32
+                    h = fmix64(h)
+                else:
+                    h = hash_page(h, p + q * per_page * 8, per_page)
+                ring[q - first] = h
+                slot = <Py_ssize_t>(_bi_mix(<int64_t>h) & mask)  # the key's home slot
+                slots[q - first] = slot
+                rc_prefetch(&table[slot])
+            # ... then find them, fetching the holder list of a block held more than once
+            # (past a block no one holds, the walk stops).
+            for q in range(first, last):
+                key = <int64_t>ring[q - first]
+                slot = slots[q - first]
+                while table[slot].n and table[slot].key != key:  # BlockIndex.find's probe
+                    slot = (slot + 1) & <Py_ssize_t>mask
+                if not table[slot].n:
+                    slots[q - first] = -1
+                    break
+                slots[q - first] = slot
+                if table[slot].n > 1:
+                    rc_prefetch(index.lists[table[slot].one])
+        slot = slots[page - first]
+        if slot < 0:
+            break
+        e = &table[slot]
+        if index.stamp >= 0x3FFFFFF0:
+            memset(marks, 0, (index.marks_cap + 1) * sizeof(int32_t))
+            index.stamp = 0
+        index.stamp += 2
+        stamp = index.stamp
+        items_of = index.copies(e)
+        # mark the owners holding this block
+        for k in range(e.n):
+            cid = items_of[k]
+            if cid < n_owners:
+                o = own[cid]
+                if o >= 0:
+                    marks[o] = stamp
+        if n_active < 0:
+            n_active = 0
+            for k in range(e.n):
+                cid = items_of[k]
+                if cid < n_owners:
+                    o = own[cid]
+                    if o >= 0 and marks[o] == stamp:
+                        marks[o] = stamp + 1  # listed once
+                        active[n_active] = <int32_t>o
+                        n_active += 1
+        else:
+            k = 0
+            for j in range(n_active):
+                if marks[active[j]] == stamp:
+                    active[k] = active[j]
+                    k += 1
+                else:
+                    out[2 * n_out] = active[j]
+                    out[2 * n_out + 1] = <int32_t>depth
+                    n_out += 1
+            n_active = k
+        if n_active == 0:
+            break
+        depth += 1
+    if items is not None:
+        for j in range(last * per_page, n_items):  # the ids past the walk are checked too
+            if not rc_read_int(rc_list_item(items, j), &v):
+                bad[0] = j
+                return 0
+    for j in range(n_active if n_active > 0 else 0):
+        out[2 * n_out] = active[j]
+        out[2 * n_out + 1] = <int32_t>depth
+        n_out += 1
+    return n_out
 
 
 def _block_index_from(keys, copies):

@@ -47,12 +47,15 @@ holding per key, counting keys ``copy`` did not hold; ``clear_copy(copy) -> int`
 all of ``copy``'s holdings and returns how many; ``overlap(seed, data, page_bytes, owners)
 -> list`` hashes the pages of ``data`` as ``page_hash_chain(seed, data, page_bytes)`` does
 (same argument checks; ``data`` may also be a list of exact ints, the token ids, read in one
-pass: another item is a ``TypeError``, one beyond int64 an ``OverflowError``) and walks them
+pass: another item is a ``TypeError``, one beyond int64 an ``OverflowError``; or a 1-D
+little-endian int64 numpy array as ``page_hash_bytes`` takes it, read in place) and walks them
 while held: ``owners[copy]`` is the owner a copy counts for (an int in ``[0, len(owners))``, or -1:
 not counted; copies past the end are not counted); an owner holds a page when one of its copies
 does. It returns ``[(owner,
 depth)]``, the leading pages each owner holding the first page holds, and stops at the
-first page that no owner still in the run holds (unhashed pages are never hashed). Errors:
+first page that no owner still in the run holds (the compiled module hashes pages in batches of
+up to 16 before it probes them, to fetch their table slots meanwhile; nothing past the stop
+counts). Errors:
 ``TypeError`` for a key, copy or keys of another type (``bool`` included), ``OverflowError``
 for a key outside int64, ``ValueError`` for a copy or owner out of range or bytes not a
 multiple of 8, each leaving the index unchanged. It pickles and copies (its holdings, in
@@ -329,10 +332,16 @@ class BlockIndex:
         return dropped
 
     def overlap(self, seed: int, data: Any, page_bytes: int, owners: Any) -> list:
-        if type(data) is list:
+        if type(data) is np.ndarray:
+            if data.dtype.str != "<i8" or data.ndim != 1 or not data.flags.c_contiguous:
+                raise TypeError(f"data as an array must be 1-D contiguous little-endian int64, "
+                                f"got {data.ndim}-D {data.dtype}")
+            data = data.tobytes()
+        elif type(data) is list:
             data = _list_le_bytes(data)
         elif type(data) is not bytes:
-            raise TypeError(f"data must be bytes or a list of ints, got {type(data).__name__}")
+            raise TypeError(f"data must be bytes, a list of ints or an int64 numpy array, got "
+                            f"{type(data).__name__}")
         _check_chain_args(seed, data, page_bytes)
         owners = _index_keys(owners)
         n_owners = len(owners)

@@ -16,7 +16,8 @@ INT64_MAX = 2**63 - 1
 
 def is_int(value: Any) -> bool:
     """An integer that is not a bool: ``int``, numpy integers and other ``numbers.Integral``."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, numbers.Integral)
+                                  and not isinstance(value, bool))
 
 
 def is_real(value: Any) -> bool:

@@ -353,8 +353,13 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
     tie = 0  # heap tie breaker: FIFO among events at the same time and kind
     steps = 0  # routing decisions made so far
     lag_s = event_lag.ms / 1000.0
-    # Requests are read (a Trace makes their tokens) when routed and when admitted, and held
-    # only while admitted: queues hold indices, so memory stays with the pools, not the trace.
+    # Requests are read (a Trace makes their tokens) when routed and held only until admitted
+    # (then while admitted): queues hold indices, and the requests made when routed wait
+    # beside them up to a quarter of the pools' slots in tokens (2 bytes a slot; past that,
+    # one is made again when admitted), so memory stays with the pools, not the trace.
+    waiting: dict = {}  # index -> its request made when routed, until admitted
+    waiting_tokens = 0  # the tokens (prompt and output) they hold
+    waiting_limit = num_workers * capacity // 4
     if isinstance(requests, Trace):
         prompt_lengths, output_lengths = requests.prompt_lengths, requests.output_lengths
     else:
@@ -376,12 +381,16 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
                 channels[worker].publish(events, now, steps)
 
     def start_next(worker: int, now: float) -> None:
-        nonlocal tie
+        nonlocal tie, waiting_tokens
         loop = loops[worker]
         queue = queues[worker]
         while queue:
             index = queue.popleft()
-            request = requests[index]
+            request = waiting.pop(index, None)
+            if request is None:
+                request = requests[index]
+            else:
+                waiting_tokens -= int(prompt_lengths[index]) + int(output_lengths[index])
             # While requests run, their locked prefixes and slots may be what is missing:
             # wait for one to finish rather than reject.
             wait = running[worker] > 0
@@ -438,6 +447,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
             now = float(arrivals[index])
             while heap and heap[0][0] <= now:
                 handle(heapq.heappop(heap))
+            request = None
             if router is None:
                 worker = 0
             else:
@@ -457,10 +467,15 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
                 else:
                     worker = router.route(request.prompt, request.extra_key)
                     router.add_load(worker, len(request.prompt) + request.output_len)
-                request = None  # made again when admitted
             steps += 1
             decisions.append(worker)
             queues[worker].append(index)
+            if request is not None:
+                size = int(prompt_lengths[index]) + int(output_lengths[index])
+                if waiting_tokens + size <= waiting_limit:
+                    waiting[index] = request  # admitted as routed, not made again
+                    waiting_tokens += size
+                request = None
             if not busy[worker] and not blocked[worker]:
                 start_next(worker, now)
             if progress is not None:

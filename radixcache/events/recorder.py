@@ -331,6 +331,43 @@ class KeyRecorder(EventRecorder):
         self._node_keys.clear()
         super().cleared()
 
+    def _hash_through(self, node: Any) -> Optional[int]:
+        """``EventRecorder._hash_through``; the hash of an upper half of a split is read from
+        the keys recorded for its lower half when they reach it, instead of hashed again."""
+        if node.parent is not None and node.id not in self._last_hash:
+            last = self._upper_hash(node)
+            if last is not None:
+                self._last_hash[node.id] = last
+                return last
+        return super()._hash_through(node)
+
+    def _upper_hash(self, node: Any) -> Optional[int]:
+        """The hash of ``node``'s last page when a node below it holds keys recorded before
+        splits took their leading pages (down to ``node``'s end or further): the key that
+        many pages before that node's own. None when none of the few nodes looked at (its
+        children, theirs, ...: _UPPER_SEARCH at most) does."""
+        node_keys = self._node_keys
+        page_size = self.page_size
+        below = [(child, 0) for child in node.children]  # (node, pages between), growing
+        i = 0
+        while i < len(below) and i < _UPPER_SEARCH:
+            child, between = below[i]
+            i += 1
+            pages = child.num_tokens // page_size
+            keys = node_keys.get(child.id)
+            if keys is not None:
+                end = len(keys) - (pages + between) * 8
+                if end >= 8:
+                    return int.from_bytes(keys[end - 8:end], "little", signed=True)
+            elif len(below) < _UPPER_SEARCH:
+                below.extend((grandchild, between + pages) for grandchild in child.children)
+        return None
+
+
+# How many nodes below a split's upper half ``KeyRecorder`` looks at for recorded keys that
+# reach it, before it hashes its pages instead.
+_UPPER_SEARCH = 16
+
 
 #: The names of ``RadixCache``'s ``event_options``.
 EVENT_OPTIONS = frozenset({"lora_id", "medium", "lora_namespaces", "block_hash", "record"})

@@ -15,6 +15,8 @@ from array import array
 from dataclasses import dataclass, fields
 from typing import Any, Hashable, Iterable, Optional
 
+import numpy as np
+
 from .. import _core
 from .._validate import INT64_MAX, INT64_MIN, check_int, is_int
 from ..events import (
@@ -234,6 +236,13 @@ class _Copy:
 
     def __repr__(self) -> str:
         return f"_Copy({self.worker!r}, {self.medium!r}, {self.group!r})"
+
+
+def _int64_array(tokens: Any) -> bool:
+    """Whether ``tokens`` is a numpy array the block index reads in place: exactly
+    ``numpy.ndarray``, 1-D, contiguous, little-endian int64."""
+    return (type(tokens) is np.ndarray and tokens.dtype.str == "<i8" and tokens.ndim == 1
+            and tokens.flags.c_contiguous)
 
 
 def _is_key_record(record: tuple) -> bool:
@@ -1100,6 +1109,8 @@ class KvIndexer:
                     return self._overlap(tokens, namespace, medium)
                 except (TypeError, OverflowError):
                     pass  # not all exact int64s: checked and read as any sequence below
+            elif _int64_array(tokens):
+                return self._overlap(tokens, namespace, medium)  # read in place
             return self._overlap(tokens_le_bytes(tokens), namespace, medium)
         data = tokens_le_bytes(tokens)
         namespace, entries, ns_entry = self._query_namespace(extra_key, block_extra_keys)
@@ -1159,9 +1170,9 @@ class KvIndexer:
         return {workers[owner]: depth for owner, depth in depths.items()}
 
     def _overlap(self, data: Any, namespace: bytes, medium: Any = MEDIUM_GPU) -> dict:
-        # The index hashes the query's blocks (``data``: int64 bytes, or a list of ints) and
-        # walks them in one call, as far as any worker's run goes; workers reach it as
-        # positions in ``workers``.
+        # The index hashes the query's blocks (``data``: int64 bytes, a list of ints, or an
+        # int64 array as ``_int64_array`` accepts it) and walks them in one call, as far as
+        # any worker's run goes; workers reach it as positions in ``workers``.
         if self._store is not None:
             if type(data) is not bytes:
                 data = _ids_le_bytes(data)  # TypeError/OverflowError as the block index's

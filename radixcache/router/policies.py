@@ -12,7 +12,7 @@ from typing import Any, Optional
 from .._options import DEFAULT_HOST_WEIGHT, DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
 from .._validate import check_int, is_int, is_real
 from ..events import MEDIUM_CPU, MEDIUM_GPU, encode_namespace, tokens_le_bytes
-from .indexer import KvIndexer, _page_keys, _root_key
+from .indexer import KvIndexer, _int64_array, _page_keys, _root_key
 
 # DEFAULT_LOAD_WEIGHT and ROUTING_POLICIES live in _options (the command line reads them).
 
@@ -256,9 +256,11 @@ class Router:
             TypeError: tokens that are not integers, or an ``extra_key`` of another type.
             OverflowError: a token that does not fit in int64.
         """
-        data = tokens_le_bytes(tokens)
-        namespace = encode_namespace(extra_key)
         policy = self.policy
+        # cache-aware reads an int64 array in place (the block index hashes it as it is)
+        data = tokens if policy == "cache-aware" and _int64_array(tokens) else \
+            tokens_le_bytes(tokens)
+        namespace = encode_namespace(extra_key)
         if policy == "round-robin":
             worker = self._next
             self._next = (worker + 1) % self.num_workers
@@ -307,8 +309,8 @@ class Router:
             self._family_requests //= 2
         return chosen or len(keys)
 
-    def _cache_aware(self, data: bytes, namespace: bytes) -> int:
-        data_len = len(data) // 8
+    def _cache_aware(self, data: Any, namespace: bytes) -> int:
+        data_len = len(data) // 8 if type(data) is bytes else len(data)
         overlap = self.indexer._overlap(data, namespace)
         for worker in overlap:
             if type(worker) is not int or not 0 <= worker < self.num_workers:
@@ -334,9 +336,11 @@ class Router:
         indexer = self.indexer
         if indexer._store is not None:  # one round trip, not one per worker
             return indexer._store.holds_on(MEDIUM_CPU)
+        if not indexer._owners(MEDIUM_CPU)[1]:  # no worker has a copy on the host tier
+            return False
         return any(indexer.blocks_held(worker, MEDIUM_CPU) for worker in indexer.workers)
 
-    def _with_host_blocks(self, data: bytes, namespace: bytes, overlap: dict) -> dict:
+    def _with_host_blocks(self, data: Any, namespace: bytes, overlap: dict) -> dict:
         """``overlap`` (device blocks) plus ``host_weight`` per leading block held on the
         host beyond it: ``{worker: weighted blocks}``. The leading blocks are those held on
         either tier: a host tier usually holds the continuation of a device prefix, not the

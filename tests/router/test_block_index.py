@@ -592,6 +592,31 @@ def test_key_records_index_exactly_as_fast64_events(make_cache):
         by_events.blocks_held(w) for w in range(3)]
 
 
+def test_key_records_read_a_split_upper_half_from_its_lower_half(make_cache):
+    """A leaf stored below the upper half of a split chains from that half's last page: the
+    key recorder reads it from the keys it recorded for the lower half (no page hashed
+    again), and it is the fast64 event's parent hash, however often the path splits."""
+    keyed = make_cache(page_size=2, enable_events=True, event_options={"record": "keys"},
+                       array_type="numpy")
+    evented = make_cache(page_size=2, enable_events=True,
+                         event_options={"block_hash": "fast64"}, array_type="numpy")
+    rehashed = []
+    recorder = keyed._events
+    chain = recorder._chain
+    recorder._chain = lambda *args: rehashed.append(args) or chain(*args)
+    base = list(range(1, 21))
+    for cache in (keyed, evented):
+        cache.insert(np.array(base, dtype=np.int64))
+        cache.take_events()
+    for cut in (12, 6, 16, 2):  # the leaf splits at 12, its upper half at 6, ...
+        for cache in (keyed, evented):
+            cache.insert(np.array(base[:cut] + [99, 98], dtype=np.int64))
+        records, events = keyed.take_events(), evented.take_events()
+        stored = [r for r in records if r[0] == KEYS_STORED]
+        assert len(stored) == 1 and stored[0][2] == events[-1].parent_block_hash is not None
+    assert rehashed == []
+
+
 @pytest.mark.parametrize("options, host_tier, exc, pattern", [
     ({"record": 1}, False, TypeError, "event option record must be a str, got int"),
     ({"record": "objects"}, False, ValueError, "unknown record 'objects'; valid: events, keys"),
@@ -751,6 +776,115 @@ def test_overlap_of_a_list_answers_and_fails_as_of_its_bytes(blocks, page_bytes)
         index.overlap(9, tokens, 12, owners)
     with pytest.raises(TypeError, match="seed must be an int"):
         index.overlap(9.0, tokens, page_bytes, owners)
+
+
+@pytest.mark.parametrize("page_bytes, others", [(8, 3000), (64, 3000), (256, 3000),
+                                                (8, 70_000), (64, 70_000)])
+def test_overlap_stops_at_every_depth_as_the_reference_does(blocks, page_bytes, others):
+    """The walk hashes and probes pages ahead of the one it counts (on a small table and on
+    one larger than a CPU cache): wherever the run ends (every depth up to past the lead,
+    owners dropping out one by one, blocks held by many copies, a table grown large and
+    shrunk), the answer is the pure module's, from a list and from bytes."""
+    rng = random.Random(page_bytes)
+    per_page = page_bytes // 8
+    tokens = [rng.randrange(1 << 40) for _ in range(per_page * 60)]
+    data = np.array(tokens, dtype="<i8").tobytes()
+    keys = blocks.page_hash_chain(3, data, page_bytes)
+    owners = [0, 1, 2, 3, -1, 0, 4, 5]
+    filler = np.array([rng.randrange(-I64, I64) for _ in range(others)], dtype=np.int64).tobytes()
+    for depth in range(0, 45):
+        indexes = [module.BlockIndex() for module in (blocks, _blocks_py)]
+        for index in indexes:
+            index.add(0, keys[:depth])
+            index.add(1, keys[:depth // 2])
+            index.add(2, keys[:depth // 3] + keys[depth // 3 + 1:depth])  # a hole
+            index.add(4, keys[:depth])  # on no owner
+            index.add(5, keys[:depth // 4])  # the same owner as copy 0
+            for c in (6, 7):  # many holders of the first blocks: holder lists
+                index.add(c, keys[:5])
+            index.add(8, filler)  # a larger table
+            index.remove(8, [])
+        want = indexes[1].overlap(3, data, page_bytes, owners)
+        for index in indexes:
+            assert index.overlap(3, data, page_bytes, owners) == want, depth
+            assert index.overlap(3, tokens, page_bytes, owners) == want, depth
+            assert index.overlap(3, tokens[:depth * per_page + 1], page_bytes, owners) == \
+                indexes[1].overlap(3, data[:8 * (depth * per_page + 1)], page_bytes, owners)
+        indexes[0].clear_copy(8)  # shrunk: the same answers
+        assert indexes[0].overlap(3, tokens, page_bytes, owners) == want, depth
+
+
+def test_overlap_reads_an_int64_array_in_place_as_its_bytes(blocks, monkeypatch):
+    """An exactly 1-D contiguous little-endian int64 numpy array is read in place: the answer
+    of its bytes; any other array is refused by type, a view or a subclass included, and
+    ``KvIndexer`` reads those as any sequence."""
+    rng = random.Random(5)
+    tokens = np.array([rng.randrange(1 << 30) for _ in range(8 * 30 + 3)], dtype="<i8")
+    data = tokens.tobytes()
+    keys = blocks.page_hash_chain(4, data, 64)
+    index = blocks.BlockIndex()
+    index.add(0, keys[:20])
+    index.add(1, keys[:7])
+    want = index.overlap(4, data, 64, [0, 1])
+    assert want == [(1, 7), (0, 20)]
+    assert index.overlap(4, tokens, 64, [0, 1]) == want
+    assert index.overlap(4, tokens[:8 * 7], 64, [0, 1]) == [(0, 7), (1, 7)]
+    assert index.overlap(4, tokens[:5], 64, [0, 1]) == []
+    assert index.overlap(4, np.array([], dtype="<i8"), 64, [0, 1]) == []
+
+    class Sub(np.ndarray):
+        pass
+
+    for bad in (tokens.astype(np.int32), tokens.astype(">i8"), tokens[::2],
+                tokens.reshape(-1, 1), tokens.view(Sub)):
+        with pytest.raises(TypeError, match="data"):
+            index.overlap(4, bad, 64, [0, 1])
+    with pytest.raises(TypeError, match="seed must be an int"):
+        index.overlap(4.0, tokens, 64, [0, 1])
+    with pytest.raises(ValueError, match="owners must be -1 or in"):
+        index.overlap(4, tokens, 64, [0, 5])
+    monkeypatch.setattr(_core, "blocks", blocks)
+    indexer = KvIndexer(8)
+    indexer.apply(0, [BlockStored(tuple(keys[:20]), None, tuple(tokens[:160].tolist()), 8)])
+    assert indexer.overlap(tokens) == {0: 20}
+    for other in (tokens[::1].astype(">i8"), tokens.astype(np.int32), tokens.view(Sub),
+                  list(tokens)):
+        assert indexer.overlap(other) == {0: 20}
+
+
+def test_overlap_of_a_list_runs_no_code_of_its_items(blocks):
+    """The walk reads a list's ids without calling out: an int subclass or an ``__index__``
+    object is refused by type wherever it lies (its code never runs, the list stays as it
+    was), even past where the walk stops and when the walk has hashed past it."""
+    calls = []
+
+    class Index:
+        def __index__(self):
+            calls.append(1)
+            tokens.clear()
+            return 1
+
+    class Int(int):
+        def __index__(self):
+            calls.append(1)
+            tokens.clear()
+            return int(self)
+
+    base = [random.Random(7).randrange(1 << 40) for _ in range(8 * 40)]
+    data = np.array(base, dtype="<i8").tobytes()
+    keys = blocks.page_hash_chain(1, data, 64)
+    index = blocks.BlockIndex()
+    index.add(0, keys[:20])
+    for position in (0, 8 * 19 + 3, 8 * 21, 8 * 39 + 7):
+        for bad in (Index(), Int(5)):
+            tokens = list(base)
+            tokens[position] = bad
+            with pytest.raises(TypeError, match=f"got {type(bad).__name__} at position "
+                                                f"{position}( |$)"):
+                index.overlap(1, tokens, 64, [0])
+            assert len(tokens) == len(base) and tokens[position] is bad
+    assert calls == []
+    assert index.overlap(1, base, 64, [0]) == [(0, 20)]
 
 
 def test_overlap_reads_a_list_of_token_ids_as_its_bytes(blocks, monkeypatch):
