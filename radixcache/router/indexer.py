@@ -1175,7 +1175,9 @@ class KvIndexer:
         # any worker's run goes; workers reach it as positions in ``workers``.
         if self._store is not None:
             if type(data) is not bytes:
-                data = _ids_le_bytes(data)  # TypeError/OverflowError as the block index's
+                # An int64 array the caller checked is its own bytes; a list is read in C.
+                data = (data.tobytes() if _int64_array(data)
+                        else _ids_le_bytes(data))  # TypeError/OverflowError as the index's
             return self._store.overlap(_core.blocks.page_hash_bytes(
                 _root_key(namespace), data, self._page_bytes), medium)
         _, workers, owners = self._owners(medium)
