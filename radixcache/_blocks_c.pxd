@@ -13,9 +13,10 @@ cdef struct BIEntry:
 
 
 cdef class BlockIndex:
-    # Open addressing, linear probing, backward-shift deletion; power-of-two capacity.
+    # Open addressing, linear probing, backward-shift deletion; any capacity (the home slot
+    # of a key scales its 64-bit mix into [0, cap)), kept between 1/4 and 3/4 full.
     cdef BIEntry* table
-    cdef Py_ssize_t mask
+    cdef Py_ssize_t cap
     cdef Py_ssize_t size       # distinct keys held
     cdef Py_ssize_t n_pairs    # holdings
     # Holder lists of keys held more than once (a copy once per holding, earliest first),
@@ -32,6 +33,7 @@ cdef class BlockIndex:
     cdef Py_ssize_t find(self, int64_t key) noexcept
     cdef int reserve(self, Py_ssize_t keys) except -1
     cdef int rebuild(self, Py_ssize_t capacity) except -1
+    cdef void fetch(self, int64_t key) noexcept
     cdef Py_ssize_t slot_of(self, int64_t key) noexcept
     cdef const int32_t* copies(self, BIEntry* e) noexcept
     cdef int32_t new_list(self, int32_t first, int32_t second) except -1

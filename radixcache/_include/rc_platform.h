@@ -24,6 +24,24 @@ static inline unsigned rc_log2(unsigned long long x) {
 #define rc_prefetch(p) ((void)0)
 #endif
 
+/* A 64-bit hash scaled into [0, n): the high word of h * n, so a table of any size takes
+   its slot without a division (the hash's high bits must be well mixed). */
+#if defined(__SIZEOF_INT128__)
+static inline uint64_t rc_fastrange(uint64_t h, uint64_t n) {
+    return (uint64_t)(((unsigned __int128)h * n) >> 64);
+}
+#elif defined(_MSC_VER) && defined(_M_X64)
+#include <intrin.h>
+static inline uint64_t rc_fastrange(uint64_t h, uint64_t n) { return __umulh(h, n); }
+#else
+static inline uint64_t rc_fastrange(uint64_t h, uint64_t n) {
+    uint64_t h_hi = h >> 32, h_lo = h & 0xFFFFFFFFu, n_hi = n >> 32, n_lo = n & 0xFFFFFFFFu;
+    uint64_t mid = h_hi * n_lo + ((h_lo * n_lo) >> 32);
+    uint64_t mid2 = h_lo * n_hi + (mid & 0xFFFFFFFFu);
+    return h_hi * n_hi + (mid >> 32) + (mid2 >> 32);
+}
+#endif
+
 /* C99's restrict, as MSVC spells it too. */
 #if defined(_MSC_VER)
 #define RC_RESTRICT __restrict

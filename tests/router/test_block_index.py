@@ -503,6 +503,33 @@ def test_a_large_table_grows_and_empties(blocks):
     assert index.store(3, data[:80]) == (10, 0)
 
 
+def test_the_compiled_table_costs_at_most_32_bytes_a_block_at_any_size():
+    # The table is rebuilt half full once it passes 3/4 (any size is a capacity), so a block
+    # never costs more than 32 bytes of table while keys arrive; removals shrink it back to
+    # at least a quarter full. tracemalloc sees every table, huge-page ones included.
+    if "c" not in BLOCKS:
+        pytest.skip("the compiled block module is not built")
+    import tracemalloc
+
+    keys = np.random.default_rng(9).integers(-2**63, 2**63 - 1, 150_000, dtype=np.int64)
+    chunks = [keys[start:start + 997].tobytes() for start in range(0, len(keys), 997)]
+    tracemalloc.start()
+    try:
+        index = BLOCKS["c"].BlockIndex()
+        empty = tracemalloc.get_traced_memory()[0]
+        worst = 0.0
+        for chunk in chunks:
+            index.store(0, chunk)
+            worst = max(worst, (tracemalloc.get_traced_memory()[0] - empty) / len(index))
+        assert len(index) == len(set(keys.tolist()))
+        assert worst <= 32
+        index.remove(0, b"".join(chunks[:-10]))  # all but the last 10 chunks' keys leave
+        assert len(index) == len(set(keys[997 * (len(chunks) - 10):].tolist()))
+        assert (tracemalloc.get_traced_memory()[0] - empty) / len(index) <= 64
+    finally:
+        tracemalloc.stop()
+
+
 @pytest.mark.parametrize("block_hash", ["sha256", "fast64"])
 def test_insert_records_the_same_events_on_the_fast_and_the_checked_path(make_cache,
                                                                          block_hash):
