@@ -50,8 +50,9 @@ cdef struct KMEntry:
 
 
 cdef class KeyMap:
-    # Open addressing, linear probing, backward-shift deletion; any capacity (slot h % cap),
-    # kept between 60% and 80% full so an entry costs at most about 27 bytes.
+    # Open addressing, linear probing, backward-shift deletion; any capacity (a hash's slot:
+    # the high word of h * cap), kept between 60% and 80% full so an entry costs at most
+    # about 27 bytes.
     cdef KMEntry* table
     cdef Py_ssize_t cap
     cdef Py_ssize_t n
