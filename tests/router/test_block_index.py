@@ -617,6 +617,34 @@ def test_key_records_read_a_split_upper_half_from_its_lower_half(make_cache):
     assert rehashed == []
 
 
+def test_key_records_evict_split_upper_halves_with_the_keys_of_their_lower_halves(make_cache):
+    """Evicting a path split several times hashes no page: each upper half's keys are left
+    to it by the lower half evicted before it, and the records carry the fast64 events'
+    hashes."""
+    keyed = make_cache(page_size=2, enable_events=True, event_options={"record": "keys"},
+                       array_type="numpy")
+    evented = make_cache(page_size=2, enable_events=True,
+                         event_options={"block_hash": "fast64"}, array_type="numpy")
+    base = list(range(1, 21))
+    for cache in (keyed, evented):
+        cache.insert(np.array(base, dtype=np.int64))
+        for cut in (12, 6, 16, 2):
+            cache.insert(np.array(base[:cut] + [99, 98], dtype=np.int64))
+        cache.take_events()
+    hashed = []
+    recorder = keyed._events
+    hash_bytes = recorder._hash_bytes
+    recorder._hash_bytes = lambda *args: hashed.append(args) or hash_bytes(*args)
+    for cache in (keyed, evented):
+        assert cache.evict(len(base) + 8) == len(base) + 8  # everything, leaves first
+    records, events = keyed.take_events(), evented.take_events()
+    assert [record[0] for record in records] == [KEYS_REMOVED] * len(events) != []
+    assert [np.frombuffer(record[1], dtype=np.int64).tolist() for record in records] == [
+        list(event.block_hashes) for event in events]
+    assert hashed == []
+    assert recorder._node_keys == {} and recorder.tracked_nodes == 0
+
+
 @pytest.mark.parametrize("options, host_tier, exc, pattern", [
     ({"record": 1}, False, TypeError, "event option record must be a str, got int"),
     ({"record": "objects"}, False, ValueError, "unknown record 'objects'; valid: events, keys"),
