@@ -378,11 +378,16 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
         else:
             router.remove_load(worker, tokens)
 
+    take_events = [cache.take_events for cache in caches]
+
     def publish(worker: int, now: float) -> None:
         if with_events:
-            events = caches[worker].take_events()
+            events = take_events[worker]()
             if events and (routing or not own_channels):
-                channels[worker].publish(events, now, steps)
+                if pending is not None:  # our channel: ``publish`` in place
+                    pending[worker].append((now, steps, events))
+                else:
+                    channels[worker].publish(events, now, steps)
 
     def start_next(worker: int, now: float) -> None:
         nonlocal tie, waiting_tokens
