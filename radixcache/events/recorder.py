@@ -16,8 +16,9 @@ A router in the same process as its workers (``simulate_fleet``) keys blocks by 
 no int per page is made, and ``KvIndexer.apply_keys`` takes each record in one call, counting
 exactly what ``KvIndexer.apply`` counts for the equivalent ``fast64`` events. A removed
 leaf's keys are the ones computed when it was stored (a split keeps the lower half's node,
-whose pages are the tail of them), so an eviction hashes nothing. ``AllBlocksCleared`` is
-recorded as it is. The records know one tier (the device's) and no LoRA fields.
+whose pages are the tail of them), and it leaves the leading ones to its parent, the upper
+half of that split, which is evicted after it: an eviction hashes nothing. ``AllBlocksCleared``
+is recorded as it is. The records know one tier (the device's) and no LoRA fields.
 """
 
 from __future__ import annotations
