@@ -16,8 +16,9 @@ A router in the same process as its workers (``simulate_fleet``) keys blocks by 
 no int per page is made, and ``KvIndexer.apply_keys`` takes each record in one call, counting
 exactly what ``KvIndexer.apply`` counts for the equivalent ``fast64`` events. A removed
 leaf's keys are the ones computed when it was stored (a split keeps the lower half's node,
-whose pages are the tail of them), so an eviction hashes nothing. ``AllBlocksCleared`` is
-recorded as it is. The records know one tier (the device's) and no LoRA fields.
+whose pages are the tail of them), and it leaves the leading ones to its parent, the upper
+half of that split, which is evicted after it: an eviction hashes nothing. ``AllBlocksCleared``
+is recorded as it is. The records know one tier (the device's) and no LoRA fields.
 """
 
 from __future__ import annotations
@@ -278,12 +279,16 @@ class KeyRecorder(EventRecorder):
         ValueError: ``page_size`` < 1.
     """
 
-    __slots__ = ("_node_keys", "_hash_bytes")
+    __slots__ = ("_node_keys", "_hash_bytes", "_root_seed")
 
     def __init__(self, page_size: int) -> None:
         super().__init__(page_size, block_hash="fast64")
-        self._node_keys: dict = {}  # node id -> its pages' keys (int64 bytes) when stored
+        # node id -> the keys (int64 bytes) of pages that end where the node ends, at least
+        # its own: recorded when it was stored as a leaf (a split keeps the lower half's
+        # node, so they may start above it), or left to it by a child that was evicted
+        self._node_keys: dict = {}
         self._hash_bytes = _page_hash_core().page_hash_bytes
+        self._root_seed = fast64_root(encode_namespace(None))  # the chain's seed, no namespace
 
     def stored(self, node: Any) -> None:
         """Record a new leaf's full pages (nothing if it has none).
@@ -291,9 +296,19 @@ class KeyRecorder(EventRecorder):
         Args:
             node: The new leaf, its value set.
         """
-        parent_hash = self._hash_through(node.parent)
-        seed = fast64_root(encode_namespace(node.extra_key)) if parent_hash is None \
-            else parent_hash
+        parent = node.parent
+        if parent.parent is None:  # a leaf of the root
+            parent_hash = None
+        else:  # usually a node stored before, its hash known
+            parent_hash = self._last_hash.get(parent.id)
+            if parent_hash is None:
+                parent_hash = self._hash_through(parent)
+        if parent_hash is not None:
+            seed = parent_hash
+        else:
+            extra_key = node.extra_key
+            seed = self._root_seed if extra_key is None else \
+                fast64_root(encode_namespace(extra_key))
         key = node.key
         keys = self._hash_bytes(seed, key if _LITTLE_ENDIAN else _key_bytes(key),
                                 self._page_bytes)
@@ -309,9 +324,10 @@ class KeyRecorder(EventRecorder):
         Args:
             node: The leaf.
         """
-        keys = self._node_keys.pop(node.id, None)
+        node_keys = self._node_keys
+        keys = node_keys.pop(node.id, None)
         self._last_hash.pop(node.id, None)
-        size = len(node.key) // self.page_size * 8
+        size = node.num_tokens // self.page_size * 8
         if keys is None or len(keys) < size:
             # Not stored as a leaf (the upper half of a split): hash it now.
             try:
@@ -322,7 +338,12 @@ class KeyRecorder(EventRecorder):
             seed = fast64_root(namespace) if parent_hash is None else parent_hash
             keys = self._hash_bytes(seed, _key_bytes(node.key), self._page_bytes)
         elif len(keys) > size:
-            keys = keys[len(keys) - size:]  # a split took the leading pages
+            # A split took the leading pages: they end where the parent (an upper half)
+            # ends, so they are its keys when it is evicted in turn, not hashed again.
+            parent = node.parent
+            if parent.parent is not None and parent.id not in node_keys:
+                node_keys[parent.id] = keys[:len(keys) - size]
+            keys = keys[len(keys) - size:]
         if keys:
             self._events.append((KEYS_REMOVED, keys))
 
@@ -335,7 +356,9 @@ class KeyRecorder(EventRecorder):
         """``EventRecorder._hash_through``; the hash of an upper half of a split is read from
         the keys recorded for its lower half when they reach it, instead of hashed again."""
         if node.parent is not None and node.id not in self._last_hash:
-            last = self._upper_hash(node)
+            keys = self._node_keys.get(node.id)  # left to it by an evicted child
+            last = int.from_bytes(keys[-8:], "little", signed=True) if keys \
+                else self._upper_hash(node)
             if last is not None:
                 self._last_hash[node.id] = last
                 return last

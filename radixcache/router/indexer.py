@@ -802,25 +802,39 @@ class KvIndexer:
                 stats.malformed_batches += 1
                 return
         index = self._index
+        stats.events += len(records)
+        # The worker's device copy, found once per batch and kept in step as records make
+        # or drop it (the one place these records go).
+        copy = self._find(worker, MEDIUM_GPU, None)
         for record in records:
-            stats.events += 1
             if type(record) is not tuple:
                 if isinstance(record, AllBlocksCleared):
                     self._clear_worker(worker)
+                    copy = None
                     stats.cleared += 1
                 else:
                     stats.malformed_events += 1
                 continue
-            if not _is_key_record(record):
-                stats.malformed_events += 1
-                continue
-            keys = record[1]
-            copy = self._find(worker, MEDIUM_GPU, None)
-            if record[0] == KEYS_STORED:
-                parent = record[2]
-                if parent is not None and (copy is None or self._key_of(copy, parent) is None):
-                    stats.unknown_parent += 1
+            # ``_is_key_record``, inline (once per record).
+            size = len(record)
+            if size == 3:
+                tag, keys, parent = record
+                if (type(tag) is not int or tag != KEYS_STORED or type(keys) is not bytes
+                        or len(keys) % 8 or not (parent is None or type(parent) is int)):
+                    stats.malformed_events += 1
                     continue
+                if parent is not None:
+                    if copy is None:
+                        stats.unknown_parent += 1
+                        continue
+                    if copy.published:
+                        known = self._key_of(copy, parent) is not None
+                    else:  # ``_key_of`` of a copy holding every block under its own key
+                        known = bool(copy.direct and INT64_MIN <= parent <= INT64_MAX
+                                     and index.holds(parent, copy.cid))
+                    if not known:
+                        stats.unknown_parent += 1
+                        continue
                 if not keys:
                     continue  # no full block: nothing held, as ``apply`` does
                 if copy is None:
@@ -836,18 +850,29 @@ class KvIndexer:
                     self._held += stored
                 stats.stored_blocks += stored
                 stats.duplicate_blocks += duplicates
-            elif copy is None:
-                stats.unknown_removals += len(keys) // 8
-            elif copy.published:  # also fed events under other hashes: the general path
-                self._removed(worker, BlockRemoved(
-                    tuple(array("q", keys)), MEDIUM_GPU))  # native order, as written
+            elif size == 2:
+                tag, keys = record
+                if (type(tag) is not int or tag != KEYS_REMOVED or type(keys) is not bytes
+                        or len(keys) % 8):
+                    stats.malformed_events += 1
+                    continue
+                if copy is None:
+                    stats.unknown_removals += len(keys) // 8
+                elif copy.published:  # also fed events under other hashes: the general path
+                    self._removed(worker, BlockRemoved(
+                        tuple(array("q", keys)), MEDIUM_GPU))  # native order, as written
+                    copy = self._find(worker, MEDIUM_GPU, None)  # it may have been dropped
+                else:
+                    removed, unknown = index.remove(copy.cid, keys)
+                    copy.direct -= removed
+                    self._held -= removed
+                    stats.removed_blocks += removed
+                    stats.unknown_removals += unknown
+                    if not copy.direct:  # holding nothing: dropped
+                        self._forget_if_empty(copy)
+                        copy = None
             else:
-                removed, unknown = index.remove(copy.cid, keys)
-                copy.direct -= removed
-                self._held -= removed
-                stats.removed_blocks += removed
-                stats.unknown_removals += unknown
-                self._forget_if_empty(copy)
+                stats.malformed_events += 1
 
     def _stored(self, worker: Hashable, event: BlockStored) -> None:
         stats = self.stats

@@ -644,6 +644,34 @@ def test_key_records_read_a_split_upper_half_from_its_lower_half(make_cache):
     assert rehashed == []
 
 
+def test_key_records_evict_split_upper_halves_with_the_keys_of_their_lower_halves(make_cache):
+    """Evicting a path split several times hashes no page: each upper half's keys are left
+    to it by the lower half evicted before it, and the records carry the fast64 events'
+    hashes."""
+    keyed = make_cache(page_size=2, enable_events=True, event_options={"record": "keys"},
+                       array_type="numpy")
+    evented = make_cache(page_size=2, enable_events=True,
+                         event_options={"block_hash": "fast64"}, array_type="numpy")
+    base = list(range(1, 21))
+    for cache in (keyed, evented):
+        cache.insert(np.array(base, dtype=np.int64))
+        for cut in (12, 6, 16, 2):
+            cache.insert(np.array(base[:cut] + [99, 98], dtype=np.int64))
+        cache.take_events()
+    hashed = []
+    recorder = keyed._events
+    hash_bytes = recorder._hash_bytes
+    recorder._hash_bytes = lambda *args: hashed.append(args) or hash_bytes(*args)
+    for cache in (keyed, evented):
+        assert cache.evict(len(base) + 8) == len(base) + 8  # everything, leaves first
+    records, events = keyed.take_events(), evented.take_events()
+    assert [record[0] for record in records] == [KEYS_REMOVED] * len(events) != []
+    assert [np.frombuffer(record[1], dtype=np.int64).tolist() for record in records] == [
+        list(event.block_hashes) for event in events]
+    assert hashed == []
+    assert recorder._node_keys == {} and recorder.tracked_nodes == 0
+
+
 @pytest.mark.parametrize("options, host_tier, exc, pattern", [
     ({"record": 1}, False, TypeError, "event option record must be a str, got int"),
     ({"record": "objects"}, False, ValueError, "unknown record 'objects'; valid: events, keys"),
@@ -699,6 +727,54 @@ def test_apply_keys_skips_and_counts_malformed_records(make_cache):
     indexer.apply_keys(1, [(KEYS_STORED, keys[8:], 12345), (KEYS_REMOVED, keys)])
     assert indexer.stats.unknown_parent == 1 and indexer.stats.unknown_removals == 2
     assert 1 not in indexer.workers
+
+
+@pytest.mark.parametrize("fed_events", [False, True])
+def test_apply_keys_of_one_batch_equals_one_record_at_a_time(make_cache, fed_events):
+    """A batch whose records drop the worker's copy, make it again and clear it is applied
+    as its records one call each (apply_keys keeps the worker's copy across a batch); also
+    for a worker fed events under other hashes (the general path)."""
+    cache = make_cache(page_size=2, enable_events=True, event_options={"record": "keys"})
+    cache.insert([1, 2, 3, 4])
+    (stored,) = cache.take_events()
+    keys = stored[1]
+    first = int(np.frombuffer(keys[:8], dtype=np.int64)[0])
+    records = [
+        stored,
+        (KEYS_REMOVED, keys),  # the worker holds nothing: its copy goes
+        (KEYS_STORED, keys[8:], first),  # so the parent is unknown
+        stored,
+        (KEYS_STORED, keys[8:], first),  # a duplicate under a known parent
+        AllBlocksCleared(),
+        (KEYS_REMOVED, keys),  # nothing held
+        (KEYS_STORED, keys[:8], None),
+        (KEYS_STORED, keys[8:], first),
+        (KEYS_REMOVED, keys[:8]),
+        "bad",
+        (KEYS_REMOVED, keys),
+        (KEYS_STORED, keys, None),
+    ]
+    indexers = [KvIndexer(2), KvIndexer(2)]
+    if fed_events:
+        evented = make_cache(page_size=2, enable_events=True)  # sha256 hashes
+        evented.insert([7, 8, 9, 10])
+        events = evented.take_events()
+        for indexer in indexers:
+            indexer.apply(0, events)
+        # Their removal, as a record, right after the keys': the copy goes there too.
+        hashes = np.array(events[0].block_hashes, dtype=np.int64).tobytes()
+        records.insert(2, (KEYS_REMOVED, hashes))
+    indexers[0].apply_keys(0, records)
+    for record in records:
+        indexers[1].apply_keys(0, [record])
+    batched, single = (indexer.stats.as_dict() for indexer in indexers)
+    assert batched.pop("batches") + len(records) - 1 == single.pop("batches")
+    assert batched == single
+    assert batched["unknown_parent"] == 1 and batched["duplicate_blocks"] == 1
+    for indexer in indexers:
+        assert len(indexer) == 2 and indexer.blocks_held(0) == 2
+        assert indexer.overlap([1, 2, 3, 4]) == {0: 2}
+        assert indexer.overlap([7, 8, 9, 10]) == {}  # cleared with the rest
 
 
 def test_a_block_index_pickled_before_it_had_its_own_module_loads(core_name):
