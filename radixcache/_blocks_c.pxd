@@ -32,6 +32,8 @@ cdef class BlockIndex:
 
     cdef Py_ssize_t find(self, int64_t key) noexcept
     cdef int reserve(self, Py_ssize_t keys) except -1
+    cdef int reserve_for(self, const int64_t* p, Py_ssize_t n) except -1
+    cdef void move_to(self, BIEntry* fresh, Py_ssize_t capacity) noexcept
     cdef int rebuild(self, Py_ssize_t capacity) except -1
     cdef void fetch(self, int64_t key) noexcept
     cdef Py_ssize_t slot_of(self, int64_t key) noexcept

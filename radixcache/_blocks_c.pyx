@@ -146,7 +146,9 @@ DEF _BI_CLEAR_AHEAD = 8
 DEF _BI_HUGE = 2097152
 
 
-cdef BIEntry* _bi_alloc(Py_ssize_t capacity) noexcept:
+cdef BIEntry* _bi_alloc(Py_ssize_t capacity, bint zeroed=True) noexcept:
+    # ``zeroed=False``: the caller clears it before use (a spare that may never be used
+    # costs no page of memory until then).
     cdef size_t size = capacity * sizeof(BIEntry)
     cdef void* p = NULL
     if size < _BI_HUGE:
@@ -155,7 +157,7 @@ cdef BIEntry* _bi_alloc(Py_ssize_t capacity) noexcept:
         p = rc_huge_alloc(size)
         if p != NULL:
             PyTraceMalloc_Track(0, <uintptr_t>p, size)
-    if p != NULL:
+    if p != NULL and zeroed:
         memset(p, 0, size)
     return <BIEntry*>p
 
@@ -171,9 +173,11 @@ cdef void _bi_free(BIEntry* table, Py_ssize_t capacity) noexcept:
 
 
 cdef inline uint64_t _bi_mix(int64_t key) noexcept:
-    # Block keys are hashes already; one multiply (whose high bits _bi_home keeps) spreads
-    # keys that are not, such as consecutive ints. A full finaliser here cost a removal's
-    # backward shift, which mixes every key it passes, about a third of its time.
+    # KvIndexer's block keys are hashes already (the fast64 chain ends each page with a
+    # finaliser); one multiply (whose high bits _bi_home keeps) spreads keys that are not,
+    # such as consecutive ints, though arithmetic runs of some strides still cluster. A full
+    # finaliser here cost a removal's backward shift, which mixes every key it passes,
+    # about a third of its time.
     return <uint64_t>key * <uint64_t>0x9E3779B97F4A7C15
 
 
@@ -487,19 +491,22 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         self.n_free += 1
 
     cdef int rebuild(self, Py_ssize_t capacity) except -1:
-        cdef BIEntry* old = self.table
-        cdef Py_ssize_t old_cap = self.cap, i, j
         cdef BIEntry* fresh = _bi_alloc(capacity)
         if fresh == NULL:
             raise MemoryError()
+        self.move_to(fresh, capacity)
+        return 0
+
+    cdef void move_to(self, BIEntry* fresh, Py_ssize_t capacity) noexcept:
+        # Every held key into ``fresh`` (zeroed, ``capacity`` slots), which becomes the table.
+        cdef BIEntry* old = self.table
+        cdef Py_ssize_t old_cap = self.cap, i
         self.table = fresh
         self.cap = capacity
         for i in range(old_cap):
             if old[i].n:
-                j = self.slot_of(old[i].key)
-                fresh[j] = old[i]
+                fresh[self.slot_of(old[i].key)] = old[i]
         _bi_free(old, old_cap)
-        return 0
 
     cdef int reserve(self, Py_ssize_t keys) except -1:
         # Room for ``keys`` distinct keys at a load of at most 3/4. A table that outgrows
@@ -509,6 +516,20 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         if keys * 4 <= self.cap * 3:
             return 0
         return self.rebuild(max(8, 2 * keys))
+
+    cdef int reserve_for(self, const int64_t* p, Py_ssize_t n) except -1:
+        # Room for the keys of p[:n] the table does not hold yet, made before anything
+        # changes. Counted only when all n might not fit: a batch of keys already held (a
+        # second worker's copy of a prefix) grows nothing.
+        cdef Py_ssize_t i, new = 0
+        if (self.size + n) * 4 <= self.cap * 3:
+            return 0
+        for i in range(n):
+            if i + _BI_AHEAD < n:
+                self.fetch(p[i + _BI_AHEAD])
+            if self.find(p[i]) < 0:
+                new += 1  # a key twice in p counts twice: a bound
+        return self.reserve(self.size + new)
 
     cdef void maybe_shrink(self) noexcept:
         # Under a quarter full: rebuilt half full (rebuilding again takes as many
@@ -649,7 +670,7 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         cdef bytes data = _bi_keys(keys)
         cdef const int64_t* p = <const int64_t*>PyBytes_AS_STRING(data)
         cdef Py_ssize_t n = len(data) // 8, i
-        self.reserve(self.size + n)
+        self.reserve_for(p, n)
         for i in range(n):
             if i + _BI_AHEAD < n:
                 self.fetch(p[i + _BI_AHEAD])
@@ -665,7 +686,7 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         cdef BIEntry* e
         cdef const int32_t* items
         cdef bint held
-        self.reserve(self.size + n)
+        self.reserve_for(p, n)
         for i in range(n):
             if i + _BI_AHEAD < n:
                 self.fetch(p[i + _BI_AHEAD])
@@ -712,6 +733,12 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         cdef BIEntry* e
         cdef int32_t* items
         cdef int32_t last
+        cdef bint rebuilt
+        # An emptied slot breaks its probe run until the table is rebuilt: the table it may
+        # be rebuilt into is had first, so that a MemoryError leaves the index as it was.
+        cdef BIEntry* spare = _bi_alloc(cap, False)
+        if spare == NULL:
+            raise MemoryError()
         for i in range(cap):
             # A holder list is two loads away (its place in ``lists``, then the list): both
             # are fetched ahead, the place twice as far as the list.
@@ -749,9 +776,21 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
                     e.n = <int32_t>k
         self.n_pairs -= dropped
         if emptied:  # only an emptied slot breaks a probe run
+            # Rebuilt (the emptied slots skipped: probe runs come out whole), half full when
+            # under a quarter full, as maybe_shrink would, else (or short of memory for
+            # that) at its size, into the spare.
+            rebuilt = False
             if self.size * 4 < cap:
-                cap = max(8, 2 * self.size)  # as maybe_shrink would
-            self.rebuild(cap)  # skips the emptied slots: probe runs come out whole
+                try:
+                    self.rebuild(max(8, 2 * self.size))
+                    rebuilt = True
+                except MemoryError:
+                    pass
+            if not rebuilt:
+                memset(spare, 0, cap * sizeof(BIEntry))
+                self.move_to(spare, cap)
+                spare = NULL
+        _bi_free(spare, cap)
         return dropped
 
     def overlap(self, seed, data, page_bytes, owners):
@@ -977,8 +1016,8 @@ def _block_index_from(keys, copies):
         if not 0 <= cp[i] < 0x7FFFFFFF:
             raise ValueError("malformed BlockIndex state")
     cdef BlockIndex index = BlockIndex()
-    index.reserve(n)
-    for i in range(n):
+    for i in range(n):  # grown as keys arrive: a key is listed once per holding
+        index.reserve(index.size + 1)
         index.hold_key(kp[i], cp[i])
     return index
 
@@ -1927,7 +1966,7 @@ def apply_wire(BlockIndex index not None, WireBatch batch not None, start, KeyMa
                             identity = False
                     if identity and keymap.n == 0:
                         # every block published under its own key
-                        index.reserve(index.size + m)
+                        index.reserve_for(keys, m)
                         st = 0
                         for k in range(m):
                             if _bi_holds(index, keys[k], c):
@@ -1940,7 +1979,7 @@ def apply_wire(BlockIndex index not None, WireBatch batch not None, start, KeyMa
                     elif not identity and d == 0:
                         if _km_all_new(keymap, hs, m, seen, mask):
                             keymap.room(m)
-                            index.reserve(index.size + m)
+                            index.reserve_for(keys, m)
                             for k in range(m):
                                 if k + _BI_AHEAD < m:
                                     index.fetch(keys[k + _BI_AHEAD])
@@ -1955,7 +1994,7 @@ def apply_wire(BlockIndex index not None, WireBatch batch not None, start, KeyMa
                             if bail:
                                 break
                             keymap.room(m)
-                            index.reserve(index.size + m)
+                            index.reserve_for(keys, m)
                             for k in range(m):  # one at a time: duplicates, moved hashes
                                 slot = keymap.find(hs[k])
                                 if slot >= 0:

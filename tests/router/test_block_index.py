@@ -530,6 +530,41 @@ def test_the_compiled_table_costs_at_most_32_bytes_a_block_at_any_size():
         tracemalloc.stop()
 
 
+def test_keys_already_held_grow_no_compiled_table():
+    # Room is made for the keys a batch adds, not for its length: storing a prefix again
+    # (the same copy, or as a pickle lists it, a key once per holding) keeps the table.
+    if "c" not in BLOCKS:
+        pytest.skip("the compiled block module is not built")
+    import tracemalloc
+
+    keys = np.random.default_rng(10).integers(-2**63, 2**63 - 1, 50_000, dtype=np.int64)
+    data = keys.tobytes()
+    distinct = len(set(keys.tolist()))
+    tracemalloc.start()
+    try:
+        empty = tracemalloc.get_traced_memory()[0]
+        index = BLOCKS["c"].BlockIndex()
+        for start in range(0, len(data), 8 * 800):
+            index.store(0, data[start:start + 8 * 800])
+        held = tracemalloc.get_traced_memory()[0]
+        assert index.store(0, data) == (0, len(keys))
+        assert index.add(0, data[:8]) == 1  # one key held twice: a holder list, no table
+        assert tracemalloc.get_traced_memory()[0] - held < 1024
+        for copy in range(1, 8):
+            index.store(copy, data)
+        assert index.pairs == 8 * distinct + 1
+        size = tracemalloc.get_traced_memory()[0] - empty
+        state = pickle.dumps(index)
+        before = tracemalloc.get_traced_memory()[0]
+        again = pickle.loads(state)
+        # The copy's table is sized for its distinct keys, as the original's (the holder
+        # lists cost the same in both; a table for 8 times as many keys would not).
+        assert tracemalloc.get_traced_memory()[0] - before < 1.25 * size
+    finally:
+        tracemalloc.stop()
+    assert len(again) == distinct and again.pairs == index.pairs
+
+
 @pytest.mark.parametrize("block_hash", ["sha256", "fast64"])
 def test_insert_records_the_same_events_on_the_fast_and_the_checked_path(make_cache,
                                                                          block_hash):
