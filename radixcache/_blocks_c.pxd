@@ -41,6 +41,7 @@ cdef class BlockIndex:
     cdef int32_t new_list(self, int32_t first, int32_t second) except -1
     cdef void free_list(self, int32_t li) noexcept
     cdef int hold_key(self, int64_t key, int32_t copy) except -1
+    cdef int hold_at(self, BIEntry* e, int64_t key, int32_t copy) except -1
     cdef bint drop_key(self, int64_t key, int32_t copy) noexcept
     cdef void delete_slot(self, Py_ssize_t i) noexcept
     cdef void maybe_shrink(self) noexcept

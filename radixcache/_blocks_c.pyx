@@ -542,8 +542,10 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
 
     cdef int hold_key(self, int64_t key, int32_t copy) except -1:
         # One more holding of ``key`` by ``copy``; the table has room for a new key.
-        cdef Py_ssize_t i = self.slot_of(key)
-        cdef BIEntry* e = &self.table[i]
+        return self.hold_at(&self.table[self.slot_of(key)], key, copy)
+
+    cdef int hold_at(self, BIEntry* e, int64_t key, int32_t copy) except -1:
+        # hold_key, ``e`` being slot_of(key)'s slot.
         cdef int32_t* items
         cdef int32_t* grown
         cdef int32_t n = e.n
@@ -681,7 +683,7 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         cdef int32_t c = _bi_copy(copy)
         cdef bytes data = _bi_keys(keys)
         cdef const int64_t* p = <const int64_t*>PyBytes_AS_STRING(data)
-        cdef Py_ssize_t n = len(data) // 8, i, j, s
+        cdef Py_ssize_t n = len(data) // 8, i, j
         cdef Py_ssize_t stored = 0, duplicates = 0
         cdef BIEntry* e
         cdef const int32_t* items
@@ -690,26 +692,18 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         for i in range(n):
             if i + _BI_AHEAD < n:
                 self.fetch(p[i + _BI_AHEAD])
-            s = self.slot_of(p[i])
-            e = &self.table[s]
-            if e.n == 0:  # a new key, in the slot just found (hold_key would probe again)
-                e.key = p[i]
-                e.one = c
-                e.n = 1
-                self.size += 1
-                self.n_pairs += 1
-                stored += 1
-                continue
+            e = &self.table[self.slot_of(p[i])]
             held = False
-            items = self.copies(e)
-            for j in range(e.n):
-                if items[j] == c:
-                    held = True
-                    break
+            if e.n:
+                items = self.copies(e)
+                for j in range(e.n):
+                    if items[j] == c:
+                        held = True
+                        break
             if held:
                 duplicates += 1
             else:
-                self.hold_key(p[i], c)
+                self.hold_at(e, p[i], c)  # in the slot just found: no second probe
                 stored += 1
         return stored, duplicates
 

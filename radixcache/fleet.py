@@ -337,10 +337,8 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
     # channel drops them rather than hold them to the end (a given channel gets them all).
     own_channels = channels is None
     routing = True
-    pending = None  # our channels' queues of batches
     if with_events and channels is None:
         channels = [InProcessChannel() for _ in range(num_workers)]
-        pending = [channel._batches for channel in channels]
     if with_events and router is not None:
         apply = router.indexer.apply_keys if direct else router.indexer.apply
     decode_tps = time_model.decode_tokens_per_s
@@ -384,10 +382,7 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
         if with_events:
             events = take_events[worker]()
             if events and (routing or not own_channels):
-                if pending is not None:  # our channel: ``publish`` in place
-                    pending[worker].append((now, steps, events))
-                else:
-                    channels[worker].publish(events, now, steps)
+                channels[worker].publish(events, now, steps)
 
     def start_next(worker: int, now: float) -> None:
         nonlocal tie, waiting_tokens
@@ -466,17 +461,9 @@ def _replay(requests: Sequence[Request], arrivals: np.ndarray, num_workers: int,
                         max_time, max_step = now - lag_s, math.inf
                     else:
                         max_time, max_step = math.inf, steps - event_lag.requests
-                    if pending is not None:
-                        # Our own channels: their queues read in place (``take``, without
-                        # a call and a list per worker and decision).
-                        for w, batches in enumerate(pending):
-                            while (batches and batches[0][0] <= max_time
-                                   and batches[0][1] <= max_step):
-                                apply(w, batches.popleft()[2])
-                    else:
-                        for w in range(num_workers):
-                            for events in channels[w].take(max_time, max_step):
-                                apply(w, events)
+                    for w in range(num_workers):
+                        for events in channels[w].take(max_time, max_step):
+                            apply(w, events)
                 if replicas:
                     worker = router.dispatch(index, request.prompt, request.extra_key,
                                              len(request.prompt) + request.output_len)

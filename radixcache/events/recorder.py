@@ -279,7 +279,7 @@ class KeyRecorder(EventRecorder):
         ValueError: ``page_size`` < 1.
     """
 
-    __slots__ = ("_node_keys", "_hash_bytes", "_root_seed")
+    __slots__ = ("_node_keys", "_hash_bytes")
 
     def __init__(self, page_size: int) -> None:
         super().__init__(page_size, block_hash="fast64")
@@ -288,7 +288,6 @@ class KeyRecorder(EventRecorder):
         # node, so they may start above it), or left to it by a child that was evicted
         self._node_keys: dict = {}
         self._hash_bytes = _page_hash_core().page_hash_bytes
-        self._root_seed = fast64_root(encode_namespace(None))  # the chain's seed, no namespace
 
     def stored(self, node: Any) -> None:
         """Record a new leaf's full pages (nothing if it has none).
@@ -296,19 +295,9 @@ class KeyRecorder(EventRecorder):
         Args:
             node: The new leaf, its value set.
         """
-        parent = node.parent
-        if parent.parent is None:  # a leaf of the root
-            parent_hash = None
-        else:  # usually a node stored before, its hash known
-            parent_hash = self._last_hash.get(parent.id)
-            if parent_hash is None:
-                parent_hash = self._hash_through(parent)
-        if parent_hash is not None:
-            seed = parent_hash
-        else:
-            extra_key = node.extra_key
-            seed = self._root_seed if extra_key is None else \
-                fast64_root(encode_namespace(extra_key))
+        parent_hash = self._hash_through(node.parent)
+        seed = fast64_root(encode_namespace(node.extra_key)) if parent_hash is None \
+            else parent_hash
         key = node.key
         keys = self._hash_bytes(seed, key if _LITTLE_ENDIAN else _key_bytes(key),
                                 self._page_bytes)

@@ -815,26 +815,15 @@ class KvIndexer:
                 else:
                     stats.malformed_events += 1
                 continue
-            # ``_is_key_record``, inline (once per record).
-            size = len(record)
-            if size == 3:
-                tag, keys, parent = record
-                if (type(tag) is not int or tag != KEYS_STORED or type(keys) is not bytes
-                        or len(keys) % 8 or not (parent is None or type(parent) is int)):
-                    stats.malformed_events += 1
+            if not _is_key_record(record):
+                stats.malformed_events += 1
+                continue
+            keys = record[1]
+            if record[0] == KEYS_STORED:
+                parent = record[2]
+                if parent is not None and (copy is None or self._key_of(copy, parent) is None):
+                    stats.unknown_parent += 1
                     continue
-                if parent is not None:
-                    if copy is None:
-                        stats.unknown_parent += 1
-                        continue
-                    if copy.published:
-                        known = self._key_of(copy, parent) is not None
-                    else:  # ``_key_of`` of a copy holding every block under its own key
-                        known = bool(copy.direct and INT64_MIN <= parent <= INT64_MAX
-                                     and index.holds(parent, copy.cid))
-                    if not known:
-                        stats.unknown_parent += 1
-                        continue
                 if not keys:
                     continue  # no full block: nothing held, as ``apply`` does
                 if copy is None:
@@ -850,12 +839,7 @@ class KvIndexer:
                     self._held += stored
                 stats.stored_blocks += stored
                 stats.duplicate_blocks += duplicates
-            elif size == 2:
-                tag, keys = record
-                if (type(tag) is not int or tag != KEYS_REMOVED or type(keys) is not bytes
-                        or len(keys) % 8):
-                    stats.malformed_events += 1
-                    continue
+            else:
                 if copy is None:
                     stats.unknown_removals += len(keys) // 8
                 elif copy.published:  # also fed events under other hashes: the general path
@@ -871,8 +855,6 @@ class KvIndexer:
                     if not copy.direct:  # holding nothing: dropped
                         self._forget_if_empty(copy)
                         copy = None
-            else:
-                stats.malformed_events += 1
 
     def _stored(self, worker: Hashable, event: BlockStored) -> None:
         stats = self.stats

@@ -192,10 +192,6 @@ class Router:
             TypeError: ``worker`` or ``tokens`` is not an int.
             ValueError: ``worker`` out of range, or ``tokens`` < 0.
         """
-        if type(worker) is int and type(tokens) is int and 0 <= worker < self.num_workers \
-                and tokens >= 0:  # the checks below, for plain ints (a call per request)
-            self._loads[worker] += tokens
-            return
         worker = self._check_worker(worker)
         self._loads[worker] += self._check_tokens(tokens)
 
@@ -211,11 +207,6 @@ class Router:
             ValueError: ``worker`` out of range, ``tokens`` < 0, or more than the worker's
                 load (the load never goes below zero).
         """
-        loads = self._loads
-        if type(worker) is int and type(tokens) is int and 0 <= worker < self.num_workers \
-                and 0 <= tokens <= loads[worker]:  # the checks below, for plain ints
-            loads[worker] -= tokens
-            return
         worker = self._check_worker(worker)
         tokens = self._check_tokens(tokens)
         if tokens > self._loads[worker]:
