@@ -35,7 +35,7 @@ cdef class BlockIndex:
     cdef int reserve_for(self, const int64_t* p, Py_ssize_t n) except -1
     cdef void move_to(self, BIEntry* fresh, Py_ssize_t capacity) noexcept
     cdef int rebuild(self, Py_ssize_t capacity) except -1
-    cdef void fetch(self, int64_t key) noexcept
+    cdef void fetch(self, int64_t key, int lines) noexcept
     cdef Py_ssize_t slot_of(self, int64_t key) noexcept
     cdef const int32_t* copies(self, BIEntry* e) noexcept
     cdef int32_t new_list(self, int32_t first, int32_t second) except -1
