@@ -25,7 +25,7 @@ CONVERSATION_TRACE, CONVERSATION_MISSING = trace_file("conversation")
 CAPACITY = 2_000_000
 PAGE_SIZE = 16
 WORKERS = 4
-ROUNDS = 3
+ROUNDS = 5
 
 
 @pytest.fixture(scope="module")
