@@ -142,11 +142,11 @@ DEF _BI_AHEAD = 16
 DEF _BI_LINE = 4
 
 # Lines a batch fetches from a key's home slot on: a store's probe for a key not held reads
-# on to the end of the slot's run, a removal's backward shift too and then past the key, so
-# each reads about one line past its home slot's on average (measured over a fleet replay:
-# 4.1 slots a removal). Fetching them too made removals about a third and stores about a
-# tenth cheaper where the table is out of the cache (a fleet simulation, whose trees and
-# pools share it), and changed nothing where it is in.
+# on to the end of the slot's run, and a removal's backward shift reads from the key to the
+# end of its run (4.1 slots on average over a fleet replay: about one line past the key's).
+# Fetching them too made removals about a third cheaper, stores a little, where the table is
+# out of the cache (a fleet simulation, whose trees and pools share it), and changed nothing
+# where it is in.
 DEF _BI_STORE_LINES = 2
 DEF _BI_REMOVE_LINES = 3
 
