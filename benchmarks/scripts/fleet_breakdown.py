@@ -38,31 +38,29 @@ seconds = {"store": 0.0, "remove": 0.0, "hash": 0.0, "overlap": 0.0}
 counts = {"store": 0, "remove": 0, "hash": 0}
 
 
+def _timed(name, call, blocks=None):
+    """``call`` with its time added to ``seconds[name]`` and ``blocks(args, result)`` to
+    ``counts[name]``."""
+
+    def run(*args):
+        start = time.perf_counter()
+        result = call(*args)
+        seconds[name] += time.perf_counter() - start
+        if blocks is not None:
+            counts[name] += blocks(args, result)
+        return result
+
+    return run
+
+
 class _TimedTable:
     """The index's block table, its stores, removals and overlaps timed."""
 
     def __init__(self, table):
         self._table = table
-
-    def store(self, copy, keys):
-        start = time.perf_counter()
-        result = self._table.store(copy, keys)
-        seconds["store"] += time.perf_counter() - start
-        counts["store"] += len(keys) // 8
-        return result
-
-    def remove(self, copy, keys):
-        start = time.perf_counter()
-        result = self._table.remove(copy, keys)
-        seconds["remove"] += time.perf_counter() - start
-        counts["remove"] += len(keys) // 8
-        return result
-
-    def overlap(self, *args):
-        start = time.perf_counter()
-        result = self._table.overlap(*args)
-        seconds["overlap"] += time.perf_counter() - start
-        return result
+        self.store = _timed("store", table.store, lambda args, _: len(args[1]) // 8)
+        self.remove = _timed("remove", table.remove, lambda args, _: len(args[1]) // 8)
+        self.overlap = _timed("overlap", table.overlap)
 
     def __getattr__(self, name):
         return getattr(self._table, name)
@@ -78,16 +76,7 @@ def _instrument() -> None:
 
     def timed_recorder_init(self, *args, **kwargs):
         recorder_init(self, *args, **kwargs)
-        hash_bytes = self._hash_bytes
-
-        def timed_hash(seed, data, page_bytes):
-            start = time.perf_counter()
-            keys = hash_bytes(seed, data, page_bytes)
-            seconds["hash"] += time.perf_counter() - start
-            counts["hash"] += len(keys) // 8
-            return keys
-
-        self._hash_bytes = timed_hash
+        self._hash_bytes = _timed("hash", self._hash_bytes, lambda _, keys: len(keys) // 8)
 
     indexer_module.KvIndexer.__init__ = timed_indexer_init
     recorder_module.KeyRecorder.__init__ = timed_recorder_init
