@@ -257,8 +257,10 @@ class Router:
             OverflowError: a token that does not fit in int64.
         """
         policy = self.policy
-        # cache-aware reads an int64 array in place (the block index hashes it as it is)
-        data = tokens if policy == "cache-aware" and _int64_array(tokens) else \
+        # An int64 array needs no check: cache-aware reads it in place (the block index
+        # hashes it as it is) and the policies that ignore the tokens skip the copy;
+        # prefix-hash slices the bytes.
+        data = tokens if policy != "prefix-hash" and _int64_array(tokens) else \
             tokens_le_bytes(tokens)
         namespace = encode_namespace(extra_key)
         if policy == "round-robin":

@@ -429,9 +429,13 @@ def test_every_policy_routes_into_range_and_checks_its_input():
         workers = {router.route(np.arange(i, i + 6)) for i in range(30)}
         assert workers <= {0, 1, 2} and workers
         routed = router.routed
+        # Arrays too: only a 1-D int64 one is taken as it is, under every policy.
         for tokens, extra_key, error in [([1.5], None, TypeError), ([[1], [2]], None, TypeError),
                                          ([2**64], None, OverflowError),
-                                         ([1, 2], 2.5, TypeError)]:
+                                         ([1, 2], 2.5, TypeError),
+                                         (np.array([1.5, 2.5]), None, TypeError),
+                                         (np.zeros((2, 2), dtype=np.int64), None, TypeError),
+                                         (np.arange(4), 2.5, TypeError)]:
             with pytest.raises(error):
                 router.route(tokens, extra_key)
         assert router.routed == routed  # a refused request changes nothing
