@@ -38,6 +38,8 @@ cdef class BlockIndex:
     cdef void fetch(self, int64_t key, int lines) noexcept
     cdef Py_ssize_t slot_of(self, int64_t key) noexcept
     cdef const int32_t* copies(self, BIEntry* e) noexcept
+    cdef bint entry_holds(self, BIEntry* e, int32_t copy) noexcept
+    cdef bint holds_key(self, int64_t key, int32_t copy) noexcept
     cdef int32_t new_list(self, int32_t first, int32_t second) except -1
     cdef void free_list(self, int32_t li) noexcept
     cdef int hold_key(self, int64_t key, int32_t copy) except -1

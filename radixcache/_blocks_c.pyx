@@ -466,6 +466,22 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
     cdef const int32_t* copies(self, BIEntry* e) noexcept:
         return &e.one if e.n == 1 else self.lists[e.one]
 
+    cdef inline bint entry_holds(self, BIEntry* e, int32_t copy) noexcept:
+        # Whether ``copy`` is among slot ``e``'s holders (an empty slot has none).
+        cdef const int32_t* items
+        cdef int32_t j
+        if e.n == 0:
+            return False
+        items = self.copies(e)
+        for j in range(e.n):
+            if items[j] == copy:
+                return True
+        return False
+
+    cdef inline bint holds_key(self, int64_t key, int32_t copy) noexcept:
+        cdef Py_ssize_t i = self.find(key)
+        return i >= 0 and self.entry_holds(&self.table[i], copy)
+
     cdef int32_t new_list(self, int32_t first, int32_t second) except -1:
         cdef int32_t* items = <int32_t*>PyMem_Malloc(4 * sizeof(int32_t))
         cdef int32_t** grown
@@ -661,15 +677,7 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
     def holds(self, key, copy):
         cdef int64_t k = _bi_key(key)
         cdef int32_t c = _bi_copy(copy)
-        cdef Py_ssize_t i = self.find(k), j
-        cdef const int32_t* items
-        if i < 0:
-            return False
-        items = self.copies(&self.table[i])
-        for j in range(self.table[i].n):
-            if items[j] == c:
-                return True
-        return False
+        return self.holds_key(k, c)
 
     def holders(self, key):
         cdef int64_t k = _bi_key(key)
@@ -699,24 +707,15 @@ Held blocks: 64-bit block key -> the copies (ints) holding it; see ``_blocks_py`
         cdef int32_t c = _bi_copy(copy)
         cdef bytes data = _bi_keys(keys)
         cdef const int64_t* p = <const int64_t*>PyBytes_AS_STRING(data)
-        cdef Py_ssize_t n = len(data) // 8, i, j
+        cdef Py_ssize_t n = len(data) // 8, i
         cdef Py_ssize_t stored = 0, duplicates = 0
         cdef BIEntry* e
-        cdef const int32_t* items
-        cdef bint held
         self.reserve_for(p, n)
         for i in range(n):
             if i + _BI_AHEAD < n:
                 self.fetch(p[i + _BI_AHEAD], _BI_STORE_LINES)
             e = &self.table[self.slot_of(p[i])]
-            held = False
-            if e.n:
-                items = self.copies(e)
-                for j in range(e.n):
-                    if items[j] == c:
-                        held = True
-                        break
-            if held:
+            if self.entry_holds(e, c):
                 duplicates += 1
             else:
                 self.hold_at(e, p[i], c)  # in the slot just found: no second probe
@@ -1863,18 +1862,6 @@ def read_wire(data):
     return batch
 
 
-cdef inline bint _bi_holds(BlockIndex index, int64_t key, int32_t c) noexcept:
-    cdef Py_ssize_t i = index.find(key), j
-    cdef const int32_t* items
-    if i < 0:
-        return False
-    items = index.copies(&index.table[i])
-    for j in range(index.table[i].n):
-        if items[j] == c:
-            return True
-    return False
-
-
 cdef bint _km_all_new(KeyMap keymap, const uint64_t* hs, Py_ssize_t m, uint64_t* seen,
                       Py_ssize_t mask) noexcept:
     # KeyMap.add_new's test: no hash held, none twice (``seen``: mask + 1 words).
@@ -1954,7 +1941,7 @@ def apply_wire(BlockIndex index not None, WireBatch batch not None, start, KeyMa
                         slot = keymap.find(e.parent_h)
                         if slot >= 0:
                             h = <uint64_t>keymap.table[slot].key
-                        elif d > 0 and e.parent_int and _bi_holds(index, e.parent_i, c):
+                        elif d > 0 and e.parent_int and index.holds_key(e.parent_i, c):
                             h = <uint64_t>e.parent_i
                         elif not lone:
                             break  # another tier may hold the parent
@@ -1979,7 +1966,7 @@ def apply_wire(BlockIndex index not None, WireBatch batch not None, start, KeyMa
                         index.reserve_for(keys, m)
                         st = 0
                         for k in range(m):
-                            if _bi_holds(index, keys[k], c):
+                            if index.holds_key(keys[k], c):
                                 duplicates += 1
                             else:
                                 index.hold_key(keys[k], c)
