@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _cases import trace_file
+from bench_fleet import CAPACITY, PAGE_SIZE, WORKERS  # the benchmark's sizes
 
 from radixcache import RadixCache
 from radixcache.events import recorder as recorder_module
@@ -29,10 +30,6 @@ from radixcache.fleet import simulate_fleet
 from radixcache.router import indexer as indexer_module
 from radixcache.traces import read_trace
 from radixcache.workloads import serve
-
-CAPACITY = 2_000_000
-PAGE_SIZE = 16
-WORKERS = 4
 
 seconds = {"store": 0.0, "remove": 0.0, "hash": 0.0, "overlap": 0.0}
 counts = {"store": 0, "remove": 0, "hash": 0}
