@@ -172,7 +172,7 @@ def test_only_the_integrations_import_sglang(name):
 def test_the_checker_sees_upward_imports():
     # The resolution the checks rely on: relative imports, in-function imports and Cython's.
     assert "radixcache._core" in imports_of("radixcache.events.hashing")
-    assert "radixcache.cache" in imports_of("radixcache.integrations.sglang")
+    assert "radixcache.cache" in imports_of("radixcache.integrations.sglang.backend")
     assert "radixcache._errors" in imports_of("radixcache._core_c")
     assert "radixcache._core_c" in imports_of("radixcache._core")  # inside a function
     assert layer_of("radixcache.cache")[0] > layer_of("radixcache._core")[0]

@@ -1,34 +1,17 @@
-"""radixcache as SGLang's prefix cache: ``--radix-cache-backend radixcache``.
+"""``RadixcacheBackend``: SGLang's ``BasePrefixCache`` over a ``radixcache.RadixCache``.
 
-Installing radixcache next to SGLang (0.5.23) is all it takes: the package declares an entry
-point in SGLang's plugin group ``sglang.srt.plugins``, SGLang calls ``register()`` early in
-every process, and ``register()`` files ``create_backend`` under the name ``radixcache`` in
-SGLang's radix-cache registry. ``python -m sglang.launch_server ... --radix-cache-backend
-radixcache`` then builds a ``RadixcacheBackend`` where SGLang would build its own cache.
-
-``RadixcacheBackend`` is a ``BasePrefixCache`` over a ``radixcache.RadixCache`` (compiled core
-by default). It serves the whole contract SGLang's scheduler uses for a full-attention model --
+It serves the whole contract SGLang's scheduler uses for a full-attention model --
 ``match_prefix``, ``insert``, ``checkpoint`` and the release path, ``evict`` /
 ``evict_for_alloc``, locks, sizes, ``path_device_indices``, ``prefix_device_indices``,
 ``touch_prefix``, ``dfs_weight_order``, ``reset``, KV events -- and decides as SGLang's default
 cache does (the same matches, the same slots written to request rows, the same slots freed to
 the allocator, the same events), except where a match or insert ends inside a node: there only
 the matched part counts as used (see ``docs/sglang.md``).
-
-``create_backend`` refuses, before the server starts serving, what this cache does not
-implement: sliding-window and Mamba (hybrid) models, hierarchical cache, LMCache, FlexKV,
-external cache linkers, host-pool retraction, MLX, EAGLE's bigram keys, sharded KV pages,
-session and streaming-session radix caches, a disabled radix cache, eviction policies other
-than ``lru``, ``lfu``, ``fifo``, ``filo``, ``mru``, ``slru`` and ``priority``, and eviction
-policy options.
-
-This module imports SGLang; ``import radixcache`` never does.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import time
 from array import array
 from typing import Any, Optional, Sequence
@@ -52,140 +35,13 @@ from sglang.srt.mem_cache.events import KVCacheEventRecorder
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from ..cache import RadixCache
-
-logger = logging.getLogger(__name__)
-
-#: The name ``--radix-cache-backend`` selects this cache by.
-BACKEND_NAME = "radixcache"
-
-#: ``--radix-eviction-policy`` values this cache serves exactly as SGLang's own cache does.
-SUPPORTED_EVICTION_POLICIES = ("lru", "lfu", "fifo", "filo", "mru", "slru", "priority")
+from ...cache import RadixCache
 
 _INT64_MAX = 2**63 - 1
 _PATH_MEMO_SIZE = 4096
 #: The release receipt of every lock: radixcache's locks are plain counts, with nothing to
 #: replay (SGLang's scheduler reads receipts of SWA caches only).
 _RECEIPT = DecLockRefParams()
-_DROP_FLAG = "drop --radix-cache-backend radixcache to use SGLang's own cache"
-
-
-class UnsupportedConfiguration(ValueError):
-    """A server configuration the radixcache backend does not serve (raised at start-up)."""
-
-
-# -- registration ------------------------------------------------------------------------------
-def register() -> None:
-    """The ``sglang.srt.plugins`` entry point: file ``create_backend`` as ``radixcache``.
-
-    Safe to call any number of times in one process. A different factory already filed under
-    the name is left in place (with a warning).
-    """
-    from sglang.srt.mem_cache import registry  # only when SGLang asks
-
-    existing = registry.get_radix_cache_factory(BACKEND_NAME)
-    if existing is create_backend:
-        return
-    if existing is not None:
-        logger.warning("radix-cache backend %r is already registered to %r; radixcache "
-                       "leaves it in place", BACKEND_NAME, existing)
-        return
-    registry.register_radix_cache_backend(BACKEND_NAME, create_backend)
-
-
-def _setting(namespace: str, name: str) -> Any:
-    """A published server setting (``get_memory().enable_lmcache``...), None if absent."""
-    from sglang.srt import runtime_context
-
-    try:
-        bag = getattr(runtime_context, f"get_{namespace}")()
-        return getattr(bag, name)
-    except (AttributeError, ValueError):  # namespace not published, or no such setting
-        return None
-
-
-def _refusal(ctx: Any) -> Optional[str]:
-    """Why this server configuration cannot run on radixcache (None: it can)."""
-    params = ctx.params
-    if ctx.disable_radix_cache or params.disable:
-        return ("--disable-radix-cache turns prefix caching off, so there is nothing for "
-                "radixcache to do: drop one of the two flags")
-    if ctx.is_hybrid_swa:
-        return ("this model has sliding-window attention layers (hybrid SWA), which "
-                f"radixcache does not cache; {_DROP_FLAG}")
-    if ctx.is_hybrid_ssm:
-        return ("this model keeps Mamba/linear-attention state (hybrid SSM), which radixcache "
-                f"does not cache; {_DROP_FLAG}")
-    if getattr(ctx, "full_tokens_per_layer", None) == 0:
-        return f"this model has no full-attention KV (pure SWA); {_DROP_FLAG}"
-    if hasattr(params.req_to_token_pool, "req_to_c128_sidecar"):
-        return f"this model keeps C128 sidecar pages next to its KV; {_DROP_FLAG}"
-    if ctx.enable_hierarchical_cache or _setting("memory", "enable_hierarchical_cache"):
-        return f"--enable-hierarchical-cache needs SGLang's unified radix tree; {_DROP_FLAG}"
-    if _setting("memory", "enable_lmcache"):
-        return f"--enable-lmcache needs SGLang's unified radix tree; {_DROP_FLAG}"
-    if _setting("memory", "enable_flexkv"):
-        return f"--enable-flexkv needs SGLang's own cache; {_DROP_FLAG}"
-    if _setting("memory", "enable_unified_cache_external_linker"):
-        return ("--enable-unified-cache-external-linker needs SGLang's unified radix tree; "
-                f"{_DROP_FLAG}")
-    if _setting("disagg", "disaggregation_decode_retraction_backup") == "host_pool":
-        return ("--disaggregation-decode-retraction-backup host_pool backs retracted requests "
-                f"up through SGLang's unified radix tree; {_DROP_FLAG}")
-    if params.enable_session_radix_cache or _setting("memory", "enable_session_radix_cache"):
-        return f"--enable-session-radix-cache needs SGLang's unified radix tree; {_DROP_FLAG}"
-    if _setting("serving", "enable_streaming_session"):
-        return f"--enable-streaming-session needs SGLang's unified radix tree; {_DROP_FLAG}"
-    if params.is_eagle:
-        return ("EAGLE speculative decoding keys the cache by token pairs (bigrams), which "
-                f"radixcache does not do; {_DROP_FLAG}")
-    try:
-        from sglang.srt.hardware_backend.mlx.runtime import use_mlx
-
-        mlx = use_mlx()
-    except ImportError:
-        mlx = False
-    if mlx:
-        return f"the MLX backend keeps its KV state in SGLang's own cache; {_DROP_FLAG}"
-    from sglang.srt.mem_cache.allocator.page_interleave import (
-        page_interleave_shard_size,
-    )
-
-    if page_interleave_shard_size(params.token_to_kv_pool_allocator) > 1:
-        return ("sharded KV pages (rotation bases) need SGLang's unified radix tree; "
-                f"{_DROP_FLAG}")
-    policy = params.eviction_policy
-    if not isinstance(policy, str) or policy.lower() not in SUPPORTED_EVICTION_POLICIES:
-        why = {"tlru": "T-LRU's per-node tail bookkeeping lives in SGLang's unified tree"}
-        reason = why.get(str(policy).lower(), "radixcache does not know it")
-        return (f"--radix-eviction-policy {policy}: {reason}; use one of "
-                f"{', '.join(SUPPORTED_EVICTION_POLICIES)}, or {_DROP_FLAG}")
-    if params.eviction_policy_config:
-        takes = ("radixcache's slru protects a node from its second hit on (SGLang's default "
-                 "protected_threshold, 2)" if policy.lower() == "slru"
-                 else f"the {policy} policy takes no options")
-        return (f"--radix-eviction-policy-config {params.eviction_policy_config!r}: {takes}; "
-                "drop the flag")
-    return None
-
-
-def create_backend(ctx: Any) -> "RadixcacheBackend":
-    """SGLang's radix-cache factory for ``--radix-cache-backend radixcache``.
-
-    Args:
-        ctx: SGLang's ``TreeCacheBuildContext``.
-
-    Returns:
-        A ``RadixcacheBackend`` over ``ctx.params``.
-
-    Raises:
-        UnsupportedConfiguration (a ValueError): the model or a flag needs something
-            radixcache does not implement; the message names it and says what to drop.
-    """
-    reason = _refusal(ctx)
-    if reason is not None:
-        raise UnsupportedConfiguration(f"--radix-cache-backend radixcache: {reason}")
-    return RadixcacheBackend(ctx.params)
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -822,5 +678,4 @@ class RadixcacheBackend(BasePrefixCache):
         return f"RadixcacheBackend({self._cache!r})"
 
 
-__all__ = ["BACKEND_NAME", "SUPPORTED_EVICTION_POLICIES", "RadixcacheBackend",
-           "UnsupportedConfiguration", "create_backend", "register"]
+__all__ = ["RadixcacheBackend"]
