@@ -38,7 +38,7 @@ from radixcache.events import (
     encode_namespace,
 )
 from radixcache.router import KvIndexer
-from radixcache.router.indexer import _page_keys, _root_key
+from radixcache.router.keys import _page_keys, _root_key
 
 BLOCK = 16
 CHUNK = 10_000  # blocks per stored event

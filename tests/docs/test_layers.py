@@ -9,6 +9,7 @@ the SGLang integration imports SGLang, and nothing in the package imports the in
 from __future__ import annotations
 
 import ast
+import graphlib
 import re
 from pathlib import Path
 
@@ -183,3 +184,25 @@ def test_the_checker_sees_upward_imports():
     assert allowed(router[0], router[2], events[0], events[2])
     fleet = layer_of("radixcache.fleet")
     assert allowed(fleet[0], fleet[2], cache[0], cache[2])
+
+
+def test_no_module_imports_back_what_imports_it():
+    # Within a layer (a package's own modules) the table allows any import: the order of
+    # imports must still run one way, so no two modules need each other to load (or to be
+    # read: a circle is two jobs in one place).
+    graph = {name: {t for t in imports_of(name) if t in MODULES} for name in MODULES}
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as error:
+        raise AssertionError(f"modules that import each other: {error.args[1]}") from None
+
+
+#: The most lines a Python module of the package has (the compiled modules are one module
+#: each on purpose: docs/design.md, "The compiled core").
+MAX_MODULE_LINES = 1200
+
+
+def test_python_modules_stay_small():
+    long = {str(path.relative_to(ROOT)): n for path in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"split these by job (at most {MAX_MODULE_LINES} lines a module): {long}"

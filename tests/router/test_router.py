@@ -812,8 +812,8 @@ def test_apply_payload_reads_token_ids_as_the_decoded_events_would(blocks, monke
     a malformed batch, when it refuses them)."""
     import msgspec
 
-    import radixcache.router.indexer as indexer_module
-    monkeypatch.setattr(indexer_module, "_msgpack_ids", blocks.msgpack_ids)
+    import radixcache.router.ingest as ingest_module
+    monkeypatch.setattr(ingest_module, "_msgpack_ids", blocks.msgpack_ids)
     stored = ["BlockStored", [11, 12], None, token_ids, 2, None, None]
     if encoding == "map":
         stored = dict(zip(["type", "block_hashes", "parent_block_hash", "token_ids",
