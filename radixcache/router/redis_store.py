@@ -2,8 +2,9 @@
 router replicas and surviving their restarts.
 
 Only what Redis 7.0 and Valkey both have: strings, hashes, sets, one sorted set and Lua
-scripts (run with EVALSHA; ``radixcache.router.redis_scripts``); no server module. Every key of an index starts with
-``rc:{namespace}:`` (``P`` below); one server holds any number of namespaces.
+scripts (run with EVALSHA; ``radixcache.router.redis_scripts``); no server module. Every key
+of an index starts with ``rc:{namespace}:`` (``P`` below); one server holds any number of
+namespaces.
 
 Key layout:
 
