@@ -1504,7 +1504,7 @@ cdef int _field_of(const unsigned char* p, MPVal* key) noexcept:
 cdef struct WEvent:
     int32_t kind          # _W_STORED, _W_REMOVED, _W_CLEARED
     int32_t parent        # 1: a parent hash, 0: none
-    int32_t parent_int    # the parent is an int in int64 (``parent_i``)
+    int32_t parent_int    # the parent is an int (``parent_i``: its value mod 2**64)
     int32_t extra         # extra_keys sent (an array of nils)
     Py_ssize_t tok        # its first token id in WireBatch.tokens
     Py_ssize_t n_tok
@@ -1543,8 +1543,8 @@ cdef class WireBatch:
     cdef int64_t* tokens           # every event's token ids, int64 little-endian
     cdef Py_ssize_t n_tokens, tokens_cap
     cdef uint64_t* h64             # every event's hashes: hash64
-    cdef int64_t* hval             # the hash as an int64 when hint
-    cdef unsigned char* hint       # the hash is an int in int64
+    cdef int64_t* hval             # the hash as an int64 (its value mod 2**64) when hint
+    cdef unsigned char* hint       # the hash is an int: a block's own key when hval is it
     cdef Py_ssize_t n_hashes, hashes_cap, hint_cap, hval_cap
     cdef Py_ssize_t max_hsh        # the most hashes of one event
     cdef object _medium            # the tier of its stores and removals (None: none)
@@ -1606,8 +1606,8 @@ cdef class WireBatch:
                 return 0
             if v.kind == _MP_INT:
                 self.h64[j] = _km_hash_u64(v.u)
-                self.hval[j] = v.i
-                self.hint[j] = not v.big
+                self.hval[j] = v.i  # a uint64 past int64 wraps: ints compare mod 2**64
+                self.hint[j] = 1
             elif v.kind == _MP_BIN:
                 self.h64[j] = _km_hash_mem(p + v.at, v.n)
                 self.hval[j] = 0
@@ -1679,8 +1679,8 @@ cdef class WireBatch:
             elif v.kind == _MP_INT:
                 e.parent = 1
                 e.parent_h = _km_hash_u64(v.u)
-                e.parent_i = v.i
-                e.parent_int = not v.big
+                e.parent_i = v.i  # a uint64 past int64 wraps: ints compare mod 2**64
+                e.parent_int = 1
             elif v.kind == _MP_BIN:
                 e.parent = 1
                 e.parent_h = _km_hash_mem(p + v.at, v.n)

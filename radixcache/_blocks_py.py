@@ -96,18 +96,19 @@ its stores and removals (``"GPU"`` for nil; None when it has none), ``batch.grou
 ``group_idx``. It neither pickles nor copies.
 
 ``apply_wire(index, batch, start, keymap, copy, direct, block_size, seed, alone, ns) ->
-tuple`` -- the second half: ``batch``'s events from position ``start`` applied in order to
-one copy's holdings, as ``KvIndexer`` applies them to a copy whose hashes are in ``keymap``
-(a ``KeyMap``) and ``direct`` holdings in ``index`` under their own keys, copy id ``copy``,
-until an event it leaves to the caller. A ``BlockStored`` of another ``block_size`` is
-counted and skipped, one whose token ids do not fill its blocks is malformed; its parent is
-looked up in ``keymap``, else among the copy's own-key holdings; a root block's chain starts
-from ``seed`` (``page_hash_chain``); a parent it does not find is counted unknown when
-``alone`` (no other copy of the worker in the same group may hold it), else left to the
-caller. Blocks published under their own keys (every hash equal to its key) are held like
-``BlockIndex.store``; others like ``KeyMap.add_new`` then ``BlockIndex.add`` when all are
-new, else one at a time (a hash held for the same key is a duplicate, for another key it is
-moved). A ``BlockRemoved`` takes the holding each hash names. It leaves to the caller: an
+tuple`` -- the second half: ``batch``'s events from position ``start`` applied in order to one
+copy's holdings, as ``KvIndexer`` applies them to a copy whose hashes are in ``keymap`` (a
+``KeyMap``) and ``direct`` holdings in ``index`` under their own keys, copy id ``copy``, until
+an event it leaves to the caller. A ``BlockStored`` of another ``block_size`` is counted and
+skipped, one whose token ids do not fill its blocks is malformed; its parent is looked up in
+``keymap``, else among the copy's own-key holdings (an int parent or hash names the key equal
+to it modulo 2**64, as ``KeyMap`` takes ints); a root block's chain starts from ``seed``
+(``page_hash_chain``); a parent it does not find is counted unknown when ``alone`` (no other
+copy of the worker in the same group may hold it), else left to the caller. Blocks published
+under their own keys (every hash an int equal to its key modulo 2**64) are held like
+``BlockIndex.store``; others like ``KeyMap.add_new`` then ``BlockIndex.add`` when all are new,
+else one at a time (a hash held for the same key is a duplicate, for another key it is moved).
+A ``BlockRemoved`` takes the holding each hash names. It leaves to the caller: an
 ``AllBlocksCleared``, an event with ``extra_keys`` and a parent when ``ns`` (the caller keeps
 namespaces), a store that would hold blocks both under their own keys and in ``keymap``, and
 everything when the copy holds both ways already. Returns ``(next, stored, duplicates,
@@ -127,7 +128,7 @@ from typing import Any
 
 import numpy as np
 
-from ._validate import INT64_MAX, INT64_MIN
+from ._validate import INT64_MAX, INT64_MIN, wrap_int64
 
 __all__ = ["BlockIndex", "KeyMap", "WireBatch", "apply_wire", "hash64", "ids_le_bytes",
            "msgpack_ids", "page_hash_bytes", "page_hash_chain", "read_wire"]
@@ -908,7 +909,8 @@ def apply_wire(index: BlockIndex, batch: WireBatch, start: int, keymap: KeyMap, 
         if e.kind == _CLEARED:
             break
         hs = [hash64(h) for h in e.hashes]
-        own = [type(h) is int and INT64_MIN <= h <= INT64_MAX for h in e.hashes]
+        # each hash as a block's own key: an int taken modulo 2**64, as hash64 takes it
+        own = [wrap_int64(h) if type(h) is int else None for h in e.hashes]
         m = len(hs)
         if e.kind == _STORED:
             if e.block_size != block_size:
@@ -922,9 +924,8 @@ def apply_wire(index: BlockIndex, batch: WireBatch, start: int, keymap: KeyMap, 
                     ph = hash64(e.parent)
                     if ph in km:
                         h = km[ph]
-                    elif d > 0 and type(e.parent) is int and INT64_MIN <= e.parent <= INT64_MAX \
-                            and index._has(e.parent, c):
-                        h = e.parent
+                    elif d > 0 and type(e.parent) is int and index._has(wrap_int64(e.parent), c):
+                        h = wrap_int64(e.parent)
                     elif not alone:
                         break  # another tier may hold the parent
                     else:
@@ -937,7 +938,7 @@ def apply_wire(index: BlockIndex, batch: WireBatch, start: int, keymap: KeyMap, 
                     ev += 1
                     continue
                 keys = page_hash_chain(h, e.tokens, block_size * 8)
-                identity = all(own[k] and e.hashes[k] == keys[k] for k in range(m))
+                identity = all(own[k] == keys[k] for k in range(m))
                 if identity and not km:
                     st = 0
                     for key in keys:
@@ -955,7 +956,7 @@ def apply_wire(index: BlockIndex, batch: WireBatch, start: int, keymap: KeyMap, 
                             index._hold(keys[k], c)
                         stored += m
                     else:
-                        if any(own[k] and e.hashes[k] == keys[k] for k in range(m)):
+                        if any(own[k] == keys[k] for k in range(m)):
                             break  # a block under its own key among others
                         for k in range(m):  # one at a time: duplicates, moved hashes
                             known = km.get(hs[k])
@@ -984,7 +985,7 @@ def apply_wire(index: BlockIndex, batch: WireBatch, start: int, keymap: KeyMap, 
             else:
                 st = 0
                 for k in range(m):
-                    if own[k] and index._drop(e.hashes[k], c):
+                    if own[k] is not None and index._drop(own[k], c):
                         st += 1
                     else:
                         unknown_removals += 1

@@ -7,7 +7,7 @@ import math
 import numbers
 from typing import Any, Optional
 
-__all__ = ["INT64_MIN", "INT64_MAX", "is_int", "is_real", "in_int64", "check_int",
+__all__ = ["INT64_MIN", "INT64_MAX", "is_int", "is_real", "in_int64", "wrap_int64", "check_int",
            "check_optional_int", "check_real", "counted"]
 
 INT64_MIN = -(2**63)
@@ -33,6 +33,14 @@ def counted(n: int, noun: str) -> str:
 def in_int64(value: int) -> bool:
     """Whether an int fits a signed 64-bit integer."""
     return INT64_MIN <= value <= INT64_MAX
+
+
+def wrap_int64(value: int) -> int:
+    """An int taken modulo 2**64: the signed 64-bit integer with the same low 64 bits (a
+    64-bit hash spelled unsigned, ``k + 2**64``, is ``k``)."""
+    if INT64_MIN <= value <= INT64_MAX:
+        return value
+    return ((value - INT64_MIN) & 0xFFFFFFFFFFFFFFFF) + INT64_MIN
 
 
 def check_int(value: Any, what: str, low: Optional[int] = None,

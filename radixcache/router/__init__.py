@@ -15,8 +15,10 @@ hash to the indexer's key resolves ``parent_block_hash`` and ``BlockRemoved``. T
 the ``fast64`` block hash (``radixcache.events.BLOCK_HASHES``: the block module's
 ``page_hash_chain``, compiled when built, seeded by the namespace), so a publisher recording
 with ``block_hash="fast64"`` sends the indexer's own keys: checked against the token ids,
-such blocks need no map entry. The keys are 64-bit and not collision resistant: a hostile
-publisher could make two prefixes share keys; feed the index from trusted workers.
+such blocks need no map entry. Int hashes are taken modulo 2**64 everywhere, own keys too:
+``K + 2**64`` (a key sent unsigned) names the block held as ``K``. The keys are 64-bit and
+not collision resistant: a hostile publisher could make two prefixes share keys; feed the
+index from trusted workers.
 Memory is proportional to the (block, copy) pairs held: one entry per pair in that map and
 one per distinct block in the block module's table (``BlockIndex``, compiled when built:
 16 bytes a slot, and a short list when several copies hold the block), freed when its last

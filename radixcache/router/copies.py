@@ -10,7 +10,7 @@ from array import array
 from typing import Any, Hashable, Optional
 
 from .. import _core
-from .._validate import INT64_MAX, INT64_MIN
+from .._validate import wrap_int64
 
 
 class _Copy:
@@ -134,16 +134,18 @@ class CopyTable:
                 refs[key] = refs.get(key, 0) + 1
         return refs
 
-    def _direct(self, copy: _Copy, block_hash: Any) -> bool:
-        """Whether ``copy`` holds ``block_hash`` as a block's own key (no ``published``
-        entry): one of its holdings of that key is not some other hash's."""
-        if not copy.direct or type(block_hash) is not int or not (
-                INT64_MIN <= block_hash <= INT64_MAX):
-            return False
+    def _own(self, copy: _Copy, block_hash: Any) -> Optional[int]:
+        """The key ``copy`` holds under ``block_hash`` as the block's own key (no
+        ``published`` entry: one of its holdings of that key is not some other hash's), or
+        None. An int hash names the key equal to it modulo 2**64, as ``KeyMap`` compares
+        int hashes (a publisher may spell a 64-bit key unsigned)."""
+        if not copy.direct or type(block_hash) is not int:
+            return None
+        key = wrap_int64(block_hash)
         if not copy.published:
-            return self._index.holds(block_hash, copy.cid)
-        named = self._refs(copy).get(block_hash, 0)
-        return self._index.holders(block_hash).count(copy.cid) > named
+            return key if self._index.holds(key, copy.cid) else None
+        named = self._refs(copy).get(key, 0)
+        return key if self._index.holders(key).count(copy.cid) > named else None
 
     def _publish(self, copy: _Copy, block_hash: Any, key: int) -> None:
         copy.published.put(block_hash, key)
@@ -167,8 +169,8 @@ class CopyTable:
     def _key_of(self, copy: _Copy, block_hash: Any) -> Optional[int]:
         """The indexer key ``copy`` holds under publisher hash ``block_hash``, or None."""
         key = copy.published.get(block_hash)
-        if key is None and self._direct(copy, block_hash):
-            key = block_hash  # published under its own key
+        if key is None:
+            key = self._own(copy, block_hash)  # published under its own key
         return key
 
     def _parent_on_other_tier(self, worker: Hashable, group: Any, copy: Optional[_Copy],

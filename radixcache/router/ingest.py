@@ -11,7 +11,7 @@ from array import array
 from typing import Any, Hashable, Iterable, Optional
 
 from .. import _core
-from .._validate import check_int, is_int
+from .._validate import check_int, is_int, wrap_int64
 from ..events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -43,6 +43,13 @@ from .keys import (
 from .stats import IndexerStats
 
 _DECODER = [False]  # whether decode_batch's optional dependencies were found
+
+
+def _own_keys(hashes: Any, keys: list) -> bool:
+    """Whether each hash is its block's own key, as an int taken modulo 2**64 (a publisher
+    that spells its 64-bit hashes unsigned sends ``key + 2**64`` for a negative key)."""
+    return bool(keys) and type(hashes[0]) is int and wrap_int64(hashes[0]) == keys[0] and all(
+        type(h) is int and wrap_int64(h) == key for h, key in zip(hashes, keys))
 
 
 class EventIngest(CopyTable):
@@ -318,8 +325,11 @@ class EventIngest(CopyTable):
                 self._ns_of.update(dict.fromkeys(keys, ns_entry))
             # Published under the indexer's own keys (a fast64 publisher), or checked hashes.
             identity = keys == list(hashes)
-            if not identity and not _all_hash_types(hashes):
-                hashes = [h if type(h) in _HASH_TYPES else operator.index(h) for h in hashes]
+            if not identity:
+                if not _all_hash_types(hashes):
+                    hashes = [h if type(h) in _HASH_TYPES else operator.index(h)
+                              for h in hashes]
+                identity = _own_keys(hashes, keys)
         except (TypeError, ValueError, OverflowError, LookupError, RecursionError):
             # LookupError: extra_keys[0]; RecursionError: a hand-built, absurdly deep namespace
             stats.malformed_events += 1
@@ -367,9 +377,10 @@ class EventIngest(CopyTable):
         index, cid = self._index, copy.cid
         for block_hash, key in zip(hashes, keys):
             known = copy.published.get(block_hash)
-            own = known is None and self._direct(copy, block_hash)
-            if own:
-                known = block_hash
+            own = False
+            if known is None:
+                known = self._own(copy, block_hash)
+                own = known is not None
             if known is not None:
                 if known == key:
                     duplicates += 1
@@ -379,8 +390,8 @@ class EventIngest(CopyTable):
                 else:
                     self._unpublish(copy, block_hash)
                 index.unhold(known, cid)
-            if type(block_hash) is int and block_hash == key:
-                copy.direct += 1
+            if type(block_hash) is int and wrap_int64(block_hash) == key:
+                copy.direct += 1  # its own key (modulo 2**64, as every int hash)
             else:
                 self._publish(copy, block_hash, key)
             index.hold(key, cid)
@@ -418,8 +429,9 @@ class EventIngest(CopyTable):
                 for block_hash in hashes:
                     if isinstance(block_hash, int) and not isinstance(block_hash, bool):
                         block_hash = int(block_hash)
-                    if self._direct(copy, block_hash):
-                        self._index.unhold(block_hash, copy.cid)
+                    key = self._own(copy, block_hash)
+                    if key is not None:
+                        self._index.unhold(key, copy.cid)
                         removed += 1
                     else:
                         unknown += 1
@@ -431,10 +443,10 @@ class EventIngest(CopyTable):
                     if type(block_hash) is not int and isinstance(block_hash, int) \
                             and not isinstance(block_hash, bool):
                         block_hash = int(block_hash)
-                    if not self._direct(copy, block_hash):
+                    key = self._own(copy, block_hash)
+                    if key is None:
                         unknown += 1
                         continue
-                    key = block_hash
                     copy.direct -= 1
                 self._index.unhold(key, copy.cid)
                 removed += 1

@@ -23,6 +23,7 @@ from radixcache.events import (
     extra_keys_entry,
 )
 from radixcache.router import KvIndexer
+from own_keys import held_under_a_negative_key_and_its_unsigned_spelling, negative_key_steps
 
 try:
     import msgspec
@@ -88,6 +89,22 @@ def test_a_key_stored_again_under_its_own_hash_is_a_second_holding(indexer_on):
     assert indexer.stats.duplicate_blocks == 2
     indexer.apply(0, [BlockRemoved(tuple(fast))])
     assert indexer.overlap(tokens) == {} and indexer.workers == []
+
+
+@pytest.mark.parametrize("unsigned_first", [False, True])
+@pytest.mark.parametrize("both_ways", [False, True])
+@pytest.mark.parametrize("via", ["events", "payloads"])
+def test_a_hash_equal_to_its_negative_own_key_is_taken_mod_2_64(indexer_on, via, both_ways,
+                                                                unsigned_first):
+    """A publisher hash equal to a block's own key is compared modulo 2**64, as every other
+    int hash is: K + 2**64 names the block held under its own key K (a re-store is a
+    duplicate, a child's parent, a removal), and K names the one stored as K + 2**64."""
+    indexer = indexer_on(2)
+    got = held_under_a_negative_key_and_its_unsigned_spelling(indexer, via, both_ways,
+                                                              unsigned_first)
+    assert got == negative_key_steps(both_ways)
+    indexer.remove_worker(0)
+    assert len(indexer) == 0 and indexer._index.pairs == 0
 
 
 # -- model-based fuzz ------------------------------------------------------------------------

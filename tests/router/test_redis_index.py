@@ -33,6 +33,11 @@ from radixcache.events import (
     tokens_le_bytes,
 )
 from radixcache.router import KvIndexer, Router
+from own_keys import (
+    held_under_a_negative_key_and_its_unsigned_spelling,
+    negative_key_block,
+    negative_key_steps,
+)
 
 redis = pytest.importorskip("redis", reason="needs the redis client (radixcache[redis])")
 
@@ -654,6 +659,40 @@ def test_publisher_hashes_of_every_kind_survive_a_take_over(server, namespace, k
     assert len(taken) == len(local)
     for worker in ("w0", "w1"):
         assert taken.blocks_held(worker, None) == local.blocks_held(worker, None)
+    taken.close()
+
+
+@pytest.mark.parametrize("unsigned_first", [False, True])
+@pytest.mark.parametrize("both_ways", [False, True])
+@pytest.mark.parametrize("via", ["events", "payloads"])
+def test_a_hash_equal_to_its_negative_own_key_is_taken_mod_2_64(server, namespace, via,
+                                                                both_ways, unsigned_first):
+    # As in process (test_indexer_model.py): K + 2**64 names the block held as K.
+    remote = KvIndexer(2, store=server.url, namespace=namespace)
+    got = held_under_a_negative_key_and_its_unsigned_spelling(remote, via, both_ways,
+                                                              unsigned_first)
+    assert got == negative_key_steps(both_ways)
+    remote.close()
+
+
+@pytest.mark.parametrize("unsigned_first", [False, True])
+def test_a_take_over_keeps_an_own_key_named_either_way(server, namespace, unsigned_first):
+    # The journal keeps what the view held: a router that takes the worker over removes the
+    # block by the other spelling of its key, and a child below it finds it.
+    first = KvIndexer(2, store=server.url, namespace=namespace, owner="a")
+    tokens, key = negative_key_block(first)
+    stored, other = (key + 2 ** 64, key) if unsigned_first else (key, key + 2 ** 64)
+    first.apply(0, ReceivedBatch(0, 0.0, [BlockStored((stored,), None, tokens, 2),
+                                          BlockStored((b"x",), None, (9, 9), 2)], None))
+    first.close()
+    taken = KvIndexer(2, store=server.url, namespace=namespace, owner="a")
+    taken.apply(0, ReceivedBatch(1, 0.0, [BlockStored((other,), None, tokens, 2),
+                                          BlockStored((5,), other, (5, 5), 2)], None))
+    assert taken.stats.duplicate_blocks == 1 and taken.stats.unknown_parent == 0
+    assert taken.overlap(tokens + (5, 5)) == {0: 2} and taken.blocks_held(0) == 3
+    taken.apply(0, ReceivedBatch(2, 0.0, [BlockRemoved((other,))], None))
+    assert taken.stats.removed_blocks == 1 and taken.stats.unknown_removals == 0
+    assert taken.overlap(tokens) == {} and taken.blocks_held(0) == 2
     taken.close()
 
 

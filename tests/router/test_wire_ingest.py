@@ -50,6 +50,15 @@ def state(indexer: KvIndexer) -> tuple:
     return indexer.stats.as_dict(), copies, holdings, len(indexer), indexer._held
 
 
+def respelled(block_hash):
+    """An int hash's other spelling modulo 2**64 (signed or unsigned), when it has one."""
+    if type(block_hash) is int and -(1 << 63) <= block_hash < 0:
+        return block_hash + (1 << 64)
+    if type(block_hash) is int and 1 << 63 <= block_hash < 1 << 64:
+        return block_hash - (1 << 64)
+    return block_hash
+
+
 class Source:
     """Random batches of one worker's events, as the one-call path mostly reads them."""
 
@@ -65,6 +74,8 @@ class Source:
         rng = self.rng
         if kind == "fast64":
             return self.indexer.block_keys(tokens)[-1]
+        if kind == "fast64 unsigned":  # the same key, as a publisher of uint64 hashes sends it
+            return self.indexer.block_keys(tokens)[-1] % (1 << 64)
         if kind == "int":
             return rng.randrange(-(1 << 63), 1 << 63)
         if kind == "uint64":
@@ -87,9 +98,12 @@ class Source:
             if others:  # a parent another tier holds, or none
                 parent, prefix = rng.choice(others)
                 prefix = list(prefix)
+        if parent is not None and rng.random() < 0.2:
+            parent = respelled(parent)
         elif roll < 0.7:
             parent = rng.randrange(1 << 40)  # unknown
-        kind = rng.choice(("int", "int", "fast64", "fast64", "bytes", "uint64", "small"))
+        kind = rng.choice(("int", "int", "fast64", "fast64", "fast64 unsigned", "bytes",
+                           "uint64", "small"))
         tokens, hashes = [], []
         for _ in range(rng.randrange(0 if rng.random() < 0.05 else 1, 5)):
             page = list(rng.choice(self.pages))
@@ -123,6 +137,8 @@ class Source:
         for _ in range(rng.randrange(0, 5)):
             if held and rng.random() < 0.8:
                 hashes.append(rng.choice(list(held)))
+                if rng.random() < 0.2:
+                    hashes[-1] = respelled(hashes[-1])
             else:
                 hashes.append(rng.choice((rng.randrange(1 << 40), rng.randbytes(32))))
             if rng.random() < 0.1:
