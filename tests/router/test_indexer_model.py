@@ -8,6 +8,7 @@ module.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import random
 
@@ -111,8 +112,9 @@ def test_a_hash_equal_to_its_negative_own_key_is_taken_mod_2_64(indexer_on, via,
 class ReferenceIndex:
     """What ``KvIndexer`` must answer, with no hashing and no shared table.
 
-    Per worker, its copies ``(medium, group)`` in the order they were made (a copy is
-    dropped when it holds nothing), each ``{publisher hash: block}``, a block being
+    Per worker, its copies ``(tier, group)`` in the order they were made (a copy is
+    dropped when it holds nothing; ``"CPU_PINNED"`` is the tier ``"CPU"``), each
+    ``{publisher hash: block}`` (an int hash taken modulo 2**64), a block being
     ``(namespace entry, pages up to and including it)``, a page ``(tokens, extra keys)``:
     a sequence's first block's ``extra_keys`` entry names its namespace, and any other
     entry that is not None or the namespace's is the page's own."""
@@ -133,13 +135,13 @@ class ReferenceIndex:
                 self._stored(worker, event)
 
     def _where(self, event):
-        return (event.medium or "GPU", event.group_idx)
+        return (tier(event.medium), event.group_idx)
 
     def _stored(self, worker, event):
         where = self._where(event)
         copies = self.workers.get(worker, {})
         held = copies.get(where, {})
-        parent = event.parent_block_hash
+        parent = same_hash(event.parent_block_hash)
         if parent is None:
             block = (event.extra_keys[0] if event.extra_keys else None, ())
         elif parent in held:
@@ -162,7 +164,7 @@ class ReferenceIndex:
             return
         held = self.workers.setdefault(worker, {}).setdefault(where, held)
         for block_hash, block in zip(event.block_hashes, blocks):
-            held[block_hash] = block  # a reused hash: the newer block wins
+            held[same_hash(block_hash)] = block  # a reused hash: the newer block wins
 
     def _removed(self, worker, event):
         copies = self.workers.get(worker, {})
@@ -171,7 +173,7 @@ class ReferenceIndex:
         if held is None:
             return
         for block_hash in event.block_hashes:
-            held.pop(block_hash, None)
+            held.pop(same_hash(block_hash), None)
         if not held:
             del copies[where]
             if not copies:
@@ -189,8 +191,13 @@ class ReferenceIndex:
             blocks.append((ns_entry, pages))
         return blocks
 
+    def blocks_held(self, worker, medium=None):
+        return sum(len(held) for (m, _), held in self.workers.get(worker, {}).items()
+                   if medium is None or m == tier(medium))
+
     def overlap(self, tokens, entries, medium="GPU", namespace=None):
         out = {}
+        medium = tier(medium)
         query = self.query_blocks(tokens, entries, namespace)
         for worker, copies in self.workers.items():
             blocks = {b for (m, _), held in copies.items() if m == medium
@@ -203,7 +210,19 @@ class ReferenceIndex:
         return out
 
 
-HASH_TYPES = ("bytes32", "int64", "fast64")
+HASH_TYPES = ("bytes32", "int64", "fast64", "fast64 unsigned")
+#: The tiers events name: SGLang's pinned host memory is the host tier ("CPU").
+MEDIA = ("GPU", "GPU", "CPU", "CPU_PINNED", "DISK")
+
+
+def tier(medium):
+    """The tier an event's or a query's ``medium`` names, as documented."""
+    return "CPU" if medium == "CPU_PINNED" else medium or "GPU"
+
+
+def same_hash(block_hash):
+    """A publisher hash as the index tells hashes apart: an int modulo 2**64."""
+    return block_hash % (1 << 64) if type(block_hash) is int else block_hash
 ROOT_ENTRIES = (None, None, extra_keys_entry("a"), extra_keys_entry(7), ("ad", "salt"),
                 ("img-1",))
 IMAGE_ENTRIES = (("img-1",), ("img-2",), ("ad", "img-1"))
@@ -221,11 +240,12 @@ class EventSource:
         self.queries = []
 
     def block_hash(self, kind, block):
-        if kind == "fast64":  # the indexer's own key: a fast64 publisher
+        if kind.startswith("fast64"):  # the indexer's own key: a fast64 publisher
             ns_entry, pages = block
             tokens = [t for page, _ in pages for t in page]
             entries = [ns_entry] + [entry or ns_entry for _, entry in pages[1:]]
-            return self.indexer.block_keys(tokens, block_extra_keys=entries)[-1]
+            key = self.indexer.block_keys(tokens, block_extra_keys=entries)[-1]
+            return key % (1 << 64) if kind == "fast64 unsigned" else key
         digest = hashlib.blake2b(repr(block).encode()).digest()
         if kind == "bytes32":
             return digest[:32]
@@ -233,10 +253,15 @@ class EventSource:
 
     def stored(self, worker):
         rng = self.rng
-        medium = rng.choice(("GPU", "GPU", "CPU", "DISK"))
-        group = rng.choice((None, None, 1))
         copies = self.reference.workers.get(worker, {})
-        held = copies.get((medium, group), {})
+        if copies and rng.random() < 0.2:  # a chain one of its copies holds, stored again
+            (medium, group), held = rng.choice(sorted(copies.items(), key=repr))
+            if medium == "CPU" and rng.random() < 0.5:
+                medium = "CPU_PINNED"  # the same tier, by SGLang's name
+            return self.stored_again(medium, group, held)
+        medium = rng.choice(MEDIA)
+        group = rng.choice((None, None, 1))
+        held = copies.get((tier(medium), group), {})
         others = [(h, b) for (m, g), c in copies.items() if g == group for h, b in c.items()]
         roll = rng.random()
         if roll < 0.5 and held:
@@ -268,6 +293,28 @@ class EventSource:
         return BlockStored(tuple(hashes), parent, tuple(tokens), self.block_size,
                            medium=medium, extra_keys=tuple(entries), group_idx=group)
 
+    def stored_again(self, medium, group, held):
+        """A chain the copy holds, stored again from its root, mostly under a hash type it
+        is not held under yet: its blocks are then held under two or three hashes each."""
+        rng = self.rng
+        counts = collections.Counter(held.values())
+        blocks = sorted(counts, key=repr)
+        if rng.random() < 0.5:  # one held most often: up to three hashes
+            most = max(counts.values())
+            blocks = [block for block in blocks if counts[block] == most]
+        ns_entry, pages = rng.choice(blocks)
+        new = [kind for kind in HASH_TYPES
+               if same_hash(self.block_hash(kind, (ns_entry, pages))) not in held]
+        kind = rng.choice(new if new and rng.random() < 0.8 else HASH_TYPES)
+        hashes = tuple(self.block_hash(kind, (ns_entry, pages[:i + 1]))
+                       for i in range(len(pages)))
+        entries = [ns_entry] + [entry or ns_entry for _, entry in pages[1:]]
+        tokens = [t for page, _ in pages for t in page]
+        self.queries.append((tokens, entries))
+        del self.queries[:-12]
+        return BlockStored(hashes, None, tuple(tokens), self.block_size, medium=medium,
+                           extra_keys=tuple(entries), group_idx=group)
+
     def removed(self, worker):
         rng = self.rng
         copies = self.reference.workers.get(worker, {})
@@ -275,6 +322,8 @@ class EventSource:
             medium, group, held = "GPU", None, {}
         else:
             (medium, group), held = rng.choice(sorted(copies.items(), key=repr))
+            if medium == "CPU" and rng.random() < 0.5:
+                medium = "CPU_PINNED"  # the same tier, by SGLang's name
         hashes = []
         for _ in range(rng.randrange(1, 4)):
             roll = rng.random()
@@ -327,7 +376,7 @@ def test_indexer_matches_the_reference_under_random_batches(indexer_on, seed, vi
         else:
             indexer.apply(worker, events)
         for tokens, entries in source.queries:
-            for medium in ("GPU", "DISK"):
+            for medium in ("GPU", rng.choice(("CPU", "CPU_PINNED", "DISK"))):
                 want = reference.overlap(tokens, entries, medium)
                 got = indexer.overlap(tokens, medium=medium, block_extra_keys=entries)
                 if got != want:
@@ -343,9 +392,11 @@ def test_indexer_matches_the_reference_under_random_batches(indexer_on, seed, vi
                     tokens, block_extra_keys=plain):
                 mismatches.append((step, tokens, plain))
         for w in range(3):
-            want_held = sum(len(h) for h in reference.workers.get(w, {}).values())
-            if indexer.blocks_held(w) != want_held:
-                mismatches.append((step, w, indexer.blocks_held(w), want_held))
+            for medium in (None, "GPU", "CPU", "CPU_PINNED", "DISK"):
+                want_held = reference.blocks_held(w, medium)
+                if indexer.blocks_held(w, medium) != want_held:
+                    mismatches.append((step, w, medium, indexer.blocks_held(w, medium),
+                                       want_held))
         assert sorted(indexer.workers) == sorted(reference.workers)
         # the copies' counts are the table's holdings: nothing held under a dropped id
         assert indexer._index.pairs == sum(indexer.blocks_held(w) for w in range(3))
