@@ -1691,8 +1691,6 @@ cdef class WireBatch:
             if v.kind != _MP_INT or v.big:
                 return 0
             e.block_size = v.i
-        elif field == _F_LORA_ID:
-            return v.kind == _MP_NIL or v.kind == _MP_INT
         elif field == _F_MEDIUM:
             if v.kind == _MP_STR:
                 if v.n > 64:
@@ -1701,7 +1699,7 @@ cdef class WireBatch:
                 e.medium_n = v.n
             elif v.kind != _MP_NIL:
                 return 0
-        elif field == _F_LORA_NAME or field == _F_CACHE_SALT:
+        elif field == _F_LORA_ID or field == _F_LORA_NAME or field == _F_CACHE_SALT:
             return v.kind == _MP_NIL  # a namespace: read by KvIndexer itself
         elif field == _F_EXTRA_KEYS:
             if v.kind == _MP_ARRAY:

@@ -85,8 +85,8 @@ payload it does not read, which the caller reads otherwise (``decode_batch``). I
 float, the rank nil or an int) whose events are all tagged maps or all tagged arrays, the
 layouts and fields of "Wire format" in ``radixcache.events``, with: block hashes and a
 parent that are ints (any msgpack int) or bin; token ids, ``block_size`` and ``group_idx``
-ints in int64; ``lora_id`` nil or an int; ``medium`` nil or an ASCII str of at most 64
-bytes; ``lora_name`` and ``cache_salt`` nil; ``extra_keys`` nil or an array of nils; every
+ints in int64; ``medium`` nil or an ASCII str of at most 64 bytes; ``lora_id``,
+``lora_name`` and ``cache_salt`` nil; ``extra_keys`` nil or an array of nils; every
 str ASCII; no field twice; fields no event has (a map's other keys, an array's places past
 the known ones) skipped, any value but an ext, nested at most 8 deep; and one copy for all its
 stores and removals (the same ``medium``, nil being ``"GPU"``, and the same ``group_idx``).
@@ -740,15 +740,12 @@ def _read_field(r: _Reader, field: int, e: _WireEvent) -> None:
                 e.group = value
         elif kind != "nil" or name == "block_size":
             raise _Decline
-    elif name == "lora_id":
-        if kind not in ("nil", "int"):
-            raise _Decline
     elif name == "medium":
         if kind == "str" and len(value) <= 64:
             e.medium = value
         elif kind != "nil":
             raise _Decline
-    elif name in ("lora_name", "cache_salt"):
+    elif name in ("lora_id", "lora_name", "cache_salt"):
         if kind != "nil":
             raise _Decline  # a namespace: read by KvIndexer itself
     elif name == "extra_keys":

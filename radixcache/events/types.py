@@ -42,7 +42,8 @@ class BlockStored:
             ``(namespace,)`` on every block of a namespaced leaf (see ``extra_keys_entry``).
         group_idx: The KV-cache group (None: radixcache has one).
         cache_salt: The salt of the request that stored the blocks (SGLang's field; its
-            hashes already depend on it), or None. Sent in the map encoding only.
+            hashes already depend on it), or None. Sent in the map encoding only: the
+            positional one refuses an event that has one.
     """
 
     block_hashes: Tuple[Union[int, bytes], ...]
@@ -67,9 +68,14 @@ class BlockStored:
             A dict (map) or a list (positional).
 
         Raises:
-            ValueError: an unknown ``encoding``.
+            ValueError: an unknown ``encoding``, or a ``cache_salt`` in the positional one
+                (it has no place for it: dropping it would put the blocks in another
+                namespace).
         """
         if _check_encoding(encoding) == "positional":
+            if self.cache_salt is not None:
+                raise ValueError("BlockStored.cache_salt has no place in the positional "
+                                 "encoding: use the map encoding")
             wire = ["BlockStored", list(self.block_hashes), self.parent_block_hash,
                     list(self.token_ids), self.block_size, self.lora_id, self.medium]
             extra_keys = self.extra_keys

@@ -477,8 +477,9 @@ def encode_batch(events: Iterable[KVEvent], *, encoding: str = DEFAULT_ENCODING,
     Raises:
         TypeError: an item that is not a KV event, or a ``ts`` or ``data_parallel_rank``
             of the wrong type.
-        ValueError: an unknown ``encoding``, or a namespace msgpack cannot carry (an int
-            beyond 64 bits, a str with a lone surrogate).
+        ValueError: an unknown ``encoding``, a namespace msgpack cannot carry (an int
+            beyond 64 bits, a str with a lone surrogate), or a ``cache_salt`` in the
+            positional encoding (which has no place for it).
         ImportError: msgspec is not installed.
     """
     _, msgspec = _transport("encode_batch")

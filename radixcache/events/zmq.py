@@ -92,8 +92,9 @@ class ZmqEventPublisher:
     the queue is full the batch is dropped and counted (``dropped``), leaving a gap in the
     sequence numbers that subscribers see. ``encoding`` lays out the events: ``"map"`` (vLLM's
     tagged maps, the default) or ``"positional"`` (tagged arrays, for older consumers). A
-    batch that cannot be encoded (a namespace msgpack cannot carry) is counted in ``errors``,
-    kept in ``last_error`` and leaves a gap, like a failed send. The last ``buffer_steps`` sent
+    batch that cannot be encoded (a namespace msgpack cannot carry, a ``cache_salt`` in the
+    positional encoding) is counted in ``errors``, kept in ``last_error`` and leaves a gap,
+    like a failed send. The last ``buffer_steps`` sent
     batches are kept for the replay socket (``replay_endpoint``, a ROUTER), which answers as
     vLLM's and SGLang's do: a request ``(b"", start_seq)`` gets ``(b"", topic, seq, payload)``
     for every buffered batch from ``start_seq`` on, then ``(b"", b"", -1, b"")``. Both

@@ -8,17 +8,18 @@ many leading blocks of a request each worker holds.
 
 Block keys are computed by the indexer itself, not taken from the publisher: a block's key
 chains its parent's key and the block's token ids (and, for a sequence's first block, the
-namespace), so any publisher that sends token ids (radixcache, vLLM, SGLang) indexes the
-same way and a query hashes its tokens the same way. Per copy (a worker's blocks on one
-tier, ``medium``, in one KV-cache group, ``group_idx``), a map from the publisher's block
-hash to the indexer's key resolves ``parent_block_hash`` and ``BlockRemoved``. The keys are
-the ``fast64`` block hash (``radixcache.events.BLOCK_HASHES``: the block module's
-``page_hash_chain``, compiled when built, seeded by the namespace), so a publisher recording
-with ``block_hash="fast64"`` sends the indexer's own keys: checked against the token ids,
-such blocks need no map entry. Int hashes are taken modulo 2**64 everywhere, own keys too:
-``K + 2**64`` (a key sent unsigned) names the block held as ``K``. The keys are 64-bit and
-not collision resistant: a hostile publisher could make two prefixes share keys; feed the
-index from trusted workers.
+namespace: its first block's ``extra_keys`` entry, else the adapter and salt its root event
+names, see docs/events-and-routing.md), so any publisher that sends token ids (radixcache,
+vLLM, SGLang) indexes the same way and a query hashes its tokens the same way. Per copy (a
+worker's blocks on one tier, ``medium``, in one KV-cache group, ``group_idx``), a map from
+the publisher's block hash to the indexer's key resolves ``parent_block_hash`` and
+``BlockRemoved``. The keys are the ``fast64`` block hash
+(``radixcache.events.BLOCK_HASHES``: the block module's ``page_hash_chain``, compiled when
+built, seeded by the namespace), so a publisher recording with ``block_hash="fast64"`` sends
+the indexer's own keys: checked against the token ids, such blocks need no map entry. Int
+hashes are taken modulo 2**64 everywhere, own keys too: ``K + 2**64`` (a key sent unsigned)
+names the block held as ``K``. The keys are 64-bit and not collision resistant: a hostile
+publisher could make two prefixes share keys; feed the index from trusted workers.
 Memory is proportional to the (block, copy) pairs held: one entry per pair in that map and
 one per distinct block in the block module's table (``BlockIndex``, compiled when built:
 16 bytes a slot, and a short list when several copies hold the block), freed when its last

@@ -11,6 +11,7 @@ from typing import Any, Hashable, Optional
 
 from .. import _core
 from .._validate import wrap_int64
+from .keys import _parent_tier_order
 
 
 class _Copy:
@@ -179,12 +180,17 @@ class CopyTable:
 
         A host copy of a block is often made while its parent is only on the device (the
         leaves leave the device first), so its ``BlockStored`` names a parent this tier does
-        not hold. Keys come from the tokens alone, so the other tier's key is this one's."""
-        for other in self._copies_of(worker):
-            if other is not copy and other.group == group:
-                key = self._key_of(other, parent)
-                if key is not None:
-                    return key
+        not hold. Keys come from the tokens alone, so the other tier's key is this one's.
+        Should the tiers name different blocks by that hash (a publisher that reused it),
+        the device's wins, then the host's, then the other tiers' by name."""
+        others = [other for other in self._copies_of(worker)
+                  if other is not copy and other.group == group]
+        if len(others) > 1:
+            others.sort(key=_parent_tier_order)
+        for other in others:
+            key = self._key_of(other, parent)
+            if key is not None:
+                return key
         return None
 
     def _clear_worker(self, worker: Hashable) -> None:
@@ -224,9 +230,9 @@ class CopyTable:
     def _owners(self, medium: Any) -> tuple:
         """``(owners, workers, owners as int64 bytes)`` for ``BlockIndex.overlap``:
         ``owners[cid]`` is the position in ``workers`` of the worker of the copy ``cid`` if it
-        is on ``medium`` (a tier, or a tuple of tiers: a block counts when the worker holds it
-        on any of them), else -1."""
-        media = medium if type(medium) is tuple else (medium,)
+        is on ``medium`` (a tier, a tuple of tiers: a block counts when the worker holds it
+        on any of them, or None: every tier), else -1."""
+        media = medium if type(medium) is tuple or medium is None else (medium,)
         table = self._owner_tables.get(medium)
         if table is None:
             version = self._cid_version
@@ -234,7 +240,7 @@ class CopyTable:
             workers: list = []
             slots: dict = {}
             for copy in self._all_copies():
-                if copy.medium in media and copy.cid >= 0:
+                if (media is None or copy.medium in media) and copy.cid >= 0:
                     slot = slots.get(copy.worker)
                     if slot is None:
                         slot = slots[copy.worker] = len(workers)

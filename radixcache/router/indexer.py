@@ -40,10 +40,11 @@ class KvIndexer(EventIngest):
     queries.
 
     Blocks are held per copy: a worker's blocks on one tier (the event's ``medium``,
-    ``"GPU"`` when it names none) in one KV-cache group (``group_idx``). A removal removes
-    that copy only, and a block stays held while any of the copy's publisher hashes maps to
-    it. ``overlap`` counts the device tier (``"GPU"``) by default, any group; ``medium=``
-    reports another tier. Memory is one entry per (block, copy) and one per distinct block;
+    ``"GPU"`` when it names none; SGLang's ``"CPU_PINNED"`` is ``"CPU"``) in one KV-cache
+    group (``group_idx``; None and 0 are the first group). A removal removes that copy only,
+    and a block stays held while any of the copy's publisher hashes maps to it. ``overlap``
+    counts the device tier (``"GPU"``) by default, any group; ``medium=`` reports another
+    tier, None every tier. Memory is one entry per (block, copy) and one per distinct block;
     a worker holding nothing costs nothing.
 
     With ``store="redis://host:port/db"`` the index lives in Redis or Valkey, shared by
@@ -83,8 +84,9 @@ class KvIndexer(EventIngest):
 
     @property
     def workers(self) -> list:
-        """The workers holding at least one block (any tier), in first-seen order (with a
-        store: in the order the store first saw them)."""
+        """The workers holding at least one block (any tier): in the order they last began
+        to hold blocks (nothing is kept for a worker that holds nothing, so one that leaves
+        and comes back comes last); with a store, in the order the store first saw them."""
         if self._store is not None:
             return self._store.workers()
         return list(self._copies)
@@ -202,9 +204,10 @@ class KvIndexer(EventIngest):
 
         Args:
             tokens: A 1-D integer sequence (list, tuple, numpy array, CPU tensor).
-            extra_key: The namespace: None, str, bytes or int, or a tuple (an
-                ``extra_keys`` entry of several keys, e.g. SGLang's ``(lora_name,
-                cache_salt)``).
+            extra_key: The namespace: None, str, bytes or int, or a tuple read as a
+                stored sequence's first ``extra_keys`` entry is (a one-key tuple is its
+                key, ``()`` no namespace, a longer one the tuple, e.g. SGLang's
+                ``(lora_name, cache_salt)``).
             block_extra_keys: Per-block extra keys, as vLLM's ``BlockStored.extra_keys``:
                 one entry (None, or a tuple of keys such as an image's hash) per block,
                 from the first; missing entries are None. None: no block has any.
@@ -236,7 +239,8 @@ class KvIndexer(EventIngest):
                 ``block_keys``).
             medium: The tier counted: ``"GPU"`` (the device, also events naming no medium)
                 by default, e.g. ``"CPU"`` for a host tier (SGLang's ``"CPU_PINNED"`` is
-                the same tier).
+                the same tier); None: every tier (a block counts when the worker holds it
+                on any tier, as ``blocks_held(worker, None)`` counts every tier).
             block_extra_keys: Per-block extra keys (an image's hash on the blocks of its
                 placeholder tokens, ...), as ``block_keys`` takes them: a block matches only
                 a block stored with the same entry.
@@ -250,11 +254,10 @@ class KvIndexer(EventIngest):
             ValueError: the first block's entry names another namespace than ``extra_key``.
             OverflowError: a token that does not fit in int64.
         """
-        if medium is None:
-            medium = MEDIUM_GPU
-        elif not isinstance(medium, str):
-            raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
-        medium = _tier(medium)
+        if medium is not None:  # None: every tier
+            if not isinstance(medium, str):
+                raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
+            medium = _tier(medium)
         if block_extra_keys is None and type(extra_key) is not tuple:
             namespace = encode_namespace(extra_key)
             if type(tokens) is list:

@@ -33,9 +33,13 @@ from .keys import (
     _event_medium,
     _event_namespace,
     _event_token_bytes,
+    _group,
+    _has_entries,
     _is_key_record,
     _msgpack_ids,
+    _named_namespace,
     _namespace_bytes,
+    _namespace_entry,
     _root_key,
     _tier,
     chain_keys,
@@ -141,7 +145,7 @@ class EventIngest(CopyTable):
         stats.batches += 1
         n = len(batch)
         tier = MEDIUM_GPU if batch.medium is None else _tier(batch.medium)
-        group = batch.group
+        group = _group(batch.group)
         start = 0
         events = None
         while True:
@@ -309,7 +313,7 @@ class EventIngest(CopyTable):
             if parent is None:
                 namespace = _event_namespace(event)
                 key = _root_key(_namespace_bytes(namespace))
-                ns_entry = _entry(extra_keys[0]) if extra_keys else None
+                ns_entry = _entry(extra_keys[0]) if _has_entries(extra_keys) else None
             else:
                 key = None if copy is None else self._key_of(copy, parent)
                 if key is None:
@@ -317,7 +321,14 @@ class EventIngest(CopyTable):
                 if key is None:
                     stats.unknown_parent += 1
                     return
-                ns_entry = self._ns_of.get(key) if extra_keys else None
+                ns_entry = None
+                if extra_keys:
+                    # The sequence's namespace: as remembered for the parent, else as this
+                    # event names it (its root may have come without extra keys, SGLang's
+                    # way: every engine's store event names its adapter and salt).
+                    ns_entry = self._ns_of.get(key)
+                    if ns_entry is None:
+                        ns_entry = _namespace_entry(_named_namespace(event))
             keys = self._chain_keys(key, data, extra_keys, ns_entry)
             if ns_entry is not None and extra_keys:
                 # A later event below these blocks tells their extra keys from the

@@ -74,25 +74,53 @@ def _root_key(namespace: bytes) -> int:
 
 def _event_namespace(event: BlockStored) -> Any:
     """The namespace of a root event's blocks: its first block's ``extra_keys`` entry when
-    the publisher sends the field, else SGLang's ``lora_name`` and ``cache_salt``.
+    the publisher sends extra keys (entries that are all null count as none, as the
+    positional encoding drops them), else the one the event names (``_named_namespace``).
 
     vLLM's layout carries ``extra_keys`` per block (None, or a tuple of keys); the first
-    block's entry names the sequence (``_entry_namespace``). SGLang sends no extra keys: its
-    hashes depend on the adapter and the salt, so the namespace is ``lora_name``, or
-    ``cache_salt``, or ``(lora_name, cache_salt)`` when both are set; its ``session_id`` is
-    attribution only and never part of a block's identity.
+    block's entry names the sequence (``_entry_namespace``): a LoRA request's entries start
+    with its ``lora_name``, the first one ends with its ``cache_salt``.
     """
     extra_keys = getattr(event, "extra_keys", None)
-    if extra_keys:
+    if _has_entries(extra_keys):
         return _entry_namespace(_entry(extra_keys[0]))
+    return _named_namespace(event)
+
+
+def _named_namespace(event: BlockStored) -> Any:
+    """The namespace an event names by its fields, as SGLang sends it (no extra keys): its
+    adapter (``lora_name``, else ``lora_id``, which vLLM keeps for the consumers of its
+    events from before ``lora_name``), its ``cache_salt``, or ``(adapter, cache_salt)`` when
+    both are set, the order of a vLLM request's first entry; its ``session_id`` is
+    attribution only and never part of a block's identity."""
     lora = getattr(event, "lora_name", None)
+    if lora is None:
+        lora = getattr(event, "lora_id", None)
+        if lora is not None:
+            if not is_int(lora):
+                raise TypeError("lora_id must be an int or None")
+            lora = int(lora)
+    elif not isinstance(lora, str):
+        raise TypeError("lora_name must be a str or None")
     salt = getattr(event, "cache_salt", None)
-    for value in (lora, salt):
-        if value is not None and not isinstance(value, str):
-            raise TypeError("lora_name and cache_salt must be str or None")
+    if salt is not None and not isinstance(salt, str):
+        raise TypeError("cache_salt must be a str or None")
     if salt is None:
         return lora
     return salt if lora is None else (lora, salt)
+
+
+def _has_entries(extra_keys: Any) -> bool:
+    """Whether an event's ``extra_keys`` hold any entry (not None, not empty)."""
+    return bool(extra_keys) and any(_entry(entry) is not None for entry in extra_keys)
+
+
+def _namespace_entry(namespace: Any) -> Optional[tuple]:
+    """The ``extra_keys`` entry that names ``namespace`` (``(namespace,)``, or the tuple of
+    one that is a tuple), as a sequence's first block spells it; None for none."""
+    if namespace is None:
+        return None
+    return _entry(namespace) if isinstance(namespace, tuple) else (namespace,)
 
 
 def _entry(entry: Any) -> Optional[tuple]:
@@ -177,12 +205,27 @@ def _event_medium(event: Any) -> str:
 
 
 def _event_group(event: Any) -> Any:
+    """An event's KV-cache group: its ``group_idx``, None for the first group (an event
+    that names none, or 0: vLLM numbers a model's groups from 0)."""
     group = getattr(event, "group_idx", None)
     if group is not None:
         if not is_int(group):
             raise TypeError("group_idx must be an int or None")
-        group = int(group)
+        group = int(group) or None
     return group
+
+
+def _group(group: Any) -> Any:
+    """A ``group_idx`` read by the block module (an int or None), as ``_event_group``."""
+    return group or None
+
+
+# The tiers a block's parent is looked for on, when the event's own tier does not hold it:
+# the device first, then the host (a host copy is made from the device), then the others
+# by name.
+def _parent_tier_order(copy: Any) -> tuple:
+    medium = copy.medium
+    return (medium != MEDIUM_GPU, medium != MEDIUM_CPU, medium)
 
 
 def chain_keys(page_bytes: int, seed: int, data: bytes, extra_keys: Any,
@@ -215,7 +258,10 @@ def chain_keys(page_bytes: int, seed: int, data: bytes, extra_keys: Any,
 def query_namespace(extra_key: Any, block_extra_keys: Any) -> tuple:
     """``(namespace bytes, entries, namespace entry)`` of a query (see ``block_keys``)."""
     if type(extra_key) is tuple:
-        namespace, ns_entry = _namespace_bytes(extra_key), _entry(extra_key)
+        # An entry of keys, read as a stored sequence's first entry is: one key is that key.
+        ns_entry = _entry(extra_key)
+        extra_key = _entry_namespace(ns_entry)
+        namespace = _namespace_bytes(extra_key)
     else:
         namespace = encode_namespace(extra_key)
         ns_entry = None if extra_key is None else (canonical_namespace(extra_key),)

@@ -314,7 +314,8 @@ flush_counters()
 return 'ok'
 """
 
-# ARGV: P, media (",m1,m2,"), keys (8 bytes each). Returns wid, depth, wid, depth, ...
+# ARGV: P, media (",m1,m2,", or "*": every tier), keys (8 bytes each). Returns wid, depth,
+# wid, depth, ...
 # The blocks are read with one HMGET per chunk of the chain (32 blocks, then twice as many
 # up to 256), so a walk reads at most one chunk past where it stops. A block whose holders
 # are the string of the block before (the common case) costs a table read and a compare;
@@ -343,9 +344,13 @@ while depth == nil and pos < n do
       if needles == nil then
         needles = {}
         for w, mm in gmatch(v, '(%d+):(%d+):%d+') do
-          if needles[w] == nil and find(media, ',' .. mm .. ',', 1, true) then
+          if needles[w] == nil and (media == '*' or find(media, ',' .. mm .. ',', 1, true)) then
             local ws = {}
-            for code in gmatch(media, '%d+') do ws[#ws + 1] = ',' .. w .. ':' .. code .. ':' end
+            if media == '*' then
+              ws[1] = ',' .. w .. ':'  -- any tier of the worker
+            else
+              for code in gmatch(media, '%d+') do ws[#ws + 1] = ',' .. w .. ':' .. code .. ':' end
+            end
             needles[w] = ws
             order[#order + 1] = w
           end

@@ -67,7 +67,7 @@ from ..events import (
 )
 from . import redis_scripts
 from .ingest import EventIngest
-from .keys import _event_medium
+from .keys import _event_group, _event_medium, _group
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -417,16 +417,30 @@ class RedisStore:
         for (cid_raw, journal) in zip(reply[2::2], reply[3::2]):
             copies[cid_raw.decode()] = journal
         if copies:
-            self._restore(worker, wid, copies)
+            twins = self._restore(worker, wid, copies)
+            if twins:
+                # Copies of a group both as 0 and as None (two copies before they were one):
+                # the second one's blocks are dropped from the store (its journal too).
+                ops = [arg for cid, code in twins for arg in (cid, code, b"C")]
+                self._call(self._apply, [self.prefix, wid, self.token, self.lease_ms, epoch,
+                                         -1, *ops])
         self._owned[worker] = [epoch, seq]
         return True
 
-    def _restore(self, worker: Hashable, wid: str, journals: dict) -> None:
+    def _restore(self, worker: Hashable, wid: str, journals: dict) -> list:
+        """The view of ``worker``'s copies, from their journals; returns the ``(cid, medium
+        code)`` of journals of a copy restored already (not restored)."""
         raw = self.client.hmget(self.prefix + b"copies", ["i:" + c for c in journals])
         media = {code: name for name, code in self._media.items()}
+        twins: list = []
+        seen: set = set()
         for cid, name in zip(journals, raw):
             _wid, code, group_repr = name.decode().split("|", 2)
-            group = ast.literal_eval(group_repr)
+            group = _group(ast.literal_eval(group_repr))  # group 0 is None
+            if (code, group) in seen:
+                twins.append((cid, code))
+                continue
+            seen.add((code, group))
             medium = media.get(code)
             if medium is None:
                 medium = self.client.hget(self.prefix + b"media", "i:" + code).decode()
@@ -482,6 +496,7 @@ class RedisStore:
             copy.refs = None
             if published:
                 self._publishing.add((worker, medium, group))
+        return twins
 
     def _maybe_renew(self) -> None:
         now = time.monotonic()
@@ -637,9 +652,8 @@ class RedisStore:
                 medium = _event_medium(event)  # the indexer's tier ("CPU_PINNED" is "CPU")
             except TypeError:
                 continue
-            group = getattr(event, "group_idx", None)
             try:
-                group = None if group is None else operator.index(group)
+                group = _event_group(event)  # the indexer's group (0 is None)
                 hashes = list(event.block_hashes)
             except TypeError:
                 continue
@@ -716,7 +730,7 @@ class RedisStore:
     # -- queries --------------------------------------------------------------------------
     def overlap(self, keys: bytes, medium: Any) -> dict:
         """The overlap of the chain ``keys`` (native int64 bytes, as the block module's
-        ``page_hash_bytes`` gives them) on tier(s) ``medium``."""
+        ``page_hash_bytes`` gives them) on tier(s) ``medium`` (None: every tier)."""
         if not keys:
             return {}
         if not self._available():
@@ -724,14 +738,17 @@ class RedisStore:
             return {}
         try:
             self._maybe_renew()
-            media = medium if type(medium) is tuple else (medium,)
-            codes = [c for c in (self._mcode(m, create=False) for m in media) if c is not None]
-            if not codes:
-                return {}
+            if medium is None:
+                media = "*"  # every tier
+            else:
+                codes = [c for c in (self._mcode(m, create=False) for m in (
+                    medium if type(medium) is tuple else (medium,))) if c is not None]
+                if not codes:
+                    return {}
+                media = "," + ",".join(codes) + ","
             if not _LITTLE_ENDIAN:
                 keys = _key_bytes(_keys_from_bytes(keys))  # the stored keys are little endian
-            reply = self._call(self._overlap_script,
-                               [self.prefix, "," + ",".join(codes) + ",", keys])
+            reply = self._call(self._overlap_script, [self.prefix, media, keys])
             names = self._names
             result = {}
             for wid, depth in zip(reply[::2], reply[1::2]):

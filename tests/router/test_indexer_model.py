@@ -112,8 +112,8 @@ def test_a_hash_equal_to_its_negative_own_key_is_taken_mod_2_64(indexer_on, via,
 class ReferenceIndex:
     """What ``KvIndexer`` must answer, with no hashing and no shared table.
 
-    Per worker, its copies ``(tier, group)`` in the order they were made (a copy is
-    dropped when it holds nothing; ``"CPU_PINNED"`` is the tier ``"CPU"``), each
+    Per worker, its copies ``(tier, group)`` (a copy is dropped when it holds nothing;
+    ``"CPU_PINNED"`` is the tier ``"CPU"``, group 0 the group None), each
     ``{publisher hash: block}`` (an int hash taken modulo 2**64), a block being
     ``(namespace entry, pages up to and including it)``, a page ``(tokens, extra keys)``:
     a sequence's first block's ``extra_keys`` entry names its namespace, and any other
@@ -135,7 +135,7 @@ class ReferenceIndex:
                 self._stored(worker, event)
 
     def _where(self, event):
-        return (tier(event.medium), event.group_idx)
+        return (tier(event.medium), event.group_idx or None)
 
     def _stored(self, worker, event):
         where = self._where(event)
@@ -146,12 +146,14 @@ class ReferenceIndex:
             block = (event.extra_keys[0] if event.extra_keys else None, ())
         elif parent in held:
             block = held[parent]
-        else:  # another tier of the same worker and group, first made first
-            block = next((c[parent] for (medium, group), c in copies.items()
-                          if (medium, group) != where and group == where[1] and parent in c),
-                         None)
-            if block is None:
+        else:  # another tier of the same worker and group: the device's, the host's, then
+            # the others' by name
+            tiers = sorted((medium for (medium, group), c in copies.items()
+                            if (medium, group) != where and group == where[1] and parent in c),
+                           key=lambda medium: (medium != "GPU", medium != "CPU", medium))
+            if not tiers:
                 return  # unknown parent: skipped
+            block = copies[(tiers[0], where[1])][parent]
         ns_entry, pages = block
         blocks = []
         for i in range(len(event.block_hashes)):
@@ -260,9 +262,10 @@ class EventSource:
                 medium = "CPU_PINNED"  # the same tier, by SGLang's name
             return self.stored_again(medium, group, held)
         medium = rng.choice(MEDIA)
-        group = rng.choice((None, None, 1))
-        held = copies.get((tier(medium), group), {})
-        others = [(h, b) for (m, g), c in copies.items() if g == group for h, b in c.items()]
+        group = rng.choice((None, None, 0, 1))
+        held = copies.get((tier(medium), group or None), {})
+        others = [(h, b) for (m, g), c in copies.items() if g == (group or None)
+                  for h, b in c.items()]
         roll = rng.random()
         if roll < 0.5 and held:
             parent, (ns_entry, pages) = rng.choice(sorted(held.items(), key=repr))
@@ -324,6 +327,8 @@ class EventSource:
             (medium, group), held = rng.choice(sorted(copies.items(), key=repr))
             if medium == "CPU" and rng.random() < 0.5:
                 medium = "CPU_PINNED"  # the same tier, by SGLang's name
+            if group is None and rng.random() < 0.3:
+                group = 0  # the same group
         hashes = []
         for _ in range(rng.randrange(1, 4)):
             roll = rng.random()

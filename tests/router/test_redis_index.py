@@ -696,6 +696,67 @@ def test_a_take_over_keeps_an_own_key_named_either_way(server, namespace, unsign
     taken.close()
 
 
+def test_medium_none_counts_every_tier_and_workers_keep_the_stores_order(server, namespace):
+    remote = KvIndexer(2, store=server.url, namespace=namespace)
+    local = KvIndexer(2)
+    for idx in (remote, local):
+        idx.apply("a", [BlockStored((10, 11), None, (1, 2, 3, 4), 2)])
+        idx.apply("b", [BlockStored((10,), None, (1, 2), 2, medium="CPU")])
+        idx.apply("c", [BlockStored((10,), None, (1, 2), 2),
+                        BlockStored((11,), 10, (3, 4), 2, medium="DISK")])
+        assert idx.overlap([1, 2, 3, 4], medium=None) == {"a": 2, "b": 1, "c": 2}
+        assert idx.overlap([1, 2, 3, 4]) == {"a": 2, "c": 1}
+        idx.apply("a", [BlockRemoved((10, 11))])
+        idx.apply("a", [BlockStored((10,), None, (1, 2), 2)])
+    # in process: the order workers last began to hold blocks; in the store: first seen
+    assert local.workers == ["b", "c", "a"] and remote.workers == ["a", "b", "c"]
+    remote.close()
+
+
+def test_group_0_and_none_are_one_copy_in_the_store(server, namespace):
+    first = KvIndexer(2, store=server.url, namespace=namespace, owner="a")
+    first.apply(0, ReceivedBatch(0, 0.0, [BlockStored((b"x",), None, (1, 2), 2, group_idx=0),
+                                          BlockStored((b"y",), b"x", (3, 4), 2)], None))
+    assert first.blocks_held(0) == 2 and first.stats.unknown_parent == 0
+    first.close()
+    taken = KvIndexer(2, store=server.url, namespace=namespace, owner="a")
+    taken.apply(0, ReceivedBatch(1, 0.0, [BlockRemoved((b"x",), None, 0),
+                                          BlockRemoved((b"y",), None, None)], None))
+    assert taken.stats.unknown_removals == 0 and len(taken) == 0 and taken.workers == []
+    taken.close()
+
+
+def test_a_store_with_group_0_and_none_as_two_copies_keeps_one(server, namespace, monkeypatch):
+    # A store written when group 0 and None were two copies: a router that takes the worker
+    # over keeps one of them, and drops the other's blocks from the store, journal and all.
+    import radixcache.router.ingest as ingest_module
+    import radixcache.router.redis_store as store_module
+
+    def group_as_sent(event):
+        return getattr(event, "group_idx", None)
+
+    for module in (ingest_module, store_module):
+        monkeypatch.setattr(module, "_event_group", group_as_sent)
+    old = KvIndexer(2, store=server.url, namespace=namespace, owner="a")
+    old.apply(0, ReceivedBatch(0, 0.0, [BlockStored((b"x",), None, (1, 2), 2, group_idx=0),
+                                        BlockStored((b"y",), None, (3, 4), 2)], None))
+    assert old.blocks_held(0) == 2 and len(old) == 2
+    old.close()
+    monkeypatch.undo()
+    client = server.client()
+    journals = lambda: sorted(k for k in client.keys(f"rc:{namespace}:j:*"))  # noqa: E731
+    assert len(journals()) == 2
+    taken = KvIndexer(2, store=server.url, namespace=namespace, owner="a")
+    taken.apply(0, ReceivedBatch(1, 0.0, [BlockStored((b"z",), None, (5, 6), 2)], None))
+    assert len(journals()) == 1
+    view = taken._store.view  # one copy: the one kept (one block), and the new block
+    assert [c.size for c in view._copies_of(0)] == [2] and len(view._index) == 2
+    assert taken.blocks_held(0) == 2 and len(taken) == 2
+    kept = [taken.overlap(tokens) for tokens in ([1, 2], [3, 4])]
+    assert sorted(kept, key=len) == [{}, {0: 1}] and taken.overlap([5, 6]) == {0: 1}
+    taken.close()
+
+
 def test_scripts_flushed_from_the_server_are_loaded_again(server, namespace):
     # The script calls go on their own connection; a server without the scripts (restarted,
     # or SCRIPT FLUSH) gets them again and the call is answered, not counted as a failure.

@@ -127,7 +127,7 @@ class Source:
             tokens.pop()  # not whole blocks
         extra = None if rng.random() < 0.8 else (None,) * rng.randrange(0, len(hashes) + 2)
         return BlockStored(tuple(hashes), parent, tuple(tokens), block_size,
-                           lora_id=rng.choice((None, None, 3)), medium=medium,
+                           lora_id=3 if rng.random() < 0.1 else None, medium=medium,
                            extra_keys=extra, group_idx=group)
 
     def removed(self, worker, medium, group) -> BlockRemoved:
