@@ -32,7 +32,8 @@ Fields the recorder fills
 - ``lora_name`` / ``lora_id``: None, unless ``EventRecorder(lora_namespaces=True)`` says the
   namespaces are LoRA adapters: then a str namespace is sent as ``lora_name`` and an int one
   as ``lora_id`` (bytes and None namespaces leave both None). ``EventRecorder(lora_id=N)``
-  sets a fixed ``lora_id`` for a cache that serves one adapter.
+  sets a fixed ``lora_id`` for a cache that serves one adapter (``KvIndexer`` then puts the
+  blocks of a namespace-less sequence in namespace N).
 - ``group_idx``: None (radixcache has one KV-cache group); decoded when a publisher sends it.
 
 Block hash

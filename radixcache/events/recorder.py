@@ -56,7 +56,8 @@ class EventRecorder:
     Args:
         page_size: Tokens per page (the cache's), an int >= 1.
         lora_id: A fixed ``lora_id`` for every ``BlockStored`` (a cache that serves one
-            adapter), or None.
+            adapter: ``KvIndexer`` puts the blocks of a namespace-less sequence in namespace
+            ``lora_id``), or None.
         medium: The ``medium`` of every event (default ``MEDIUM_GPU``), or None.
         lora_namespaces: If True, a str namespace is sent as ``lora_name`` and an int one as
             ``lora_id``.
