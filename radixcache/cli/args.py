@@ -409,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--dir", metavar="DIR", help=f"where to look (default {default_dir})")
     download.set_defaults(parser=download)
     listing.set_defaults(parser=listing)
+    from . import serve  # its flags only: the service is imported when it runs
+
+    serve.add_parser(sub)
     return parser
 
 

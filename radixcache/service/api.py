@@ -1,0 +1,209 @@
+"""The request bodies of both dialects as ``msgspec`` structs (checked as they are decoded:
+types, ranges, required fields), and the answers each dialect expects.
+
+- Mooncake's (RFC #1403, Mooncake Conductor): ``modelname`` in ``/register`` and
+  ``/unregister``, ``model`` in the queries, string instance ids, ``tenant_id``; ``/query``
+  answers ``{tenant: {instance: {"longest_matched", "GPU", "CPU", "DISK", "DP"}}}``.
+- Dynamo's (``python -m dynamo.indexer``): ``model_name``, integer instance ids,
+  ``routing_group`` (this service's tenant); ``/query`` answers ``{"scores",
+  "frequencies", "instances": {instance: {"longest_matched", "gpu", "cpu", "disk",
+  "dp"}}}``; ``/register`` answers 201, a second registration of the same instance 409.
+
+A request is Dynamo's when its body has a ``model_name`` field, Mooncake's otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Optional, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+Token = Annotated[int, Meta(ge=0, lt=1 << 32)]
+Hash = Annotated[int, Meta(ge=-(1 << 63), lt=1 << 64)]
+BlockSize = Annotated[int, Meta(ge=1, le=1 << 20)]
+Rank = Annotated[int, Meta(ge=0, lt=1 << 31)]
+Name = Annotated[str, Meta(min_length=1, max_length=1024)]
+OptText = Optional[Annotated[str, Meta(max_length=1024)]]
+Endpoint = Annotated[str, Meta(min_length=1, max_length=1024)]
+DynamoId = Annotated[int, Meta(ge=0, lt=1 << 64)]
+
+
+class MooncakeRegister(Struct):
+    endpoint: Endpoint
+    type: Name
+    modelname: Name
+    instance_id: Name
+    block_size: BlockSize
+    dp_rank: Rank
+    replay_endpoint: OptText = None
+    lora_name: OptText = None
+    tenant_id: OptText = None
+    additionalsalt: OptText = None
+
+
+class MooncakeUnregister(Struct):
+    instance_id: Name
+    type: OptText = None
+    modelname: OptText = None
+    lora_name: OptText = None
+    tenant_id: OptText = None
+    block_size: Optional[BlockSize] = None
+    dp_rank: Optional[Rank] = None
+
+
+class MooncakeQuery(Struct):
+    model: Name
+    token_ids: list[Token]
+    block_size: BlockSize
+    tenant_id: OptText = None
+    instance_id: Optional[Name] = None
+    lora_name: OptText = None
+    lora_id: Optional[int] = None
+    cache_salt: OptText = None
+
+
+class MooncakeQueryByHash(Struct):
+    model: Name
+    block_size: BlockSize
+    seq_hashes: Optional[list[Hash]] = None
+    block_hash: Optional[list[Hash]] = None
+    tenant_id: OptText = None
+    instance_id: Optional[Name] = None
+    lora_name: OptText = None
+    lora_id: Optional[int] = None
+    cache_salt: OptText = None
+
+
+class DynamoRegister(Struct):
+    instance_id: DynamoId
+    endpoint: Endpoint
+    model_name: Name
+    block_size: BlockSize
+    routing_group: Name = "default"
+    tenant_id: OptText = None
+    dp_rank: Optional[Rank] = None
+    replay_endpoint: OptText = None
+    additional_salt: OptText = None
+    additionalsalt: OptText = None
+    type: Optional[Name] = None  # this service's: the publisher type (vLLM by default)
+    lora_name: OptText = None
+
+
+class DynamoUnregister(Struct):
+    instance_id: DynamoId
+    model_name: Name
+    routing_group: Optional[Name] = None
+    tenant_id: OptText = None
+    dp_rank: Optional[Rank] = None
+
+
+class DynamoQuery(Struct):
+    token_ids: list[Token]
+    model_name: Name
+    routing_group: Name = "default"
+    tenant_id: OptText = None
+    lora_name: OptText = None
+    cache_salt: OptText = None
+    block_size: Optional[BlockSize] = None  # this service's: for a model with several
+
+
+class DynamoQueryByHash(Struct):
+    block_hashes: list[Hash]
+    model_name: Name
+    routing_group: Name = "default"
+    tenant_id: OptText = None
+    cache_salt: OptText = None
+    lora_name: OptText = None
+    block_size: Optional[BlockSize] = None
+
+
+class SelectRequest(Struct):
+    token_ids: list[Token]
+    model: OptText = None
+    model_name: OptText = None
+    block_size: Optional[BlockSize] = None
+    tenant_id: OptText = None
+    routing_group: OptText = None
+    lora_name: OptText = None
+    cache_salt: OptText = None
+    policy: OptText = None
+    request_id: Optional[Name] = None
+    output_tokens: Annotated[int, Meta(ge=0, lt=1 << 40)] = 0
+
+
+class LoadReport(Struct):
+    request_id: Name
+    event: Annotated[str, Meta(pattern="^(start|end)$")]
+    instance_id: Union[Name, DynamoId, None] = None
+    tokens: Annotated[int, Meta(ge=0, lt=1 << 40)] = 0
+
+
+_DECODERS: dict = {}
+_FIELD = re.compile(r"`\$\.([A-Za-z_]+)|field `([A-Za-z_]+)`")
+
+
+class BadRequest(Exception):
+    """A body that does not decode: ``field`` names what is wrong where it can."""
+
+    def __init__(self, message: str, field: Optional[str]) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def decode(body: bytes, kind: type) -> Any:
+    """``body`` as a ``kind`` struct (BadRequest naming the field when it is not one)."""
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        decoder = _DECODERS[kind] = msgspec.json.Decoder(kind)
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        found = _FIELD.search(str(exc))
+        raise BadRequest(str(exc), next(filter(None, found.groups())) if found else None) \
+            from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"malformed JSON: {exc}", None) from None
+
+
+def is_dynamo(body: bytes) -> bool:
+    """Whether a body is Dynamo's dialect: it has a ``model_name`` key (a JSON string can
+    only hold that text with its quotes escaped, so a value never looks like the key)."""
+    return b'"model_name"' in body
+
+
+def mooncake_hits(hits: Any) -> dict:
+    return {"longest_matched": hits.longest, "GPU": hits.gpu, "DP": _ranks(hits.dp),
+            "CPU": hits.cpu, "DISK": hits.disk}
+
+
+def dynamo_hits(hits: Any) -> dict:
+    return {"longest_matched": hits.longest, "gpu": hits.gpu, "dp": _ranks(hits.dp),
+            "cpu": hits.cpu, "disk": hits.disk}
+
+
+def _ranks(dp: dict) -> dict:
+    return {str(rank): tokens for rank, tokens in sorted(dp.items())}
+
+
+def mooncake_answer(tenant: str, found: dict) -> dict:
+    """Mooncake's ``/query`` answer: ``{}`` when no instance of the tenant answers."""
+    if not found:
+        return {}
+    return {tenant: {str(i): mooncake_hits(h) for i, h in found.items()}}
+
+
+def dynamo_answer(found: dict) -> dict:
+    """Dynamo's ``/query`` answer: the instances with a hit, ``scores`` their device hits
+    per rank."""
+    scores = {}
+    instances = {}
+    for instance, hits in found.items():
+        if not hits.longest:
+            continue
+        instances[str(instance)] = dynamo_hits(hits)
+        ranks = {str(r): t for r, t in sorted(hits.dp.items()) if t}
+        if ranks:
+            scores[str(instance)] = ranks
+    return {"scores": scores, "frequencies": [], "instances": instances}

@@ -1,0 +1,113 @@
+"""What a query answers, computed from the groups' indexes and the pools, as Mooncake's
+conductor computes it: for each data-parallel rank of an instance, a cursor walks the
+prompt's blocks on the rank's device tier (``GPU``), goes on through blocks on the host
+tier (``CPU``: the instance's own host copies, or any pool of the scope), then on disk
+(``DISK``); each tier's figure is where the cursor stood when that tier ended. So ``CPU`` and
+``DISK`` count the whole prefix reachable through the tiers up to theirs (``GPU <= CPU <=
+DISK``), ``longest_matched`` is ``DISK``, an instance's tier figures are its best rank's,
+and ``DP`` gives each rank's ``GPU``. All in tokens (blocks times the block size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .identity import identities, query_key
+
+#: The tiers the cursor walks after the device, in order.
+LOWER_TIERS = ("CPU", "DISK")
+
+
+@dataclass
+class Hits:
+    """One instance's answer, in tokens."""
+
+    gpu: int = 0
+    cpu: int = 0
+    disk: int = 0
+    dp: dict = field(default_factory=dict)  # rank -> GPU tokens
+
+    @property
+    def longest(self) -> int:
+        return self.disk
+
+    def add_rank(self, rank: int, blocks: tuple, block_size: int) -> None:
+        g, c, d = (b * block_size for b in blocks)
+        self.dp[rank] = max(self.dp.get(rank, 0), g)
+        self.gpu, self.cpu, self.disk = max(self.gpu, g), max(self.cpu, c), max(self.disk, d)
+
+
+class _Runs:
+    """Runs of the prompt's keys held on a tier from a position, per worker: one lookup per
+    (position, tier), shared by the workers that stand there."""
+
+    def __init__(self, indexer: Any, keys: list) -> None:
+        self.indexer, self.keys, self.cache = indexer, keys, {}
+
+    def __call__(self, pos: int, tier: str) -> dict:
+        runs = self.cache.get((pos, tier))
+        if runs is None:
+            runs = self.cache[(pos, tier)] = (
+                self.indexer.overlap_keys(self.keys[pos:], tier) if pos < len(self.keys)
+                else {})
+        return runs
+
+
+def _walk(worker: Any, start: int, own: Optional[_Runs], pool: Any, identity: tuple,
+          seqs: Optional[list], holders: Any) -> tuple:
+    """The cursor of ``worker`` from its device depth ``start`` through the lower tiers:
+    at each step it takes the longer of its own run and the pool's from where it stands."""
+    out = [start]
+    pos = start
+    for tier in LOWER_TIERS:
+        while True:
+            step = own(pos, tier).get(worker, 0) if own is not None else 0
+            if seqs is not None and pos < len(seqs):
+                step = max(step, pool.run(identity, seqs, pos, tier, holders))
+            if not step:
+                break
+            pos += step
+        out.append(pos)
+    return tuple(out)
+
+
+def group_blocks(group: Any, tokens: Any, lora: Optional[str], salt: Optional[str],
+                 pool: Any = None, pool_holders: Any = None, seqs_of: Any = None) -> dict:
+    """``{worker: (gpu, cpu, disk) blocks}`` of ``group``'s workers that hold any of the
+    prompt (or that a pool extends), for the blocks of identity ``lora``/``salt``.
+
+    ``seqs_of()`` gives the prompt's standard sequence hashes, asked for only when a pool
+    of the scope holds blocks of that identity.
+    """
+    indexer = group.indexer
+    n_blocks = len(tokens) // group.block_size
+    best: dict = {}
+    for lo, sa in identities(lora, salt, group.lora, group.salt):
+        extra_key, block_extra = query_key(group.family, lo, sa, n_blocks)
+        device = indexer.overlap(tokens, extra_key, block_extra_keys=block_extra)
+        identity = (lo or group.lora, sa or group.salt)
+        seqs = seqs_of() if pool is not None and pool.has(identity) else None
+        tiered = group.tiered
+        if not tiered and seqs is None:
+            found = {w: (g, g, g) for w, g in device.items()}
+        else:
+            own = (_Runs(indexer, indexer.block_keys(tokens, extra_key, block_extra))
+                   if tiered else None)
+            found = {}
+            for worker in group.workers:
+                start = device.get(worker, 0)
+                blocks = _walk(worker, start, own if worker in tiered else None, pool,
+                               identity, seqs, pool_holders)
+                if blocks[2]:
+                    found[worker] = blocks
+        for worker, blocks in found.items():
+            old = best.get(worker)
+            best[worker] = blocks if old is None else tuple(map(max, old, blocks))
+    return best
+
+
+def pool_blocks_by_hash(pool: Any, identity: tuple, seqs: list, holders: Any) -> tuple:
+    """``(0, cpu, disk)`` blocks a pool gives any instance for a prompt known by its
+    sequence hashes only (no device tier can be read without the tokens)."""
+    return _walk(None, 0, None, pool, identity, seqs, holders)
