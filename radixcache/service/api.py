@@ -20,14 +20,16 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 from msgspec import Meta, Struct
 
+# Token ids are u32, as the document's hashing standard reads them.
 Token = Annotated[int, Meta(ge=0, lt=1 << 32)]
-Hash = Annotated[int, Meta(ge=-(1 << 63), lt=1 << 64)]
+# msgspec bounds must fit int64: an unsigned 64-bit hash or id is checked by ``check_u64``.
+Hash = int
 BlockSize = Annotated[int, Meta(ge=1, le=1 << 20)]
 Rank = Annotated[int, Meta(ge=0, lt=1 << 31)]
 Name = Annotated[str, Meta(min_length=1, max_length=1024)]
 OptText = Optional[Annotated[str, Meta(max_length=1024)]]
 Endpoint = Annotated[str, Meta(min_length=1, max_length=1024)]
-DynamoId = Annotated[int, Meta(ge=0, lt=1 << 64)]
+DynamoId = Annotated[int, Meta(ge=0)]
 
 
 class MooncakeRegister(Struct):
@@ -167,6 +169,16 @@ def decode(body: bytes, kind: type) -> Any:
         raise BadRequest(f"malformed JSON: {exc}", None) from None
 
 
+def check_u64(values: list, field: str, signed: bool = True) -> list:
+    """``values`` if each is a 64-bit integer (signed or unsigned); BadRequest naming the
+    field otherwise."""
+    low = -(1 << 63) if signed else 0
+    for i, value in enumerate(values):
+        if not low <= value < (1 << 64):
+            raise BadRequest(f"{field}[{i}] is not a 64-bit integer: {value}", field)
+    return values
+
+
 def is_dynamo(body: bytes) -> bool:
     """Whether a body is Dynamo's dialect: it has a ``model_name`` key (a JSON string can
     only hold that text with its quotes escaped, so a value never looks like the key)."""
@@ -174,16 +186,19 @@ def is_dynamo(body: bytes) -> bool:
 
 
 def mooncake_hits(hits: Any) -> dict:
-    return {"longest_matched": hits.longest, "GPU": hits.gpu, "DP": _ranks(hits.dp),
+    return {"longest_matched": hits.disk, "GPU": hits.gpu, "DP": _ranks(hits.dp),
             "CPU": hits.cpu, "DISK": hits.disk}
 
 
 def dynamo_hits(hits: Any) -> dict:
-    return {"longest_matched": hits.longest, "gpu": hits.gpu, "dp": _ranks(hits.dp),
+    return {"longest_matched": hits.disk, "gpu": hits.gpu, "dp": _ranks(hits.dp),
             "cpu": hits.cpu, "disk": hits.disk}
 
 
 def _ranks(dp: dict) -> dict:
+    if len(dp) == 1:
+        (rank, tokens), = dp.items()
+        return {str(rank): tokens}
     return {str(rank): tokens for rank, tokens in sorted(dp.items())}
 
 
@@ -200,10 +215,10 @@ def dynamo_answer(found: dict) -> dict:
     scores = {}
     instances = {}
     for instance, hits in found.items():
-        if not hits.longest:
+        if not hits.disk:
             continue
-        instances[str(instance)] = dynamo_hits(hits)
-        ranks = {str(r): t for r, t in sorted(hits.dp.items()) if t}
-        if ranks:
-            scores[str(instance)] = ranks
+        name = str(instance)
+        instances[name] = dynamo_hits(hits)
+        if hits.gpu:
+            scores[name] = {r: t for r, t in instances[name]["dp"].items() if t}
     return {"scores": scores, "frequencies": [], "instances": instances}

@@ -166,6 +166,7 @@ class App:
                        [(b"www-authenticate", b"Bearer")])
 
     def _tokens(self, tokens: list) -> list:
+        """``tokens`` if not too many (their values are checked where they are read)."""
         if len(tokens) > self.config.max_tokens:
             raise _Refused(400, f"{len(tokens)} token ids, more than the "
                            f"{self.config.max_tokens} allowed (--max-tokens)", "token_ids")
@@ -176,6 +177,7 @@ class App:
         service = self.service
         if api.is_dynamo(body):
             req = api.decode(body, api.DynamoRegister)
+            api.check_u64([req.instance_id], "instance_id", signed=False)
             kind = req.type or "vLLM"
             reg = self._registration(req.instance_id, req.endpoint, req.replay_endpoint, kind,
                                      req.model_name, req.block_size, req.routing_group,
@@ -208,6 +210,7 @@ class App:
         service = self.service
         if api.is_dynamo(body):
             req = api.decode(body, api.DynamoUnregister)
+            api.check_u64([req.instance_id], "instance_id", signed=False)
             regs = service.find(req.instance_id, req.routing_group, req.dp_rank,
                                 req.model_name)
             if not regs:
@@ -228,7 +231,7 @@ class App:
             found = self.service.query(Query(req.model_name, tokens=self._tokens(req.token_ids),
                                              block_size=req.block_size,
                                              tenant=req.routing_group, lora=req.lora_name or None,
-                                             salt=req.cache_salt or None))
+                                             salt=req.cache_salt or None), everyone=False)
             return 200, _encode(api.dynamo_answer(found)), []
         req = api.decode(body, api.MooncakeQuery)
         self._no_lora_id(req)
@@ -254,17 +257,20 @@ class App:
             if req.cache_salt is not None:
                 raise _Refused(400, "cache_salt is not taken by /query_by_hash: the hashes "
                                "already include it", "cache_salt")
-            local = [unsigned(h) for h in self._tokens(req.block_hashes)]
+            local = [unsigned(h) for h in api.check_u64(self._tokens(req.block_hashes),
+                                                        "block_hashes")]
             found = self.service.query(Query(req.model_name,
                                              seqs=roll(local, self.config.hash_seed),
                                              block_size=req.block_size, tenant=req.routing_group,
-                                             lora=req.lora_name or None))
+                                             lora=req.lora_name or None), everyone=False)
             return 200, _encode(api.dynamo_answer(found)), []
         req = api.decode(body, api.MooncakeQueryByHash)
         self._no_lora_id(req)
+        field = "seq_hashes" if req.seq_hashes is not None else "block_hash"
         hashes = req.seq_hashes if req.seq_hashes is not None else req.block_hash
         if hashes is None:
             raise _Refused(400, "seq_hashes is required", "seq_hashes")
+        api.check_u64(hashes, field)
         tenant = req.tenant_id or DEFAULT_TENANT
         found = self.service.query(Query(req.model, seqs=[unsigned(h) for h in
                                                           self._tokens(hashes)],

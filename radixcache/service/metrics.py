@@ -1,8 +1,10 @@
-"""``/metrics``: the service's Prometheus metrics, with ``prometheus-client``. Counters move
-as batches are applied (per publisher: batches, block events, stored and removed blocks,
-malformed batches and events, restarts); the subscribers' own counts (gaps, batches missed,
-replayed, probes), each publisher's blocks per tier and the index's size are read at each
-scrape; request latencies and each selection's predicted hit are histograms.
+"""``/metrics``: the service's Prometheus metrics, with ``prometheus-client``. Per
+publisher: batches, block events, stored and removed blocks, malformed batches and events,
+restarts, sequence gaps, batches missed and replayed (counted by its subscription as it
+applies batches, read at each scrape: nothing is spent per batch), whether it is subscribed
+and live, and its blocks per tier; the index's distinct blocks per scope; the process's
+memory and CPU; request latencies (``/query``, ``/query_by_hash``, ``/select``) and each
+selection's predicted hit as histograms.
 """
 
 from __future__ import annotations
@@ -22,61 +24,24 @@ def _labels(reg: Any) -> tuple:
 
 
 class Metrics:
-    """The metrics of one service; ``service`` is read at each scrape."""
+    """The metrics of one service; ``service`` (its ``IndexService``) is read at each
+    scrape."""
 
     def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client import CollectorRegistry, Histogram
         from prometheus_client.process_collector import ProcessCollector
 
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)  # memory (RSS) and CPU of the process
-        r = self.registry
-        self._counters = {
-            "batches": Counter("radixcache_serve_batches", "Event batches applied, per "
-                               "publisher", _LABELS, registry=r),
-            "events": Counter("radixcache_serve_events", "KV events applied, per publisher",
-                              _LABELS, registry=r),
-            "stored": Counter("radixcache_serve_stored_blocks", "Blocks stored, per "
-                              "publisher", _LABELS, registry=r),
-            "removed": Counter("radixcache_serve_removed_blocks", "Blocks removed, per "
-                               "publisher", _LABELS, registry=r),
-            "malformed": Counter("radixcache_serve_malformed", "Malformed batches and "
-                                 "events skipped, per publisher", _LABELS, registry=r),
-            "restarts": Counter("radixcache_serve_restarts", "Publisher restarts seen (their "
-                                "blocks dropped), per publisher", _LABELS, registry=r),
-        }
-        self._children: dict = {}
         self.latency = Histogram("radixcache_serve_request_seconds", "Request latency in the "
                                  "service, by endpoint", ("endpoint",),
-                                 buckets=LATENCY_BUCKETS, registry=r)
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
         self.hits = Histogram("radixcache_serve_selection_hit_tokens", "Predicted cached "
                               "tokens of each selection (device tier)", buckets=HIT_BUCKETS,
-                              registry=r)
+                              registry=self.registry)
         self._latency: dict = {}
         self.service: Any = None
-        r.register(_Collector(self))
-
-    # -- hooks the service calls ------------------------------------------------------------
-    def batch(self, reg: Any, events: int, stored: int, removed: int, malformed: int, *,
-              restarted: bool, rejected: bool) -> None:
-        """One batch of ``reg``'s applied: its counts (``rejected``: the payload was
-        malformed)."""
-        children = self._children.get(reg.key)
-        if children is None:
-            labels = _labels(reg)
-            children = self._children[reg.key] = {k: c.labels(*labels)
-                                                  for k, c in self._counters.items()}
-        children["batches"].inc()
-        if events:
-            children["events"].inc(events)
-        if stored:
-            children["stored"].inc(stored)
-        if removed:
-            children["removed"].inc(removed)
-        if malformed or rejected:
-            children["malformed"].inc(max(malformed, 1))
-        if restarted:
-            children["restarts"].inc()
+        self.registry.register(_Collector(self))
 
     def selection(self, selection: Any) -> None:
         self.hits.observe(selection.overlap_tokens)
@@ -94,8 +59,29 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+#: Per-publisher counters: (metric name, help, what it reads from the subscription).
+_COUNTERS = (
+    ("radixcache_serve_batches", "Event batches received and applied, per publisher",
+     lambda sub: sub.batches),
+    ("radixcache_serve_events", "KV events applied, per publisher", lambda sub: sub.events),
+    ("radixcache_serve_stored_blocks", "Blocks stored, per publisher", lambda sub: sub.stored),
+    ("radixcache_serve_removed_blocks", "Blocks removed, per publisher",
+     lambda sub: sub.removed),
+    ("radixcache_serve_malformed", "Malformed batches and events skipped, per publisher",
+     lambda sub: sub.malformed + sub.subscriber.malformed),
+    ("radixcache_serve_restarts", "Publisher restarts seen (the instance's blocks dropped), "
+     "per publisher", lambda sub: sub.restarts),
+    ("radixcache_serve_gaps", "Sequence gaps seen (batches lost on the stream, then replayed "
+     "or missed)", lambda sub: sub.subscriber.gap_count),
+    ("radixcache_serve_missed_batches", "Batches neither the stream nor replay delivered",
+     lambda sub: sub.subscriber.missed),
+    ("radixcache_serve_replayed_batches", "Batches delivered by replay",
+     lambda sub: sub.subscriber.replayed),
+)
+
+
 class _Collector:
-    """What is read at a scrape: the subscribers' counts and the blocks held."""
+    """What is read at a scrape: the subscriptions' counts and the blocks held."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
@@ -109,40 +95,36 @@ class _Collector:
         service = self.metrics.service
         if service is None:
             return
-        families = {
-            "gaps": CounterMetricFamily("radixcache_serve_gaps", "Sequence gaps seen "
-                                        "(batches lost, then replayed or missed)", labels=_LABELS),
-            "missed": CounterMetricFamily("radixcache_serve_missed_batches", "Batches "
-                                          "neither the stream nor replay delivered",
-                                          labels=_LABELS),
-            "replayed": CounterMetricFamily("radixcache_serve_replayed_batches", "Batches "
-                                            "delivered by replay", labels=_LABELS),
-            "subscribed": GaugeMetricFamily("radixcache_serve_subscribed", "1 while the "
-                                            "publisher's subscription runs", labels=_LABELS),
-            "live": GaugeMetricFamily("radixcache_serve_live", "1 while the publisher's "
-                                      "instance is in the answers", labels=_LABELS),
-            "blocks": GaugeMetricFamily("radixcache_serve_blocks", "Blocks held, per "
-                                        "publisher and tier", labels=(*_LABELS, "medium")),
-        }
+        counters = [(CounterMetricFamily(name, text, labels=_LABELS), read)
+                    for name, text, read in _COUNTERS]
+        subscribed = GaugeMetricFamily("radixcache_serve_subscribed", "1 while the "
+                                       "publisher's subscription runs", labels=_LABELS)
+        live = GaugeMetricFamily("radixcache_serve_live", "1 while the publisher's instance "
+                                 "is in the answers", labels=_LABELS)
+        blocks = GaugeMetricFamily("radixcache_serve_blocks", "Blocks held, per publisher and "
+                                   "tier", labels=(*_LABELS, "medium"))
         with service.lock:
-            rows = [(reg, service._subs.get(reg.key)) for reg in service.registrations()]
-            workers = {(w["instance_id"], w["tenant"], w["dp_rank"]): w
-                       for w in service.workers()}
-        for reg, sub in rows:
+            subs = dict(service._subs)
+            workers = service.workers()
+        for info in workers:
+            key = (info["instance_id"], info["tenant"], info["dp_rank"])
+            sub = subs.get(key)
             if sub is None:
                 continue
-            labels = list(_labels(reg))
-            families["gaps"].add_metric(labels, sub.subscriber.gap_count)
-            families["missed"].add_metric(labels, sub.subscriber.missed)
-            families["replayed"].add_metric(labels, sub.subscriber.replayed)
-            info = workers.get(reg.key, {})
-            families["subscribed"].add_metric(labels, 1.0 if info.get("subscribed") else 0.0)
-            families["live"].add_metric(labels, 1.0 if info.get("live") else 0.0)
-            for medium, count in info.get("blocks", {}).items():
-                families["blocks"].add_metric([*labels, medium], count)
-        yield from families.values()
+            labels = list(_labels(sub.registration))
+            for family, read in counters:
+                family.add_metric(labels, read(sub))
+            subscribed.add_metric(labels, 1.0 if info["subscribed"] else 0.0)
+            live.add_metric(labels, 1.0 if info["live"] else 0.0)
+            for medium, count in info["blocks"].items():
+                blocks.add_metric([*labels, medium], count)
+        for family, _ in counters:
+            yield family
+        yield from (subscribed, live, blocks)
         size = GaugeMetricFamily("radixcache_serve_index_blocks", "Distinct blocks indexed, "
                                  "per scope", labels=("tenant", "model", "block_size"))
         for (tenant, model, block_size), count in service.index_sizes().items():
             size.add_metric([tenant, model, str(block_size)], count)
         yield size
+        yield GaugeMetricFamily("radixcache_serve_running_requests", "Requests whose load is "
+                                "counted (started, not ended)", value=service.loads.running())

@@ -10,7 +10,6 @@ and ``DP`` gives each rank's ``GPU``. All in tokens (blocks times the block size
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .identity import identities, query_key
@@ -19,23 +18,38 @@ from .identity import identities, query_key
 LOWER_TIERS = ("CPU", "DISK")
 
 
-@dataclass
 class Hits:
-    """One instance's answer, in tokens."""
+    """One instance's answer, in tokens: ``gpu``, ``cpu``, ``disk`` (its best rank's),
+    ``longest`` (``disk``) and ``dp`` (each rank's ``gpu``)."""
 
-    gpu: int = 0
-    cpu: int = 0
-    disk: int = 0
-    dp: dict = field(default_factory=dict)  # rank -> GPU tokens
+    __slots__ = ("gpu", "cpu", "disk", "dp")
+
+    def __init__(self, gpu: int = 0, cpu: int = 0, disk: int = 0,
+                 dp: Optional[dict] = None) -> None:
+        self.gpu, self.cpu, self.disk = gpu, cpu, disk
+        self.dp = {} if dp is None else dp
 
     @property
     def longest(self) -> int:
         return self.disk
 
-    def add_rank(self, rank: int, blocks: tuple, block_size: int) -> None:
-        g, c, d = (b * block_size for b in blocks)
-        self.dp[rank] = max(self.dp.get(rank, 0), g)
-        self.gpu, self.cpu, self.disk = max(self.gpu, g), max(self.cpu, c), max(self.disk, d)
+    def add_rank(self, rank: int, gpu: int, cpu: int, disk: int) -> None:
+        """Another rank's figures (or the same rank's through another identity)."""
+        if gpu > self.dp.get(rank, -1):
+            self.dp[rank] = gpu
+        if gpu > self.gpu:
+            self.gpu = gpu
+        if cpu > self.cpu:
+            self.cpu = cpu
+        if disk > self.disk:
+            self.disk = disk
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Hits) and (self.gpu, self.cpu, self.disk, self.dp) == (
+            other.gpu, other.cpu, other.disk, other.dp)
+
+    def __repr__(self) -> str:
+        return f"Hits(gpu={self.gpu}, cpu={self.cpu}, disk={self.disk}, dp={self.dp})"
 
 
 class _Runs:

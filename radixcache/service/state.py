@@ -59,6 +59,7 @@ class Group:
     indexer: Any
     workers: dict = field(default_factory=dict)
     tiered: set = field(default_factory=set)
+    pools: set = field(default_factory=set)  # workers registered as Mooncake publishers
 
     @property
     def block_size(self) -> int:
@@ -207,6 +208,8 @@ class IndexService:
             self._pools.setdefault(reg.scope, PoolBlocks())
         group = self._group(reg)
         group.workers[reg.worker] = reg
+        if reg.kind == "Mooncake":
+            group.pools.add(reg.worker)
         start = None if self.shared is None else group.indexer.resume_seq(reg.worker)
         try:
             sub = Subscription(reg, self._apply, 0 if start is None else start,
@@ -244,6 +247,7 @@ class IndexService:
         group = self._groups.get(reg.group)
         if group is not None and group.workers.pop(reg.worker, None) is not None:
             group.tiered.discard(reg.worker)
+            group.pools.discard(reg.worker)
             group.indexer.remove_worker(reg.worker)
             if not group.workers:
                 group.indexer.close()
@@ -316,8 +320,8 @@ class IndexService:
                 group.tiered |= {w for w in group.workers if (group.key, w) in tiered}
 
     # -- ingest ---------------------------------------------------------------------------
-    def _apply(self, sub: Subscription, batch: Any) -> None:
-        """Apply one batch of ``sub``'s publisher (on its thread)."""
+    def _apply(self, sub: Subscription, batches: list) -> None:
+        """Apply a run of ``sub``'s batches (on its thread), under one hold of the lock."""
         reg = sub.registration
         worker = reg.worker
         with self.lock:
@@ -328,30 +332,32 @@ class IndexService:
             stats = indexer.stats
             before = (stats.events, stats.stored_blocks, stats.removed_blocks,
                       stats.malformed_batches + stats.malformed_events)
-            if reg.kind == "Mooncake":
-                ok = self._apply_rfc1527(reg, group, batch)
-            elif self.shared is not None:
-                indexer.apply(worker, batch)  # decoded: the store records its seq, restarts
-                ok = True
-                if worker not in group.tiered and any(
-                        getattr(e, "medium", None) not in (None, "GPU") for e in batch.events):
-                    group.tiered.add(worker)
-                    try:
-                        self.shared.mark_tiered(group.key, worker)
-                    except ConnectionError:
-                        group.tiered.discard(worker)  # marked again with its next batch
-            else:
+            for batch in batches:
                 if batch.restarted:
-                    indexer.remove_worker(worker)
-                ok = indexer.apply_payload(worker, batch.payload, batch.seq)
-                if worker not in group.tiered and indexer.blocks_held(worker) != \
-                        indexer.blocks_held(worker, "GPU"):
-                    group.tiered.add(worker)
-            if self.metrics is not None:
-                after = (stats.events, stats.stored_blocks, stats.removed_blocks,
-                         stats.malformed_batches + stats.malformed_events)
-                self.metrics.batch(reg, *(a - b for a, b in zip(after, before)),
-                                   restarted=batch.restarted, rejected=not ok)
+                    sub.restarts += 1
+                if reg.kind == "Mooncake":
+                    self._apply_rfc1527(reg, group, batch)
+                elif self.shared is not None:
+                    indexer.apply(worker, batch)  # decoded: the store records seq, restarts
+                    if worker not in group.tiered and any(
+                            getattr(e, "medium", None) not in (None, "GPU")
+                            for e in batch.events):
+                        group.tiered.add(worker)
+                        try:
+                            self.shared.mark_tiered(group.key, worker)
+                        except ConnectionError:
+                            group.tiered.discard(worker)  # marked with its next batch
+                else:
+                    if batch.restarted:
+                        indexer.remove_worker(worker)
+                    indexer.apply_payload(worker, batch.payload, batch.seq)
+            if worker not in group.tiered and reg.kind != "Mooncake" and self.shared is None \
+                    and indexer.blocks_held(worker) != indexer.blocks_held(worker, "GPU"):
+                group.tiered.add(worker)
+            sub.events += stats.events - before[0]
+            sub.stored += stats.stored_blocks - before[1]
+            sub.removed += stats.removed_blocks - before[2]
+            sub.malformed += stats.malformed_batches + stats.malformed_events - before[3]
 
     def _apply_rfc1527(self, reg: Registration, group: Group, batch: Any) -> bool:
         from ..events import ReceivedBatch
@@ -411,18 +417,18 @@ class IndexService:
                                f"{sorted(sizes)}: give block_size", "block_size")
         return (q.tenant, q.model, sizes.pop())
 
-    def query(self, q: Query) -> dict:
-        """``{instance_id: Hits}`` for every live instance of the query's scope (only
-        ``q.instance`` when set), per ``query``'s rules (tokens, or standard sequence hashes
-        with ``q.seqs``)."""
+    def query(self, q: Query, everyone: bool = True) -> dict:
+        """``{instance_id: Hits}`` of the query's scope (only ``q.instance`` when set), per
+        ``query``'s rules (tokens, or standard sequence hashes with ``q.seqs``): every live
+        instance, or with ``everyone=False`` only those with a hit."""
         with self.lock:
             scope = self._scope_of(q)
+            timeout = self.config.instance_timeout
             now = time.monotonic()
             out: dict = {}
             pool = self._pools.get(scope)
             holders = {w for w, r in self._pool_regs.get(scope, {}).items()
                        if self._live(r, now)} if pool is not None else None
-            identity = (q.lora, q.salt)
             block_size = scope[2]
             seqs_cache: list = []
 
@@ -435,26 +441,37 @@ class IndexService:
 
             for key in self._scopes.get(scope, ()):
                 group = self._groups[key]
+                workers = group.workers
                 if q.seqs is not None:
                     found: dict = {}
+                    identity = _effective((q.lora, q.salt), group)
+                    if pool is not None:
+                        blocks = pool_blocks_by_hash(pool, identity, q.seqs, holders)
+                        found = dict.fromkeys(workers, blocks) if blocks[2] else {}
                 else:
                     found = group_blocks(group, q.tokens, q.lora, q.salt, pool, holders,
                                          seqs_of)
-                for worker, reg in group.workers.items():
-                    if reg.kind == "Mooncake" and not found.get(worker) and \
+                if everyone:
+                    items = workers.items()
+                else:
+                    items = [(w, workers[w]) for w in found if w in workers]
+                for worker, reg in items:
+                    blocks = found.get(worker)
+                    if worker in group.pools and not blocks and \
                             not group.indexer.blocks_held(worker):
                         continue  # a pool, not an instance
-                    if (q.instance is not None and reg.instance_id != q.instance) or \
-                            not self._live(reg, now):
+                    if (q.instance is not None and reg.instance_id != q.instance) or (
+                            timeout is not None and not self._live(reg, now)):
                         continue
-                    blocks = found.get(worker)
-                    if blocks is None and q.seqs is not None and pool is not None:
-                        blocks = pool_blocks_by_hash(pool, _effective(identity, group), q.seqs,
-                                                     holders)
+                    if blocks is None:
+                        gpu = cpu = disk = 0
+                    else:
+                        gpu, cpu, disk = (b * block_size for b in blocks)
                     hits = out.get(reg.instance_id)
                     if hits is None:
-                        hits = out[reg.instance_id] = Hits()
-                    hits.add_rank(reg.dp_rank, blocks or (0, 0, 0), block_size)
+                        out[reg.instance_id] = Hits(gpu, cpu, disk, {reg.dp_rank: gpu})
+                    else:
+                        hits.add_rank(reg.dp_rank, gpu, cpu, disk)
             return out
 
     # -- selection and load ---------------------------------------------------------------
