@@ -291,19 +291,13 @@ def throughput(server: Server, body: bytes, seconds: float, clients: int = 16) -
     return sum(done) / seconds
 
 
-def ingest_while_serving(server: Server, body: bytes, seconds: float,
-                         publishers: int = 16) -> tuple:
-    """``publishers`` new publishers stream stored/removed batches for ``seconds`` while one
-    client queries at 200 queries per second; ``(block events/s applied, query p99 ms)``."""
+def _stream(conn, publishers: int, seconds: float) -> None:
+    """The ingest phase's publishers, in a process of their own (so that the querying client
+    is not slowed by them): each stores a chain of 32 blocks, then removes it, over and
+    over; markers show it is connected, then the stream runs for ``seconds``."""
     pubs = Publishers(publishers)
-    base = 1 << 50
-    for w, endpoint in enumerate(pubs.endpoints):
-        status, out = server.post("/register", json.dumps(
-            {"instance_id": 10_000 + w, "endpoint": endpoint, "model_name": MODEL,
-             "block_size": BLOCK}).encode())
-        assert status in (200, 201), out
     rnd = random.Random(7)
-    # Each publisher stores a chain of 32 blocks, then removes it: 64 block events a pair.
+    base = 1 << 50
     stream = []
     for w in range(publishers):
         pairs = []
@@ -314,32 +308,58 @@ def ingest_while_serving(server: Server, body: bytes, seconds: float,
             pairs.append((encode_batch([BlockStored(hashes, None, tokens, BLOCK)]),
                           encode_batch([BlockRemoved(hashes)])))
         stream.append(pairs)
-    marker = [[2 * 10**6 + w] * BLOCK for w in range(publishers)]
-    marker_payload = [encode_batch([BlockStored((base - 1 - w,), None, tuple(m), BLOCK)])
-                      for w, m in enumerate(marker)]
-    for w in range(publishers):  # connected: a marker seen from each
-        while answer(server, marker[w]).get(10_000 + w) != BLOCK:
-            pubs.send(w, marker_payload[w])
-            time.sleep(0.02)
-    times: list = []
-    sent = [0]
-    stop = threading.Event()
-
-    def publish() -> None:
-        i = 0
-        while not stop.is_set():
-            for w in range(publishers):
-                store, remove = stream[w][i % 64]
-                pubs.send(w, store)
-                pubs.send(w, remove)
-            sent[0] += publishers * 2 * BATCH_BLOCKS
-            i += 1
-            if i % 8 == 0:
-                time.sleep(0)  # let the client thread in
-    thread = threading.Thread(target=publish)
+    conn.send(pubs.endpoints)
+    while True:  # markers until the parent has seen each
+        command = conn.recv()
+        if command == "go":
+            break
+        for w, marker in enumerate(command):
+            if marker is not None:
+                pubs.send(w, encode_batch([BlockStored((base - 1 - w,), None, tuple(marker),
+                                                       BLOCK)]))
+    sent = 0
     started = time.perf_counter()
-    thread.start()
-    next_at = time.perf_counter()
+    i = 0
+    while time.perf_counter() - started < seconds:
+        for w in range(publishers):
+            store, remove = stream[w][i % 64]
+            pubs.send(w, store)
+            pubs.send(w, remove)
+        sent += publishers * 2 * BATCH_BLOCKS
+        i += 1
+    for w in range(publishers):  # the markers leave: seen once everything before is applied
+        pubs.send(w, encode_batch([BlockRemoved((base - 1 - w,))]))
+    conn.send(sent)
+    conn.recv()
+    pubs.close()
+
+
+def ingest_while_serving(server: Server, body: bytes, seconds: float,
+                         publishers: int = 16) -> tuple:
+    """``publishers`` new publishers stream stored/removed batches for ``seconds`` while one
+    client queries at 200 queries per second; ``(block events/s applied, query p99 ms)``."""
+    import multiprocessing
+
+    parent, child = multiprocessing.Pipe()
+    proc = multiprocessing.get_context("fork").Process(target=_stream,
+                                                       args=(child, publishers, seconds))
+    proc.start()
+    endpoints = parent.recv()
+    for w, endpoint in enumerate(endpoints):
+        status, out = server.post("/register", json.dumps(
+            {"instance_id": 10_000 + w, "endpoint": endpoint, "model_name": MODEL,
+             "block_size": BLOCK}).encode())
+        assert status in (200, 201), out
+    marker = [[2 * 10**6 + w] * BLOCK for w in range(publishers)]
+    waiting = set(range(publishers))
+    while waiting:  # connected: a marker seen from each
+        parent.send([marker[w] if w in waiting else None for w in range(publishers)])
+        time.sleep(0.02)
+        waiting = {w for w in waiting if answer(server, marker[w]).get(10_000 + w) != BLOCK}
+    parent.send("go")
+    started = time.perf_counter()
+    times: list = []
+    next_at = started
     while time.perf_counter() - started < seconds:
         now = time.perf_counter()
         if now < next_at:
@@ -348,23 +368,20 @@ def ingest_while_serving(server: Server, body: bytes, seconds: float,
         server.post("/query", body)
         times.append(time.perf_counter() - t)
         next_at += 1 / 200
-    stop.set()
-    thread.join()
-    # Applied: everything sent once the last marker of every publisher is seen again.
-    for w in range(publishers):
-        pubs.send(w, encode_batch([BlockRemoved((base - 1 - w,))]))
+    sent = parent.recv()
     deadline = time.monotonic() + 300
     while any(answer(server, marker[w]).get(10_000 + w) for w in range(publishers)):
         if time.monotonic() > deadline:
             break
-        time.sleep(0.05)
+        time.sleep(0.01)
     elapsed = time.perf_counter() - started
+    parent.send("done")
+    proc.join()
     for w in range(publishers):
         server.post("/unregister", json.dumps({"instance_id": 10_000 + w,
                                                "model_name": MODEL}).encode())
-    pubs.close()
     times.sort()
-    return sent[0] / elapsed, times[int(len(times) * 0.99)] * 1e3
+    return sent / elapsed, times[int(len(times) * 0.99)] * 1e3
 
 
 def in_process_memory(work: Workload) -> int:

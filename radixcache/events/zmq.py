@@ -647,6 +647,14 @@ class ZmqEventSubscriber:
         return list(self._gaps)
 
     @property
+    def sockets(self) -> list:
+        """The sockets a batch can arrive on (the SUB socket, and the replay socket when
+        there is one; a replay may replace it): one thread serving many subscribers polls
+        them together (``zmq.Poller``) and calls ``receive(0)`` on those ready, and on every
+        subscriber now and then for its probes and replay timeouts."""
+        return [s for s in (self._sub, self._replay) if s is not None]
+
+    @property
     def next_seq(self) -> Optional[int]:
         """The sequence number expected next (None before the first batch)."""
         return self._expected

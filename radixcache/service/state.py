@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional
 
 from .config import ServiceConfig
 from .identity import DEFAULT_TENANT, Registration
-from .ingest import Subscription
+from .ingest import Ingest, Subscription
 from .pool import POOL_TIERS, PoolBlocks
 from .query import Hits, group_blocks, pool_blocks_by_hash
 from .select import Chooser, Loads, Selection
@@ -78,6 +78,56 @@ class Group:
         return self.key[5]
 
 
+class _Lock:
+    """The service's lock (re-entrant), which the ingest thread lends to a waiting request
+    between two batches: a thread that releases a lock and asks for it again gets it back
+    before the waiter wakes, so a query could otherwise wait out a whole burst of batches.
+    ``first()`` is how a request takes it (the request path has one thread: the flag needs
+    no lock of its own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.waiting = 0
+
+    def __enter__(self) -> "_Lock":
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def first(self) -> "_First":
+        return _First(self)
+
+    def lend(self) -> None:
+        """Held once by this thread: let a waiting request in (within a few milliseconds)."""
+        if not self.waiting:
+            return
+        self._lock.release()
+        try:
+            until = time.monotonic() + 0.005
+            while self.waiting and time.monotonic() < until:
+                time.sleep(0.00005)
+        finally:
+            self._lock.acquire()
+
+
+class _First:
+    def __init__(self, lock: _Lock) -> None:
+        self.lock = lock
+
+    def __enter__(self) -> _Lock:
+        self.lock.waiting += 1
+        try:
+            self.lock._lock.acquire()
+        finally:
+            self.lock.waiting -= 1
+        return self.lock
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock._lock.release()
+
+
 class IndexService:
     """The service's state and operations; see the module docstring. Thread-safe.
 
@@ -89,7 +139,7 @@ class IndexService:
     def __init__(self, config: ServiceConfig, metrics: Any = None) -> None:
         self.config = config
         self.metrics = metrics
-        self.lock = threading.RLock()
+        self.lock = _Lock()
         self._regs: dict = {}  # key -> Registration
         self._subs: dict = {}  # key -> Subscription
         self._groups: dict = {}  # group key -> Group
@@ -106,11 +156,13 @@ class IndexService:
             self.shared = SharedRegistry(config.index, config.namespace)
         self._maintainer: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self.ingest = Ingest(self._apply)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         """Register the static publishers (and, with a shared store, the ones it lists),
         then keep the registrations in step with the store and renew leases."""
+        self.ingest.start()
         for reg in self.config.publishers:
             self.register(reg, share=True)
         if self.shared is not None:
@@ -126,10 +178,8 @@ class IndexService:
             self._maintainer.join(5.0)
         with self.lock:
             self._closed = True
-            subs = list(self._subs.values())
             self._subs.clear()
-        for sub in subs:
-            sub.close()
+        self.ingest.stop()
         with self.lock:
             for group in self._groups.values():
                 group.indexer.close()
@@ -212,7 +262,7 @@ class IndexService:
             group.pools.add(reg.worker)
         start = None if self.shared is None else group.indexer.resume_seq(reg.worker)
         try:
-            sub = Subscription(reg, self._apply, 0 if start is None else start,
+            sub = Subscription(reg, 0 if start is None else start,
                                decode=self.shared is not None and reg.kind != "Mooncake")
         except (ValueError, TypeError, RuntimeError, OSError) as exc:
             self._drop(reg)
@@ -224,7 +274,7 @@ class IndexService:
                                "endpoint") from None
         self._regs[reg.key] = reg
         self._subs[reg.key] = sub
-        sub.start()
+        self.ingest.add(sub)
 
     def _group(self, reg: Registration) -> Group:
         key = reg.group
@@ -277,8 +327,8 @@ class IndexService:
                 if not any(r.instance_id == reg.instance_id for r in self._regs.values()):
                     self.loads.forget(reg.instance_id)
                 removed.append(reg)
-        for sub in subs:  # outside the lock: its thread may be waiting for it
-            sub.close()
+        for sub in subs:  # outside the lock: the ingest thread may be waiting for it
+            self.ingest.remove(sub)
         if share and self.shared is not None:
             for reg in removed:
                 try:
@@ -333,6 +383,9 @@ class IndexService:
             before = (stats.events, stats.stored_blocks, stats.removed_blocks,
                       stats.malformed_batches + stats.malformed_events)
             for batch in batches:
+                self.lock.lend()
+                if self._subs.get(reg.key) is not sub:
+                    break  # unregistered while a request held the lock
                 if batch.restarted:
                     sub.restarts += 1
                 if reg.kind == "Mooncake":
@@ -421,7 +474,7 @@ class IndexService:
         """``{instance_id: Hits}`` of the query's scope (only ``q.instance`` when set), per
         ``query``'s rules (tokens, or standard sequence hashes with ``q.seqs``): every live
         instance, or with ``everyone=False`` only those with a hit."""
-        with self.lock:
+        with self.lock.first():
             scope = self._scope_of(q)
             timeout = self.config.instance_timeout
             now = time.monotonic()
@@ -486,7 +539,7 @@ class IndexService:
                 policy, 409 for a ``request_id`` already running.
         """
         policy = policy or self.config.policy
-        with self.lock:
+        with self.lock.first():
             hits = self.query(q)
             if not hits:
                 raise ServiceError(404, f"no live instance serves model {q.model!r} for "
@@ -534,9 +587,8 @@ class IndexService:
         store reachable."""
         problems = []
         with self.lock:
-            for key, sub in self._subs.items():
-                if not sub.alive:
-                    problems.append(f"publisher {self._regs[key].key_text} not subscribed")
+            if self._subs and not self.ingest.alive:
+                problems.append("the ingest thread is not running")
         if self.shared is not None and not self.shared.ping():
             problems.append("the index store is unreachable")
         return not problems, problems
@@ -556,7 +608,8 @@ class IndexService:
                     for tier in POOL_TIERS:
                         blocks[tier] = blocks.get(tier, 0) + pool.count(reg.worker, tier)
                 out.append({**reg.as_record(), "live": self._live(reg, now),
-                            "subscribed": sub.alive, "batches": sub.batches,
+                            "subscribed": self.ingest.alive and not sub.closed.is_set(),
+                            "batches": sub.batches,
                             "gaps": sub.subscriber.gap_count,
                             "replayed": sub.subscriber.replayed,
                             "restarts": sub.subscriber.resets,
