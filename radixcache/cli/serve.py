@@ -4,6 +4,7 @@ Parsing imports no web framework: uvicorn and the service are imported when it r
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 
@@ -115,6 +116,10 @@ def config_from(args: argparse.Namespace):
     return config
 
 
+def _stopped(signum: int, frame: object) -> None:
+    """What a stop signal does once uvicorn has shut the service down: nothing more."""
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM (uvicorn's handlers): the lifespan's shutdown closes
     every subscription and the store's connections."""
@@ -130,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
     # Threads that ingest hand the interpreter back to the request path sooner (5 ms by
     # default): a query waits at most this long for a batch being applied.
     sys.setswitchinterval(0.0005)
+    # uvicorn stops cleanly on SIGINT and SIGTERM (the lifespan's shutdown runs), then raises
+    # the signal again for the handler it found: this one lets the command return 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stopped)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
                 access_log=False, lifespan="on", http="auto", loop="auto",
                 timeout_graceful_shutdown=5)

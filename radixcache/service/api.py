@@ -147,11 +147,17 @@ _FIELD = re.compile(r"`\$\.([A-Za-z_]+)|field `([A-Za-z_]+)`")
 
 
 class BadRequest(Exception):
-    """A body that does not decode: ``field`` names what is wrong where it can."""
+    """A body that does not decode: ``field`` names what is wrong where it can; ``status``
+    is the HTTP status (400, or 422 for a well-formed body of the wrong shape in Dynamo's
+    dialect, as Dynamo answers)."""
 
-    def __init__(self, message: str, field: Optional[str]) -> None:
+    def __init__(self, message: str, field: Optional[str], status: int = 400) -> None:
         super().__init__(message)
-        self.field = field
+        self.field, self.status = field, status
+
+
+#: The structs of Dynamo's dialect: a well-formed body of the wrong shape is a 422 there.
+_DYNAMO: set = set()
 
 
 def decode(body: bytes, kind: type) -> Any:
@@ -163,10 +169,15 @@ def decode(body: bytes, kind: type) -> Any:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
         found = _FIELD.search(str(exc))
-        raise BadRequest(str(exc), next(filter(None, found.groups())) if found else None) \
-            from None
+        raise BadRequest(str(exc), next(filter(None, found.groups())) if found else None,
+                         422 if kind in _DYNAMO else 400) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"malformed JSON: {exc}", None) from None
+    except RecursionError:  # msgspec's bound on nesting, for a field nobody reads
+        raise BadRequest("malformed JSON: nested too deeply", None) from None
+
+
+_DYNAMO.update((DynamoRegister, DynamoUnregister, DynamoQuery, DynamoQueryByHash))
 
 
 def check_u64(values: list, field: str, signed: bool = True) -> list:

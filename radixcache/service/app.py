@@ -103,7 +103,7 @@ class App:
         except ServiceError as exc:
             status, out, headers = exc.status, _error_body(str(exc), exc.field), []
         except api.BadRequest as exc:
-            status, out, headers = 400, _error_body(str(exc), exc.field), []
+            status, out, headers = exc.status, _error_body(str(exc), exc.field), []
         except Exception:  # a bug: logged; the client gets a 500 and the service goes on
             _log.exception("%s %s failed", scope.get("method"), scope.get("path"))
             status, out, headers = 500, _error_body("internal error", None), []
