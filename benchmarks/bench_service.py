@@ -91,9 +91,17 @@ class Server:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
 
     def post(self, path: str, body: bytes) -> tuple:
-        self.conn.request("POST", path, body, {"content-type": "application/json"})
-        r = self.conn.getresponse()
-        return r.status, r.read()
+        for attempt in (0, 1):
+            try:
+                self.conn.request("POST", path, body, {"content-type": "application/json"})
+                r = self.conn.getresponse()
+                return r.status, r.read()
+            except (http.client.HTTPException, ConnectionError):
+                if attempt:  # the server closed an idle connection: once more on a new one
+                    raise
+                self.conn.close()
+                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -141,5 +141,5 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, _stopped)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
                 access_log=False, lifespan="on", http="auto", loop="auto",
-                timeout_graceful_shutdown=5)
+                timeout_keep_alive=60, timeout_graceful_shutdown=5)
     return 0
