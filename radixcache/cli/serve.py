@@ -60,6 +60,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="cache-aware's weight of an instance's load in tokens (default 0.1)")
     p.add_argument("--hash-seed", type=int, default=None,
                    help="seed of the standard XXH3-64 block hashes (default 1337, Dynamo's)")
+    p.add_argument("--hash-index", action="store_true",
+                   help="also keep the engines' blocks by their standard XXH3-64 sequence "
+                        "hashes, so that /query_by_hash finds them (Dynamo's by-hash queries "
+                        "too); costs memory per block and ingest speed")
     p.add_argument("--lease", type=float, default=30.0, metavar="SECONDS",
                    help="with --index: how long a replica's hold on a publisher lasts "
                         "(default 30)")
@@ -102,7 +106,8 @@ def config_from(args: argparse.Namespace):
                            publishers=publishers, token=token_from(args.token),
                            allow_endpoints=list(args.allow_endpoint), max_body=args.max_body,
                            max_tokens=args.max_tokens, instance_timeout=args.instance_timeout,
-                           policy=args.policy, lease_s=args.lease)
+                           policy=args.policy, lease_s=args.lease,
+                           hash_index=args.hash_index)
     if args.load_weight is not None:
         if not args.load_weight >= 0:
             raise UsageError("--load-weight must be >= 0")

@@ -45,6 +45,8 @@ class ServiceConfig:
         policy: ``/select``'s default policy.
         load_weight, prefill_weight, host_weight: ``cache-aware``'s weights (as ``Router``'s).
         hash_seed: The seed of the standard XXH3-64 block hashes.
+        hash_index: Keep the engines' blocks by their standard sequence hashes too, so that
+            ``/query_by_hash`` finds them (costs memory and ingest; see ``hashindex``).
         lease_s: With ``index``: seconds a publisher's lease lasts.
     """
 
@@ -66,6 +68,7 @@ class ServiceConfig:
     prefill_weight: float = 1.0
     host_weight: float = DEFAULT_HOST_WEIGHT
     hash_seed: int = DEFAULT_SEED
+    hash_index: bool = False
     lease_s: float = 30.0
 
     def endpoint_allowed(self, endpoint: str) -> bool:

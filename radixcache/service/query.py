@@ -121,7 +121,34 @@ def group_blocks(group: Any, tokens: Any, lora: Optional[str], salt: Optional[st
     return best
 
 
-def pool_blocks_by_hash(pool: Any, identity: tuple, seqs: list, holders: Any) -> tuple:
-    """``(0, cpu, disk)`` blocks a pool gives any instance for a prompt known by its
-    sequence hashes only (no device tier can be read without the tokens)."""
-    return _walk(None, 0, None, pool, identity, seqs, holders)
+def hash_blocks(group: Any, seqs: list, lora: Optional[str], salt: Optional[str],
+                pool: Any = None, pool_holders: Any = None) -> dict:
+    """``group_blocks`` for a prompt known by its standard sequence hashes only: the
+    group's ``HashIndex`` (``--hash-index``) gives each worker's tiers, the pools theirs."""
+    index = group.hashes
+    best: dict = {}
+    seen = set()
+    for lo, sa in identities(lora, salt, group.lora, group.salt):
+        identity = (lo or group.lora, sa or group.salt)
+        if identity in seen:
+            continue
+        seen.add(identity)
+        cache: dict = {}
+
+        def own(pos: int, tier: str, identity: tuple = identity, cache: dict = cache) -> dict:
+            runs = cache.get((pos, tier))
+            if runs is None:
+                runs = cache[(pos, tier)] = index.runs(identity, seqs, pos, tier)
+            return runs
+
+        device = own(0, "GPU") if index is not None else {}
+        pooled = pool is not None and pool.has(identity)
+        if index is None and not pooled:
+            continue
+        for worker in group.workers:
+            blocks = _walk(worker, device.get(worker, 0), own if index is not None else None,
+                           pool, identity, seqs if pooled else None, pool_holders)
+            if blocks[2]:
+                old = best.get(worker)
+                best[worker] = blocks if old is None else tuple(map(max, old, blocks))
+    return best

@@ -18,7 +18,7 @@ from .config import ServiceConfig
 from .identity import DEFAULT_TENANT, Registration
 from .ingest import Ingest, Subscription
 from .pool import POOL_TIERS, PoolBlocks
-from .query import Hits, group_blocks, pool_blocks_by_hash
+from .query import Hits, group_blocks, hash_blocks
 from .select import Chooser, Loads, Selection
 
 MEDIA = ("GPU", "CPU", "DISK")
@@ -60,6 +60,7 @@ class Group:
     workers: dict = field(default_factory=dict)
     tiered: set = field(default_factory=set)
     pools: set = field(default_factory=set)  # workers registered as Mooncake publishers
+    hashes: Any = None  # a HashIndex with --hash-index
 
     @property
     def block_size(self) -> int:
@@ -260,10 +261,14 @@ class IndexService:
         group.workers[reg.worker] = reg
         if reg.kind == "Mooncake":
             group.pools.add(reg.worker)
-        start = None if self.shared is None else group.indexer.resume_seq(reg.worker)
+        # With a store the stream resumes where the store says (the hash index, kept in each
+        # replica's memory, is rebuilt from the publisher's whole buffer).
+        start = None if self.shared is None or group.hashes is not None else \
+            group.indexer.resume_seq(reg.worker)
         try:
             sub = Subscription(reg, 0 if start is None else start,
-                               decode=self.shared is not None and reg.kind != "Mooncake")
+                               decode=reg.kind != "Mooncake" and (
+                                   self.shared is not None or group.hashes is not None))
         except (ValueError, TypeError, RuntimeError, OSError) as exc:
             self._drop(reg)
             raise ServiceError(400, f"cannot subscribe to {reg.endpoint!r}: {exc}",
@@ -289,6 +294,11 @@ class IndexService:
                                     namespace=group_namespace(self.config.namespace, key),
                                     lease_s=self.config.lease_s, owner=self.config.owner)
             group = self._groups[key] = Group(key, indexer)
+            if self.config.hash_index and reg.kind != "Mooncake":
+                from .hashindex import HashIndex
+
+                group.hashes = HashIndex(reg.block_size, self.config.hash_seed, key[5],
+                                         (reg.lora, reg.salt))
             self._scopes.setdefault(reg.scope, []).append(key)
         return group
 
@@ -299,6 +309,8 @@ class IndexService:
             group.tiered.discard(reg.worker)
             group.pools.discard(reg.worker)
             group.indexer.remove_worker(reg.worker)
+            if group.hashes is not None:
+                group.hashes.clear(reg.worker)
             if not group.workers:
                 group.indexer.close()
                 del self._groups[reg.group]
@@ -404,6 +416,10 @@ class IndexService:
                     if batch.restarted:
                         indexer.remove_worker(worker)
                     indexer.apply_payload(worker, batch.payload, batch.seq)
+                if group.hashes is not None and reg.kind != "Mooncake":
+                    if batch.restarted:
+                        group.hashes.clear(worker)
+                    group.hashes.apply(worker, batch.events)
             if worker not in group.tiered and reg.kind != "Mooncake" and self.shared is None \
                     and indexer.blocks_held(worker) != indexer.blocks_held(worker, "GPU"):
                 group.tiered.add(worker)
@@ -496,11 +512,7 @@ class IndexService:
                 group = self._groups[key]
                 workers = group.workers
                 if q.seqs is not None:
-                    found: dict = {}
-                    identity = _effective((q.lora, q.salt), group)
-                    if pool is not None:
-                        blocks = pool_blocks_by_hash(pool, identity, q.seqs, holders)
-                        found = dict.fromkeys(workers, blocks) if blocks[2] else {}
+                    found = hash_blocks(group, q.seqs, q.lora, q.salt, pool, holders)
                 else:
                     found = group_blocks(group, q.tokens, q.lora, q.salt, pool, holders,
                                          seqs_of)
@@ -632,10 +644,6 @@ class IndexService:
             for scope, pool in self._pools.items():
                 sizes[scope] = sizes.get(scope, 0) + len(pool)
             return sizes
-
-
-def _effective(identity: tuple, group: Group) -> tuple:
-    return (identity[0] or group.lora, identity[1] or group.salt)
 
 
 def group_namespace(prefix: str, key: tuple) -> str:

@@ -4,7 +4,9 @@ host copies, removals on either tier, clears; sequences under every LoRA and sal
 data-parallel ranks of one instance; instances in another tenant and another model; one
 registered with a LoRA and salt of its own), the service (on each tree core) subscribes to
 them, and after the batches every ``/query`` answer, for every scope and every LoRA and salt,
-equals what in-process ``KvIndexer``s fed the same batches give.
+equals what in-process ``KvIndexer``s fed the same batches give; and ``/query_by_hash`` with
+the prompt's standard sequence hashes (the service runs with ``--hash-index``) answers as
+``/query`` does.
 
 The reference keeps one ``KvIndexer`` per instance, rank and block identity (its LoRA and
 salt as the engine named them, or the registration's), fed that identity's blocks without
@@ -18,6 +20,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import struct
 import sys
 import time
 from pathlib import Path
@@ -28,7 +31,7 @@ pytest.importorskip("httpx")
 pytest.importorskip("zmq")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
-pytest.importorskip("xxhash")
+xxhash = pytest.importorskip("xxhash")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "events"))
 
 from engine_publishers import load_sglang_kv_events, load_vllm_kv_events, short_workdir
@@ -250,12 +253,23 @@ def expected(publishers: list, tenant: str, model: str, identity: tuple, tokens:
     return {tenant: found} if found else {}
 
 
+def standard_seqs(tokens: list) -> list:
+    """The document's sequence hashes (seed 1337), written out here."""
+    out = []
+    for i in range(len(tokens) // BS):
+        local = xxhash.xxh3_64_intdigest(struct.pack(f"<{BS}I", *tokens[i * BS:(i + 1) * BS]),
+                                         seed=1337)
+        out.append(local if not out else xxhash.xxh3_64_intdigest(
+            struct.pack("<QQ", out[-1], local), seed=1337))
+    return out
+
+
 def test_answers_equal_an_in_process_index(core_name, engines):
     rnd = random.Random(1403)
     prompts = [[rnd.randrange(1, 400) for _ in range(12 * BS)] for _ in range(3)]
     workdir = short_workdir()
     publishers = []
-    svc = Service(core=core_name)
+    svc = Service("--hash-index", core=core_name)
     try:
         for i, spec in enumerate(REGISTRATIONS):
             publishers.append(Publisher(spec, engines[spec[2]], workdir, i))
@@ -286,6 +300,10 @@ def test_answers_equal_an_in_process_index(core_name, engines):
                         got = svc.post("/query", body).json()
                         want = expected(publishers, tenant, model, identity, tokens)
                         assert got == want, (step, tenant, model, identity)
+                        del body["token_ids"]
+                        by_hash = svc.post("/query_by_hash", {
+                            **body, "seq_hashes": standard_seqs(tokens)}).json()
+                        assert by_hash == want, ("by hash", step, tenant, model, identity)
                         checked += bool(want and any(
                             e["GPU"] for e in want[tenant].values()))
         assert checked > 20  # the answers compared were not all empty
