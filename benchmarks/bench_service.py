@@ -424,6 +424,7 @@ def one_round(name: str, start, work: Workload, args: argparse.Namespace) -> dic
     try:
         base_rss = rss_bytes(server.proc.pid)
         rate = fill(server, work, pubs)
+        time.sleep(2)  # a service may hand a burst's buffers back once it is over
         rss = rss_bytes(server.proc.pid) - base_rss
         body = query_body(work.prompt)
         p50, p99 = latency(server, body, args.queries)

@@ -7,6 +7,7 @@ imports none of it.
 Modules: ``config`` (settings, static publishers, the endpoint allow-list), ``identity``
 (registrations, scopes and groups), ``stdhash`` (the standard XXH3-64 block hashes),
 ``rfc1527`` (RFC #1527 event maps), ``pool`` (blocks known by their standard hashes only),
+``hashindex`` (``--hash-index``: the engines' blocks by their standard hashes too),
 ``ingest`` (a subscription's thread), ``query`` (what a query answers), ``select`` (load and
 ``/select``'s policies), ``shared`` (what replicas share in the store), ``state``
 (``IndexService``: all of it, without HTTP), ``metrics`` (Prometheus), ``api`` (the

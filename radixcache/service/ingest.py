@@ -25,6 +25,23 @@ SWEEP_S = 0.1
 DRAIN = 64
 
 _log = logging.getLogger(__name__)
+#: Seconds without a batch after which the memory a burst's payloads used goes back to the
+#: system (``malloc_trim``): ZeroMQ's threads buffer a burst in their own heaps, which glibc
+#: otherwise keeps for good.
+TRIM_AFTER_S = 1.0
+
+
+def _trimmer():
+    """glibc's ``malloc_trim``, or None elsewhere."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
 
 
 class Subscription:
@@ -118,6 +135,9 @@ class Ingest:
         poller = None
         owner: dict = {}  # socket -> subscription
         last_sweep = 0.0
+        trim = _trimmer()
+        self._untrimmed = False
+        self._last_batch = 0.0
         while not self._stop.is_set():
             with self._lock:
                 changed, self._changed = self._changed, False
@@ -141,6 +161,10 @@ class Ingest:
             if now - last_sweep >= SWEEP_S:
                 last_sweep = now
                 ready = subs
+                if trim is not None and self._untrimmed and \
+                        now - self._last_batch >= TRIM_AFTER_S:
+                    self._untrimmed = False
+                    trim(0)
             for sub in ready:
                 if sub.closed.is_set():
                     continue
@@ -166,7 +190,8 @@ class Ingest:
             batches.append(batch)
         if not batches:
             return
-        sub.last_heard = time.monotonic()
+        sub.last_heard = self._last_batch = time.monotonic()
+        self._untrimmed = True
         sub.batches += len(batches)
         try:
             self._apply(sub, batches)
