@@ -23,7 +23,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 pytest.importorskip("xxhash")
 
-from service_helpers import Service, register_body, wait_until
+from service_helpers import register_body, wait_until
 
 from radixcache import RadixCache
 from radixcache.events import ZmqEventPublisher
@@ -52,19 +52,6 @@ def publisher():
     yield make
     for pub in made:
         pub.close()
-
-
-@pytest.fixture
-def service():
-    made = []
-
-    def start(*args: str, **kwargs):
-        made.append(Service(*args, **kwargs))
-        return made[-1]
-
-    yield start
-    for svc in made:
-        assert svc.stop() == 0, svc.output()  # SIGTERM: a clean stop
 
 
 def publish(pub, cache, tokens) -> None:

@@ -42,19 +42,6 @@ from radixcache.events import BlockStored, ZmqEventPublisher, encode_batch
 
 
 @pytest.fixture
-def service():
-    made = []
-
-    def start(*args: str, **kwargs):
-        made.append(Service(*args, **kwargs))
-        return made[-1]
-
-    yield start
-    for svc in made:
-        assert svc.stop() == 0, svc.output()
-
-
-@pytest.fixture
 def raw_pub():
     """Raw PUB sockets (the test's own publishers of batches no engine sends)."""
     ctx = zmq.Context()
