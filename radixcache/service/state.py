@@ -472,12 +472,26 @@ class IndexService:
         return sub is not None and now - sub.last_heard <= timeout
 
     def _scope_of(self, q: Query) -> tuple:
-        """The scope of ``q``; a query without a block size takes the one its model is
-        registered with (ServiceError 404: none, 400: several)."""
-        if q.block_size is not None:
-            return (q.tenant, q.model, q.block_size)
+        """The scope of ``q``. A query without a block size takes the one its model is
+        registered with (ServiceError 404: none, 400: several); one whose block size is not
+        its model's (400), or that names an instance the scope lacks (404), is refused. A
+        query of a model or tenant nobody registered is a scope without instances."""
         sizes = {scope[2] for scope in list(self._scopes) + list(self._pool_regs)
                  if scope[:2] == (q.tenant, q.model)}
+        if q.instance is not None:
+            mine = {r.block_size for r in self._regs.values() if r.instance_id == q.instance
+                    and (r.tenant, r.model) == (q.tenant, q.model)}
+            if not mine:
+                raise ServiceError(404, f"instance {q.instance!r} is not registered for model "
+                                   f"{q.model!r} and tenant {q.tenant!r}", "instance_id")
+            if q.block_size is not None and q.block_size not in mine:
+                raise ServiceError(400, f"instance {q.instance!r} is registered with block "
+                                   f"size {sorted(mine)[0]}, not {q.block_size}", "block_size")
+        if q.block_size is not None:
+            if sizes and q.block_size not in sizes:
+                raise ServiceError(400, f"model {q.model!r} is registered with block sizes "
+                                   f"{sorted(sizes)}, not {q.block_size}", "block_size")
+            return (q.tenant, q.model, q.block_size)
         if not sizes:
             raise ServiceError(404, f"no instance of model {q.model!r} is registered for "
                                f"tenant {q.tenant!r}", "model_name")

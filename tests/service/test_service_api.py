@@ -87,8 +87,15 @@ def test_mooncake_documented_requests_and_answers(service, publisher):
                    {"cache_salt": None}):
         other = svc.post("/query", {**query, **change}).json()
         assert other["default"]["vllm-prefill-node1"]["longest_matched"] == 0, change
-    for change in ({"tenant_id": "acme"}, {"model": "llama"}, {"block_size": 64}):
-        assert svc.post("/query", {**query, **change}).json() == {}, change
+    for change, status, field in (({"tenant_id": "acme"}, 404, "instance_id"),
+                                  ({"model": "llama"}, 404, "instance_id"),
+                                  ({"block_size": 64}, 400, "block_size")):
+        refused = svc.post("/query", {**query, **change})
+        assert (refused.status_code, refused.json()["field"]) == (status, field), change
+    anyone = {k: v for k, v in query.items() if k != "instance_id"}
+    assert svc.post("/query", {**anyone, "tenant_id": "acme"}).json() == {}
+    assert svc.post("/query", {**anyone, "model": "llama"}).json() == {}
+    assert svc.post("/query", {**anyone, "block_size": 64}).status_code == 400
     seqs = {"model": "deepseek", "lora_name": "sql-adapter", "seq_hashes": [1234567890,
                                                                           9876543210],
             "tenant_id": "default", "instance_id": "vllm-prefill-node1", "block_size": 128,
@@ -104,7 +111,8 @@ def test_mooncake_documented_requests_and_answers(service, publisher):
     assert r.status_code == 200
     assert r.json() == {"status": "unregistered successfully",
                         "removed_instances": ["vllm-prefill-node1|default|0"]}
-    assert svc.post("/query", query).json() == {}
+    assert svc.post("/query", anyone).json() == {}
+    assert svc.post("/query", query).status_code == 404  # the instance is gone
     gone = svc.post("/unregister", DOC_UNREGISTER)
     assert gone.status_code == 404 and gone.json()["field"] == "instance_id"
 
