@@ -11,6 +11,7 @@ when one is set.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import time
@@ -123,6 +124,10 @@ class App:
                 except Exception as exc:
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
+                # What the imports made lives as long as the process: out of the collector's
+                # full passes, which would otherwise walk all of it during a request.
+                gc.collect()
+                gc.freeze()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await asyncio.get_running_loop().run_in_executor(None, self.service.close)
