@@ -83,11 +83,11 @@ class _Lock:
     """The service's lock (re-entrant), which the ingest thread lends to a waiting request
     between two batches: a thread that releases a lock and asks for it again gets it back
     before the waiter wakes, so a query could otherwise wait out a whole burst of batches.
-    ``first()`` is how a request takes it (the request path has one thread: the flag needs
-    no lock of its own)."""
+    ``first()`` is how a request takes it."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
+        self._count = threading.Lock()  # guards ``waiting`` (requests may come on threads)
         self.waiting = 0
 
     def __enter__(self) -> "_Lock":
@@ -118,12 +118,15 @@ class _First:
         self.lock = lock
 
     def __enter__(self) -> _Lock:
-        self.lock.waiting += 1
+        lock = self.lock
+        with lock._count:
+            lock.waiting += 1
         try:
-            self.lock._lock.acquire()
+            lock._lock.acquire()
         finally:
-            self.lock.waiting -= 1
-        return self.lock
+            with lock._count:
+                lock.waiting -= 1
+        return lock
 
     def __exit__(self, *exc: object) -> None:
         self.lock._lock.release()
