@@ -184,10 +184,11 @@ class App:
             req = api.decode(body, api.DynamoRegister)
             api.check_u64([req.instance_id], "instance_id", signed=False)
             kind = req.type or "vLLM"
+            # Dynamo accepts a salt here and mixes it into nothing (its engines salt their own
+            # hashes): a Dynamo client gets the answers it gets from Dynamo.
             reg = self._registration(req.instance_id, req.endpoint, req.replay_endpoint, kind,
                                      req.model_name, req.block_size, req.routing_group,
-                                     req.dp_rank or 0, req.lora_name,
-                                     req.additional_salt or req.additionalsalt)
+                                     req.dp_rank or 0, req.lora_name, None)
             service.register(reg, exclusive=True)
             return 201, _encode({"status": "ok"}), []
         req = api.decode(body, api.MooncakeRegister)
