@@ -19,7 +19,8 @@ separate virtual environment and pass its python (it binds 0.0.0.0; nothing else
 - ingest while serving: 16 publishers stream batches of stored and removed blocks as fast as
   they can for a few seconds while one client queries at 200 queries per second: block
   events applied per second and that client's p99.
-- memory: the service's resident memory per indexed block, against an in-process
+- memory: the service's resident memory per indexed block (from once the publishers are
+  registered and connected to two seconds after the fill), against an in-process
   ``KvIndexer`` fed the same payloads (in a process of its own).
 - answers: each instance's device hit for 50 prompts, radixcache against Dynamo.
 
@@ -236,10 +237,12 @@ def wait_markers(server: Server, work: Workload, pubs: Publishers, resend: bool,
             time.sleep(0.05)
 
 
-def fill(server: Server, work: Workload, pubs: Publishers) -> float:
-    """Send every instance's batches (interleaved); block events per second."""
+def fill(server: Server, work: Workload, pubs: Publishers) -> tuple:
+    """Send every instance's batches (interleaved); ``(block events per second, resident
+    bytes once every publisher is registered and connected)``."""
     register_all(server, pubs)
     wait_markers(server, work, pubs, resend=True)  # connected
+    connected_rss = rss_bytes(server.proc.pid)
     started = time.perf_counter()
     longest = max(len(p) for p in work.payloads)
     for i in range(longest):
@@ -247,7 +250,7 @@ def fill(server: Server, work: Workload, pubs: Publishers) -> float:
             if i < len(work.payloads[w]):
                 pubs.send(w, work.payloads[w][i])
     wait_markers(server, work, pubs, resend=False)
-    return work.blocks / (time.perf_counter() - started)
+    return work.blocks / (time.perf_counter() - started), connected_rss
 
 
 def latency(server: Server, body: bytes, n: int) -> tuple:
@@ -422,10 +425,9 @@ def one_round(name: str, start, work: Workload, args: argparse.Namespace) -> dic
     pubs = Publishers(work.instances)
     server = start(free_port())
     try:
-        base_rss = rss_bytes(server.proc.pid)
-        rate = fill(server, work, pubs)
+        rate, base_rss = fill(server, work, pubs)
         time.sleep(2)  # a service may hand a burst's buffers back once it is over
-        rss = rss_bytes(server.proc.pid) - base_rss
+        rss = rss_bytes(server.proc.pid) - base_rss  # the blocks', not the subscriptions
         body = query_body(work.prompt)
         p50, p99 = latency(server, body, args.queries)
         qps = throughput(server, body, args.seconds)
