@@ -20,7 +20,7 @@ separate virtual environment and pass its python (it binds 0.0.0.0; nothing else
   they can for a few seconds while one client queries at 200 queries per second: block
   events applied per second and that client's p99.
 - memory: the service's resident memory per indexed block (from once the publishers are
-  registered and connected to two seconds after the fill), against an in-process
+  registered and connected to when it settles after the fill), against an in-process
   ``KvIndexer`` fed the same payloads (in a process of its own).
 - answers: each instance's device hit for 50 prompts, radixcache against Dynamo.
 
@@ -197,6 +197,17 @@ class Publishers:
         for s in self.socks:
             s.close()
         self.ctx.term()
+
+
+def settled_rss(pid: int, limit_s: float = 20.0) -> int:
+    """The resident bytes of ``pid`` once they stop changing (three equal readings a second
+    apart, at most ``limit_s``): a service may hand a burst's buffers back once it is over."""
+    readings = [rss_bytes(pid)]
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and (len(readings) < 3 or len(set(readings[-3:])) > 1):
+        time.sleep(1)
+        readings.append(rss_bytes(pid))
+    return readings[-1]
 
 
 def query_body(tokens: list) -> bytes:
@@ -426,8 +437,7 @@ def one_round(name: str, start, work: Workload, args: argparse.Namespace) -> dic
     server = start(free_port())
     try:
         rate, base_rss = fill(server, work, pubs)
-        time.sleep(2)  # a service may hand a burst's buffers back once it is over
-        rss = rss_bytes(server.proc.pid) - base_rss  # the blocks', not the subscriptions
+        rss = settled_rss(server.proc.pid) - base_rss  # the blocks', not the subscriptions'
         body = query_body(work.prompt)
         p50, p99 = latency(server, body, args.queries)
         qps = throughput(server, body, args.seconds)
