@@ -140,7 +140,14 @@ def test_hostile_batches_change_nothing_but_the_counts(service, raw_pub):
     good = encode_batch([BlockStored((1,), None, (7, 8), 2)])
     wait_until(lambda: (pubs["vLLM"].send(good), gpu(svc, [7, 8], "vLLM") == 2)[1],
                "the engine subscription")
-    before = svc.client.get("/workers").json()
+
+    def workers() -> dict:
+        return {w["instance_id"]: w for w in svc.client.get("/workers").json()}
+
+    empty = msgspec.msgpack.encode([0.0, [], 0])  # an RFC #1527 batch of no event
+    wait_until(lambda: (pubs["Mooncake"].send(empty), workers()["Mooncake"]["batches"])[1],
+               "the RFC #1527 subscription")
+    before = workers()
     hostile = [b"", b"\xc1", b"not msgpack at all", msgspec.msgpack.encode([1, 2, 3]),
                msgspec.msgpack.encode([0.0, "events", 0]), b"\x91" * 100_000,
                msgspec.msgpack.encode([0.0, [[1] * 10] * 1000, 0]),
@@ -158,8 +165,10 @@ def test_hostile_batches_change_nothing_but_the_counts(service, raw_pub):
     marker = encode_batch([BlockStored((4,), None, (70, 80), 2)])
     wait_until(lambda: (pubs["vLLM"].send(marker), gpu(svc, [70, 80], "vLLM") == 2)[1],
                "the batches after the hostile ones")
-    after = {w["instance_id"]: w for w in svc.client.get("/workers").json()}
-    assert after["vLLM"]["blocks"]["GPU"] == before[0]["blocks"]["GPU"] + 1 == 2
+    wait_until(lambda: workers()["Mooncake"]["batches"] >= before["Mooncake"]["batches"]
+               + len(hostile), "the RFC #1527 subscription's hostile batches")
+    after = workers()
+    assert after["vLLM"]["blocks"]["GPU"] == before["vLLM"]["blocks"]["GPU"] + 1 == 2
     assert after["vLLM"]["malformed"] >= 7 and after["Mooncake"]["malformed"] >= 7
     assert after["Mooncake"]["blocks"] == {"GPU": 0, "CPU": 0, "DISK": 0}
     assert svc.client.get("/ready").json() == {"ready": True, "problems": []}
