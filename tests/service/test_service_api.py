@@ -339,3 +339,21 @@ def test_sigterm_stops_cleanly_and_sigkill_leaves_no_listener(service, publisher
                     ).status_code == 200
     assert svc.stop(signal.SIGTERM) == 0
     assert "Traceback" not in svc.output(), svc.output()
+
+
+def test_static_publishers_from_flags_and_a_file(service, publisher, tmp_path):
+    (pub_a, cache_a), (pub_b, cache_b) = publisher(), publisher()
+    publish(pub_a, cache_a, range(1, 9))
+    publish(pub_b, cache_b, range(1, 5))
+    conductor = {"kvevent_instance": {"b": {
+        "endpoint": pub_b.endpoint, "replay_endpoint": pub_b.replay_endpoint, "type": "vLLM",
+        "modelname": "m", "instance_id": "b", "block_size": 2, "dp_rank": 0}}}
+    path = tmp_path / "conductor_config.json"
+    path.write_text(json.dumps(conductor))
+    svc = service("--publisher", f"a={pub_a.endpoint},replay={pub_a.replay_endpoint},model=m",
+                  "--block-size", "2", "--publishers-file", str(path))
+    query = {"model": "m", "token_ids": list(range(1, 9)), "block_size": 2}
+    wait_until(lambda: {i: h["GPU"] for i, h in svc.post("/query", query).json().get(
+        "default", {}).items()} == {"a": 8, "b": 4}, "both static publishers' blocks")
+    refused = svc.post("/register", register_body("a", pub_a.endpoint))  # taken: conflict
+    assert refused.status_code == 409
