@@ -1,6 +1,7 @@
 """The ``radixcache`` command: ``simulate`` replays a trace through the serving loop, ``merge``
 joins the shards of a sweep (``simulate --shard``), ``bench`` times the tree cores side by side,
-``trace`` downloads and lists the public Mooncake traces.
+``trace`` downloads and lists the public Mooncake traces, ``serve`` runs the router index as
+an HTTP service.
 
 Exit codes: 0 success, 1 unreadable or malformed trace (or failed output, download, merge or
 sweep worker), 2 bad arguments. Parsing imports neither torch nor the tree cores (``--help``,
@@ -8,7 +9,7 @@ sweep worker), 2 bad arguments. Parsing imports neither torch nor the tree cores
 
 One module per concern: ``args`` (the parser, sizes), ``output`` (tables, atomic writes,
 progress), ``sweep`` (a sweep's points: ``--jobs``, executors, ``--shard``), ``plots``, and one
-per subcommand: ``simulate``, ``merge``, ``bench``, ``trace``.
+per subcommand: ``simulate``, ``merge``, ``bench``, ``trace``, ``serve``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import sys
 from typing import TYPE_CHECKING, Sequence
 
 # Light modules only: torch, numpy and the cores are imported inside the run functions.
-from . import bench, merge, simulate, trace
-from .args import ParseError, UsageError, build_parser, usage_line
+from . import bench, merge, serve, simulate, trace
+from .args import build_parser, usage_line
+from .errors import ParseError, UsageError
 from .args import parse_size as parse_size
 from .simulate import FLEET_JSON_KEYS, JSON_KEYS
 from .simulate import default_capacities as default_capacities
@@ -110,6 +112,8 @@ def main(argv: Sequence[str] | None = None, *, executor: Executor | None = None)
             return merge.run(args)
         if args.command == "trace":
             return trace.run(args)
+        if args.command == "serve":
+            return serve.run(args)
         return bench.run(args)
     except UsageError as exc:
         print(f"{args.parser.prog}: error: {exc}", file=sys.stderr)

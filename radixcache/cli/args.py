@@ -15,6 +15,7 @@ from .._options import (DEFAULT_DECODE_TPS, DEFAULT_HOST_WEIGHT, DEFAULT_INTERVA
                         DEFAULT_LOAD_TPS, DEFAULT_LOAD_WEIGHT, DEFAULT_PREFILL_TPS,
                         EVICTION_POLICIES, MAX_POOL_SLOTS, ROUTING_POLICIES, WRITE_POLICIES,
                         EventLag)
+from .errors import ParseError
 
 #: The tree cores, by name (which are built is known only once the cores are imported).
 CORE_NAMES = ("c", "python")
@@ -23,18 +24,6 @@ DEFAULT_ROUTERS = "round-robin,prefix-hash,cache-aware"
 DEFAULT_CAPACITIES = "32768,131072,524288"
 #: Default capacities for a trace: these fractions of its unique prompt tokens.
 CAPACITY_FRACTIONS = (1 / 64, 1 / 16, 1 / 4, 1)
-
-
-class UsageError(Exception):
-    """A bad argument found after parsing (exit code 2)."""
-
-
-class ParseError(Exception):
-    """argparse's complaint, with the (sub)command parser it belongs to."""
-
-    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
-        super().__init__(message)
-        self.parser = parser
 
 
 class _Parser(argparse.ArgumentParser):
@@ -409,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--dir", metavar="DIR", help=f"where to look (default {default_dir})")
     download.set_defaults(parser=download)
     listing.set_defaults(parser=listing)
+    from . import serve  # its flags only: the service is imported when it runs
+
+    serve.add_parser(sub)
     return parser
 
 

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any, NamedTuple
 
-from .args import UsageError
+from .errors import UsageError
 from .output import check_output_path, write_json
 from .plots import plot_format
 from .simulate import FLEET_JSON_KEYS, JSON_KEYS, write_sweep_plot

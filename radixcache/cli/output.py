@@ -9,7 +9,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Sequence
 
-from .args import UsageError
+from .errors import UsageError
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:

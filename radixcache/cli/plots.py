@@ -7,7 +7,7 @@ import os
 from typing import Any, Sequence
 
 from .._options import POOLED
-from .args import UsageError
+from .errors import UsageError
 from .output import atomic_write, short_count
 
 # Plot size in inches at PLOT_DPI: the PNG is 1000 x 500 pixels (the legend is beside the

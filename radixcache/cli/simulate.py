@@ -14,8 +14,9 @@ from .._options import (DEFAULT_DECODE_TPS, DEFAULT_HOST_WEIGHT, DEFAULT_INTERVA
                         DEFAULT_LOAD_TPS, DEFAULT_LOAD_WEIGHT, DEFAULT_PREFILL_TPS,
                         MAX_POOL_SLOTS, POOLED, EventLag)
 from .._validate import counted
-from .args import (CAPACITY_FRACTIONS, DEFAULT_CAPACITIES, DEFAULT_ROUTERS, UsageError,
-                   capacity_list, router_list)
+from .args import (CAPACITY_FRACTIONS, DEFAULT_CAPACITIES, DEFAULT_ROUTERS, capacity_list,
+                   router_list)
+from .errors import UsageError
 from .output import check_output_path, format_table, short_count, warn, write_json
 from .plots import plot_format, write_fleet_plot, write_host_plot, write_plot
 from .sweep import (SHARED_SUFFIX, FleetPoint, ServePoint, TraceSource, run_sweep, take_shard,

@@ -519,6 +519,10 @@ class ZmqEventSubscriber:
         probe_interval: Seconds of quiet after which the replay socket is probed for a lost
             tail, > 0 (None or ``math.inf``: never).
         hwm: The SUB socket's receive high-water mark, an int >= 0.
+        decode: False: ``receive`` hands each batch over undecoded, its ``payload`` set and
+            ``events`` empty (``ts`` 0.0, ``data_parallel_rank`` None), for a consumer that
+            reads payloads itself (``KvIndexer.apply_payload`` reads one in a single call
+            into the block module); a malformed payload is then the consumer's to find.
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -540,7 +544,8 @@ class ZmqEventSubscriber:
     def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, *,
                  topic: str = "", start_seq: Optional[int] = None,
                  timeout: Optional[float] = None, replay_timeout: Optional[float] = 2.0,
-                 probe_interval: Optional[float] = 1.0, hwm: int = 100_000) -> None:
+                 probe_interval: Optional[float] = 1.0, hwm: int = 100_000,
+                 decode: bool = True) -> None:
         self._closed = True  # until the sockets exist: close() has nothing to release
         zmq, _ = _transport("ZmqEventSubscriber")
         if not isinstance(endpoint, str):
@@ -555,6 +560,9 @@ class ZmqEventSubscriber:
             raise TypeError(f"hwm must be an int, got {type(hwm).__name__}")
         if hwm < 0:
             raise ValueError(f"hwm must be >= 0, got {hwm}")
+        if not isinstance(decode, bool):
+            raise TypeError(f"decode must be a bool, got {type(decode).__name__}")
+        self._decode = decode
         self.timeout = timeout
         self.replay_timeout = replay_timeout
         self.probe_interval = probe_interval
@@ -640,6 +648,14 @@ class ZmqEventSubscriber:
         return list(self._gaps)
 
     @property
+    def sockets(self) -> list:
+        """The sockets a batch can arrive on (the SUB socket, and the replay socket when
+        there is one; a replay may replace it): one thread serving many subscribers polls
+        them together (``zmq.Poller``) and calls ``receive(0)`` on those ready, and on every
+        subscriber now and then for its probes and replay timeouts."""
+        return [s for s in (self._sub, self._replay) if s is not None]
+
+    @property
     def next_seq(self) -> Optional[int]:
         """The sequence number expected next (None before the first batch)."""
         return self._expected
@@ -703,6 +719,9 @@ class ZmqEventSubscriber:
             self._on_stream(seq, frames[2])
         seq, payload, restarted = self._pending.popleft()
         restarted = restarted or self._restart_owed
+        if not self._decode:
+            self._restart_owed = False
+            return ReceivedBatch(seq, 0.0, [], None, payload, restarted)
         try:
             batch = decode_batch(payload, seq)
         except ValueError:

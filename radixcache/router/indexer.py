@@ -276,6 +276,29 @@ class KvIndexer(EventIngest):
             return self._overlap(data, namespace, medium)  # no block folded: one call
         return self._overlap_keys(keys, medium)
 
+    def overlap_keys(self, keys: Any, medium: Any = MEDIUM_GPU) -> dict:
+        """Tell how many leading blocks of a list of keys each worker holds: ``overlap`` from
+        any point of a chain (a suffix of what ``block_keys`` gives), on one tier or several.
+
+        Args:
+            keys: Block keys (int64 ints), in order.
+            medium: A tier (``"GPU"`` by default) or a tuple of tiers, a block counting when
+                the worker holds it on any of them.
+
+        Returns:
+            ``{worker: leading keys held}`` for every worker that holds at least one.
+
+        Raises:
+            TypeError: a key that is not an int, or a tier that is not a str.
+            OverflowError: a key that does not fit in int64.
+        """
+        media = medium if type(medium) is tuple else (medium,)
+        if not media or not all(isinstance(m, str) for m in media):
+            raise TypeError("medium must be a str or a tuple of str")
+        media = tuple(_tier(m) for m in media)
+        keys = array("q", keys).tolist()  # TypeError / OverflowError, as block_keys'
+        return self._overlap_keys(keys, media if len(media) > 1 else media[0])
+
     def _overlap_keys(self, keys: list, medium: Any) -> dict:
         """``overlap`` of blocks given by their keys: the leading ones each worker holds."""
         if self._store is not None:

@@ -478,3 +478,35 @@ def test_malformed_stream_messages_are_counted_and_skipped(raw):
         pub.send_multipart([b"", seq_bytes(nxt), ev.encode_batch(clear())])
         assert sub.receive(timeout=WAIT_S).seq == nxt
         assert sub.malformed == 3 and sub.gaps == []
+
+
+# -- undecoded batches ------------------------------------------------------------------------
+def test_an_undecoding_subscriber_hands_over_payloads_and_restart_marks(raw):
+    """``decode=False``: each batch comes as its payload, undecoded (a payload the decoder
+    would reject too, which a raw PUB socket can send), in order, with the restart mark."""
+    pub = raw(zmq.PUB)
+    endpoint = bind(pub)
+    with pytest.raises(TypeError, match="decode must be a bool"):
+        ev.ZmqEventSubscriber(endpoint, decode=1)
+    with ev.ZmqEventSubscriber(endpoint, probe_interval=None, decode=False) as sub:
+        payloads = []
+
+        def send() -> int:
+            seq = len(payloads)
+            payloads.append(ev.encode_batch(stored(seq)))
+            pub.send_multipart([b"", seq_bytes(seq), payloads[-1]])
+            return seq
+
+        last = connect(sub, send) - 1
+        for _ in range(3):
+            last = send()
+        got = list(receive_through(sub, last))
+        assert [b.payload for b in got] == payloads[len(payloads) - len(got):]
+        assert all(b.events == [] and not b.restarted for b in got)
+        bad = b"\xc1 not msgpack"
+        pub.send_multipart([b"", seq_bytes(0), bad])  # a restarted publisher, malformed
+        batch = sub.receive(timeout=WAIT_S)
+        assert batch.payload == bad and batch.seq == 0 and batch.restarted
+        indexer = KvIndexer(2)
+        assert not indexer.apply_payload("w", batch.payload)
+        assert indexer.stats.malformed_batches == 1

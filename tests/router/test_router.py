@@ -217,6 +217,29 @@ def test_indexer_keys_its_own_hashes_not_the_publishers():
     assert len(indexer) == 0 and indexer.workers == []  # w2 holds nothing: forgotten too
 
 
+def test_indexer_overlap_keys_reads_any_part_of_a_chain_on_any_tiers():
+    # A device prefix, its continuation on the host, and a worker holding all on the device:
+    # the run from any point of the chain, on a tier or on several.
+    tokens = tuple(range(12))
+    indexer = KvIndexer(4)
+    indexer.apply("a", [BlockStored((1,), None, tokens[:4], 4),
+                        BlockStored((2, 3), 1, tokens[4:], 4, medium="CPU")])
+    indexer.apply("b", [BlockStored((7, 8, 9), None, tokens, 4)])
+    keys = indexer.block_keys(tokens)
+    assert indexer.overlap_keys(keys) == indexer.overlap(tokens) == {"a": 1, "b": 3}
+    assert indexer.overlap_keys(keys[1:]) == {"b": 2}
+    assert indexer.overlap_keys(keys[1:], "CPU") == {"a": 2}
+    assert indexer.overlap_keys(keys[1:], "CPU_PINNED") == {"a": 2}  # SGLang's host tier
+    assert indexer.overlap_keys(keys, ("GPU", "CPU")) == {"a": 3, "b": 3}
+    assert indexer.overlap_keys([]) == {}
+    with pytest.raises(TypeError, match="medium"):
+        indexer.overlap_keys(keys, ("GPU", 1))
+    with pytest.raises(TypeError):
+        indexer.overlap_keys(["x"])
+    with pytest.raises(OverflowError):
+        indexer.overlap_keys([1 << 64])
+
+
 def test_indexer_counts_bad_and_out_of_order_events_and_never_raises():
     indexer = KvIndexer(2)
     good = BlockStored((1,), None, (5, 6), 2)

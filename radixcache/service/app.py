@@ -1,0 +1,349 @@
+"""The HTTP front end: an ASGI application (served by uvicorn) over an ``IndexService``.
+
+Routing is one dict lookup and the handlers are plain functions: measured against Starlette
+on this service's hot path (an 8,192-token ``/query``), its request and response objects
+cost more than the query itself (see docs/service.md). Bodies are size-limited before they
+are read, decoded by ``msgspec`` into the dialects' structs (``api``), and every refusal is
+a JSON ``{"error": ..., "field": ...}`` with a 4xx status; changes need the bearer token
+when one is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hmac
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import msgspec
+
+from . import api
+from .config import ServiceConfig
+from .identity import DEFAULT_TENANT, Registration
+from .state import IndexService, Query, ServiceError
+
+_JSON = [(b"content-type", b"application/json")]
+_log = logging.getLogger("radixcache.serve")
+_encode = msgspec.json.Encoder().encode
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, field: Optional[str] = None,
+                 headers: Optional[list] = None) -> None:
+        super().__init__(message)
+        self.status, self.field, self.headers = status, field, headers or []
+
+
+def _error_body(message: str, field: Optional[str]) -> bytes:
+    body = {"error": message}
+    if field is not None:
+        body["field"] = field
+    return _encode(body)
+
+
+class App:
+    """The ASGI application of ``radixcache serve``.
+
+    Args:
+        service: The state (started on the lifespan's startup, closed on its shutdown).
+        metrics: A ``metrics.Metrics``, or None (then ``/metrics`` answers 404).
+    """
+
+    def __init__(self, service: IndexService, metrics: Any = None) -> None:
+        self.service = service
+        self.config: ServiceConfig = service.config
+        self.metrics = metrics
+        token = self.config.token
+        self._token = None if token is None else b"Bearer " + token.encode()
+        # (method, path) -> (handler, changes state, runs in a thread, metric name)
+        self.routes: dict = {
+            ("POST", "/register"): (self.register, True, True, None),
+            ("POST", "/unregister"): (self.unregister, True, True, None),
+            ("POST", "/query"): (self.query, False, False, "/query"),
+            ("POST", "/query_by_hash"): (self.query_by_hash, False, False, "/query_by_hash"),
+            ("POST", "/select"): (self.select, None, False, "/select"),
+            ("POST", "/load"): (self.load, True, False, None),
+            ("GET", "/health"): (self.health, False, False, None),
+            ("GET", "/ready"): (self.ready, False, False, None),
+            ("GET", "/metrics"): (self.metrics_text, False, False, None),
+            ("GET", "/workers"): (self.workers, False, False, None),
+        }
+        self._paths = {path for _, path in self.routes}
+
+    # -- ASGI -------------------------------------------------------------------------------
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        started = time.perf_counter()
+        metric = None
+        try:
+            route = self.routes.get((scope["method"], scope["path"]))
+            if route is None:
+                if scope["path"] in self._paths:
+                    raise _Refused(405, f"{scope['method']} is not allowed on {scope['path']}",
+                                   None, [(b"allow", ", ".join(
+                                       m for m, p in self.routes if p == scope["path"]
+                                   ).encode())])
+                raise _Refused(404, f"no such endpoint: {scope['path']}")
+            handler, changes, threaded, metric = route
+            body = await self._body(scope, receive)
+            if changes or (changes is None and b'"request_id"' in body):
+                self._authorize(scope)
+            if threaded:
+                status, out, headers = await asyncio.get_running_loop().run_in_executor(
+                    None, handler, body)
+            else:
+                status, out, headers = handler(body)
+        except _Refused as exc:
+            status, out, headers = exc.status, _error_body(str(exc), exc.field), exc.headers
+        except ServiceError as exc:
+            status, out, headers = exc.status, _error_body(str(exc), exc.field), []
+        except api.BadRequest as exc:
+            status, out, headers = exc.status, _error_body(str(exc), exc.field), []
+        except Exception:  # a bug: logged; the client gets a 500 and the service goes on
+            _log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            status, out, headers = 500, _error_body("internal error", None), []
+        await send({"type": "http.response.start", "status": status,
+                    "headers": headers + _JSON if not headers or headers[0][0] != b"content-type"
+                    else headers})
+        await send({"type": "http.response.body", "body": out})
+        if metric is not None and self.metrics is not None and status < 400:
+            self.metrics.observe(metric, time.perf_counter() - started)
+
+    async def _lifespan(self, receive: Callable, send: Callable) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await asyncio.get_running_loop().run_in_executor(None, self.service.start)
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                # What the imports made lives as long as the process: out of the collector's
+                # full passes, which would otherwise walk all of it during a request.
+                gc.collect()
+                gc.freeze()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await asyncio.get_running_loop().run_in_executor(None, self.service.close)
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _body(self, scope: dict, receive: Callable) -> bytes:
+        limit = self.config.max_body
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    raise _Refused(400, "content-length is not a number") from None
+                if length > limit:
+                    raise _Refused(413, f"the body has {length} bytes, more than the "
+                                   f"{limit} allowed (--max-body)")
+        chunks = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Refused(400, "the client went away")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _Refused(413, f"the body has more than the {limit} bytes allowed "
+                               "(--max-body)")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _authorize(self, scope: dict) -> None:
+        if self._token is None:
+            return
+        for name, value in scope["headers"]:
+            if name == b"authorization" and hmac.compare_digest(value, self._token):
+                return
+        raise _Refused(401, "this change needs the service's bearer token "
+                       "(Authorization: Bearer ...)", "authorization",
+                       [(b"www-authenticate", b"Bearer")])
+
+    def _tokens(self, tokens: list) -> list:
+        """``tokens`` if not too many (their values are checked where they are read)."""
+        if len(tokens) > self.config.max_tokens:
+            raise _Refused(400, f"{len(tokens)} token ids, more than the "
+                           f"{self.config.max_tokens} allowed (--max-tokens)", "token_ids")
+        return tokens
+
+    # -- handlers: each takes the body, returns (status, body, headers) ---------------------
+    def register(self, body: bytes) -> tuple:
+        service = self.service
+        if api.is_dynamo(body):
+            req = api.decode(body, api.DynamoRegister)
+            api.check_u64([req.instance_id], "instance_id", signed=False)
+            kind = req.type or "vLLM"
+            # Dynamo accepts a salt here and mixes it into nothing (its engines salt their own
+            # hashes): a Dynamo client gets the answers it gets from Dynamo.
+            reg = self._registration(req.instance_id, req.endpoint, req.replay_endpoint, kind,
+                                     req.model_name, req.block_size, req.routing_group,
+                                     req.dp_rank or 0, req.lora_name, None)
+            service.register(reg, exclusive=True)
+            return 201, _encode({"status": "ok"}), []
+        req = api.decode(body, api.MooncakeRegister)
+        reg = self._registration(req.instance_id, req.endpoint, req.replay_endpoint, req.type,
+                                 req.modelname, req.block_size,
+                                 req.tenant_id or DEFAULT_TENANT, req.dp_rank, req.lora_name,
+                                 req.additionalsalt)
+        service.register(reg)
+        return 200, _encode({"status": "registered successfully",
+                             "instance_id": req.instance_id}), []
+
+    @staticmethod
+    def _registration(instance: Any, endpoint: str, replay: Optional[str], kind: str,
+                      model: str, block_size: int, tenant: str, dp_rank: int,
+                      lora: Optional[str], salt: Optional[str]) -> Registration:
+        from .identity import PUBLISHER_TYPES
+
+        if kind not in PUBLISHER_TYPES:
+            raise _Refused(400, f"type must be one of {', '.join(PUBLISHER_TYPES)}, got "
+                           f"{kind!r}", "type")
+        return Registration(instance, endpoint, replay or None, kind, model, block_size,
+                            tenant or DEFAULT_TENANT, dp_rank, lora or None, salt or None)
+
+    def unregister(self, body: bytes) -> tuple:
+        service = self.service
+        if api.is_dynamo(body):
+            req = api.decode(body, api.DynamoUnregister)
+            api.check_u64([req.instance_id], "instance_id", signed=False)
+            regs = service.find(req.instance_id, req.routing_group, req.dp_rank,
+                                req.model_name)
+            if not regs:
+                raise _Refused(404, f"instance {req.instance_id} not found", "instance_id")
+            service.unregister([r.key for r in regs])
+            return 200, _encode({"status": "ok"}), []
+        req = api.decode(body, api.MooncakeUnregister)
+        key = (req.instance_id, req.tenant_id or DEFAULT_TENANT, req.dp_rank or 0)
+        removed = service.unregister([key])
+        if not removed:
+            raise _Refused(404, f"service not found: {key[0]}|{key[1]}|{key[2]}", "instance_id")
+        return 200, _encode({"status": "unregistered successfully",
+                             "removed_instances": [r.key_text for r in removed]}), []
+
+    def query(self, body: bytes) -> tuple:
+        if api.is_dynamo(body):
+            req = api.decode(body, api.DynamoQuery)
+            found = self.service.query(Query(req.model_name, tokens=self._tokens(req.token_ids),
+                                             block_size=req.block_size,
+                                             tenant=req.routing_group, lora=req.lora_name or None,
+                                             salt=req.cache_salt or None), everyone=False)
+            return 200, _encode(api.dynamo_answer(found)), []
+        req = api.decode(body, api.MooncakeQuery)
+        self._no_lora_id(req)
+        tenant = req.tenant_id or DEFAULT_TENANT
+        found = self.service.query(Query(req.model, tokens=self._tokens(req.token_ids),
+                                         block_size=req.block_size, tenant=tenant,
+                                         lora=req.lora_name or None,
+                                         salt=req.cache_salt or None,
+                                         instance=req.instance_id))
+        return 200, _encode(api.mooncake_answer(tenant, found)), []
+
+    @staticmethod
+    def _no_lora_id(req: Any) -> None:
+        if req.lora_id is not None:
+            raise _Refused(400, "lora_id cannot scope a query here (blocks are scoped by the "
+                           "adapter's name): send lora_name", "lora_id")
+
+    def query_by_hash(self, body: bytes) -> tuple:
+        from .stdhash import roll, unsigned
+
+        if api.is_dynamo(body):
+            req = api.decode(body, api.DynamoQueryByHash)
+            if req.cache_salt is not None:
+                raise _Refused(400, "cache_salt is not taken by /query_by_hash: the hashes "
+                               "already include it", "cache_salt")
+            local = [unsigned(h) for h in api.check_u64(self._tokens(req.block_hashes),
+                                                        "block_hashes")]
+            found = self.service.query(Query(req.model_name,
+                                             seqs=roll(local, self.config.hash_seed),
+                                             block_size=req.block_size, tenant=req.routing_group,
+                                             lora=req.lora_name or None), everyone=False)
+            return 200, _encode(api.dynamo_answer(found)), []
+        req = api.decode(body, api.MooncakeQueryByHash)
+        self._no_lora_id(req)
+        field = "seq_hashes" if req.seq_hashes is not None else "block_hash"
+        hashes = req.seq_hashes if req.seq_hashes is not None else req.block_hash
+        if hashes is None:
+            raise _Refused(400, "seq_hashes is required", "seq_hashes")
+        api.check_u64(hashes, field)
+        tenant = req.tenant_id or DEFAULT_TENANT
+        found = self.service.query(Query(req.model, seqs=[unsigned(h) for h in
+                                                          self._tokens(hashes)],
+                                         block_size=req.block_size, tenant=tenant,
+                                         lora=req.lora_name or None,
+                                         salt=req.cache_salt or None,
+                                         instance=req.instance_id))
+        return 200, _encode(api.mooncake_answer(tenant, found)), []
+
+    def select(self, body: bytes) -> tuple:
+        req = api.decode(body, api.SelectRequest)
+        model = req.model if req.model is not None else req.model_name
+        if not model:
+            raise _Refused(400, "model (or model_name) is required", "model")
+        tenant = req.tenant_id or req.routing_group or DEFAULT_TENANT
+        chosen = self.service.select(
+            Query(model, tokens=self._tokens(req.token_ids), block_size=req.block_size,
+                  tenant=tenant, lora=req.lora_name or None, salt=req.cache_salt or None),
+            req.policy, req.request_id, req.output_tokens)
+        return 200, _encode({"instance_id": chosen.instance_id, "dp_rank": chosen.dp_rank,
+                             "overlap_tokens": chosen.overlap_tokens,
+                             "cached_tokens": chosen.cached_tokens, "policy": chosen.policy,
+                             "load": chosen.load, "request_id": req.request_id}), []
+
+    def load(self, body: bytes) -> tuple:
+        req = api.decode(body, api.LoadReport)
+        if req.event == "start":
+            if req.instance_id is None:
+                raise _Refused(400, "instance_id is required to start a request",
+                               "instance_id")
+            self.service.start_request(req.request_id, req.instance_id, req.tokens)
+            instance = req.instance_id
+        else:
+            ended = self.service.end_request(req.request_id)
+            if ended is None:
+                raise _Refused(404, f"request_id {req.request_id!r} is not running",
+                               "request_id")
+            instance = ended[0]
+        with self.service.lock:
+            load = self.service.loads.tokens.get(instance, 0)
+        return 200, _encode({"status": "ok", "instance_id": instance, "load": load}), []
+
+    def health(self, body: bytes) -> tuple:
+        return 200, b'{"status":"ok"}', []
+
+    def ready(self, body: bytes) -> tuple:
+        ok, problems = self.service.ready()
+        return (200 if ok else 503), _encode({"ready": ok, "problems": problems}), []
+
+    def metrics_text(self, body: bytes) -> tuple:
+        if self.metrics is None:
+            raise _Refused(404, "metrics are off")
+        out, content_type = self.metrics.render()
+        return 200, out, [(b"content-type", content_type.encode())]
+
+    def workers(self, body: bytes) -> tuple:
+        return 200, _encode(self.service.workers()), []
+
+
+def make_app(config: ServiceConfig, metrics: bool = True) -> App:
+    """An ``App`` with its ``IndexService`` (and ``Metrics``, needing prometheus-client)."""
+    collector = None
+    if metrics:
+        from .metrics import Metrics
+
+        collector = Metrics()
+    service = IndexService(config, collector)
+    if collector is not None:
+        collector.service = service
+    return App(service, collector)
