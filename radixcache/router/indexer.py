@@ -153,14 +153,24 @@ def _event_namespace(event: BlockStored) -> Any:
     extra_keys = getattr(event, "extra_keys", None)
     if extra_keys:
         return _entry_namespace(_entry(extra_keys[0]))
-    lora = getattr(event, "lora_name", None)
-    salt = getattr(event, "cache_salt", None)
-    for value in (lora, salt):
+    return namespace_for(getattr(event, "lora_name", None), getattr(event, "cache_salt", None))
+
+
+def namespace_for(lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> Any:
+    """The namespace of a sequence cached for LoRA adapter ``lora_name`` with ``cache_salt``
+    (either None): the ``extra_key`` a query passes to find what such a request's events
+    stored (``lora_name``, or ``cache_salt``, or ``(lora_name, cache_salt)`` when both are
+    set; None for neither).
+
+    Raises:
+        TypeError: a value that is not a str or None.
+    """
+    for value in (lora_name, cache_salt):
         if value is not None and not isinstance(value, str):
             raise TypeError("lora_name and cache_salt must be str or None")
-    if salt is None:
-        return lora
-    return salt if lora is None else (lora, salt)
+    if cache_salt is None:
+        return lora_name
+    return cache_salt if lora_name is None else (lora_name, cache_salt)
 
 
 def _entry(entry: Any) -> Optional[tuple]:

@@ -478,3 +478,32 @@ def test_malformed_stream_messages_are_counted_and_skipped(raw):
         pub.send_multipart([b"", seq_bytes(nxt), ev.encode_batch(clear())])
         assert sub.receive(timeout=WAIT_S).seq == nxt
         assert sub.malformed == 3 and sub.gaps == []
+
+
+def test_last_contact_counts_probe_answers_of_an_idle_publisher_and_stops_with_it():
+    publisher = ev.ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    subscriber = ev.ZmqEventSubscriber(publisher.endpoint, publisher.replay_endpoint,
+                                       start_seq=0, probe_interval=0.1, replay_timeout=0.3)
+    try:
+        assert subscriber.last_contact is None
+        deadline = time.monotonic() + 10
+        while subscriber.last_contact is None and time.monotonic() < deadline:
+            subscriber.receive(timeout=0.05)  # the start replay's end marker: a contact
+        first = subscriber.last_contact
+        assert first is not None
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:
+            assert subscriber.receive(timeout=0.05) is None  # nothing published
+        assert subscriber.last_contact > first  # the probes were answered
+        publisher.close()
+        publisher = None
+        time.sleep(0.05)
+        stopped = subscriber.last_contact
+        end = time.monotonic() + 0.8
+        while time.monotonic() < end:
+            subscriber.receive(timeout=0.05)
+        assert subscriber.last_contact == stopped  # probes go unanswered
+    finally:
+        subscriber.close()
+        if publisher is not None:
+            publisher.close()
