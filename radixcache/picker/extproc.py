@@ -272,7 +272,7 @@ class ExtProcService:
         start = time.perf_counter()
         pick = self.picker.pick(request.model, request.token_ids, lora=request.lora,
                                 salt=request.salt, candidates=exchange.candidates,
-                                load_tokens=len(request.token_ids) + request.max_tokens,
+                                output_tokens=request.max_tokens,
                                 max_endpoints=options.max_endpoints)
         if not pick.endpoints:
             metrics.unavailable.inc()

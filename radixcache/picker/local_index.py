@@ -15,8 +15,9 @@ the lock that ``pick`` takes too. Endpoint ``i`` of the list is worker ``i`` of 
   empty; the same engine back from a network cut replays its buffer). An endpoint becomes
   eligible when its publisher is first heard from. Without a replay socket nothing tells an
   idle publisher from a stopped one: such an endpoint is always eligible.
-- **Load** is what requests report: ``pick`` adds ``load_tokens`` to the first endpoint,
-  ``served`` moves it to the endpoint that served, ``finished`` removes it.
+- **Load** is the work of the requests in flight, in tokens: ``pick`` adds a request's
+  prefill (the prompt tokens the first endpoint lacks) and its ``output_tokens`` to the
+  first endpoint, ``served`` moves it to the endpoint that served, ``finished`` removes it.
 
 It exists so that the picker runs on its own; inside the index service the same interface is
 served by the service's shared state.
@@ -164,7 +165,7 @@ class LocalIndexPicker:
     # -- the Picker interface -----------------------------------------------------------
     def pick(self, model: str, token_ids: Sequence[int], *, lora: Optional[str] = None,
              salt: Optional[str] = None, candidates: Optional[Collection[str]] = None,
-             load_tokens: int = 0, max_endpoints: int = 1) -> Pick:
+             output_tokens: int = 0, max_endpoints: int = 1) -> Pick:
         """See ``Picker.pick``."""
         max_endpoints = check_max_endpoints(max_endpoints)
         index_of = self._index_of
@@ -173,22 +174,23 @@ class LocalIndexPicker:
         else:
             allowed = sorted({index_of[a] for a in candidates if a in index_of})
         eligible = [i for i in allowed if self._feeds[i].eligible]
+        prompt = len(token_ids)
         if not eligible:
-            return Pick((), (), len(token_ids), load_tokens)
+            return Pick((), (), prompt, 0)
         namespace = namespace_for(lora, salt)
         router = self.router
+        block_size = self.block_size
         with self._lock:
             loads = router.loads
             least_load = min(loads[i] for i in eligible)
             ordered = router.rank(token_ids, namespace, eligible)[:max_endpoints]
-            router.add_load(ordered[0], load_tokens)
             if router.policy == "cache-aware":
                 overlap = router.last_overlap
-            else:  # the prediction, for the metrics, from the same index
+            else:  # the prediction, for the load and the metrics, from the same index
                 overlap = router.indexer.overlap(token_ids, namespace)
-        block_size = self.block_size
-        prompt = len(token_ids)
-        cached = [min(prompt, overlap.get(i, 0) * block_size) for i in ordered]
+            cached = [min(prompt, overlap.get(i, 0) * block_size) for i in ordered]
+            load_tokens = prompt - cached[0] + output_tokens
+            router.add_load(ordered[0], load_tokens)
         return Pick([self.addresses[i] for i in ordered], cached, prompt, load_tokens,
                     least_load)
 

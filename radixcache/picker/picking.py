@@ -23,7 +23,8 @@ class Pick:
         cached_tokens: The prompt tokens each listed endpoint is predicted to hold, in the
             same order.
         prompt_tokens: The prompt's length in tokens.
-        load_tokens: The load the request adds to the endpoint serving it, in tokens.
+        load_tokens: The load the request adds to the endpoint serving it, in tokens (the
+            prompt tokens the first endpoint lacks, and the output it may generate).
         least_load: The lowest load among the eligible endpoints before this request, in
             tokens (a sheddable request is shed when even that one is saturated).
         holder: The endpoint its load is counted on now (the first until ``served`` says
@@ -58,8 +59,11 @@ class Picker(Protocol):
 
     def pick(self, model: str, token_ids: Sequence[int], *, lora: Optional[str] = None,
              salt: Optional[str] = None, candidates: Optional[Collection[str]] = None,
-             load_tokens: int = 0, max_endpoints: int = 1) -> Pick:
+             output_tokens: int = 0, max_endpoints: int = 1) -> Pick:
         """Choose the endpoints for a request and count its load on the first.
+
+        The load is the work the request brings the first endpoint, in tokens: the prompt
+        tokens it does not hold (its prefill) and ``output_tokens`` (its decode).
 
         Args:
             model: The model the request names (the base model's name for an adapter).
@@ -67,7 +71,7 @@ class Picker(Protocol):
             lora: The LoRA adapter, or None.
             salt: The request's cache salt, or None.
             candidates: The endpoints the gateway allows (its subset), or None for all.
-            load_tokens: The load the request adds, in tokens (prompt and expected output).
+            output_tokens: The tokens it may generate (its ``max_tokens``; 0: not given).
             max_endpoints: How many endpoints to list at most (the first and its fallbacks).
 
         Returns:
