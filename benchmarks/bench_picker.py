@@ -67,18 +67,26 @@ def chat_bodies(rng, count, kind, target_tokens=2000):
     return bodies
 
 
-def latency_rounds(args, model_dir, logs):
-    from harness import (Client, EnvoyConfig, start_envoy, start_picker, start_worker,
-                         wait_workers)
+def start_pool(model_dir, logs, processes, log_name):
+    """Four workers and a picker over them (appended to ``processes`` as they start)."""
+    from harness import start_picker, start_worker, wait_workers
 
     workers = [start_worker(f"w{i}", model_dir, logs, capacity=1 << 20, page_size=PAGE)
                for i in range(4)]
-    processes = [w.process for w in workers]
+    processes += [w.process for w in workers]
+    wait_workers(workers)
+    picker = start_picker(workers, model_dir, logs, page_size=PAGE,
+                          extra=("--model", "test-model"), log_name=log_name)
+    processes.append(picker.process)
+    return workers, picker
+
+
+def latency_rounds(args, model_dir, logs):
+    from harness import Client, EnvoyConfig, start_envoy
+
+    processes = []
     try:
-        wait_workers(workers)
-        picker = start_picker(workers, model_dir, logs, page_size=PAGE,
-                              extra=("--model", "test-model"))
-        processes.append(picker.process)
+        workers, picker = start_pool(model_dir, logs, processes, "picker")
         with_picker = start_envoy(EnvoyConfig(workers, picker.port, fail_open_listener=False),
                                   logs, "envoy-picker")
         processes.append(with_picker.process)
@@ -203,18 +211,12 @@ def picks_per_second(args, model_dir, logs):
 
 
 def follow_ups(args, model_dir, logs):
-    from harness import Client, EnvoyConfig, start_envoy, start_picker, start_worker, \
-        wait_workers
+    from harness import Client, EnvoyConfig, start_envoy
     from workload import conversations, reply_of, words
 
-    workers = [start_worker(f"w{i}", model_dir, logs, capacity=1 << 20, page_size=PAGE)
-               for i in range(4)]
-    processes = [w.process for w in workers]
+    processes = []
     try:
-        wait_workers(workers)
-        picker = start_picker(workers, model_dir, logs, page_size=PAGE,
-                              extra=("--model", "test-model"), log_name="picker-follow")
-        processes.append(picker.process)
+        workers, picker = start_pool(model_dir, logs, processes, "picker-follow")
         envoy = start_envoy(EnvoyConfig(workers, picker.port, fail_open_listener=False),
                             logs, "envoy-follow")
         processes.append(envoy.process)
