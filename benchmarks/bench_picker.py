@@ -107,6 +107,8 @@ def latency_rounds(args, model_dir, logs):
             best = {}
             for _ in range(args.rounds):
                 for name, envoy in (("picker", with_picker), ("round-robin", alone)):
+                    if kind == "cold":  # new prompts every round: none was seen before
+                        bodies = chat_bodies(rng, args.requests, kind)
                     client = Client(envoy.config.port)
                     times = []
                     for body in bodies:
