@@ -602,6 +602,7 @@ class ZmqEventSubscriber:
         self._restart_next = False  # the next batch accepted starts a restarted publisher
         self._restart_owed = False  # a restarted batch was rejected: mark the next one
         self._last_heard = time.monotonic()  # a batch, or the end of a replay
+        self._last_contact: Optional[float] = None  # any message from the publisher
         self._gaps: collections.deque = collections.deque(maxlen=self.MAX_GAPS)
         self.gap_count = 0
         self.missed = 0
@@ -660,6 +661,15 @@ class ZmqEventSubscriber:
         """The sequence number expected next (None before the first batch)."""
         return self._expected
 
+    @property
+    def last_contact(self) -> Optional[float]:
+        """When the publisher was last heard from (``time.monotonic()``): a batch on the
+        stream or any answer on the replay socket, a probe's lone end marker included; None
+        before the first. With a replay socket and probes on, a live publisher is heard from
+        about every ``probe_interval`` seconds even when it publishes nothing, so a contact
+        older than a few intervals means it stopped (or is unreachable)."""
+        return self._last_contact
+
     def _new_replay_socket(self):
         # DEALER, not REQ: one request is answered by many messages. No receive limit: the
         # answer is what was asked for, and a full queue would make the publisher's ROUTER
@@ -715,7 +725,7 @@ class ZmqEventSubscriber:
             if seq is None:
                 self.malformed += 1
                 continue
-            self._last_heard = time.monotonic()
+            self._last_heard = self._last_contact = time.monotonic()
             self._on_stream(seq, frames[2])
         seq, payload, restarted = self._pending.popleft()
         restarted = restarted or self._restart_owed
@@ -833,6 +843,7 @@ class ZmqEventSubscriber:
                 return True
             return deadline is None or now < deadline
         frames = self._replay.recv_multipart()
+        self._last_contact = time.monotonic()
         self._replay_deadline = _deadline(self._replay_silence())  # it is not silent
         message = _replay_message(frames)
         if message is None:

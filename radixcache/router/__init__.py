@@ -47,9 +47,11 @@ from .._options import (
 )
 from .._options import DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
 from .indexer import IndexerStats, KvIndexer
+from .keys import namespace_for
 from .policies import (
     DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE,  # public, outside __all__
 )
 from .policies import Router
 
-__all__ = ["DEFAULT_LOAD_WEIGHT", "ROUTING_POLICIES", "IndexerStats", "KvIndexer", "Router"]
+__all__ = ["DEFAULT_LOAD_WEIGHT", "ROUTING_POLICIES", "IndexerStats", "KvIndexer", "Router",
+           "namespace_for"]

@@ -105,9 +105,35 @@ def _named_namespace(event: BlockStored) -> Any:
     salt = getattr(event, "cache_salt", None)
     if salt is not None and not isinstance(salt, str):
         raise TypeError("cache_salt must be a str or None")
+    return _adapter_and_salt(lora, salt)
+
+
+def namespace_for(lora_name: Optional[str] = None, cache_salt: Optional[str] = None) -> Any:
+    """Tell the namespace of a sequence cached for a LoRA adapter with a cache salt, as
+    SGLang's events name it: the ``extra_key`` a query passes to find such a request's blocks.
+
+    Args:
+        lora_name: The adapter's name, or None for the base model.
+        cache_salt: The request's cache salt, or None.
+
+    Returns:
+        ``lora_name``, or ``cache_salt``, or ``(lora_name, cache_salt)`` when both are set;
+        None for neither.
+
+    Raises:
+        TypeError: a value that is not a str or None.
+    """
+    for value in (lora_name, cache_salt):
+        if value is not None and not isinstance(value, str):
+            raise TypeError("lora_name and cache_salt must be str or None")
+    return _adapter_and_salt(lora_name, cache_salt)
+
+
+def _adapter_and_salt(adapter: Any, salt: Optional[str]) -> Any:
+    """The namespace of an adapter (a name, or an id) and a salt, either None."""
     if salt is None:
-        return lora
-    return salt if lora is None else (lora, salt)
+        return adapter
+    return salt if adapter is None else (adapter, salt)
 
 
 def _has_entries(extra_keys: Any) -> bool:

@@ -12,7 +12,8 @@ from typing import Any, Optional
 from .._options import DEFAULT_HOST_WEIGHT, DEFAULT_LOAD_WEIGHT, ROUTING_POLICIES
 from .._validate import check_int, is_int, is_real
 from ..events import MEDIUM_CPU, MEDIUM_GPU, encode_namespace, tokens_le_bytes
-from .indexer import KvIndexer, _int64_array, _page_keys, _root_key
+from .indexer import KvIndexer
+from .keys import _int64_array, _namespace_bytes, _page_keys, _root_key
 
 # DEFAULT_LOAD_WEIGHT and ROUTING_POLICIES live in _options (the command line reads them).
 
@@ -274,19 +275,92 @@ class Router:
         elif policy == "prefix-hash":
             worker = self._prefix_worker(data, namespace)
         else:
-            worker = self._cache_aware(data, namespace)
+            worker = min(self._cache_aware_keys(data, namespace, range(self.num_workers)))[3]
         self._routed[worker] += 1
         return worker
 
+    def rank(self, tokens: Any, extra_key: Any = None, workers: Any = None) -> list:
+        """Order the workers for a request, best first, and count it as routed to the first.
+
+        The first is the worker ``route`` would pick among ``workers`` (the same worker, and
+        the same state changes, when ``workers`` is None: every worker); the others follow
+        in the policy's order of preference, for a caller that falls back down the list
+        (an endpoint picker's ordered endpoints): ``cache-aware`` and ``least-loaded`` by
+        their scores, ``round-robin`` in turn from the first, ``random`` in turn after a
+        random first, ``prefix-hash`` in the order the ring meets them after the prompt's
+        point (so a prefix's fallback is stable too).
+
+        Args:
+            tokens: The request's prompt, a 1-D integer sequence (as ``route`` takes it).
+            extra_key: Its namespace: None, str, bytes or int.
+            workers: The eligible workers (ints ``0 .. num_workers-1``; duplicates count
+                once), or None for every worker.
+
+        Returns:
+            The eligible workers, best first; an empty list when none is eligible (nothing
+            is counted then).
+
+        Raises:
+            TypeError: tokens that are not integers, an ``extra_key`` of another type, or a
+                worker that is not an int.
+            ValueError: a worker out of range.
+            OverflowError: a token that does not fit in int64.
+        """
+        policy = self.policy
+        data = tokens if policy != "prefix-hash" and _int64_array(tokens) else \
+            tokens_le_bytes(tokens)
+        # A tuple is a namespace of several keys (a LoRA adapter and a cache salt), keyed as
+        # the indexer keys such a sequence's events.
+        namespace = _namespace_bytes(extra_key) if type(extra_key) is tuple else \
+            encode_namespace(extra_key)
+        n = self.num_workers
+        if workers is None:
+            eligible = list(range(n))
+        else:
+            eligible = list(dict.fromkeys(self._check_worker(w) for w in workers))
+        if not eligible:
+            return []
+        if policy == "round-robin":
+            start = self._next
+            ordered = sorted(eligible, key=lambda w: (w - start) % n)
+            self._next = (ordered[0] + 1) % n
+        elif policy == "random":
+            first = eligible[self._rng.randrange(len(eligible))]
+            ordered = sorted(eligible, key=lambda w: (w - first) % n)
+        elif policy == "least-loaded":
+            loads, routed = self._loads, self._routed
+            ordered = sorted(eligible, key=lambda w: (loads[w], routed[w], w))
+        elif policy == "prefix-hash":
+            ring_workers = self._ring_workers
+            at = self._prefix_point(data, namespace)
+            wanted = set(eligible)
+            ordered = []
+            for step in range(len(ring_workers)):
+                worker = ring_workers[(at + step) % len(ring_workers)]
+                if worker in wanted:
+                    ordered.append(worker)
+                    wanted.discard(worker)
+                    if not wanted:
+                        break
+            ordered.extend(sorted(wanted))  # never reached: every worker is on the ring
+        else:
+            ordered = [key[3] for key in sorted(self._cache_aware_keys(data, namespace,
+                                                                       eligible))]
+        self._routed[ordered[0]] += 1
+        return ordered
+
     def _prefix_worker(self, data: bytes, namespace: bytes) -> int:
+        return self._ring_workers[self._prefix_point(data, namespace) % len(self._ring_workers)]
+
+    def _prefix_point(self, data: bytes, namespace: bytes) -> int:
+        """The ring position of a prompt's hashed prefix (its worker is the one there)."""
         page_bytes = self.block_size * 8
         if self.prefix_blocks == "auto":
             depth = self._family_depth(data, namespace, page_bytes)
         else:
             depth = self.prefix_blocks
         point = _stable_hash(b"prefix", namespace, data[: depth * page_bytes] if depth else data)
-        i = bisect_right(self._ring, point)
-        return self._ring_workers[i % len(self._ring_workers)]
+        return bisect_right(self._ring, point)
 
     def _family_depth(self, data: bytes, namespace: bytes, page_bytes: int) -> int:
         """How many blocks ``auto`` hashes: the shortest candidate prefix (``_depths``: 1, 2,
@@ -311,7 +385,9 @@ class Router:
             self._family_requests //= 2
         return chosen or len(keys)
 
-    def _cache_aware(self, data: Any, namespace: bytes) -> int:
+    def _cache_aware_keys(self, data: Any, namespace: bytes, workers: Any) -> list:
+        """``cache-aware``'s sort key of each of ``workers``: ``(score, load, routed,
+        worker)``, the lowest best."""
         data_len = len(data) // 8 if type(data) is bytes else len(data)
         overlap = self.indexer._overlap(data, namespace)
         for worker in overlap:
@@ -323,15 +399,10 @@ class Router:
         loads, routed = self._loads, self._routed
         block_size = self.block_size
         prefill_weight, load_weight = self.prefill_weight, self.load_weight
-        best = None
-        best_key = None
-        for worker in range(self.num_workers):
-            cached = overlap.get(worker, 0) * block_size
-            score = prefill_weight * (data_len - cached) + load_weight * loads[worker]
-            key = (score, loads[worker], routed[worker], worker)
-            if best_key is None or key < best_key:
-                best, best_key = worker, key
-        return best
+        get = overlap.get
+        return [(prefill_weight * (data_len - get(worker, 0) * block_size)
+                 + load_weight * loads[worker], loads[worker], routed[worker], worker)
+                for worker in workers]
 
     def _has_host_blocks(self) -> bool:
         """Whether the indexer holds any block on a worker's host tier."""

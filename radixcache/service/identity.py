@@ -120,11 +120,13 @@ def query_key(kind_family: str, lora: Optional[str], salt: Optional[str],
     with both the blocks after the first carry keys of their own; SGLang and RFC #1527
     publishers name the sequence by ``lora_name``, ``cache_salt``, or both.
     """
-    if lora is not None and salt is not None:
-        if kind_family == "vllm":
-            return None, [(lora, salt)] + [(lora,)] * max(blocks - 1, 0)
-        return (lora, salt), None
-    return (lora if salt is None else salt), None
+    if lora is not None and salt is not None and kind_family == "vllm":
+        return None, [(lora, salt)] + [(lora,)] * max(blocks - 1, 0)
+    # Here, not at the top: the command's flags import this module, and must not import the
+    # index (numpy, the tree core).
+    from ..router.keys import namespace_for
+
+    return namespace_for(lora, salt), None
 
 
 def instance_text(instance_id: Any) -> str:

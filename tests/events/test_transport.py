@@ -510,3 +510,32 @@ def test_an_undecoding_subscriber_hands_over_payloads_and_restart_marks(raw):
         indexer = KvIndexer(2)
         assert not indexer.apply_payload("w", batch.payload)
         assert indexer.stats.malformed_batches == 1
+
+
+def test_last_contact_counts_probe_answers_of_an_idle_publisher_and_stops_with_it():
+    publisher = ev.ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    subscriber = ev.ZmqEventSubscriber(publisher.endpoint, publisher.replay_endpoint,
+                                       start_seq=0, probe_interval=0.1, replay_timeout=0.3)
+    try:
+        assert subscriber.last_contact is None
+        deadline = time.monotonic() + 10
+        while subscriber.last_contact is None and time.monotonic() < deadline:
+            subscriber.receive(timeout=0.05)  # the start replay's end marker: a contact
+        first = subscriber.last_contact
+        assert first is not None
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:
+            assert subscriber.receive(timeout=0.05) is None  # nothing published
+        assert subscriber.last_contact > first  # the probes were answered
+        publisher.close()
+        publisher = None
+        time.sleep(0.05)
+        stopped = subscriber.last_contact
+        end = time.monotonic() + 0.8
+        while time.monotonic() < end:
+            subscriber.receive(timeout=0.05)
+        assert subscriber.last_contact == stopped  # probes go unanswered
+    finally:
+        subscriber.close()
+        if publisher is not None:
+            publisher.close()

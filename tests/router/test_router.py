@@ -857,3 +857,100 @@ def test_apply_payload_reads_token_ids_as_the_decoded_events_would(blocks, monke
         by_events.stats.as_dict() | {"batches": 0}
     assert by_payload.blocks_held(7) == by_events.blocks_held(7)
     assert by_payload.overlap([1, 2, 3, 4]) == by_events.overlap([1, 2, 3, 4])
+
+
+# -- rank: the ordered list an endpoint picker answers with ---------------------------------
+def _routers_in_step(policy, seed=7):
+    """Two routers of ``policy`` over one indexer that holds a few prefixes."""
+    block = 4
+    indexer = KvIndexer(block)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(50) for _ in range(rng.randrange(4, 40))] for _ in range(30)]
+    for worker in range(5):
+        for p in rng.sample(prompts, 4):
+            n = len(p) // block * block
+            if n:
+                first = worker * 1000 + len(p)
+                hashes = tuple(range(first, first + n // block))
+                indexer.apply(worker, [BlockStored(hashes, None, tuple(p[:n]), block)])
+    options = {"block_size": block, "indexer": indexer, "seed": seed}
+    return Router(5, policy, **options), Router(5, policy, **options), prompts, rng
+
+
+@pytest.mark.parametrize("policy", ROUTING_POLICIES)
+def test_rank_first_is_what_route_picks_with_the_same_state_changes(policy):
+    routing, ranking, prompts, rng = _routers_in_step(policy)
+    for step in range(120):
+        prompt = rng.choice(prompts)
+        worker = routing.route(prompt, extra_key=None)
+        ordered = ranking.rank(prompt)
+        assert ordered[0] == worker, step
+        assert sorted(ordered) == list(range(5))  # every worker once
+        load = rng.randrange(100)
+        routing.add_load(worker, load)
+        ranking.add_load(worker, load)
+        assert routing.routed == ranking.routed and routing.loads == ranking.loads
+
+
+@pytest.mark.parametrize("policy", ROUTING_POLICIES)
+def test_rank_orders_only_the_eligible_workers_by_the_policy(policy):
+    router, reference, prompts, rng = _routers_in_step(policy)
+    for _ in range(60):
+        prompt = rng.choice(prompts)
+        eligible = rng.sample(range(5), rng.randrange(1, 6))
+        before = router.routed
+        ordered = router.rank(prompt, workers=eligible + eligible[:1])  # a duplicate
+        assert sorted(ordered) == sorted(eligible)
+        after = router.routed
+        assert [a - b for a, b in zip(after, before)] == [int(w == ordered[0])
+                                                          for w in range(5)]
+        if policy == "cache-aware":
+            keys = {w: (router.prefill_weight * (len(prompt) - router.last_overlap.get(w, 0)
+                                                 * router.block_size)
+                        + router.load_weight * router.loads[w], router.loads[w], before[w], w)
+                    for w in eligible}
+            assert ordered == sorted(eligible, key=keys.get)
+        elif policy == "least-loaded":
+            assert ordered == sorted(eligible, key=lambda w: (router.loads[w], before[w], w))
+        router.add_load(ordered[0], rng.randrange(50))
+    assert router.rank([1, 2, 3], workers=[]) == []
+
+
+def test_rank_fallbacks_follow_the_ring_and_the_turn():
+    ring = Router(6, "prefix-hash", block_size=4)
+    prompt = list(range(12))
+    full = ring.rank(prompt)
+    # Without the first choice, the order is the rest of the same walk round the ring.
+    assert ring.rank(prompt, workers=full[1:]) == full[1:]
+    assert ring.rank(prompt, workers=full[2:4]) == full[2:4]
+    turn = Router(4, "round-robin")
+    assert turn.rank([1]) == [0, 1, 2, 3]
+    assert turn.rank([1], workers=[0, 2]) == [2, 0]  # the turn is at 1: 2 comes first
+    assert turn.rank([1]) == [3, 0, 1, 2]
+
+
+def test_rank_with_a_lora_and_salt_namespace_finds_their_blocks():
+    from radixcache.router import namespace_for
+
+    block = 4
+    router = Router(3, "cache-aware", block_size=block)
+    prompt = list(range(16))
+    cache = RadixCache(page_size=block, enable_events=True, array_type="numpy")
+    namespace = namespace_for("adapter", "salt-1")
+    assert namespace == ("adapter", "salt-1")
+    assert namespace_for("adapter") == "adapter" and namespace_for(None, "s") == "s"
+    assert namespace_for() is None
+    with pytest.raises(TypeError, match="lora_name and cache_salt"):
+        namespace_for(3)
+    cache.insert(prompt, extra_key="adapter")
+    router.indexer.apply(1, cache.take_events())
+    assert router.rank(prompt, "adapter")[0] == 1 and router.last_overlap == {1: 4}
+    assert router.rank(prompt, namespace)[0] != 1  # another namespace: nothing cached
+
+
+def test_rank_checks_workers_before_changing_anything():
+    router = Router(3, "round-robin")
+    for workers, error in (([0, 3], ValueError), ([0, "1"], TypeError), ([-1], ValueError)):
+        with pytest.raises(error):
+            router.rank([1], workers=workers)
+    assert router.routed == (0, 0, 0) and router.rank([1]) == [0, 1, 2]
