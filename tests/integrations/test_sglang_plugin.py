@@ -92,7 +92,8 @@ def _build_with(monkeypatch, server_args=None, policy="lru", **ctx_flags):
                              req_to_token_pool=rows, token_to_kv_pool_allocator=allocator,
                              page_size=1, eviction_policy=policy,
                              eviction_policy_config=ctx_flags.pop("policy_config", None),
-                             is_eagle=ctx_flags.pop("is_eagle", False))
+                             is_eagle=ctx_flags.pop("is_eagle", False),
+                             enable_session_radix_cache=ctx_flags.pop("sessions", False))
     flags = dict(is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False,
                  disable_radix_cache=False)
     flags.update(ctx_flags)
@@ -118,7 +119,6 @@ REFUSALS = {
     "session-radix-cache": ({}, dict(enable_session_radix_cache=True),
                             "--enable-session-radix-cache"),
     "streaming-session": ({}, dict(enable_streaming_session=True), "--enable-streaming-session"),
-    "eagle": (dict(is_eagle=True), None, "EAGLE"),
     "disabled": (dict(disable_radix_cache=True, params_disable=True), None,
                  "--disable-radix-cache"),
 }
@@ -154,6 +154,12 @@ def test_mlx_refused(monkeypatch):
     monkeypatch.setattr(mlx_runtime, "use_mlx", lambda: True)
     with pytest.raises(UnsupportedConfiguration, match="MLX"):
         _build_with(monkeypatch)
+
+
+def test_eagle_builds(monkeypatch):
+    """EAGLE (``is_eagle``: EAGLE, EAGLE3, NEXTN/MTP, FROZEN_KV_MTP) passes the factory."""
+    cache = _build_with(monkeypatch, is_eagle=True)
+    assert isinstance(cache, RadixcacheBackend) and cache.is_eagle
 
 
 def test_supported_configuration_builds(monkeypatch):

@@ -36,6 +36,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from ...cache import RadixCache
+from .eagle import bigram_namespace, event_key
 
 _INT64_MAX = 2**63 - 1
 _PATH_MEMO_SIZE = 4096
@@ -105,12 +106,21 @@ def _cpu_array(tensor: Any) -> Optional[np.ndarray]:
     return None
 
 
-def _check_key(key: Any) -> None:
-    """Raise for a key the backend cannot read (the checks behind the fast type test)."""
+def _check_key(key: Any, bigram: int) -> None:
+    """Raise for a key the backend cannot read (the checks behind the fast type test): not
+    a RadixKey, or a bigram key given to a cache of plain keys."""
     if not isinstance(key, RadixKey):
         raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
-    if key.is_bigram:
-        raise ValueError("bigram (EAGLE) RadixKeys are not supported by the radixcache backend")
+    if key.is_bigram and not bigram:
+        raise ValueError("a bigram (EAGLE) RadixKey given to a cache built without EAGLE "
+                         "(CacheInitParams.is_eagle)")
+
+
+def _raw_length(key: RadixKey) -> int:
+    """The raw tokens a key spans (its ``limit`` honoured)."""
+    length = len(key.token_ids)
+    limit = key.limit
+    return limit if limit is not None and limit < length else length
 
 
 class _EventNode:
@@ -161,7 +171,10 @@ class RadixcacheBackend(BasePrefixCache):
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = params.page_size
         self.disable = False
-        self.is_eagle = False
+        # EAGLE's bigram keys (the model has no Mamba component: the factory refuses those).
+        self.is_eagle = bool(params.is_eagle)
+        # 1 with bigram keys: the tree's tokens start one raw token in (see .eagle).
+        self._bigram = 1 if self.is_eagle else 0
         self.eviction_policy = params.eviction_policy.lower()
         # SGLang orders by priority under the priority policy only; radixcache under every
         # policy. Priorities given to the others are dropped, so both orders agree.
@@ -237,7 +250,9 @@ class RadixcacheBackend(BasePrefixCache):
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key = params.key
         if type(key) is not RadixKey or key.is_bigram:
-            _check_key(key)
+            _check_key(key, self._bigram)
+        if self._bigram:
+            return self._match_bigrams(key)
         token_ids = key.token_ids
         length = len(token_ids)
         limit = key.limit
@@ -257,12 +272,42 @@ class RadixcacheBackend(BasePrefixCache):
         memo[node] = match.indices
         return MatchResult(match.length, node, node, node)
 
+    def _match_bigrams(self, key: RadixKey) -> MatchResult:
+        """``match_prefix`` of a bigram cache: the common raw prefix less one, in pages."""
+        raw = _raw_length(key)
+        page_size = self.page_size
+        if raw <= page_size:  # fewer than page_size bigrams
+            return self._empty_match
+        token_ids = key.token_ids
+        tokens = _token_array(token_ids, raw)
+        match = self._cache.match_prefix(
+            tokens[1:], bigram_namespace(key.extra_key, key.cache_salt, int(token_ids[0])))
+        del tokens
+        if not match.length:
+            return self._empty_match
+        node = match.last_node
+        memo = self._path_memo
+        if len(memo) >= _PATH_MEMO_SIZE:
+            memo.clear()
+        memo[node] = match.indices
+        return MatchResult(match.length, node, node, node)
+
+    def _tree_key(self, key: RadixKey, length: int) -> tuple:
+        """(the tree's tokens, namespace) of ``key``'s first ``length`` tree tokens (bigrams
+        in a bigram cache)."""
+        shift = self._bigram
+        tokens = _token_array(key.token_ids, length + shift)
+        if not shift:
+            return tokens, _namespace(key)
+        return tokens[1:], bigram_namespace(key.extra_key, key.cache_salt,
+                                            int(key.token_ids[0]))
+
     def touch_prefix(self, key: RadixKey) -> None:
         """Refresh the recency of ``key``'s cached path, as a match does."""
-        _check_key(key)
-        length = len(key)
+        _check_key(key, self._bigram)
+        length = _raw_length(key) - self._bigram
         if length >= self.page_size:
-            self._cache.match_prefix(_token_array(key.token_ids, length), _namespace(key))
+            self._cache.match_prefix(*self._tree_key(key, length))
 
     def prefix_device_indices(self, req: Any) -> torch.Tensor:
         """The KV slots of ``req``'s matched prefix (the path to its locked match node)."""
@@ -303,29 +348,35 @@ class RadixcacheBackend(BasePrefixCache):
         allocator, as SGLang's own cache frees them. Only the nodes that end past
         ``params.inserted_len`` count a hit (SGLang counts one per request)."""
         key = params.key
-        _check_key(key)
-        aligned = len(key) - len(key) % self.page_size
-        tokens = _token_array(key.token_ids, aligned)
+        _check_key(key, self._bigram)
+        length = max(_raw_length(key) - self._bigram, 0)
+        aligned = length - length % self.page_size
+        tokens, namespace = self._tree_key(key, aligned) if aligned else (
+            np.empty(0, dtype=np.int64), _namespace(key))
         value = params.value
-        if value is None:
-            value = torch.from_numpy(np.array(tokens, dtype=np.int64))
+        if value is None:  # the raw tokens as the values, as SGLang's insert takes them
+            value = torch.from_numpy(np.array(_token_array(key.token_ids, aligned)))
         elif len(value) < aligned:
             raise ValueError(f"insert: {len(value)} values for {aligned} page-aligned tokens")
         priority = params.priority or 0
-        result = self._insert(tokens, value[:aligned], _namespace(key), priority,
-                              (key.extra_key, key.cache_salt), params.inserted_len or 0)
+        result = self._insert(tokens, value[:aligned], namespace, priority,
+                              (key.extra_key, key.cache_salt), params.inserted_len or 0,
+                              params.session_id,
+                              int(key.token_ids[0]) if self._bigram and aligned else None)
         self._free_duplicates(value, params.prev_prefix_len, result.prefix_len)
         return InsertResult(prefix_len=result.prefix_len, last_device_node=result.last_node)
 
     def _insert(self, tokens: np.ndarray, value: Any, namespace: Any, priority: int,
-                names: tuple, hits_from: int) -> Any:
+                names: tuple, hits_from: int, session_id: Optional[str] = None,
+                before: Optional[int] = None) -> Any:
         """radixcache's insert (hits counted past ``hits_from`` tokens); with events on, the
-        new leaf's BlockStored (``names``: the key's extra_key and cache_salt)."""
+        new leaf's BlockStored (``names``: the key's extra_key and cache_salt; ``session_id``
+        the request's; ``before``: a bigram cache's first raw token)."""
         if not self._use_priority:
             priority = 0
         result = self._cache.insert(tokens, value, namespace, priority, hits_from=hits_from)
         if self.kv_events.enabled and result.prefix_len < len(tokens):
-            self._record_stored(result, tokens, value, names)
+            self._record_stored(result, tokens, value, names, session_id, before)
         return result
 
     def _free_duplicates(self, value: Any, start: int, end: int) -> None:
@@ -352,10 +403,17 @@ class RadixcacheBackend(BasePrefixCache):
             raise ValueError(f"checkpoint: up_to={up_to} but request {req.rid} has "
                              f"{len(fill_ids)} token ids")
         protected = kv.cache_protected_len
-        aligned = up_to - up_to % self.page_size
+        shift = self._bigram  # 1: bigram keys, one fewer than the raw tokens
+        length = up_to - shift
+        aligned = length - length % self.page_size
         extra_key, salt = req.extra_key, req.cache_salt or None
         namespace = extra_key if salt is None else (extra_key, salt)
-        tokens = _token_array(fill_ids, aligned)
+        tokens = _token_array(fill_ids, aligned + shift)
+        before = None
+        if shift:
+            before = int(fill_ids[0])
+            tokens = tokens[1:]
+            namespace = bigram_namespace(extra_key, salt, before)
         table = self.req_to_token_pool.req_to_token
         rows = _cpu_array(table)
         if rows is not None:
@@ -368,13 +426,13 @@ class RadixcacheBackend(BasePrefixCache):
         # A node counts one hit per request: those this request inserted before counted then.
         if self.kv_events.enabled:
             result = self._insert(tokens, values, namespace, priority, (extra_key, salt),
-                                  kv.cache_inserted_len)
+                                  kv.cache_inserted_len, req.session_id, before)
         else:
             result = self._cache.insert(tokens, values, namespace,
                                         priority if use_priority else 0,
                                         hits_from=kv.cache_inserted_len)
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
-        prompt_len = len(req.origin_input_ids)
+        prompt_len = len(req.origin_input_ids) - shift
         prompt_len -= prompt_len % self.page_size
         if 0 < prompt_len < aligned:
             # Split the leaf at the prompt boundary so eviction can drop the answer before
@@ -644,9 +702,10 @@ class RadixcacheBackend(BasePrefixCache):
         return order
 
     # -- KV events -----------------------------------------------------------------------------
-    def _record_stored(self, result: Any, tokens: np.ndarray, value: Any,
-                       names: tuple) -> None:
-        """One leaf entered the tree: SGLang's BlockStored events, SGLang's block hashes."""
+    def _record_stored(self, result: Any, tokens: np.ndarray, value: Any, names: tuple,
+                       session_id: Optional[str], before: Optional[int]) -> None:
+        """One leaf entered the tree: SGLang's BlockStored events, SGLang's block hashes (of
+        token pairs in a bigram cache: ``before`` is its first raw token)."""
         page_size = self.page_size
         start = result.prefix_len
         leaf = result.last_node
@@ -660,11 +719,12 @@ class RadixcacheBackend(BasePrefixCache):
         else:
             prior = self._page_hashes[int(parent.value[-page_size])][0]
             parent_node = _EventNode(None, _NOT_ROOT, [prior])
-        leaf_key = RadixKey(array("q", tokens[start:].tobytes()), extra_key, cache_salt=salt)
+        leaf_key = event_key(tokens, start, before, extra_key, salt)
         hashes = get_hash_str(leaf_key, prior, page_size=page_size)
         for slot, page_hash in zip(value[start::page_size].tolist(), hashes):
             self._page_hashes[slot] = (page_hash, extra_key, salt)
-        self.kv_events.record_store(_EventNode(leaf_key, parent_node, hashes))
+        self.kv_events.record_store(_EventNode(leaf_key, parent_node, hashes),
+                                    session_id=session_id)
 
     def _record_removed(self, indices: torch.Tensor) -> None:
         pages = [self._page_hashes.pop(slot) for slot in indices[::self.page_size].tolist()]

@@ -91,9 +91,6 @@ def _refusal(ctx: Any) -> Optional[str]:
         return f"--enable-session-radix-cache needs SGLang's unified radix tree; {_DROP_FLAG}"
     if _setting("serving", "enable_streaming_session"):
         return f"--enable-streaming-session needs SGLang's unified radix tree; {_DROP_FLAG}"
-    if params.is_eagle:
-        return ("EAGLE speculative decoding keys the cache by token pairs (bigrams), which "
-                f"radixcache does not do; {_DROP_FLAG}")
     try:
         from sglang.srt.hardware_backend.mlx.runtime import use_mlx
 
