@@ -116,8 +116,6 @@ REFUSALS = {
                         "--enable-unified-cache-external-linker"),
     "host-pool-retraction": ({}, dict(disaggregation_decode_retraction_backup="host_pool"),
                              "--disaggregation-decode-retraction-backup host_pool"),
-    "session-radix-cache": ({}, dict(enable_session_radix_cache=True),
-                            "--enable-session-radix-cache"),
     "streaming-session": ({}, dict(enable_streaming_session=True), "--enable-streaming-session"),
     "disabled": (dict(disable_radix_cache=True, params_disable=True), None,
                  "--disable-radix-cache"),
@@ -156,10 +154,37 @@ def test_mlx_refused(monkeypatch):
         _build_with(monkeypatch)
 
 
-def test_eagle_builds(monkeypatch):
-    """EAGLE (``is_eagle``: EAGLE, EAGLE3, NEXTN/MTP, FROZEN_KV_MTP) passes the factory."""
-    cache = _build_with(monkeypatch, is_eagle=True)
-    assert isinstance(cache, RadixcacheBackend) and cache.is_eagle
+def test_streaming_sessions_refused_with_the_alternative(monkeypatch):
+    with pytest.raises(UnsupportedConfiguration, match="--enable-streaming-session") as info:
+        _build_with(monkeypatch, dict(enable_streaming_session=True,
+                                      enable_session_radix_cache=True), sessions=True)
+    assert "--enable-session-radix-cache runs on radixcache" in str(info.value)
+
+
+def test_eagle_and_session_radix_cache_build(monkeypatch):
+    """EAGLE (``is_eagle``) and ``--enable-session-radix-cache``, alone and together, pass the
+    factory and SGLang's own checks after it (its registry requires the session flag on the
+    cache it got)."""
+    for is_eagle, sessions in ((True, False), (False, True), (True, True)):
+        server_args = dict(enable_session_radix_cache=True) if sessions else None
+        cache = _build_with(monkeypatch, server_args, is_eagle=is_eagle, sessions=sessions)
+        assert isinstance(cache, RadixcacheBackend)
+        assert cache.is_eagle is is_eagle and cache.enable_session_radix_cache is sessions
+
+
+def test_session_calls_as_the_scheduler_makes_them(monkeypatch):
+    """Generations per session, reopened after a close; closing twice, or an unknown id, or
+    without the session cache, is harmless (0, as SGLang answers)."""
+    cache = _build_with(monkeypatch, dict(enable_session_radix_cache=True), sessions=True)
+    first = cache.ensure_session_generation("a")
+    assert cache.ensure_session_generation("a") == first
+    second = cache.open_radix_session("a")
+    assert second > first and cache.ensure_session_generation("b") > second
+    assert cache.release_radix_session("a") == 0 and cache.release_radix_session("a") == 0
+    assert cache.release_radix_session("never-opened") == 0
+    assert cache.ensure_session_generation("a") > second  # a closed id opens again
+    plain = _build_with(monkeypatch)
+    assert plain.release_radix_session("a") == 0 and plain.ensure_session_generation("a") == 1
 
 
 def test_supported_configuration_builds(monkeypatch):

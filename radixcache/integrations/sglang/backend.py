@@ -3,7 +3,8 @@
 It serves the whole contract SGLang's scheduler uses for a full-attention model --
 ``match_prefix``, ``insert``, ``checkpoint`` and the release path, ``evict`` /
 ``evict_for_alloc``, locks, sizes, ``path_device_indices``, ``prefix_device_indices``,
-``touch_prefix``, ``dfs_weight_order``, ``reset``, KV events -- and decides as SGLang's default
+``touch_prefix``, ``dfs_weight_order``, ``reset``, KV events, EAGLE's bigram keys (``.eagle``)
+and the session radix cache's calls (``.sessions``) -- and decides as SGLang's default
 cache does (the same matches, the same slots written to request rows, the same slots freed to
 the allocator, the same events), except where a match or insert ends inside a node: there only
 the matched part counts as used (see ``docs/sglang.md``).
@@ -18,6 +19,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefParams,
@@ -37,6 +39,7 @@ from sglang.srt.mem_cache.utils import get_hash_str
 
 from ...cache import RadixCache
 from .eagle import bigram_namespace, event_key
+from .sessions import SessionRefs
 
 _INT64_MAX = 2**63 - 1
 _PATH_MEMO_SIZE = 4096
@@ -151,9 +154,10 @@ class RadixcacheBackend(BasePrefixCache):
         params: SGLang's ``CacheInitParams``: the request-to-token pool, the token-to-KV
             allocator (slots are freed through its ``free_segment``/``free_segments``; SGLang's
             stock paged allocator's whole pages through ``free_page_ids``, which is what its
-            ``free_segment`` calls), the
-            page size, the eviction policy, events (``enable_kv_cache_events``,
-            ``dynamo_kv_event_format``, ``kv_event_lora_names``) and ``enable_metrics``.
+            ``free_segment`` calls), the page size, the eviction policy, events
+            (``enable_kv_cache_events``, ``dynamo_kv_event_format``, ``kv_event_lora_names``),
+            ``enable_metrics``, ``is_eagle`` (bigram keys) and
+            ``enable_session_radix_cache``.
         core: The radixcache tree core (``"c"``, ``"python"``); None: the class attribute
             ``core``, else radixcache's default.
 
@@ -181,6 +185,9 @@ class RadixcacheBackend(BasePrefixCache):
         self._use_priority = self.eviction_policy == "priority"
         self._cache = RadixCache(self.page_size, self.eviction_policy,
                                  core=core if core is not None else self.core)
+        # --enable-session-radix-cache: SGLang's registry reads this attribute of every cache.
+        self.enable_session_radix_cache = bool(params.enable_session_radix_cache)
+        self._sessions = SessionRefs(self._cache, self.enable_session_radix_cache)
         self.kv_events = KVCacheEventRecorder(
             enabled=params.enable_kv_cache_events, page_size=self.page_size,
             dynamo_format=params.dynamo_kv_event_format,
@@ -244,6 +251,7 @@ class RadixcacheBackend(BasePrefixCache):
         self._page_hashes.clear()
         self._pending_frees.clear()
         self._path_memo.clear()
+        self._sessions.reset()
         self.kv_events.record_all_cleared()
 
     # -- match -----------------------------------------------------------------------------
@@ -460,6 +468,9 @@ class RadixcacheBackend(BasePrefixCache):
         req.lock = TreeLock(new_last_node, _RECEIPT)
         kv.cache_protected_len = aligned
         req.last_node = new_last_node
+        if (self.enable_session_radix_cache and req.finished()
+                and not isinstance(req.finished_reason, FINISH_ABORT)):
+            self._sessions.register(req, new_last_node)
         if free_error is not None:
             raise free_error
 
@@ -482,8 +493,14 @@ class RadixcacheBackend(BasePrefixCache):
         start_time = time.perf_counter() if collector is not None else 0.0
         self._path_memo.clear()
         freed = 0
+        sessions = self._sessions
         try:
-            if self.kv_events.enabled:
+            if sessions.tagging:
+                # Session tags move up as their leaves go (each victim's on_remove).
+                freed = self._cache.evict(
+                    num_tokens, self._free_victim if self.kv_events.enabled else self._free,
+                    batch=not self.kv_events.enabled, on_remove=sessions.on_remove)
+            elif self.kv_events.enabled:
                 freed = self._cache.evict(num_tokens, self._free_victim)
             else:
                 # One free for all victims: the same slots, in the same order, as one free
@@ -596,6 +613,19 @@ class RadixcacheBackend(BasePrefixCache):
             indices = pending[0]
             self.token_to_kv_pool_allocator.free_segment(indices, start_pos=0)
             pending.pop(0)
+
+    # -- sessions (--enable-session-radix-cache; not on BasePrefixCache) -------------------------
+    def open_radix_session(self, session_id: str) -> Optional[int]:
+        """A new generation of ``session_id`` (the scheduler opens a session)."""
+        return self._sessions.open(session_id)
+
+    def ensure_session_generation(self, session_id: str) -> int:
+        """``session_id``'s generation, opened if new (a request of the session arrives)."""
+        return self._sessions.ensure(session_id)
+
+    def release_radix_session(self, session_id: str) -> int:
+        """Close ``session_id``: its references go (the scheduler closes the session)."""
+        return self._sessions.release(session_id)
 
     # -- locks -----------------------------------------------------------------------------
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
