@@ -699,7 +699,13 @@ class RadixCache:
         self._core.set_rank(node, check_int(rank, "rank", 0, INT64_MAX))
 
     def eviction_rank(self, node: Any) -> int:
-        """``node``'s eviction rank (see ``set_eviction_rank``; 0 unless one was set).
+        """``node``'s eviction rank (see ``set_eviction_rank``).
+
+        Args:
+            node: A ``RadixTreeNode`` of this cache.
+
+        Returns:
+            The rank, an int (0 unless one was set).
 
         Raises:
             TypeError: ``node`` is not a node of this cache's core.
