@@ -607,7 +607,12 @@ def _cores() -> tuple:
     return tuple(CORES)
 
 
+def report_calls(module: str, calls: dict) -> None:
+    """Print how many scheduler-level calls a test module compared with SGLang, per core."""
+    if calls:
+        print(f"\n{module}: scheduler-level calls compared with SGLang per core: "
+              + ", ".join(f"{core} {count}" for core, count in sorted(calls.items())))
+
+
 def teardown_module(module) -> None:
-    if CALLS:
-        print("\ntest_sglang_backend: scheduler-level calls compared with SGLang per core: "
-              + ", ".join(f"{core} {calls}" for core, calls in sorted(CALLS.items())))
+    report_calls("test_sglang_backend", CALLS)

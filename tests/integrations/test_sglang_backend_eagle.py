@@ -25,7 +25,8 @@ import zlib
 import pytest
 import torch
 
-from test_sglang_backend import POLICIES, POOL_TOKENS, Replay, Side, Workload
+from test_sglang_backend import (POLICIES, POOL_TOKENS, Replay, Side, Workload,
+                                 report_calls)
 
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 from sglang.srt.mem_cache import allocation
@@ -148,6 +149,4 @@ def test_eagle_same_as_sglang_default_cache(backend_core, monkeypatch, page_size
 
 
 def teardown_module(module) -> None:
-    if CALLS:
-        print("\ntest_sglang_backend_eagle: scheduler-level calls compared with SGLang per "
-              "core: " + ", ".join(f"{core} {calls}" for core, calls in sorted(CALLS.items())))
+    report_calls("test_sglang_backend_eagle", CALLS)

@@ -21,7 +21,8 @@ from array import array
 
 import pytest
 
-from test_sglang_backend import POLICIES, POOL_TOKENS, Replay, Side, Workload
+from test_sglang_backend import (POLICIES, POOL_TOKENS, Replay, Side, Workload,
+                                 report_calls)
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
 from sglang.srt.mem_cache.common import release_kv_cache
@@ -212,6 +213,4 @@ def test_events_name_the_session_without_the_session_cache(backend_core, monkeyp
 
 
 def teardown_module(module) -> None:
-    if CALLS:
-        print("\ntest_sglang_backend_sessions: scheduler-level calls compared with SGLang per "
-              "core: " + ", ".join(f"{core} {calls}" for core, calls in sorted(CALLS.items())))
+    report_calls("test_sglang_backend_sessions", CALLS)

@@ -259,37 +259,22 @@ class RadixcacheBackend(BasePrefixCache):
         key = params.key
         if type(key) is not RadixKey or key.is_bigram:
             _check_key(key, self._bigram)
-        if self._bigram:
-            return self._match_bigrams(key)
         token_ids = key.token_ids
         length = len(token_ids)
         limit = key.limit
         if limit is not None and limit < length:
             length = limit
-        if length < self.page_size:
+        shift = self._bigram  # a bigram cache: the common raw prefix less one, in pages
+        if length - shift < self.page_size:
             return self._empty_match
         salt = key.cache_salt
-        match = self._cache.match_prefix(_token_array(token_ids, length),
-                                         key.extra_key if salt is None else (key.extra_key, salt))
-        if not match.length:
-            return self._empty_match
-        node = match.last_node
-        memo = self._path_memo
-        if len(memo) >= _PATH_MEMO_SIZE:
-            memo.clear()
-        memo[node] = match.indices
-        return MatchResult(match.length, node, node, node)
-
-    def _match_bigrams(self, key: RadixKey) -> MatchResult:
-        """``match_prefix`` of a bigram cache: the common raw prefix less one, in pages."""
-        raw = _raw_length(key)
-        page_size = self.page_size
-        if raw <= page_size:  # fewer than page_size bigrams
-            return self._empty_match
-        token_ids = key.token_ids
-        tokens = _token_array(token_ids, raw)
-        match = self._cache.match_prefix(
-            tokens[1:], bigram_namespace(key.extra_key, key.cache_salt, int(token_ids[0])))
+        tokens = _token_array(token_ids, length)
+        if shift:
+            match = self._cache.match_prefix(
+                tokens[1:], bigram_namespace(key.extra_key, salt, int(token_ids[0])))
+        else:
+            match = self._cache.match_prefix(
+                tokens, key.extra_key if salt is None else (key.extra_key, salt))
         del tokens
         if not match.length:
             return self._empty_match
