@@ -198,7 +198,7 @@ class Loop:
         self.requests = [Req(f"r{i}", "", prompt, SamplingParams(max_new_tokens=len(output)),
                              session_id=None if self.sessions is None else self.sessions[i][0])
                          for i, (prompt, output) in enumerate(requests)]
-        self.server_args = SERVER_ARGS[configuration]
+
         self.outputs = [output for _, output in requests]
         self._depth, self._seconds, self._allocator_seconds = [0], [0.0], [0.0]
         for name in CACHE_CALLS:
@@ -247,10 +247,7 @@ class Loop:
         setattr(self.cache, name, timed)
 
     def run(self) -> dict:
-        with _CONTEXT.override_server_args(radix_cache_backend=None, **self.server_args):
-            return self._run()
-
-    def _run(self) -> dict:
+        """One pass over the workload (under the case's server arguments: ``serving``)."""
         clock = time.perf_counter
         cache, rows, page_size = self.cache, self.rows, self.page_size
         sessions = self.sessions
@@ -294,29 +291,42 @@ class Loop:
                 "tokens": cache.total_size()[0]}
 
 
+def serving(case: str):
+    """The server arguments of ``case``'s configuration, published (a context manager): what
+    SGLang's scheduler code reads while the caches are built and run."""
+    return _CONTEXT.override_server_args(radix_cache_backend=None,
+                                         **SERVER_ARGS[CASES[case][2]])
+
+
 def interleaved(cases: list, rounds: int) -> dict:
     """Each case's implementations one round each in turn; the best round of each."""
     results = {}
     for case in cases:
-        requests = workload(case)
-        best: dict = {}
-        for rnd in range(rounds + 1):  # round 0 warms up, uncounted
-            for name in IMPLEMENTATIONS:
-                loop = Loop(name, case, requests)
-                gc.collect()
-                gc.disable()
-                try:
-                    run = loop.run()
-                finally:
-                    gc.enable()
-                del loop
-                if rnd:
-                    old = best.setdefault(name, dict(run))
-                    for what in ("cache", "tree", "loop"):
-                        old[what] = min(old[what], run[what])
-        assert best["radixcache"]["hit_rate"] > 0
-        results[case] = best
+        with serving(case):
+            results[case] = interleaved_case(case, rounds)
     return results
+
+
+def interleaved_case(case: str, rounds: int) -> dict:
+    """``interleaved`` for one case (its server arguments published)."""
+    requests = workload(case)
+    best: dict = {}
+    for rnd in range(rounds + 1):  # round 0 warms up, uncounted
+        for name in IMPLEMENTATIONS:
+            loop = Loop(name, case, requests)
+            gc.collect()
+            gc.disable()
+            try:
+                run = loop.run()
+            finally:
+                gc.enable()
+            del loop
+            if rnd:
+                old = best.setdefault(name, dict(run))
+                for what in ("cache", "tree", "loop"):
+                    old[what] = min(old[what], run[what])
+    assert best["radixcache"]["hit_rate"] > 0
+    return best
 
 
 def print_table(results: dict, rounds: int) -> None:
@@ -344,8 +354,9 @@ def test_sglang_backend_loop(benchmark, note, implementation, case):
     def fresh():
         return (Loop(implementation, case, requests),), {}
 
-    benchmark.pedantic(lambda loop: runs.append(loop.run()), setup=fresh, rounds=3,
-                       iterations=1, warmup_rounds=1)
+    with serving(case):
+        benchmark.pedantic(lambda loop: runs.append(loop.run()), setup=fresh, rounds=3,
+                           iterations=1, warmup_rounds=1)
     assert len({run["hit_rate"] for run in runs}) == 1
     best = min(run["cache"] for run in runs)
     benchmark.extra_info.update(cache_seconds_min=best, hit_rate=runs[0]["hit_rate"])
@@ -359,6 +370,5 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
-    with _CONTEXT.override_server_args(radix_cache_backend=None):
-        table = interleaved([c for c in args.cases.split(",") if c], args.rounds)
+    table = interleaved([c for c in args.cases.split(",") if c], args.rounds)
     print_table(table, args.rounds)
