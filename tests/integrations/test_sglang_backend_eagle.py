@@ -144,7 +144,6 @@ def test_eagle_same_as_sglang_default_cache(backend_core, monkeypatch, page_size
                  "events"):
         assert counts.get(kind, 0) > 5, (kind, counts)
     assert replay.ours.spec_evictions > 5, replay.ours.spec_evictions
-    assert replay.ours.allocator.available_size() < replay.POOLS[page_size]
     CALLS[backend_core] = CALLS.get(backend_core, 0) + replay.calls
 
 

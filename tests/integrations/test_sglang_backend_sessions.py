@@ -21,7 +21,7 @@ from array import array
 
 import pytest
 
-from test_sglang_backend import (POLICIES, POOL_TOKENS, Replay, Side, Workload,
+from test_sglang_backend import (POLICIES, Replay, Side, Workload,
                                  report_calls)
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
@@ -183,7 +183,6 @@ def test_sessions_same_as_sglang_default_cache(backend_core, monkeypatch, tagged
                  "events"):
         assert counts.get(kind, 0) > 5, (kind, counts)
     assert len(tagged_evictions) > 5, len(tagged_evictions)
-    assert replay.ours.allocator.available_size() < POOL_TOKENS[page_size]
     CALLS[backend_core] = CALLS.get(backend_core, 0) + replay.calls
 
 
