@@ -696,7 +696,9 @@ class RadixCache:
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
-        self._core.set_rank(node, check_int(rank, "rank", 0, INT64_MAX))
+        if type(rank) is not int:  # the core checks an int's range itself
+            rank = check_int(rank, "rank", 0, INT64_MAX)
+        self._core.set_rank(node, rank)
 
     def eviction_rank(self, node: Any) -> int:
         """``node``'s eviction rank (see ``set_eviction_rank``).

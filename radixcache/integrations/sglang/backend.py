@@ -56,21 +56,22 @@ def _namespace(key: RadixKey) -> Any:
     return key.extra_key if salt is None else (key.extra_key, salt)
 
 
-def _token_array(token_ids: Any, length: int) -> np.ndarray:
-    """The first ``length`` token ids as an int64 array, without a copy for array('q').
+def _token_array(token_ids: Any, length: int, start: int = 0) -> np.ndarray:
+    """Token ids ``start`` (0 or 1: a bigram cache's tree tokens start one in) up to
+    ``length`` as an int64 array, without a copy for array('q').
 
     The view holds the array's buffer until it is dropped (an array('q') cannot grow while
     exported), so it must not outlive the call it is made for."""
     if type(token_ids) is array and token_ids.typecode == "q":
-        if length == 0:
+        if length <= start:
             return np.empty(0, dtype=np.int64)
-        return np.frombuffer(token_ids, dtype=np.int64, count=length)
+        return np.frombuffer(token_ids, dtype=np.int64, count=length - start, offset=8 * start)
     tokens = np.asarray(token_ids, dtype=np.int64)
     if tokens.ndim != 1:
         raise ValueError(f"token ids must be 1-D, got {tokens.ndim}-D")
     if len(tokens) < length:
         raise ValueError(f"{length} token ids wanted, {len(tokens)} given")
-    return tokens[:length]
+    return tokens[start:length]
 
 
 # What the backend knows of an allocator (``RadixcacheBackend._allocator_kind``).
@@ -268,10 +269,10 @@ class RadixcacheBackend(BasePrefixCache):
         if length - shift < self.page_size:
             return self._empty_match
         salt = key.cache_salt
-        tokens = _token_array(token_ids, length)
+        tokens = _token_array(token_ids, length, shift)
         if shift:
             match = self._cache.match_prefix(
-                tokens[1:], bigram_namespace(key.extra_key, salt, int(token_ids[0])))
+                tokens, bigram_namespace(key.extra_key, salt, int(token_ids[0])))
         else:
             match = self._cache.match_prefix(
                 tokens, key.extra_key if salt is None else (key.extra_key, salt))
@@ -289,11 +290,10 @@ class RadixcacheBackend(BasePrefixCache):
         """(the tree's tokens, namespace) of ``key``'s first ``length`` tree tokens (bigrams
         in a bigram cache)."""
         shift = self._bigram
-        tokens = _token_array(key.token_ids, length + shift)
+        tokens = _token_array(key.token_ids, length + shift, shift)
         if not shift:
             return tokens, _namespace(key)
-        return tokens[1:], bigram_namespace(key.extra_key, key.cache_salt,
-                                            int(key.token_ids[0]))
+        return tokens, bigram_namespace(key.extra_key, key.cache_salt, int(key.token_ids[0]))
 
     def touch_prefix(self, key: RadixKey) -> None:
         """Refresh the recency of ``key``'s cached path, as a match does."""
@@ -401,11 +401,10 @@ class RadixcacheBackend(BasePrefixCache):
         aligned = length - length % self.page_size
         extra_key, salt = req.extra_key, req.cache_salt or None
         namespace = extra_key if salt is None else (extra_key, salt)
-        tokens = _token_array(fill_ids, aligned + shift)
+        tokens = _token_array(fill_ids, aligned + shift, shift)
         before = None
         if shift:
             before = int(fill_ids[0])
-            tokens = tokens[1:]
             namespace = bigram_namespace(extra_key, salt, before)
         table = self.req_to_token_pool.req_to_token
         rows = _cpu_array(table)
