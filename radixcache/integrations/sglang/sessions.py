@@ -61,10 +61,6 @@ class SessionRefs:
         """Whether any node is tagged (evictions then need ``on_remove``)."""
         return bool(self._tags)
 
-    def tags_of(self, node: Any) -> frozenset:
-        """The sessions tagging ``node``."""
-        return frozenset(self._tags.get(node, ()))
-
     # -- what the scheduler calls ----------------------------------------------------------
     def open(self, session_id: str) -> int:
         """A new generation of ``session_id``; a closed id is open again."""
