@@ -5,7 +5,9 @@ Two caches, both built through SGLang 0.5.23's registry and factory path over re
 
 - ``sglang``: SGLang's default, ``UnifiedRadixCache`` over the bundled Rust TreeCore (what
   SGLang builds for a full-attention model when ``--radix-cache-backend`` and
-  ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` are unset; the run checks it got Rust);
+  ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` are unset; the run checks it got Rust), its
+  bigram variant with EAGLE; with ``--enable-session-radix-cache`` over its Python TreeCore,
+  which SGLang falls back to there (the Rust one refuses sessions; the run checks that too);
 - ``radixcache``: ``--radix-cache-backend radixcache`` (compiled core).
 
 Per request, on real ``Req`` objects made before the round: ``Req.init_next_round_input``
@@ -21,7 +23,12 @@ row writes) included -- "whole loop".
 
 Workloads: synthetic chat (``radixcache.workloads.synthetic_chat``, 300 conversations, pool
 65,536 tokens), pages 1 and 16; the Mooncake conversation trace (first 3,000 requests, 512
-tokens per hash id, pool 2^21 tokens), page 16 (skipped without the trace).
+tokens per hash id, pool 2^21 tokens), page 16 (skipped without the trace). The same chat
+with EAGLE speculative decoding (``is_eagle``: bigram keys; "eagle-chat-*"), and with the
+session radix cache ("sessions-chat-*": each conversation a session, opened before its first
+turn -- ``open_radix_session`` --, each request given its generation --
+``ensure_session_generation`` --, closed after its last turn -- ``release_radix_session``;
+the three are timed as cache calls too).
 
     python benchmarks/bench_sglang_backend.py --rounds 7     # interleaved rounds: the ratios
     python -m pytest benchmarks/bench_sglang_backend.py --benchmark-group-by=group \\
@@ -73,22 +80,34 @@ from radixcache.integrations import sglang as backend_module
 torch.set_num_threads(1)
 IMPLEMENTATIONS = ("radixcache", "sglang")
 TRACE = Path(os.environ.get("RADIXCACHE_MOONCAKE_CONVERSATION", trace_file("conversation")[0]))
-CASES = {  # name -> (page size, pool tokens)
-    "chat-page1": (1, 1 << 16),
-    "chat-page16": (16, 1 << 16),
-    "mooncake-page16": (16, 1 << 21),
+CASES = {  # name -> (page size, pool tokens, configuration: None, "eagle" or "sessions")
+    "chat-page1": (1, 1 << 16, None),
+    "chat-page16": (16, 1 << 16, None),
+    "mooncake-page16": (16, 1 << 21, None),
+    "eagle-chat-page1": (1, 1 << 16, "eagle"),
+    "eagle-chat-page16": (16, 1 << 16, "eagle"),
+    "sessions-chat-page1": (1, 1 << 16, "sessions"),
+    "sessions-chat-page16": (16, 1 << 16, "sessions"),
+}
+#: The server arguments of each configuration (published while the caches are built and run).
+SERVER_ARGS = {
+    None: {},
+    "eagle": dict(speculative_algorithm="EAGLE", speculative_num_steps=3,
+                  speculative_eagle_topk=1, speculative_num_draft_tokens=4),
+    "sessions": dict(enable_session_radix_cache=True),
 }
 MOONCAKE_REQUESTS = 3000
 #: The allocator's methods a cache calls (their time inside cache calls is "allocator").
 ALLOCATOR_CALLS = ("free", "free_segment", "free_segments", "free_page_ids", "available_size")
 #: The cache methods the loop's scheduler code calls (timed as "cache").
 CACHE_CALLS = ("match_prefix", "lock", "unlock", "prefix_device_indices", "evict_for_alloc",
-               "evict", "checkpoint", "free_kv_row", "claim_kv_row", "on_release")
+               "evict", "checkpoint", "free_kv_row", "claim_kv_row", "on_release",
+               "open_radix_session", "ensure_session_generation", "release_radix_session")
 
 
 def workload(case: str) -> list:
     """(prompt, output) token arrays per request, fresh output ids fixed in advance."""
-    if case.startswith("chat"):
+    if "chat" in case:
         requests = synthetic_chat(num_conversations=300, num_system_prompts=16, seed=0)
     else:
         if not TRACE.is_file():
@@ -105,11 +124,35 @@ def workload(case: str) -> list:
     return fixed
 
 
+def conversations(requests: list) -> list:
+    """Each request's conversation (the index of its first turn): a later turn's prompt begins
+    with the previous turn's prompt and answer, found by that history's length and last
+    tokens (random ids: no two histories share them)."""
+    ends: dict = {}  # (length, last 8 tokens) of a conversation's history -> conversation
+    lengths: list = []
+    owner = []
+    for index, (prompt, output) in enumerate(requests):
+        conversation = index
+        for length in lengths:
+            if length <= len(prompt):
+                key = (length, prompt[length - 8:length].tobytes())
+                if key in ends:
+                    conversation = ends.pop(key)
+                    break
+        history = len(prompt) + len(output)
+        tail = (prompt + output)[-8:]
+        ends[(history, tail.tobytes())] = conversation
+        if history not in lengths:
+            lengths.append(history)
+        owner.append(conversation)
+    return owner
+
+
 class Loop:
     """One implementation's cache and pools, and the loop over a workload."""
 
     def __init__(self, implementation: str, case: str, requests: list) -> None:
-        page_size, pool = CASES[case]
+        page_size, pool, configuration = CASES[case]
         self.page_size = page_size
         longest = max(len(p) + len(o) for p, o in requests) + 2 * page_size
         kv_pool = MHATokenToKVPool(size=pool, page_size=page_size, dtype=torch.float16,
@@ -125,19 +168,37 @@ class Loop:
                                    enable_memory_saver=False)
         params = CacheInitParams(disable=False, req_to_token_pool=self.rows,
                                  token_to_kv_pool_allocator=self.allocator,
-                                 page_size=page_size)
+                                 page_size=page_size, is_eagle=configuration == "eagle",
+                                 enable_session_radix_cache=configuration == "sessions")
         backend = "radixcache" if implementation == "radixcache" else None
         backend_module.register()
-        with _CONTEXT.override_server_args(radix_cache_backend=backend) as args:
+        with _CONTEXT.override_server_args(radix_cache_backend=backend,
+                                           **SERVER_ARGS[configuration]) as args:
             ctx = registry.TreeCacheBuildContext(
                 server_args=args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
                 enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
                 model_config=None, tp_size=1, tp_rank=0, tp_group=None)
             self.cache = registry.create_tree_cache(ctx)
-        if implementation == "sglang" and self.cache._tree_core_backend != "rust":
-            pytest.skip("SGLang fell back to its Python TreeCore")
-        self.requests = [Req(f"r{i}", "", prompt, SamplingParams(max_new_tokens=len(output)))
+        if implementation == "sglang":
+            # SGLang's default: its Rust TreeCore (with EAGLE its bigram variant); with
+            # sessions SGLang itself falls back to its Python TreeCore.
+            expected = "python" if configuration == "sessions" else "rust"
+            if self.cache._tree_core_backend != expected:
+                pytest.skip(f"SGLang built its {self.cache._tree_core_backend} TreeCore "
+                            f"where it builds the {expected} one by default")
+            assert self.cache.tree_core.is_eagle == (configuration == "eagle")
+        self.sessions = None
+        if configuration == "sessions":
+            owner = conversations(requests)
+            last = {conversation: index for index, conversation in enumerate(owner)}
+            # (session id, opens it, closes it) per request
+            self.sessions = [(f"s{conversation}", conversation == index,
+                              last[conversation] == index)
+                             for index, conversation in enumerate(owner)]
+        self.requests = [Req(f"r{i}", "", prompt, SamplingParams(max_new_tokens=len(output)),
+                             session_id=None if self.sessions is None else self.sessions[i][0])
                          for i, (prompt, output) in enumerate(requests)]
+
         self.outputs = [output for _, output in requests]
         self._depth, self._seconds, self._allocator_seconds = [0], [0.0], [0.0]
         for name in CACHE_CALLS:
@@ -186,11 +247,18 @@ class Loop:
         setattr(self.cache, name, timed)
 
     def run(self) -> dict:
+        """One pass over the workload (under the case's server arguments: ``serving``)."""
         clock = time.perf_counter
         cache, rows, page_size = self.cache, self.rows, self.page_size
+        sessions = self.sessions
         prompt_tokens = cached_tokens = 0
         loop_start = clock()
-        for req, output in zip(self.requests, self.outputs):
+        for index, (req, output) in enumerate(zip(self.requests, self.outputs)):
+            if sessions is not None:  # the scheduler's session calls
+                session, opens, closes = sessions[index]
+                if opens:
+                    cache.open_radix_session(session)
+                req.session_generation = cache.ensure_session_generation(session)
             req.init_next_round_input(cache)
             req.lock = cache.lock(req.last_node)
             prefix = cache.prefix_device_indices(req)
@@ -214,6 +282,8 @@ class Loop:
             req.kv.kv_allocated_len = req.kv.kv_committed_len = total
             req.finished_reason = FINISH_LENGTH(length=len(output))
             release_kv_cache(req, cache, checkpoint=True)
+            if sessions is not None and closes:
+                cache.release_radix_session(session)
         loop_seconds = clock() - loop_start
         return {"cache": self._seconds[0], "loop": loop_seconds,
                 "tree": self._seconds[0] - self._allocator_seconds[0],
@@ -221,29 +291,42 @@ class Loop:
                 "tokens": cache.total_size()[0]}
 
 
+def serving(case: str):
+    """The server arguments of ``case``'s configuration, published (a context manager): what
+    SGLang's scheduler code reads while the caches are built and run."""
+    return _CONTEXT.override_server_args(radix_cache_backend=None,
+                                         **SERVER_ARGS[CASES[case][2]])
+
+
 def interleaved(cases: list, rounds: int) -> dict:
     """Each case's implementations one round each in turn; the best round of each."""
     results = {}
     for case in cases:
-        requests = workload(case)
-        best: dict = {}
-        for rnd in range(rounds + 1):  # round 0 warms up, uncounted
-            for name in IMPLEMENTATIONS:
-                loop = Loop(name, case, requests)
-                gc.collect()
-                gc.disable()
-                try:
-                    run = loop.run()
-                finally:
-                    gc.enable()
-                del loop
-                if rnd:
-                    old = best.setdefault(name, dict(run))
-                    for what in ("cache", "tree", "loop"):
-                        old[what] = min(old[what], run[what])
-        assert best["radixcache"]["hit_rate"] > 0
-        results[case] = best
+        with serving(case):
+            results[case] = interleaved_case(case, rounds)
     return results
+
+
+def interleaved_case(case: str, rounds: int) -> dict:
+    """``interleaved`` for one case (its server arguments published)."""
+    requests = workload(case)
+    best: dict = {}
+    for rnd in range(rounds + 1):  # round 0 warms up, uncounted
+        for name in IMPLEMENTATIONS:
+            loop = Loop(name, case, requests)
+            gc.collect()
+            gc.disable()
+            try:
+                run = loop.run()
+            finally:
+                gc.enable()
+            del loop
+            if rnd:
+                old = best.setdefault(name, dict(run))
+                for what in ("cache", "tree", "loop"):
+                    old[what] = min(old[what], run[what])
+    assert best["radixcache"]["hit_rate"] > 0
+    return best
 
 
 def print_table(results: dict, rounds: int) -> None:
@@ -271,8 +354,9 @@ def test_sglang_backend_loop(benchmark, note, implementation, case):
     def fresh():
         return (Loop(implementation, case, requests),), {}
 
-    benchmark.pedantic(lambda loop: runs.append(loop.run()), setup=fresh, rounds=3,
-                       iterations=1, warmup_rounds=1)
+    with serving(case):
+        benchmark.pedantic(lambda loop: runs.append(loop.run()), setup=fresh, rounds=3,
+                           iterations=1, warmup_rounds=1)
     assert len({run["hit_rate"] for run in runs}) == 1
     best = min(run["cache"] for run in runs)
     benchmark.extra_info.update(cache_seconds_min=best, hit_rate=runs[0]["hit_rate"])
@@ -286,6 +370,5 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
-    with _CONTEXT.override_server_args(radix_cache_backend=None):
-        table = interleaved([c for c in args.cases.split(",") if c], args.rounds)
+    table = interleaved([c for c in args.cases.split(",") if c], args.rounds)
     print_table(table, args.rounds)

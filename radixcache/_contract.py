@@ -25,6 +25,8 @@ IndexArray = Any  # torch.Tensor (int64, 1-D) or numpy.ndarray
 Tokens = Any  # list/tuple of ints, int64 numpy array, array('q'), CPU int64 tensor
 FreeCallback = Callable[[IndexArray], Any]
 NodeHook = Callable[["Node"], Any]
+#: ``evict``'s ``on_remove``: may answer the rank the victim's parent takes (None: unchanged).
+RemoveHook = Callable[["Node"], Optional[int]]
 
 
 class Guard(Protocol):
@@ -109,6 +111,8 @@ class EvictionHeap(Protocol):
 
     def key_of(self, node: Node) -> Any: ...
 
+    def rank_of(self, node: Node) -> int: ...
+
     def entries(self) -> list: ...
 
 
@@ -164,12 +168,14 @@ class Core(Protocol):
 
     def lock(self, node: Any, delta: int, held: bool = False) -> int: ...
 
+    def set_rank(self, node: Any, rank: int, held: bool = False) -> None: ...
+
     def pop_victim(self, held: bool = False) -> Optional[Node]: ...
 
     def remove_leaf(self, node: Node, held: bool = False) -> int: ...
 
     def evict(self, num_tokens: int, free_callback: Optional[FreeCallback] = None,
-              batch: bool = False, on_remove: Optional[NodeHook] = None,
+              batch: bool = False, on_remove: Optional[RemoveHook] = None,
               backup: Optional[Callable[[IndexArray], Any]] = None,
               on_backup: Optional[NodeHook] = None) -> int: ...
 

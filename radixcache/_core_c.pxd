@@ -156,6 +156,16 @@ cdef class EvictionHeap:
     # The host tier's heap: its entries are host leaves (else device leaves).
     cdef bint host
     cdef Guard guard
+    # Eviction ranks (see _core_py): node -> rank, for the nodes whose rank is not 0 (Python
+    # ints in [1, 2^63); private, its keys Nodes only: a lookup runs no Python code), shared
+    # by the main heap (level 0) and its sub-heaps, one per rank in use (``level``: that
+    # rank), which hold the leaves of that rank. The entries keep their four words: a cache
+    # without ranks pays one test of ``ranked`` per push and per pop.
+    cdef dict ranks
+    cdef uint64_t level
+    cdef bint ranked       # (main heap) the rank table is not empty
+    cdef dict subheaps     # (main heap) rank -> its sub-heap
+    cdef list levels       # (main heap) the sub-heaps' ranks, ascending
 
     cdef void release(self) noexcept
     cdef void fill_key(self, Node n, HeapEntry* e) noexcept
@@ -167,6 +177,12 @@ cdef class EvictionHeap:
     cdef object pop_entry(self, list stale)
     cdef list compact(self)
     cdef bint usable(self, Node node) noexcept
+    cdef uint64_t rank(self, Node node) noexcept
+    cdef bint holds(self, Node node) noexcept
+    cdef EvictionHeap subheap(self, uint64_t level)
+    cdef object pop_ranked(self, list stale)
+    cdef object set_rank_of(self, Node node, uint64_t rank, bint push)
+    cdef void drop_rank(self, Node node) noexcept
 
 
 cdef class FreedBatch:

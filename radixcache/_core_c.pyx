@@ -57,7 +57,8 @@ from collections import deque as _deque
 
 import numpy as np
 
-from ._errors import lock_host_only, node_not_copyable, reentered, stale_match
+from ._errors import (bad_rank, lock_host_only, node_not_copyable, rank_needs_one_tier,
+                      reentered, stale_match)
 from ._handover import hand_over_batch as _hand_over_batch
 from ._handover import answer_not_kept, host_indices_bytes
 from ._options import KEY_FALLS_ON_ACCESS as _KEY_FALLS_ON_ACCESS
@@ -862,9 +863,18 @@ cdef class Tree:
 # -- eviction heap -------------------------------------------------------------------------
 # Keys are four unsigned words compared in order, stored inline in one array with the node
 # pointer: a pop on a heap of 10^6 leaves touches one cache line per level instead of
-# chasing pointers to Python key objects. Fields as in the pure core's packed ints.
+# chasing pointers to Python key objects. Fields as in the pure core's packed ints; a node's
+# eviction rank, above them all there, picks the (sub-)heap its entries go to here.
 cdef uint64_t _BIAS = 1ULL << 63
 cdef uint64_t _MAX = 0xFFFFFFFFFFFFFFFFULL
+
+cdef extern from "Python.h":
+    # The rank table's reads and deletes: its keys are Nodes (hashed by address) and its
+    # values ints in [1, 2^63), so none of these can fail or run Python code.
+    Py_ssize_t PyDict_GET_SIZE(object) noexcept
+    PyObject* PyDict_GetItem(object, object) noexcept
+    int PyDict_DelItem(object, object) noexcept
+    unsigned long long PyLong_AsUnsignedLongLong(object) noexcept
 _POLICY_IDS = {"lru": 0, "priority": 0, "lfu": 1, "fifo": 2, "mru": 3, "filo": 4, "slru": 5}
 
 
@@ -917,6 +927,11 @@ cdef class EvictionHeap:
         self.run_size = 0
         self.run_cap = 0
         self.limit = 1024
+        self.ranks = {}
+        self.level = 0
+        self.ranked = False
+        self.subheaps = {}
+        self.levels = []
 
     def __dealloc__(self):
         self.release()
@@ -1057,18 +1072,100 @@ cdef class EvictionHeap:
         return True
 
     def __len__(self):
-        return self.size + self.run_size
+        cdef Py_ssize_t n = self.size + self.run_size
+        for sub in self.subheaps.values():
+            n += len(sub)
+        return n
 
     def clear(self):
+        fresh_subheaps, fresh_levels = {}, []
         self.guard.enter("clear")
         self.limit = 1024
+        old_subheaps, self.subheaps = self.subheaps, fresh_subheaps
+        self.levels = fresh_levels
         self.guard.busy = 0
         self.release()  # detaches first: finalizers may use the (now empty) heap
+        old_subheaps = None
 
     def key_of(self, Node node):
+        """(rank, the policy's four words): the order of a pop over all (sub-)heaps."""
         cdef HeapEntry e
         self.fill_key(node, &e)
-        return (e.k0, e.k1, e.k2, e.k3)
+        return (self.rank(node), e.k0, e.k1, e.k2, e.k3)
+
+    def rank_of(self, Node node):
+        """``node``'s eviction rank (0 unless one was set)."""
+        return self.ranks.get(node, 0)
+
+    cdef uint64_t rank(self, Node node) noexcept:
+        # Borrowed, for the read only: the table's keys are Nodes (hashed by address: no
+        # Python code runs) and its values ints in [1, 2^63) (set_rank_of).
+        cdef PyObject* found = PyDict_GetItem(self.ranks, node)
+        return 0 if found == NULL else PyLong_AsUnsignedLongLong(<object>found)
+
+    cdef inline bint holds(self, Node node) noexcept:
+        """Whether an entry of ``node`` here is live: it is usable and of this heap's rank."""
+        if not self.usable(node):
+            return False
+        if self.level:
+            return self.rank(node) == self.level
+        return not self.ranked or PyDict_GetItem(self.ranks, node) == NULL
+
+    cdef EvictionHeap subheap(self, uint64_t level):
+        """The main heap's sub-heap of rank ``level``, made (and its rank listed) if new."""
+        cdef EvictionHeap sub = self.subheaps.get(level)
+        cdef Py_ssize_t i = 0
+        if sub is None:
+            sub = EvictionHeap.__new__(EvictionHeap, "lru", self.guard)
+            sub.policy = self.policy
+            sub.ranks = self.ranks
+            sub.level = level
+            while i < len(self.levels) and <uint64_t>self.levels[i] < level:
+                i += 1
+            self.levels.insert(i, level)
+            self.subheaps[level] = sub
+        return sub
+
+    cdef object pop_ranked(self, list stale):
+        """The main heap's next victim among its sub-heaps, lowest rank first (the main
+        heap's own entries are used up); an emptied sub-heap goes."""
+        cdef EvictionHeap sub
+        while self.levels:
+            level = self.levels[0]
+            sub = <EvictionHeap>self.subheaps[level]
+            node = sub.pop_entry(stale)
+            if node is not None:
+                return node
+            if sub.size + sub.run_size == 0:
+                del self.levels[0]
+                del self.subheaps[level]
+                stale.append(sub)  # released by the caller, with the stale entries
+            else:
+                return None  # cannot happen: a sub-heap pops until it is empty
+        return None
+
+    cdef object set_rank_of(self, Node node, uint64_t rank, bint push):
+        """Set ``node``'s rank (checked by the caller, under the guard, on the main heap).
+        A changed rank pushes the node into its new rank's heap if it is usable now (its
+        old entries are dead; ``push`` false: the caller pushes it); returns what a
+        compaction dropped."""
+        if rank == self.rank(node):
+            return None
+        if rank:
+            self.ranks[node] = rank
+        else:
+            del self.ranks[node]
+        self.ranked = PyDict_GET_SIZE(self.ranks) != 0
+        if push and self.usable(node):
+            return self.push_entry(node)
+        return None
+
+    cdef void drop_rank(self, Node node) noexcept:
+        """Forget the rank of a node that left the tree (main heap; deleting a present key
+        allocates nothing and cannot fail)."""
+        if self.ranked and PyDict_GetItem(self.ranks, node) != NULL:
+            PyDict_DelItem(self.ranks, node)
+            self.ranked = PyDict_GET_SIZE(self.ranks) != 0
 
     def entries(self):
         """(stored key, node) of every entry (for consistency checks)."""
@@ -1076,19 +1173,34 @@ cdef class EvictionHeap:
         cdef HeapEntry* e
         self.guard.enter("entries")
         try:
-            out = [((self.items[i].k0, self.items[i].k1, self.items[i].k2,
-                     self.items[i].k3), <Node>self.items[i].node) for i in range(self.size)]
-            for i in range(self.run_size):
-                e = self.run_at(i)
-                out.append(((e.k0, e.k1, e.k2, e.k3), <Node>e.node))
-            return out
+            return self.own_entries()
         finally:
             self.guard.busy = 0
 
+    def own_entries(self):
+        """``entries()`` without the guard: this heap's, then its sub-heaps'."""
+        cdef Py_ssize_t i
+        cdef HeapEntry* e
+        level = self.level
+        out = [((level, self.items[i].k0, self.items[i].k1, self.items[i].k2,
+                 self.items[i].k3), <Node>self.items[i].node) for i in range(self.size)]
+        for i in range(self.run_size):
+            e = self.run_at(i)
+            out.append(((level, e.k0, e.k1, e.k2, e.k3), <Node>e.node))
+        for level in self.levels:
+            out.extend(self.subheaps[level].own_entries())
+        return out
+
     cdef list push_entry(self, Node node):
-        """Push ``node``; returns what a compaction dropped (None when none ran), for the
-        caller to release once everything is consistent."""
+        """Push ``node`` (into its rank's sub-heap if it has one); returns what a compaction
+        dropped (None when none ran), for the caller to release once everything is
+        consistent."""
         cdef HeapEntry e
+        cdef uint64_t level
+        if self.ranked:
+            level = self.rank(node)
+            if level:
+                return self.subheap(level).push_entry(node)
         self.fill_key(node, &e)
         e.node = <PyObject*>node
         self.add(&e)
@@ -1112,8 +1224,8 @@ cdef class EvictionHeap:
             node = <Node>top.node
             stale.append(node)
             Py_DECREF(node)  # the heap's reference; ``stale`` holds one
-            if not self.usable(node):
-                continue  # pushed again if it becomes an evictable leaf
+            if not self.holds(node):
+                continue  # pushed again (by rank) if it becomes an evictable leaf
             self.fill_key(node, &current)
             if entry_same_key(&current, &top):
                 return node
@@ -1121,6 +1233,8 @@ cdef class EvictionHeap:
                 current.node = <PyObject*>node
                 self.add(&current)
             # else: a fall in key always came with a fresh push
+        if self.levels:  # every rank-0 leaf is gone: the lowest rank next
+            return self.pop_ranked(stale)
         return None
 
     def pop_victim(self):
@@ -1166,7 +1280,7 @@ cdef class EvictionHeap:
         for i in range(total):
             e = &self.items[i] if i < heap_before else &self.run[i - heap_before]
             node = <Node>e.node
-            if not self.usable(node):
+            if not self.holds(node):
                 continue
             self.fill_key(node, &current)
             if entry_less(&current, e):
@@ -1756,7 +1870,12 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         self.take(held, "reset")
         try:
             fresh_queue = _deque()
+            fresh_ranks, fresh_subheaps, fresh_levels = {}, {}, []
             old_tables = self.tree.clear()
+            old_ranks, self.heap.ranks = self.heap.ranks, fresh_ranks
+            old_subheaps, self.heap.subheaps = self.heap.subheaps, fresh_subheaps
+            self.heap.levels = fresh_levels
+            self.heap.ranked = False
             self.heap.limit = 1024
             self.host_heap.limit = 1024
             self.evictable = 0
@@ -1768,7 +1887,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             self.reset_stats()
         finally:
             self.give(held)
-        old_queue = None
+        old_queue = old_ranks = old_subheaps = None
         self.heap.release()  # detaches first; its finalizers may use the empty cache
         self.host_heap.release()
 
@@ -2412,6 +2531,21 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         finally:
             self.give(held)
 
+    def set_rank(self, node, rank, bint held=False):
+        cdef Tree tree = self.tree
+        self.take(held, "set_rank")
+        try:
+            if self.host_tier:
+                raise rank_needs_one_tier()
+            if node is tree.root:
+                raise ValueError("the root has no eviction rank (it is never evicted)")
+            tree._check_member(node)
+            if type(rank) is not int or not 0 <= rank <= INT64_MAX:
+                raise bad_rank("rank", rank)
+            dropped = self.heap.set_rank_of(<Node>node, <uint64_t>PyLong_AsLongLong(rank), True)
+        finally:
+            self.give(held)
+
     def pop_victim(self, bint held=False):
         stale = []  # dropped entries, released when the call returns
         self.take(held, "evict")
@@ -2449,6 +2583,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         self.take(held, "evict")
         try:
             parent = self.tree.detach_leaf(node, dropped)
+            self.heap.drop_rank(node)
             self.evictable -= size
             self.evictions += 1
             self.evicted_tokens += size
@@ -2511,17 +2646,29 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                 if node is None:
                     break
                 try:
+                    parent_rank = None
                     if on_remove is not None:
-                        on_remove(node)
+                        parent_rank = on_remove(node)
+                        if parent_rank is not None and (type(parent_rank) is not int
+                                                        or not 0 <= parent_rank <= INT64_MAX):
+                            raise bad_rank("on_remove's answer (the parent's rank)",
+                                           parent_rank)
                     if per_node:
                         handed[0] = victim_value(node, True)
                     elif collect:
                         collect_value(freed_batch, node)
+                    if parent_rank is not None and node.parent_ptr != <PyObject*>self.tree.root:
+                        # Last: nothing after it raises. The parent is no leaf yet: the push
+                        # below (once it may be one) uses its new rank. (The node is ours and
+                        # still attached: nothing ran since the checks but plain C.)
+                        self.heap.set_rank_of(<Node>node.parent_ptr,
+                                              <uint64_t>PyLong_AsLongLong(parent_rank), False)
                 except BaseException:
                     garbage.append(self.heap.push_entry(node))  # still an evictable leaf
                     raise
                 size = node.key_len
                 parent = self.tree.detach_leaf(node, garbage)
+                self.heap.drop_rank(node)
                 self.evictable -= size
                 self.evictions += 1
                 self.evicted_tokens += size
@@ -3167,6 +3314,9 @@ cdef int heap_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
 
 cdef int heap_clear(PyObject* o) noexcept:
     (<EvictionHeap>o).release()
+    (<EvictionHeap>o).ranks.clear()
+    (<EvictionHeap>o).subheaps.clear()
+    del (<EvictionHeap>o).levels[:]
     return 0
 
 

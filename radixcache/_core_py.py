@@ -67,17 +67,32 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
   evictable leaf pushes it. ``TypeError`` for a non-node, ``ValueError`` for an evicted node,
   a node of another tree or an unlock below 0, and ``OverflowError`` for a lock past
   ``MAX_LOCK_REF`` (2^31 - 1) on any node of the path, changing nothing.
+- ``set_rank(node, rank, held=False)``: the node's eviction rank, an ``int`` in [0, 2^63)
+  (0 for every node until set): the heap's sort key is (rank, the policy's key), so every
+  evictable leaf of a lower rank goes before any of a higher rank, and the policy orders
+  each rank. The rank stays with the node object (a split's lower half; the new upper half
+  has rank 0) until it is set again or the node leaves the tree (evicted, ``remove_leaf``,
+  ``reset``); a lowered rank pushes the node if it is an evictable leaf (a rise needs no push:
+  the heap is lazy). ``TypeError`` for a non-node or a rank that is not an int (bool
+  included), ``ValueError`` for a rank out of range, the root, an evicted node, a node of
+  another tree, or a core with a host tier, changing nothing. ``EvictionHeap.rank_of(node)``
+  reads it (0 when none was set).
 - ``pop_victim(held=False) -> Node | None`` and ``remove_leaf(node, held=False) -> int``
   (tokens freed): the evict loop's two steps; ``remove_leaf`` detaches the leaf, marks it
-  evicted, drops its value, counts the eviction and pushes the parent if it became an
-  evictable leaf.
+  evicted, drops its value and rank, counts the eviction and pushes the parent if it became
+  an evictable leaf.
 - ``evict(num_tokens, free_callback=None, batch=False, on_remove=None) -> int``: the whole
   evict loop in one call (never ``held``: it takes the guard itself). Pops victims and
   removes them as the two steps above until ``num_tokens`` are freed or none is left; returns
   the tokens freed. ``on_remove(node)`` (cache.py's events hook) runs under the guard for
   each victim before it is detached; if it raises, the victim stays (pushed back) and the
-  exception propagates. Per node (``batch`` false), each victim's index array (a new one, as
-  a match's) goes to ``free_callback`` once the victim is detached and counted,
+  exception propagates. It may return the rank the victim's parent takes (an int in [0,
+  2^63); None: the parent's rank stays; ignored when the parent is the root), set before
+  the parent can be pushed, so that a parent that becomes an evictable leaf in the same call
+  competes with its new rank (an owner whose ranks say what a leaf's removal leaves to its
+  parent keeps them exact this way); anything else raises ``TypeError`` or ``ValueError``
+  with the victim left as it was. Per node (``batch`` false), each victim's index array (a
+  new one, as a match's) goes to ``free_callback`` once the victim is detached and counted,
   with the guard released around the call: the callback may call the cache; if it raises,
   the victims detached so far stay evicted and counted and the exception propagates; the
   loop re-takes the guard after it (``RuntimeError`` if another call holds it then). With
@@ -153,7 +168,8 @@ value), or both. The core owns no pool and copies no data.
   appended to the write-through queue, top-down; a split of a queued node appends its new
   upper half.
 - ``evict(num_tokens, free_callback=None, batch=False, on_remove=None, backup=None,
-  on_backup=None, free_host=None, on_remove_host=None)``: for each victim (a device leaf): (1) with
+  on_backup=None, free_host=None, on_remove_host=None)``: (a core with a host tier has no
+  ranks: what ``on_remove`` returns is ignored) for each victim (a device leaf): (1) with
   a host copy it is demoted: ``on_remove(node)``, then its device value is dropped (``on_device``
   False, ``evictable``,
   ``evictions`` and ``evicted_tokens`` as for a removal); it stays in the tree and goes on
@@ -250,8 +266,8 @@ checks its own layout; for tests). Its walks are the core's own.
 
 ``EvictionHeap`` (``Core.heap``) -- the lazy eviction heap (policy names as in
 ``EVICTION_POLICIES``) sharing the tree's guard: ``push(node)``, ``pop_victim()``, ``len()``,
-``clear()``, ``key_of(node)`` and ``entries()`` (list of (stored key, node)) for consistency
-checks; see the class docstring.
+``clear()`` (the entries; ranks stay), ``rank_of(node)``, ``key_of(node)`` (rank included) and
+``entries()`` (list of (stored key, node)) for consistency checks; see the class docstring.
 
 ``put_slots(stack, top, slots, bound) -> int`` -- a module function, not part of the tree:
 a slot pool's free-list push. ``stack`` is the pool's free stack (a writable 1-D contiguous
@@ -296,7 +312,7 @@ import numpy as np
 
 # A BlockIndex pickled while the block index lived in this module names its loader here.
 from ._blocks_py import _block_index_from  # noqa: F401 -- the loader old pickles name
-from ._errors import cpu_values_only, reentered
+from ._errors import bad_rank, cpu_values_only, rank_needs_one_tier, reentered
 from ._handover import hand_over_batch
 from ._heap_py import EvictionHeap, device_leaf, host_leaf
 from ._host_py import HostTier
@@ -482,7 +498,7 @@ class Core(HostTier):
             old_root = self.tree._clear()  # noqa: F841 -- released after the guard
             old_queue = self.tree._queue  # noqa: F841 -- held until the call returns
             self.tree._queue = deque()
-            old_entries = []
+            old_entries = [self.heap._clear_ranks()]
             for heap in (self.heap, self.host_heap):
                 old_entries.append(heap._nodes)
                 heap._heap = []
@@ -722,6 +738,22 @@ class Core(HostTier):
             if not held:
                 self._leave()
 
+    def set_rank(self, node: Any, rank: Any, held: bool = False) -> None:
+        self._take(held, "set_rank")
+        try:
+            if self.host_tier:
+                raise rank_needs_one_tier()
+            tree = self.tree
+            if node is tree.root:
+                raise ValueError("the root has no eviction rank (it is never evicted)")
+            tree._check_member(node)
+            if type(rank) is not int or not 0 <= rank <= INT64_MAX:
+                raise bad_rank("rank", rank)
+            dropped = self.heap._set_rank(node, rank)  # noqa: F841 -- released on return
+        finally:
+            if not held:
+                self._leave()
+
     def pop_victim(self, held: bool = False) -> Node | None:
         stale: list = []  # released when the call returns
         self._take(held, "evict")
@@ -736,6 +768,7 @@ class Core(HostTier):
         try:
             size = node.num_tokens
             parent, value = self.tree._detach_leaf(node)  # value released later
+            self.heap._drop_rank(node)
             self.evictable -= size
             self.evictions += 1
             self.evicted_tokens += size
@@ -785,15 +818,25 @@ class Core(HostTier):
                 if node is None:
                     break
                 try:
+                    parent_rank = None
                     if on_remove is not None:
-                        on_remove(node)
+                        parent_rank = on_remove(node)
+                        if parent_rank is not None and (type(parent_rank) is not int
+                                                        or not 0 <= parent_rank <= INT64_MAX):
+                            raise bad_rank("on_remove's answer (the parent's rank)",
+                                           parent_rank)
                     if per_node:
                         handed[0] = node.value
+                    if parent_rank is not None and node._parent is not tree.root:
+                        # Last: nothing after it raises. The parent is no leaf yet: the push
+                        # below (once it may be one) uses its new rank.
+                        heap._set_rank(node._parent, parent_rank, push=False)
                 except BaseException:
                     garbage.append(heap._push(node))  # still an evictable leaf
                     raise
                 size = node.num_tokens
                 parent, dropped = tree._detach_leaf(node)
+                heap._drop_rank(node)
                 garbage.append(dropped)
                 if parts is not None:  # handed over only once it left the tree
                     parts.append(node._key if dropped is None else dropped)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["reentered", "stale_match", "lock_host_only", "node_not_copyable",
-           "cpu_values_only"]
+           "cpu_values_only", "bad_rank", "rank_needs_one_tier"]
 
 
 def reentered(what: str) -> RuntimeError:
@@ -41,3 +41,16 @@ def cpu_values_only(what: str, values: Any) -> TypeError:
     (cache.py hands it CPU values only, as int64 numpy arrays)."""
     return TypeError(f"{what}: a cache with numpy arrays holds CPU values only, given as an "
                      f"int64 numpy array, got {type(values).__name__}")
+
+
+def bad_rank(what: str, rank: Any) -> Exception:
+    """The error for an eviction rank that is not an int in [0, 2^63) (``what`` names where it
+    came from): TypeError for a non-int (a bool included), ValueError for one out of range."""
+    if type(rank) is not int:
+        return TypeError(f"{what} must be an int, got {type(rank).__name__}")
+    return ValueError(f"{what} must be in [0, 2**63), got {rank}")
+
+
+def rank_needs_one_tier() -> ValueError:
+    """The error of ``set_rank`` on a core with a host tier (ranks order one tier's leaves)."""
+    return ValueError("eviction ranks need a cache without a host tier")

@@ -1,4 +1,5 @@
-"""The pure core's eviction heap: ``EvictionHeap`` and the policies' sort keys.
+"""The pure core's eviction heap: ``EvictionHeap``, the policies' sort keys and the nodes'
+eviction ranks.
 
 Part of the pure core (``_core_py``, whose docstring specifies the interface); the heap shares
 its tree's guard.
@@ -19,6 +20,8 @@ __all__ = ["EvictionHeap", "device_leaf", "host_leaf"]
 # and ids are counters); the lowest field is the node id, so two nodes never tie.
 _BIAS = 1 << 63      # int64 priority -> unsigned
 _MAX = (1 << 64) - 1  # for "largest first" fields
+#: A node's eviction rank sits above every policy field (the widest, lfu's, take 256 bits).
+_RANK_SHIFT = 256
 
 
 def _lru_key(n: Node) -> int:
@@ -65,6 +68,14 @@ def host_leaf(node: Node) -> bool:
             and not node._children)
 
 
+def _ranked_key(policy_key: Any, ranks: dict) -> Any:
+    """The sort key of a heap with ranks: the rank above the policy's fields."""
+    def key(n: Node) -> int:
+        rank = ranks.get(n)
+        return policy_key(n) if rank is None else (rank << _RANK_SHIFT) | policy_key(n)
+    return key
+
+
 _POLICY_KEYS = {
     "lru": _lru_key, "lfu": _lfu_key, "fifo": _fifo_key, "mru": _mru_key,
     "filo": _filo_key, "slru": _slru_key, "priority": _lru_key,
@@ -81,7 +92,8 @@ class EvictionHeap:
     stale entries pile up, so it stays within twice the live entries (amortised O(1)).
     """
 
-    __slots__ = ("_key", "_heap", "_nodes", "_limit", "_enter", "_leave", "_valid")
+    __slots__ = ("_key", "_policy_key", "_ranks", "_heap", "_nodes", "_limit", "_enter",
+                 "_leave", "_valid")
 
     def __init__(self, policy: str, guard: Guard | None = None, valid: Any = None) -> None:
         # valid(node): whether a node may be evicted now; None: an evictable leaf of a tree
@@ -90,7 +102,10 @@ class EvictionHeap:
         guard = Guard() if guard is None else guard  # the tree's: one guard for both
         self._enter = guard.acquire
         self._leave = guard.release
-        self._key = _POLICY_KEYS[policy]
+        self._policy_key = self._key = _POLICY_KEYS[policy]
+        # node -> its eviction rank, for the ranks above 0 (the rest have 0). While any is
+        # set, the sort key is (rank, policy key): self._key is a _ranked_key.
+        self._ranks: dict = {}
         self._heap: list = []
         self._nodes: dict = {}  # key -> node; the heap itself holds bare int keys
         self._limit = 1024
@@ -110,6 +125,48 @@ class EvictionHeap:
 
     def key_of(self, node: Node) -> int:
         return self._key(node)
+
+    def rank_of(self, node: Node) -> int:
+        """``node``'s eviction rank (0 unless one was set)."""
+        return self._ranks.get(node, 0)
+
+    def _set_rank(self, node: Node, rank: int, push: bool = True) -> dict | None:
+        """Set ``node``'s rank (an int in [0, 2^63), checked by the caller) without the
+        guard. A lowered rank pushes the node again if it may be evicted now (a fall in key
+        always comes with a fresh push; ``push`` false: the caller pushes it); returns what a
+        compaction dropped."""
+        ranks = self._ranks
+        old = ranks.get(node, 0)
+        if rank:
+            if self._key is self._policy_key:
+                self._key = _ranked_key(self._policy_key, ranks)
+            ranks[node] = rank
+        elif old:
+            del ranks[node]
+            if not ranks:
+                self._key = self._policy_key
+        if push and rank < old and self._may_go(node):
+            return self._push(node)
+        return None
+
+    def _drop_rank(self, node: Node) -> None:
+        """Forget the rank of a node that left the tree (without the guard)."""
+        ranks = self._ranks
+        if ranks and ranks.pop(node, None) is not None and not ranks:
+            self._key = self._policy_key
+
+    def _clear_ranks(self) -> dict:
+        """Forget every rank (without the guard); returns the old table, to release later."""
+        old = self._ranks
+        self._ranks = {}
+        self._key = self._policy_key
+        return old
+
+    def _may_go(self, node: Node) -> bool:
+        """Whether ``node`` is an evictable leaf of this heap now (its pops' validity test)."""
+        if self._valid is None:
+            return not (node._evicted or node._children or node._lock_ref)
+        return self._valid(node)
 
     def entries(self) -> list:
         """(stored key, node) of every live entry (for consistency checks)."""

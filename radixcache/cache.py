@@ -104,6 +104,15 @@ class CacheStats:
     host_size: int = 0
 
 
+def _both(record: Callable[[Any], Any], on_remove: Callable[[Any], Any]) -> Callable:
+    """``evict``'s victim hook with events on: the event first, then the caller's hook (whose
+    answer, the parent's rank, is the hook's)."""
+    def removed(node: Any) -> Any:
+        record(node)
+        return on_remove(node)
+    return removed
+
+
 def _check_priority(priority: Any) -> int:
     priority = check_int(priority, "priority")
     if not INT64_MIN <= priority <= INT64_MAX:
@@ -667,15 +676,57 @@ class RadixCache:
         """
         return self._core.lock(node, -1)
 
+    def set_eviction_rank(self, node: Any, rank: int) -> None:
+        """Put ``node`` in eviction rank ``rank``: ``evict`` frees every evictable leaf of a
+        lower rank before any leaf of a higher one, in policy order within a rank.
+
+        Every node has rank 0 until given another. A rank is the node's own: a split keeps it
+        on the node (the lower half) and gives the new upper half rank 0; ``evict`` does not
+        pass it on to the parent a removal leaves behind (``evict``'s ``on_remove`` can). It
+        goes when the node leaves the cache. Locks, sizes and matches do not see ranks.
+
+        Args:
+            node: A ``RadixTreeNode`` of this cache (not the root).
+            rank: An int in [0, 2**63).
+
+        Raises:
+            TypeError: ``node`` is not a node of this cache's core, or ``rank`` is not an int.
+            ValueError: ``rank`` is out of range, ``node`` is the root, belongs to another
+                cache or was evicted, or the cache has a host tier (ranks order one tier).
+            RuntimeError: the cache was called from inside one of its own calls or from
+                another thread meanwhile.
+        """
+        if type(rank) is not int:  # the core checks an int's range itself
+            rank = check_int(rank, "rank", 0, INT64_MAX)
+        self._core.set_rank(node, rank)
+
+    def eviction_rank(self, node: Any) -> int:
+        """``node``'s eviction rank (see ``set_eviction_rank``).
+
+        Args:
+            node: A ``RadixTreeNode`` of this cache.
+
+        Returns:
+            The rank, an int (0 unless one was set).
+
+        Raises:
+            TypeError: ``node`` is not a node of this cache's core.
+            ValueError: ``node`` belongs to another cache or was evicted.
+        """
+        self._core.tree._check_member(node)
+        return self._core.heap.rank_of(node)
+
     def evict(self, num_tokens: int,
               free_callback: Callable[[torch.Tensor], Any] | None = None, *,
               batch: bool = False,
               backup: Callable[[torch.Tensor], Any] | None = None,
-              free_host: Callable[[torch.Tensor], Any] | None = None) -> int:
+              free_host: Callable[[torch.Tensor], Any] | None = None,
+              on_remove: Callable[[Any], int | None] | None = None) -> int:
         """Evict unlocked leaves in policy order until ``num_tokens`` are freed.
 
         A parent that becomes an evictable leaf joins in. The loop runs in the tree core, one
-        call like ``match_prefix``; the callback runs outside it and may call the cache.
+        call like ``match_prefix``; the callback runs outside it and may call the cache. Leaves
+        of a lower eviction rank go first (``set_eviction_rank``).
 
         Args:
             num_tokens: tokens to free; 0 or less frees nothing.
@@ -709,6 +760,13 @@ class RadixCache:
                 SGLang evicts host entries and retries); and a victim that still gets no host copy
                 leaves with its host-only subtree: every victim leaves the device in policy order,
                 however full the host is.
+            on_remove: Called with each victim before it leaves the tree (or, with a host
+                tier, the device), inside the call: it must not call the cache. It may return
+                the eviction rank the victim's parent takes (an int in [0, 2**63); None keeps
+                the parent's; ignored when the parent is the root or with a host tier), set
+                before the parent can follow in the same call: an owner whose ranks say what
+                a leaf leaves to its parent keeps them exact. If it raises, or returns
+                anything else, the victim stays as it was and the error propagates.
 
         With a host tier, a victim leaves the device only: one that has a host copy (or gets
         one from ``backup``) stays in the tree, host only, and its device slots go to
@@ -729,39 +787,44 @@ class RadixCache:
             nothing evictable was left).
 
         Raises:
-            TypeError: ``num_tokens`` is not an int, ``free_callback``, ``backup`` or
-                ``free_host`` is not callable, or ``backup`` returned something else than None or an
-                int64 tensor.
+            TypeError: ``num_tokens`` is not an int, ``free_callback``, ``backup``,
+                ``free_host`` or ``on_remove`` is not callable, ``backup`` returned something
+                else than None or an int64 tensor, or ``on_remove`` something else than None
+                or an int.
             ValueError: ``backup`` or ``free_host`` given to a cache without a host tier,
-                or ``backup``
-                returned a tensor that is not 1-D, of another length than the victim's, or
-                without data (meta or sparse).
+                ``backup`` returned a tensor that is not 1-D, of another length than the
+                victim's, or without data (meta or sparse), or ``on_remove`` a rank out of
+                range.
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
         if (type(num_tokens) is int and backup is None and free_host is None
                 and self._events is None
-                and not self.host_tier and (free_callback is None or callable(free_callback))):
+                and not self.host_tier and (free_callback is None or callable(free_callback))
+                and (on_remove is None or callable(on_remove))):
             # The common call, already valid: straight to the core.
-            return self._core.evict(num_tokens, free_callback, bool(batch))
+            return self._core.evict(num_tokens, free_callback, bool(batch), on_remove)
         num_tokens = check_int(num_tokens, "num_tokens")
         if free_callback is not None and not callable(free_callback):
             raise TypeError(
                 f"free_callback must be callable, got {type(free_callback).__name__}")
+        if on_remove is not None and not callable(on_remove):
+            raise TypeError(f"on_remove must be callable, got {type(on_remove).__name__}")
         events = self._events
+        removed = None if events is None else events.removed
+        if on_remove is not None:
+            removed = on_remove if removed is None else _both(removed, on_remove)
         if not self.host_tier:
             if backup is not None or free_host is not None:
                 raise ValueError(f"evict({'backup' if backup is not None else 'free_host'}"
                                  "=...) needs a cache with a host tier "
                                  "(RadixCache(host_tier=True))")
-            return self._core.evict(num_tokens, free_callback, bool(batch),
-                                    None if events is None else events.removed)
+            return self._core.evict(num_tokens, free_callback, bool(batch), removed)
         if backup is not None and not callable(backup):
             raise TypeError(f"backup must be callable, got {type(backup).__name__}")
         if free_host is not None and not callable(free_host):
             raise TypeError(f"free_host must be callable, got {type(free_host).__name__}")
-        return self._core.evict(num_tokens, free_callback, bool(batch),
-                                None if events is None else events.removed, backup,
+        return self._core.evict(num_tokens, free_callback, bool(batch), removed, backup,
                                 None if events is None else events.stored_host, free_host,
                                 None if events is None else events.removed_host)
 

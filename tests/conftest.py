@@ -46,8 +46,9 @@ def mooncake_trace(name: str = "synthetic"):
 
 
 #: The fixtures that run a test once per tree core or block module, all in one pytest run
-#: (``core``: a few modules parametrize their own by ``CORES``).
-CORE_FIXTURES = frozenset({"core_name", "make_cache", "blocks", "core"})
+#: (``core``: a few modules parametrize their own by ``CORES``; ``backend_core``: the SGLang
+#: backend's differential tests).
+CORE_FIXTURES = frozenset({"core_name", "make_cache", "blocks", "core", "backend_core"})
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -67,6 +68,15 @@ def pytest_collection_modifyitems(config, items) -> None:
 @pytest.fixture(params=list(CORES), ids=list(CORES))
 def core_name(request) -> str:
     """The name of one available tree core ("python", and "c" once it is built)."""
+    return request.param
+
+
+@pytest.fixture(params=["c", "python"])
+def backend_core(request) -> str:
+    """A tree core to build the SGLang backend on (tests/integrations), "c" and "python" in
+    that order whatever was built: one this build lacks skips, saying so."""
+    if request.param not in CORES:
+        pytest.skip(f"the {request.param!r} core is not available in this build")
     return request.param
 
 

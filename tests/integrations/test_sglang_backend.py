@@ -95,8 +95,8 @@ class Counting:
         setattr(self._cache, name, value)
 
 
-def _server_args(backend: str | None):
-    return _CONTEXT.override_server_args(radix_cache_backend=backend)
+def _server_args(backend: str | None, **fields):
+    return _CONTEXT.override_server_args(radix_cache_backend=backend, **fields)
 
 
 def _counting(allocator_class: type) -> type:
@@ -115,30 +115,38 @@ def _counting(allocator_class: type) -> type:
 
 
 def build_side(backend: str | None, page_size: int, policy: str, lora_names=None,
-               events: bool = True, counting_allocator: bool = False):
-    kv_pool = MHATokenToKVPool(size=POOL_TOKENS[page_size], page_size=page_size,
+               events: bool = True, counting_allocator: bool = False, is_eagle: bool = False,
+               sessions: bool = False, server_args: dict | None = None,
+               pool_tokens: int | None = None):
+    """One side's cache (SGLang's default with ``backend`` None), allocator and request rows,
+    built through SGLang's registry; ``is_eagle`` and ``sessions`` set the cache parameters
+    of EAGLE speculative decoding and ``--enable-session-radix-cache``, ``server_args`` the
+    published server arguments the factory sees; the pool holds ``POOL_TOKENS[page_size]``
+    tokens unless ``pool_tokens`` says otherwise."""
+    pool = POOL_TOKENS[page_size] if pool_tokens is None else pool_tokens
+    kv_pool = MHATokenToKVPool(size=pool, page_size=page_size,
                                dtype=torch.float16, head_num=1, head_dim=2, layer_num=1,
                                device="cpu", enable_memory_saver=False)
     if page_size == 1:
         kind = TokenToKVPoolAllocator
         if counting_allocator:
             kind = _counting(kind)
-        allocator = kind(POOL_TOKENS[page_size], torch.float16, "cpu", kv_pool, need_sort=True)
+        allocator = kind(pool, torch.float16, "cpu", kv_pool, need_sort=True)
     else:
         kind = PagedTokenToKVPoolAllocator
         if counting_allocator:
             kind = _counting(kind)
-        allocator = kind(POOL_TOKENS[page_size], page_size, torch.float16, "cpu", kv_pool,
-                         need_sort=True)
+        allocator = kind(pool, page_size, torch.float16, "cpu", kv_pool, need_sort=True)
     rows = ReqToTokenPool(size=ROWS, max_context_len=4096, device="cpu",
                           enable_memory_saver=False)
     params = CacheInitParams(disable=False, req_to_token_pool=rows,
                              token_to_kv_pool_allocator=allocator, page_size=page_size,
                              eviction_policy=policy, enable_kv_cache_events=events,
+                             is_eagle=is_eagle, enable_session_radix_cache=sessions,
                              tree_core_backend=None if backend else "python")
     if lora_names is not None:
         params.kv_event_lora_names = lora_names
-    override = _server_args(backend)
+    override = _server_args(backend, **(server_args or {}))
     server_args = override.install()
     try:
         ctx = registry.TreeCacheBuildContext(
@@ -367,11 +375,26 @@ class Workload:
         self.next_rid += 1
         return {"rid": f"r{self.next_rid}", "prompt": prompt, "output": output,
                 "priority": rng.choice((None, 0, 1, 2)), "extra_key": conv["extra_key"],
-                "salt": conv["salt"]}
+                "salt": conv["salt"], "conversation": conv}
 
 
 class Replay:
-    """Drives ours and SGLang's through one random sequence and compares after each step."""
+    """Drives ours and SGLang's through one random sequence and compares after each step.
+
+    Subclasses (the EAGLE and session tests) change the configuration (``CONFIG``: cache
+    parameters for ``build_side``; ``server_args``), the scheduler's view of a side
+    (``SIDE``), the requests (``WORKLOAD``) and the steps."""
+
+    #: ``build_side`` keywords of this configuration.
+    CONFIG: dict = {}
+    #: Pool tokens by page size.
+    POOLS: dict = POOL_TOKENS
+    WORKLOAD: type = Workload
+    SIDE: type = Side
+
+    def server_args(self, page_size: int) -> dict:
+        """The server arguments both sides are built with and the scheduler's code reads."""
+        return {}
 
     def __init__(self, core: str, page_size: int, policy: str, seed: int, monkeypatch,
                  split_rule: bool = True, events: bool = True,
@@ -385,22 +408,26 @@ class Replay:
             names.register(types.SimpleNamespace(lora_id="id-a", extra_key="ns-a"), "adapter-a")
             return names
 
-        sgl = build_side(None, page_size, policy, lora_names(), events)
+        server = self.server_args(page_size)
+        pool = self.POOLS[page_size]
+        sgl = build_side(None, page_size, policy, lora_names(), events, server_args=server,
+                         pool_tokens=pool, **self.CONFIG)
         ours = build_side("radixcache", page_size, policy, lora_names(), events,
-                          counting_allocator)
+                          counting_allocator, server_args=server, pool_tokens=pool,
+                          **self.CONFIG)
         assert type(sgl[0]).__name__ == "UnifiedRadixCache"
         assert isinstance(ours[0], RadixcacheBackend) and ours[0].radix_cache.core_name == core
         if split_rule:
             apply_split_rule(sgl[0])
-        self.sgl, self.ours = Side(*sgl), Side(*ours)
+        self.sgl, self.ours = self.SIDE(*sgl), self.SIDE(*ours)
         self.rng = random.Random(seed)
         self.page_size = page_size
-        self.work = Workload(self.rng, page_size)
+        self.work = self.WORKLOAD(self.rng, page_size)
         self.waiting: list[dict] = []
         self.steps = 0
         self.counts: dict = {}
         # The install both sides were built without: the scheduler's own code reads it.
-        self.override = _server_args(None)
+        self.override = _server_args(None, **server)
         self.override.install()
         self.compare("start")
 
@@ -430,6 +457,15 @@ class Replay:
         assert sgl_events == our_events, f"events differ {where}"
         self.counts["events"] = self.counts.get("events", 0) + len(sgl_events)
 
+    def decode_args(self, rid: str) -> tuple:
+        """The arguments of one decode step of ``rid`` (drawn here, the same for both)."""
+        return (rid,)
+
+    def admit_args(self, request: dict, chunk: int) -> tuple:
+        """The arguments of the admission of a new request (``Workload.new_request``)."""
+        return (request["rid"], request["prompt"], request["output"], request["priority"],
+                request["extra_key"], request["salt"], chunk)
+
     def step(self) -> None:
         self.steps += 1
         rng = self.rng
@@ -445,13 +481,11 @@ class Replay:
                 rid = rng.choice(retracted)
                 what = self.both("admit", rid, None, None, None, None, None, chunk)
             else:
-                r = self.work.new_request()
-                what = self.both("admit", r["rid"], r["prompt"], r["output"], r["priority"],
-                                 r["extra_key"], r["salt"], chunk)
+                what = self.both("admit", *self.admit_args(self.work.new_request(), chunk))
         elif roll < 0.34 and chunked:
             what = self.both("continue_chunk", rng.choice(chunked), chunk)
         elif roll < 0.80 and decoding:
-            what = self.both("decode", rng.choice(decoding))
+            what = self.both("decode", *self.decode_args(rng.choice(decoding)))
         elif roll < 0.84 and running:
             what = self.both("abort", rng.choice(running))
         elif roll < 0.87 and decoding:
@@ -473,15 +507,6 @@ class Replay:
     @property
     def calls(self) -> int:
         return self.ours.cache.calls
-
-
-@pytest.fixture(params=["c", "python"])
-def backend_core(request) -> str:
-    from radixcache._core import CORES
-
-    if request.param not in CORES:
-        pytest.skip(f"the {request.param!r} core is not available in this build")
-    return request.param
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -582,7 +607,12 @@ def _cores() -> tuple:
     return tuple(CORES)
 
 
+def report_calls(module: str, calls: dict) -> None:
+    """Print how many scheduler-level calls a test module compared with SGLang, per core."""
+    if calls:
+        print(f"\n{module}: scheduler-level calls compared with SGLang per core: "
+              + ", ".join(f"{core} {count}" for core, count in sorted(calls.items())))
+
+
 def teardown_module(module) -> None:
-    if CALLS:
-        print("\ntest_sglang_backend: scheduler-level calls compared with SGLang per core: "
-              + ", ".join(f"{core} {calls}" for core, calls in sorted(CALLS.items())))
+    report_calls("test_sglang_backend", CALLS)

@@ -92,7 +92,8 @@ def _build_with(monkeypatch, server_args=None, policy="lru", **ctx_flags):
                              req_to_token_pool=rows, token_to_kv_pool_allocator=allocator,
                              page_size=1, eviction_policy=policy,
                              eviction_policy_config=ctx_flags.pop("policy_config", None),
-                             is_eagle=ctx_flags.pop("is_eagle", False))
+                             is_eagle=ctx_flags.pop("is_eagle", False),
+                             enable_session_radix_cache=ctx_flags.pop("sessions", False))
     flags = dict(is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False,
                  disable_radix_cache=False)
     flags.update(ctx_flags)
@@ -115,10 +116,7 @@ REFUSALS = {
                         "--enable-unified-cache-external-linker"),
     "host-pool-retraction": ({}, dict(disaggregation_decode_retraction_backup="host_pool"),
                              "--disaggregation-decode-retraction-backup host_pool"),
-    "session-radix-cache": ({}, dict(enable_session_radix_cache=True),
-                            "--enable-session-radix-cache"),
     "streaming-session": ({}, dict(enable_streaming_session=True), "--enable-streaming-session"),
-    "eagle": (dict(is_eagle=True), None, "EAGLE"),
     "disabled": (dict(disable_radix_cache=True, params_disable=True), None,
                  "--disable-radix-cache"),
 }
@@ -154,6 +152,39 @@ def test_mlx_refused(monkeypatch):
     monkeypatch.setattr(mlx_runtime, "use_mlx", lambda: True)
     with pytest.raises(UnsupportedConfiguration, match="MLX"):
         _build_with(monkeypatch)
+
+
+def test_streaming_sessions_refused_with_the_alternative(monkeypatch):
+    with pytest.raises(UnsupportedConfiguration, match="--enable-streaming-session") as info:
+        _build_with(monkeypatch, dict(enable_streaming_session=True,
+                                      enable_session_radix_cache=True), sessions=True)
+    assert "--enable-session-radix-cache runs on radixcache" in str(info.value)
+
+
+def test_eagle_and_session_radix_cache_build(monkeypatch):
+    """EAGLE (``is_eagle``) and ``--enable-session-radix-cache``, alone and together, pass the
+    factory and SGLang's own checks after it (its registry requires the session flag on the
+    cache it got)."""
+    for is_eagle, sessions in ((True, False), (False, True), (True, True)):
+        server_args = dict(enable_session_radix_cache=True) if sessions else None
+        cache = _build_with(monkeypatch, server_args, is_eagle=is_eagle, sessions=sessions)
+        assert isinstance(cache, RadixcacheBackend)
+        assert cache.is_eagle is is_eagle and cache.enable_session_radix_cache is sessions
+
+
+def test_session_calls_as_the_scheduler_makes_them(monkeypatch):
+    """Generations per session, reopened after a close; closing twice, or an unknown id, or
+    without the session cache, is harmless (0, as SGLang answers)."""
+    cache = _build_with(monkeypatch, dict(enable_session_radix_cache=True), sessions=True)
+    first = cache.ensure_session_generation("a")
+    assert cache.ensure_session_generation("a") == first
+    second = cache.open_radix_session("a")
+    assert second > first and cache.ensure_session_generation("b") > second
+    assert cache.release_radix_session("a") == 0 and cache.release_radix_session("a") == 0
+    assert cache.release_radix_session("never-opened") == 0
+    assert cache.ensure_session_generation("a") > second  # a closed id opens again
+    plain = _build_with(monkeypatch)
+    assert plain.release_radix_session("a") == 0 and plain.ensure_session_generation("a") == 1
 
 
 def test_supported_configuration_builds(monkeypatch):

@@ -707,6 +707,47 @@ def r7_compaction_drops_last_references(core_name):
     only_reentry_errors()
 
 
+@case
+def r7_ranked_leaves_and_finalizers_during_evict(core_name):
+    # Ranked leaves: each rank's entries in a heap of their own in the compiled core, emptied
+    # ones dropped during a pop, dead entries of changed ranks dropped by compaction. Keys only
+    # the tree holds are cyclic garbage once their leaf goes, so the collector runs their
+    # finalizer inside later calls (a pop, a rank change, an on_remove answer setting a
+    # parent's rank), and the finalizer inserts, ranks and evicts too.
+    class Key:
+        cache = None
+        def __init__(self, i): self.i, self.me = i, self
+        def __hash__(self): return self.i
+        def __eq__(self, other): return isinstance(other, Key) and other.i == self.i
+        def __del__(self):
+            cache = Key.cache
+            if cache is not None:
+                leaf = cache.insert([10**6 + self.i, 1]).last_node
+                cache.set_eviction_rank(leaf, self.i % 3)
+                cache.evict(1, on_remove=lambda node: 1)
+
+    for policy in ("lru", "mru", "lfu"):
+        cache = RadixCache(core=core_name, eviction_policy=policy)
+        for i in range(200):
+            cache.insert([i, 5], extra_key=Key(i))
+            leaf = cache.insert([i, 5, 6], extra_key=Key(i)).last_node
+            for step in range(6):  # dead entries in several ranks' heaps
+                cache.set_eviction_rank(leaf, (i + step) % 4)
+            del leaf
+        Key.cache = cache
+        gc.set_threshold(1, 1, 1)
+        freed = 0
+        for r in range(150):  # each answer ranks a parent ([i, 5]) before it can follow
+            freed += cache.evict(3, lambda value: value.sum(), on_remove=lambda node: r % 3)
+        cache.reset()
+        gc.set_threshold(700, 10, 10)
+        Key.cache = None
+        gc.collect()
+        assert freed > 0
+        consistent(cache)
+        only_reentry_errors()
+
+
 # -- 8: namespace table --------------------------------------------------------------------
 
 

@@ -10,20 +10,23 @@ radixcache`` then builds a ``RadixcacheBackend`` where SGLang would build its ow
 by default). It serves the whole contract SGLang's scheduler uses for a full-attention model --
 ``match_prefix``, ``insert``, ``checkpoint`` and the release path, ``evict`` /
 ``evict_for_alloc``, locks, sizes, ``path_device_indices``, ``prefix_device_indices``,
-``touch_prefix``, ``dfs_weight_order``, ``reset``, KV events -- and decides as SGLang's default
+``touch_prefix``, ``dfs_weight_order``, ``reset``, KV events -- with EAGLE-family speculative
+decoding's bigram keys and with the session radix cache (``open_radix_session``,
+``ensure_session_generation``, ``release_radix_session``), and decides as SGLang's default
 cache does (the same matches, the same slots written to request rows, the same slots freed to
 the allocator, the same events), except where a match or insert ends inside a node: there only
 the matched part counts as used (see ``docs/sglang.md``).
 
 ``create_backend`` refuses, before the server starts serving, what this cache does not
 implement: sliding-window and Mamba (hybrid) models, hierarchical cache, LMCache, FlexKV,
-external cache linkers, host-pool retraction, MLX, EAGLE's bigram keys, sharded KV pages,
-session and streaming-session radix caches, a disabled radix cache, eviction policies other
-than ``lru``, ``lfu``, ``fifo``, ``filo``, ``mru``, ``slru`` and ``priority``, and eviction
-policy options.
+external cache linkers, host-pool retraction, MLX, sharded KV pages, streaming sessions, a
+disabled radix cache, eviction policies other than ``lru``, ``lfu``, ``fifo``, ``filo``,
+``mru``, ``slru`` and ``priority``, and eviction policy options (see
+``docs/sglang-backend.md``).
 
 This package imports SGLang; ``import radixcache`` never does. ``plugin`` holds the entry point,
-the factory and the start-up refusals; ``backend`` the cache.
+the factory and the start-up refusals; ``backend`` the cache; ``eagle`` the bigram keys' view
+of the tree; ``sessions`` the session references, kept as eviction ranks.
 """
 
 from .backend import RadixcacheBackend

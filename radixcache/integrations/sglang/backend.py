@@ -3,7 +3,8 @@
 It serves the whole contract SGLang's scheduler uses for a full-attention model --
 ``match_prefix``, ``insert``, ``checkpoint`` and the release path, ``evict`` /
 ``evict_for_alloc``, locks, sizes, ``path_device_indices``, ``prefix_device_indices``,
-``touch_prefix``, ``dfs_weight_order``, ``reset``, KV events -- and decides as SGLang's default
+``touch_prefix``, ``dfs_weight_order``, ``reset``, KV events, EAGLE's bigram keys (``.eagle``)
+and the session radix cache's calls (``.sessions``) -- and decides as SGLang's default
 cache does (the same matches, the same slots written to request rows, the same slots freed to
 the allocator, the same events), except where a match or insert ends inside a node: there only
 the matched part counts as used (see ``docs/sglang.md``).
@@ -18,6 +19,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefParams,
@@ -36,6 +38,8 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from ...cache import RadixCache
+from .eagle import bigram_namespace, event_key
+from .sessions import SessionRefs
 
 _INT64_MAX = 2**63 - 1
 _PATH_MEMO_SIZE = 4096
@@ -52,21 +56,22 @@ def _namespace(key: RadixKey) -> Any:
     return key.extra_key if salt is None else (key.extra_key, salt)
 
 
-def _token_array(token_ids: Any, length: int) -> np.ndarray:
-    """The first ``length`` token ids as an int64 array, without a copy for array('q').
+def _token_array(token_ids: Any, length: int, start: int = 0) -> np.ndarray:
+    """Token ids ``start`` (0 or 1: a bigram cache's tree tokens start one in) up to
+    ``length`` as an int64 array, without a copy for array('q').
 
     The view holds the array's buffer until it is dropped (an array('q') cannot grow while
     exported), so it must not outlive the call it is made for."""
     if type(token_ids) is array and token_ids.typecode == "q":
-        if length == 0:
+        if length <= start:
             return np.empty(0, dtype=np.int64)
-        return np.frombuffer(token_ids, dtype=np.int64, count=length)
+        return np.frombuffer(token_ids, dtype=np.int64, count=length - start, offset=8 * start)
     tokens = np.asarray(token_ids, dtype=np.int64)
     if tokens.ndim != 1:
         raise ValueError(f"token ids must be 1-D, got {tokens.ndim}-D")
     if len(tokens) < length:
         raise ValueError(f"{length} token ids wanted, {len(tokens)} given")
-    return tokens[:length]
+    return tokens[start:length]
 
 
 # What the backend knows of an allocator (``RadixcacheBackend._allocator_kind``).
@@ -105,12 +110,21 @@ def _cpu_array(tensor: Any) -> Optional[np.ndarray]:
     return None
 
 
-def _check_key(key: Any) -> None:
-    """Raise for a key the backend cannot read (the checks behind the fast type test)."""
+def _check_key(key: Any, bigram: int) -> None:
+    """Raise for a key the backend cannot read (the checks behind the fast type test): not
+    a RadixKey, or a bigram key given to a cache of plain keys."""
     if not isinstance(key, RadixKey):
         raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
-    if key.is_bigram:
-        raise ValueError("bigram (EAGLE) RadixKeys are not supported by the radixcache backend")
+    if key.is_bigram and not bigram:
+        raise ValueError("a bigram (EAGLE) RadixKey given to a cache built without EAGLE "
+                         "(CacheInitParams.is_eagle)")
+
+
+def _raw_length(key: RadixKey) -> int:
+    """The raw tokens a key spans (its ``limit`` honoured)."""
+    length = len(key.token_ids)
+    limit = key.limit
+    return limit if limit is not None and limit < length else length
 
 
 class _EventNode:
@@ -141,9 +155,10 @@ class RadixcacheBackend(BasePrefixCache):
         params: SGLang's ``CacheInitParams``: the request-to-token pool, the token-to-KV
             allocator (slots are freed through its ``free_segment``/``free_segments``; SGLang's
             stock paged allocator's whole pages through ``free_page_ids``, which is what its
-            ``free_segment`` calls), the
-            page size, the eviction policy, events (``enable_kv_cache_events``,
-            ``dynamo_kv_event_format``, ``kv_event_lora_names``) and ``enable_metrics``.
+            ``free_segment`` calls), the page size, the eviction policy, events
+            (``enable_kv_cache_events``, ``dynamo_kv_event_format``, ``kv_event_lora_names``),
+            ``enable_metrics``, ``is_eagle`` (bigram keys) and
+            ``enable_session_radix_cache``.
         core: The radixcache tree core (``"c"``, ``"python"``); None: the class attribute
             ``core``, else radixcache's default.
 
@@ -161,13 +176,19 @@ class RadixcacheBackend(BasePrefixCache):
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = params.page_size
         self.disable = False
-        self.is_eagle = False
+        # EAGLE's bigram keys (the model has no Mamba component: the factory refuses those).
+        self.is_eagle = bool(params.is_eagle)
+        # 1 with bigram keys: the tree's tokens start one raw token in (see .eagle).
+        self._bigram = 1 if self.is_eagle else 0
         self.eviction_policy = params.eviction_policy.lower()
         # SGLang orders by priority under the priority policy only; radixcache under every
         # policy. Priorities given to the others are dropped, so both orders agree.
         self._use_priority = self.eviction_policy == "priority"
         self._cache = RadixCache(self.page_size, self.eviction_policy,
                                  core=core if core is not None else self.core)
+        # --enable-session-radix-cache: SGLang's registry reads this attribute of every cache.
+        self.enable_session_radix_cache = bool(params.enable_session_radix_cache)
+        self._sessions = SessionRefs(self._cache, self.enable_session_radix_cache)
         self.kv_events = KVCacheEventRecorder(
             enabled=params.enable_kv_cache_events, page_size=self.page_size,
             dynamo_format=params.dynamo_kv_event_format,
@@ -231,23 +252,31 @@ class RadixcacheBackend(BasePrefixCache):
         self._page_hashes.clear()
         self._pending_frees.clear()
         self._path_memo.clear()
+        self._sessions.reset()
         self.kv_events.record_all_cleared()
 
     # -- match -----------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key = params.key
         if type(key) is not RadixKey or key.is_bigram:
-            _check_key(key)
+            _check_key(key, self._bigram)
         token_ids = key.token_ids
         length = len(token_ids)
         limit = key.limit
         if limit is not None and limit < length:
             length = limit
-        if length < self.page_size:
+        shift = self._bigram  # a bigram cache: the common raw prefix less one, in pages
+        if length - shift < self.page_size:
             return self._empty_match
         salt = key.cache_salt
-        match = self._cache.match_prefix(_token_array(token_ids, length),
-                                         key.extra_key if salt is None else (key.extra_key, salt))
+        tokens = _token_array(token_ids, length, shift)
+        if shift:
+            match = self._cache.match_prefix(
+                tokens, bigram_namespace(key.extra_key, salt, int(token_ids[0])))
+        else:
+            match = self._cache.match_prefix(
+                tokens, key.extra_key if salt is None else (key.extra_key, salt))
+        del tokens
         if not match.length:
             return self._empty_match
         node = match.last_node
@@ -257,12 +286,21 @@ class RadixcacheBackend(BasePrefixCache):
         memo[node] = match.indices
         return MatchResult(match.length, node, node, node)
 
+    def _tree_key(self, key: RadixKey, length: int) -> tuple:
+        """(the tree's tokens, namespace) of ``key``'s first ``length`` tree tokens (bigrams
+        in a bigram cache)."""
+        shift = self._bigram
+        tokens = _token_array(key.token_ids, length + shift, shift)
+        if not shift:
+            return tokens, _namespace(key)
+        return tokens, bigram_namespace(key.extra_key, key.cache_salt, int(key.token_ids[0]))
+
     def touch_prefix(self, key: RadixKey) -> None:
         """Refresh the recency of ``key``'s cached path, as a match does."""
-        _check_key(key)
-        length = len(key)
+        _check_key(key, self._bigram)
+        length = _raw_length(key) - self._bigram
         if length >= self.page_size:
-            self._cache.match_prefix(_token_array(key.token_ids, length), _namespace(key))
+            self._cache.match_prefix(*self._tree_key(key, length))
 
     def prefix_device_indices(self, req: Any) -> torch.Tensor:
         """The KV slots of ``req``'s matched prefix (the path to its locked match node)."""
@@ -303,29 +341,35 @@ class RadixcacheBackend(BasePrefixCache):
         allocator, as SGLang's own cache frees them. Only the nodes that end past
         ``params.inserted_len`` count a hit (SGLang counts one per request)."""
         key = params.key
-        _check_key(key)
-        aligned = len(key) - len(key) % self.page_size
-        tokens = _token_array(key.token_ids, aligned)
+        _check_key(key, self._bigram)
+        length = max(_raw_length(key) - self._bigram, 0)
+        aligned = length - length % self.page_size
+        tokens, namespace = self._tree_key(key, aligned) if aligned else (
+            np.empty(0, dtype=np.int64), _namespace(key))
         value = params.value
-        if value is None:
-            value = torch.from_numpy(np.array(tokens, dtype=np.int64))
+        if value is None:  # the raw tokens as the values, as SGLang's insert takes them
+            value = torch.from_numpy(np.array(_token_array(key.token_ids, aligned)))
         elif len(value) < aligned:
             raise ValueError(f"insert: {len(value)} values for {aligned} page-aligned tokens")
         priority = params.priority or 0
-        result = self._insert(tokens, value[:aligned], _namespace(key), priority,
-                              (key.extra_key, key.cache_salt), params.inserted_len or 0)
+        result = self._insert(tokens, value[:aligned], namespace, priority,
+                              (key.extra_key, key.cache_salt), params.inserted_len or 0,
+                              params.session_id,
+                              int(key.token_ids[0]) if self._bigram and aligned else None)
         self._free_duplicates(value, params.prev_prefix_len, result.prefix_len)
         return InsertResult(prefix_len=result.prefix_len, last_device_node=result.last_node)
 
     def _insert(self, tokens: np.ndarray, value: Any, namespace: Any, priority: int,
-                names: tuple, hits_from: int) -> Any:
+                names: tuple, hits_from: int, session_id: Optional[str] = None,
+                before: Optional[int] = None) -> Any:
         """radixcache's insert (hits counted past ``hits_from`` tokens); with events on, the
-        new leaf's BlockStored (``names``: the key's extra_key and cache_salt)."""
+        new leaf's BlockStored (``names``: the key's extra_key and cache_salt; ``session_id``
+        the request's; ``before``: a bigram cache's first raw token)."""
         if not self._use_priority:
             priority = 0
         result = self._cache.insert(tokens, value, namespace, priority, hits_from=hits_from)
         if self.kv_events.enabled and result.prefix_len < len(tokens):
-            self._record_stored(result, tokens, value, names)
+            self._record_stored(result, tokens, value, names, session_id, before)
         return result
 
     def _free_duplicates(self, value: Any, start: int, end: int) -> None:
@@ -352,10 +396,16 @@ class RadixcacheBackend(BasePrefixCache):
             raise ValueError(f"checkpoint: up_to={up_to} but request {req.rid} has "
                              f"{len(fill_ids)} token ids")
         protected = kv.cache_protected_len
-        aligned = up_to - up_to % self.page_size
+        shift = self._bigram  # 1: bigram keys, one fewer than the raw tokens
+        length = up_to - shift
+        aligned = length - length % self.page_size
         extra_key, salt = req.extra_key, req.cache_salt or None
         namespace = extra_key if salt is None else (extra_key, salt)
-        tokens = _token_array(fill_ids, aligned)
+        tokens = _token_array(fill_ids, aligned + shift, shift)
+        before = None
+        if shift:
+            before = int(fill_ids[0])
+            namespace = bigram_namespace(extra_key, salt, before)
         table = self.req_to_token_pool.req_to_token
         rows = _cpu_array(table)
         if rows is not None:
@@ -368,13 +418,13 @@ class RadixcacheBackend(BasePrefixCache):
         # A node counts one hit per request: those this request inserted before counted then.
         if self.kv_events.enabled:
             result = self._insert(tokens, values, namespace, priority, (extra_key, salt),
-                                  kv.cache_inserted_len)
+                                  kv.cache_inserted_len, req.session_id, before)
         else:
             result = self._cache.insert(tokens, values, namespace,
                                         priority if use_priority else 0,
                                         hits_from=kv.cache_inserted_len)
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
-        prompt_len = len(req.origin_input_ids)
+        prompt_len = len(req.origin_input_ids) - shift
         prompt_len -= prompt_len % self.page_size
         if 0 < prompt_len < aligned:
             # Split the leaf at the prompt boundary so eviction can drop the answer before
@@ -402,6 +452,9 @@ class RadixcacheBackend(BasePrefixCache):
         req.lock = TreeLock(new_last_node, _RECEIPT)
         kv.cache_protected_len = aligned
         req.last_node = new_last_node
+        if (self.enable_session_radix_cache and req.finished()
+                and not isinstance(req.finished_reason, FINISH_ABORT)):
+            self._sessions.register(req, new_last_node)
         if free_error is not None:
             raise free_error
 
@@ -424,8 +477,14 @@ class RadixcacheBackend(BasePrefixCache):
         start_time = time.perf_counter() if collector is not None else 0.0
         self._path_memo.clear()
         freed = 0
+        sessions = self._sessions
         try:
-            if self.kv_events.enabled:
+            if sessions.tagging:
+                # Session tags move up as their leaves go (each victim's on_remove).
+                freed = self._cache.evict(
+                    num_tokens, self._free_victim if self.kv_events.enabled else self._free,
+                    batch=not self.kv_events.enabled, on_remove=sessions.on_remove)
+            elif self.kv_events.enabled:
                 freed = self._cache.evict(num_tokens, self._free_victim)
             else:
                 # One free for all victims: the same slots, in the same order, as one free
@@ -539,6 +598,19 @@ class RadixcacheBackend(BasePrefixCache):
             self.token_to_kv_pool_allocator.free_segment(indices, start_pos=0)
             pending.pop(0)
 
+    # -- sessions (--enable-session-radix-cache; not on BasePrefixCache) -------------------------
+    def open_radix_session(self, session_id: str) -> Optional[int]:
+        """A new generation of ``session_id`` (the scheduler opens a session)."""
+        return self._sessions.open(session_id)
+
+    def ensure_session_generation(self, session_id: str) -> int:
+        """``session_id``'s generation, opened if new (a request of the session arrives)."""
+        return self._sessions.ensure(session_id)
+
+    def release_radix_session(self, session_id: str) -> int:
+        """Close ``session_id``: its references go (the scheduler closes the session)."""
+        return self._sessions.release(session_id)
+
     # -- locks -----------------------------------------------------------------------------
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
         """Lock ``node``'s path; ``delta`` is the tokens that became protected (SGLang's
@@ -644,9 +716,10 @@ class RadixcacheBackend(BasePrefixCache):
         return order
 
     # -- KV events -----------------------------------------------------------------------------
-    def _record_stored(self, result: Any, tokens: np.ndarray, value: Any,
-                       names: tuple) -> None:
-        """One leaf entered the tree: SGLang's BlockStored events, SGLang's block hashes."""
+    def _record_stored(self, result: Any, tokens: np.ndarray, value: Any, names: tuple,
+                       session_id: Optional[str], before: Optional[int]) -> None:
+        """One leaf entered the tree: SGLang's BlockStored events, SGLang's block hashes (of
+        token pairs in a bigram cache: ``before`` is its first raw token)."""
         page_size = self.page_size
         start = result.prefix_len
         leaf = result.last_node
@@ -660,11 +733,12 @@ class RadixcacheBackend(BasePrefixCache):
         else:
             prior = self._page_hashes[int(parent.value[-page_size])][0]
             parent_node = _EventNode(None, _NOT_ROOT, [prior])
-        leaf_key = RadixKey(array("q", tokens[start:].tobytes()), extra_key, cache_salt=salt)
+        leaf_key = event_key(tokens, start, before, extra_key, salt)
         hashes = get_hash_str(leaf_key, prior, page_size=page_size)
         for slot, page_hash in zip(value[start::page_size].tolist(), hashes):
             self._page_hashes[slot] = (page_hash, extra_key, salt)
-        self.kv_events.record_store(_EventNode(leaf_key, parent_node, hashes))
+        self.kv_events.record_store(_EventNode(leaf_key, parent_node, hashes),
+                                    session_id=session_id)
 
     def _record_removed(self, indices: torch.Tensor) -> None:
         pages = [self._page_hashes.pop(slot) for slot in indices[::self.page_size].tolist()]

@@ -87,13 +87,11 @@ def _refusal(ctx: Any) -> Optional[str]:
     if _setting("disagg", "disaggregation_decode_retraction_backup") == "host_pool":
         return ("--disaggregation-decode-retraction-backup host_pool backs retracted requests "
                 f"up through SGLang's unified radix tree; {_DROP_FLAG}")
-    if params.enable_session_radix_cache or _setting("memory", "enable_session_radix_cache"):
-        return f"--enable-session-radix-cache needs SGLang's unified radix tree; {_DROP_FLAG}"
     if _setting("serving", "enable_streaming_session"):
-        return f"--enable-streaming-session needs SGLang's unified radix tree; {_DROP_FLAG}"
-    if params.is_eagle:
-        return ("EAGLE speculative decoding keys the cache by token pairs (bigrams), which "
-                f"radixcache does not do; {_DROP_FLAG}")
+        return ("--enable-streaming-session keeps each session's request row inside SGLang's "
+                "own cache between turns (SGLang accepts no other cache class for it); "
+                f"{_DROP_FLAG}, or serve the sessions without streaming "
+                "(--enable-session-radix-cache runs on radixcache)")
     try:
         from sglang.srt.hardware_backend.mlx.runtime import use_mlx
 
