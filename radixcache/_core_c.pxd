@@ -107,6 +107,16 @@ cdef void remove_slot(Node node, Py_ssize_t i) noexcept
 cdef int grow(Node node) except -1
 cdef void mirror(Node node) noexcept
 
+# For the hybrid core (_hybrid_c), which cimports this module: what it shares with the
+# tree core's own calls (exported twins of inline helpers; the core inlines its own).
+cdef ChildSlot* table_probe(ChildSlot* table, Py_ssize_t mask, const int64_t* page,
+                            Py_ssize_t page_size, uint64_t h, int64_t ns,
+                            bint mixed) noexcept
+cdef void release_buffer(TokenBuf* tb) noexcept
+cdef object make_index_array(object capsule, bint numpy_arrays)
+cdef object new_empty_indices(bint numpy_arrays)
+cdef object block_tensor(const int64_t* src, Py_ssize_t n, bint numpy_arrays)
+
 
 cdef class Tree:
     cdef readonly Py_ssize_t page_size
@@ -119,6 +129,8 @@ cdef class Tree:
     cdef readonly bint numpy_arrays
     # It has a host tier: its nodes are HostNodes.
     cdef readonly bint host
+    # The class of its nodes when not Node or HostNode (a hybrid core's AuxNode), else None.
+    cdef object node_type
     # extra_key -> namespace id, only while the namespace has nodes. Ids come from a
     # counter and are never reused, so a stale id can only ever find nothing.
     cdef dict namespaces

@@ -175,6 +175,13 @@ cdef inline ChildSlot* probe(ChildSlot* table, Py_ssize_t mask, const int64_t* p
     return NULL
 
 
+cdef ChildSlot* table_probe(ChildSlot* table, Py_ssize_t mask, const int64_t* page,
+                            Py_ssize_t page_size, uint64_t h, int64_t ns,
+                            bint mixed) noexcept:
+    """``probe`` for the hybrid core (another module: no inline call there)."""
+    return probe(table, mask, page, page_size, h, ns, mixed)
+
+
 cdef extern from "rc_ints.h":
     bint rc_read_int(PyObject* o, int64_t* out) noexcept
     int rc_copy_outside(int64_t* out, const int64_t* ids, Py_ssize_t n,
@@ -260,6 +267,11 @@ cdef inline void release_tokens(TokenBuf* tb) noexcept:
     if tb.held:
         tb.held = False
         PyBuffer_Release(&tb.view)
+
+
+cdef void release_buffer(TokenBuf* tb) noexcept:
+    """``release_tokens`` for the hybrid core."""
+    release_tokens(tb)
 
 
 # -- nodes ---------------------------------------------------------------------------------
@@ -535,7 +547,9 @@ cdef class Tree:
 
     cdef Node new_node(self, Node parent, int64_t now):
         cdef Node node
-        if self.host:
+        if self.node_type is not None:
+            node = <Node>self.node_type.__new__(self.node_type)
+        elif self.host:
             node = HostNode.__new__(HostNode)
         else:
             node = Node.__new__(Node)
@@ -1424,6 +1438,11 @@ cdef inline object index_array(object capsule, bint numpy_arrays):
     if numpy_arrays:
         return numpy_from_capsule(capsule)
     return _from_dlpack(capsule)
+
+
+cdef object make_index_array(object capsule, bint numpy_arrays):
+    """``index_array`` for the hybrid core."""
+    return index_array(capsule, numpy_arrays)
 
 
 cdef object new_empty_indices(bint numpy_arrays):

@@ -443,7 +443,7 @@ class Core(HostTier):
         self._numpy_arrays = numpy_arrays
         self._join = _joined_arrays if numpy_arrays else _joined_values
         self.page_size = page_size
-        self.tree = Tree(page_size, numpy_arrays, bool(host_tier))
+        self.tree = self._make_tree(page_size, numpy_arrays, bool(host_tier))
         self.guard = self.tree.guard
         self._enter = self.guard.acquire
         self._leave = self.guard.release
@@ -463,6 +463,9 @@ class Core(HostTier):
     def numpy_arrays(self) -> bool:
         """Whether the index arrays this core makes are numpy arrays (else tensors)."""
         return self._numpy_arrays
+
+    def _make_tree(self, page_size: int, numpy_arrays: bool, host_tier: bool) -> Tree:
+        return Tree(page_size, numpy_arrays, host_tier)
 
     # -- the guard, for cache.py's slow paths -----------------------------------------
     def enter(self, what: str) -> None:

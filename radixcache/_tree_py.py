@@ -284,14 +284,16 @@ class Tree:
                  "_empty_inserted", "guard", "_enter", "_leave", "_queue", "_numpy_arrays",
                  "_Node", "host")
 
-    def __init__(self, page_size: int, numpy_arrays: bool = False, host: bool = False) -> None:
+    def __init__(self, page_size: int, numpy_arrays: bool = False, host: bool = False,
+                 node_class: Any = None) -> None:
         # Index arrays are numpy arrays (else tensors), with a host tier or without: the
-        # nodes' class says which.
+        # nodes' class says which (``node_class``: a subclass's own, its array kind given).
         if not numpy_arrays:
             load_torch()
         self._numpy_arrays = numpy_arrays
         self.host = bool(host)
-        self._Node = _NODE_CLASSES[bool(numpy_arrays), self.host]
+        self._Node = (_NODE_CLASSES[bool(numpy_arrays), self.host] if node_class is None
+                      else node_class)
         self.guard = Guard()
         self._enter = self.guard.acquire
         self._leave = self.guard.release
