@@ -21,7 +21,11 @@ row writes) included -- "whole loop".
 
 Workloads: synthetic chat (``radixcache.workloads.synthetic_chat``, 300 conversations, pool
 65,536 tokens), pages 1 and 16; the Mooncake conversation trace (first 3,000 requests, 512
-tokens per hash id, pool 2^21 tokens), page 16 (skipped without the trace).
+tokens per hash id, pool 2^21 tokens), page 16 (skipped without the trace); and the chat on a
+hybrid sliding-window model (``swa-chat-page*``: SGLang's ``SWAKVPool`` and
+``SWATokenToKVPoolAllocator``, a window of 128 tokens as GPT-OSS's, a window pool half the
+full-attention one; SGLang's default is its ``UnifiedRadixCache`` with the SWA component, on
+the Rust TreeCore).
 
     python benchmarks/bench_sglang_backend.py --rounds 7     # interleaved rounds: the ratios
     python -m pytest benchmarks/bench_sglang_backend.py --benchmark-group-by=group \\
@@ -58,10 +62,12 @@ try:
     from sglang.srt.mem_cache.allocation import (alloc_paged_token_slots_extend,
                                                  alloc_token_slots)
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.common import release_kv_cache
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
     from sglang.srt.runtime_context import _CONTEXT
     from sglang.srt.sampling.sampling_params import SamplingParams
 except Exception as exc:  # ImportError, or one of SGLang's own imports failing
@@ -77,10 +83,17 @@ CASES = {  # name -> (page size, pool tokens)
     "chat-page1": (1, 1 << 16),
     "chat-page16": (16, 1 << 16),
     "mooncake-page16": (16, 1 << 21),
+    "swa-chat-page1": (1, 1 << 16),
+    "swa-chat-page16": (16, 1 << 16),
 }
+#: The sliding window of the hybrid cases (GPT-OSS's).
+SWA_WINDOW = 128
 MOONCAKE_REQUESTS = 3000
 #: The allocator's methods a cache calls (their time inside cache calls is "allocator").
-ALLOCATOR_CALLS = ("free", "free_segment", "free_segments", "free_page_ids", "available_size")
+ALLOCATOR_CALLS = ("free", "free_segment", "free_segments", "free_page_ids", "available_size",
+                   "free_swa_segment", "free_full_segment", "translate_loc_from_full_to_swa",
+                   "set_full_to_swa_mapping", "clear_full_to_swa_mapping",
+                   "full_available_size", "swa_available_size")
 #: The cache methods the loop's scheduler code calls (timed as "cache").
 CACHE_CALLS = ("match_prefix", "lock", "unlock", "prefix_device_indices", "evict_for_alloc",
                "evict", "checkpoint", "free_kv_row", "claim_kv_row", "on_release")
@@ -88,7 +101,7 @@ CACHE_CALLS = ("match_prefix", "lock", "unlock", "prefix_device_indices", "evict
 
 def workload(case: str) -> list:
     """(prompt, output) token arrays per request, fresh output ids fixed in advance."""
-    if case.startswith("chat"):
+    if "chat" in case:
         requests = synthetic_chat(num_conversations=300, num_system_prompts=16, seed=0)
     else:
         if not TRACE.is_file():
@@ -112,25 +125,36 @@ class Loop:
         page_size, pool = CASES[case]
         self.page_size = page_size
         longest = max(len(p) + len(o) for p, o in requests) + 2 * page_size
-        kv_pool = MHATokenToKVPool(size=pool, page_size=page_size, dtype=torch.float16,
-                                   head_num=1, head_dim=1, layer_num=1, device="cpu",
-                                   enable_memory_saver=False)
-        if page_size == 1:
-            self.allocator = TokenToKVPoolAllocator(pool, torch.float16, "cpu", kv_pool,
-                                                    need_sort=False)
+        swa = case.startswith("swa")
+        if swa:
+            kv_pool = SWAKVPool(size=pool, size_swa=pool // 2, page_size=page_size,
+                                dtype=torch.float16, head_num=1, head_dim=1,
+                                swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
+                                device="cpu")
+            self.allocator = SWATokenToKVPoolAllocator(pool, pool // 2, page_size,
+                                                       torch.float16, "cpu", kv_pool,
+                                                       need_sort=False)
         else:
-            self.allocator = PagedTokenToKVPoolAllocator(pool, page_size, torch.float16, "cpu",
-                                                         kv_pool, need_sort=False)
+            kv_pool = MHATokenToKVPool(size=pool, page_size=page_size, dtype=torch.float16,
+                                       head_num=1, head_dim=1, layer_num=1, device="cpu",
+                                       enable_memory_saver=False)
+            if page_size == 1:
+                self.allocator = TokenToKVPoolAllocator(pool, torch.float16, "cpu", kv_pool,
+                                                        need_sort=False)
+            else:
+                self.allocator = PagedTokenToKVPoolAllocator(pool, page_size, torch.float16,
+                                                             "cpu", kv_pool, need_sort=False)
         self.rows = ReqToTokenPool(size=2, max_context_len=longest, device="cpu",
                                    enable_memory_saver=False)
         params = CacheInitParams(disable=False, req_to_token_pool=self.rows,
                                  token_to_kv_pool_allocator=self.allocator,
-                                 page_size=page_size)
+                                 page_size=page_size,
+                                 sliding_window_size=SWA_WINDOW if swa else None)
         backend = "radixcache" if implementation == "radixcache" else None
         backend_module.register()
         with _CONTEXT.override_server_args(radix_cache_backend=backend) as args:
             ctx = registry.TreeCacheBuildContext(
-                server_args=args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+                server_args=args, params=params, is_hybrid_swa=swa, is_hybrid_ssm=False,
                 enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
                 model_config=None, tp_size=1, tp_rank=0, tp_group=None)
             self.cache = registry.create_tree_cache(ctx)
@@ -148,7 +172,9 @@ class Loop:
     def _time_allocator(self, name: str) -> None:
         """Time the allocator's work done inside the cache's calls (the frees a cache makes:
         the same slots for both caches)."""
-        method = getattr(self.allocator, name)
+        method = getattr(self.allocator, name, None)
+        if method is None:  # (each kind of allocator has some of them)
+            return
         clock = time.perf_counter
         depth, seconds = self._depth, self._allocator_seconds
 

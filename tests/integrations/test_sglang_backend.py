@@ -56,7 +56,10 @@ try:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.common import (checkpoint_kv_cache, release_kv_cache,
                                              touch_waiting_prefix)
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
     from sglang.srt.runtime_context import _CONTEXT
     from sglang.srt.sampling.sampling_params import SamplingParams
 except Exception as exc:  # ImportError, or one of SGLang's own imports failing
@@ -75,6 +78,9 @@ POOL_TOKENS = {1: 384, 16: 1024}
 ROWS = 8
 #: Scheduler-level calls into our cache, per core (summed in the closing line).
 CALLS: dict = {}
+#: Tokens that must slide out of a request's window before it frees them (SGLang's
+#: ``SGLANG_SWA_EVICTION_INTERVAL``, 128 by default: small here, for short requests).
+SWA_INTERVAL = 4
 
 
 # -- building both caches the way SGLang's scheduler does ---------------------------------------
@@ -115,7 +121,12 @@ def _counting(allocator_class: type) -> type:
 
 
 def build_side(backend: str | None, page_size: int, policy: str, lora_names=None,
-               events: bool = True, counting_allocator: bool = False):
+               events: bool = True, counting_allocator: bool = False, window: int = 0):
+    """One side's cache, allocator and request rows. ``window`` > 0: a hybrid sliding-window
+    model of that window (SGLang's ``SWAKVPool`` and ``SWATokenToKVPoolAllocator``, a window
+    pool half the size of the full-attention one)."""
+    if window:
+        return _build_swa_side(backend, page_size, policy, lora_names, events, window)
     kv_pool = MHATokenToKVPool(size=POOL_TOKENS[page_size], page_size=page_size,
                                dtype=torch.float16, head_num=1, head_dim=2, layer_num=1,
                                device="cpu", enable_memory_saver=False)
@@ -136,19 +147,42 @@ def build_side(backend: str | None, page_size: int, policy: str, lora_names=None
                              token_to_kv_pool_allocator=allocator, page_size=page_size,
                              eviction_policy=policy, enable_kv_cache_events=events,
                              tree_core_backend=None if backend else "python")
+    return _create_cache(backend, params, lora_names), allocator, rows
+
+
+def _create_cache(backend: str | None, params, lora_names, **flags):
+    """SGLang's registry builds the cache: its default one, or ``backend``'s."""
     if lora_names is not None:
         params.kv_event_lora_names = lora_names
     override = _server_args(backend)
     server_args = override.install()
     try:
-        ctx = registry.TreeCacheBuildContext(
-            server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
-            model_config=None, tp_size=1, tp_rank=0, tp_group=None)
-        cache = registry.create_tree_cache(ctx)
+        ctx = registry.TreeCacheBuildContext(**{
+            "server_args": server_args, "params": params, "is_hybrid_swa": False,
+            "is_hybrid_ssm": False, "enable_hierarchical_cache": False,
+            "disable_radix_cache": False, "tp_worker": None, "model_config": None,
+            "tp_size": 1, "tp_rank": 0, "tp_group": None, **flags})
+        return registry.create_tree_cache(ctx)
     finally:
         override.restore()
-    return cache, allocator, rows
+
+
+def _build_swa_side(backend: str | None, page_size: int, policy: str, lora_names, events: bool,
+                    window: int):
+    size = POOL_TOKENS[page_size]
+    kv_pool = SWAKVPool(size=size, size_swa=size // 2, page_size=page_size,
+                        dtype=torch.float16, head_num=1, head_dim=2,
+                        swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
+    allocator = SWATokenToKVPoolAllocator(size, size // 2, page_size, torch.float16, "cpu",
+                                          kv_pool, need_sort=True)
+    rows = ReqToTokenPool(size=ROWS, max_context_len=4096, device="cpu",
+                          enable_memory_saver=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=rows,
+                             token_to_kv_pool_allocator=allocator, page_size=page_size,
+                             eviction_policy=policy, enable_kv_cache_events=events,
+                             tree_core_backend=None if backend else "python",
+                             sliding_window_size=window)
+    return _create_cache(backend, params, lora_names, is_hybrid_swa=True), allocator, rows
 
 
 def apply_split_rule(cache) -> None:
@@ -186,6 +220,17 @@ def apply_split_rule(cache) -> None:
     core._split_node = split_as_radixcache
     core.match_prefix = match_forgetting
     core.begin_insert = insert_forgetting
+    swa = cache.components.get(ComponentType.SWA)
+    if swa is not None:
+        # An SWA split of a node the insert walks through cuts no unused half off: both
+        # halves were used, and keep the call's time.
+        clip = swa._clip_to_window
+
+        def clip_keeping_time(**kwargs):
+            touched.clear()
+            return clip(**kwargs)
+
+        swa._clip_to_window = clip_keeping_time
 
 
 # -- one side: a cache and the scheduler's view of its requests ---------------------------------
@@ -195,15 +240,31 @@ class Side:
         self.allocator = allocator
         self.rows = rows
         self.reqs: dict[str, Req] = {}
+        self.swa = isinstance(allocator, SWATokenToKVPoolAllocator)
+        self.decoded: dict[str, int] = {}  # decode steps per request (SWA: the window slides)
 
     def free_slots(self) -> list:
+        if self.swa:  # both pools, and which window slot each full-attention slot has
+            allocator = self.allocator
+            return (sorted(allocator.full_attn_allocator.get_all_free_pages().tolist()),
+                    sorted(allocator.swa_attn_allocator.get_all_free_pages().tolist()),
+                    allocator.full_to_swa_index_mapping.tolist())
         pages = self.allocator.get_all_free_pages()
         return sorted(pages.tolist())
 
     def sizes(self) -> tuple:
         c = self.cache._cache
         return (c.evictable_size(), c.protected_size(), c.full_evictable_size(),
-                c.full_protected_size(), c.total_size())
+                c.full_protected_size(), c.total_size(), c.swa_evictable_size(),
+                c.swa_protected_size())
+
+    def room(self) -> int:
+        """Tokens an allocation can get, evicting what it may (the smaller pool for SWA)."""
+        cache, allocator = self.cache, self.allocator
+        if self.swa:
+            return min(allocator.full_available_size() + cache.full_evictable_size(),
+                       allocator.swa_available_size() + cache.swa_evictable_size())
+        return allocator.available_size() + cache.evictable_size()
 
     def row(self, req: Req) -> list:
         if not req.kv.holds_kv:
@@ -222,7 +283,7 @@ class Side:
             self.reqs[rid] = req
         req.init_next_round_input(self.cache)
         req.lock = self.cache.lock(req.last_node)
-        return (req.prefix_len,) + self._extend(req, chunk)
+        return (req.prefix_len, req.swa_branching_seqlen) + self._extend(req, chunk)
 
     def _extend(self, req: Req, chunk: int) -> tuple:
         page_size = self.allocator.page_size
@@ -232,7 +293,7 @@ class Side:
         if end <= start:
             end = fill
         need = end - start + page_size
-        available = self.allocator.available_size() + self.cache.evictable_size()
+        available = self.room()
         if need > available or (not req.kv.holds_kv and self.rows.available_size() == 0):
             self._drop(req, checkpoint=False, reason="no room")
             return ("refused",)
@@ -275,9 +336,10 @@ class Side:
             del self.reqs[rid]
             return ("finished",)
         position = req.kv.kv_committed_len
-        room = self.allocator.available_size() + self.cache.evictable_size()
-        if room < 2 * self.allocator.page_size:
+        if self.room() < 2 * self.allocator.page_size:
             return ("stalled",)
+        if self.swa:
+            self.slide_window(req, position)
         if self.allocator.page_size == 1:
             slot = alloc_token_slots(self.cache, 1)
         else:
@@ -289,6 +351,19 @@ class Side:
         req.kv.kv_allocated_len = req.kv.kv_committed_len = position + 1
         req.output_ids.append(req.planned_output[len(req.output_ids)])
         return ("decoded", position)
+
+    def slide_window(self, req: Req, position: int) -> None:
+        """The scheduler's ``maybe_evict_swa`` for one decoding request: past its window (in
+        steps of ``SWA_INTERVAL``) the request frees the window slots behind it, and after a
+        few decode steps (the scheduler: a window's length; the outputs here are short) it
+        releases the window part of its prefix's lock."""
+        steps = self.decoded[req.rid] = self.decoded.get(req.rid, 0) + 1
+        window = self.cache.swa_retain_window
+        evicted = req.kv.get_evicted_seqlen(ComponentType.SWA)
+        if steps >= 2 and position - window >= evicted + SWA_INTERVAL:
+            self.cache.evict_sliding_windows(req, position, eviction_interval=1)
+        if steps >= 3:
+            self.cache.release_swa_prefix_lock(req)
 
     def _drop(self, req: Req, *, checkpoint: bool, reason: str) -> None:
         if req.kv.holds_kv:
@@ -375,7 +450,7 @@ class Replay:
 
     def __init__(self, core: str, page_size: int, policy: str, seed: int, monkeypatch,
                  split_rule: bool = True, events: bool = True,
-                 counting_allocator: bool = False) -> None:
+                 counting_allocator: bool = False, window: int = 0) -> None:
         monkeypatch.setattr(RadixcacheBackend, "core", core)
         backend_module.register()
         from sglang.srt.mem_cache.events import KvEventLoraNames
@@ -385,9 +460,9 @@ class Replay:
             names.register(types.SimpleNamespace(lora_id="id-a", extra_key="ns-a"), "adapter-a")
             return names
 
-        sgl = build_side(None, page_size, policy, lora_names(), events)
+        sgl = build_side(None, page_size, policy, lora_names(), events, window=window)
         ours = build_side("radixcache", page_size, policy, lora_names(), events,
-                          counting_allocator)
+                          counting_allocator, window=window)
         assert type(sgl[0]).__name__ == "UnifiedRadixCache"
         assert isinstance(ours[0], RadixcacheBackend) and ours[0].radix_cache.core_name == core
         if split_rule:
