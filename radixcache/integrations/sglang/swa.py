@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from sglang.srt.environ import envs
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefParams,
@@ -32,14 +33,11 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
     TreeLock,
 )
-from sglang.srt.environ import envs
 from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
-from sglang.srt.mem_cache.events import KVCacheEventRecorder
-from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
-from ..._core import get_hybrid
-from .backend import RadixcacheBackend, _check_key, _cpu_array, _namespace, _token_array
+from .backend import _check_key, _cpu_array, _token_array
+from .hybrid import RadixcacheHybridBackend
 
 _SWA = ComponentType.SWA
 
@@ -68,12 +66,7 @@ def _pools_read_in_numpy(allocator: Any) -> Optional[np.ndarray]:
     return mapping.numpy()
 
 
-def _tensor(values: Any) -> torch.Tensor:
-    """An index array the hybrid core made (numpy, its own memory) as a CPU tensor."""
-    return torch.from_numpy(values) if type(values) is np.ndarray else values
-
-
-class RadixcacheSWABackend(RadixcacheBackend):
+class RadixcacheSWABackend(RadixcacheHybridBackend):
     """SGLang's ``BasePrefixCache`` for a hybrid sliding-window model, over a radixcache
     hybrid core with a window component.
 
@@ -89,110 +82,30 @@ class RadixcacheSWABackend(RadixcacheBackend):
     """
 
     def __init__(self, params: Any, *, core: Optional[str] = None) -> None:
-        self.req_to_token_pool = params.req_to_token_pool
-        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
-        self.page_size = params.page_size
-        self.disable = False
-        self.is_eagle = False
-        self.eviction_policy = params.eviction_policy.lower()
-        self._use_priority = self.eviction_policy == "priority"
         # The model's window, and the history the tree keeps (wider for a draft model).
         self.sliding_window_size = params.sliding_window_size
         self.draft_swa_window = params.draft_swa_window
         self.decoder_swa_bounded_replay = params.decoder_swa_bounded_replay
-        window = params.swa_retain_window
-        hybrid = get_hybrid(core if core is not None else self.core)
-        self._core = hybrid.HybridCore(self.page_size, self.eviction_policy,
-                                       numpy_arrays=True, window=window)
-        self.kv_events = KVCacheEventRecorder(
-            enabled=params.enable_kv_cache_events, page_size=self.page_size,
-            dynamo_format=params.dynamo_kv_event_format,
-            lora_names=params.kv_event_lora_names)
-        if params.enable_metrics:
-            self.init_metrics_collector()
-        allocator = self.token_to_kv_pool_allocator
-        device = getattr(allocator, "device", "cpu")
-        self.device = torch.device(device if isinstance(device, (str, torch.device)) else "cpu")
-        self._empty_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
-        self._page_hashes: dict[int, tuple] = {}
-        self._pending_frees: list = []
-        self._path_memo: dict = {}
-        self._known_allocator: tuple = (None, 0)
         # (the allocator, its full-to-window mapping as numpy or None): read again when the
         # allocator is replaced.
         self._mapping: tuple = (None, None)
-        self.reset()
-
-    # -- identity and configuration ------------------------------------------------------------
-    @property
-    def root_node(self) -> Any:
-        return self._core.tree.root
-
-    @property
-    def radix_cache(self) -> Any:
-        """The radixcache hybrid core underneath (read it; change it through this class)."""
-        return self._core
-
-    def root_node_handle(self, extra_key: Optional[str] = None) -> Any:
-        return self._core.tree.root
+        super().__init__(params, core=core, window=params.swa_retain_window)
 
     def supports_swa(self) -> bool:
         return True
 
-    def reset(self) -> None:
-        """Drop the tree. Its slots are not freed: SGLang clears the allocator itself."""
-        self._core.reset()
-        root = self._core.tree.root
-        self._empty_match = MatchResult(device_prefix_len=0, last_device_node=root,
-                                        last_host_node=root, best_match_node=root)
-        self._page_hashes.clear()
-        self._pending_frees.clear()
-        self._path_memo.clear()
-        self.kv_events.record_all_cleared()
-
     # -- match -----------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        key = params.key
-        if type(key) is not RadixKey or key.is_bigram:
-            _check_key(key)
-        token_ids = key.token_ids
-        length = len(token_ids)
-        limit = key.limit
-        if limit is not None and limit < length:
-            length = limit
-        if length < self.page_size:
+        found = self._match_key(params.key)
+        if found is None:
             return self._empty_match
-        core = self._core
-        match = core.match(_token_array(token_ids, length), _namespace(key))
-        walked = core.last_walk
+        match, walked = found
         # Full KV may reach past the last intact window: where a branch would start.
         branching = walked if walked > match.length else None
         node = match.last_node
-        if match.length:
-            memo = self._path_memo
-            if len(memo) >= 4096:
-                memo.clear()
-            memo[node] = _tensor(match.indices)
         return MatchResult(device_prefix_len=match.length, last_device_node=node,
                            last_host_node=node, best_match_node=node,
                            swa_branching_seqlen=branching, full_kv_hit_length=walked)
-
-    def touch_prefix(self, key: RadixKey) -> None:
-        """Refresh the recency of ``key``'s cached path, as a match does."""
-        _check_key(key)
-        length = len(key)
-        if length >= self.page_size:
-            self._core.match(_token_array(key.token_ids, length), _namespace(key))
-
-    def path_device_indices(self, node: Any) -> torch.Tensor:
-        memoized = self._path_memo.get(node)
-        if memoized is not None:
-            return memoized
-        try:
-            return torch.from_numpy(self._core.path_indices(node))
-        except (TypeError, ValueError):
-            raise ValueError("path_device_indices: the node is not in this cache (evicted, "
-                             "or from another cache)") from None
 
     # -- insert ----------------------------------------------------------------------------
     def insert(self, params: InsertParams) -> InsertResult:
@@ -422,10 +335,7 @@ class RadixcacheSWABackend(RadixcacheBackend):
         """Free ``params.num_tokens`` full-attention tokens (whole leaves, in policy order),
         then ``params.swa_num_tokens`` window slots (least recently used first: a leaf leaves
         the tree, another node becomes a tombstone)."""
-        for value, what in ((params.num_tokens, "num_tokens"),
-                            (params.swa_num_tokens, "swa_num_tokens")):
-            if type(value) is not int:
-                raise TypeError(f"EvictParams.{what} must be an int, got {type(value).__name__}")
+        self._check_evict_params(params, ("swa_num_tokens",))
         freed, aux_freed = self._evict(params.num_tokens, params.swa_num_tokens)
         return EvictResult(num_tokens_evicted=freed, swa_num_tokens_evicted=aux_freed)
 
@@ -445,15 +355,6 @@ class RadixcacheSWABackend(RadixcacheBackend):
                 window.append(values)
         self._release(full, window)
         return freed, aux_freed
-
-    def evict_for_alloc(self, params: EvictParams, *,
-                        allocation_reclaim_satisfied: Any = None) -> EvictResult:
-        """Evict for an allocation: until the allocator has ``params.num_tokens`` more free
-        full-attention tokens and ``params.swa_num_tokens`` more free window slots (each pool
-        gains exactly what is freed in it, so this is ``evict``)."""
-        if allocation_reclaim_satisfied is not None:
-            raise NotImplementedError("the radixcache backend does not support joint reclaim")
-        return self.evict(params)
 
     # -- locks -----------------------------------------------------------------------------
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
@@ -502,44 +403,11 @@ class RadixcacheSWABackend(RadixcacheBackend):
             self.release_swa(lock)
 
     # -- sizes -----------------------------------------------------------------------------
-    def evictable_size(self) -> int:
-        return self._core.evictable
-
-    def full_evictable_size(self) -> int:
-        return self._core.evictable
-
-    def protected_size(self) -> int:
-        return self._core.protected
-
-    def full_protected_size(self) -> int:
-        return self._core.protected
-
     def swa_evictable_size(self) -> int:
         return self._core.aux_evictable
 
     def swa_protected_size(self) -> int:
         return self._core.aux_protected
-
-    def total_size(self) -> tuple:
-        """(full-attention tokens, window slots) cached."""
-        return self._core.total_size()
-
-    def all_values_flatten(self) -> torch.Tensor:
-        values = [node.value for node in self._nodes()]
-        return torch.from_numpy(np.concatenate(values)) if values else self._empty_indices
-
-    def sanity_check(self) -> None:
-        """Raise AssertionError if the sizes disagree with the tree."""
-        self._core.check_aux()
-        total = sum(node.num_tokens for node in self._nodes())
-        assert total == self._core.total_size()[0], (total, self._core.total_size())
-
-    def pretty_print(self) -> None:
-        for node, depth in self._core.tree.iter_nodes():
-            if node is not self.root_node:
-                print(f"{'  ' * (depth - 1)}{node.num_tokens} {node.key[:10].tolist()} "
-                      f"lock={node.lock_ref}/{node.aux_lock_ref} "
-                      f"{'swa' if node.aux_value is not None else 'tombstone'}")
 
     def __repr__(self) -> str:
         return f"RadixcacheSWABackend(window={self._core.window})"
