@@ -1,6 +1,7 @@
 """The radixcache backend inside SGLang 0.5.23 serves hybrid models as SGLang's default cache
 does: sliding-window (SWA) models through SGLang's ``SWAKVPool`` and
-``SWATokenToKVPoolAllocator``.
+``SWATokenToKVPoolAllocator``, Mamba / linear-attention models through its
+``HybridReqToTokenPool``, ``MambaPool`` and ``HybridLinearKVPool``.
 
 The harness is tests/integrations/test_sglang_backend.py's (its docstring says how both
 caches are built and compared): SGLang's own registry and factory, real CPU pools (here the
@@ -10,6 +11,13 @@ step -- match lengths and SWA branching points, every live request row, the free
 both pools and the full-to-window slot mapping, every size SGLang reports (full and SWA),
 and the KV events. Decoding requests slide their windows as the scheduler's
 ``maybe_evict_swa`` does (``evict_sliding_windows``, ``release_swa_prefix_lock``).
+
+For Mamba the comparison adds every request's state slot, the cached state its match copies
+(copy on write) and its branching point, and the Mamba allocator's free list in order (it is
+first in, first out: the order a cache frees states in decides which slot the next request
+gets). Page 1 runs without the extra buffer; page 16 with it (``--mamba-extra-buffer``: two
+ping-pong track slots per request, the forward pass's tracking simulated at the checkpoint
+grid's boundaries, the tracked state donated at a checkpoint).
 
 The one rule forgiven on SGLang's side is the plain harness's (a split's unused lower half
 keeps its time); a split of a node an insert walks through (SWA's clip at the request's
@@ -24,12 +32,14 @@ import pytest
 
 from test_sglang_backend import POLICIES, POOL_TOKENS, Replay, backend_core  # noqa: F401
 
+from radixcache.integrations.sglang.mamba import RadixcacheMambaBackend
 from radixcache.integrations.sglang.swa import RadixcacheSWABackend
 
 #: Sliding windows (tokens) by page size: a few pages, short against the requests.
 WINDOWS = {1: 12, 16: 32}
 #: Random scheduler steps per (core, page size, policy) sequence (~10^4 calls each).
 SWA_STEPS = 1500
+MAMBA_STEPS = 1500
 #: Scheduler-level calls into our cache, per (component, core) (summed in the closing line).
 CALLS: dict = {}
 
@@ -96,6 +106,60 @@ def test_swa_same_as_sglang_default_cache(backend_core, monkeypatch, page_size, 
     for kind in ("recovered", "window evictions", "early releases", "branching", "swa locked"):
         assert seen.get(kind, 0) > 0, (kind, seen)
     assert replay.ours.allocator.swa_available_size() < POOL_TOKENS[page_size] // 2
+
+
+def _counting_mamba_paths(monkeypatch, seen: dict) -> None:
+    """Count, on our side, the Mamba paths a sequence takes: states evicted alone (their
+    nodes keep the KV), states freed with their leaves."""
+    evict = RadixcacheMambaBackend._evict
+
+    def counted_evict(self, num_tokens, mamba_num=0):
+        nodes = self._core.tree.node_count
+        freed, states = evict(self, num_tokens, mamba_num)
+        removed = nodes - self._core.tree.node_count
+        if states > removed:
+            seen["states alone"] = seen.get("states alone", 0) + 1
+        if removed:
+            seen["states with leaves"] = seen.get("states with leaves", 0) + 1
+        return freed, states
+
+    monkeypatch.setattr(RadixcacheMambaBackend, "_evict", counted_evict)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("page_size", (1, 16), ids=lambda p: f"page{p}")
+def test_mamba_same_as_sglang_default_cache(backend_core, monkeypatch, page_size,  # noqa: F811
+                                            policy):
+    seen: dict = {}
+    _counting_mamba_paths(monkeypatch, seen)
+    replay = Replay(backend_core, page_size, policy,
+                    seed=zlib.crc32(f"mamba-{page_size}-{policy}".encode()),
+                    monkeypatch=monkeypatch, state=True)
+    try:
+        for _ in range(MAMBA_STEPS):
+            replay.step()
+            cache = replay.ours.cache._cache
+            if cache.mamba_protected_size():
+                seen["state locked"] = seen.get("state locked", 0) + 1
+            for req in replay.ours.reqs.values():
+                if req.kv.mamba_cow_src_index is not None:
+                    seen["copied"] = seen.get("copied", 0) + 1
+                if req.mamba_branching_seqlen:
+                    seen["branching"] = seen.get("branching", 0) + 1
+    finally:
+        replay.close()
+    CALLS["mamba", backend_core] = CALLS.get(("mamba", backend_core), 0) + replay.calls
+    counts = replay.counts
+    for kind in ("chunk", "finished", "aborted", "retracted", "prefilled", "events"):
+        assert counts.get(kind, 0) > 5, (kind, counts)
+    # The Mamba paths were taken: states evicted alone and with their leaves, locked, copied
+    # at a match, branching points. (Page 1's MRU sequence evicts no state alone;
+    # the other thirteen sequences do.)
+    kinds = ["states alone", "states with leaves", "state locked", "copied", "branching"]
+    if (page_size, policy) == (1, "mru"):
+        kinds.remove("states alone")
+    for kind in kinds:
+        assert seen.get(kind, 0) > 0, (kind, seen)
 
 
 def teardown_module(module) -> None:

@@ -109,7 +109,7 @@ REFUSALS = {
                                         "SWATokenToKVPoolAllocator"),
     "hybrid-swa-and-mamba": (dict(is_hybrid_swa=True, is_hybrid_ssm=True), None,
                              "both sliding-window and Mamba"),
-    "mamba": (dict(is_hybrid_ssm=True), None, "Mamba"),
+    "mamba-in-another-pool": (dict(is_hybrid_ssm=True), None, "ReqToTokenPool"),
     "hierarchical-cache": (dict(enable_hierarchical_cache=True),
                            dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
     "lmcache": ({}, dict(enable_lmcache=True), "--enable-lmcache"),
@@ -215,6 +215,59 @@ def test_hybrid_swa_builds(monkeypatch):
 def test_hybrid_swa_variants_refused(monkeypatch, flags, named):
     with pytest.raises(UnsupportedConfiguration, match=named):
         _build_swa(monkeypatch, **flags)
+
+
+def _build_mamba(monkeypatch, page_size=1, params_flags=None, server_args=None):
+    """Our cache for a Mamba hybrid (SGLang's Mamba pools, the differential harness's),
+    through SGLang's registry; ``params_flags`` set on its CacheInitParams, ``server_args``
+    on the server arguments it is built under."""
+    import test_sglang_backend as harness
+
+    create = harness._create_cache
+
+    def create_with(backend, params, lora_names, **flags):
+        for name, value in (params_flags or {}).items():
+            setattr(params, name, value)
+        server = _CONTEXT.override_server_args(radix_cache_backend=backend,
+                                               **(server_args or {}))
+        args = server.install()
+        try:
+            ctx = registry.TreeCacheBuildContext(
+                server_args=args, params=params, tp_worker=None, model_config=None,
+                tp_size=1, tp_rank=0, tp_group=None, enable_hierarchical_cache=False,
+                disable_radix_cache=False, **{"is_hybrid_swa": False, **flags})
+            return registry.create_tree_cache(ctx)
+        finally:
+            server.restore()
+
+    monkeypatch.setattr(RadixcacheBackend, "core", None)
+    backend_module.register()
+    monkeypatch.setattr(harness, "_create_cache", create_with if (params_flags or server_args)
+                        else create)
+    return harness.build_side("radixcache", page_size, "lru", state=True)
+
+
+@pytest.mark.parametrize("page_size", (1, 16))
+def test_mamba_builds(monkeypatch, page_size):
+    from radixcache.integrations.sglang.mamba import RadixcacheMambaBackend
+
+    cache, _allocator, rows = _build_mamba(monkeypatch, page_size)
+    assert isinstance(cache, RadixcacheMambaBackend)
+    assert cache.supports_mamba() and not cache.supports_swa()
+    assert cache.enable_mamba_extra_buffer == (page_size > 1) == rows.enable_mamba_extra_buffer
+    assert cache.total_size() == (0, 0)
+    assert (cache.mamba_evictable_size(), cache.mamba_protected_size()) == (0, 0)
+
+
+def test_mamba_variants_refused(monkeypatch):
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    with_checkpoints = HybridReqToTokenPool.__new__(HybridReqToTokenPool)
+    with_checkpoints.mamba_ckpt_pool = object()  # (an int8 checkpoint pool)
+    with pytest.raises(UnsupportedConfiguration, match="int8 Mamba checkpoints"):
+        _build_mamba(monkeypatch, params_flags={"req_to_token_pool": with_checkpoints})
+    with pytest.raises(UnsupportedConfiguration, match="--mamba-max-states-per-path 2"):
+        _build_mamba(monkeypatch, server_args={"mamba_max_states_per_path": 2})
 
 
 def test_lock_results_as_sglang_reports_them(ours, monkeypatch):

@@ -17,22 +17,29 @@ the matched part counts as used (see ``docs/sglang.md``). For a hybrid sliding-w
 (GPT-OSS, Llama 4, Gemma 4, MiMo-V2, Step3p5, DeepSeek-V4: SGLang's ``SWAKVPool`` and
 ``SWATokenToKVPoolAllocator``) ``create_backend`` builds a ``RadixcacheSWABackend``, which keeps
 each node's window slots beside its full-attention slots in radixcache's hybrid core and decides
-as SGLang's unified cache with its SWA component does.
+as SGLang's unified cache with its SWA component does; for a Mamba / linear-attention hybrid
+(Qwen3-Next, Qwen3.5: SGLang's ``HybridReqToTokenPool`` and ``MambaPool``) a
+``RadixcacheMambaBackend``, which keeps one recurrent state slot per node and decides as the
+unified cache with its Mamba component does.
 
 ``create_backend`` refuses, before the server starts serving, what this cache does not
-implement: Mamba (hybrid SSM) models, sliding-window models whose window lives elsewhere than
-a stock ``SWATokenToKVPoolAllocator``, hierarchical cache, LMCache, FlexKV,
+implement: models with both sliding-window and Mamba layers, sliding-window models whose
+window lives elsewhere than a stock ``SWATokenToKVPoolAllocator``, Mamba models whose states
+live elsewhere than a ``HybridReqToTokenPool`` (the unified memory pool, int8 checkpoints,
+a cap on states per path), hierarchical cache, LMCache, FlexKV,
 external cache linkers, host-pool retraction, MLX, EAGLE's bigram keys, sharded KV pages,
 session and streaming-session radix caches, a disabled radix cache, eviction policies other
 than ``lru``, ``lfu``, ``fifo``, ``filo``, ``mru``, ``slru`` and ``priority``, and eviction
 policy options.
 
 This package imports SGLang; ``import radixcache`` never does. ``plugin`` holds the entry point,
-the factory and the start-up refusals; ``backend`` the cache; ``swa`` the cache of a hybrid
-sliding-window model.
+the factory and the start-up refusals; ``backend`` the cache; ``hybrid`` what the caches of
+hybrid models share; ``swa`` the cache of a hybrid sliding-window model; ``mamba`` the cache of
+a Mamba hybrid.
 """
 
 from .backend import RadixcacheBackend
+from .mamba import RadixcacheMambaBackend
 from .swa import RadixcacheSWABackend
 from .plugin import (
     BACKEND_NAME,
@@ -43,4 +50,5 @@ from .plugin import (
 )
 
 __all__ = ["BACKEND_NAME", "SUPPORTED_EVICTION_POLICIES", "RadixcacheBackend",
-           "RadixcacheSWABackend", "UnsupportedConfiguration", "create_backend", "register"]
+           "RadixcacheMambaBackend", "RadixcacheSWABackend", "UnsupportedConfiguration",
+           "create_backend", "register"]

@@ -69,8 +69,9 @@ def _refusal(ctx: Any) -> Optional[str]:
         return ("this model has both sliding-window and Mamba/linear-attention layers; "
                 f"radixcache caches one of the two beside full attention; {_DROP_FLAG}")
     if ctx.is_hybrid_ssm:
-        return ("this model keeps Mamba/linear-attention state (hybrid SSM), which radixcache "
-                f"does not cache; {_DROP_FLAG}")
+        reason = _mamba_refusal(params)
+        if reason is not None:
+            return reason
     if getattr(ctx, "full_tokens_per_layer", None) == 0:
         return f"this model has no full-attention KV (pure SWA); {_DROP_FLAG}"
     if ctx.is_hybrid_swa:
@@ -150,6 +151,29 @@ def _swa_refusal(params: Any) -> Optional[str]:
     return None
 
 
+def _mamba_refusal(params: Any) -> Optional[str]:
+    """Why a Mamba / linear-attention configuration cannot run on radixcache (None: it can)."""
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    pool = params.req_to_token_pool
+    if type(pool) is not HybridReqToTokenPool:
+        return (f"its Mamba states live in a {type(pool).__name__}, whose slots radixcache does "
+                f"not manage (it serves HybridReqToTokenPool); {_DROP_FLAG}")
+    if getattr(pool, "mamba_ckpt_pool", None) is not None:
+        return f"int8 Mamba checkpoints need SGLang's unified radix tree; {_DROP_FLAG}"
+    allocator = params.token_to_kv_pool_allocator
+    donor = getattr(allocator, "mamba_full_cache_donor", None)
+    if donor is not None and donor() is not None:
+        return ("its full-attention pool lends memory to the Mamba states, which radixcache "
+                f"does not model; {_DROP_FLAG}")
+    from sglang.srt.runtime_context import get_exec
+
+    if get_exec().mamba.mamba_max_states_per_path >= 0:
+        return (f"--mamba-max-states-per-path {get_exec().mamba.mamba_max_states_per_path}: "
+                f"radixcache keeps every state on a path; {_DROP_FLAG}")
+    return None
+
+
 def create_backend(ctx: Any) -> "RadixcacheBackend":
     """SGLang's radix-cache factory for ``--radix-cache-backend radixcache``.
 
@@ -158,7 +182,7 @@ def create_backend(ctx: Any) -> "RadixcacheBackend":
 
     Returns:
         A ``RadixcacheBackend`` over ``ctx.params`` (a ``RadixcacheSWABackend`` for a hybrid
-        sliding-window model).
+        sliding-window model, a ``RadixcacheMambaBackend`` for a Mamba hybrid).
 
     Raises:
         UnsupportedConfiguration (a ValueError): the model or a flag needs something
@@ -171,6 +195,10 @@ def create_backend(ctx: Any) -> "RadixcacheBackend":
         from .swa import RadixcacheSWABackend
 
         return RadixcacheSWABackend(ctx.params)
+    if ctx.is_hybrid_ssm:
+        from .mamba import RadixcacheMambaBackend
+
+        return RadixcacheMambaBackend(ctx.params)
     from .backend import RadixcacheBackend
 
     return RadixcacheBackend(ctx.params)
