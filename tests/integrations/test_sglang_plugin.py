@@ -266,6 +266,9 @@ def test_mamba_variants_refused(monkeypatch):
     with_checkpoints.mamba_ckpt_pool = object()  # (an int8 checkpoint pool)
     with pytest.raises(UnsupportedConfiguration, match="int8 Mamba checkpoints"):
         _build_mamba(monkeypatch, params_flags={"req_to_token_pool": with_checkpoints})
+    with pytest.raises(UnsupportedConfiguration, match="extra_buffer_lazy"):
+        _build_mamba(monkeypatch, 16, server_args={"mamba_radix_cache_strategy":
+                                                   "extra_buffer_lazy"})
     with pytest.raises(UnsupportedConfiguration, match="--mamba-max-states-per-path 2"):
         _build_mamba(monkeypatch, server_args={"mamba_max_states_per_path": 2})
 

@@ -16,10 +16,11 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchResult
 from sglang.srt.mem_cache.events import KVCacheEventRecorder
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from ..._core import get_hybrid
-from .backend import RadixcacheBackend, _check_key, _namespace, _token_array
+from .backend import RadixcacheBackend, _check_key, _cpu_array, _namespace, _token_array
 
 #: How many match paths ``prefix_device_indices`` keeps (cleared when it is full).
 _PATH_MEMO_SIZE = 4096
@@ -67,6 +68,7 @@ class RadixcacheHybridBackend(RadixcacheBackend):
         self._pending_frees: list = []
         self._path_memo: dict = {}
         self._known_allocator: tuple = (None, 0)
+        self._known_table: tuple = (None, None)
         self.reset()
 
     # -- identity and configuration ------------------------------------------------------------
@@ -132,6 +134,28 @@ class RadixcacheHybridBackend(RadixcacheBackend):
         except (TypeError, ValueError):
             raise ValueError("path_device_indices: the node is not in this cache (evicted, "
                              "or from another cache)") from None
+
+    # -- request rows ----------------------------------------------------------------------
+    def _table_array(self, table: Any) -> Optional[np.ndarray]:
+        """The request table's numpy view (``_cpu_array``), kept while the table is the same
+        tensor; None where it has none (a device tensor)."""
+        known, view = self._known_table
+        if table is not known:
+            view = _cpu_array(table)
+            self._known_table = (table, view)
+        return view
+
+    def _write_row(self, row: int, start: int, values: np.ndarray) -> None:
+        """Write ``values`` into request row ``row`` from position ``start``: into the
+        table's numpy view where the pool's ``write`` is SGLang's plain one, else through
+        it."""
+        pool = self.req_to_token_pool
+        if type(pool).write is ReqToTokenPool.write:
+            rows = self._table_array(pool.req_to_token)
+            if rows is not None:
+                rows[row, start:start + len(values)] = values
+                return
+        pool.write((row, slice(start, start + len(values))), torch.from_numpy(values))
 
     # -- evict -----------------------------------------------------------------------------
     def evict_for_alloc(self, params: EvictParams, *,

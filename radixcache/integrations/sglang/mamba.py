@@ -38,11 +38,16 @@ from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.runtime_context import mamba_checkpoint_grid
 
-from .backend import _check_key, _cpu_array, _token_array
+from .backend import _check_key, _token_array
 from .hybrid import RadixcacheHybridBackend
 
 _FULL = ComponentType.FULL
 _MAMBA = ComponentType.MAMBA
+
+
+def _state_array(slot: Any) -> np.ndarray:
+    """A state slot (a 0-d or 1-element tensor) as the core's one-slot array."""
+    return np.array((int(slot),), dtype=np.int64)
 
 
 class _TreeView:
@@ -82,6 +87,14 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         self._mamba = MambaComponent(self, params)
         self._mamba.tree_core = _TreeView()
         self._grid = mamba_checkpoint_grid(self.page_size)
+        pool = self.req_to_token_pool
+        # What a checkpoint locks of the node it moves to (read at start-up, as SGLang sizes
+        # its Mamba pool by it then).
+        self._checkpoint_skip = (_MAMBA,) if envs.SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK.get() else ()
+        # The request side of a finished request done here, as SGLang's component does it,
+        # where it is plain (no int8 checkpoints, no replayed SSM ring); else its own code.
+        self._plain_states = (getattr(pool, "mamba_ckpt_pool", None) is None
+                              and getattr(pool.mamba_pool, "replayssm_write_pos", None) is None)
 
     def supports_mamba(self) -> bool:
         return True
@@ -103,7 +116,30 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
                                  last_host_node=node, best_match_node=node,
                                  mamba_branching_seqlen=aligned if aligned > match.length
                                  else None, full_kv_hit_length=walked)
-        return self._mamba.finalize_match_result_in_cache(params, result)
+        return self._copy_on_write(params, result)
+
+    def _copy_on_write(self, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
+        """SGLang's ``MambaComponent.finalize_match_result_in_cache``: the matched state is
+        to be copied into the request's own slot (allocated now if it has none; where the
+        pool is empty, SGLang's code evicts a state first)."""
+        if not params.cow_mamba:
+            return result
+        value = result.best_match_node.aux_value
+        if value is None:
+            return result
+        req = params.req
+        if req is None or not self._plain_states:
+            return self._mamba.finalize_match_result_in_cache(params, result)
+        kv = req.kv
+        if kv.mamba_pool_idx is None:
+            allocator = self.req_to_token_pool.mamba_allocator
+            slot = allocator.alloc(1) if allocator.available_size() else None
+            if slot is None:  # (a prepared group may still hold one: SGLang's code decides)
+                return self._mamba.finalize_match_result_in_cache(params, result)
+            kv.mamba_pool_idx = slot[0]
+        kv.mamba_cow_src_index = torch.from_numpy(value)
+        kv.mamba_needs_clear = False
+        return result
 
     # -- insert ----------------------------------------------------------------------------
     def insert(self, params: InsertParams) -> InsertResult:
@@ -132,9 +168,11 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         node had a state already, so the one given was not taken)."""
         extra_key, salt = names
         namespace = extra_key if salt is None else (extra_key, salt)
-        state = state.cpu().numpy() if type(state) is torch.Tensor else np.asarray(state)
+        if type(state) is not np.ndarray or state.dtype != np.int64 or state.ndim != 1:
+            state = (state.cpu().numpy() if type(state) is torch.Tensor
+                     else np.asarray(state)).reshape(-1).astype(np.int64)
         core = self._core
-        result = core.insert(tokens, values, state.reshape(-1).astype(np.int64), namespace,
+        result = core.insert(tokens, values, state, namespace,
                              priority if self._use_priority else 0, inserted_len, 0, dup_from)
         if self.kv_events.enabled and result.prefix_len < len(tokens):
             self._record_stored(result, tokens, values, names)
@@ -154,44 +192,84 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         is_finished = req.finished()
         fill_ids = req.full_untruncated_fill_ids
         token_len = min(up_to, len(fill_ids))
-        params = InsertParams(prev_prefix_len=kv.cache_protected_len,
-                              inserted_len=kv.cache_inserted_len, priority=req.priority or 0)
-        cache_len = self._mamba.prepare_for_caching_req(req=req, insert_params=params,
-                                                        token_ids_len=token_len,
-                                                        is_finished=is_finished)
+        plain = is_finished and self._plain_states
+        if plain:
+            params = None
+            cache_len, state, keep = self._finished_state(req, token_len)
+        else:
+            params = InsertParams(prev_prefix_len=kv.cache_protected_len,
+                                  inserted_len=kv.cache_inserted_len,
+                                  priority=req.priority or 0)
+            cache_len = self._mamba.prepare_for_caching_req(req=req, insert_params=params,
+                                                            token_ids_len=token_len,
+                                                            is_finished=is_finished)
+            state = params.mamba_value
         cache_len = token_len if cache_len is None else min(token_len, cache_len)
         if cache_len <= 0:
-            self._mamba.cleanup_after_caching_req(req, is_finished=is_finished,
-                                                  insert_params=params)
+            if plain:
+                self._release_states(req, keep, inserted=False)
+            else:
+                self._mamba.cleanup_after_caching_req(req, is_finished=is_finished,
+                                                      insert_params=params)
             return
         aligned = cache_len - cache_len % self.page_size
         table = self.req_to_token_pool.req_to_token
-        rows = _cpu_array(table)
+        rows = self._table_array(table)
         if rows is not None:
             values = rows[kv.req_pool_idx, :aligned].astype(np.int64)
         else:
             values = table[kv.req_pool_idx, :aligned].to(dtype=torch.int64).cpu().numpy()
         protected = kv.cache_protected_len
-        result, kept = self._insert_state(_token_array(fill_ids, aligned), values,
-                                          params.mamba_value, (req.extra_key,
-                                                               req.cache_salt or None),
+        result, kept = self._insert_state(_token_array(fill_ids, aligned), values, state,
+                                          (req.extra_key, req.cache_salt or None),
                                           req.priority or 0, kv.cache_inserted_len, protected)
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
         new_last_node = result.last_node
         if protected < aligned:  # the row points at the tree's slots
-            tree_slots = torch.from_numpy(self._core.path_indices(new_last_node, protected))
-            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, aligned)),
-                                         tree_slots)
+            self._write_row(kv.req_pool_idx, protected,
+                            self._core.path_indices(new_last_node, protected))
         self.unlock(req.lock)
-        skip = (_MAMBA,) if envs.SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK.get() else ()
-        req.lock = self.lock(new_last_node, skip_lock_components=skip)
+        req.lock = self.lock(new_last_node, skip_lock_components=self._checkpoint_skip)
         kv.cache_protected_len = aligned
         req.last_node = new_last_node
+        if plain:
+            self._release_states(req, keep, inserted=not kept)
+            return
         self._mamba.cleanup_after_caching_req(
             req, is_finished=is_finished,
             insert_result=InsertResult(prefix_len=result.prefix_len,
                                        last_device_node=new_last_node, mamba_exist=kept),
             insert_params=params)
+
+    def _finished_state(self, req: Any, token_len: int) -> tuple:
+        """SGLang's ``MambaComponent.prepare_for_caching_req`` for a finished request (no
+        int8 checkpoints, no replayed ring): (the length the state it gives is at, 0 for
+        none; that state's slot: its own slot, or with the extra buffer the tracked
+        ping-pong slot whose length the key reaches; that slot's ping-pong index)."""
+        kv = req.kv
+        if not self.enable_mamba_extra_buffer:
+            return token_len, _state_array(kv.mamba_pool_idx), None
+        pool = self.req_to_token_pool
+        keep = pool.get_mamba_ping_pong_keep_idx(req)
+        cache_len = kv.mamba_last_track_seqlen or 0
+        if cache_len > token_len:  # the latest state ran past the key: the one before it
+            previous = kv.mamba_prev_track_seqlen
+            if (pool.mamba_ping_pong_track_buffer_size != 2 or previous is None
+                    or previous > token_len):
+                return 0, None, None
+            cache_len, keep = previous, pool.get_mamba_ping_pong_other_idx(keep)
+        return cache_len, _state_array(kv.mamba_ping_pong_track_buffer[keep]), keep
+
+    def _release_states(self, req: Any, keep: Optional[int], inserted: bool) -> None:
+        """SGLang's ``MambaComponent.cleanup_after_caching_req`` for a finished request (as
+        ``_finished_state``): its state slots go back to the pool, but the one the tree
+        took (ping-pong index ``keep``, with the extra buffer)."""
+        pool = self.req_to_token_pool
+        if self.enable_mamba_extra_buffer:
+            pool.free_mamba_cache(req, mamba_ping_pong_track_buffer_to_keep=(
+                keep if inserted else None))
+        elif not inserted:
+            pool.free_mamba_cache(req)
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         """A request released without a checkpoint gives back its state slots."""
@@ -239,11 +317,23 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
 
     def lock(self, node: Any, skip_lock_components: Any = ()) -> TreeLock:
         """Lock ``node``'s path (full attention) and its state (the node alone)."""
-        return TreeLock(node, self.inc_lock_ref(node, skip_lock_components).to_dec_params())
+        skipped = tuple(skip_lock_components)
+        core = self._core
+        if _FULL not in skipped:
+            core.lock(node, 1)
+        if _MAMBA not in skipped:
+            core.aux_lock(node, 1)
+        return TreeLock(node, DecLockRefParams(node_id=node.id,
+                                               skipped_lock_components=skipped))
 
     def unlock(self, lock: Optional[TreeLock]) -> None:
         if lock is not None:
-            self.dec_lock_ref(lock.node, lock.receipt)
+            skipped = lock.receipt.skipped_lock_components
+            core = self._core
+            if _MAMBA not in skipped:
+                core.aux_lock(lock.node, -1)
+            if _FULL not in skipped:
+                core.lock(lock.node, -1)
 
     def dec_lock_ref(self, node: Any, params: Optional[DecLockRefParams] = None,
                      skip_swa: bool = False) -> DecLockRefResult:

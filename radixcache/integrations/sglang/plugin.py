@@ -168,6 +168,9 @@ def _mamba_refusal(params: Any) -> Optional[str]:
                 f"does not model; {_DROP_FLAG}")
     from sglang.srt.runtime_context import get_exec
 
+    if pool.enable_mamba_extra_buffer_lazy or get_exec().mamba.enable_mamba_extra_buffer_lazy:
+        return ("--mamba-radix-cache-strategy extra_buffer_lazy: radixcache serves the track "
+                f"slots allocated up front (extra_buffer); {_DROP_FLAG}")
     if get_exec().mamba.mamba_max_states_per_path >= 0:
         return (f"--mamba-max-states-per-path {get_exec().mamba.mamba_max_states_per_path}: "
                 f"radixcache keeps every state on a path; {_DROP_FLAG}")

@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
-from .backend import _check_key, _cpu_array, _token_array
+from .backend import _check_key, _token_array
 from .hybrid import RadixcacheHybridBackend
 
 _SWA = ComponentType.SWA
@@ -270,7 +270,7 @@ class RadixcacheSWABackend(RadixcacheHybridBackend):
             return
         aligned = cache_len - cache_len % self.page_size
         table = self.req_to_token_pool.req_to_token
-        rows = _cpu_array(table)
+        rows = self._table_array(table)
         if rows is not None:
             values = rows[kv.req_pool_idx, :aligned].astype(np.int64)
         else:
@@ -282,9 +282,8 @@ class RadixcacheSWABackend(RadixcacheHybridBackend):
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
         new_last_node = result.last_node
         if protected < aligned:  # the row points at the tree's slots
-            tree_slots = torch.from_numpy(self._core.path_indices(new_last_node, protected))
-            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, aligned)),
-                                         tree_slots)
+            self._write_row(kv.req_pool_idx, protected,
+                            self._core.path_indices(new_last_node, protected))
         self.unlock(req.lock)
         req.lock = self.lock(new_last_node)
         kv.cache_protected_len = aligned
@@ -306,7 +305,7 @@ class RadixcacheSWABackend(RadixcacheHybridBackend):
         """SGLang's (``free_kv_row_segments``): every range's full-attention slots, and its
         window slots but in ``[swa_dead_lo, SWA-freed prefix)``, which the request gave back
         already."""
-        table = _cpu_array(self.req_to_token_pool.req_to_token)
+        table = self._table_array(self.req_to_token_pool.req_to_token)
         if table is None or self._numpy_mapping() is None:
             BasePrefixCache.free_kv_row(self, kv, ranges)
             return
