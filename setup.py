@@ -52,7 +52,7 @@ def extensions():
     built = cythonize(
         [Extension(name, [f"radixcache/{name.rsplit('.', 1)[1]}.pyx"], include_dirs=INCLUDE,
                    depends=["radixcache/_include/*.h"])
-         for name in ("radixcache._core_c", "radixcache._blocks_c")],
+         for name in ("radixcache._core_c", "radixcache._hybrid_c", "radixcache._blocks_c")],
         compiler_directives={"language_level": "3"})
     for ext in built:
         # After cythonize, which makes new Extension objects without the flag: without a

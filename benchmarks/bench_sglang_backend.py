@@ -28,7 +28,16 @@ with EAGLE speculative decoding (``is_eagle``: bigram keys; "eagle-chat-*"), and
 session radix cache ("sessions-chat-*": each conversation a session, opened before its first
 turn -- ``open_radix_session`` --, each request given its generation --
 ``ensure_session_generation`` --, closed after its last turn -- ``release_radix_session``;
-the three are timed as cache calls too).
+the three are timed as cache calls too). The chat on a hybrid sliding-window model
+(``swa-chat-page*``: SGLang's ``SWAKVPool`` and ``SWATokenToKVPoolAllocator``, a window of 128
+tokens as GPT-OSS's, a window pool half the full-attention one; SGLang's default is its
+``UnifiedRadixCache`` with the SWA component, on the Rust TreeCore); and on a Mamba /
+linear-attention hybrid (``mamba-chat-page*``: SGLang's ``HybridReqToTokenPool`` with a
+``MambaPool`` of 512 states, a ``HybridLinearKVPool``, a Mamba chunk of 64 tokens as
+Qwen3-Next's; page 16 with ``--mamba-extra-buffer``, the forward pass's state tracking stood in
+for as in the differential tests; the request row and its state slots come from
+``alloc_req_slots``, which evicts states through the cache; SGLang's default is its
+``UnifiedRadixCache`` with the Mamba component, on the Rust TreeCore).
 
     python benchmarks/bench_sglang_backend.py --rounds 7     # interleaved rounds: the ratios
     python -m pytest benchmarks/bench_sglang_backend.py --benchmark-group-by=group \\
@@ -39,6 +48,7 @@ Skipped without SGLang (``bash tests/install_sglang.sh``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -62,14 +72,19 @@ from radixcache.workloads import FRESH_TOKEN_BASE, synthetic_chat
 try:
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
     from sglang.srt.mem_cache import registry
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.environ import envs
     from sglang.srt.mem_cache.allocation import (alloc_paged_token_slots_extend,
-                                                 alloc_token_slots)
+                                                 alloc_req_slots, alloc_token_slots)
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.common import release_kv_cache
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.runtime_context import _CONTEXT
+    from sglang.srt.mem_cache.memory_pool import (HybridLinearKVPool, HybridReqToTokenPool,
+                                                  MHATokenToKVPool, ReqToTokenPool)
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    from sglang.srt.runtime_context import _CONTEXT, mamba_checkpoint_grid
     from sglang.srt.sampling.sampling_params import SamplingParams
 except Exception as exc:  # ImportError, or one of SGLang's own imports failing
     pytest.skip(f"SGLang 0.5.23 is not importable ({type(exc).__name__}: {exc}); "
@@ -88,6 +103,10 @@ CASES = {  # name -> (page size, pool tokens, configuration: None, "eagle" or "s
     "eagle-chat-page16": (16, 1 << 16, "eagle"),
     "sessions-chat-page1": (1, 1 << 16, "sessions"),
     "sessions-chat-page16": (16, 1 << 16, "sessions"),
+    "swa-chat-page1": (1, 1 << 16, None),
+    "swa-chat-page16": (16, 1 << 16, None),
+    "mamba-chat-page1": (1, 1 << 16, None),
+    "mamba-chat-page16": (16, 1 << 16, None),
 }
 #: The server arguments of each configuration (published while the caches are built and run).
 SERVER_ARGS = {
@@ -96,9 +115,19 @@ SERVER_ARGS = {
                   speculative_eagle_topk=1, speculative_num_draft_tokens=4),
     "sessions": dict(enable_session_radix_cache=True),
 }
+#: The sliding window of the hybrid cases (GPT-OSS's).
+SWA_WINDOW = 128
+#: The Mamba hybrids' chunk (Qwen3-Next's) and Mamba pool (states).
+MAMBA_CHUNK = 64
+MAMBA_STATES = 512
 MOONCAKE_REQUESTS = 3000
 #: The allocator's methods a cache calls (their time inside cache calls is "allocator").
-ALLOCATOR_CALLS = ("free", "free_segment", "free_segments", "free_page_ids", "available_size")
+ALLOCATOR_CALLS = ("free", "free_segment", "free_segments", "free_page_ids", "available_size",
+                   "free_swa_segment", "free_full_segment", "translate_loc_from_full_to_swa",
+                   "set_full_to_swa_mapping", "clear_full_to_swa_mapping",
+                   "full_available_size", "swa_available_size")
+#: The Mamba state allocator's methods (likewise).
+MAMBA_ALLOCATOR_CALLS = ("alloc", "free", "available_size", "schedulable_available_size")
 #: The cache methods the loop's scheduler code calls (timed as "cache").
 CACHE_CALLS = ("match_prefix", "lock", "unlock", "prefix_device_indices", "evict_for_alloc",
                "evict", "checkpoint", "free_kv_row", "claim_kv_row", "on_release",
@@ -155,27 +184,59 @@ class Loop:
         page_size, pool, configuration = CASES[case]
         self.page_size = page_size
         longest = max(len(p) + len(o) for p, o in requests) + 2 * page_size
-        kv_pool = MHATokenToKVPool(size=pool, page_size=page_size, dtype=torch.float16,
-                                   head_num=1, head_dim=1, layer_num=1, device="cpu",
-                                   enable_memory_saver=False)
-        if page_size == 1:
-            self.allocator = TokenToKVPoolAllocator(pool, torch.float16, "cpu", kv_pool,
-                                                    need_sort=False)
+        swa, self.mamba = case.startswith("swa"), case.startswith("mamba")
+        if self.mamba:
+            with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+                shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=8,
+                                                n_groups=1, num_heads=2, head_dim=4,
+                                                state_size=4, conv_kernel=2)
+            self.rows = HybridReqToTokenPool(
+                size=2, mamba_size=MAMBA_STATES, mamba_spec_state_size=2,
+                max_context_len=longest, device="cpu", enable_memory_saver=False,
+                cache_params=Mamba2CacheParams(shape=shape, layers=[0]), mamba_layer_ids=[0],
+                enable_mamba_extra_buffer=page_size > 1, speculative_num_draft_tokens=3)
         else:
-            self.allocator = PagedTokenToKVPoolAllocator(pool, page_size, torch.float16, "cpu",
-                                                         kv_pool, need_sort=False)
-        self.rows = ReqToTokenPool(size=2, max_context_len=longest, device="cpu",
-                                   enable_memory_saver=False)
+            self.rows = ReqToTokenPool(size=2, max_context_len=longest, device="cpu",
+                                       enable_memory_saver=False)
+        if swa:
+            kv_pool = SWAKVPool(size=pool, size_swa=pool // 2, page_size=page_size,
+                                dtype=torch.float16, head_num=1, head_dim=1,
+                                swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
+                                device="cpu")
+            self.allocator = SWATokenToKVPoolAllocator(pool, pool // 2, page_size,
+                                                       torch.float16, "cpu", kv_pool,
+                                                       need_sort=False)
+        else:
+            if self.mamba:
+                kv_pool = HybridLinearKVPool(size=pool, dtype=torch.float16,
+                                             page_size=page_size, head_num=1, head_dim=1,
+                                             full_attention_layer_ids=[1], device="cpu",
+                                             enable_memory_saver=False,
+                                             mamba_pool=self.rows.mamba_pool)
+            else:
+                kv_pool = MHATokenToKVPool(size=pool, page_size=page_size, dtype=torch.float16,
+                                           head_num=1, head_dim=1, layer_num=1, device="cpu",
+                                           enable_memory_saver=False)
+            if page_size == 1:
+                self.allocator = TokenToKVPoolAllocator(pool, torch.float16, "cpu", kv_pool,
+                                                        need_sort=False)
+            else:
+                self.allocator = PagedTokenToKVPoolAllocator(pool, page_size, torch.float16,
+                                                             "cpu", kv_pool, need_sort=False)
         params = CacheInitParams(disable=False, req_to_token_pool=self.rows,
                                  token_to_kv_pool_allocator=self.allocator,
                                  page_size=page_size, is_eagle=configuration == "eagle",
-                                 enable_session_radix_cache=configuration == "sessions")
+                                 enable_session_radix_cache=configuration == "sessions",
+                                 sliding_window_size=SWA_WINDOW if swa else None,
+                                 enable_mamba_extra_buffer=self.mamba and page_size > 1)
         backend = "radixcache" if implementation == "radixcache" else None
         backend_module.register()
         with _CONTEXT.override_server_args(radix_cache_backend=backend,
                                            **SERVER_ARGS[configuration]) as args:
+            args._mamba_cache_chunk_size = MAMBA_CHUNK
+            self.grid = mamba_checkpoint_grid(page_size) if self.mamba else 0
             ctx = registry.TreeCacheBuildContext(
-                server_args=args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+                server_args=args, params=params, is_hybrid_swa=swa, is_hybrid_ssm=self.mamba,
                 enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
                 model_config=None, tp_size=1, tp_rank=0, tp_group=None)
             self.cache = registry.create_tree_cache(ctx)
@@ -204,12 +265,17 @@ class Loop:
         for name in CACHE_CALLS:
             self._time_calls(name)
         for name in ALLOCATOR_CALLS:
-            self._time_allocator(name)
+            self._time_allocator(self.allocator, name)
+        if self.mamba:
+            for name in MAMBA_ALLOCATOR_CALLS:
+                self._time_allocator(self.rows.mamba_allocator, name)
 
-    def _time_allocator(self, name: str) -> None:
+    def _time_allocator(self, allocator, name: str) -> None:
         """Time the allocator's work done inside the cache's calls (the frees a cache makes:
         the same slots for both caches)."""
-        method = getattr(self.allocator, name)
+        method = getattr(allocator, name, None)
+        if method is None:  # (each kind of allocator has some of them)
+            return
         clock = time.perf_counter
         depth, seconds = self._depth, self._allocator_seconds
 
@@ -224,7 +290,7 @@ class Loop:
                 seconds[0] += clock() - start
                 depth[0] = 1
 
-        setattr(self.allocator, name, timed)
+        setattr(allocator, name, timed)
 
     def _time_calls(self, name: str) -> None:
         """Time the scheduler's calls of ``name`` on this cache (outermost calls only: a
@@ -246,10 +312,23 @@ class Loop:
 
         setattr(self.cache, name, timed)
 
+    def track(self, req: Req, length: int) -> None:
+        """The forward pass's state tracking with ``--mamba-extra-buffer`` (no model runs
+        here): the state at the last checkpoint boundary was written to the request's next
+        ping-pong slot, which becomes its tracked state."""
+        kv = req.kv
+        boundary = length // self.grid * self.grid
+        if boundary:
+            slot = kv.mamba_next_track_idx or 0
+            kv.mamba_prev_track_seqlen = kv.mamba_last_track_seqlen
+            kv.mamba_last_track_seqlen = boundary
+            kv.mamba_last_track_idx = slot
+            kv.mamba_next_track_idx = self.rows.get_mamba_ping_pong_other_idx(slot)
+
     def run(self) -> dict:
         """One pass over the workload (under the case's server arguments: ``serving``)."""
         clock = time.perf_counter
-        cache, rows, page_size = self.cache, self.rows, self.page_size
+        cache, rows, page_size, mamba = self.cache, self.rows, self.page_size, self.mamba
         sessions = self.sessions
         prompt_tokens = cached_tokens = 0
         loop_start = clock()
@@ -265,7 +344,10 @@ class Loop:
             prefix_len = req.prefix_len
             prompt_tokens += len(req.origin_input_ids)
             cached_tokens += prefix_len
-            rows.alloc([req])
+            if mamba:  # (the row and its state slots; states evicted if short)
+                alloc_req_slots(rows, [req], cache)
+            else:
+                rows.alloc([req])
             row = req.kv.req_pool_idx
             rows.write((row, slice(0, prefix_len)), prefix)
             total = len(req.origin_input_ids) + len(output)
@@ -280,6 +362,8 @@ class Loop:
             rows.write((row, slice(prefix_len, total)), slots)
             req.output_ids.extend(output)
             req.kv.kv_allocated_len = req.kv.kv_committed_len = total
+            if mamba and req.kv.mamba_ping_pong_track_buffer is not None:
+                self.track(req, total)
             req.finished_reason = FINISH_LENGTH(length=len(output))
             release_kv_cache(req, cache, checkpoint=True)
             if sessions is not None and closes:
@@ -291,11 +375,14 @@ class Loop:
                 "tokens": cache.total_size()[0]}
 
 
+@contextlib.contextmanager
 def serving(case: str):
     """The server arguments of ``case``'s configuration, published (a context manager): what
     SGLang's scheduler code reads while the caches are built and run."""
-    return _CONTEXT.override_server_args(radix_cache_backend=None,
-                                         **SERVER_ARGS[CASES[case][2]])
+    with _CONTEXT.override_server_args(radix_cache_backend=None,
+                                       **SERVER_ARGS[CASES[case][2]]) as args:
+        args._mamba_cache_chunk_size = MAMBA_CHUNK
+        yield args
 
 
 def interleaved(cases: list, rounds: int) -> dict:

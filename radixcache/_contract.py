@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Optional, Protocol
 
 __all__ = ["Guard", "Node", "Tree", "EvictionHeap", "Core", "CoreClass", "CoreModule",
+           "AuxNode", "HybridCore", "HybridCoreClass", "HybridModule",
            "BlockIndex", "BlockIndexClass", "BlocksModule"]
 
 IndexArray = Any  # torch.Tensor (int64, 1-D) or numpy.ndarray
@@ -217,6 +218,105 @@ class CoreModule(Protocol):
     Guard: type
 
     def put_slots(self, stack: Any, top: int, slots: Any, bound: int) -> int: ...
+
+
+class AuxNode(Node, Protocol):
+    """A node of a hybrid core: ``Node`` and its auxiliary component (``_hybrid_py``)."""
+
+    @property
+    def aux_value(self) -> Optional[IndexArray]: ...
+    @property
+    def aux_lock_ref(self) -> int: ...
+
+
+class HybridCore(Protocol):
+    """A hybrid cache's tree core (spec: ``_hybrid_py``'s docstring): what the SGLang backend
+    of a sliding-window or Mamba model calls."""
+
+    tree: Tree
+    heap: EvictionHeap
+    guard: Guard
+    page_size: int
+    numpy_arrays: bool
+    core_name: str
+    window: int
+    state: bool
+    evictable: int
+    protected: int
+    aux_evictable: int
+    aux_protected: int
+    last_walk: int
+    last_recovered: list
+    aux_kept: bool
+    lookups: int
+    matched_tokens: int
+    queried_tokens: int
+    inserts: int
+    inserted_tokens: int
+    evictions: int
+    evicted_tokens: int
+
+    def enter(self, what: str) -> None: ...
+
+    def leave(self) -> None: ...
+
+    def match(self, tokens: Tokens, extra_key: Any = None, held: bool = False) -> Any: ...
+
+    def insert(self, tokens: Tokens, kv: Any = None, aux: Any = None, extra_key: Any = None,
+               priority: Any = 0, hits_from: Any = 0, live_from: Any = 0, dup_from: Any = 0,
+               held: bool = False) -> Any: ...
+
+    def exists(self, tokens: Tokens, extra_key: Any = None,
+               held: bool = False) -> Optional[bool]: ...
+
+    def walk(self, tokens: Tokens, extra_key: Any = None) -> int: ...
+
+    def token_array(self, tokens: Tokens) -> Any: ...
+
+    def path_indices(self, node: Any, start: int = 0) -> Any: ...
+
+    def lock(self, node: Any, delta: int, held: bool = False) -> int: ...
+
+    def aux_lock(self, node: Any, delta: int, mark: int = 0, held: bool = False) -> int: ...
+
+    def aux_release(self, node: Any, mark: int, held: bool = False) -> list: ...
+
+    def evict(self, num_tokens: int = 0, aux_tokens: int = 0, held: bool = False) -> tuple: ...
+
+    def pop_victim(self, held: bool = False) -> Optional[Node]: ...
+
+    def remove_leaf(self, node: Node, held: bool = False) -> int: ...
+
+    def take_new_leaf(self) -> Optional[Node]: ...
+
+    def total_size(self) -> tuple: ...
+
+    def export_state(self) -> dict: ...
+
+    def import_state(self, state: dict) -> None: ...
+
+    def reset(self, held: bool = False) -> None: ...
+
+    def reset_stats(self) -> None: ...
+
+    def aux_order(self) -> list: ...
+
+    def check_aux(self) -> None: ...
+
+
+class HybridCoreClass(Protocol):
+    """``HybridCore`` itself: how the backend makes one."""
+
+    def __call__(self, page_size: int, policy: str, numpy_arrays: bool = False,
+                 window: int = 0, state: bool = False) -> HybridCore: ...
+
+
+class HybridModule(Protocol):
+    """A hybrid core module: ``_hybrid_py`` or ``_hybrid_c``."""
+
+    CORE_NAME: str
+    HybridCore: HybridCoreClass
+    AuxNode: type
 
 
 class BlockIndex(Protocol):

@@ -46,6 +46,9 @@ cdef class Node:
     # Laid out for the walk: what a step reads of the node (the key, the child table) sits
     # in its first cache line, right after its header; the parent's slot mirrors the child
     # table and key length, so the next step need not wait for this object.
+    # Only what a one-tier tree uses (160 bytes, 176 with the collector's header): a tier
+    # or component that needs more per node has its own subclass (HostNode), made only by
+    # the trees that use it.
     # Open-addressing hash table of children (linear probing, power-of-two capacity).
     cdef ChildSlot* slots
     cdef int32_t slot_mask
@@ -71,28 +74,30 @@ cdef class Node:
     cdef uint32_t slot_hash
     # 32 bits, beside slot_hash (one word): lock_path refuses a lock beyond INT32_MAX.
     cdef readonly int32_t lock_ref
-    # Host tier, read with lock_ref by a heap's validity check (8 bytes, one word): how many
-    # children are only on the host (a node on the device whose children all are, that is
-    # n_children == n_host_kids, is a device leaf); only on the host (no device value, still
-    # in the tree; never set without a host tier); in its core's write-through queue.
-    cdef int32_t n_host_kids
-    cdef uint8_t host_only
-    cdef uint8_t queued
-    # Its tree's array kind (numpy arrays, else tensors): what value and host_value make.
-    # (In the padding after queued: a node keeps its size.)
+    # One word: evicted, and two bytes (``terminal`` is their public name for is_terminal);
+    # numpy_arrays: its tree's array kind (numpy arrays, else tensors), what value makes.
+    cdef readonly bint evicted
+    cdef uint8_t is_terminal
     cdef uint8_t numpy_arrays
     cdef readonly int64_t created_time
     cdef readonly int64_t priority
     cdef readonly int64_t hit_count
     cdef readonly int64_t id
     cdef readonly object extra_key
-    cdef readonly bint evicted
-    cdef readonly bint terminal
-    # Host tier, cold: the host indices as int64 bytes of exactly key_len entries (a split
-    # copies them into its two halves: one field, not an owner and a pointer, keeps a node
-    # the size class it has without a host tier); None when the node has no host copy.
-    cdef object host_owner
 
+
+cdef class HostNode(Node):
+    # A node of a tree with a host tier (16 bytes more; a one-tier tree never makes one).
+    # Read with lock_ref by the heaps' validity checks: how many children are only on the
+    # host (a node on the device whose children all are, n_children == n_host_kids, is a
+    # device leaf); only on the host (no device value, still in the tree); in its core's
+    # write-through queue.
+    cdef int32_t n_host_kids
+    cdef uint8_t host_only
+    cdef uint8_t queued
+    # The host indices as int64 bytes of exactly key_len entries (a split copies them into
+    # its two halves); None when the node has no host copy.
+    cdef object host_owner
 
 
 # A node's child table (functions, not methods: a Node carries no vtable pointer).
@@ -101,6 +106,16 @@ cdef Py_ssize_t slot_of(Node node, Node child, uint64_t h) noexcept
 cdef void remove_slot(Node node, Py_ssize_t i) noexcept
 cdef int grow(Node node) except -1
 cdef void mirror(Node node) noexcept
+
+# For the hybrid core (_hybrid_c), which cimports this module: what it shares with the
+# tree core's own calls (exported twins of inline helpers; the core inlines its own).
+cdef ChildSlot* table_probe(ChildSlot* table, Py_ssize_t mask, const int64_t* page,
+                            Py_ssize_t page_size, uint64_t h, int64_t ns,
+                            bint mixed) noexcept
+cdef void release_buffer(TokenBuf* tb) noexcept
+cdef object make_index_array(object capsule, bint numpy_arrays)
+cdef object new_empty_indices(bint numpy_arrays)
+cdef object block_tensor(const int64_t* src, Py_ssize_t n, bint numpy_arrays)
 
 
 cdef class Tree:
@@ -112,6 +127,10 @@ cdef class Tree:
     cdef readonly Guard guard
     # The index arrays it makes are numpy arrays (else torch tensors); its nodes copy it.
     cdef readonly bint numpy_arrays
+    # It has a host tier: its nodes are HostNodes.
+    cdef readonly bint host
+    # The class of its nodes when not Node or HostNode (a hybrid core's AuxNode), else None.
+    cdef object node_type
     # extra_key -> namespace id, only while the namespace has nodes. Ids come from a
     # counter and are never reused, so a stale id can only ever find nothing.
     cdef dict namespaces
@@ -138,6 +157,7 @@ cdef class Tree:
     cdef object store_value(self, Node node, object values)
     cdef Py_ssize_t lock_path(self, object node, int delta) except -1
     cdef Node detach_leaf(self, Node node, list dropped)
+    cdef bint holds(self, Node node) noexcept
     cdef object clear(self)
 
 
@@ -155,6 +175,9 @@ cdef class EvictionHeap:
     cdef int policy
     # The host tier's heap: its entries are host leaves (else device leaves).
     cdef bint host
+    # Its tree has a host tier (its nodes are HostNodes): a device leaf may have host-only
+    # children.
+    cdef bint tiered
     cdef Guard guard
     # Eviction ranks (see _core_py): node -> rank, for the nodes whose rank is not 0 (Python
     # ints in [1, 2^63); private, its keys Nodes only: a lookup runs no Python code), shared
@@ -270,7 +293,7 @@ cdef class Core:
                            str what) except -1
     cdef int hand_over_batch(self, object free_callback, object value,
                              object error) except -1
-    cdef int host_leave(self, Node node, object free_host, object on_remove_host,
+    cdef int host_leave(self, HostNode node, object free_host, object on_remove_host,
                         list garbage) except -1
     cdef bint host_leaf_leaves(self, object free_host, object on_remove_host,
                                list garbage) except -1

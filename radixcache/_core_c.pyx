@@ -176,6 +176,13 @@ cdef inline ChildSlot* probe(ChildSlot* table, Py_ssize_t mask, const int64_t* p
     return NULL
 
 
+cdef ChildSlot* table_probe(ChildSlot* table, Py_ssize_t mask, const int64_t* page,
+                            Py_ssize_t page_size, uint64_t h, int64_t ns,
+                            bint mixed) noexcept:
+    """``probe`` for the hybrid core (another module: no inline call there)."""
+    return probe(table, mask, page, page_size, h, ns, mixed)
+
+
 cdef extern from "rc_ints.h":
     bint rc_read_int(PyObject* o, int64_t* out) noexcept
     int rc_copy_outside(int64_t* out, const int64_t* ids, Py_ssize_t n,
@@ -263,8 +270,13 @@ cdef inline void release_tokens(TokenBuf* tb) noexcept:
         PyBuffer_Release(&tb.view)
 
 
+cdef void release_buffer(TokenBuf* tb) noexcept:
+    """``release_tokens`` for the hybrid core."""
+    release_tokens(tb)
+
+
 # -- nodes ---------------------------------------------------------------------------------
-cdef inline const int64_t* host_data(Node node) noexcept:
+cdef inline const int64_t* host_data(HostNode node) noexcept:
     """A node's host indices (key_len of them), or NULL when it has no host copy."""
     if node.host_owner is None:
         return NULL
@@ -300,10 +312,10 @@ cdef void drop_subtree(Node top) noexcept:
         node.evicted = True
         node.value_ptr = NULL
         node.value_owner = None
-        node.host_owner = None
+        if type(node) is HostNode:
+            (<HostNode>node).host_owner = None
 
 
-@cython.final
 @cython.no_gc_clear  # a generated tp_clear would drop key_owner under key_ptr
 cdef class Node:
     """A radix tree node of the compiled core."""
@@ -342,7 +354,7 @@ cdef class Node:
     @property
     def value(self):
         cdef Py_ssize_t start = self.value_off, length = self.key_len
-        if self.evicted or self.host_only:
+        if self.evicted or (type(self) is HostNode and (<HostNode>self).host_only):
             return None
         if self.value_ptr != NULL:
             base = <const int64_t*>PyBytes_AS_STRING(self.value_owner)
@@ -358,19 +370,19 @@ cdef class Node:
 
     @property
     def on_device(self):
-        return not self.host_only
+        return True
 
     @property
     def host_value(self):
-        if self.host_owner is None or self.evicted:
-            return None
-        return block_tensor(host_data(self), self.key_len, self.numpy_arrays)
+        return None
 
     @property
     def tier(self):
-        if self.host_only:
-            return "host"
-        return "device" if self.host_owner is None else "device+host"
+        return "device"
+
+    @property
+    def terminal(self):
+        return bool(self.is_terminal)
 
     @property
     def parent(self):
@@ -397,6 +409,28 @@ cdef class Node:
 
     def __reduce_ex__(self, protocol):
         raise node_not_copyable()
+
+
+@cython.final
+@cython.no_gc_clear  # as Node's
+cdef class HostNode(Node):
+    """A node of a compiled core with a host tier."""
+
+    @property
+    def on_device(self):
+        return not self.host_only
+
+    @property
+    def host_value(self):
+        if self.host_owner is None or self.evicted:
+            return None
+        return block_tensor(host_data(self), self.key_len, self.numpy_arrays)
+
+    @property
+    def tier(self):
+        if self.host_only:
+            return "host"
+        return "device" if self.host_owner is None else "device+host"
 
 
 # -- child tables: functions, not methods, so that a Node carries no vtable pointer -----
@@ -495,9 +529,10 @@ _LAYOUT_PROBLEMS = ("", "wrong parent", "slot_hash differs", "hash is not its fi
 cdef class Tree:
     """The compiled radix tree: walks, splits, locks; no tensors, no heap."""
 
-    def __cinit__(self, Py_ssize_t page_size, bint numpy_arrays=False):
+    def __cinit__(self, Py_ssize_t page_size, bint numpy_arrays=False, bint host=False):
         self.page_size = page_size
         self.numpy_arrays = numpy_arrays
+        self.host = host
         self.seed_ns = 0
         self.seed = _mix(0x9e3779b97f4a7c15ULL)
         self.guard = Guard()
@@ -512,7 +547,13 @@ cdef class Tree:
         self.teardown()
 
     cdef Node new_node(self, Node parent, int64_t now):
-        cdef Node node = Node.__new__(Node)
+        cdef Node node
+        if self.node_type is not None:
+            node = <Node>self.node_type.__new__(self.node_type)
+        elif self.host:
+            node = HostNode.__new__(HostNode)
+        else:
+            node = Node.__new__(Node)
         node.id = _new_id()
         node.last_access_time = now
         node.created_time = now
@@ -593,8 +634,9 @@ cdef class Tree:
         cdef const int64_t* host
         grow(upper)  # detached: nothing to mirror yet
         upper_host = lower_host = None
-        if child.host_owner is not None:  # the host copy's halves (bytes: no Python code)
-            host = host_data(child)
+        if self.host and (<HostNode>child).host_owner is not None:
+            # The host copy's halves (bytes: no Python code).
+            host = host_data(<HostNode>child)
             upper_host = PyBytes_FromStringAndSize(<const char*>host, at * sizeof(int64_t))
             lower_host = PyBytes_FromStringAndSize(<const char*>(host + at),
                                                    (child.key_len - at) * sizeof(int64_t))
@@ -618,11 +660,13 @@ cdef class Tree:
             child.value_ptr = child.value_ptr + at
         elif child.value_owner is not None:
             child.value_off += at
-        # The host copy in halves; a host-only node splits into two host-only halves.
-        upper.host_owner = upper_host
-        child.host_owner = lower_host  # the old bytes go (no finalizer: plain bytes)
-        upper.host_only = child.host_only
-        upper.n_host_kids = 1 if child.host_only else 0
+        if self.host:
+            # The host copy in halves; a host-only node splits into two host-only halves.
+            (<HostNode>upper).host_owner = upper_host
+            # The old bytes go (no finalizer: plain bytes).
+            (<HostNode>child).host_owner = lower_host
+            (<HostNode>upper).host_only = (<HostNode>child).host_only
+            (<HostNode>upper).n_host_kids = 1 if (<HostNode>child).host_only else 0
         # Upper takes child's slot in the parent (same first page, same hash): the slot's
         # reference to child moves into upper's table below.
         Py_INCREF(upper)
@@ -675,6 +719,12 @@ cdef class Tree:
         return child
 
     # -- node bookkeeping ------------------------------------------------------------
+    cdef bint holds(self, Node node) noexcept:
+        """Whether ``node`` is in this tree: its parents lead to this root."""
+        while node.parent_ptr != NULL:
+            node = <Node>node.parent_ptr
+        return node is self.root
+
     def _check_member(self, node):
         cdef Node top
         if not isinstance(node, Node):
@@ -684,10 +734,8 @@ cdef class Tree:
         top = <Node>node
         if top.evicted:
             raise ValueError(f"node {top.id} was evicted")
-        while top.parent_ptr != NULL:
-            top = <Node>top.parent_ptr
-        if top is not self.root:
-            raise ValueError(f"node {(<Node>node).id} belongs to another cache")
+        if not self.holds(top):
+            raise ValueError(f"node {top.id} belongs to another cache")
 
     # The Core holds the guard around these: none of them takes it, and each returns (or
     # appends to ``dropped``) the references it let go, for the Core to release after it.
@@ -723,7 +771,7 @@ cdef class Tree:
             return 0
         self._check_member(node)
         cur = <Node>node
-        if delta > 0 and cur.host_only:
+        if delta > 0 and self.host and (<HostNode>cur).host_only:
             raise lock_host_only(cur.id)
         if delta < 0:
             # Locks taken on descendants show in this node's count too; only its own may go.
@@ -764,16 +812,16 @@ cdef class Tree:
             raise ValueError(f"node {node.id} is not an attached leaf")
         parent = <Node>node.parent_ptr
         remove_slot(parent, slot_of(parent, node, node.slot_hash))
-        if node.host_only:
-            parent.n_host_kids -= 1
+        if self.host and (<HostNode>node).host_only:
+            (<HostNode>parent).n_host_kids -= 1
         node.parent_ptr = NULL
         node.evicted = True
         dropped.append(node.value_owner)
         node.value_ptr = NULL
         node.value_owner = None
-        if node.host_owner is not None:
-            dropped.append(node.host_owner)
-            node.host_owner = None
+        if self.host and (<HostNode>node).host_owner is not None:
+            dropped.append((<HostNode>node).host_owner)
+            (<HostNode>node).host_owner = None
         self.node_count -= 1
         Py_DECREF(node)  # the table's reference; the caller still holds one
         if parent is self.root and node.ns:
@@ -913,11 +961,13 @@ cdef class EvictionHeap:
     children sit together (one or two cache lines), so a sift touches half the levels.
 
     ``guard`` is the tree's (``Tree.guard``), so that a call into either while one of them
-    works raises; without one the heap has its own."""
+    works raises; without one the heap has its own. ``tiered``: its tree has a host tier
+    (its nodes are HostNodes); ``host``: it is that tier's heap (so tiered too)."""
 
-    def __cinit__(self, str policy, Guard guard=None, bint host=False):
+    def __cinit__(self, str policy, Guard guard=None, bint host=False, bint tiered=False):
         self.policy = _POLICY_IDS[policy]
         self.host = host
+        self.tiered = tiered or host
         self.guard = guard if guard is not None else Guard()
         self.items = NULL
         self.size = 0
@@ -1248,12 +1298,16 @@ cdef class EvictionHeap:
     cdef inline bint usable(self, Node node) noexcept:
         """Whether ``node`` is a leaf of this heap's tier: a device leaf (on the device,
         unlocked, no child on the device; without a host tier: an unlocked leaf), or for the
-        host heap a host leaf (only on the host, no children)."""
-        if node.evicted:
+        host heap a host leaf (only on the host, no children). A node of another kind of
+        tree (pushed by hand) is none."""
+        if not self.tiered:
+            return not (node.evicted or node.n_children or node.lock_ref)
+        if node.evicted or type(node) is not HostNode:
             return False
         if self.host:
-            return node.host_only and node.n_children == 0
-        return not (node.n_children != node.n_host_kids or node.lock_ref or node.host_only)
+            return (<HostNode>node).host_only and node.n_children == 0
+        return not (node.n_children != (<HostNode>node).n_host_kids or node.lock_ref
+                    or (<HostNode>node).host_only)
 
     cdef list compact(self):
         """Keep one usable entry per evictable leaf; amortised O(1) per push. The run is
@@ -1498,6 +1552,11 @@ cdef inline object index_array(object capsule, bint numpy_arrays):
     if numpy_arrays:
         return numpy_from_capsule(capsule)
     return _from_dlpack(capsule)
+
+
+cdef object make_index_array(object capsule, bint numpy_arrays):
+    """``index_array`` for the hybrid core."""
+    return index_array(capsule, numpy_arrays)
 
 
 cdef object new_empty_indices(bint numpy_arrays):
@@ -1821,9 +1880,9 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             _load_torch()  # its arrays are tensors: torch's names are bound from here
         self.numpy_arrays = numpy_arrays
         self.page_size = page_size
-        self.tree = Tree(page_size, numpy_arrays)
+        self.tree = Tree(page_size, numpy_arrays, host_tier)
         self.guard = self.tree.guard
-        self.heap = EvictionHeap(policy, self.guard)
+        self.heap = EvictionHeap(policy, self.guard, False, host_tier)
         self.host_heap = EvictionHeap(policy, self.guard, True)
         self.host_tier = host_tier
         self.write_through_hits = write_through_hits if host_tier else 0
@@ -1948,28 +2007,35 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
     cdef object push_if_evictable(self, Node node):
         """Push an evictable (device) leaf; returns what a compaction dropped (to release
         later)."""
-        if (node.n_children != node.n_host_kids or node.lock_ref or node.evicted
-                or node.host_only or node is self.tree.root):
+        if node.lock_ref or node.evicted or node is self.tree.root:
+            return None
+        if self.host_tier:
+            if (node.n_children != (<HostNode>node).n_host_kids
+                    or (<HostNode>node).host_only):
+                return None
+        elif node.n_children:
             return None
         return self.heap.push_entry(node)
 
     cdef object push_host_leaf(self, Node node):
-        """Push a host leaf on the host heap; returns what a compaction dropped."""
-        if node.n_children or node.evicted or not node.host_only:
+        """Push a host leaf on the host heap; returns what a compaction dropped (a node of
+        a tree with a host tier: a HostNode)."""
+        if node.n_children or node.evicted or not (<HostNode>node).host_only:
             return None
         return self.host_heap.push_entry(node)
 
     cdef int queue_if_due(self, Node node) except -1:
-        """Append ``node`` to the write-through queue if it is due for a copy."""
-        if (node.hit_count >= self.write_through_hits and not node.queued
-                and not node.host_only and node.host_owner is None and not node.evicted):
+        """Append ``node`` (a HostNode) to the write-through queue if it is due for a copy."""
+        cdef HostNode hnode = <HostNode>node
+        if (node.hit_count >= self.write_through_hits and not hnode.queued
+                and not hnode.host_only and hnode.host_owner is None and not node.evicted):
             self.wt_queue.append(node)
-            node.queued = True
+            hnode.queued = True
         return 0
 
     cdef object demote(self, Node node, list garbage):
-        """``node`` (with a host copy) leaves the device: the device value goes to
-        ``garbage``, sizes and counters follow, the node and its parent are pushed on the
+        """``node`` (a HostNode with a host copy) leaves the device: the device value goes
+        to ``garbage``, sizes and counters follow, the node and its parent are pushed on the
         heap they now belong to. Calls nothing but pushes (no Python code before every write
         is done). Returns the parent."""
         cdef Node parent = <Node>node.parent_ptr
@@ -1978,8 +2044,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         node.value_owner = None
         node.value_ptr = NULL
         node.value_off = 0
-        node.host_only = True
-        parent.n_host_kids += 1
+        (<HostNode>node).host_only = True
+        (<HostNode>parent).n_host_kids += 1
         self.evictable -= size
         self.evictions += 1
         self.evicted_tokens += size
@@ -2043,7 +2109,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         cdef Node child, node = self.tree.root, last_host
         for i in range(depth):
             child = <Node>self.path[i]
-            if child.host_only:
+            if (<HostNode>child).host_only:
                 host_length += child.key_len
             else:
                 ndev = i + 1
@@ -2092,9 +2158,9 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     release_tokens(&b)
                     lower = child
                     child = self.tree.split(child, common)  # allocates: tokens are done
-                    if lower.queued:
+                    if self.host_tier and (<HostNode>lower).queued:
                         self.wt_queue.append(child)
-                        child.queued = True
+                        (<HostNode>child).queued = True
                     lower = None
                     pos = end  # (the walk ends on the split)
                 else:
@@ -2186,7 +2252,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                 if child is None:
                     break
                 split_here = common < child.key_len
-                if tiered and child.host_only and first_host < 0:
+                if tiered and (<HostNode>child).host_only and first_host < 0:
                     # Host-only from here on (the invariant): the caller's values for the
                     # rest, read now (before anything allocates), for the nodes adopted.
                     first_host = depth
@@ -2265,7 +2331,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             elif first_host >= 0:
                 self.adopt_path(depth, first_host, adopt_values)
             if whole:
-                node.terminal = True
+                node.is_terminal = True
             release_tokens(&b)
             release_tokens(&v)
             if tiered:
@@ -2303,8 +2369,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                 child.value_ptr = values
                 values += child.key_len
             child.value_off = 0
-            child.host_only = False
-            (<Node>child.parent_ptr).n_host_kids -= 1
+            (<HostNode>child).host_only = False
+            (<HostNode>child.parent_ptr).n_host_kids -= 1
             self.evictable += child.key_len
 
     cdef int tiered_insert_end(self, Py_ssize_t depth, Py_ssize_t first_host,
@@ -2328,11 +2394,11 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         if self.write_through_hits > 0:
             # A split of a queued node queued its upper half first (as the split itself
             # does in a match), then the path's nodes due, top-down.
-            if lower is not None and lower.queued and depth:
+            if lower is not None and (<HostNode>lower).queued and depth:
                 child = <Node>self.path[depth - 1]
-                if not child.queued:
+                if not (<HostNode>child).queued:
                     self.wt_queue.append(child)
-                    child.queued = True
+                    (<HostNode>child).queued = True
             for i in range(depth):
                 self.queue_if_due(<Node>self.path[i])
             if leaf is not None:
@@ -2392,7 +2458,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                           klen * sizeof(int64_t)) != 0:
                     return False
                 pos += klen
-            return (<Node>slot.node).terminal
+            return bool((<Node>slot.node).is_terminal)
         finally:
             release_tokens(&b)
             self.give(held)
@@ -2420,7 +2486,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         cdef Node child
         while ns >= 0 and pos < end:
             child = self.tree.find_match(node, buf + pos, end - pos, ns, &common)
-            if child is None or child.host_only:
+            if child is None or (<HostNode>child).host_only:
                 break
             pos += common
             if common < child.key_len:
@@ -2447,7 +2513,10 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         (only for a leaf of the root: nothing was adopted then); it works on its own
         references to the nodes, never on a pointer read before."""
         cdef Node node, top = None
+        cdef HostNode hnode
         cdef Py_ssize_t i
+        # The node kind of this core's tree: a node of another kind is in no state to undo.
+        node_type = HostNode if self.host_tier else Node
         dropped = []  # values and heap entries let go: released after the guard
         self.take(held, "insert")
         try:
@@ -2458,32 +2527,38 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                 if not isinstance(item[0], Node):
                     raise TypeError("revert_insert needs take_adopted()'s (node, start) pairs")
                 nodes.append(item[0])
-            if leaf is not None:
+            # A node of another cache (or kind) is in no state this call can undo: left alone.
+            if leaf is not None and type(leaf) is node_type:
                 node = <Node>leaf
                 if (not node.evicted and node.parent_ptr != NULL and node.n_children == 0
-                        and not node.host_only and node.host_owner is None
-                        and node.lock_ref == 0):
+                        and node.lock_ref == 0 and self.tree.holds(node)
+                        and not (self.host_tier and ((<HostNode>node).host_only
+                                                     or (<HostNode>node).host_owner
+                                                     is not None))):
                     self.evictable -= node.key_len
                     self.inserted_tokens -= node.key_len
                     top = self.tree.detach_leaf(node, dropped)  # may run user code, last
             for i in range(len(nodes) - 1, -1, -1):
-                node = <Node>nodes[i]
-                if (node.evicted or node.host_only or node.host_owner is None
-                        or node.lock_ref or node.parent_ptr == NULL
-                        or node.n_children != node.n_host_kids):
+                if type(nodes[i]) is not HostNode or not self.host_tier:
+                    continue  # (no host tier: nothing is ever adopted)
+                hnode = <HostNode>nodes[i]
+                if (hnode.evicted or hnode.host_only or hnode.host_owner is None
+                        or hnode.lock_ref or hnode.parent_ptr == NULL
+                        or hnode.n_children != hnode.n_host_kids
+                        or not self.tree.holds(hnode)):
                     continue
-                dropped.append(node.value_owner)
-                node.value_owner = None
-                node.value_ptr = NULL
-                node.value_off = 0
-                node.host_only = True
-                top = <Node>node.parent_ptr
-                top.n_host_kids += 1
-                self.evictable -= node.key_len
-                if node.n_children == 0:
-                    dropped.append(self.push_host_leaf(node))
+                dropped.append(hnode.value_owner)
+                hnode.value_owner = None
+                hnode.value_ptr = NULL
+                hnode.value_off = 0
+                hnode.host_only = True
+                top = <Node>hnode.parent_ptr
+                (<HostNode>top).n_host_kids += 1
+                self.evictable -= hnode.key_len
+                if hnode.n_children == 0:
+                    dropped.append(self.push_host_leaf(hnode))
             if top is not None and not top.evicted:
-                if top.host_only:
+                if self.host_tier and (<HostNode>top).host_only:
                     dropped.append(self.push_host_leaf(top))
                 else:
                     dropped.append(self.push_if_evictable(top))
@@ -2582,6 +2657,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         dropped = []  # the leaf's value and stale heap entries, released on return
         self.take(held, "evict")
         try:
+            if not node.evicted:
+                self.tree._check_member(node)  # another cache's node (maybe another kind)
             parent = self.tree.detach_leaf(node, dropped)
             self.heap.drop_rank(node)
             self.evictable -= size
@@ -2698,7 +2775,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             self.hand_over_batch(free_callback, value, error)
         return freed
 
-    cdef int host_leave(self, Node node, object free_host, object on_remove_host,
+    cdef int host_leave(self, HostNode node, object free_host, object on_remove_host,
                         list garbage) except -1:
         """A host-only node without children leaves the tree as in ``evict_host``:
         ``on_remove_host`` and its host indices (a new CPU index array) first, then, read
@@ -2756,7 +2833,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                         stack.append((<Node>child, depth + 1))
         order.sort()
         for item in order:  # every node after its descendants
-            self.host_leave(<Node>item[2], free_host, on_remove_host, garbage)
+            self.host_leave(<HostNode>item[2], free_host, on_remove_host, garbage)
         return 0
 
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
@@ -2769,7 +2846,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         its victim, which re-read the node: nothing read before a call is used after it."""
         cdef int64_t freed = 0
         cdef Py_ssize_t size
-        cdef Node node, parent
+        cdef HostNode node  # (the heap of a tree with a host tier holds HostNodes only)
+        cdef Node parent
         cdef bint per_node = free_callback is not None and not batch
         cdef bint collect = free_callback is not None and batch
         cdef bint use_backup = backup is not None and self.write_through_hits == 0
@@ -2908,7 +2986,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         around the call, or all at once with ``batch``."""
         cdef int64_t target, freed = 0
         cdef Py_ssize_t size
-        cdef Node node, parent
+        cdef HostNode node  # (the host heap holds HostNodes only)
+        cdef Node parent
         cdef bint per_node = free_callback is not None and not batch
         cdef bint collect = free_callback is not None and batch
         cdef bint holding
@@ -2972,14 +3051,14 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         """Copy the queued nodes to the host, FIFO (see ``_core_py``); the tokens copied."""
         cdef int64_t copied = 0
         cdef Py_ssize_t size, refused = 0
-        cdef Node node
+        cdef HostNode node
         garbage = []
         skipped = []  # nodes backup had no room for, in queue order: put back first
         self.guard.enter("write_through")
         try:
             queue = self.wt_queue
             while queue:
-                node = <Node>queue[0]
+                node = <HostNode>queue[0]  # (queued by this core: its HostNodes)
                 if node.evicted or node.host_only or node.host_owner is not None:
                     garbage.append(queue.popleft())
                     node.queued = False
@@ -3028,7 +3107,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
     def load_back(self, match, device_values, on_load=None):
         """Put a match's host continuation back on the device (see ``_core_py``); returns
         its host indices, top-down, as a new CPU int64 array (the core's kind)."""
-        cdef Node node, last, root
+        cdef Node last, root
+        cdef HostNode node
         cdef Py_ssize_t depth = 0, total = 0, i, count, start
         cdef int64_t* out
         cdef const int64_t* base = NULL
@@ -3072,13 +3152,14 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                 if not isinstance(last_obj, Node):
                     raise stale_match("its last_node is no longer on the device")
                 last = <Node>last_obj
-                if last.evicted or last.host_only:
+                if last.evicted or (type(last) is HostNode and (<HostNode>last).host_only):
                     raise stale_match("its last_node is no longer on the device")
-                node = last
-                while node.parent_ptr != NULL:
-                    node = <Node>node.parent_ptr
-                if node is not root:
+                top = last
+                while (<Node>top).parent_ptr != NULL:
+                    top = <Node>(<Node>top).parent_ptr
+                if top is not root:
                     raise stale_match("its last_node is not in this cache")
+                top = None
             else:
                 last = root
             if host_length == 0:
@@ -3087,9 +3168,9 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             else:
                 node_obj = bottom_obj
                 while node_obj is not last:
-                    if not isinstance(node_obj, Node) or node_obj is root:
+                    if not isinstance(node_obj, HostNode) or node_obj is root:
                         raise stale_match("its host nodes do not lead up to its last_node")
-                    node = <Node>node_obj
+                    node = <HostNode>node_obj
                     if node.evicted or not node.host_only or node.host_owner is None:
                         raise stale_match(f"node {node.id} is no longer only on the host")
                     self.note_path(depth, node)
@@ -3113,14 +3194,14 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             capsule = rc_int64_capsule(total, &out)
             start = 0
             for i in range(depth):
-                node = <Node>nodes[i]
+                node = <HostNode>nodes[i]
                 memcpy(out + start, host_data(node), node.key_len * sizeof(int64_t))
                 start += node.key_len
             if type(owner) is bytes:
                 base = <const int64_t*>PyBytes_AS_STRING(owner)
             start = 0
             for i in range(depth):
-                node = <Node>nodes[i]
+                node = <HostNode>nodes[i]
                 node.value_owner = owner
                 if base != NULL:
                     node.value_ptr = base + start
@@ -3129,7 +3210,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     node.value_ptr = NULL
                     node.value_off = start
                 node.host_only = False
-                (<Node>node.parent_ptr).n_host_kids -= 1
+                (<HostNode>node.parent_ptr).n_host_kids -= 1
                 self.evictable += node.key_len
                 start += node.key_len
             self.loaded_tokens += host_length
@@ -3183,7 +3264,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     value = None
                 records.append((order[k][1], key, value, child.extra_key, child.priority,
                                 child.last_access_time, child.created_time, child.hit_count,
-                                bool(child.terminal), child.id))
+                                bool(child.is_terminal), child.id))
             return {"nodes": records, "clock": self.tree.clock,
                     "num_splits": self.tree.num_splits,
                     "empty_inserted": list(self.tree.empty_inserted),
@@ -3231,7 +3312,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     node.created_time = created
                     node.priority = priority
                     node.hit_count = hits
-                    node.terminal = terminal
+                    node.is_terminal = terminal
                     h = tree.page_hash(node.key_ptr, node.ns)
                     # The state's check ran the extra_keys' __eq__; they may answer otherwise
                     # now: the tree itself must hold one child per (namespace, first page).
@@ -3276,16 +3357,26 @@ cdef extern from "Python.h":
         inquiry tp_clear
 
 cdef traverseproc _node_base_traverse = NULL
+cdef traverseproc _host_node_base_traverse = NULL
 cdef traverseproc _heap_base_traverse = NULL
 
 
 cdef int node_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
+    cdef int r = _node_base_traverse(o, visit, arg)
+    return r if r else traverse_children(o, visit, arg)
+
+
+cdef int host_node_traverse(PyObject* o, visitproc visit, void* arg) noexcept:
+    # (Cython's traverse of a subclass calls its base's generated one, not node_traverse.)
+    cdef int r = _host_node_base_traverse(o, visit, arg)
+    return r if r else traverse_children(o, visit, arg)
+
+
+cdef int traverse_children(PyObject* o, visitproc visit, void* arg) noexcept:
     # Plain casts, no reference taken: traversal must not touch reference counts.
     cdef ChildSlot* slots = (<Node>o).slots
     cdef Py_ssize_t i
-    cdef int r = _node_base_traverse(o, visit, arg)
-    if r:
-        return r
+    cdef int r
     if slots != NULL:
         for i in range((<Node>o).slot_mask + 1):
             if slots[i].node != NULL:
@@ -3331,6 +3422,8 @@ cdef int tree_clear(PyObject* o) noexcept:
 
 _node_base_traverse = (<TypeSlots*><void*>Node).tp_traverse
 (<TypeSlots*><void*>Node).tp_traverse = node_traverse
+_host_node_base_traverse = (<TypeSlots*><void*>HostNode).tp_traverse
+(<TypeSlots*><void*>HostNode).tp_traverse = host_node_traverse
 _heap_base_traverse = (<TypeSlots*><void*>EvictionHeap).tp_traverse
 (<TypeSlots*><void*>EvictionHeap).tp_traverse = heap_traverse
 (<TypeSlots*><void*>EvictionHeap).tp_clear = heap_clear

@@ -78,9 +78,9 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
   another tree, or a core with a host tier, changing nothing. ``EvictionHeap.rank_of(node)``
   reads it (0 when none was set).
 - ``pop_victim(held=False) -> Node | None`` and ``remove_leaf(node, held=False) -> int``
-  (tokens freed): the evict loop's two steps; ``remove_leaf`` detaches the leaf, marks it
-  evicted, drops its value and rank, counts the eviction and pushes the parent if it became
-  an evictable leaf.
+  (tokens freed): the evict loop's two steps; ``remove_leaf`` detaches the leaf (ValueError
+  for a node of another cache, or not an attached leaf), marks it evicted, drops its value and
+  rank, counts the eviction and pushes the parent if it became an evictable leaf.
 - ``evict(num_tokens, free_callback=None, batch=False, on_remove=None) -> int``: the whole
   evict loop in one call (never ``held``: it takes the guard itself). Pops victims and
   removes them as the two steps above until ``num_tokens`` are freed or none is left; returns
@@ -129,6 +129,11 @@ value), or both. The core owns no pool and copies no data.
 - Node: ``on_device`` (always True without a host tier; a host-only node has ``value`` and
   ``stored_value`` None but is not ``evicted``), ``host_value`` (a new CPU index array,
   or None), ``tier`` (``"device"``, ``"host"`` or ``"device+host"``).
+- Node kinds: the nodes of a tree with a host tier are ``HostNode`` objects (a subclass of
+  ``Node``, exported by both core modules, carrying the host tier's fields); a one-tier tree
+  makes plain ``Node`` objects, which have no room for them (so a one-tier cache pays
+  nothing per node for the host tier). A call given a node of another cache (whatever its
+  kind) refuses it or, for ``revert_insert``, leaves it alone.
 - Invariants: every node but the root has a device or a host value; no node on the device
   below a host-only node; a locked node is on the device; ``evictable + protected`` = tokens
   on the device; ``host_size`` = tokens with a host copy.
@@ -319,11 +324,12 @@ from ._host_py import HostTier
 from ._options import KEY_FALLS_ON_ACCESS
 from ._state import check_state, id_order
 from ._torch import cat_tensors, empty_indices, indices_from_key, load_torch, on_torch
-from ._tree_py import TOKEN_BYTES, Guard, Node, Tree, index_array
+from ._tree_py import TOKEN_BYTES, Guard, HostNode, Node, Tree, index_array
 from ._types import InsertResult, MatchResult
 from ._validate import INT64_MAX, INT64_MIN
 
-__all__ = ["Core", "Guard", "Node", "Tree", "EvictionHeap", "CORE_NAME", "put_slots"]
+__all__ = ["Core", "Guard", "Node", "HostNode", "Tree", "EvictionHeap", "CORE_NAME",
+           "put_slots"]
 
 CORE_NAME = "python"
 
@@ -452,7 +458,7 @@ class Core(HostTier):
         self._numpy_arrays = numpy_arrays
         self._join = _joined_arrays if numpy_arrays else _joined_values
         self.page_size = page_size
-        self.tree = Tree(page_size, numpy_arrays)
+        self.tree = self._make_tree(page_size, numpy_arrays, bool(host_tier))
         self.guard = self.tree.guard
         self._enter = self.guard.acquire
         self._leave = self.guard.release
@@ -472,6 +478,9 @@ class Core(HostTier):
     def numpy_arrays(self) -> bool:
         """Whether the index arrays this core makes are numpy arrays (else tensors)."""
         return self._numpy_arrays
+
+    def _make_tree(self, page_size: int, numpy_arrays: bool, host_tier: bool) -> Tree:
+        return Tree(page_size, numpy_arrays, host_tier)
 
     # -- the guard, for cache.py's slow paths -----------------------------------------
     def enter(self, what: str) -> None:
@@ -674,11 +683,16 @@ class Core(HostTier):
         self._take(held, "insert")
         garbage: list = []  # dropped values and heap entries: released after the guard
         try:
+            if leaf is not None and not isinstance(leaf, Node):
+                raise TypeError("revert_insert needs the insert's new leaf or None")
+            if not all(isinstance(item[0], Node) for item in adopted):
+                raise TypeError("revert_insert needs take_adopted()'s (node, start) pairs")
             tree = self.tree
             top = None
+            # A node of another cache is in no state this call can undo: left alone.
             if (leaf is not None and not leaf._evicted and leaf._parent is not None
                     and not leaf._children and leaf._on_device and leaf._host is None
-                    and not leaf._lock_ref):
+                    and not leaf._lock_ref and tree._holds(leaf)):
                 size = leaf.num_tokens
                 top, dropped = tree._detach_leaf(leaf)
                 garbage.append(dropped)
@@ -686,7 +700,8 @@ class Core(HostTier):
                 self.inserted_tokens -= size
             for node, _ in reversed(adopted):  # bottom-up: the tier invariant holds
                 if (node._evicted or not node._on_device or node._host is None
-                        or node._lock_ref or any(c._on_device for c in node._children.values())):
+                        or node._lock_ref or any(c._on_device for c in node._children.values())
+                        or not tree._holds(node)):
                     continue
                 garbage.append(node._value)
                 node._value = None
@@ -767,6 +782,8 @@ class Core(HostTier):
         self._take(held, "evict")
         try:
             size = node.num_tokens
+            if not node._evicted:
+                self.tree._check_member(node)  # another cache's node
             parent, value = self.tree._detach_leaf(node)  # value released later
             self.heap._drop_rank(node)
             self.evictable -= size

@@ -17,7 +17,7 @@ from ._state import display_order
 from ._torch import cat_tensors, indices_from_key, load_torch, on_torch
 from ._types import MAX_LOCK_REF, RadixTreeNode
 
-__all__ = ["Guard", "Node", "Tree", "TOKEN_BYTES", "index_array"]
+__all__ = ["Guard", "Node", "HostNode", "Tree", "TOKEN_BYTES", "index_array"]
 
 # The torch names this module uses, bound once some code imports torch (``_bind_torch``).
 _torch: Any = None
@@ -110,14 +110,21 @@ class Guard:
 
 
 class Node:
-    """A radix tree node of the pure-Python core."""
+    """A radix tree node of the pure-Python core.
+
+    It has only what a one-tier tree uses; a tree with a host tier makes ``HostNode``
+    objects, whose slots hold the host tier's fields (here they are class attributes: a
+    plain node is on the device, has no host copy and is never queued)."""
 
     __slots__ = (
         "_key", "_value", "_parent", "_children", "_lock_ref", "_last_access_time",
         "_created_time", "_priority", "_hit_count", "_extra_key", "_id", "_evicted",
-        "_terminal", "_host", "_on_device", "_queued", "_own_locks", "_root_key",
+        "_terminal", "_own_locks", "_root_key",
     )
     _numpy_arrays = False  # index arrays are tensors (``_NumpyNode``: numpy arrays)
+    _host = None  # host indices as int64 bytes (HostNode only)
+    _on_device = True
+    _queued = False  # in the write-through queue (HostNode only)
 
     def __init__(self, key: bytes, parent: "Node | None", extra_key: Any, now: int,
                  priority: int = 0) -> None:
@@ -135,9 +142,6 @@ class Node:
         self._id = _new_id()
         self._evicted = False
         self._terminal = False
-        self._host = None  # host indices as int64 bytes (host tier only)
-        self._on_device = True
-        self._queued = False  # in the write-through queue
         self._root_key = None  # the _RootKey it is filed under (a root child in a namespace)
 
     # -- read-only public view -------------------------------------------------------
@@ -248,19 +252,48 @@ class _NumpyNode(Node):
     _numpy_arrays = True
 
 
+class HostNode(Node):
+    """A node of a tree with a host tier: the host tier's fields are its own slots."""
+
+    __slots__ = ("_host", "_on_device", "_queued")
+
+    def __init__(self, key: bytes, parent: "Node | None", extra_key: Any, now: int,
+                 priority: int = 0) -> None:
+        super().__init__(key, parent, extra_key, now, priority)
+        self._host = None
+        self._on_device = True
+        self._queued = False
+
+
+class _NumpyHostNode(HostNode):
+    """A HostNode of a core of numpy arrays."""
+
+    __slots__ = ()
+    _numpy_arrays = True
+
+
+# The node class of a tree: by (numpy arrays, host tier).
+_NODE_CLASSES = {(False, False): Node, (True, False): _NumpyNode,
+                 (False, True): HostNode, (True, True): _NumpyHostNode}
+
+
 class Tree:
     """The pure-Python radix tree: walks, splits, locks; no tensors, no heap."""
 
     __slots__ = ("page_size", "root", "clock", "node_count", "num_splits", "_page_bytes",
                  "_empty_inserted", "guard", "_enter", "_leave", "_queue", "_numpy_arrays",
-                 "_Node")
+                 "_Node", "host")
 
-    def __init__(self, page_size: int, numpy_arrays: bool = False) -> None:
-        # Index arrays are numpy arrays (else tensors): the nodes' class says which.
+    def __init__(self, page_size: int, numpy_arrays: bool = False, host: bool = False,
+                 node_class: Any = None) -> None:
+        # Index arrays are numpy arrays (else tensors), with a host tier or without: the
+        # nodes' class says which (``node_class``: a subclass's own, its array kind given).
         if not numpy_arrays:
             load_torch()
         self._numpy_arrays = numpy_arrays
-        self._Node = _NumpyNode if numpy_arrays else Node
+        self.host = bool(host)
+        self._Node = (_NODE_CLASSES[bool(numpy_arrays), self.host] if node_class is None
+                      else node_class)
         self.guard = Guard()
         self._enter = self.guard.acquire
         self._leave = self.guard.release
@@ -330,12 +363,13 @@ class Tree:
         node._root_key = None
         upper._value = upper_value
         node._value = lower_value
-        upper._host = upper_host
-        node._host = lower_host
-        upper._on_device = node._on_device
-        if node._queued:
-            upper._queued = True
-            self._queue.append(upper)
+        if self.host:
+            upper._host = upper_host
+            node._host = lower_host
+            upper._on_device = node._on_device
+            if node._queued:
+                upper._queued = True
+                self._queue.append(upper)
         node._key = node._key[at:]
         upper._children[node._key[: self._page_bytes]] = node
         node._parent = upper
@@ -473,6 +507,12 @@ class Tree:
         return pos // TOKEN_BYTES
 
     # -- node bookkeeping ------------------------------------------------------------
+    def _holds(self, node: Node) -> bool:
+        """Whether ``node`` (a Node) is in this tree: its parents lead to this root."""
+        while node._parent is not None:
+            node = node._parent
+        return node is self.root
+
     def _check_member(self, node: Any) -> None:
         if not isinstance(node, Node):
             if isinstance(node, RadixTreeNode):
@@ -480,10 +520,7 @@ class Tree:
             raise TypeError(f"expected a RadixTreeNode, got {type(node).__name__}")
         if node._evicted:
             raise ValueError(f"node {node._id} was evicted")
-        top = node
-        while top._parent is not None:
-            top = top._parent
-        if top is not self.root:
+        if not self._holds(node):
             raise ValueError(f"node {node._id} belongs to another cache")
 
     # The Core holds the guard around these; each returns what it let go, for the Core to
@@ -586,8 +623,9 @@ class Tree:
             node._parent = None
             node._evicted = True
             node._value = None
-            node._host = None
-            node._queued = False
+            if self.host:
+                node._host = None
+                node._queued = False
         return old_root
 
     def check_layout(self) -> None:

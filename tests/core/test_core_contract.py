@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from radixcache import _blocks_py, _contract, _core_py
-from radixcache._core import BLOCKS, CORES
+from radixcache import _blocks_py, _contract, _core_py, _hybrid_py
+from radixcache._core import BLOCKS, CORES, HYBRIDS
 
 PACKAGE = Path(_contract.__file__).resolve().parent
 _POSITIONAL = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
@@ -125,6 +125,41 @@ def test_every_core_module_has_the_contract(core_name):
         2, True, 2, True)
 
 
+def hybrid_objects(module) -> dict:
+    """One object of each kind the hybrid contract speaks of, from a window core."""
+    core = module.HybridCore(1, "lru", window=2)
+    core.insert([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12])
+    node = core.match([1, 2, 3, 4]).last_node
+    return {"HybridCore": core, "AuxNode": node, "Tree": core.tree,
+            "EvictionHeap": core.heap, "Guard": core.guard}
+
+
+@pytest.mark.parametrize("protocol", ["HybridCore", "AuxNode", "Tree", "EvictionHeap",
+                                      "Guard"])
+def test_every_hybrid_object_has_the_contract(core_name, protocol):
+    obj = hybrid_objects(HYBRIDS[core_name])[protocol]
+    problems = contract_problems(getattr(_contract, protocol), obj, f"{core_name}:{protocol}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_hybrid_module_has_the_contract(core_name):
+    module = HYBRIDS[core_name]
+    problems = contract_problems(_contract.HybridModule, module, core_name)
+    problems += contract_problems(_contract.HybridCoreClass, module.HybridCore,
+                                  f"{core_name}.HybridCore")
+    assert not problems, "\n".join(problems)
+    assert module.CORE_NAME == core_name
+    core = module.HybridCore(page_size=2, policy="fifo", numpy_arrays=True, window=0,
+                             state=True)
+    assert (core.page_size, core.numpy_arrays, core.window, core.state) == (2, True, 0, True)
+    assert core.core_name == core_name
+
+
+def test_the_hybrids_follow_the_cores():
+    """The chooser picks the hybrid modules by the cores' rule: compiled where built."""
+    assert set(HYBRIDS) == set(CORES)
+
+
 def test_every_block_module_has_the_contract(blocks):
     problems = contract_problems(_contract.BlocksModule, blocks, blocks.__name__)
     problems += contract_problems(_contract.BlockIndexClass, blocks.BlockIndex,
@@ -222,6 +257,17 @@ def test_the_compiled_core_stub_declares_the_contract():
     assert not problems, "\n".join(problems)
 
 
+def test_the_compiled_hybrid_stub_declares_the_contract():
+    stub = stub_members(PACKAGE / "_hybrid_c.pyi")
+    problems = []
+    for name in ("HybridCore", "AuxNode"):
+        problems += stub_problems(stub.get(name, {}), getattr(_contract, name), name,
+                                  _contract.HybridCoreClass.__call__ if name == "HybridCore"
+                                  else None)
+    problems += stub_problems(stub[""], _contract.HybridModule, "_hybrid_c")
+    assert not problems, "\n".join(problems)
+
+
 def test_the_compiled_block_stub_declares_the_contract():
     stub = stub_members(PACKAGE / "_blocks_c.pyi")
     problems = stub_problems(stub.get("BlockIndex", {}), _contract.BlockIndex, "BlockIndex",
@@ -232,6 +278,7 @@ def test_the_compiled_block_stub_declares_the_contract():
 
 # -- the spec and the layering ---------------------------------------------------------------
 @pytest.mark.parametrize("protocol, module", [(_contract.Core, _core_py),
+                                              (_contract.HybridCore, _hybrid_py),
                                               (_contract.BlockIndex, _blocks_py)])
 def test_the_spec_names_every_method(protocol, module):
     doc = module.__doc__
@@ -241,8 +288,9 @@ def test_the_spec_names_every_method(protocol, module):
     assert not missing, f"{module.__name__}'s docstring does not specify {missing}"
 
 
-@pytest.mark.parametrize("module", ["_core_py", "_core_c", "_blocks_py", "_blocks_c",
-                                    "_types", "_state", "_handover", "_errors", "_torch"])
+@pytest.mark.parametrize("module", ["_core_py", "_core_c", "_hybrid_py", "_hybrid_c",
+                                    "_blocks_py", "_blocks_c", "_types", "_state", "_handover",
+                                    "_errors", "_torch"])
 def test_no_core_imports_the_chooser_or_the_cache(module):
     if module.endswith("_c") and "c" not in CORES:
         pytest.skip("the compiled modules are not built")

@@ -47,17 +47,24 @@ try:
     from sglang.srt.managers.schedule_batch import (FINISH_ABORT, FINISH_LENGTH, Req,
                                                     release_req)
     from sglang.srt.mem_cache import registry
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.environ import envs
     from sglang.srt.mem_cache.allocation import (alloc_paged_token_slots_decode,
                                                  alloc_paged_token_slots_extend,
-                                                 alloc_token_slots, get_last_loc_torch)
+                                                 alloc_req_slots, alloc_token_slots,
+                                                 get_last_loc_torch)
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.common import (checkpoint_kv_cache, release_kv_cache,
                                              touch_waiting_prefix)
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.runtime_context import _CONTEXT
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import (HybridLinearKVPool, HybridReqToTokenPool,
+                                                  MHATokenToKVPool, ReqToTokenPool)
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+    from sglang.srt.runtime_context import _CONTEXT, mamba_checkpoint_grid
     from sglang.srt.sampling.sampling_params import SamplingParams
 except Exception as exc:  # ImportError, or one of SGLang's own imports failing
     if os.environ.get("RADIXCACHE_REQUIRE_SGLANG") == "1":
@@ -75,6 +82,17 @@ POOL_TOKENS = {1: 384, 16: 1024}
 ROWS = 8
 #: Scheduler-level calls into our cache, per core (summed in the closing line).
 CALLS: dict = {}
+#: Tokens that must slide out of a request's window before it frees them (SGLang's
+#: ``SGLANG_SWA_EVICTION_INTERVAL``, 128 by default: small here, for short requests).
+SWA_INTERVAL = 4
+#: A Mamba hybrid's checkpoint granularity (the model's Mamba chunk size, preset as SGLang's
+#: own test fixtures do: a dummy model has no config to read it from), and its Mamba pool
+#: by page size: what the running requests hold (a state each, and two ping-pong track slots
+#: with the extra buffer pages > 1 use), one locked cached state each, and a few more, so that
+#: cached states are evicted too (SGLang sizes the pool so that its running requests never
+#: run it dry: a match's copy on write asserts where eviction finds no state to free).
+MAMBA_CHUNK = 4
+MAMBA_SLOTS = {1: 3 * ROWS, 16: 5 * ROWS}
 
 
 # -- building both caches the way SGLang's scheduler does ---------------------------------------
@@ -95,8 +113,24 @@ class Counting:
         setattr(self._cache, name, value)
 
 
-def _server_args(backend: str | None, **fields):
-    return _CONTEXT.override_server_args(radix_cache_backend=backend, **fields)
+class _ServerArgs:
+    """SGLang's test install of the server arguments (``fields`` published with them), with
+    the Mamba chunk size preset."""
+
+    def __init__(self, backend: str | None, **fields) -> None:
+        self.override = _CONTEXT.override_server_args(radix_cache_backend=backend, **fields)
+
+    def install(self):
+        args = self.override.install()
+        args._mamba_cache_chunk_size = MAMBA_CHUNK
+        return args
+
+    def restore(self) -> None:
+        self.override.restore()
+
+
+def _server_args(backend: str | None, **fields) -> _ServerArgs:
+    return _ServerArgs(backend, **fields)
 
 
 def _counting(allocator_class: type) -> type:
@@ -117,12 +151,19 @@ def _counting(allocator_class: type) -> type:
 def build_side(backend: str | None, page_size: int, policy: str, lora_names=None,
                events: bool = True, counting_allocator: bool = False, is_eagle: bool = False,
                sessions: bool = False, server_args: dict | None = None,
-               pool_tokens: int | None = None):
+               pool_tokens: int | None = None, window: int = 0, state: bool = False):
     """One side's cache (SGLang's default with ``backend`` None), allocator and request rows,
     built through SGLang's registry; ``is_eagle`` and ``sessions`` set the cache parameters
     of EAGLE speculative decoding and ``--enable-session-radix-cache``, ``server_args`` the
     published server arguments the factory sees; the pool holds ``POOL_TOKENS[page_size]``
-    tokens unless ``pool_tokens`` says otherwise."""
+    tokens unless ``pool_tokens`` says otherwise. ``window`` > 0: a hybrid sliding-window
+    model of that window (SGLang's ``SWAKVPool`` and ``SWATokenToKVPoolAllocator``, a window
+    pool half the size of the full-attention one); ``state``: a Mamba hybrid (SGLang's
+    ``HybridReqToTokenPool`` with its ``MambaPool``, a ``HybridLinearKVPool``)."""
+    if window:
+        return _build_swa_side(backend, page_size, policy, lora_names, events, window)
+    if state:
+        return _build_mamba_side(backend, page_size, policy, lora_names, events)
     pool = POOL_TOKENS[page_size] if pool_tokens is None else pool_tokens
     kv_pool = MHATokenToKVPool(size=pool, page_size=page_size,
                                dtype=torch.float16, head_num=1, head_dim=2, layer_num=1,
@@ -144,19 +185,74 @@ def build_side(backend: str | None, page_size: int, policy: str, lora_names=None
                              eviction_policy=policy, enable_kv_cache_events=events,
                              is_eagle=is_eagle, enable_session_radix_cache=sessions,
                              tree_core_backend=None if backend else "python")
+    return (_create_cache(backend, params, lora_names, server_args=server_args),
+            allocator, rows)
+
+
+def _create_cache(backend: str | None, params, lora_names, server_args: dict | None = None,
+                  **flags):
+    """SGLang's registry builds the cache: its default one, or ``backend``'s (``server_args``
+    published while it does)."""
     if lora_names is not None:
         params.kv_event_lora_names = lora_names
     override = _server_args(backend, **(server_args or {}))
-    server_args = override.install()
+    args = override.install()
     try:
-        ctx = registry.TreeCacheBuildContext(
-            server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
-            model_config=None, tp_size=1, tp_rank=0, tp_group=None)
-        cache = registry.create_tree_cache(ctx)
+        ctx = registry.TreeCacheBuildContext(**{
+            "server_args": args, "params": params, "is_hybrid_swa": False,
+            "is_hybrid_ssm": False, "enable_hierarchical_cache": False,
+            "disable_radix_cache": False, "tp_worker": None, "model_config": None,
+            "tp_size": 1, "tp_rank": 0, "tp_group": None, **flags})
+        return registry.create_tree_cache(ctx)
     finally:
         override.restore()
-    return cache, allocator, rows
+
+
+def _build_swa_side(backend: str | None, page_size: int, policy: str, lora_names, events: bool,
+                    window: int):
+    size = POOL_TOKENS[page_size]
+    kv_pool = SWAKVPool(size=size, size_swa=size // 2, page_size=page_size,
+                        dtype=torch.float16, head_num=1, head_dim=2,
+                        swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
+    allocator = SWATokenToKVPoolAllocator(size, size // 2, page_size, torch.float16, "cpu",
+                                          kv_pool, need_sort=True)
+    rows = ReqToTokenPool(size=ROWS, max_context_len=4096, device="cpu",
+                          enable_memory_saver=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=rows,
+                             token_to_kv_pool_allocator=allocator, page_size=page_size,
+                             eviction_policy=policy, enable_kv_cache_events=events,
+                             tree_core_backend=None if backend else "python",
+                             sliding_window_size=window)
+    return _create_cache(backend, params, lora_names, is_hybrid_swa=True), allocator, rows
+
+
+def _build_mamba_side(backend: str | None, page_size: int, policy: str, lora_names,
+                      events: bool):
+    size = POOL_TOKENS[page_size]
+    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=8, n_groups=1,
+                                        num_heads=2, head_dim=4, state_size=4, conv_kernel=2)
+    rows = HybridReqToTokenPool(size=ROWS, mamba_size=MAMBA_SLOTS[page_size],
+                                mamba_spec_state_size=ROWS,
+                                max_context_len=4096, device="cpu", enable_memory_saver=False,
+                                cache_params=Mamba2CacheParams(shape=shape, layers=[0]),
+                                mamba_layer_ids=[0], enable_mamba_extra_buffer=page_size > 1,
+                                speculative_num_draft_tokens=3)
+    kv_pool = HybridLinearKVPool(size=size, dtype=torch.float16, page_size=page_size,
+                                 head_num=1, head_dim=2, full_attention_layer_ids=[1],
+                                 device="cpu", enable_memory_saver=False,
+                                 mamba_pool=rows.mamba_pool)
+    if page_size == 1:
+        allocator = TokenToKVPoolAllocator(size, torch.float16, "cpu", kv_pool, need_sort=True)
+    else:
+        allocator = PagedTokenToKVPoolAllocator(size, page_size, torch.float16, "cpu", kv_pool,
+                                                need_sort=True)
+    params = CacheInitParams(disable=False, req_to_token_pool=rows,
+                             token_to_kv_pool_allocator=allocator, page_size=page_size,
+                             eviction_policy=policy, enable_kv_cache_events=events,
+                             tree_core_backend=None if backend else "python",
+                             enable_mamba_extra_buffer=page_size > 1)
+    return _create_cache(backend, params, lora_names, is_hybrid_ssm=True), allocator, rows
 
 
 def apply_split_rule(cache) -> None:
@@ -194,6 +290,17 @@ def apply_split_rule(cache) -> None:
     core._split_node = split_as_radixcache
     core.match_prefix = match_forgetting
     core.begin_insert = insert_forgetting
+    swa = cache.components.get(ComponentType.SWA)
+    if swa is not None:
+        # An SWA split of a node the insert walks through cuts no unused half off: both
+        # halves were used, and keep the call's time.
+        clip = swa._clip_to_window
+
+        def clip_keeping_time(**kwargs):
+            touched.clear()
+            return clip(**kwargs)
+
+        swa._clip_to_window = clip_keeping_time
 
 
 # -- one side: a cache and the scheduler's view of its requests ---------------------------------
@@ -203,15 +310,44 @@ class Side:
         self.allocator = allocator
         self.rows = rows
         self.reqs: dict[str, Req] = {}
+        self.swa = isinstance(allocator, SWATokenToKVPoolAllocator)
+        self.mamba = isinstance(rows, HybridReqToTokenPool)
+        self.decoded: dict[str, int] = {}  # decode steps per request (SWA: the window slides)
 
     def free_slots(self) -> list:
-        pages = self.allocator.get_all_free_pages()
-        return sorted(pages.tolist())
+        if self.swa:  # both pools, and which window slot each full-attention slot has
+            allocator = self.allocator
+            return (sorted(allocator.full_attn_allocator.get_all_free_pages().tolist()),
+                    sorted(allocator.swa_attn_allocator.get_all_free_pages().tolist()),
+                    allocator.full_to_swa_index_mapping.tolist())
+        pages = sorted(self.allocator.get_all_free_pages().tolist())
+        if self.mamba:  # and the Mamba slots, in the order the allocator hands them out
+            return pages, self.rows.mamba_allocator.free_slots.tolist()
+        return pages
 
     def sizes(self) -> tuple:
         c = self.cache._cache
-        return (c.evictable_size(), c.protected_size(), c.full_evictable_size(),
-                c.full_protected_size(), c.total_size())
+        sizes = (c.evictable_size(), c.protected_size(), c.full_evictable_size(),
+                 c.full_protected_size(), c.total_size(), c.swa_evictable_size(),
+                 c.swa_protected_size())
+        if self.mamba:
+            sizes += (c.mamba_evictable_size(), c.mamba_protected_size())
+        return sizes
+
+    def states(self, req: Req) -> tuple:
+        """A Mamba request's state slot and the cached state its match copies."""
+        kv = req.kv
+        source = kv.mamba_cow_src_index
+        return (None if kv.mamba_pool_idx is None else int(kv.mamba_pool_idx),
+                None if source is None else source.tolist(), req.mamba_branching_seqlen)
+
+    def room(self) -> int:
+        """Tokens an allocation can get, evicting what it may (the smaller pool for SWA)."""
+        cache, allocator = self.cache, self.allocator
+        if self.swa:
+            return min(allocator.full_available_size() + cache.full_evictable_size(),
+                       allocator.swa_available_size() + cache.swa_evictable_size())
+        return allocator.available_size() + cache.evictable_size()
 
     def row(self, req: Req) -> list:
         if not req.kv.holds_kv:
@@ -230,7 +366,7 @@ class Side:
             self.reqs[rid] = req
         req.init_next_round_input(self.cache)
         req.lock = self.cache.lock(req.last_node)
-        return (req.prefix_len,) + self._extend(req, chunk)
+        return (req.prefix_len, req.swa_branching_seqlen) + self._extend(req, chunk)
 
     def _extend(self, req: Req, chunk: int) -> tuple:
         page_size = self.allocator.page_size
@@ -240,14 +376,25 @@ class Side:
         if end <= start:
             end = fill
         need = end - start + page_size
-        available = self.allocator.available_size() + self.cache.evictable_size()
+        available = self.room()
         if need > available or (not req.kv.holds_kv and self.rows.available_size() == 0):
             self._drop(req, checkpoint=False, reason="no room")
             return ("refused",)
         if not req.kv.holds_kv:  # a new row starts with the matched prefix's slots
             prefix = (self.cache.prefix_device_indices(req) if req.prefix_len
                       else torch.empty(0, dtype=torch.int64))
-            self.rows.alloc([req])
+            if self.mamba:  # (its state slots first, evicting states if it must)
+                # (the scheduler admits a request only where its state slots can be had)
+                needed = (not req.kv.holds_mamba) + (
+                    self.rows.mamba_initial_tracking_slots
+                    if req.kv.mamba_ping_pong_track_buffer is None else 0)
+                if (self.rows.mamba_allocator.available_size()
+                        + self.cache.mamba_evictable_size() < needed):
+                    self._drop(req, checkpoint=False, reason="no state slot")
+                    return ("refused",)
+                alloc_req_slots(self.rows, [req], self.cache)
+            else:
+                self.rows.alloc([req])
             self.rows.write((req.kv.req_pool_idx, slice(0, start)), prefix)
         if page_size == 1:
             slots = alloc_token_slots(self.cache, end - start)
@@ -262,6 +409,7 @@ class Side:
         self.rows.write((req.kv.req_pool_idx, slice(start, end)), slots)
         req.kv.kv_allocated_len = req.kv.kv_committed_len = end
         req.extend_end = end
+        self.track_state(req)
         if end < fill:
             checkpoint_kv_cache(req, self.cache)  # a chunk: publish it
             return ("chunk", end)
@@ -283,9 +431,10 @@ class Side:
             del self.reqs[rid]
             return ("finished",)
         position = req.kv.kv_committed_len
-        room = self.allocator.available_size() + self.cache.evictable_size()
-        if room < 2 * self.allocator.page_size:
+        if self.room() < 2 * self.allocator.page_size:
             return ("stalled",)
+        if self.swa:
+            self.slide_window(req, position)
         if self.allocator.page_size == 1:
             slot = alloc_token_slots(self.cache, 1)
         else:
@@ -295,14 +444,48 @@ class Side:
             slot = alloc_paged_token_slots_decode(self.cache, seq_lens, seq_lens, last_loc)
         self.rows.write((req.kv.req_pool_idx, slice(position, position + 1)), slot)
         req.kv.kv_allocated_len = req.kv.kv_committed_len = position + 1
+        self.track_state(req)
         req.output_ids.append(req.planned_output[len(req.output_ids)])
         return ("decoded", position)
+
+    def track_state(self, req: Req) -> None:
+        """The model's forward pass, for a Mamba hybrid with ``--mamba-extra-buffer``: once
+        the computed length reaches a new checkpoint boundary, the state there was written
+        to the request's next ping-pong slot, which becomes its tracked state (what SGLang's
+        batch result processor records, non-lazy). No model runs here: this stands in for
+        it, the same on both sides."""
+        kv = req.kv
+        if not self.mamba or kv.mamba_ping_pong_track_buffer is None:
+            return
+        grid = mamba_checkpoint_grid(self.allocator.page_size)
+        boundary = kv.kv_committed_len // grid * grid
+        if boundary and boundary > (kv.mamba_last_track_seqlen or 0):
+            slot = kv.mamba_next_track_idx or 0
+            kv.mamba_prev_track_seqlen = kv.mamba_last_track_seqlen
+            kv.mamba_last_track_seqlen = boundary
+            kv.mamba_last_track_idx = slot
+            kv.mamba_next_track_idx = self.rows.get_mamba_ping_pong_other_idx(slot)
+
+    def slide_window(self, req: Req, position: int) -> None:
+        """The scheduler's ``maybe_evict_swa`` for one decoding request: past its window (in
+        steps of ``SWA_INTERVAL``) the request frees the window slots behind it, and after a
+        few decode steps (the scheduler: a window's length; the outputs here are short) it
+        releases the window part of its prefix's lock."""
+        steps = self.decoded[req.rid] = self.decoded.get(req.rid, 0) + 1
+        window = self.cache.swa_retain_window
+        evicted = req.kv.get_evicted_seqlen(ComponentType.SWA)
+        if steps >= 2 and position - window >= evicted + SWA_INTERVAL:
+            self.cache.evict_sliding_windows(req, position, eviction_interval=1)
+        if steps >= 3:
+            self.cache.release_swa_prefix_lock(req)
 
     def _drop(self, req: Req, *, checkpoint: bool, reason: str) -> None:
         if req.kv.holds_kv:
             req.finished_reason = FINISH_ABORT(reason)
             release_kv_cache(req, self.cache, checkpoint=checkpoint)
         else:
+            if self.mamba:  # the state slot its match took (no row yet)
+                release_kv_cache(req, self.cache, checkpoint=False)
             self.cache.unlock(req.lock)
             req.lock = None
         self.reqs.pop(req.rid, None)
@@ -328,7 +511,8 @@ class Side:
         for tokens, extra_key in probes:
             probe = Req("probe", "", array("q", tokens), SamplingParams(max_new_tokens=1),
                         extra_key=extra_key)
-            probe.init_next_round_input(self.cache)
+            # (The scheduler's probes copy no Mamba state: cow_mamba=False.)
+            probe.init_next_round_input(self.cache, cow_mamba=False if self.mamba else None)
             nodes.append(probe.last_node)
         return tuple(self.cache.dfs_weight_order(nodes))
 
@@ -398,7 +582,8 @@ class Replay:
 
     def __init__(self, core: str, page_size: int, policy: str, seed: int, monkeypatch,
                  split_rule: bool = True, events: bool = True,
-                 counting_allocator: bool = False) -> None:
+                 counting_allocator: bool = False, window: int = 0,
+                 state: bool = False) -> None:
         monkeypatch.setattr(RadixcacheBackend, "core", core)
         backend_module.register()
         from sglang.srt.mem_cache.events import KvEventLoraNames
@@ -411,10 +596,10 @@ class Replay:
         server = self.server_args(page_size)
         pool = self.POOLS[page_size]
         sgl = build_side(None, page_size, policy, lora_names(), events, server_args=server,
-                         pool_tokens=pool, **self.CONFIG)
+                         pool_tokens=pool, window=window, state=state, **self.CONFIG)
         ours = build_side("radixcache", page_size, policy, lora_names(), events,
                           counting_allocator, server_args=server, pool_tokens=pool,
-                          **self.CONFIG)
+                          window=window, state=state, **self.CONFIG)
         assert type(sgl[0]).__name__ == "UnifiedRadixCache"
         assert isinstance(ours[0], RadixcacheBackend) and ours[0].radix_cache.core_name == core
         if split_rule:
@@ -452,6 +637,9 @@ class Replay:
             assert self.sgl.row(req) == self.ours.row(mine), f"row of {rid} differs {where}"
             assert req.kv.cache_protected_len == mine.kv.cache_protected_len, where
             assert req.prefix_len == mine.prefix_len, where
+            if self.sgl.mamba:
+                assert self.sgl.states(req) == self.ours.states(mine), (
+                    f"state slots of {rid} differ {where}")
         sgl_events = self.sgl.cache.take_events()
         our_events = self.ours.cache.take_events()
         assert sgl_events == our_events, f"events differ {where}"

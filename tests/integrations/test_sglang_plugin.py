@@ -106,8 +106,11 @@ def _build_with(monkeypatch, server_args=None, policy="lru", **ctx_flags):
 
 
 REFUSALS = {
-    "hybrid-swa": (dict(is_hybrid_swa=True), None, "sliding-window"),
-    "mamba": (dict(is_hybrid_ssm=True), None, "Mamba"),
+    "hybrid-swa-in-another-allocator": (dict(is_hybrid_swa=True), None,
+                                        "SWATokenToKVPoolAllocator"),
+    "hybrid-swa-and-mamba": (dict(is_hybrid_swa=True, is_hybrid_ssm=True), None,
+                             "both sliding-window and Mamba"),
+    "mamba-in-another-pool": (dict(is_hybrid_ssm=True), None, "ReqToTokenPool"),
     "hierarchical-cache": (dict(enable_hierarchical_cache=True),
                            dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
     "lmcache": ({}, dict(enable_lmcache=True), "--enable-lmcache"),
@@ -195,6 +198,110 @@ def test_supported_configuration_builds(monkeypatch):
     assert not (cache.supports_swa() or cache.supports_mamba()
                 or cache.supports_fast_match_prefix() or cache.supports_auxiliary_swa())
     assert cache.total_size() == (0, 0)
+
+
+def _build_swa(monkeypatch, **param_flags):
+    """Our cache for a hybrid sliding-window model (SGLang's SWA pools), through SGLang's
+    registry; ``param_flags`` set on its CacheInitParams."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    monkeypatch.setattr(RadixcacheBackend, "core", None)
+    backend_module.register()
+    kv_pool = SWAKVPool(size=64, size_swa=32, page_size=1, dtype=torch.float16, head_num=1,
+                        head_dim=2, swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
+                        device="cpu")
+    allocator = SWATokenToKVPoolAllocator(64, 32, 1, torch.float16, "cpu", kv_pool,
+                                          need_sort=True)
+    rows = ReqToTokenPool(size=2, max_context_len=64, device="cpu", enable_memory_saver=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=rows,
+                             token_to_kv_pool_allocator=allocator, page_size=1,
+                             sliding_window_size=8)
+    for name, value in param_flags.items():
+        setattr(params, name, value)
+    with _CONTEXT.override_server_args(radix_cache_backend="radixcache") as args:
+        ctx = registry.TreeCacheBuildContext(
+            server_args=args, params=params, tp_worker=None, model_config=None, tp_size=1,
+            tp_rank=0, tp_group=None, is_hybrid_swa=True, is_hybrid_ssm=False,
+            enable_hierarchical_cache=False, disable_radix_cache=False)
+        return registry.create_tree_cache(ctx)
+
+
+def test_hybrid_swa_builds(monkeypatch):
+    from radixcache.integrations.sglang.swa import RadixcacheSWABackend
+
+    cache = _build_swa(monkeypatch)
+    assert isinstance(cache, RadixcacheSWABackend)
+    assert cache.supports_swa() and not cache.supports_mamba()
+    assert (cache.sliding_window_size, cache.swa_retain_window) == (8, 8)
+    assert cache.total_size() == (0, 0) and cache.swa_evictable_size() == 0
+
+
+@pytest.mark.parametrize("flags, named", [
+    (dict(swa_gates_prefix_match=False), "do not gate prefix matching"),
+    (dict(decoder_swa_bounded_replay=True), "bounded SWA replay"),
+])
+def test_hybrid_swa_variants_refused(monkeypatch, flags, named):
+    with pytest.raises(UnsupportedConfiguration, match=named):
+        _build_swa(monkeypatch, **flags)
+
+
+def _build_mamba(monkeypatch, page_size=1, params_flags=None, server_args=None):
+    """Our cache for a Mamba hybrid (SGLang's Mamba pools, the differential harness's),
+    through SGLang's registry; ``params_flags`` set on its CacheInitParams, ``server_args``
+    on the server arguments it is built under."""
+    import test_sglang_backend as harness
+
+    create = harness._create_cache
+
+    def create_with(backend, params, lora_names, **flags):
+        for name, value in (params_flags or {}).items():
+            setattr(params, name, value)
+        server = _CONTEXT.override_server_args(radix_cache_backend=backend,
+                                               **(server_args or {}))
+        args = server.install()
+        try:
+            ctx = registry.TreeCacheBuildContext(
+                server_args=args, params=params, tp_worker=None, model_config=None,
+                tp_size=1, tp_rank=0, tp_group=None, enable_hierarchical_cache=False,
+                disable_radix_cache=False, **{"is_hybrid_swa": False, **flags})
+            return registry.create_tree_cache(ctx)
+        finally:
+            server.restore()
+
+    monkeypatch.setattr(RadixcacheBackend, "core", None)
+    backend_module.register()
+    monkeypatch.setattr(harness, "_create_cache", create_with if (params_flags or server_args)
+                        else create)
+    return harness.build_side("radixcache", page_size, "lru", state=True)
+
+
+@pytest.mark.parametrize("page_size", (1, 16))
+def test_mamba_builds(monkeypatch, page_size):
+    from radixcache.integrations.sglang.mamba import RadixcacheMambaBackend
+
+    cache, _allocator, rows = _build_mamba(monkeypatch, page_size)
+    assert isinstance(cache, RadixcacheMambaBackend)
+    assert cache.supports_mamba() and not cache.supports_swa()
+    assert cache.enable_mamba_extra_buffer == (page_size > 1) == rows.enable_mamba_extra_buffer
+    assert cache.total_size() == (0, 0)
+    assert (cache.mamba_evictable_size(), cache.mamba_protected_size()) == (0, 0)
+
+
+def test_mamba_variants_refused(monkeypatch):
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    with_checkpoints = HybridReqToTokenPool.__new__(HybridReqToTokenPool)
+    with_checkpoints.mamba_ckpt_pool = object()  # (an int8 checkpoint pool)
+    with pytest.raises(UnsupportedConfiguration, match="int8 Mamba checkpoints"):
+        _build_mamba(monkeypatch, params_flags={"req_to_token_pool": with_checkpoints})
+    with pytest.raises(UnsupportedConfiguration, match="extra_buffer_lazy"):
+        _build_mamba(monkeypatch, 16, server_args={"mamba_radix_cache_strategy":
+                                                   "extra_buffer_lazy"})
+    with pytest.raises(UnsupportedConfiguration, match="--mamba-max-states-per-path 2"):
+        _build_mamba(monkeypatch, server_args={"mamba_max_states_per_path": 2})
 
 
 def test_lock_results_as_sglang_reports_them(ours, monkeypatch):

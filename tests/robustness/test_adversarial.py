@@ -17,7 +17,9 @@ timeout catches a hang. The cases are grouped by the ways user code can break a 
 8. the namespace table growing without bound;
 
 and, in ``adversarial_tensor_cases.py``, tensors whose attributes lie or whose memory goes away
-(t), and the host tier's callbacks (h: ``backup``, ``evict_host``'s free callback).
+(t), and the host tier's callbacks (h: ``backup``, ``evict_host``'s free callback); in
+``adversarial_hybrid_cases.py``, the hybrid cores (a: the auxiliary component's calls under
+re-entry, finalizers, inputs written mid-call, cycles and deep trees).
 
 Where user code changes what the call reads (but does not call the cache), the result must
 equal the pure core's: each such case runs the same scenario on the core under test and on the
@@ -41,7 +43,7 @@ TESTS_DIR = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 
 #: The modules that hold the cases (``tests/robustness/``).
-CASE_MODULES = ("adversarial_cases", "adversarial_tensor_cases")
+CASE_MODULES = ("adversarial_cases", "adversarial_tensor_cases", "adversarial_hybrid_cases")
 
 
 def registered_cases() -> dict[str, str]:
@@ -83,7 +85,7 @@ def test_cases_are_found():
     # Both modules hold cases, and every group of the list above has at least one.
     assert set(CASES.values()) == set(CASE_MODULES)
     groups = {name.split("_")[0] for name in CASES}
-    assert {f"r{i}" for i in range(1, 9)} <= groups and {"t1", "h1"} <= groups, groups
+    assert {f"r{i}" for i in range(1, 9)} <= groups and {"t1", "h1", "a1"} <= groups, groups
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

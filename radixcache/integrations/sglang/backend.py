@@ -320,7 +320,7 @@ class RadixcacheBackend(BasePrefixCache):
         if memoized is not None:
             return memoized
         values = []
-        root = self._cache.root_node
+        root = self.root_node
         while node is not root:
             if node is None or node.evicted:
                 raise ValueError("path_device_indices: the node is not in this cache "
@@ -656,7 +656,7 @@ class RadixcacheBackend(BasePrefixCache):
         return torch.cat(values) if values else self._empty_indices
 
     def _nodes(self):
-        stack = list(reversed(self._cache.root_node.children))
+        stack = list(reversed(self.root_node.children))
         while stack:
             node = stack.pop()
             yield node
@@ -681,7 +681,7 @@ class RadixcacheBackend(BasePrefixCache):
                 stale.append(index)
             else:
                 by_node.setdefault(id(node), []).append(index)
-        root = self._cache.root_node
+        root = self.root_node
         weight: dict[int, int] = {}
         postorder = []
         stack = [(root, False)]
@@ -724,8 +724,12 @@ class RadixcacheBackend(BasePrefixCache):
         start = result.prefix_len
         leaf = result.last_node
         parent = leaf.parent
+        covered = len(tokens) - leaf.num_tokens
+        while covered > start:  # a hybrid cache may have split the new leaf
+            covered -= parent.num_tokens
+            parent = parent.parent
         extra_key, salt = names
-        if parent is self._cache.root_node:
+        if parent is self.root_node:
             prior = None
             if salt is not None:
                 prior = hashlib.sha256(b"sglang-cache-salt-v1\0" + salt.encode()).hexdigest()

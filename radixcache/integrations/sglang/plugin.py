@@ -65,14 +65,27 @@ def _refusal(ctx: Any) -> Optional[str]:
     if ctx.disable_radix_cache or params.disable:
         return ("--disable-radix-cache turns prefix caching off, so there is nothing for "
                 "radixcache to do: drop one of the two flags")
-    if ctx.is_hybrid_swa:
-        return ("this model has sliding-window attention layers (hybrid SWA), which "
-                f"radixcache does not cache; {_DROP_FLAG}")
+    if ctx.is_hybrid_swa and ctx.is_hybrid_ssm:
+        return ("this model has both sliding-window and Mamba/linear-attention layers; "
+                f"radixcache caches one of the two beside full attention; {_DROP_FLAG}")
+    if (ctx.is_hybrid_swa or ctx.is_hybrid_ssm) and params.is_eagle:
+        return ("EAGLE-family speculative decoding (bigram keys) on a hybrid sliding-window "
+                "model: radixcache's hybrid core keys plain tokens only; "
+                f"{_DROP_FLAG}, or serve without speculative decoding")
+    if (ctx.is_hybrid_swa or ctx.is_hybrid_ssm) and params.enable_session_radix_cache:
+        return ("--enable-session-radix-cache on a hybrid model: radixcache keeps session "
+                f"references for full-attention models only; {_DROP_FLAG}, or drop "
+                "--enable-session-radix-cache")
     if ctx.is_hybrid_ssm:
-        return ("this model keeps Mamba/linear-attention state (hybrid SSM), which radixcache "
-                f"does not cache; {_DROP_FLAG}")
+        reason = _mamba_refusal(params)
+        if reason is not None:
+            return reason
     if getattr(ctx, "full_tokens_per_layer", None) == 0:
         return f"this model has no full-attention KV (pure SWA); {_DROP_FLAG}"
+    if ctx.is_hybrid_swa:
+        reason = _swa_refusal(params)
+        if reason is not None:
+            return reason
     if hasattr(params.req_to_token_pool, "req_to_c128_sidecar"):
         return f"this model keeps C128 sidecar pages next to its KV; {_DROP_FLAG}"
     if ctx.enable_hierarchical_cache or _setting("memory", "enable_hierarchical_cache"):
@@ -122,6 +135,54 @@ def _refusal(ctx: Any) -> Optional[str]:
     return None
 
 
+def _swa_refusal(params: Any) -> Optional[str]:
+    """Why a hybrid sliding-window configuration cannot run on radixcache (None: it can)."""
+    allocator = params.token_to_kv_pool_allocator
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+
+    if type(allocator) is not SWATokenToKVPoolAllocator:
+        return (f"its sliding-window KV lives in a {type(allocator).__name__}, whose pages "
+                "radixcache does not remap (it serves SWATokenToKVPoolAllocator); "
+                f"{_DROP_FLAG}")
+    if allocator.swa_req_ring:
+        return ("its sliding-window KV is a per-request ring, which no tree node owns; "
+                f"{_DROP_FLAG}")
+    if not params.swa_gates_prefix_match:
+        return ("its sliding-window slots do not gate prefix matching (a draft-only window), "
+                f"which radixcache does not model; {_DROP_FLAG}")
+    if params.decoder_swa_bounded_replay:
+        return f"bounded SWA replay needs SGLang's unified radix tree; {_DROP_FLAG}"
+    if not params.sliding_window_size or params.sliding_window_size <= 0:
+        return f"the model reports no sliding window size; {_DROP_FLAG}"
+    return None
+
+
+def _mamba_refusal(params: Any) -> Optional[str]:
+    """Why a Mamba / linear-attention configuration cannot run on radixcache (None: it can)."""
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    pool = params.req_to_token_pool
+    if type(pool) is not HybridReqToTokenPool:
+        return (f"its Mamba states live in a {type(pool).__name__}, whose slots radixcache does "
+                f"not manage (it serves HybridReqToTokenPool); {_DROP_FLAG}")
+    if getattr(pool, "mamba_ckpt_pool", None) is not None:
+        return f"int8 Mamba checkpoints need SGLang's unified radix tree; {_DROP_FLAG}"
+    allocator = params.token_to_kv_pool_allocator
+    donor = getattr(allocator, "mamba_full_cache_donor", None)
+    if donor is not None and donor() is not None:
+        return ("its full-attention pool lends memory to the Mamba states, which radixcache "
+                f"does not model; {_DROP_FLAG}")
+    from sglang.srt.runtime_context import get_exec
+
+    if pool.enable_mamba_extra_buffer_lazy or get_exec().mamba.enable_mamba_extra_buffer_lazy:
+        return ("--mamba-radix-cache-strategy extra_buffer_lazy: radixcache serves the track "
+                f"slots allocated up front (extra_buffer); {_DROP_FLAG}")
+    if get_exec().mamba.mamba_max_states_per_path >= 0:
+        return (f"--mamba-max-states-per-path {get_exec().mamba.mamba_max_states_per_path}: "
+                f"radixcache keeps every state on a path; {_DROP_FLAG}")
+    return None
+
+
 def create_backend(ctx: Any) -> "RadixcacheBackend":
     """SGLang's radix-cache factory for ``--radix-cache-backend radixcache``.
 
@@ -129,7 +190,8 @@ def create_backend(ctx: Any) -> "RadixcacheBackend":
         ctx: SGLang's ``TreeCacheBuildContext``.
 
     Returns:
-        A ``RadixcacheBackend`` over ``ctx.params``.
+        A ``RadixcacheBackend`` over ``ctx.params`` (a ``RadixcacheSWABackend`` for a hybrid
+        sliding-window model, a ``RadixcacheMambaBackend`` for a Mamba hybrid).
 
     Raises:
         UnsupportedConfiguration (a ValueError): the model or a flag needs something
@@ -138,6 +200,14 @@ def create_backend(ctx: Any) -> "RadixcacheBackend":
     reason = _refusal(ctx)
     if reason is not None:
         raise UnsupportedConfiguration(f"--radix-cache-backend radixcache: {reason}")
+    if ctx.is_hybrid_swa:
+        from .swa import RadixcacheSWABackend
+
+        return RadixcacheSWABackend(ctx.params)
+    if ctx.is_hybrid_ssm:
+        from .mamba import RadixcacheMambaBackend
+
+        return RadixcacheMambaBackend(ctx.params)
     from .backend import RadixcacheBackend
 
     return RadixcacheBackend(ctx.params)

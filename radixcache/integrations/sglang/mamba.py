@@ -1,0 +1,358 @@
+"""``RadixcacheMambaBackend``: the cache of a Mamba / linear-attention hybrid (Qwen3-Next,
+Qwen3.5: SGLang's ``HybridReqToTokenPool`` and ``MambaPool``).
+
+Such a model keeps, beside its full-attention KV, one recurrent state per request in the Mamba
+pool. A cached prefix can be resumed only where a state was kept: the tree keeps one state
+slot per node (the state after the node's last token) in a radixcache hybrid core with a state
+component (``radixcache._hybrid_py``), locked on that node alone; a match ends at the deepest
+node with a state, and its state is copied into the request's own slot (copy on write); a
+request gives its state to the node it inserts at its checkpoint (the ping-pong track buffers
+of ``--mamba-extra-buffer`` included); eviction frees whole leaves first, then states alone
+(least recently used). It decides as SGLang's ``UnifiedRadixCache`` with its Mamba component
+does: the request-side work (which state a checkpoint gives, the copy on write, what a
+finished request frees) is SGLang's own ``MambaComponent`` code, run on this cache; the tree
+side is the hybrid core's. Slots go back to SGLang's first-in first-out Mamba allocator in the
+order SGLang's cache frees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from sglang.srt.environ import envs
+from sglang.srt.mem_cache.base_prefix_cache import (
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+    TreeLock,
+)
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+from sglang.srt.runtime_context import mamba_checkpoint_grid
+
+from .backend import _check_key, _token_array
+from .hybrid import RadixcacheHybridBackend
+
+_FULL = ComponentType.FULL
+_MAMBA = ComponentType.MAMBA
+
+
+def _state_array(slot: Any) -> np.ndarray:
+    """A state slot (a 0-d or 1-element tensor) as the core's one-slot array."""
+    return np.array((int(slot),), dtype=np.int64)
+
+
+class _TreeView:
+    """What SGLang's ``MambaComponent`` reads of a tree core: a node's state slot."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def get_component_device_value(node: Any, component_type: ComponentType) -> Any:
+        value = node.aux_value
+        return None if value is None else torch.from_numpy(value)
+
+
+class RadixcacheMambaBackend(RadixcacheHybridBackend):
+    """SGLang's ``BasePrefixCache`` for a Mamba / linear-attention hybrid, over a radixcache
+    hybrid core with a state component.
+
+    Built by ``create_backend`` for ``ctx.is_hybrid_ssm``. Node handles are the core's nodes.
+    The methods are SGLang's ``BasePrefixCache`` interface and behave as its
+    ``UnifiedRadixCache`` with the FULL and MAMBA components does.
+
+    Args:
+        params: SGLang's ``CacheInitParams``; its request pool is a ``HybridReqToTokenPool``.
+        core: The radixcache core (``"c"``, ``"python"``); None: the class attribute
+            ``core``, else radixcache's default.
+    """
+
+    #: No sliding-window layers.
+    sliding_window_size: Optional[int] = None
+    tree_components = (_FULL, _MAMBA)
+
+    def __init__(self, params: Any, *, core: Optional[str] = None) -> None:
+        self.enable_mamba_extra_buffer = params.enable_mamba_extra_buffer
+        super().__init__(params, core=core, state=True)
+        # SGLang's own component does the request side (it reads this cache's pools and
+        # calls its evict_for_alloc, inc_lock_ref and dec_lock_ref).
+        self._mamba = MambaComponent(self, params)
+        self._mamba.tree_core = _TreeView()
+        self._grid = mamba_checkpoint_grid(self.page_size)
+        pool = self.req_to_token_pool
+        # What a checkpoint locks of the node it moves to (read at start-up, as SGLang sizes
+        # its Mamba pool by it then).
+        self._checkpoint_skip = (_MAMBA,) if envs.SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK.get() else ()
+        # The request side of a finished request done here, as SGLang's component does it,
+        # where it is plain (no int8 checkpoints, no replayed SSM ring); else its own code.
+        self._plain_states = (getattr(pool, "mamba_ckpt_pool", None) is None
+                              and getattr(pool.mamba_pool, "replayssm_write_pos", None) is None)
+
+    def supports_mamba(self) -> bool:
+        return True
+
+    # -- match -----------------------------------------------------------------------------
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """The deepest cached node with a state (its path's slots), the branching point
+        (the last checkpoint-aligned position the full-attention KV reaches past it), and,
+        with ``params.cow_mamba``, the state copied into the request's own slot (SGLang's
+        ``finalize_match_result_in_cache``)."""
+        found = self._match_key(params.key)
+        if found is None:
+            result = self._empty_match
+        else:
+            match, walked = found
+            aligned = walked // self._grid * self._grid
+            node = match.last_node
+            result = MatchResult(device_prefix_len=match.length, last_device_node=node,
+                                 last_host_node=node, best_match_node=node,
+                                 mamba_branching_seqlen=aligned if aligned > match.length
+                                 else None, full_kv_hit_length=walked)
+        return self._copy_on_write(params, result)
+
+    def _copy_on_write(self, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
+        """SGLang's ``MambaComponent.finalize_match_result_in_cache``: the matched state is
+        to be copied into the request's own slot (allocated now if it has none; where the
+        pool is empty, SGLang's code evicts a state first)."""
+        if not params.cow_mamba:
+            return result
+        value = result.best_match_node.aux_value
+        if value is None:
+            return result
+        req = params.req
+        if req is None or not self._plain_states:
+            return self._mamba.finalize_match_result_in_cache(params, result)
+        kv = req.kv
+        if kv.mamba_pool_idx is None:
+            allocator = self.req_to_token_pool.mamba_allocator
+            slot = allocator.alloc(1) if allocator.available_size() else None
+            if slot is None:  # (a prepared group may still hold one: SGLang's code decides)
+                return self._mamba.finalize_match_result_in_cache(params, result)
+            kv.mamba_pool_idx = slot[0]
+        kv.mamba_cow_src_index = torch.from_numpy(value)
+        kv.mamba_needs_clear = False
+        return result
+
+    # -- insert ----------------------------------------------------------------------------
+    def insert(self, params: InsertParams) -> InsertResult:
+        """Cache ``params.key`` (page-aligned) with ``params.value`` and the state
+        ``params.mamba_value`` (on the last node), as SGLang's unified cache with a Mamba
+        component inserts."""
+        key = params.key
+        _check_key(key, 0)
+        aligned = len(key) - len(key) % self.page_size
+        if params.value is None or params.mamba_value is None:
+            raise ValueError("insert: a Mamba cache needs the KV slots and the state slot")
+        if len(params.value) < aligned:
+            raise ValueError(f"insert: {len(params.value)} values for {aligned} tokens")
+        values = params.value[:aligned]
+        values = (values.numpy() if type(values) is torch.Tensor else np.asarray(values))
+        result, kept = self._insert_state(_token_array(key.token_ids, aligned),
+                                          values.astype(np.int64), params.mamba_value,
+                                          (key.extra_key, key.cache_salt), params.priority or 0,
+                                          params.inserted_len or 0, params.prev_prefix_len)
+        return InsertResult(prefix_len=result.prefix_len, last_device_node=result.last_node,
+                            mamba_exist=kept)
+
+    def _insert_state(self, tokens: np.ndarray, values: np.ndarray, state: Any, names: tuple,
+                      priority: int, inserted_len: int, dup_from: int) -> tuple:
+        """The hybrid core's insert, the duplicates freed; (core result, whether the last
+        node had a state already, so the one given was not taken)."""
+        extra_key, salt = names
+        namespace = extra_key if salt is None else (extra_key, salt)
+        if type(state) is not np.ndarray or state.dtype != np.int64 or state.ndim != 1:
+            state = (state.cpu().numpy() if type(state) is torch.Tensor
+                     else np.asarray(state)).reshape(-1).astype(np.int64)
+        core = self._core
+        result = core.insert(tokens, values, state, namespace,
+                             priority if self._use_priority else 0, inserted_len, 0, dup_from)
+        if self.kv_events.enabled and result.prefix_len < len(tokens):
+            self._record_stored(result, tokens, values, names)
+        if dup_from < result.prefix_len:
+            self._free(torch.from_numpy(values[dup_from:result.prefix_len]))
+        return result, core.aux_kept or not len(tokens)
+
+    # -- checkpoint and release -------------------------------------------------------------
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        """SGLang's ``checkpoint_into_tree`` with the FULL and MAMBA components: the request's
+        KV up to its tracked state (the end, without the extra buffer) goes into the tree
+        with that state, its row points at the tree's slots and its lock moves to the node
+        the insert ended on."""
+        if type(up_to) is not int or up_to < 0:
+            raise ValueError(f"checkpoint: up_to must be an int >= 0, got {up_to!r}")
+        kv = req.kv
+        is_finished = req.finished()
+        fill_ids = req.full_untruncated_fill_ids
+        token_len = min(up_to, len(fill_ids))
+        plain = is_finished and self._plain_states
+        if plain:
+            params = None
+            cache_len, state, keep = self._finished_state(req, token_len)
+        else:
+            params = InsertParams(prev_prefix_len=kv.cache_protected_len,
+                                  inserted_len=kv.cache_inserted_len,
+                                  priority=req.priority or 0)
+            cache_len = self._mamba.prepare_for_caching_req(req=req, insert_params=params,
+                                                            token_ids_len=token_len,
+                                                            is_finished=is_finished)
+            state = params.mamba_value
+        cache_len = token_len if cache_len is None else min(token_len, cache_len)
+        if cache_len <= 0:
+            if plain:
+                self._release_states(req, keep, inserted=False)
+            else:
+                self._mamba.cleanup_after_caching_req(req, is_finished=is_finished,
+                                                      insert_params=params)
+            return
+        aligned = cache_len - cache_len % self.page_size
+        table = self.req_to_token_pool.req_to_token
+        rows = self._table_array(table)
+        if rows is not None:
+            values = rows[kv.req_pool_idx, :aligned].astype(np.int64)
+        else:
+            values = table[kv.req_pool_idx, :aligned].to(dtype=torch.int64).cpu().numpy()
+        protected = kv.cache_protected_len
+        result, kept = self._insert_state(_token_array(fill_ids, aligned), values, state,
+                                          (req.extra_key, req.cache_salt or None),
+                                          req.priority or 0, kv.cache_inserted_len, protected)
+        kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
+        new_last_node = result.last_node
+        if protected < aligned:  # the row points at the tree's slots
+            self._write_row(kv.req_pool_idx, protected,
+                            self._core.path_indices(new_last_node, protected))
+        self.unlock(req.lock)
+        req.lock = self.lock(new_last_node, skip_lock_components=self._checkpoint_skip)
+        kv.cache_protected_len = aligned
+        req.last_node = new_last_node
+        if plain:
+            self._release_states(req, keep, inserted=not kept)
+            return
+        self._mamba.cleanup_after_caching_req(
+            req, is_finished=is_finished,
+            insert_result=InsertResult(prefix_len=result.prefix_len,
+                                       last_device_node=new_last_node, mamba_exist=kept),
+            insert_params=params)
+
+    def _finished_state(self, req: Any, token_len: int) -> tuple:
+        """SGLang's ``MambaComponent.prepare_for_caching_req`` for a finished request (no
+        int8 checkpoints, no replayed ring): (the length the state it gives is at, 0 for
+        none; that state's slot: its own slot, or with the extra buffer the tracked
+        ping-pong slot whose length the key reaches; that slot's ping-pong index)."""
+        kv = req.kv
+        if not self.enable_mamba_extra_buffer:
+            return token_len, _state_array(kv.mamba_pool_idx), None
+        pool = self.req_to_token_pool
+        keep = pool.get_mamba_ping_pong_keep_idx(req)
+        cache_len = kv.mamba_last_track_seqlen or 0
+        if cache_len > token_len:  # the latest state ran past the key: the one before it
+            previous = kv.mamba_prev_track_seqlen
+            if (pool.mamba_ping_pong_track_buffer_size != 2 or previous is None
+                    or previous > token_len):
+                return 0, None, None
+            cache_len, keep = previous, pool.get_mamba_ping_pong_other_idx(keep)
+        return cache_len, _state_array(kv.mamba_ping_pong_track_buffer[keep]), keep
+
+    def _release_states(self, req: Any, keep: Optional[int], inserted: bool) -> None:
+        """SGLang's ``MambaComponent.cleanup_after_caching_req`` for a finished request (as
+        ``_finished_state``): its state slots go back to the pool, but the one the tree
+        took (ping-pong index ``keep``, with the extra buffer)."""
+        pool = self.req_to_token_pool
+        if self.enable_mamba_extra_buffer:
+            pool.free_mamba_cache(req, mamba_ping_pong_track_buffer_to_keep=(
+                keep if inserted else None))
+        elif not inserted:
+            pool.free_mamba_cache(req)
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        """A request released without a checkpoint gives back its state slots."""
+        if not checkpointed:
+            self._mamba.cleanup_after_caching_req(req, is_finished=True)
+
+    # -- evict -----------------------------------------------------------------------------
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free ``params.num_tokens`` full-attention tokens (whole leaves, in policy order),
+        then ``params.mamba_num`` states (least recently used first: a leaf leaves the tree,
+        another node keeps its KV without a state)."""
+        self._check_evict_params(params, ("mamba_num",))
+        freed, states = self._evict(params.num_tokens, params.mamba_num)
+        return EvictResult(num_tokens_evicted=freed, mamba_num_evicted=states)
+
+    def _evict(self, num_tokens: int, mamba_num: int = 0) -> tuple:
+        if self._pending_frees:
+            self._retry_pending_frees()
+        if num_tokens <= 0 and mamba_num <= 0:
+            return 0, 0
+        self._path_memo.clear()
+        freed, states, records = self._core.evict(max(num_tokens, 0), max(mamba_num, 0))
+        events = self.kv_events.enabled
+        full, slots = [], []
+        for values, aux, whole in records:
+            if whole:
+                if events:
+                    self._record_removed(torch.from_numpy(values))
+                full.append(values)
+            if aux is not None:
+                slots.append(aux)
+        if full:  # (one free per pool: SGLang's per-node frees, in the same order)
+            self._free(torch.from_numpy(np.concatenate(full)))
+        if slots:
+            self._mamba._free_mamba_value(torch.from_numpy(np.concatenate(slots)))
+        return freed, states
+
+    # -- locks -----------------------------------------------------------------------------
+    def inc_lock_ref(self, node: Any, skip_lock_components: Any = ()) -> IncLockRefResult:
+        skipped = tuple(skip_lock_components)
+        delta = 0 if _FULL in skipped else self._core.lock(node, 1)
+        if _MAMBA not in skipped:
+            self._core.aux_lock(node, 1)
+        return IncLockRefResult(delta=delta, node_id=node.id, skipped_lock_components=skipped)
+
+    def lock(self, node: Any, skip_lock_components: Any = ()) -> TreeLock:
+        """Lock ``node``'s path (full attention) and its state (the node alone)."""
+        skipped = tuple(skip_lock_components)
+        core = self._core
+        if _FULL not in skipped:
+            core.lock(node, 1)
+        if _MAMBA not in skipped:
+            core.aux_lock(node, 1)
+        return TreeLock(node, DecLockRefParams(node_id=node.id,
+                                               skipped_lock_components=skipped))
+
+    def unlock(self, lock: Optional[TreeLock]) -> None:
+        if lock is not None:
+            skipped = lock.receipt.skipped_lock_components
+            core = self._core
+            if _MAMBA not in skipped:
+                core.aux_lock(lock.node, -1)
+            if _FULL not in skipped:
+                core.lock(lock.node, -1)
+
+    def dec_lock_ref(self, node: Any, params: Optional[DecLockRefParams] = None,
+                     skip_swa: bool = False) -> DecLockRefResult:
+        skipped = () if params is None else params.skipped_lock_components
+        if _MAMBA not in skipped:
+            self._core.aux_lock(node, -1)
+        if _FULL not in skipped:
+            self._core.lock(node, -1)
+        return DecLockRefResult()
+
+    # -- sizes -----------------------------------------------------------------------------
+    def mamba_evictable_size(self) -> int:
+        return self._core.aux_evictable
+
+    def mamba_protected_size(self) -> int:
+        return self._core.aux_protected
+
+    def __repr__(self) -> str:
+        return "RadixcacheMambaBackend()"
+
+
+__all__ = ["RadixcacheMambaBackend"]

@@ -1,0 +1,184 @@
+"""Adversarial cases for the hybrid cores (``_hybrid_py``/``_hybrid_c``): user code that runs
+inside a hybrid call -- an extra_key's ``__hash__``/``__eq__``, finalizers set off by the
+collections that a split or a new node may run -- grouped as the list in
+``test_adversarial.py`` says (a: the auxiliary component). Each case is a function of the core
+under test, run alone in a subprocess by ``test_adversarial.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+
+from adversarial_support import case, only_reentry_errors, outcome
+from radixcache._core import HYBRIDS
+
+
+def hybrid_contents(core) -> list:
+    """Everything a hybrid core holds, comparable across cores."""
+    out = []
+    for node, depth in core.tree.iter_nodes():
+        if depth == 0:
+            continue
+        aux = node.aux_value
+        out.append((depth, repr(node.extra_key), node.key.tolist(), node.value.tolist(),
+                    None if aux is None else aux.tolist(), node.lock_ref, node.aux_lock_ref))
+    return out + [core.total_size(), core.evictable, core.aux_evictable,
+                  [n.key.tolist() for n in core.aux_order()]]
+
+
+def _make(core_name, kind):
+    kwargs = {"window": 3} if kind == "window" else {"state": True}
+    return HYBRIDS[core_name].HybridCore(1, "lru", numpy_arrays=True, **kwargs)
+
+
+def _cores(core_name):
+    return [(kind, _make(core_name, kind)) for kind in ("window", "state")]
+
+
+def _aux(kind, n, start):
+    return list(range(start, start + n)) if kind == "window" else [start]
+
+
+@case
+def a1_extra_key_reenters_the_hybrid_core(core_name):
+    # Hashing and comparing a namespace runs user code; calling the core from there raises
+    # the re-entry error, before anything changed, and the core works on.
+    class Key:
+        core = None
+        armed = False
+        def __init__(self, name): self.name = name
+        def __repr__(self): return f"Key({self.name})"
+        def __hash__(self):
+            if Key.armed:
+                Key.core.evict(1, 1)
+            return 7
+        def __eq__(self, other):
+            if Key.armed:
+                Key.core.match([1, 2])
+            return isinstance(other, Key) and other.name == self.name
+
+    def run(name):
+        results = []
+        for kind, core in _cores(name):
+            Key.core, Key.armed = core, False
+            a = Key("a")
+            core.insert([1, 2, 3, 4], [10, 11, 12, 13], _aux(kind, 4, 20), a)
+            core.insert([1, 2, 5, 6], [14, 15, 16, 17], _aux(kind, 4, 30), a)
+            Key.armed = True
+            outcomes = [
+                outcome(lambda: core.match([1, 2, 3, 9], Key("b")).length),
+                outcome(lambda: core.insert([1, 2, 7, 8], [1, 2, 3, 4], _aux(kind, 4, 40),
+                                            Key("b")).prefix_len),
+                outcome(lambda: core.exists([1, 2, 3, 4], Key("b")))]
+            Key.armed = False
+            assert all(o == ("RuntimeError", True) for o in outcomes), outcomes
+            core.check_aux()
+            core.insert([9, 9], [1, 2], _aux(kind, 2, 50))
+            assert core.match([9, 9]).length == 2
+            results.append((outcomes, hybrid_contents(core)))
+        return results
+
+    assert run(core_name) == run("python")
+
+
+@case
+def a2_finalizers_reenter_during_splits_and_evictions(core_name):
+    # Namespaces that are cyclic garbage once their nodes go: the collector runs their
+    # finalizers at some allocation inside a later call (a split, a new node), and the
+    # finalizers call the core. They get the re-entry error; the core stays consistent.
+    class Key:
+        core = None
+        def __init__(self, i): self.i, self.me = i, self
+        def __hash__(self): return self.i
+        def __eq__(self, other): return isinstance(other, Key) and other.i == self.i
+        def __del__(self):
+            if Key.core is not None:
+                Key.core.insert([self.i, 1], [1, 2], [3, 4] if Key.core.window else [5])
+                Key.core.evict(1, 1)
+
+    for kind, core in _cores(core_name):
+        Key.core = core
+        gc.set_threshold(1, 1, 1)
+        for i in range(150):
+            core.insert([i, 1, 2, 3], [4, 5, 6, 7], _aux(kind, 4, 8), Key(i))
+            core.match([i, 1, 9], Key(i))  # splits
+            if i % 3 == 0:
+                core.evict(3, 2)
+        gc.set_threshold(700, 10, 10)
+        Key.core = None
+        gc.collect()
+        core.check_aux()
+        only_reentry_errors()
+
+
+@case
+def a3_inputs_written_by_a_hash_are_read_as_they_were(core_name):
+    # An extra_key's hashing writes the caller's token, slot and aux arrays mid-call: the
+    # call works on them as they were when it began, on both cores alike.
+    arrays = {}
+
+    class Key:
+        armed = False
+        def __repr__(self): return "Key"
+        def __hash__(self):
+            if Key.armed:
+                for arr in arrays.values():
+                    arr[:] = -5
+            return 3
+        def __eq__(self, other): return isinstance(other, Key)
+
+    def run(name):
+        out = []
+        for kind, core in _cores(name):
+            key = Key()
+            core.insert([1, 2, 3, 4], [10, 11, 12, 13], _aux(kind, 4, 20), key)
+            arrays.update(tokens=np.array([1, 2, 5, 6, 7], dtype=np.int64),
+                          kv=np.arange(30, 35, dtype=np.int64),
+                          aux=np.array(_aux(kind, 5, 40), dtype=np.int64))
+            Key.armed = True
+            result = core.insert(arrays["tokens"], arrays["kv"], arrays["aux"], key)
+            Key.armed = False
+            core.check_aux()
+            out.append((result.prefix_len, hybrid_contents(core)))
+        return out
+
+    assert run(core_name) == run("python")
+
+
+@case
+def a4_cycles_through_hybrid_nodes_are_collected(core_name):
+    # A namespace that holds its own core: the cycle runs through the tree's nodes, which
+    # the collector must see (their children and auxiliary slots included).
+    class Key:
+        def __init__(self, core): self.core = core
+        def __hash__(self): return 1
+        def __eq__(self, other): return self is other
+
+    for kind in ("window", "state"):
+        core = _make(core_name, kind)
+        key = Key(core)
+        for i in range(20):
+            core.insert([1, i, 2], [1, 2, 3], _aux(kind, 3, 4), key)
+        core.match([1, 5], key)
+        probe = weakref.ref(key)
+        del core, key
+        gc.collect()
+        assert probe() is None, "a hybrid tree in a cycle was not collected"
+
+
+@case
+def a5_deep_hybrid_chain_is_freed_without_recursion(core_name):
+    for kind in ("window", "state"):
+        core = _make(core_name, kind)
+        depth = 20_000
+        tokens = np.arange(depth, dtype=np.int64)
+        core.insert(tokens, tokens + 1, tokens + 2 if kind == "window" else [9])
+        for end in range(depth - 1, 0, -1):
+            core.match(tokens[:end])  # each splits the top node
+        assert core.tree.node_count == depth
+        core.check_aux()
+        del core
+        gc.collect()
