@@ -812,9 +812,14 @@ class RadixCache:
                                      None if events is None else events.removed_host, keep)
 
     def next_victim(self, *, host: bool = False, keep: Any = None) -> Any:
-        """The node ``evict`` (``host=True``: ``evict_host``) would take first, passing over
-        those in ``keep``, or None; nothing changes. An engine that decides per victim (a host
-        copy to make room for first) looks before it evicts.
+        """The node ``evict`` would take first; nothing changes (to decide per victim).
+
+        Args:
+            host: The node ``evict_host`` would take first instead.
+            keep: Nodes to pass over, as ``evict``'s ``keep``.
+
+        Returns:
+            A ``RadixTreeNode``, or None when there is none.
 
         Raises:
             ValueError: the cache has no host tier.
@@ -823,22 +828,31 @@ class RadixCache:
         return self._core.next_victim(bool(host), keep)
 
     def back_up(self, node: Any, host_indices: Any) -> None:
-        """Give ``node``, on the device without a host copy, the host copy the engine just
-        made (``host_indices``: as ``evict``'s ``backup`` returns them). For an engine that
-        decides itself which node to write through and when; it stays on the device.
+        """Give ``node`` the host copy the engine just made: the engine's write-through,
+        when it decides itself which node and when. The node stays on the device too.
+
+        Args:
+            node: A node on the device without a host copy (not the root).
+            host_indices: As ``evict``'s ``backup`` returns them, one per slot.
 
         Raises:
             TypeError, ValueError: not a node of this cache, evicted, only on the host or
-                already backed up; ``host_indices`` as ``evict`` refuses a ``backup`` answer;
-                no host tier. Nothing changes then.
+                backed up already; bad ``host_indices`` (as ``evict``); no host tier.
+                Nothing changes then.
         """
         self._need_host_tier("back_up")
         events = self._events
         self._core.back_up(node, host_indices, None if events is None else events.stored_host)
 
     def drop_host_copy(self, node: Any) -> torch.Tensor:
-        """Take back the host copy of ``node``, which stays on the device (the engine frees
-        the returned host indices: a new 1-D CPU int64 array of the cache's kind).
+        """Take back the host copy of ``node``, which stays on the device.
+
+        Args:
+            node: A node on the device with a host copy.
+
+        Returns:
+            Its host indices (a new 1-D CPU int64 array of the cache's kind): the engine
+            frees them.
 
         Raises:
             TypeError, ValueError: not a node of this cache, evicted, only on the host (see
