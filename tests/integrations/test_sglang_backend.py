@@ -475,15 +475,6 @@ class Replay:
         return self.ours.cache.calls
 
 
-@pytest.fixture(params=["c", "python"])
-def backend_core(request) -> str:
-    from radixcache._core import CORES
-
-    if request.param not in CORES:
-        pytest.skip(f"the {request.param!r} core is not available in this build")
-    return request.param
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("page_size", (1, 16), ids=lambda p: f"page{p}")
 def test_same_as_sglang_default_cache(backend_core, monkeypatch, page_size, policy):

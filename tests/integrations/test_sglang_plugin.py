@@ -107,8 +107,6 @@ def _build_with(monkeypatch, server_args=None, policy="lru", **ctx_flags):
 REFUSALS = {
     "hybrid-swa": (dict(is_hybrid_swa=True), None, "sliding-window"),
     "mamba": (dict(is_hybrid_ssm=True), None, "Mamba"),
-    "hierarchical-cache": (dict(enable_hierarchical_cache=True),
-                           dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
     "lmcache": ({}, dict(enable_lmcache=True), "--enable-lmcache"),
     "flexkv": ({}, dict(enable_flexkv=True), "--enable-flexkv"),
     "external-linker": ({}, dict(enable_unified_cache_external_linker=True),

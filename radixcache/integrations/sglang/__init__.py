@@ -15,18 +15,27 @@ cache does (the same matches, the same slots written to request rows, the same s
 the allocator, the same events), except where a match or insert ends inside a node: there only
 the matched part counts as used (see ``docs/sglang.md``).
 
+With ``--enable-hierarchical-cache`` the factory builds a ``HiCacheBackend``: the same cache
+over radixcache's host tier, with SGLang's own host pools and cache controller doing the
+copies, and SGLang's write policies (``write_through``, ``write_through_selective``,
+``write_back``), host eviction, load back and KV events per medium (see
+``docs/sglang-backend.md``).
+
 ``create_backend`` refuses, before the server starts serving, what this cache does not
-implement: sliding-window and Mamba (hybrid) models, hierarchical cache, LMCache, FlexKV,
+implement: sliding-window and Mamba (hybrid) models, HiCache's buffer-only mode, storage
+tier, draft-KV sidecars, pipeline or context parallelism, PD disaggregation and pools with
+side pools (SGLang's own class serves those), LMCache, FlexKV,
 external cache linkers, host-pool retraction, MLX, EAGLE's bigram keys, sharded KV pages,
 session and streaming-session radix caches, a disabled radix cache, eviction policies other
 than ``lru``, ``lfu``, ``fifo``, ``filo``, ``mru``, ``slru`` and ``priority``, and eviction
 policy options.
 
 This package imports SGLang; ``import radixcache`` never does. ``plugin`` holds the entry point,
-the factory and the start-up refusals; ``backend`` the cache.
+the factory and the start-up refusals; ``backend`` the cache; ``hicache`` its host tier.
 """
 
 from .backend import RadixcacheBackend
+from .hicache import HiCacheBackend
 from .plugin import (
     BACKEND_NAME,
     SUPPORTED_EVICTION_POLICIES,
@@ -35,5 +44,5 @@ from .plugin import (
     register,
 )
 
-__all__ = ["BACKEND_NAME", "SUPPORTED_EVICTION_POLICIES", "RadixcacheBackend",
-           "UnsupportedConfiguration", "create_backend", "register"]
+__all__ = ["BACKEND_NAME", "SUPPORTED_EVICTION_POLICIES", "HiCacheBackend",
+           "RadixcacheBackend", "UnsupportedConfiguration", "create_backend", "register"]

@@ -166,8 +166,7 @@ class RadixcacheBackend(BasePrefixCache):
         # SGLang orders by priority under the priority policy only; radixcache under every
         # policy. Priorities given to the others are dropped, so both orders agree.
         self._use_priority = self.eviction_policy == "priority"
-        self._cache = RadixCache(self.page_size, self.eviction_policy,
-                                 core=core if core is not None else self.core)
+        self._cache = self._new_tree(core if core is not None else self.core)
         self.kv_events = KVCacheEventRecorder(
             enabled=params.enable_kv_cache_events, page_size=self.page_size,
             dynamo_format=params.dynamo_kv_event_format,
@@ -189,6 +188,14 @@ class RadixcacheBackend(BasePrefixCache):
         # (the allocator, its _allocator_kind): read again when the allocator is replaced
         self._known_allocator: tuple = (None, _OTHER_ALLOCATOR)
         self.reset()
+
+    #: Whether an insert without events may go straight to the tree (a subclass that follows
+    #: every insert sets it False: ``_insert`` then sees them all).
+    _plain_inserts = True
+
+    def _new_tree(self, core: Optional[str]) -> RadixCache:
+        """The radixcache tree under this cache (a subclass adds a host tier)."""
+        return RadixCache(self.page_size, self.eviction_policy, core=core)
 
     # -- identity and configuration ------------------------------------------------------------
     @property
@@ -284,10 +291,11 @@ class RadixcacheBackend(BasePrefixCache):
         values = []
         root = self._cache.root_node
         while node is not root:
-            if node is None or node.evicted:
+            value = None if node is None or node.evicted else node.value
+            if value is None:
                 raise ValueError("path_device_indices: the node is not in this cache "
-                                 "(evicted, or from another cache)")
-            values.append(node.value)
+                                 "(evicted, only on the host, or from another cache)")
+            values.append(value)
             node = node.parent
         if not values:
             return self._empty_indices
@@ -328,6 +336,11 @@ class RadixcacheBackend(BasePrefixCache):
             self._record_stored(result, tokens, value, names)
         return result
 
+    def _split_at(self, tokens: np.ndarray, namespace: Any, priority: int) -> Any:
+        """Insert ``tokens``, cached already: splits the node they end inside, stamps the
+        path and raises priorities, counts no hit."""
+        return self._cache.insert(tokens, None, namespace, priority, hits_from=len(tokens))
+
     def _free_duplicates(self, value: Any, start: int, end: int) -> None:
         """Free ``value[start:end]`` (``value``: a tensor, or a numpy array of int64)."""
         if start < end:
@@ -366,7 +379,7 @@ class RadixcacheBackend(BasePrefixCache):
         priority = req.priority or 0
         use_priority = self._use_priority
         # A node counts one hit per request: those this request inserted before counted then.
-        if self.kv_events.enabled:
+        if self.kv_events.enabled or not self._plain_inserts:
             result = self._insert(tokens, values, namespace, priority, (extra_key, salt),
                                   kv.cache_inserted_len)
         else:
@@ -380,9 +393,8 @@ class RadixcacheBackend(BasePrefixCache):
             # Split the leaf at the prompt boundary so eviction can drop the answer before
             # the prompt, the prompt one priority up (SGLang does the same). The prompt is
             # cached now: this insert only splits, stamps and raises priorities (no hits).
-            self._cache.insert(tokens[:prompt_len], None, namespace,
-                               min(priority + 1, _INT64_MAX) if use_priority else 0,
-                               hits_from=prompt_len)
+            self._split_at(tokens[:prompt_len], namespace,
+                           min(priority + 1, _INT64_MAX) if use_priority else 0)
         del tokens
         new_last_node = result.last_node
         free_error = None

@@ -1,0 +1,378 @@
+"""The radixcache backend serves SGLang 0.5.23's hierarchical cache deciding as SGLang does.
+
+``--enable-hierarchical-cache`` on both sides: SGLang's default cache (``UnifiedRadixCache``
+with HiCache, its Python TreeCore) and ``--radix-cache-backend radixcache``
+(``HiCacheBackend``), each built through SGLang's registry and factory path with its own real
+pools: a ``ReqToTokenPool``, a real token-to-KV allocator (``need_sort=True``) over a real
+``MHATokenToKVPool`` of two layers, and the host pool group and ``HybridCacheController``
+SGLang's assembler builds for it (``MHATokenToKVPoolHost``, ``layer_first``, the ``direct``
+I/O backend). The harness of ``test_sglang_backend.py`` drives both with one random
+scheduler-level sequence through SGLang's own functions, plus the HiCache steps the scheduler
+takes: the match's host hit, ``init_load_back`` inside the admission's locks (SGLang's
+``PrefillAdder._lock_node``, whose host-lock branch runs for SGLang's own class only),
+``ready_to_load_host_cache`` for each new batch, ``flush_pending_backups`` after each batch
+and ``check_hicache_events`` at the start of a step. After every step both must show the same
+match lengths (device and host), request rows, device and host free slots (in the host
+pool's order: it hands slots out first in, first out), sizes, the controller's queued and
+unacknowledged transfers, KV events (per medium) -- and every live request row must read the
+KV its tokens were given (the copies between device and host are SGLang's own).
+
+Stand-ins, each for a piece that needs a GPU, the same for both caches (``cpu_hicache``):
+``pool_host.common._cuda_host_register`` (pinning registration calls CUDA) is a no-op;
+``torch.cpu.Stream.synchronize`` (the transfer engine calls it when a copy raises, and CPU
+streams lack it) is a no-op; ``pool_host.mha.transfer_kv_direct`` (a ``sgl_kernel`` CUDA
+kernel) is torch indexing, layer by layer. Everything else -- host pools, controller, the
+ack events (CPU events are complete when recorded: a step drains the controller's work
+deterministically), the layer-transfer counter -- is SGLang's.
+
+The deliberate difference of docs/sglang.md (the lower half of a split keeps its access time)
+is applied to SGLang's side as in ``test_sglang_backend.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import types
+import zlib
+
+import pytest
+import torch
+
+from test_sglang_backend import (  # the shared harness (skips the module without SGLang)
+    ROWS,
+    Replay,
+    Side,
+    apply_split_rule,
+)
+
+from sglang.srt.managers.schedule_policy import PrefillAdder
+from sglang.srt.mem_cache import registry
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.runtime_context import _CONTEXT
+
+from radixcache.integrations.sglang import RadixcacheBackend
+from radixcache.integrations.sglang.hicache import HiCacheBackend
+
+#: Random scheduler steps per sequence.
+STEPS = int(os.environ.get("RADIXCACHE_HICACHE_STEPS", "2000"))
+WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+DEVICE_TOKENS = {1: 384, 16: 1024}
+#: Host pool sizes relative to the device pool: smaller, equal, larger.
+HOST_RATIOS = (0.5, 1.0, 3.0)
+LAYERS = 2
+CALLS: dict = {}
+
+
+def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
+    """``sgl_kernel``'s ``transfer_kv_direct`` (a CUDA kernel) as torch indexing."""
+    for src, dst in zip(src_layers, dst_layers):
+        dst[dst_indices] = src[src_indices]
+
+
+@pytest.fixture
+def cpu_hicache(monkeypatch):
+    """The three stand-ins SGLang's HiCache needs on a CPU (see the module docstring)."""
+    import sglang.srt.mem_cache.pool_host.common as common
+    import sglang.srt.mem_cache.pool_host.mha as mha
+
+    monkeypatch.setattr(common, "_cuda_host_register", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cpu.Stream, "synchronize", lambda self: None, raising=False)
+    monkeypatch.setattr(mha, "transfer_kv_direct", _transfer_kv_direct, raising=False)
+
+
+def hicache_args(backend, write_policy: str, host_ratio: float):
+    """SGLang's test install of the server arguments, with HiCache on."""
+    return _CONTEXT.override_server_args(
+        radix_cache_backend=backend, enable_hierarchical_cache=True,
+        hicache_write_policy=write_policy, hicache_io_backend="direct",
+        hicache_mem_layout="layer_first", hicache_ratio=host_ratio, hicache_size=0)
+
+
+class Worker:
+    """The TP worker's one HiCache call (``register_hicache_layer_transfer_counter``)."""
+
+    def __init__(self) -> None:
+        self.counters: list = []
+
+    def register_hicache_layer_transfer_counter(self, counter) -> None:
+        self.counters.append(counter)
+
+
+def build_hicache_side(backend, page_size: int, policy: str, write_policy: str,
+                       host_ratio: float, events: bool = True):
+    size = DEVICE_TOKENS[page_size]
+    kv_pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float16,
+                               head_num=1, head_dim=2, layer_num=LAYERS, device="cpu",
+                               enable_memory_saver=False)
+    if page_size == 1:
+        allocator = TokenToKVPoolAllocator(size, torch.float16, "cpu", kv_pool, need_sort=True)
+    else:
+        allocator = PagedTokenToKVPoolAllocator(size, page_size, torch.float16, "cpu", kv_pool,
+                                                need_sort=True)
+    rows = ReqToTokenPool(size=ROWS, max_context_len=4096, device="cpu",
+                          enable_memory_saver=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=rows,
+                             token_to_kv_pool_allocator=allocator, page_size=page_size,
+                             eviction_policy=policy, enable_kv_cache_events=events,
+                             tree_core_backend=None if backend else "python")
+    override = hicache_args(backend, write_policy, host_ratio)
+    server_args = override.install()
+    worker = Worker()
+    try:
+        ctx = registry.TreeCacheBuildContext(
+            server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+            enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=worker,
+            model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+        cache = registry.create_tree_cache(ctx)
+    finally:
+        override.restore()
+    assert worker.counters == [cache.cache_controller.layer_done_counter]
+    assert kv_pool.layer_transfer_counter is cache.cache_controller.layer_done_counter
+    return cache, allocator, rows, kv_pool
+
+
+class HiSide(Side):
+    """A ``Side`` with the scheduler's HiCache steps and KV contents written per token."""
+
+    def __init__(self, cache, allocator, rows, kv_pool) -> None:
+        super().__init__(cache, allocator, rows)
+        self.kv_pool = kv_pool
+        self.real = cache
+        self.host = cache.cache_controller.mem_pool_host.anchor_entry.host_pool
+
+    def _lock_node(self, node, lock_host=False):
+        """SGLang's ``PrefillAdder._lock_node`` itself, on this side's cache."""
+        return PrefillAdder._lock_node(types.SimpleNamespace(tree_cache=self.real), node,
+                                       lock_host=lock_host)
+
+    def admit(self, rid, prompt, output, priority, extra_key, salt, chunk):
+        from array import array
+
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        req = self.reqs.get(rid)
+        if req is None:
+            req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=len(output)),
+                      priority=priority, extra_key=extra_key, cache_salt=salt)
+            req.planned_output = output
+            self.reqs[rid] = req
+        req.init_next_round_input(self.cache)
+        matched = (req.prefix_len, req.host_hit_length)
+        req.host_loaded_length = 0
+        # PrefillAdder.add_one_req: the match pinned while admission decides; the host
+        # match pinned around the load for SGLang's own class only.
+        with self._lock_node(req.last_node):
+            if req.needs_host_load_back():
+                own = isinstance(self.real, UnifiedRadixCache)
+                with (self._lock_node(req.best_match_node, lock_host=True) if own
+                      else contextlib.nullcontext()):
+                    loaded = self.cache.init_load_back(InitLoadBackParams(
+                        best_match_node=req.best_match_node,
+                        host_hit_length=req.host_hit_length, req=req))
+                req.host_loaded_length, req.last_node = loaded
+                req.prefix_len += req.host_loaded_length
+                if self.cache.load_back_is_cache_owned():
+                    req.kv.cache_protected_len = req.prefix_len
+            req.lock = self.cache.lock(req.last_node)
+        self.cache.ready_to_load_host_cache()
+        start = req.prefix_len
+        result = self._extend(req, chunk)
+        self._write_kv(req, start, result)
+        return matched + (req.host_loaded_length, start) + result
+
+    def continue_chunk(self, rid, chunk):
+        req = self.reqs[rid]
+        start = req.prefix_len
+        result = self._extend(req, chunk)
+        self._write_kv(req, start, result)
+        return result
+
+    def _write_kv(self, req, start: int, result: tuple) -> None:
+        """The forward pass's stand-in: each new slot holds its token and position."""
+        if result[0] not in ("chunk", "prefilled") or req.rid not in self.reqs:
+            return
+        end = result[1]
+        self._write_positions(req, start, end)
+
+    def _write_positions(self, req, start: int, end: int) -> None:
+        if end <= start:
+            return
+        tokens = list(req.origin_input_ids) + list(req.output_ids)
+        slots = self.rows.req_to_token[req.kv.req_pool_idx, start:end].to(torch.int64)
+        values = torch.tensor([[tokens[p], p % 1024] for p in range(start, end)],
+                              dtype=torch.float16).unsqueeze(1)
+        for layer in range(LAYERS):
+            self.kv_pool.k_buffer[layer][slots] = values + layer
+            self.kv_pool.v_buffer[layer][slots] = values - layer
+
+    def decode(self, rid):
+        req = self.reqs[rid]
+        position = req.kv.kv_committed_len
+        result = super().decode(rid)
+        if result[0] == "decoded":
+            self._write_positions(req, position, position + 1)
+        return result
+
+    def tick(self) -> tuple:
+        """The scheduler's step start: ``check_hicache_events``."""
+        self.cache.check_hicache_events()
+        return ("tick",)
+
+    def flush(self) -> tuple:
+        self.cache.flush_pending_backups()
+        return ("flush",)
+
+    def host_slots(self) -> list:
+        host = self.host
+        return host.free_slots.tolist() + [s for part in host.release_slots
+                                           for s in part.tolist()]
+
+    def transfers(self) -> tuple:
+        cc = self.real.cache_controller
+
+        def ops(queue):
+            return [(op.host_indices.tolist(), op.device_indices.tolist(), len(op.node_ids))
+                    for op in queue]
+
+        def acks(queue):
+            return [(ack.num_tokens, len(ack.node_ids)) for ack in queue]
+
+        return (ops(cc.write_queue), ops(cc.load_queue), acks(cc.ack_write_queue),
+                acks(cc.ack_load_queue))
+
+    def kv_of(self, req) -> list:
+        """What each row position of ``req`` reads from the KV pool (layer 0's key)."""
+        if not req.kv.holds_kv:
+            return []
+        slots = self.rows.req_to_token[req.kv.req_pool_idx, :req.kv.kv_committed_len]
+        return self.kv_pool.k_buffer[0][slots.to(torch.int64)][:, 0, :].tolist()
+
+
+class HiReplay(Replay):
+    """``Replay`` over HiCache sides: the scheduler's HiCache steps, the host compared."""
+
+    def __init__(self, core, page_size, policy, write_policy, host_ratio, seed, monkeypatch,
+                 split_rule=True, events=True) -> None:
+        monkeypatch.setattr(RadixcacheBackend, "core", core)
+        from radixcache.integrations import sglang as backend_module
+
+        backend_module.register()
+        sgl = build_hicache_side(None, page_size, policy, write_policy, host_ratio, events)
+        ours = build_hicache_side("radixcache", page_size, policy, write_policy, host_ratio,
+                                  events)
+        assert type(sgl[0]).__name__ == "UnifiedRadixCache"
+        assert isinstance(ours[0], HiCacheBackend) and ours[0].radix_cache.core_name == core
+        if split_rule:
+            apply_split_rule(sgl[0])
+        self.sgl, self.ours = HiSide(*sgl), HiSide(*ours)
+        from test_sglang_backend import Workload
+
+        self.rng = random.Random(seed)
+        self.page_size = page_size
+        self.work = Workload(self.rng, page_size)
+        self.waiting = []
+        self.steps = 0
+        self.counts = {}
+        self.override = hicache_args(None, write_policy, host_ratio)
+        self.override.install()
+        self.compare("start")
+
+    def compare(self, what: str) -> None:
+        super().compare(what)
+        where = f"after step {self.steps} ({what})"
+        assert self.sgl.host_slots() == self.ours.host_slots(), f"host slots differ {where}"
+        assert self.sgl.transfers() == self.ours.transfers(), f"transfers differ {where}"
+        for rid, req in self.sgl.reqs.items():
+            mine = self.ours.reqs[rid]
+            assert self.sgl.kv_of(req) == self.ours.kv_of(mine), f"KV of {rid} differs {where}"
+            assert req.host_hit_length == mine.host_hit_length, where
+
+    def step(self) -> None:
+        if self.rng.random() < 0.7:
+            self.both("tick")
+        super().step()
+        if self.rng.random() < 0.8:
+            self.both("flush")
+            self.compare("flush")
+
+
+@pytest.mark.parametrize("host_ratio", HOST_RATIOS, ids=lambda r: f"host{r}")
+@pytest.mark.parametrize("page_size", (1, 16), ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("write_policy", WRITE_POLICIES)
+def test_same_as_sglang_hicache(backend_core, cpu_hicache, monkeypatch, write_policy,
+                                page_size, host_ratio):
+    seed = zlib.crc32(f"{write_policy}-{page_size}-{host_ratio}".encode())
+    replay = HiReplay(backend_core, page_size, "lru", write_policy, host_ratio, seed,
+                      monkeypatch)
+    try:
+        for _ in range(STEPS):
+            replay.step()
+    finally:
+        replay.close()
+    counts = replay.counts
+    for kind in ("chunk", "finished", "prefilled", "events", "tick"):
+        assert counts.get(kind, 0) > 5, (kind, counts)
+    key = (backend_core, write_policy)
+    CALLS[key] = CALLS.get(key, 0) + replay.calls
+
+
+def teardown_module(module) -> None:
+    if CALLS:
+        print("\ntest_sglang_hicache: scheduler-level calls compared with SGLang: "
+              + ", ".join(f"{core}/{policy} {calls}"
+                          for (core, policy), calls in sorted(CALLS.items())))
+
+
+@pytest.mark.parametrize("policy", ("priority", "lfu", "fifo", "mru", "filo", "slru"))
+@pytest.mark.parametrize("write_policy", ("write_back", "write_through"))
+def test_same_as_sglang_hicache_every_eviction_policy(backend_core, cpu_hicache, monkeypatch,
+                                                     policy, write_policy):
+    """The host tier orders its victims by the eviction policy too (``write_back`` counts no
+    hits, which lfu and slru read)."""
+    replay = HiReplay(backend_core, 16, policy, write_policy, 0.5,
+                      zlib.crc32(f"{policy}-{write_policy}".encode()), monkeypatch)
+    try:
+        for _ in range(STEPS // 4):
+            replay.step()
+    finally:
+        replay.close()
+    assert replay.counts.get("finished", 0) > 5, replay.counts
+    key = (backend_core, write_policy)
+    CALLS[key] = CALLS.get(key, 0) + replay.calls
+
+
+@pytest.mark.parametrize("write_policy", ("write_back", "write_through_selective"))
+def test_same_as_sglang_hicache_without_events(backend_core, cpu_hicache, monkeypatch,
+                                               write_policy):
+    replay = HiReplay(backend_core, 1, "lru", write_policy, 0.5,
+                      zlib.crc32(f"quiet-{write_policy}".encode()), monkeypatch, events=False)
+    try:
+        for _ in range(STEPS // 4):
+            replay.step()
+    finally:
+        replay.close()
+    assert replay.counts.get("finished", 0) > 5 and not replay.counts.get("events"), \
+        replay.counts
+    key = (backend_core, write_policy)
+    CALLS[key] = CALLS.get(key, 0) + replay.calls
+
+
+def test_split_rule_correction_matters_with_hicache(cpu_hicache, monkeypatch):
+    """Without the correction SGLang's side is given, the comparison fails: the harness can
+    fail with the host tier on, and forgives only the stated difference."""
+    replay = HiReplay("python", 16, "mru", "write_back", 0.5, zlib.crc32(b"hicache-mru"),
+                      monkeypatch, split_rule=False)
+    try:
+        with pytest.raises(AssertionError, match="differ|!="):
+            for _ in range(STEPS):
+                replay.step()
+    finally:
+        replay.close()
