@@ -106,8 +106,8 @@ class Worker:
 
 
 def build_hicache_side(backend, page_size: int, policy: str, write_policy: str,
-                       host_ratio: float, events: bool = True):
-    size = DEVICE_TOKENS[page_size]
+                       host_ratio: float, events: bool = True, device_tokens=None):
+    size = device_tokens or DEVICE_TOKENS[page_size]
     kv_pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float16,
                                head_num=1, head_dim=2, layer_num=LAYERS, device="cpu",
                                enable_memory_saver=False)
@@ -152,7 +152,9 @@ class HiSide(Side):
         return PrefillAdder._lock_node(types.SimpleNamespace(tree_cache=self.real), node,
                                        lock_host=lock_host)
 
-    def admit(self, rid, prompt, output, priority, extra_key, salt, chunk):
+    def admit(self, rid, prompt, output, priority, extra_key, salt, chunk, others=()):
+        """``Side.admit`` with the host hit loaded back; ``others``: prompts of other waiting
+        requests the scheduler matches between this request's match and its admission."""
         from array import array
 
         from sglang.srt.managers.schedule_batch import Req
@@ -166,6 +168,8 @@ class HiSide(Side):
             self.reqs[rid] = req
         req.init_next_round_input(self.cache)
         matched = (req.prefix_len, req.host_hit_length)
+        if others:
+            self.order([(tokens, None) for tokens in others])
         req.host_loaded_length = 0
         # PrefillAdder.add_one_req: the match pinned while admission decides; the host
         # match pinned around the load for SGLang's own class only.
@@ -221,6 +225,24 @@ class HiSide(Side):
             self._write_positions(req, position, position + 1)
         return result
 
+    def put(self, tokens: list) -> tuple:
+        """A sequence cached directly (``insert`` with fresh slots), as a finished request
+        leaves it."""
+        from array import array
+
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        slots = self.allocator.alloc(len(tokens))
+        result = self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots))
+        return ("put", result.prefix_len)
+
+    def evict_now(self, num_tokens: int) -> tuple:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        return ("evict", self.cache.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted,
+                self.real.cache_controller.mem_pool_host.available_size())
+
     def tick(self) -> tuple:
         """The scheduler's step start: ``check_hicache_events``."""
         self.cache.check_hicache_events()
@@ -248,6 +270,47 @@ class HiSide(Side):
         return (ops(cc.write_queue), ops(cc.load_queue), acks(cc.ack_write_queue),
                 acks(cc.ack_load_queue))
 
+    def check_slots(self) -> None:
+        """Every device slot is free, the tree's or one live request's own, exactly once;
+        every host slot is free or the tree's, exactly once (no slot lost or freed twice)."""
+        allocator, page_size = self.allocator, self.allocator.page_size
+        owners: dict = {}
+
+        def own(slots, who):
+            for slot in slots:
+                assert slot not in owners, f"slot {slot}: {owners[slot]} and {who}"
+                owners[slot] = who
+
+        pages = allocator.get_all_free_pages().tolist()
+        own([p * page_size + i for p in pages for i in range(page_size)] if page_size > 1
+            else pages, "free")
+        host_owners: dict = {}
+        stack = list(self.real.radix_cache.root_node.children)
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.value is not None:
+                own(node.value.tolist(), f"node {node.id}")
+            if node.host_value is not None:
+                for slot in node.host_value.tolist():
+                    assert slot not in host_owners, f"host slot {slot} twice"
+                    host_owners[slot] = node.id
+        for rid, req in self.reqs.items():
+            if req.kv.holds_kv:
+                row = self.rows.req_to_token[req.kv.req_pool_idx]
+                held = row[req.kv.cache_protected_len:req.kv.kv_allocated_len].tolist()
+                # (a paged allocator hands out whole pages: the last one's tail too)
+                own(sorted({p // page_size * page_size + i for p in held
+                            for i in range(page_size)}), rid)
+        for pending in self.real._pending_frees:
+            own(pending.tolist(), "pending free")
+        size = allocator.size
+        assert sorted(owners) == list(range(page_size, size + page_size)), "device slots lost"
+        free_host = self.host_slots()
+        assert len(set(free_host)) == len(free_host), "a host slot freed twice"
+        assert not set(free_host) & set(host_owners), "a host slot both free and held"
+        assert len(free_host) + len(host_owners) == self.host.size, "host slots lost"
+
     def kv_of(self, req) -> list:
         """What each row position of ``req`` reads from the KV pool (layer 0's key)."""
         if not req.kv.holds_kv:
@@ -260,14 +323,15 @@ class HiReplay(Replay):
     """``Replay`` over HiCache sides: the scheduler's HiCache steps, the host compared."""
 
     def __init__(self, core, page_size, policy, write_policy, host_ratio, seed, monkeypatch,
-                 split_rule=True, events=True) -> None:
+                 split_rule=True, events=True, device_tokens=None) -> None:
         monkeypatch.setattr(RadixcacheBackend, "core", core)
         from radixcache.integrations import sglang as backend_module
 
         backend_module.register()
-        sgl = build_hicache_side(None, page_size, policy, write_policy, host_ratio, events)
+        sgl = build_hicache_side(None, page_size, policy, write_policy, host_ratio, events,
+                                 device_tokens)
         ours = build_hicache_side("radixcache", page_size, policy, write_policy, host_ratio,
-                                  events)
+                                  events, device_tokens)
         assert type(sgl[0]).__name__ == "UnifiedRadixCache"
         assert isinstance(ours[0], HiCacheBackend) and ours[0].radix_cache.core_name == core
         if split_rule:
@@ -288,6 +352,7 @@ class HiReplay(Replay):
     def compare(self, what: str) -> None:
         super().compare(what)
         where = f"after step {self.steps} ({what})"
+        self.ours.check_slots()
         assert self.sgl.host_slots() == self.ours.host_slots(), f"host slots differ {where}"
         assert self.sgl.transfers() == self.ours.transfers(), f"transfers differ {where}"
         for rid, req in self.sgl.reqs.items():
@@ -329,6 +394,48 @@ def teardown_module(module) -> None:
         print("\ntest_sglang_hicache: scheduler-level calls compared with SGLang: "
               + ", ".join(f"{core}/{policy} {calls}"
                           for (core, policy), calls in sorted(CALLS.items())))
+
+
+@pytest.mark.parametrize("write_policy", WRITE_POLICIES)
+def test_same_as_sglang_hicache_under_pressure(backend_core, cpu_hicache, monkeypatch,
+                                              write_policy):
+    """A device pool half the usual size: loads back that must evict first, whose victims
+    need host room, whose host room must not come from the host copies being loaded."""
+    replay = HiReplay(backend_core, 1, "lru", write_policy, 0.5,
+                      zlib.crc32(f"pressure-{write_policy}".encode()), monkeypatch,
+                      device_tokens=192)
+    try:
+        for _ in range(STEPS // 2):
+            replay.step()
+    finally:
+        replay.close()
+    assert replay.counts.get("finished", 0) > 5, replay.counts
+    key = (backend_core, write_policy)
+    CALLS[key] = CALLS.get(key, 0) + replay.calls
+
+
+def test_a_load_keeps_its_host_copies_while_it_evicts(backend_core, cpu_hicache, monkeypatch):
+    """A load back that must evict first (write_back), whose victim needs host room, while the
+    host copy being loaded is the oldest host leaf: that copy stays (SGLang locks the path
+    and the host copy), a younger one goes. Step by step, compared after each."""
+    replay = HiReplay(backend_core, 1, "lru", "write_back", 0.5, 0, monkeypatch,
+                      device_tokens=64)
+    first, second = list(range(1, 13)), list(range(100, 112))
+    try:
+        for step in (("put", first), ("put", second), ("evict_now", 24),  # both on the host
+                     ("put", list(range(200, 240))), ("put", list(range(300, 324)))):
+            replay.both(step[0], step[1])
+            replay.compare(step[0])
+        host_free = replay.ours.real.cache_controller.mem_pool_host.available_size()
+        assert host_free < 24 and replay.ours.allocator.available_size() == 0
+        # The request's match stamps `first`; a probe then stamps `second` (younger): the
+        # host copy the load needs is the oldest host leaf when the load evicts.
+        got = replay.both("admit", "r", first + [7, 7], [5], None, None, None, 1000,
+                          [second + [9]])
+        assert got[:3] == (0, 12, 12), got  # matched on the host, loaded back
+        replay.compare("admit")
+    finally:
+        replay.close()
 
 
 @pytest.mark.parametrize("policy", ("priority", "lfu", "fifo", "mru", "filo", "slru"))
@@ -376,3 +483,97 @@ def test_split_rule_correction_matters_with_hicache(cpu_hicache, monkeypatch):
                 replay.step()
     finally:
         replay.close()
+
+
+# -- faults: our side alone, slots checked after every step ------------------------------------
+class InjectedFault(RuntimeError):
+    """A copy or an allocation the test makes fail."""
+
+
+class SoloReplay(HiReplay):
+    """The harness on the radixcache side alone, with faults: SGLang's copies between device
+    and host (``transfer_kv_direct``) and its controller's ``write``/``load`` fail now and
+    then. A step that fails ends its requests as the scheduler's abort would (when it does
+    not end on the error); after every step no device or host slot may be lost or held
+    twice, and the requests that live on still read the KV their tokens were given unless a
+    failed load left theirs unknown."""
+
+    def __init__(self, core, page_size, write_policy, host_ratio, seed, monkeypatch,
+                 rates: dict) -> None:
+        monkeypatch.setattr(RadixcacheBackend, "core", core)
+        from radixcache.integrations import sglang as backend_module
+        from test_sglang_backend import Workload
+
+        backend_module.register()
+        side = HiSide(*build_hicache_side("radixcache", page_size, "lru", write_policy,
+                                          host_ratio))
+        self.sgl = self.ours = side
+        self.rng = random.Random(seed)
+        self.faults = random.Random(seed + 1)
+        self.rates = rates
+        self.page_size = page_size
+        self.work = Workload(self.rng, page_size)
+        self.waiting, self.steps, self.counts = [], 0, {}
+        cc = side.real.cache_controller
+        for name in ("write", "load"):
+            monkeypatch.setattr(cc, name, self._faulty(getattr(cc, name), name))
+        monkeypatch.setattr(
+            __import__("sglang.srt.mem_cache.pool_host.mha", fromlist=["mha"]),
+            "transfer_kv_direct", self._faulty(_transfer_kv_direct, "copy"))
+        self.override = hicache_args(None, write_policy, host_ratio)
+        self.override.install()
+
+    def _faulty(self, call, name):
+        def maybe_fail(*args, **kwargs):
+            if self.faults.random() < self.rates[name]:
+                self.counts[f"fault:{name}"] = self.counts.get(f"fault:{name}", 0) + 1
+                raise InjectedFault(f"injected {name} failure")
+            return call(*args, **kwargs)
+        return maybe_fail
+
+    def both(self, what: str, *args):
+        try:
+            result = getattr(self.ours, what)(*args)
+        except InjectedFault:
+            self.counts["failed steps"] = self.counts.get("failed steps", 0) + 1
+            for req in list(self.ours.reqs.values()):
+                if req.kv.holds_kv and req.kv.kv_allocated_len == 0:
+                    # A row taken, its first allocation failed: the row goes back.
+                    self.ours.cache.unlock(req.lock)
+                    req.lock = None
+                    self.ours.rows.free(req)
+                    self.ours.reqs.pop(req.rid, None)
+                elif req.kv.holds_kv:
+                    self.ours._drop(req, checkpoint=False, reason="fault")
+                else:
+                    if req.lock is not None:
+                        self.ours.cache.unlock(req.lock)
+                        req.lock = None
+                    self.ours.reqs.pop(req.rid, None)
+            result = ("fault",)
+        key = result[0] if result and isinstance(result[0], str) else what
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return result
+
+    def compare(self, what: str) -> None:
+        side = self.ours
+        side.check_slots()
+        cache = side.real
+        assert cache.evictable_size() + cache.protected_size() == cache.total_size()[0]
+        self.counts["events"] = self.counts.get("events", 0) + len(cache.take_events())
+
+
+@pytest.mark.parametrize("write_policy", WRITE_POLICIES)
+@pytest.mark.parametrize("page_size", (1, 16), ids=lambda p: f"page{p}")
+def test_faults_lose_no_slot(backend_core, cpu_hicache, monkeypatch, write_policy, page_size):
+    replay = SoloReplay(backend_core, page_size, write_policy, 0.5,
+                        zlib.crc32(f"faults-{write_policy}-{page_size}".encode()), monkeypatch,
+                        rates={"copy": 0.1, "write": 0.03, "load": 0.3})
+    try:
+        for _ in range(STEPS // 2):
+            replay.step()
+    finally:
+        replay.close()
+    counts = replay.counts
+    assert counts.get("failed steps", 0) > 5 and counts.get("finished", 0) > 5, counts
+    assert counts.get("fault:copy", 0) and counts.get("fault:load", 0), sorted(counts.items())

@@ -139,6 +139,7 @@ class HiCacheBackend(RadixcacheBackend):
         self.write_back_duplicate_reclaim_digest = 0
         self._host_page_hashes: dict[int, tuple] = {}  # host slot -> (hash, extra_key, salt)
         self._newest_id = -1  # the largest node id seen (a larger one is a new node)
+        self._insert_error: Optional[BaseException] = None  # see _write_through_now
 
     def _attach_host_stack(self, params: Any, server_args: Any, tp_worker: Any) -> None:
         """SGLang's host pool group and controller for a plain KV pool, as
@@ -250,7 +251,7 @@ class HiCacheBackend(RadixcacheBackend):
         # SGLang's walk, then its commit, then its tail: the copies of the walked nodes due
         # for one, the adopted host nodes' events, the new leaf's event, the leaf's copy.
         if not self.is_write_back:
-            self._write_through(path[:walked], ends, hits_from)
+            self._write_through_now(path[:walked], ends, hits_from)
         self._on_adopted(adopted)
         self._note_new((last, last.parent))
         if new_leaf:
@@ -258,8 +259,36 @@ class HiCacheBackend(RadixcacheBackend):
                 leaf_start = ends[-1] - last.num_tokens
                 self._record_leaf(last, tokens[leaf_start:], value[leaf_start:], names)
             if not self.is_write_back:
-                self._write_through(path, ends, hits_from, first=walked)
+                self._write_through_now(path, ends, hits_from, walked)
         return result
+
+    def _write_through_now(self, path: list, ends: list, hits_from: int, first: int = 0) -> None:
+        """``_write_through`` inside an insert: an error is kept for the end of the call
+        (``insert``, ``checkpoint``), so that the call's bookkeeping (duplicate slots freed,
+        the row and the lock moved) is complete when it propagates."""
+        if self._insert_error is not None:
+            return
+        try:
+            self._write_through(path, ends, hits_from, first)
+        except BaseException as exc:
+            self._insert_error = exc
+
+    def _raise_insert_error(self) -> None:
+        error, self._insert_error = self._insert_error, None
+        if error is not None:
+            raise error
+
+    def insert(self, params: Any) -> Any:
+        try:
+            return super().insert(params)
+        finally:
+            self._raise_insert_error()
+
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        try:
+            super().checkpoint(req, up_to=up_to, **kwargs)
+        finally:
+            self._raise_insert_error()
 
     def _split_at(self, tokens: np.ndarray, namespace: Any, priority: int) -> Any:
         result = super()._split_at(tokens, namespace, priority)
@@ -394,7 +423,12 @@ class HiCacheBackend(RadixcacheBackend):
         host = self._host_copy(node)
         if host is None:
             return False
-        self._cache.back_up(node, host)
+        try:
+            self._cache.back_up(node, host)
+        except BaseException:  # the queued write and its host slots are undone
+            _unqueue(self.cache_controller.write_queue, node.id)
+            self._forget_host(host)
+            raise
         self._copy_hashes(node.value, host, to_device=False)
         self._cache.inc_lock_ref(node)
         self._writes[node.id] = _PendingWrite(node, node.parent, True)
@@ -521,30 +555,74 @@ class HiCacheBackend(RadixcacheBackend):
                 if host is None and (node.num_children or self._host_locks.get(node)):
                     passed.add(node)  # SGLang declines the drop: it stays for now
                     continue
+                if host is not None:
+                    # SGLang's writing_check(write_back=True): the copy is made and
+                    # acknowledged before the node leaves the device (a copy that fails
+                    # leaves it there, its host slots freed).
+                    self._finish_writes_now(host)
+                    self._copy_hashes(node.value, host, to_device=False)
+                    self._record_node(node, StorageMedium.CPU)
+                    self._duplicates.setdefault(node, None)  # both tiers at its ack
             taken: list = []
-            got = cache.evict(1, taken.append,
-                              backup=(lambda _v, h=host: h) if write_back else None,
-                              keep=passed or None)
+            try:
+                got = cache.evict(1, taken.append,
+                                  backup=(lambda _v, h=host: h) if write_back else None,
+                                  keep=passed or None)
+            except BaseException as exc:
+                if getattr(exc, "host_indices", None) is not None:  # not kept: ours again
+                    self._forget_host(exc.host_indices)
+                raise
             if not got:
+                if host is not None:  # the victim vanished meanwhile: its copy is unused
+                    self._forget_host(host)
                 break
-            if host is not None:
-                self._copy_hashes(taken[0], host, to_device=False)
-                # SGLang's writing_check(write_back=True): the copy is acknowledged before
-                # the device slots go back.
-                self._finish_writes_now()
-                self._record_node(node, StorageMedium.CPU)
-                self._duplicates.setdefault(node, None)  # both tiers at its ack (stale now)
             self._free_victim(taken[0])
             freed += got
         return freed
 
-    def _finish_writes_now(self) -> None:
-        """Submit the queued writes and acknowledge every write at once (SGLang's
-        ``writing_check(write_back=True)``)."""
+    def _forget_host(self, host: Any) -> None:
+        """Host slots holding a copy no node keeps: back to the pool, unannounced."""
+        for slot in host[::self.page_size].tolist():
+            self._host_page_hashes.pop(slot, None)
+        self.host_pool_group.free(host, pool=PoolName.KV)
+
+    def _start_writing(self) -> None:
+        """Submit the queued writes; if the copy fails, the writes it carried are undone
+        (host copies dropped and freed, locks released) before the error propagates."""
         cc = self.cache_controller
-        cc.start_writing()
+        queued = [ack_id for op in cc.write_queue for ack_id in op.node_ids]
+        try:
+            cc.start_writing()
+        except BaseException:
+            for ack_id in queued:
+                if ack_id in self._writes:
+                    self._undo_write(ack_id)
+            raise
+
+    def _undo_write(self, ack_id: int) -> None:
+        pending = self._writes.pop(ack_id)
+        node = pending.node
+        above = node
+        while above is not pending.parent and above is not None:
+            if not above.evicted and above.host_value is not None and above.on_device:
+                self._forget_host(self._cache.drop_host_copy(above))
+            above = above.parent
+        if pending.locked:
+            self._cache.dec_lock_ref(node)
+
+    def _finish_writes_now(self, host: Any) -> None:
+        """Submit the queued writes and acknowledge every write at once (SGLang's
+        ``writing_check(write_back=True)``); ``host``: the write-back copy in them, freed
+        if the copy fails."""
+        cc = self.cache_controller
+        try:
+            self._start_writing()
+            for ack in cc.ack_write_queue:
+                ack.finish_event.synchronize()
+        except BaseException:
+            self._forget_host(host)
+            raise
         for ack in cc.ack_write_queue:
-            ack.finish_event.synchronize()
             for ack_id in ack.node_ids:
                 if ack_id in self._writes:
                     self._finish_write(ack_id)
@@ -623,51 +701,60 @@ class HiCacheBackend(RadixcacheBackend):
             node = node.parent
         top_parent = node
         nodes.reverse()
-        self.inc_host_lock_ref(anchor)
+        self.inc_host_lock_ref(anchor)  # until the load is acknowledged
         self._lock_segment(nodes, 1)
         delta = self._cache.inc_lock_ref(top_parent) if top_parent.parent is not None else 0
-        locked = True
+        device = None
         try:
-            host_indices = (torch.cat([n.host_value for n in nodes]) if nodes
-                            else torch.empty((0,), dtype=torch.int64))
-            tokens = len(host_indices)
-            if (tokens < max(1, self.load_back_threshold)
-                    or (mem_quota is not None and tokens + delta > mem_quota)):
-                return False
-            allocator = self.token_to_kv_pool_allocator
-            available = allocator.available_size()
-            if available < tokens:
-                self.evict_for_alloc(EvictParams(num_tokens=tokens - available))
-                if allocator.available_size() < tokens:
-                    return False
-            ack_id = anchor.id
-            device = self.cache_controller.load(host_indices=host_indices, node_id=ack_id)
-            if device is None:
-                return False
-            self._unlock_top(top_parent)
-            locked = False
-            self._lock_segment(nodes, -1)
-            match = _tree.MatchResult(self._empty_indices, top_parent, 0, tokens, anchor)
-            self._cache.load_back(match, device)
-            for loaded in nodes:
-                self._copy_hashes(loaded.host_value, loaded.value, to_device=True)
-                self._record_node(loaded, StorageMedium.GPU)
-            if self.is_write_back:
-                self._loading.update(nodes)
-            self._cache.inc_lock_ref(anchor)
-            self._loads[ack_id] = _PendingLoad(anchor, top_parent, nodes)
-            return True
+            device = self._queue_load(anchor, nodes, mem_quota, delta)
         finally:
-            if locked:
-                self._unlock_top(top_parent)
-                self._lock_segment(nodes, -1)
+            self._unlock_top(top_parent)
+            self._lock_segment(nodes, -1)
+            if device is None:
                 self.dec_host_lock_ref(anchor)
+        if device is None:
+            return False
+        ack_id = anchor.id
+        try:
+            match = _tree.MatchResult(self._empty_indices, top_parent, 0, len(device), anchor)
+            self._cache.load_back(match, device)
+        except BaseException:  # the queued load and its device slots are undone
+            _unqueue(self.cache_controller.load_queue, ack_id)
+            self.token_to_kv_pool_allocator.free(device)
+            self.dec_host_lock_ref(anchor)
+            raise
+        for loaded in nodes:
+            self._copy_hashes(loaded.host_value, loaded.value, to_device=True)
+            self._record_node(loaded, StorageMedium.GPU)
+        if self.is_write_back:
+            self._loading.update(nodes)
+        self._cache.inc_lock_ref(anchor)
+        self._loads[ack_id] = _PendingLoad(anchor, top_parent, nodes)
+        return True
+
+    def _queue_load(self, anchor: Any, nodes: list, mem_quota: Optional[int],
+                    delta: int) -> Any:
+        """The device slots of a queued load of ``nodes`` (their path locked), or None when
+        SGLang would not load: below the threshold, over the quota, no device room."""
+        host_indices = (torch.cat([n.host_value for n in nodes]) if nodes
+                        else torch.empty((0,), dtype=torch.int64))
+        tokens = len(host_indices)
+        if (tokens < max(1, self.load_back_threshold)
+                or (mem_quota is not None and tokens + delta > mem_quota)):
+            return None
+        allocator = self.token_to_kv_pool_allocator
+        available = allocator.available_size()
+        if available < tokens:
+            self.evict_for_alloc(EvictParams(num_tokens=tokens - available))
+            if allocator.available_size() < tokens:
+                return None
+        return self.cache_controller.load(host_indices=host_indices, node_id=anchor.id)
 
     def _unlock_top(self, node: Any) -> None:
         if node.parent is not None:
             self._cache.dec_lock_ref(node)
 
-    def _finish_load(self, ack_id: int) -> None:
+    def _finish_load(self, ack_id: int, failed: bool = False) -> None:
         """A load acknowledged: its locks go; under ``write_back`` its nodes (and fragments
         split off them) become duplicates, bottom-up (SGLang's ``finish_load_back``)."""
         pending = self._loads.pop(ack_id)
@@ -676,6 +763,8 @@ class HiCacheBackend(RadixcacheBackend):
         self.dec_host_lock_ref(anchor)
         if self.is_write_back:
             self._loading.difference_update(pending.nodes)
+            if failed:
+                return
             node = anchor
             while node is not pending.top_parent and node is not None:
                 if node.tier == "device+host":
@@ -687,7 +776,7 @@ class HiCacheBackend(RadixcacheBackend):
         """Every scheduler step: submit queued writes, then take the acknowledged writes and
         loads (the counts reduced to the minimum over the TP group)."""
         cc = self.cache_controller
-        self.flush_pending_backups()
+        self._start_writing()
         writes = _ready(cc.ack_write_queue)
         loads = _ready(cc.ack_load_queue)
         digest = self.write_back_duplicate_reclaim_digest
@@ -718,12 +807,22 @@ class HiCacheBackend(RadixcacheBackend):
         return torch.distributed.get_world_size(group=group)
 
     def flush_pending_backups(self) -> None:
-        """Submit the queued host writes as one transfer."""
-        self.cache_controller.start_writing()
+        """Submit the queued host writes as one transfer (a failed copy is undone)."""
+        self._start_writing()
 
     def ready_to_load_host_cache(self) -> int:
-        """Start the queued loads; the layer counter's producer index (-1: none)."""
-        return self.cache_controller.start_loading()
+        """Start the queued loads; the layer counter's producer index (-1: none). If the
+        copy fails, the loads it carried release their locks before the error propagates:
+        their nodes keep their slots (nothing is lost), the scheduler ends on the error."""
+        cc = self.cache_controller
+        queued = [ack_id for op in cc.load_queue for ack_id in op.node_ids]
+        try:
+            return cc.start_loading()
+        except BaseException:
+            for ack_id in queued:
+                if ack_id in self._loads:
+                    self._finish_load(ack_id, failed=True)
+            raise
 
     def load_back_is_cache_owned(self) -> bool:
         return True
@@ -749,6 +848,14 @@ class HiCacheBackend(RadixcacheBackend):
 
     def __repr__(self) -> str:
         return f"HiCacheBackend({self.write_policy}, {self._cache!r})"
+
+
+def _unqueue(queue: list, ack_id: int) -> None:
+    """Take the controller's queued operation for ``ack_id`` back out of ``queue``."""
+    for index in range(len(queue) - 1, -1, -1):
+        if queue[index].node_ids == [ack_id]:
+            del queue[index]
+            return
 
 
 def _ready(acks: list) -> int:
