@@ -577,3 +577,65 @@ def test_faults_lose_no_slot(backend_core, cpu_hicache, monkeypatch, write_polic
     counts = replay.counts
     assert counts.get("failed steps", 0) > 5 and counts.get("finished", 0) > 5, counts
     assert counts.get("fault:copy", 0) and counts.get("fault:load", 0), sorted(counts.items())
+
+
+# -- the factory ------------------------------------------------------------------------------
+def _build_ours(server_args: dict, **params_fields):
+    from radixcache.integrations import sglang as backend_module
+
+    backend_module.register()
+    kv_pool = MHATokenToKVPool(size=64, page_size=1, dtype=torch.float16, head_num=1,
+                               head_dim=2, layer_num=1, device="cpu", enable_memory_saver=False)
+    allocator = TokenToKVPoolAllocator(64, torch.float16, "cpu", kv_pool, need_sort=True)
+    rows = ReqToTokenPool(size=2, max_context_len=64, device="cpu", enable_memory_saver=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=rows,
+                             token_to_kv_pool_allocator=allocator, page_size=1,
+                             eviction_policy="lru", **params_fields)
+    fields = dict(radix_cache_backend="radixcache", enable_hierarchical_cache=True,
+                  hicache_io_backend="direct", hicache_mem_layout="layer_first",
+                  hicache_ratio=2.0, hicache_size=0)
+    fields.update(server_args)
+    with _CONTEXT.override_server_args(**fields) as args:
+        ctx = registry.TreeCacheBuildContext(
+            server_args=args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+            enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=Worker(),
+            model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+        return registry.create_tree_cache(ctx)
+
+
+HICACHE_REFUSALS = {
+    "buffer-only": (dict(hicache_host_memory_mode="buffer_only",
+                         hicache_storage_backend="file"), {}, "buffer_only"),
+    "storage": (dict(hicache_storage_backend="mooncake"), {}, "--hicache-storage-backend"),
+    "pd-prefill": (dict(disaggregation_mode="prefill"), {}, "--disaggregation-mode prefill"),
+    "pipeline": ({}, dict(pp_size=2), "pipeline"),
+    "draft-pools": ({}, "draft", "draft"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HICACHE_REFUSALS))
+def test_hicache_refused_at_start_up(cpu_hicache, case):
+    from radixcache.integrations.sglang import UnsupportedConfiguration
+
+    server_args, params_fields, named = HICACHE_REFUSALS[case]
+    if params_fields == "draft":
+        draft = MHATokenToKVPool(size=64, page_size=1, dtype=torch.float16, head_num=1,
+                                 head_dim=2, layer_num=1, device="cpu",
+                                 enable_memory_saver=False)
+        params_fields = dict(mtp_draft_device_pools=(draft,))
+    with pytest.raises(UnsupportedConfiguration) as info:
+        _build_ours(server_args, **params_fields)
+    message = str(info.value)
+    assert named in message and "--radix-cache-backend radixcache" in message, message
+
+
+@pytest.mark.parametrize("write_policy", WRITE_POLICIES)
+def test_hicache_builds_what_sglang_builds(cpu_hicache, write_policy):
+    cache = _build_ours(dict(hicache_write_policy=write_policy))
+    assert isinstance(cache, HiCacheBackend) and cache.write_policy == write_policy
+    cc = cache.cache_controller
+    assert type(cc).__name__ == "HybridCacheController" and cc.write_policy == write_policy
+    host = cc.mem_pool_host.anchor_entry.host_pool
+    assert type(host).__name__ == "MHATokenToKVPoolHost" and host.size == 129  # 2 x 64 + 1
+    assert cache.token_to_kv_pool_host is host and cache.host_size() == 0
+    assert cache.supports_prefix_sharing() and cache.total_size() == (0, 0)
