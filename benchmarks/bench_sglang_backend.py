@@ -23,6 +23,17 @@ Workloads: synthetic chat (``radixcache.workloads.synthetic_chat``, 300 conversa
 65,536 tokens), pages 1 and 16; the Mooncake conversation trace (first 3,000 requests, 512
 tokens per hash id, pool 2^21 tokens), page 16 (skipped without the trace).
 
+``mooncake-hicache``: the same trace with ``--enable-hierarchical-cache``
+(``--hicache-write-policy write_back``), a device pool of 2^18 tokens and a host pool four
+times that: SGLang's default (``UnifiedRadixCache`` with HiCache, Rust TreeCore) beside
+``HiCacheBackend``, both over SGLang's own host pools and cache controller. The loop adds the
+scheduler's HiCache steps: ``init_load_back`` for a host hit, ``ready_to_load_host_cache``,
+``flush_pending_backups`` after the batch and ``check_hicache_events`` before the next; the
+hit rate counts device and host hits. On this CPU machine SGLang's copies between device and
+host run with the CPU stand-ins of tests/integrations/test_sglang_hicache.py. The copies, the
+host pool's allocation and frees and the controller's queueing are SGLang's own code, the same
+for both caches: "w/o allocator" leaves them out with the allocator's frees.
+
     python benchmarks/bench_sglang_backend.py --rounds 7     # interleaved rounds: the ratios
     python -m pytest benchmarks/bench_sglang_backend.py --benchmark-group-by=group \\
         --benchmark-columns=min,mean,rounds
@@ -59,6 +70,7 @@ try:
                                                  alloc_token_slots)
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.common import release_kv_cache
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -77,7 +89,15 @@ CASES = {  # name -> (page size, pool tokens)
     "chat-page1": (1, 1 << 16),
     "chat-page16": (16, 1 << 16),
     "mooncake-page16": (16, 1 << 21),
+    "mooncake-hicache": (16, 1 << 18),
 }
+#: The HiCache case's host pool, relative to the device pool, and its write policy.
+HICACHE_RATIO, HICACHE_WRITE_POLICY = 4.0, "write_back"
+HICACHE_CALLS = ("init_load_back", "ready_to_load_host_cache", "flush_pending_backups",
+                 "check_hicache_events")
+#: SGLang's cache controller's methods a HiCache cache calls (host allocation, queueing and
+#: the copies: the same work for both caches, left out of "w/o allocator" with the frees).
+CONTROLLER_CALLS = ("write", "load", "start_writing", "start_loading")
 MOONCAKE_REQUESTS = 3000
 #: The allocator's methods a cache calls (their time inside cache calls is "allocator").
 ALLOCATOR_CALLS = ("free", "free_segment", "free_segments", "free_page_ids", "available_size")
@@ -93,6 +113,7 @@ def workload(case: str) -> list:
     else:
         if not TRACE.is_file():
             pytest.skip(f"the Mooncake conversation trace is not at {TRACE}")
+        cpu_stand_ins()
         requests = list(read_trace(TRACE, block_size=512, limit=MOONCAKE_REQUESTS))
     fixed = []
     fresh = FRESH_TOKEN_BASE
@@ -103,6 +124,30 @@ def workload(case: str) -> list:
             fresh += request.output_len
         fixed.append((array("q", request.prompt.tolist()), array("q", output)))
     return fixed
+
+
+class _Worker:
+    """The TP worker's one HiCache call."""
+
+    def register_hicache_layer_transfer_counter(self, counter) -> None:
+        self.counter = counter
+
+
+def _copy_rows(src_layers, dst_layers, src_indices, dst_indices, page_size):
+    """``sgl_kernel``'s ``transfer_kv_direct`` (CUDA) as torch indexing, as in the tests."""
+    for src, dst in zip(src_layers, dst_layers):
+        dst[dst_indices] = src[src_indices]
+
+
+def cpu_stand_ins() -> None:
+    """What SGLang's HiCache needs to run on a CPU (see tests/integrations/
+    test_sglang_hicache.py): no pinning registration, a no-op stream sync, torch copies."""
+    import sglang.srt.mem_cache.pool_host.common as common
+    import sglang.srt.mem_cache.pool_host.mha as mha
+
+    common._cuda_host_register = lambda *args, **kwargs: None
+    torch.cpu.Stream.synchronize = lambda self: None
+    mha.transfer_kv_direct = _copy_rows
 
 
 class Loop:
@@ -128,11 +173,17 @@ class Loop:
                                  page_size=page_size)
         backend = "radixcache" if implementation == "radixcache" else None
         backend_module.register()
-        with _CONTEXT.override_server_args(radix_cache_backend=backend) as args:
+        self.hicache = case.endswith("hicache")
+        fields = {}
+        if self.hicache:
+            fields = dict(enable_hierarchical_cache=True, hicache_ratio=HICACHE_RATIO,
+                          hicache_size=0, hicache_write_policy=HICACHE_WRITE_POLICY,
+                          hicache_io_backend="direct", hicache_mem_layout="layer_first")
+        with _CONTEXT.override_server_args(radix_cache_backend=backend, **fields) as args:
             ctx = registry.TreeCacheBuildContext(
                 server_args=args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-                enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
-                model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+                enable_hierarchical_cache=self.hicache, disable_radix_cache=False,
+                tp_worker=_Worker(), model_config=None, tp_size=1, tp_rank=0, tp_group=None)
             self.cache = registry.create_tree_cache(ctx)
         if implementation == "sglang" and self.cache._tree_core_backend != "rust":
             pytest.skip("SGLang fell back to its Python TreeCore")
@@ -140,15 +191,24 @@ class Loop:
                          for i, (prompt, output) in enumerate(requests)]
         self.outputs = [output for _, output in requests]
         self._depth, self._seconds, self._allocator_seconds = [0], [0.0], [0.0]
-        for name in CACHE_CALLS:
+        for name in CACHE_CALLS + (HICACHE_CALLS if self.hicache else ()):
             self._time_calls(name)
         for name in ALLOCATOR_CALLS:
             self._time_allocator(name)
+        if self.hicache:  # SGLang's controller and host pools: the same work for both caches
+            controller = self.cache.cache_controller
+            for name in CONTROLLER_CALLS:
+                self._time_allocator(name, controller)
+            group = controller.mem_pool_host
+            for name in ("free", "available_size"):
+                self._time_allocator(name, group)
+                self._time_allocator(name, group.anchor_entry.host_pool)
 
-    def _time_allocator(self, name: str) -> None:
+    def _time_allocator(self, name: str, owner=None) -> None:
         """Time the allocator's work done inside the cache's calls (the frees a cache makes:
-        the same slots for both caches)."""
-        method = getattr(self.allocator, name)
+        the same slots for both caches); ``owner``: the controller or a host pool instead."""
+        owner = self.allocator if owner is None else owner
+        method = getattr(owner, name)
         clock = time.perf_counter
         depth, seconds = self._depth, self._allocator_seconds
 
@@ -163,7 +223,7 @@ class Loop:
                 seconds[0] += clock() - start
                 depth[0] = 1
 
-        setattr(self.allocator, name, timed)
+        setattr(owner, name, timed)
 
     def _time_calls(self, name: str) -> None:
         """Time the scheduler's calls of ``name`` on this cache (outermost calls only: a
@@ -188,11 +248,25 @@ class Loop:
     def run(self) -> dict:
         clock = time.perf_counter
         cache, rows, page_size = self.cache, self.rows, self.page_size
-        prompt_tokens = cached_tokens = 0
+        prompt_tokens = cached_tokens = host_tokens = 0
         loop_start = clock()
+        hicache = self.hicache
         for req, output in zip(self.requests, self.outputs):
+            if hicache:
+                cache.check_hicache_events()
             req.init_next_round_input(cache)
+            if hicache and req.host_hit_length > 0:
+                lock = cache.lock(req.last_node)  # PrefillAdder.add_one_req's pin
+                loaded, req.last_node = cache.init_load_back(InitLoadBackParams(
+                    best_match_node=req.best_match_node, host_hit_length=req.host_hit_length,
+                    req=req))
+                req.prefix_len += loaded
+                host_tokens += loaded
+                req.kv.cache_protected_len = req.prefix_len
+                cache.unlock(lock)
             req.lock = cache.lock(req.last_node)
+            if hicache:
+                cache.ready_to_load_host_cache()
             prefix = cache.prefix_device_indices(req)
             prefix_len = req.prefix_len
             prompt_tokens += len(req.origin_input_ids)
@@ -214,10 +288,13 @@ class Loop:
             req.kv.kv_allocated_len = req.kv.kv_committed_len = total
             req.finished_reason = FINISH_LENGTH(length=len(output))
             release_kv_cache(req, cache, checkpoint=True)
+            if hicache:
+                cache.flush_pending_backups()
         loop_seconds = clock() - loop_start
         return {"cache": self._seconds[0], "loop": loop_seconds,
                 "tree": self._seconds[0] - self._allocator_seconds[0],
                 "hit_rate": cached_tokens / prompt_tokens,
+                "host_hit_rate": host_tokens / prompt_tokens,
                 "tokens": cache.total_size()[0]}
 
 
@@ -253,8 +330,9 @@ def print_table(results: dict, rounds: int) -> None:
     for case, best in results.items():
         ours = best["radixcache"]
         for name, run in best.items():
+            host = (f" (host {run['host_hit_rate']:.4f})" if case.endswith("hicache") else "")
             print(f"{case:17s} {name:11s} {run['cache'] * 1e3:10.1f}ms {run['tree'] * 1e3:12.1f}ms"
-                  f" {run['loop'] * 1e3:9.1f}ms {run['hit_rate']:9.4f}")
+                  f" {run['loop'] * 1e3:9.1f}ms {run['hit_rate']:9.4f}{host}")
         theirs = best["sglang"]
         print(f"{case:17s} {'ratio':11s} {theirs['cache'] / ours['cache']:11.2f}x "
               f"{theirs['tree'] / ours['tree']:13.2f}x {theirs['loop'] / ours['loop']:10.2f}x")
