@@ -639,3 +639,98 @@ def test_hicache_builds_what_sglang_builds(cpu_hicache, write_policy):
     assert type(host).__name__ == "MHATokenToKVPoolHost" and host.size == 129  # 2 x 64 + 1
     assert cache.token_to_kv_pool_host is host and cache.host_size() == 0
     assert cache.supports_prefix_sharing() and cache.total_size() == (0, 0)
+
+
+# -- two tensor-parallel ranks ------------------------------------------------------------------
+def _tp_rank(rank: int, world: int, init: str, steps: int, write_policy: str, core: str,
+             results) -> None:
+    """One TP rank: its own pools and cache over a gloo TP group, the same scheduler
+    sequence as the other rank, and acknowledgements that come late on rank 1 (a slower
+    copy: ``_ready`` reports fewer finished than there are, at random). The backend reduces
+    the counts over the group, so both ranks take the same acknowledgements at the same
+    step: after every step a digest of every decision is gathered and must agree."""
+    import torch.distributed as dist
+
+    from radixcache.integrations.sglang import hicache
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        import sglang.srt.mem_cache.pool_host.common as common
+        import sglang.srt.mem_cache.pool_host.mha as mha
+
+        common._cuda_host_register = lambda *args, **kwargs: None
+        torch.cpu.Stream.synchronize = lambda self: None
+        mha.transfer_kv_direct = _transfer_kv_direct
+        late = random.Random(rank)
+        ready = hicache._ready
+        if rank == 1:
+            hicache._ready = lambda acks: min(ready(acks), late.randrange(0, 3))
+        RadixcacheBackend.core = core
+        group = dist.new_group(list(range(world)), backend="gloo")
+        from radixcache.integrations import sglang as backend_module
+        from test_sglang_backend import Workload
+
+        backend_module.register()
+        side = HiSide(*build_tp_side(group, write_policy))
+        replay = SoloReplay.__new__(SoloReplay)
+        replay.sgl = replay.ours = side
+        replay.rng = random.Random(7)
+        replay.page_size = 1
+        replay.work = Workload(replay.rng, 1)
+        replay.waiting, replay.steps, replay.counts = [], 0, {}
+        replay.override = hicache_args(None, write_policy, 0.5)
+        replay.override.install()
+        digests = []
+        try:
+            for _ in range(steps):
+                replay.step()
+                cache = side.real
+                digest = torch.tensor([zlib.crc32(repr((
+                    side.free_slots(), side.host_slots(), side.transfers(),
+                    cache.evictable_size(), cache.protected_size(), cache.host_size(),
+                    sorted((rid, side.row(req)) for rid, req in side.reqs.items()),
+                )).encode())], dtype=torch.int64)
+                gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+                dist.all_gather(gathered, digest, group=group)
+                digests.append(len({int(t) for t in gathered}))
+        finally:
+            replay.override.restore()
+        results[rank] = (max(digests), replay.counts.get("tick", 0))
+    finally:
+        dist.destroy_process_group()
+
+
+def build_tp_side(group, write_policy: str):
+    """``build_hicache_side`` for our cache on a TP group."""
+    size = 192
+    kv_pool = MHATokenToKVPool(size=size, page_size=1, dtype=torch.float16, head_num=1,
+                               head_dim=2, layer_num=LAYERS, device="cpu",
+                               enable_memory_saver=False)
+    allocator = TokenToKVPoolAllocator(size, torch.float16, "cpu", kv_pool, need_sort=True)
+    rows = ReqToTokenPool(size=ROWS, max_context_len=4096, device="cpu",
+                          enable_memory_saver=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=rows,
+                             token_to_kv_pool_allocator=allocator, page_size=1,
+                             eviction_policy="lru", enable_kv_cache_events=True,
+                             tp_cache_group=group)
+    with hicache_args("radixcache", write_policy, 0.5) as server_args:
+        ctx = registry.TreeCacheBuildContext(
+            server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+            enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=Worker(),
+            model_config=None, tp_size=2, tp_rank=0, tp_group=group)
+        cache = registry.create_tree_cache(ctx)
+    return cache, allocator, rows, kv_pool
+
+
+@pytest.mark.parametrize("write_policy", ("write_through",))  # late write and load acks
+def test_two_tp_ranks_decide_alike(backend_core, tmp_path, write_policy):
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_tp_rank, args=(2, init, STEPS // 4, write_policy, backend_core, results),
+             nprocs=2, join=True)
+    got = dict(results)
+    # One digest per step on both ranks (a step where they differ would count 2), over a
+    # sequence that took acknowledgements.
+    assert got[0][0] == 1 and got[1][0] == 1 and got[0][1] > 10, got
