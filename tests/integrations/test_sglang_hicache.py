@@ -304,6 +304,9 @@ class HiSide(Side):
                             for i in range(page_size)}), rid)
         for pending in self.real._pending_frees:
             own(pending.tolist(), "pending free")
+        self.real.sanity_check()
+        assert sorted(self.real.all_values_flatten().tolist()) == sorted(
+            slot for slot, who in owners.items() if who.startswith("node"))
         size = allocator.size
         assert sorted(owners) == list(range(page_size, size + page_size)), "device slots lost"
         free_host = self.host_slots()
@@ -447,7 +450,7 @@ def test_same_as_sglang_hicache_every_eviction_policy(backend_core, cpu_hicache,
     replay = HiReplay(backend_core, 16, policy, write_policy, 0.5,
                       zlib.crc32(f"{policy}-{write_policy}".encode()), monkeypatch)
     try:
-        for _ in range(STEPS // 4):
+        for _ in range(STEPS // 8):
             replay.step()
     finally:
         replay.close()

@@ -239,37 +239,46 @@ class HiCacheBackend(RadixcacheBackend):
             hits_from = _NO_HITS
         result = self._cache.insert(tokens, value, namespace, priority, hits_from=hits_from)
         last = result.last_node
-        path = self._path_to(last)
-        ends = np.cumsum([node.num_tokens for node in path]).tolist() if path else []
         start = result.prefix_len
+        # The path's tail this insert can have changed: the nodes ending past what was on the
+        # device (adopted host nodes, the new leaf) or past hits_from (write-through).
+        low = start if self.is_write_back else min(start, hits_from)
+        tail = []
+        end = len(tokens)
+        node = last
+        while end > low and node.parent is not None:
+            tail.append((node, end))
+            end -= node.num_tokens
+            node = node.parent
+        tail.reverse()
         # What the walk adopted (host nodes past the device part) and the new leaf's size
         # (the rest of the key) tell the leaf apart.
-        adopted = [node for node, end in zip(path, ends) if end > start
-                   and node.host_value is not None]
+        adopted = [node for node, end in tail if end > start and node.host_value is not None]
         new_leaf = len(tokens) - start - sum(node.num_tokens for node in adopted) > 0
-        walked = len(path) - 1 if new_leaf else len(path)
+        walked = tail[:-1] if new_leaf else tail
         # SGLang's walk, then its commit, then its tail: the copies of the walked nodes due
         # for one, the adopted host nodes' events, the new leaf's event, the leaf's copy.
-        if not self.is_write_back:
-            self._write_through_now(path[:walked], ends, hits_from)
-        self._on_adopted(adopted)
+        if walked and not self.is_write_back:
+            self._write_through_now(walked, hits_from)
+        if adopted:
+            self._on_adopted(adopted)
         self._note_new((last, last.parent))
         if new_leaf:
             if self.kv_events.enabled:
-                leaf_start = ends[-1] - last.num_tokens
+                leaf_start = len(tokens) - last.num_tokens
                 self._record_leaf(last, tokens[leaf_start:], value[leaf_start:], names)
             if not self.is_write_back:
-                self._write_through_now(path, ends, hits_from, walked)
+                self._write_through_now(tail[-1:], hits_from)
         return result
 
-    def _write_through_now(self, path: list, ends: list, hits_from: int, first: int = 0) -> None:
+    def _write_through_now(self, nodes: list, hits_from: int) -> None:
         """``_write_through`` inside an insert: an error is kept for the end of the call
         (``insert``, ``checkpoint``), so that the call's bookkeeping (duplicate slots freed,
         the row and the lock moved) is complete when it propagates."""
         if self._insert_error is not None:
             return
         try:
-            self._write_through(path, ends, hits_from, first)
+            self._write_through(nodes, hits_from)
         except BaseException as exc:
             self._insert_error = exc
 
@@ -294,16 +303,6 @@ class HiCacheBackend(RadixcacheBackend):
         result = super()._split_at(tokens, namespace, priority)
         self._note_new((result.last_node,))
         return result
-
-    @staticmethod
-    def _path_to(node: Any) -> list:
-        """The nodes from the root (excluded) down to ``node``."""
-        path = []
-        while node is not None and node.parent is not None:
-            path.append(node)
-            node = node.parent
-        path.reverse()
-        return path
 
     def _on_adopted(self, adopted: list) -> None:
         """Host-only nodes an insert put back on the device with the request's slots:
@@ -395,16 +394,14 @@ class HiCacheBackend(RadixcacheBackend):
                                      medium=StorageMedium.CPU)
 
     # -- write-through -----------------------------------------------------------------------
-    def _write_through(self, path: list, ends: list, hits_from: int, first: int = 0) -> None:
-        """SGLang's insert-time backups: each node of ``path[first:]`` that ends past
-        ``hits_from``, has no host copy and was hit ``write_through_threshold`` times is
-        copied, its uncopied ancestors first; a copy that finds no room ends that node's
-        chain."""
+    def _write_through(self, nodes: list, hits_from: int) -> None:
+        """SGLang's insert-time backups: each of ``nodes`` (``(node, end)`` top-down) that
+        ends past ``hits_from``, has no host copy and was hit ``write_through_threshold``
+        times is copied, its uncopied ancestors first; a copy that finds no room ends that
+        node's chain."""
         threshold = self.write_through_threshold
-        for index in range(first, len(path)):
-            node = path[index]
-            if (ends[index] > hits_from and node.host_value is None
-                    and node.hit_count >= threshold):
+        for node, end in nodes:
+            if end > hits_from and node.host_value is None and node.hit_count >= threshold:
                 chain = [node]
                 above = node.parent
                 while above is not None and above.parent is not None \
@@ -438,7 +435,7 @@ class HiCacheBackend(RadixcacheBackend):
         """Host slots holding ``node``'s KV (a write queued on the controller), after making
         room as SGLang's ``_execute_kv_backup`` does; None when there is none."""
         size = node.num_tokens
-        available = self.cache_controller.mem_pool_host.available_size()
+        available = self.host_pool_group.available_size()
         if available < size:
             needed = size - available
             if self._evict_host(needed) < needed:
@@ -460,7 +457,9 @@ class HiCacheBackend(RadixcacheBackend):
             return 0
         freed = self._reclaim_duplicates(num_tokens) if self.is_write_back else 0
         if freed < num_tokens:
-            freed += self._cache.evict_host(num_tokens - freed, self._free_host,
+            # One free for every leaf the call removes: the pool appends them in the same
+            # order, and the recorder joins their BlockRemoved(CPU) into one anyway.
+            freed += self._cache.evict_host(num_tokens - freed, self._free_host, batch=True,
                                             keep=self._held_on_host())
         return freed
 
@@ -550,7 +549,7 @@ class HiCacheBackend(RadixcacheBackend):
             if node is None:
                 break
             host = None
-            if write_back and node.host_value is None:
+            if write_back and node.tier == "device":
                 host = self._host_copy(node)
                 if host is None and (node.num_children or self._host_locks.get(node)):
                     passed.add(node)  # SGLang declines the drop: it stays for now
@@ -560,9 +559,10 @@ class HiCacheBackend(RadixcacheBackend):
                     # acknowledged before the node leaves the device (a copy that fails
                     # leaves it there, its host slots freed).
                     self._finish_writes_now(host)
-                    self._copy_hashes(node.value, host, to_device=False)
-                    self._record_node(node, StorageMedium.CPU)
-                    self._duplicates.setdefault(node, None)  # both tiers at its ack
+                    if self.kv_events.enabled:
+                        self._copy_hashes(node.value, host, to_device=False)
+                        self._record_node(node, StorageMedium.CPU)
+                    self._duplicates[node] = None  # on both tiers at its ack
             taken: list = []
             try:
                 got = cache.evict(1, taken.append,
@@ -590,6 +590,8 @@ class HiCacheBackend(RadixcacheBackend):
         """Submit the queued writes; if the copy fails, the writes it carried are undone
         (host copies dropped and freed, locks released) before the error propagates."""
         cc = self.cache_controller
+        if not cc.write_queue:
+            return
         queued = [ack_id for op in cc.write_queue for ack_id in op.node_ids]
         try:
             cc.start_writing()
@@ -622,10 +624,12 @@ class HiCacheBackend(RadixcacheBackend):
         except BaseException:
             self._forget_host(host)
             raise
-        for ack in cc.ack_write_queue:
-            for ack_id in ack.node_ids:
-                if ack_id in self._writes:
-                    self._finish_write(ack_id)
+        writes = self._writes
+        if writes:
+            for ack in cc.ack_write_queue:
+                for ack_id in ack.node_ids:
+                    if ack_id in writes:
+                        self._finish_write(ack_id)
         cc.ack_write_queue.clear()
 
     def _finish_write(self, ack_id: int) -> None:
@@ -845,6 +849,19 @@ class HiCacheBackend(RadixcacheBackend):
     def host_size(self) -> int:
         """Tokens with a host copy."""
         return self._cache.host_size()
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every slot cached on the device, in depth-first order."""
+        values = [node.value for node in self._nodes() if node.on_device]
+        return torch.cat(values) if values else self._empty_indices
+
+    def sanity_check(self) -> None:
+        """Raise AssertionError if the device or host sizes disagree with the tree."""
+        nodes = list(self._nodes())
+        device = sum(node.num_tokens for node in nodes if node.on_device)
+        host = sum(node.num_tokens for node in nodes if node.host_value is not None)
+        assert device == self._cache.total_size(), (device, self._cache.total_size())
+        assert host == self._cache.host_size(), (host, self._cache.host_size())
 
     def __repr__(self) -> str:
         return f"HiCacheBackend({self.write_policy}, {self._cache!r})"
