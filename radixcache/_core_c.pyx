@@ -2900,17 +2900,22 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             del garbage[:]
             del passed[:]
 
+    cdef Node device_node(self, object node, str what):
+        """``node`` checked to be a node of this tree on the device, not the root."""
+        self.tree._check_member(node)
+        if node is self.tree.root:
+            raise ValueError(f"{what}: the root holds no tokens")
+        if (<Node>node).host_only:
+            raise ValueError(f"{what}: node {(<Node>node).id} is only on the host"
+                             + (" (evict_host removes it)" if what == "drop_host_copy" else ""))
+        return <Node>node
+
     def back_up(self, node, host, on_backup=None):
         """Give a node on the device its host copy (see ``_core_py``)."""
         cdef Node n
         self.guard.enter("back_up")
         try:
-            self.tree._check_member(node)
-            n = <Node>node
-            if n is self.tree.root:
-                raise ValueError("back_up: the root holds no tokens")
-            if n.host_only:
-                raise ValueError(f"back_up: node {n.id} is only on the host")
+            n = self.device_node(node, "back_up")
             if n.host_owner is not None:
                 raise ValueError(f"back_up: node {n.id} already has a host copy")
             answer = host
@@ -2933,13 +2938,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         cdef Node n
         self.guard.enter("drop_host_copy")
         try:
-            self.tree._check_member(node)
-            n = <Node>node
-            if n is self.tree.root:
-                raise ValueError("drop_host_copy: the root holds no tokens")
-            if n.host_only:
-                raise ValueError(f"drop_host_copy: node {n.id} is only on the host "
-                                 "(evict_host removes it)")
+            n = self.device_node(node, "drop_host_copy")
             if n.host_owner is None:
                 raise ValueError(f"drop_host_copy: node {n.id} has no host copy")
             if on_remove_host is not None:

@@ -317,15 +317,20 @@ class HostTier:
             self._leave()
             garbage.clear()
 
+    def _device_node(self, node: Any, what: str) -> None:
+        """Raise unless ``node`` is a node of this tree on the device, not the root."""
+        self.tree._check_member(node)
+        if node is self.tree.root:
+            raise ValueError(f"{what}: the root holds no tokens")
+        if not node._on_device:
+            raise ValueError(f"{what}: node {node._id} is only on the host"
+                             + (" (evict_host removes it)" if what == "drop_host_copy" else ""))
+
     def back_up(self, node: Any, host: Any, on_backup: Any = None) -> None:
         """Give a node on the device its host copy; see the module docstring."""
         self._take(False, "back_up")
         try:
-            self.tree._check_member(node)
-            if node is self.tree.root:
-                raise ValueError("back_up: the root holds no tokens")
-            if not node._on_device:
-                raise ValueError(f"back_up: node {node._id} is only on the host")
+            self._device_node(node, "back_up")
             if node._host is not None:
                 raise ValueError(f"back_up: node {node._id} already has a host copy")
             size = node.num_tokens
@@ -341,12 +346,7 @@ class HostTier:
         """Take the host copy of a node on the device; see the module docstring."""
         self._take(False, "drop_host_copy")
         try:
-            self.tree._check_member(node)
-            if node is self.tree.root:
-                raise ValueError("drop_host_copy: the root holds no tokens")
-            if not node._on_device:
-                raise ValueError(f"drop_host_copy: node {node._id} is only on the host "
-                                 "(evict_host removes it)")
+            self._device_node(node, "drop_host_copy")
             if node._host is None:
                 raise ValueError(f"drop_host_copy: node {node._id} has no host copy")
             if on_remove_host is not None:

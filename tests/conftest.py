@@ -70,6 +70,15 @@ def core_name(request) -> str:
     return request.param
 
 
+@pytest.fixture(params=["c", "python"])
+def backend_core(request) -> str:
+    """The tree core the SGLang backend's instances use, for the SGLang integration's tests
+    ("c" skips where it is not built)."""
+    if request.param not in CORES:
+        pytest.skip(f"the {request.param!r} core is not available in this build")
+    return request.param
+
+
 @pytest.fixture(params=list(BLOCKS), ids=list(BLOCKS))
 def blocks(request):
     """One available block module (``BlockIndex``, the page hashes): pure, and compiled once

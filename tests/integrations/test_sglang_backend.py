@@ -115,40 +115,45 @@ def _counting(allocator_class: type) -> type:
 
 
 def build_side(backend: str | None, page_size: int, policy: str, lora_names=None,
-               events: bool = True, counting_allocator: bool = False):
-    kv_pool = MHATokenToKVPool(size=POOL_TOKENS[page_size], page_size=page_size,
-                               dtype=torch.float16, head_num=1, head_dim=2, layer_num=1,
-                               device="cpu", enable_memory_saver=False)
+               events: bool = True, counting_allocator: bool = False, *, size: int = 0,
+               layers: int = 1, server_args=None, worker=None, tp_group=None):
+    """One cache built by SGLang's factory over its own real pools: (cache, allocator,
+    rows, KV pool). ``server_args``: the install to build under (default: only
+    ``--radix-cache-backend``); ``worker``: the TP worker (HiCache on when given)."""
+    size = size or POOL_TOKENS[page_size]
+    kv_pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float16,
+                               head_num=1, head_dim=2, layer_num=layers, device="cpu",
+                               enable_memory_saver=False)
     if page_size == 1:
         kind = TokenToKVPoolAllocator
         if counting_allocator:
             kind = _counting(kind)
-        allocator = kind(POOL_TOKENS[page_size], torch.float16, "cpu", kv_pool, need_sort=True)
+        allocator = kind(size, torch.float16, "cpu", kv_pool, need_sort=True)
     else:
         kind = PagedTokenToKVPoolAllocator
         if counting_allocator:
             kind = _counting(kind)
-        allocator = kind(POOL_TOKENS[page_size], page_size, torch.float16, "cpu", kv_pool,
-                         need_sort=True)
+        allocator = kind(size, page_size, torch.float16, "cpu", kv_pool, need_sort=True)
     rows = ReqToTokenPool(size=ROWS, max_context_len=4096, device="cpu",
                           enable_memory_saver=False)
     params = CacheInitParams(disable=False, req_to_token_pool=rows,
                              token_to_kv_pool_allocator=allocator, page_size=page_size,
                              eviction_policy=policy, enable_kv_cache_events=events,
-                             tree_core_backend=None if backend else "python")
+                             tree_core_backend=None if backend else "python",
+                             tp_cache_group=tp_group)
     if lora_names is not None:
         params.kv_event_lora_names = lora_names
-    override = _server_args(backend)
-    server_args = override.install()
+    override = server_args if server_args is not None else _server_args(backend)
+    installed = override.install()
     try:
         ctx = registry.TreeCacheBuildContext(
-            server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
-            model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+            server_args=installed, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+            enable_hierarchical_cache=worker is not None, disable_radix_cache=False,
+            tp_worker=worker, model_config=None, tp_size=1, tp_rank=0, tp_group=tp_group)
         cache = registry.create_tree_cache(ctx)
     finally:
         override.restore()
-    return cache, allocator, rows
+    return cache, allocator, rows, kv_pool
 
 
 def apply_split_rule(cache) -> None:
@@ -214,6 +219,13 @@ class Side:
     def admit(self, rid: str, prompt: list, output: list, priority, extra_key, salt,
               chunk: int) -> tuple:
         """Match, lock, take a row, allocate the first chunk (or the whole prompt)."""
+        req = self.matched(rid, prompt, output, priority, extra_key, salt)
+        req.lock = self.cache.lock(req.last_node)
+        return (req.prefix_len,) + self._extend(req, chunk)
+
+    def matched(self, rid: str, prompt: list, output: list, priority, extra_key,
+                salt) -> Req:
+        """The request ``rid`` (made on its first admission), matched against the cache."""
         req = self.reqs.get(rid)
         if req is None:
             req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=len(output)),
@@ -221,8 +233,7 @@ class Side:
             req.planned_output = output
             self.reqs[rid] = req
         req.init_next_round_input(self.cache)
-        req.lock = self.cache.lock(req.last_node)
-        return (req.prefix_len,) + self._extend(req, chunk)
+        return req
 
     def _extend(self, req: Req, chunk: int) -> tuple:
         page_size = self.allocator.page_size
@@ -385,24 +396,29 @@ class Replay:
             names.register(types.SimpleNamespace(lora_id="id-a", extra_key="ns-a"), "adapter-a")
             return names
 
-        sgl = build_side(None, page_size, policy, lora_names(), events)
+        sgl = build_side(None, page_size, policy, lora_names(), events)[:3]
         ours = build_side("radixcache", page_size, policy, lora_names(), events,
-                          counting_allocator)
+                          counting_allocator)[:3]
         assert type(sgl[0]).__name__ == "UnifiedRadixCache"
         assert isinstance(ours[0], RadixcacheBackend) and ours[0].radix_cache.core_name == core
         if split_rule:
             apply_split_rule(sgl[0])
-        self.sgl, self.ours = Side(*sgl), Side(*ours)
+        self.start(Side(*sgl), Side(*ours), seed, page_size, _server_args(None))
+
+    def start(self, sgl: Side, ours: Side, seed: int, page_size: int, override) -> None:
+        """Both sides, the workload, and ``override``: the install both sides were built
+        without, which the scheduler's own code reads (installed until ``close``)."""
+        self.sgl, self.ours = sgl, ours
         self.rng = random.Random(seed)
         self.page_size = page_size
         self.work = Workload(self.rng, page_size)
         self.waiting: list[dict] = []
         self.steps = 0
         self.counts: dict = {}
-        # The install both sides were built without: the scheduler's own code reads it.
-        self.override = _server_args(None)
+        self.override = override
         self.override.install()
-        self.compare("start")
+        if sgl is not ours:
+            self.compare("start")
 
     def close(self) -> None:
         self.override.restore()
@@ -538,9 +554,14 @@ def test_split_rule_correction_matters(monkeypatch):
     can fail, and the stated difference is the only one it forgives."""
     replay = Replay("python", 16, "mru", seed=zlib.crc32(b"16-mru"), monkeypatch=monkeypatch,
                     split_rule=False)
+    diverges(replay, STEPS)
+
+
+def diverges(replay, steps: int) -> None:
+    """``replay`` fails its comparison within ``steps`` steps."""
     try:
         with pytest.raises(AssertionError, match="differ|!="):
-            for _ in range(STEPS):
+            for _ in range(steps):
                 replay.step()
     finally:
         replay.close()

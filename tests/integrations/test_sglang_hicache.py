@@ -41,15 +41,15 @@ import pytest
 import torch
 
 from test_sglang_backend import (  # the shared harness (skips the module without SGLang)
-    ROWS,
     Replay,
     Side,
     apply_split_rule,
+    build_side,
+    diverges,
 )
 
 from sglang.srt.managers.schedule_policy import PrefillAdder
 from sglang.srt.mem_cache import registry
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -106,36 +106,20 @@ class Worker:
 
 
 def build_hicache_side(backend, page_size: int, policy: str, write_policy: str,
-                       host_ratio: float, events: bool = True, device_tokens=None):
-    size = device_tokens or DEVICE_TOKENS[page_size]
-    kv_pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.float16,
-                               head_num=1, head_dim=2, layer_num=LAYERS, device="cpu",
-                               enable_memory_saver=False)
-    if page_size == 1:
-        allocator = TokenToKVPoolAllocator(size, torch.float16, "cpu", kv_pool, need_sort=True)
-    else:
-        allocator = PagedTokenToKVPoolAllocator(size, page_size, torch.float16, "cpu", kv_pool,
-                                                need_sort=True)
-    rows = ReqToTokenPool(size=ROWS, max_context_len=4096, device="cpu",
-                          enable_memory_saver=False)
-    params = CacheInitParams(disable=False, req_to_token_pool=rows,
-                             token_to_kv_pool_allocator=allocator, page_size=page_size,
-                             eviction_policy=policy, enable_kv_cache_events=events,
-                             tree_core_backend=None if backend else "python")
-    override = hicache_args(backend, write_policy, host_ratio)
-    server_args = override.install()
+                       host_ratio: float, events: bool = True, device_tokens=None,
+                       tp_group=None):
+    """``build_side`` with HiCache on (``LAYERS`` layers, SGLang's host pool of
+    ``host_ratio`` times the device pool), checking that the layer-transfer counter was
+    registered with the KV pool and the TP worker."""
     worker = Worker()
-    try:
-        ctx = registry.TreeCacheBuildContext(
-            server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-            enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=worker,
-            model_config=None, tp_size=1, tp_rank=0, tp_group=None)
-        cache = registry.create_tree_cache(ctx)
-    finally:
-        override.restore()
+    built = build_side(backend, page_size, policy, None, events,
+                       size=device_tokens or DEVICE_TOKENS[page_size], layers=LAYERS,
+                       server_args=hicache_args(backend, write_policy, host_ratio),
+                       worker=worker, tp_group=tp_group)
+    cache, kv_pool = built[0], built[3]
     assert worker.counters == [cache.cache_controller.layer_done_counter]
     assert kv_pool.layer_transfer_counter is cache.cache_controller.layer_done_counter
-    return cache, allocator, rows, kv_pool
+    return built
 
 
 class HiSide(Side):
@@ -152,21 +136,11 @@ class HiSide(Side):
         return PrefillAdder._lock_node(types.SimpleNamespace(tree_cache=self.real), node,
                                        lock_host=lock_host)
 
-    def admit(self, rid, prompt, output, priority, extra_key, salt, chunk, others=()):
+    def admit(self, rid, prompt, output, priority, extra_key, salt, chunk, others=(),
+              mem_quota=None):
         """``Side.admit`` with the host hit loaded back; ``others``: prompts of other waiting
         requests the scheduler matches between this request's match and its admission."""
-        from array import array
-
-        from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.sampling.sampling_params import SamplingParams
-
-        req = self.reqs.get(rid)
-        if req is None:
-            req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=len(output)),
-                      priority=priority, extra_key=extra_key, cache_salt=salt)
-            req.planned_output = output
-            self.reqs[rid] = req
-        req.init_next_round_input(self.cache)
+        req = self.matched(rid, prompt, output, priority, extra_key, salt)
         matched = (req.prefix_len, req.host_hit_length)
         if others:
             self.order([(tokens, None) for tokens in others])
@@ -180,7 +154,7 @@ class HiSide(Side):
                       else contextlib.nullcontext()):
                     loaded = self.cache.init_load_back(InitLoadBackParams(
                         best_match_node=req.best_match_node,
-                        host_hit_length=req.host_hit_length, req=req))
+                        host_hit_length=req.host_hit_length, req=req, mem_quota=mem_quota))
                 req.host_loaded_length, req.last_node = loaded
                 req.prefix_len += req.host_loaded_length
                 if self.cache.load_back_is_cache_owned():
@@ -339,18 +313,8 @@ class HiReplay(Replay):
         assert isinstance(ours[0], HiCacheBackend) and ours[0].radix_cache.core_name == core
         if split_rule:
             apply_split_rule(sgl[0])
-        self.sgl, self.ours = HiSide(*sgl), HiSide(*ours)
-        from test_sglang_backend import Workload
-
-        self.rng = random.Random(seed)
-        self.page_size = page_size
-        self.work = Workload(self.rng, page_size)
-        self.waiting = []
-        self.steps = 0
-        self.counts = {}
-        self.override = hicache_args(None, write_policy, host_ratio)
-        self.override.install()
-        self.compare("start")
+        self.start(HiSide(*sgl), HiSide(*ours), seed, page_size,
+                   hicache_args(None, write_policy, host_ratio))
 
     def compare(self, what: str) -> None:
         super().compare(what)
@@ -372,6 +336,15 @@ class HiReplay(Replay):
             self.compare("flush")
 
 
+def run(replay, steps: int) -> None:
+    """``steps`` random steps of ``replay``, compared after each; then its install goes."""
+    try:
+        for _ in range(steps):
+            replay.step()
+    finally:
+        replay.close()
+
+
 @pytest.mark.parametrize("host_ratio", HOST_RATIOS, ids=lambda r: f"host{r}")
 @pytest.mark.parametrize("page_size", (1, 16), ids=lambda p: f"page{p}")
 @pytest.mark.parametrize("write_policy", WRITE_POLICIES)
@@ -380,11 +353,7 @@ def test_same_as_sglang_hicache(backend_core, cpu_hicache, monkeypatch, write_po
     seed = zlib.crc32(f"{write_policy}-{page_size}-{host_ratio}".encode())
     replay = HiReplay(backend_core, page_size, "lru", write_policy, host_ratio, seed,
                       monkeypatch)
-    try:
-        for _ in range(STEPS):
-            replay.step()
-    finally:
-        replay.close()
+    run(replay, STEPS)
     counts = replay.counts
     for kind in ("chunk", "finished", "prefilled", "events", "tick"):
         assert counts.get(kind, 0) > 5, (kind, counts)
@@ -407,11 +376,7 @@ def test_same_as_sglang_hicache_under_pressure(backend_core, cpu_hicache, monkey
     replay = HiReplay(backend_core, 1, "lru", write_policy, 0.5,
                       zlib.crc32(f"pressure-{write_policy}".encode()), monkeypatch,
                       device_tokens=192)
-    try:
-        for _ in range(STEPS // 2):
-            replay.step()
-    finally:
-        replay.close()
+    run(replay, STEPS // 2)
     assert replay.counts.get("finished", 0) > 5, replay.counts
     key = (backend_core, write_policy)
     CALLS[key] = CALLS.get(key, 0) + replay.calls
@@ -441,6 +406,35 @@ def test_a_load_keeps_its_host_copies_while_it_evicts(backend_core, cpu_hicache,
         replay.close()
 
 
+def test_load_back_quota_and_threshold(backend_core, cpu_hicache, monkeypatch):
+    """SGLang's load-back limits: a host hit under 10 tokens is recomputed, one over the
+    request's quota (the host tokens plus those the load's lock newly protects: none here,
+    the admission pins the device prefix first) too; within them it loads. Step by step,
+    compared after each."""
+    replay = HiReplay(backend_core, 1, "lru", "write_back", 1.0, 0, monkeypatch,
+                      device_tokens=64)
+    shared, short, long_ = [1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 12], list(range(20, 36))
+    try:
+        for step in (("put", shared + short), ("put", shared + long_), ("evict_now", 64)):
+            replay.both(step[0], step[1])
+            replay.compare(step[0])
+        replay.both("put", shared)  # the shared head back on the device
+        got = replay.both("admit", "a", shared + short + [1], [2], None, None, None, 1000)
+        assert got[:3] == (4, 8, 0), got  # 8 host tokens: under the threshold
+        replay.compare("admit")
+        # 16 host tokens: a quota of 15 refuses, 16 admits.
+        got = replay.both("admit", "b", shared + long_ + [1], [2], None, None, None, 1000,
+                          (), 15)
+        assert got[:3] == (4, 16, 0), got
+        replay.compare("admit")
+        got = replay.both("admit", "c", shared + long_ + [1], [2], None, None, None, 1000,
+                          (), 16)
+        assert got[:3] == (4, 16, 16), got
+        replay.compare("admit")
+    finally:
+        replay.close()
+
+
 @pytest.mark.parametrize("policy", ("priority", "lfu", "fifo", "mru", "filo", "slru"))
 @pytest.mark.parametrize("write_policy", ("write_back", "write_through"))
 def test_same_as_sglang_hicache_every_eviction_policy(backend_core, cpu_hicache, monkeypatch,
@@ -449,11 +443,7 @@ def test_same_as_sglang_hicache_every_eviction_policy(backend_core, cpu_hicache,
     hits, which lfu and slru read)."""
     replay = HiReplay(backend_core, 16, policy, write_policy, 0.5,
                       zlib.crc32(f"{policy}-{write_policy}".encode()), monkeypatch)
-    try:
-        for _ in range(STEPS // 8):
-            replay.step()
-    finally:
-        replay.close()
+    run(replay, STEPS // 8)
     assert replay.counts.get("finished", 0) > 5, replay.counts
     key = (backend_core, write_policy)
     CALLS[key] = CALLS.get(key, 0) + replay.calls
@@ -464,11 +454,7 @@ def test_same_as_sglang_hicache_without_events(backend_core, cpu_hicache, monkey
                                                write_policy):
     replay = HiReplay(backend_core, 1, "lru", write_policy, 0.5,
                       zlib.crc32(f"quiet-{write_policy}".encode()), monkeypatch, events=False)
-    try:
-        for _ in range(STEPS // 4):
-            replay.step()
-    finally:
-        replay.close()
+    run(replay, STEPS // 4)
     assert replay.counts.get("finished", 0) > 5 and not replay.counts.get("events"), \
         replay.counts
     key = (backend_core, write_policy)
@@ -480,12 +466,7 @@ def test_split_rule_correction_matters_with_hicache(cpu_hicache, monkeypatch):
     fail with the host tier on, and forgives only the stated difference."""
     replay = HiReplay("python", 16, "mru", "write_back", 0.5, zlib.crc32(b"hicache-mru"),
                       monkeypatch, split_rule=False)
-    try:
-        with pytest.raises(AssertionError, match="differ|!="):
-            for _ in range(STEPS):
-                replay.step()
-    finally:
-        replay.close()
+    diverges(replay, STEPS)
 
 
 # -- faults: our side alone, slots checked after every step ------------------------------------
@@ -505,26 +486,19 @@ class SoloReplay(HiReplay):
                  rates: dict) -> None:
         monkeypatch.setattr(RadixcacheBackend, "core", core)
         from radixcache.integrations import sglang as backend_module
-        from test_sglang_backend import Workload
 
         backend_module.register()
         side = HiSide(*build_hicache_side("radixcache", page_size, "lru", write_policy,
                                           host_ratio))
-        self.sgl = self.ours = side
-        self.rng = random.Random(seed)
         self.faults = random.Random(seed + 1)
         self.rates = rates
-        self.page_size = page_size
-        self.work = Workload(self.rng, page_size)
-        self.waiting, self.steps, self.counts = [], 0, {}
         cc = side.real.cache_controller
         for name in ("write", "load"):
             monkeypatch.setattr(cc, name, self._faulty(getattr(cc, name), name))
         monkeypatch.setattr(
             __import__("sglang.srt.mem_cache.pool_host.mha", fromlist=["mha"]),
             "transfer_kv_direct", self._faulty(_transfer_kv_direct, "copy"))
-        self.override = hicache_args(None, write_policy, host_ratio)
-        self.override.install()
+        self.start(side, side, seed, page_size, hicache_args(None, write_policy, host_ratio))
 
     def _faulty(self, call, name):
         def maybe_fail(*args, **kwargs):
@@ -572,11 +546,7 @@ def test_faults_lose_no_slot(backend_core, cpu_hicache, monkeypatch, write_polic
     replay = SoloReplay(backend_core, page_size, write_policy, 0.5,
                         zlib.crc32(f"faults-{write_policy}-{page_size}".encode()), monkeypatch,
                         rates={"copy": 0.1, "write": 0.03, "load": 0.3})
-    try:
-        for _ in range(STEPS // 2):
-            replay.step()
-    finally:
-        replay.close()
+    run(replay, STEPS // 2)
     counts = replay.counts
     assert counts.get("failed steps", 0) > 5 and counts.get("finished", 0) > 5, counts
     assert counts.get("fault:copy", 0) and counts.get("fault:load", 0), sorted(counts.items())
@@ -671,18 +641,12 @@ def _tp_rank(rank: int, world: int, init: str, steps: int, write_policy: str, co
         RadixcacheBackend.core = core
         group = dist.new_group(list(range(world)), backend="gloo")
         from radixcache.integrations import sglang as backend_module
-        from test_sglang_backend import Workload
 
         backend_module.register()
-        side = HiSide(*build_tp_side(group, write_policy))
+        side = HiSide(*build_hicache_side("radixcache", 1, "lru", write_policy, 0.5,
+                                          device_tokens=192, tp_group=group))
         replay = SoloReplay.__new__(SoloReplay)
-        replay.sgl = replay.ours = side
-        replay.rng = random.Random(7)
-        replay.page_size = 1
-        replay.work = Workload(replay.rng, 1)
-        replay.waiting, replay.steps, replay.counts = [], 0, {}
-        replay.override = hicache_args(None, write_policy, 0.5)
-        replay.override.install()
+        replay.start(side, side, 7, 1, hicache_args(None, write_policy, 0.5))
         digests = []
         try:
             for _ in range(steps):
@@ -701,28 +665,6 @@ def _tp_rank(rank: int, world: int, init: str, steps: int, write_policy: str, co
         results[rank] = (max(digests), replay.counts.get("tick", 0))
     finally:
         dist.destroy_process_group()
-
-
-def build_tp_side(group, write_policy: str):
-    """``build_hicache_side`` for our cache on a TP group."""
-    size = 192
-    kv_pool = MHATokenToKVPool(size=size, page_size=1, dtype=torch.float16, head_num=1,
-                               head_dim=2, layer_num=LAYERS, device="cpu",
-                               enable_memory_saver=False)
-    allocator = TokenToKVPoolAllocator(size, torch.float16, "cpu", kv_pool, need_sort=True)
-    rows = ReqToTokenPool(size=ROWS, max_context_len=4096, device="cpu",
-                          enable_memory_saver=False)
-    params = CacheInitParams(disable=False, req_to_token_pool=rows,
-                             token_to_kv_pool_allocator=allocator, page_size=1,
-                             eviction_policy="lru", enable_kv_cache_events=True,
-                             tp_cache_group=group)
-    with hicache_args("radixcache", write_policy, 0.5) as server_args:
-        ctx = registry.TreeCacheBuildContext(
-            server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-            enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=Worker(),
-            model_config=None, tp_size=2, tp_rank=0, tp_group=group)
-        cache = registry.create_tree_cache(ctx)
-    return cache, allocator, rows, kv_pool
 
 
 @pytest.mark.parametrize("write_policy", ("write_through",))  # late write and load acks

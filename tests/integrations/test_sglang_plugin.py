@@ -46,7 +46,7 @@ def ours(core_name, monkeypatch):
     """A radixcache backend built through SGLang's registry (page 1), on each core."""
     monkeypatch.setattr(RadixcacheBackend, "core", core_name)
     backend_module.register()
-    cache, allocator, rows = build_side("radixcache", 1, "lru")
+    cache, allocator, rows, _ = build_side("radixcache", 1, "lru")
     override = _CONTEXT.override_server_args(radix_cache_backend=None)
     override.install()
     yield cache, allocator, rows
@@ -165,7 +165,7 @@ def test_supported_configuration_builds(monkeypatch):
 
 
 def test_lock_results_as_sglang_reports_them(ours, monkeypatch):
-    sgl_cache, sgl_allocator, _ = build_side(None, 1, "lru")
+    sgl_cache, sgl_allocator, _, _ = build_side(None, 1, "lru")
     results = []
     for cache, allocator in ((sgl_cache, sgl_allocator), ours[:2]):
         cache.insert(InsertParams(key=RadixKey(array("q", range(8))), value=allocator.alloc(8)))
@@ -327,7 +327,7 @@ def test_events_are_sglang_structs_its_publisher_encodes(core_name, monkeypatch)
 
     monkeypatch.setattr(RadixcacheBackend, "core", core_name)
     backend_module.register()
-    cache, allocator, _ = build_side("radixcache", 16, "lru")
+    cache, allocator, _, _ = build_side("radixcache", 16, "lru")
     slots = allocator.alloc(32)
     cache.insert(InsertParams(key=RadixKey(array("q", range(32))), value=slots))
     events = cache.take_events()

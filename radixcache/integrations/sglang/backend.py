@@ -253,16 +253,24 @@ class RadixcacheBackend(BasePrefixCache):
         if length < self.page_size:
             return self._empty_match
         salt = key.cache_salt
-        match = self._cache.match_prefix(_token_array(token_ids, length),
-                                         key.extra_key if salt is None else (key.extra_key, salt))
+        return self._match_result(self._cache.match_prefix(
+            _token_array(token_ids, length),
+            key.extra_key if salt is None else (key.extra_key, salt)))
+
+    def _match_result(self, match: Any) -> MatchResult:
+        """SGLang's ``MatchResult`` of a radixcache match (its indices memoized)."""
         if not match.length:
             return self._empty_match
         node = match.last_node
+        self._memoize(node, match.indices)
+        return MatchResult(match.length, node, node, node)
+
+    def _memoize(self, node: Any, indices: Any) -> None:
+        """``node``'s path indices, kept for ``prefix_device_indices``."""
         memo = self._path_memo
         if len(memo) >= _PATH_MEMO_SIZE:
             memo.clear()
-        memo[node] = match.indices
-        return MatchResult(match.length, node, node, node)
+        memo[node] = indices
 
     def touch_prefix(self, key: RadixKey) -> None:
         """Refresh the recency of ``key``'s cached path, as a match does."""
@@ -437,16 +445,19 @@ class RadixcacheBackend(BasePrefixCache):
         self._path_memo.clear()
         freed = 0
         try:
-            if self.kv_events.enabled:
-                freed = self._cache.evict(num_tokens, self._free_victim)
-            else:
-                # One free for all victims: the same slots, in the same order, as one free
-                # per victim would give the allocator.
-                freed = self._cache.evict(num_tokens, self._free, batch=True)
+            freed = self._evict_victims(num_tokens)
         finally:
             if collector is not None:
                 self.update_eviction_metrics(freed, start_time)
         return freed
+
+    def _evict_victims(self, num_tokens: int) -> int:
+        """The eviction itself (``_evict`` without its bookkeeping): the tokens freed."""
+        if self.kv_events.enabled:
+            return self._cache.evict(num_tokens, self._free_victim)
+        # One free for all victims: the same slots, in the same order, as one free per
+        # victim would give the allocator.
+        return self._cache.evict(num_tokens, self._free, batch=True)
 
     def evict_for_alloc(self, params: EvictParams, *,
                         allocation_reclaim_satisfied: Any = None) -> EvictResult:

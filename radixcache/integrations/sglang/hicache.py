@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     IncLockRefResult,
     InitLoadBackParams,
-    MatchPrefixParams,
+    InsertResult,
     MatchResult,
 )
 from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -116,7 +116,9 @@ class HiCacheBackend(RadixcacheBackend):
         self.host_pool_group = None
         self.token_to_kv_pool_host = None
         self.enable_storage = False
+        # The groups SGLang reduces the acknowledgement counts over (attention TP first).
         self.tp_group = params.tp_cache_group
+        self.attn_tp_group = params.attn_tp_cache_group
         self._init_state()
         super().__init__(params, core=core)
         self._attach_host_stack(params, server_args, tp_worker)
@@ -140,6 +142,7 @@ class HiCacheBackend(RadixcacheBackend):
         self._host_page_hashes: dict[int, tuple] = {}  # host slot -> (hash, extra_key, salt)
         self._newest_id = -1  # the largest node id seen (a larger one is a new node)
         self._insert_error: Optional[BaseException] = None  # see _write_through_now
+        self._adopted_tokens = 0  # what the last insert put back on the device
 
     def _attach_host_stack(self, params: Any, server_args: Any, tp_worker: Any) -> None:
         """SGLang's host pool group and controller for a plain KV pool, as
@@ -177,27 +180,16 @@ class HiCacheBackend(RadixcacheBackend):
             self.cache_controller.mem_pool_host.clear()
 
     # -- match -------------------------------------------------------------------------------
-    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        key = params.key
-        if type(key) is not RadixKey or key.is_bigram:
-            _check_key(key)
-        token_ids = key.token_ids
-        length = len(token_ids)
-        limit = key.limit
-        if limit is not None and limit < length:
-            length = limit
-        if length < self.page_size:
-            return self._empty_match
-        salt = key.cache_salt
-        match = self._cache.match_prefix(_token_array(token_ids, length),
-                                         key.extra_key if salt is None else (key.extra_key, salt))
-        if not match.length and not match.host_length:
-            return self._empty_match
+    def _match_result(self, match: Any) -> MatchResult:
+        """With the host continuation: ``host_hit_length`` and the node it ends on."""
+        if not match.host_length:
+            self._note_new((match.last_node,))
+            return super()._match_result(match)
         node = match.last_node
-        best = match.last_host_node if match.host_length else node
+        best = match.last_host_node
         self._note_new((best,))
         if match.length:
-            self._path_memo[node] = match.indices
+            self._memoize(node, match.indices)
         return MatchResult(device_prefix_len=match.length, last_device_node=node,
                            last_host_node=best, best_match_node=best,
                            host_hit_length=match.host_length)
@@ -260,6 +252,7 @@ class HiCacheBackend(RadixcacheBackend):
         # for one, the adopted host nodes' events, the new leaf's event, the leaf's copy.
         if walked and not self.is_write_back:
             self._write_through_now(walked, hits_from)
+        self._adopted_tokens = sum(node.num_tokens for node in adopted)
         if adopted:
             self._on_adopted(adopted)
         self._note_new((last, last.parent))
@@ -288,8 +281,15 @@ class HiCacheBackend(RadixcacheBackend):
             raise error
 
     def insert(self, params: Any) -> Any:
+        """As ``RadixcacheBackend.insert``; the prefix length counts the host-only nodes the
+        insert put back on the device, as SGLang's does (their slots are the request's, not
+        duplicates)."""
         try:
-            return super().insert(params)
+            result = super().insert(params)
+            if self._adopted_tokens:
+                result = InsertResult(prefix_len=result.prefix_len + self._adopted_tokens,
+                                      last_device_node=result.last_device_node)
+            return result
         finally:
             self._raise_insert_error()
 
@@ -517,24 +517,6 @@ class HiCacheBackend(RadixcacheBackend):
         return not any(child.on_device for child in node.children)
 
     # -- device eviction ----------------------------------------------------------------------
-    def _evict(self, num_tokens: int) -> int:
-        if self._pending_frees:
-            self._retry_pending_frees()
-        if num_tokens <= 0:
-            return 0
-        collector = self.metrics_collector
-        import time
-
-        start_time = time.perf_counter() if collector is not None else 0.0
-        self._path_memo.clear()
-        freed = 0
-        try:
-            freed = self._evict_victims(num_tokens)
-        finally:
-            if collector is not None:
-                self.update_eviction_metrics(freed, start_time)
-        return freed
-
     def _evict_victims(self, num_tokens: int) -> int:
         """SGLang's device eviction walk with HiCache: victims in policy order; one with a
         host copy is demoted, one without is copied first under ``write_back`` (room made
@@ -707,7 +689,8 @@ class HiCacheBackend(RadixcacheBackend):
         nodes.reverse()
         self.inc_host_lock_ref(anchor)  # until the load is acknowledged
         self._lock_segment(nodes, 1)
-        delta = self._cache.inc_lock_ref(top_parent) if top_parent.parent is not None else 0
+        # (inc_lock_ref answers the change in evictable tokens: the protected ones, negated)
+        delta = -self._cache.inc_lock_ref(top_parent) if top_parent.parent is not None else 0
         device = None
         try:
             device = self._queue_load(anchor, nodes, mem_quota, delta)
@@ -784,10 +767,11 @@ class HiCacheBackend(RadixcacheBackend):
         writes = _ready(cc.ack_write_queue)
         loads = _ready(cc.ack_load_queue)
         digest = self.write_back_duplicate_reclaim_digest
-        if self._tp_size() > 1:
+        group = self._reduce_group()
+        if group is not None:
             counts = torch.tensor([writes, loads, digest, -digest], dtype=torch.int64)
             torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MIN,
-                                         group=self.tp_group)
+                                         group=group)
             writes, loads, low, high = (int(v) for v in counts.tolist())
             if low != digest or -high != digest:
                 raise RuntimeError("HiCache: the write_back reclaim victims diverged across "
@@ -804,11 +788,15 @@ class HiCacheBackend(RadixcacheBackend):
             for ack_id in ack.node_ids:
                 self._finish_load(ack_id)
 
-    def _tp_size(self) -> int:
-        group = self.tp_group
-        if group is None or not torch.distributed.is_initialized():
-            return 1
-        return torch.distributed.get_world_size(group=group)
+    def _reduce_group(self) -> Any:
+        """The group the counts are reduced over, as SGLang's ``_all_reduce_attn_groups``:
+        the attention TP group when it spans ranks, else the TP group; None: one rank."""
+        from .plugin import _group_size
+
+        for group in (self.attn_tp_group, self.tp_group):
+            if _group_size(group) > 1:
+                return group
+        return None
 
     def flush_pending_backups(self) -> None:
         """Submit the queued host writes as one transfer (a failed copy is undone)."""

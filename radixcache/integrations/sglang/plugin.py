@@ -122,6 +122,16 @@ def _refusal(ctx: Any) -> Optional[str]:
     return None
 
 
+def _group_size(group: Any) -> int:
+    """The world size of a process group SGLang hands the cache (1: none, or no torch
+    distributed set up)."""
+    import torch
+
+    if group is None or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group=group)
+
+
 def _hierarchical(ctx: Any) -> bool:
     return bool(ctx.enable_hierarchical_cache or _setting("memory", "enable_hierarchical_cache"))
 
@@ -148,7 +158,7 @@ def _hicache_refusal(ctx: Any) -> Optional[str]:
     if disagg not in (None, "null"):
         return (f"HiCache under --disaggregation-mode {disagg} runs SGLang-only paths "
                 f"(decode offload, prefill write-through deferral); {_DROP_FLAG}")
-    if (params.pp_size or 1) > 1 or params.attn_cp_cache_group is not None:
+    if (params.pp_size or 1) > 1 or _group_size(params.attn_cp_cache_group) > 1:
         return ("HiCache with pipeline or attention-context parallelism syncs its "
                 f"acknowledgements through SGLang's unified radix tree; {_DROP_FLAG}")
     kvcache = params.token_to_kv_pool_allocator.get_kvcache()
