@@ -39,6 +39,17 @@ for as in the differential tests; the request row and its state slots come from
 ``alloc_req_slots``, which evicts states through the cache; SGLang's default is its
 ``UnifiedRadixCache`` with the Mamba component, on the Rust TreeCore).
 
+``mooncake-hicache``: the same trace with ``--enable-hierarchical-cache``
+(``--hicache-write-policy write_back``), a device pool of 2^18 tokens and a host pool four
+times that: SGLang's default (``UnifiedRadixCache`` with HiCache, Rust TreeCore) beside
+``HiCacheBackend``, both over SGLang's own host pools and cache controller. The loop adds the
+scheduler's HiCache steps: ``init_load_back`` for a host hit, ``ready_to_load_host_cache``,
+``flush_pending_backups`` after the batch and ``check_hicache_events`` before the next; the
+hit rate counts device and host hits. On this CPU machine SGLang's copies between device and
+host run with the CPU stand-ins of tests/integrations/test_sglang_hicache.py. The copies, the
+host pool's allocation and frees and the controller's queueing are SGLang's own code, the same
+for both caches: "w/o allocator" leaves them out with the allocator's frees.
+
     python benchmarks/bench_sglang_backend.py --rounds 7     # interleaved rounds: the ratios
     python -m pytest benchmarks/bench_sglang_backend.py --benchmark-group-by=group \\
         --benchmark-columns=min,mean,rounds
@@ -79,6 +90,7 @@ try:
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.common import release_kv_cache
     from sglang.srt.mem_cache.memory_pool import (HybridLinearKVPool, HybridReqToTokenPool,
@@ -95,10 +107,18 @@ from radixcache.integrations import sglang as backend_module
 torch.set_num_threads(1)
 IMPLEMENTATIONS = ("radixcache", "sglang")
 TRACE = Path(os.environ.get("RADIXCACHE_MOONCAKE_CONVERSATION", trace_file("conversation")[0]))
-CASES = {  # name -> (page size, pool tokens, configuration: None, "eagle" or "sessions")
+#: The HiCache case's host pool, relative to the device pool, and its write policy.
+HICACHE_RATIO, HICACHE_WRITE_POLICY = 4.0, "write_back"
+HICACHE_CALLS = ("init_load_back", "ready_to_load_host_cache", "flush_pending_backups",
+                 "check_hicache_events")
+#: SGLang's cache controller's methods a HiCache cache calls (host allocation, queueing and
+#: the copies: the same work for both caches, left out of "w/o allocator" with the frees).
+CONTROLLER_CALLS = ("write", "load", "start_writing", "start_loading")
+CASES = {  # name -> (page size, pool tokens, configuration: None, "eagle", "sessions", "hicache")
     "chat-page1": (1, 1 << 16, None),
     "chat-page16": (16, 1 << 16, None),
     "mooncake-page16": (16, 1 << 21, None),
+    "mooncake-hicache": (16, 1 << 18, "hicache"),
     "eagle-chat-page1": (1, 1 << 16, "eagle"),
     "eagle-chat-page16": (16, 1 << 16, "eagle"),
     "sessions-chat-page1": (1, 1 << 16, "sessions"),
@@ -114,6 +134,9 @@ SERVER_ARGS = {
     "eagle": dict(speculative_algorithm="EAGLE", speculative_num_steps=3,
                   speculative_eagle_topk=1, speculative_num_draft_tokens=4),
     "sessions": dict(enable_session_radix_cache=True),
+    "hicache": dict(enable_hierarchical_cache=True, hicache_ratio=HICACHE_RATIO, hicache_size=0,
+                    hicache_write_policy=HICACHE_WRITE_POLICY, hicache_io_backend="direct",
+                    hicache_mem_layout="layer_first"),
 }
 #: The sliding window of the hybrid cases (GPT-OSS's).
 SWA_WINDOW = 128
@@ -141,6 +164,7 @@ def workload(case: str) -> list:
     else:
         if not TRACE.is_file():
             pytest.skip(f"the Mooncake conversation trace is not at {TRACE}")
+        cpu_stand_ins()
         requests = list(read_trace(TRACE, block_size=512, limit=MOONCAKE_REQUESTS))
     fixed = []
     fresh = FRESH_TOKEN_BASE
@@ -175,6 +199,30 @@ def conversations(requests: list) -> list:
             lengths.append(history)
         owner.append(conversation)
     return owner
+
+
+class _Worker:
+    """The TP worker's one HiCache call."""
+
+    def register_hicache_layer_transfer_counter(self, counter) -> None:
+        self.counter = counter
+
+
+def _copy_rows(src_layers, dst_layers, src_indices, dst_indices, page_size):
+    """``sgl_kernel``'s ``transfer_kv_direct`` (CUDA) as torch indexing, as in the tests."""
+    for src, dst in zip(src_layers, dst_layers):
+        dst[dst_indices] = src[src_indices]
+
+
+def cpu_stand_ins() -> None:
+    """What SGLang's HiCache needs to run on a CPU (see tests/integrations/
+    test_sglang_hicache.py): no pinning registration, a no-op stream sync, torch copies."""
+    import sglang.srt.mem_cache.pool_host.common as common
+    import sglang.srt.mem_cache.pool_host.mha as mha
+
+    common._cuda_host_register = lambda *args, **kwargs: None
+    torch.cpu.Stream.synchronize = lambda self: None
+    mha.transfer_kv_direct = _copy_rows
 
 
 class Loop:
@@ -231,14 +279,15 @@ class Loop:
                                  enable_mamba_extra_buffer=self.mamba and page_size > 1)
         backend = "radixcache" if implementation == "radixcache" else None
         backend_module.register()
+        self.hicache = configuration == "hicache"
         with _CONTEXT.override_server_args(radix_cache_backend=backend,
                                            **SERVER_ARGS[configuration]) as args:
             args._mamba_cache_chunk_size = MAMBA_CHUNK
             self.grid = mamba_checkpoint_grid(page_size) if self.mamba else 0
             ctx = registry.TreeCacheBuildContext(
                 server_args=args, params=params, is_hybrid_swa=swa, is_hybrid_ssm=self.mamba,
-                enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
-                model_config=None, tp_size=1, tp_rank=0, tp_group=None)
+                enable_hierarchical_cache=self.hicache, disable_radix_cache=False,
+                tp_worker=_Worker(), model_config=None, tp_size=1, tp_rank=0, tp_group=None)
             self.cache = registry.create_tree_cache(ctx)
         if implementation == "sglang":
             # SGLang's default: its Rust TreeCore (with EAGLE its bigram variant); with
@@ -262,18 +311,28 @@ class Loop:
 
         self.outputs = [output for _, output in requests]
         self._depth, self._seconds, self._allocator_seconds = [0], [0.0], [0.0]
-        for name in CACHE_CALLS:
+        for name in CACHE_CALLS + (HICACHE_CALLS if self.hicache else ()):
             self._time_calls(name)
         for name in ALLOCATOR_CALLS:
-            self._time_allocator(self.allocator, name)
+            self._time_allocator(name)
         if self.mamba:
             for name in MAMBA_ALLOCATOR_CALLS:
-                self._time_allocator(self.rows.mamba_allocator, name)
+                self._time_allocator(name, self.rows.mamba_allocator)
+        if self.hicache:  # SGLang's controller and host pools: the same work for both caches
+            controller = self.cache.cache_controller
+            for name in CONTROLLER_CALLS:
+                self._time_allocator(name, controller)
+            group = controller.mem_pool_host
+            for name in ("free", "available_size"):
+                self._time_allocator(name, group)
+                self._time_allocator(name, group.anchor_entry.host_pool)
 
-    def _time_allocator(self, allocator, name: str) -> None:
+    def _time_allocator(self, name: str, owner=None) -> None:
         """Time the allocator's work done inside the cache's calls (the frees a cache makes:
-        the same slots for both caches)."""
-        method = getattr(allocator, name, None)
+        the same slots for both caches); ``owner``: the Mamba allocator, the controller or a
+        host pool instead."""
+        owner = self.allocator if owner is None else owner
+        method = getattr(owner, name, None)
         if method is None:  # (each kind of allocator has some of them)
             return
         clock = time.perf_counter
@@ -290,7 +349,7 @@ class Loop:
                 seconds[0] += clock() - start
                 depth[0] = 1
 
-        setattr(allocator, name, timed)
+        setattr(owner, name, timed)
 
     def _time_calls(self, name: str) -> None:
         """Time the scheduler's calls of ``name`` on this cache (outermost calls only: a
@@ -330,16 +389,30 @@ class Loop:
         clock = time.perf_counter
         cache, rows, page_size, mamba = self.cache, self.rows, self.page_size, self.mamba
         sessions = self.sessions
-        prompt_tokens = cached_tokens = 0
+        prompt_tokens = cached_tokens = host_tokens = 0
         loop_start = clock()
+        hicache = self.hicache
         for index, (req, output) in enumerate(zip(self.requests, self.outputs)):
             if sessions is not None:  # the scheduler's session calls
                 session, opens, closes = sessions[index]
                 if opens:
                     cache.open_radix_session(session)
                 req.session_generation = cache.ensure_session_generation(session)
+            if hicache:
+                cache.check_hicache_events()
             req.init_next_round_input(cache)
+            if hicache and req.host_hit_length > 0:
+                lock = cache.lock(req.last_node)  # PrefillAdder.add_one_req's pin
+                loaded, req.last_node = cache.init_load_back(InitLoadBackParams(
+                    best_match_node=req.best_match_node, host_hit_length=req.host_hit_length,
+                    req=req))
+                req.prefix_len += loaded
+                host_tokens += loaded
+                req.kv.cache_protected_len = req.prefix_len
+                cache.unlock(lock)
             req.lock = cache.lock(req.last_node)
+            if hicache:
+                cache.ready_to_load_host_cache()
             prefix = cache.prefix_device_indices(req)
             prefix_len = req.prefix_len
             prompt_tokens += len(req.origin_input_ids)
@@ -368,10 +441,13 @@ class Loop:
             release_kv_cache(req, cache, checkpoint=True)
             if sessions is not None and closes:
                 cache.release_radix_session(session)
+            if hicache:
+                cache.flush_pending_backups()
         loop_seconds = clock() - loop_start
         return {"cache": self._seconds[0], "loop": loop_seconds,
                 "tree": self._seconds[0] - self._allocator_seconds[0],
                 "hit_rate": cached_tokens / prompt_tokens,
+                "host_hit_rate": host_tokens / prompt_tokens,
                 "tokens": cache.total_size()[0]}
 
 
@@ -423,8 +499,9 @@ def print_table(results: dict, rounds: int) -> None:
     for case, best in results.items():
         ours = best["radixcache"]
         for name, run in best.items():
+            host = (f" (host {run['host_hit_rate']:.4f})" if case.endswith("hicache") else "")
             print(f"{case:17s} {name:11s} {run['cache'] * 1e3:10.1f}ms {run['tree'] * 1e3:12.1f}ms"
-                  f" {run['loop'] * 1e3:9.1f}ms {run['hit_rate']:9.4f}")
+                  f" {run['loop'] * 1e3:9.1f}ms {run['hit_rate']:9.4f}{host}")
         theirs = best["sglang"]
         print(f"{case:17s} {'ratio':11s} {theirs['cache'] / ours['cache']:11.2f}x "
               f"{theirs['tree'] / ours['tree']:13.2f}x {theirs['loop'] / ours['loop']:10.2f}x")

@@ -296,12 +296,14 @@ cdef class Core:
     cdef int host_leave(self, HostNode node, object free_host, object on_remove_host,
                         list garbage) except -1
     cdef bint host_leaf_leaves(self, object free_host, object on_remove_host,
-                               list garbage) except -1
+                               list garbage, object keep) except -1
+    cdef bint holds_kept(self, Node top, object keep) except -1
+    cdef Node device_node(self, object node, str what)
     cdef int drop_host_below(self, Node top, object free_host, object on_remove_host,
                              list garbage) except -1
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
                              object on_remove, object backup, object on_backup,
-                             object free_host, object on_remove_host)
+                             object free_host, object on_remove_host, object keep)
     cdef void adopt_path(self, Py_ssize_t depth, Py_ssize_t first_host,
                          object adopt_values) noexcept
     cdef int tiered_insert_end(self, Py_ssize_t depth, Py_ssize_t first_host,

@@ -2693,7 +2693,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         return 0
 
     def evict(self, num_tokens, free_callback=None, bint batch=False, on_remove=None,
-              backup=None, on_backup=None, free_host=None, on_remove_host=None):
+              backup=None, on_backup=None, free_host=None, on_remove_host=None, keep=None):
         """The whole evict loop (see ``_core_py``): victims popped, detached and counted
         here; each victim's index tensor made as a match's (one block, one copy), or all of
         them copied into one block for a ``batch`` callback. The guard is released around
@@ -2708,7 +2708,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         target = token_target(num_tokens)
         if self.host_tier:
             return self.evict_tiered(target, free_callback, batch, on_remove, backup,
-                                     on_backup, free_host, on_remove_host)
+                                     on_backup, free_host, on_remove_host, keep)
         garbage = []  # stale entries and dropped values: released outside the guard
         cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
         # A per-node callback's argument, from its victim to the call (see hand_over_one).
@@ -2798,9 +2798,22 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         return 0
 
     cdef bint host_leaf_leaves(self, object free_host, object on_remove_host,
-                               list garbage) except -1:
-        """The first host leaf in policy order leaves (``host_leave``); False if none."""
-        cdef Node node = self.host_heap.pop_entry(garbage)
+                               list garbage, object keep) except -1:
+        """The first host leaf in policy order not in ``keep`` leaves (``host_leave``);
+        False if none. The kept leaves it passes stay on the host heap."""
+        cdef Node node
+        passed = []
+        try:
+            node = self.host_heap.pop_entry(garbage)
+            while node is not None and keep is not None:
+                passed.append(node)  # pushed back whatever ``in`` does
+                if node not in keep:
+                    passed.pop()
+                    break
+                node = self.host_heap.pop_entry(garbage)
+        finally:
+            for kept in passed:
+                garbage.append(self.host_heap.push_entry(<Node>kept))
         if node is None:
             return False
         try:
@@ -2810,6 +2823,25 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                 garbage.append(self.host_heap.push_entry(node))  # still a host leaf
             raise
         return True
+
+    cdef bint holds_kept(self, Node top, object keep) except -1:
+        """Whether a node of ``top``'s subtree below it is in ``keep``."""
+        cdef Node node
+        cdef Py_ssize_t i
+        cdef PyObject* child
+        if keep is None:
+            return False
+        stack = [top]
+        while stack:
+            node = <Node>stack.pop()
+            if node is not top and node in keep:
+                return True
+            if node.slots != NULL:
+                for i in range(node.slot_mask + 1):
+                    child = node.slots[i].node
+                    if child != NULL:
+                        stack.append(<Node>child)
+        return False
 
     cdef int drop_host_below(self, Node top, object free_host, object on_remove_host,
                              list garbage) except -1:
@@ -2838,7 +2870,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
 
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,
                              object on_remove, object backup, object on_backup,
-                             object free_host, object on_remove_host):
+                             object free_host, object on_remove_host, object keep):
         """``evict`` with a host tier (see ``_core_py``): a victim with a host copy, or
         given one by ``backup`` (write_back), is demoted to the host; one without is deleted,
         or skipped (pushed back after the loop) when it has host-only children. Every call
@@ -2868,6 +2900,12 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     break
                 if node in skipping:
                     continue  # another entry of a node skipped already
+                if keep is not None:
+                    skipped.append(node)  # passed over, pushed back after the loop ...
+                    if node in keep:
+                        skipping.add(node)
+                        continue
+                    skipped.pop()  # ... unless ``in`` said no
                 value = None
                 added = 0
                 try:
@@ -2888,7 +2926,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                             # and backup is asked again after each.
                             while (host is None and free_host is not None
                                    and self.host_leaf_leaves(free_host, on_remove_host,
-                                                             garbage)):
+                                                             garbage, keep)):
                                 host = backup(value)
                             if collect:
                                 value = None  # backup's alone: the batch has the indices
@@ -2896,7 +2934,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                                 answer = host
                                 host = kept_answer(answer, node.key_len, self.numpy_arrays)
                         if host is None:
-                            if node.n_children and free_host is None:
+                            if node.n_children and (free_host is None
+                                                    or self.holds_kept(node, keep)):
                                 # host-only children: it cannot leave the tree
                                 skipped.append(node)
                                 skipping.add(node)
@@ -2980,10 +3019,12 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             self.hand_over_batch(free_callback, value, error)
         return freed
 
-    def evict_host(self, num_tokens, free_callback=None, bint batch=False, on_remove=None):
-        """Evict host leaves in policy order (see ``_core_py``): each victim's host indices
-        (a new CPU int64 tensor) go to ``free_callback``, per node with the guard released
-        around the call, or all at once with ``batch``."""
+    def evict_host(self, num_tokens, free_callback=None, bint batch=False, on_remove=None,
+                   keep=None):
+        """Evict host leaves in policy order, passing over those in ``keep`` (see
+        ``_core_py``): each victim's host indices (a new CPU int64 tensor) go to
+        ``free_callback``, per node with the guard released around the call, or all at once
+        with ``batch``."""
         cdef int64_t target, freed = 0
         cdef Py_ssize_t size
         cdef HostNode node  # (the host heap holds HostNodes only)
@@ -2993,6 +3034,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         cdef bint holding
         target = token_target(num_tokens)
         garbage = []
+        passed = []  # host leaves in ``keep``: pushed back after the loop
         cdef FreedBatch freed_batch = FreedBatch(target, self.numpy_arrays) if collect else None
         cdef list handed = [None] if per_node else None  # see hand_over_one
         value = error = None
@@ -3003,6 +3045,11 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                 node = self.host_heap.pop_entry(garbage)
                 if node is None:
                     break
+                if keep is not None:
+                    passed.append(node)  # pushed back after the loop whatever ``in`` does
+                    if node in keep:
+                        continue
+                    passed.pop()
                 try:
                     if on_remove is not None:
                         on_remove(node)
@@ -3036,16 +3083,102 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             error = exc
         finally:
             try:
+                if passed and not holding and not self.guard.busy:
+                    self.guard.busy = 1
+                    holding = True
+                if holding:
+                    for node in passed:
+                        if self.host_heap.usable(node):
+                            garbage.append(self.host_heap.push_entry(node))
                 if collect:
                     value = freed_batch.take()
             finally:
                 if holding:
                     self.guard.busy = 0
         del garbage[:]
+        del passed[:]
         node = parent = None
         if collect:
             self.hand_over_batch(free_callback, value, error)
         return freed
+
+    def next_victim(self, bint host=False, keep=None):
+        """The node ``evict`` (``host``: ``evict_host``) would take first, passing over
+        those in ``keep`` (see ``_core_py``); every live entry looked at goes back."""
+        cdef EvictionHeap heap = self.host_heap if host else self.heap
+        cdef Node node
+        garbage = []
+        passed = []
+        self.guard.enter("next_victim")
+        try:
+            node = heap.pop_entry(garbage)
+            while node is not None:
+                passed.append(node)
+                if keep is None or node not in keep:
+                    return node
+                node = heap.pop_entry(garbage)
+            return None
+        finally:
+            for node in passed:
+                garbage.append(heap.push_entry(node))
+            self.guard.busy = 0
+            node = None
+            del garbage[:]
+            del passed[:]
+
+    cdef Node device_node(self, object node, str what):
+        """``node`` checked to be a node of this tree on the device, not the root."""
+        self.tree._check_member(node)
+        if node is self.tree.root:
+            raise ValueError(f"{what}: the root holds no tokens")
+        if (<Node>node).host_only:
+            raise ValueError(f"{what}: node {(<Node>node).id} is only on the host"
+                             + (" (evict_host removes it)" if what == "drop_host_copy" else ""))
+        return <Node>node
+
+    def back_up(self, node, host, on_backup=None):
+        """Give a node on the device its host copy (see ``_core_py``)."""
+        cdef Node n
+        self.guard.enter("back_up")
+        try:
+            n = self.device_node(node, "back_up")
+            if n.host_owner is not None:
+                raise ValueError(f"back_up: node {n.id} already has a host copy")
+            answer = host
+            host = kept_answer(answer, n.key_len, self.numpy_arrays)
+            # Read afresh after the checks (a torch hook may have run).
+            if (n.evicted or n.host_only or n.host_owner is not None
+                    or len(<bytes>host) != n.key_len * <Py_ssize_t>sizeof(int64_t)):
+                raise answer_not_kept(RuntimeError(
+                    f"back_up: node {n.id} changed during the call"), answer)
+            n.host_owner = host
+            self.host_size += n.key_len
+            self.backed_up_tokens += n.key_len
+            if on_backup is not None:
+                on_backup(n)
+        finally:
+            self.guard.busy = 0
+
+    def drop_host_copy(self, node, on_remove_host=None):
+        """Take the host copy of a node on the device (see ``_core_py``)."""
+        cdef Node n
+        self.guard.enter("drop_host_copy")
+        try:
+            n = self.device_node(node, "drop_host_copy")
+            if n.host_owner is None:
+                raise ValueError(f"drop_host_copy: node {n.id} has no host copy")
+            if on_remove_host is not None:
+                on_remove_host(n)
+            if n.evicted or n.host_only or n.host_owner is None:
+                raise RuntimeError(f"drop_host_copy: node {n.id} changed during a callback")
+            host = block_tensor(host_data(n), n.key_len, self.numpy_arrays)
+            old = n.host_owner
+            n.host_owner = None
+            self.host_size -= n.key_len
+            return host
+        finally:
+            self.guard.busy = 0
+            old = None
 
     def write_through(self, backup, on_backup=None):
         """Copy the queued nodes to the host, FIFO (see ``_core_py``); the tokens copied."""

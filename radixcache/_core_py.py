@@ -173,8 +173,10 @@ value), or both. The core owns no pool and copies no data.
   appended to the write-through queue, top-down; a split of a queued node appends its new
   upper half.
 - ``evict(num_tokens, free_callback=None, batch=False, on_remove=None, backup=None,
-  on_backup=None, free_host=None, on_remove_host=None)``: (a core with a host tier has no
-  ranks: what ``on_remove`` returns is ignored) for each victim (a device leaf): (1) with
+  on_backup=None, free_host=None, on_remove_host=None, keep=None)``: (a core with a host tier
+  has no ranks: what ``on_remove`` returns is ignored) for each victim (a device leaf) not in
+  ``keep`` (a container of nodes tested with ``in``; a device leaf in it is passed over as a
+  skipped one is, below): (1) with
   a host copy it is demoted: ``on_remove(node)``, then its device value is dropped (``on_device``
   False, ``evictable``,
   ``evictions`` and ``evicted_tokens`` as for a removal); it stays in the tree and goes on
@@ -203,9 +205,11 @@ value), or both. The core owns no pool and copies no data.
   ``host_evicted_tokens``), then ``free_host`` gets its host indices (a new CPU index
   array), under the guard, like ``backup`` (it must not call the cache). With ``free_host``
   and ``backup``, a ``backup`` that returns None is followed by host leaves leaving, one at
-  a time in ``host_heap``'s policy order, ``backup`` asked again after each, until it
+  a time in ``host_heap``'s policy order (passing over, and leaving on the heap, the host
+  leaves in ``keep``), ``backup`` asked again after each, until it
   answers or no host leaf is left (SGLang evicts the node's size from the host and retries
-  once; this frees no more than the copy needs). If
+  once; this frees no more than the copy needs); a victim that would leave with a host-only
+  subtree holding a node in ``keep`` is skipped instead. If
   ``free_host`` or ``on_remove_host`` raises, the nodes that left so far stay gone, the
   victim stays (pushed back) and the exception propagates. A skipped node is skipped for the rest of
   the call, even if a callback
@@ -216,8 +220,9 @@ value), or both. The core owns no pool and copies no data.
   copy it got stays) and the exception
   propagates. The device slots of every victim that left go to ``free_callback`` as without a
   host tier; a parent that became a device leaf is pushed (it can follow in the same call).
-- ``evict_host(num_tokens, free_callback=None, batch=False, on_remove=None) -> int``: host
-  tokens freed, host leaves in policy order: ``on_remove(node)`` (if it raises, the victim
+- ``evict_host(num_tokens, free_callback=None, batch=False, on_remove=None, keep=None) ->
+  int``: host tokens freed, host leaves in policy order, passing over (and leaving on
+  ``host_heap``) those in ``keep``: ``on_remove(node)`` (if it raises, the victim
   stays and the exception propagates), the node is detached and marked evicted, ``host_size``
   shrinks, ``host_evictions``/``host_evicted_tokens`` count it, its host indices (a new CPU
   index array) go to ``free_callback`` exactly as ``evict`` hands device indices (per node
@@ -245,6 +250,19 @@ value), or both. The core owns no pool and copies no data.
   ``heap`` if a device leaf; ``loaded_tokens += host_length``; then ``on_load(node)`` runs for
   each, top-down. Returns their host indices, top-down, as one new CPU index array (empty for
   ``host_length`` 0).
+- ``next_victim(host=False, keep=None) -> Node | None``: the node ``evict`` (``host``:
+  ``evict_host``) would take first, passing over the nodes in ``keep``; the heap keeps every
+  live entry it looked at (only stale entries are dropped, as a pop drops them).
+- ``back_up(node, host, on_backup=None)``: ``node`` (of this tree, not evicted: else
+  TypeError/ValueError as for ``lock``) is not the root and is on the device without a host
+  copy (else ValueError); ``host`` is checked as ``backup``'s answer in ``evict`` and becomes
+  its host value (``host_size``, ``backed_up_tokens``), then ``on_backup(node)`` runs under
+  the guard.
+  The engine's write-through of one node, when it decides which and when.
+- ``drop_host_copy(node, on_remove_host=None) -> index array``: ``node`` (checked as in
+  ``back_up``) is on the device with a host copy (else ValueError); ``on_remove_host(node)``
+  runs under the guard (if it raises, nothing changed), then the host value is dropped
+  (``host_size`` shrinks) and returned as a new CPU index array. The node stays on the device.
 - ``lock(node, +1)`` on a host-only node raises ValueError (load it back first), changing
   nothing.
 - ``export_state`` raises TypeError with a host tier (cache.py refuses to pickle or copy
@@ -813,12 +831,12 @@ class Core(HostTier):
 
     def evict(self, num_tokens: int, free_callback: Any = None, batch: bool = False,
               on_remove: Any = None, backup: Any = None, on_backup: Any = None,
-              free_host: Any = None, on_remove_host: Any = None) -> int:
+              free_host: Any = None, on_remove_host: Any = None, keep: Any = None) -> int:
         """The whole evict loop; see the module docstring. Takes the guard itself (never
         ``held``): it lets go of it around each per-node callback."""
         if self.host_tier:
             return self._evict_tiered(num_tokens, free_callback, batch, on_remove, backup,
-                                      on_backup, free_host, on_remove_host)
+                                      on_backup, free_host, on_remove_host, keep)
         self._take(False, "evict")
         holding = True
         garbage: list = []  # stale entries, dropped values: released outside the guard

@@ -44,10 +44,23 @@ class HostTier:
             garbage.append(self.host_heap._push(parent))
         free_host(index_array([host], self._numpy_arrays))
 
-    def _host_leaf_leaves(self, free_host: Any, on_remove_host: Any, garbage: list) -> bool:
-        """The first host leaf in policy order leaves (``_host_leave``); False if none."""
+    def _host_leaf_leaves(self, free_host: Any, on_remove_host: Any, garbage: list,
+                          keep: Any = None) -> bool:
+        """The first host leaf in policy order not in ``keep`` leaves (``_host_leave``);
+        False if none. The kept leaves it passes stay on the host heap."""
         heap = self.host_heap
-        node = heap._pop(garbage)
+        passed = []
+        try:
+            node = heap._pop(garbage)
+            while node is not None and keep is not None:
+                passed.append(node)  # pushed back whatever ``in`` does
+                if node not in keep:
+                    passed.pop()
+                    break
+                node = heap._pop(garbage)
+        finally:
+            for kept in passed:
+                garbage.append(heap._push(kept))
         if node is None:
             return False
         try:
@@ -57,6 +70,19 @@ class HostTier:
                 garbage.append(heap._push(node))  # still a host leaf
             raise
         return True
+
+    @staticmethod
+    def _holds_kept(node: Node, keep: Any) -> bool:
+        """Whether a node of ``node``'s subtree below it is in ``keep``."""
+        if keep is None:
+            return False
+        stack = list(node._children.values())
+        while stack:
+            below = stack.pop()
+            if below in keep:
+                return True
+            stack.extend(below._children.values())
+        return False
 
     def _drop_host_below(self, node: Node, free_host: Any, on_remove_host: Any,
                          garbage: list) -> None:
@@ -74,7 +100,7 @@ class HostTier:
 
     def _evict_tiered(self, num_tokens: int, free_callback: Any, batch: bool, on_remove: Any,
                       backup: Any, on_backup: Any, free_host: Any = None,
-                      on_remove_host: Any = None) -> int:
+                      on_remove_host: Any = None, keep: Any = None) -> int:
         """``evict`` with a host tier: victims with a host copy (or given one by ``backup``)
         are demoted to the host, the others deleted (or skipped when they have host-only
         children); see the module docstring."""
@@ -98,6 +124,12 @@ class HostTier:
                     break
                 if node in skipping:
                     continue  # pushed again (by a callback) after it was skipped: not retried
+                if keep is not None:
+                    skipped.append(node)  # passed over, pushed back at the end ...
+                    if node in keep:
+                        skipping.add(node)
+                        continue
+                    skipped.pop()  # ... unless ``in`` said no
                 size = node.num_tokens
                 value = None
                 if node._host is None:
@@ -110,15 +142,21 @@ class HostTier:
                             # and backup is asked again after each.
                             while (host is None and free_host is not None
                                    and self._host_leaf_leaves(free_host, on_remove_host,
-                                                              garbage)):
+                                                              garbage, keep)):
                                 host = backup(value)
                             if host is not None:
                                 host = self._kept_answer(host, size)
                         except BaseException:
                             garbage.append(heap._push(node))  # still a device leaf
                             raise
+                    try:
+                        held = free_host is not None and self._holds_kept(node, keep)
+                    except BaseException:
+                        garbage.append(heap._push(node))  # still a device leaf
+                        raise
                     if host is None and node._children:  # all of them host only
-                        if free_host is None:  # it cannot leave the tree: skipped
+                        if free_host is None or held:
+                            # it cannot leave the tree: skipped
                             skipped.append(node)
                             skipping.add(node)
                             continue
@@ -192,9 +230,10 @@ class HostTier:
         return freed
 
     def evict_host(self, num_tokens: int, free_callback: Any = None, batch: bool = False,
-                   on_remove: Any = None) -> int:
+                   on_remove: Any = None, keep: Any = None) -> int:
         """Evict host leaves in policy order; see the module docstring."""
         self._take(False, "evict_host")
+        passed: list = []  # host leaves in ``keep``: pushed back at the end
         holding = True
         garbage: list = []
         parts: list | None = [] if batch and free_callback is not None else None
@@ -209,6 +248,11 @@ class HostTier:
                 node = heap._pop(garbage)
                 if node is None:
                     break
+                if keep is not None:
+                    passed.append(node)  # pushed back at the end whatever ``in`` does
+                    if node in keep:
+                        continue
+                    passed.pop()
                 try:
                     if on_remove is not None:
                         on_remove(node)
@@ -240,11 +284,82 @@ class HostTier:
                 raise
             error = exc
         finally:
+            if passed and not holding and self._enter(False):
+                holding = True
             if holding:
+                for node in passed:
+                    if host_leaf(node):
+                        garbage.append(self.host_heap._push(node))
                 self._leave()
         garbage.clear()
+        passed.clear()
         hand_over_batch(free_callback, parts or None, error, self._join)
         return freed
+
+    def next_victim(self, host: bool = False, keep: Any = None) -> Any:
+        """The node ``evict`` (``host``: ``evict_host``) would take first, passing over the
+        nodes in ``keep``; None if none. Every entry popped goes back on the heap."""
+        self._take(False, "next_victim")
+        garbage: list = []
+        passed: list = []
+        heap = self.host_heap if host else self.heap
+        try:
+            node = heap._pop(garbage)
+            while node is not None:
+                passed.append(node)
+                if keep is None or node not in keep:
+                    return node
+                node = heap._pop(garbage)
+            return None
+        finally:
+            for popped in passed:
+                garbage.append(heap._push(popped))
+            self._leave()
+            garbage.clear()
+
+    def _device_node(self, node: Any, what: str) -> None:
+        """Raise unless ``node`` is a node of this tree on the device, not the root."""
+        self.tree._check_member(node)
+        if node is self.tree.root:
+            raise ValueError(f"{what}: the root holds no tokens")
+        if not node._on_device:
+            raise ValueError(f"{what}: node {node._id} is only on the host"
+                             + (" (evict_host removes it)" if what == "drop_host_copy" else ""))
+
+    def back_up(self, node: Any, host: Any, on_backup: Any = None) -> None:
+        """Give a node on the device its host copy; see the module docstring."""
+        self._take(False, "back_up")
+        try:
+            self._device_node(node, "back_up")
+            if node._host is not None:
+                raise ValueError(f"back_up: node {node._id} already has a host copy")
+            size = node.num_tokens
+            node._host = self._kept_answer(host, size)
+            self.host_size += size
+            self.backed_up_tokens += size
+            if on_backup is not None:
+                on_backup(node)
+        finally:
+            self._leave()
+
+    def drop_host_copy(self, node: Any, on_remove_host: Any = None) -> Any:
+        """Take the host copy of a node on the device; see the module docstring."""
+        self._take(False, "drop_host_copy")
+        try:
+            self._device_node(node, "drop_host_copy")
+            if node._host is None:
+                raise ValueError(f"drop_host_copy: node {node._id} has no host copy")
+            if on_remove_host is not None:
+                on_remove_host(node)
+            host = node._host
+            if node._evicted or not node._on_device or host is None:
+                raise RuntimeError(f"drop_host_copy: node {node._id} changed during a "
+                                   "callback")
+            node._host = None
+            self.host_size -= node.num_tokens
+            return index_array([host], self._numpy_arrays)
+        finally:
+            self._leave()
 
     def _kept_answer(self, answer: Any, size: int) -> bytes:
         """``backup``'s answer for a node of ``size`` tokens, checked, as int64 bytes; an

@@ -721,7 +721,8 @@ class RadixCache:
               batch: bool = False,
               backup: Callable[[torch.Tensor], Any] | None = None,
               free_host: Callable[[torch.Tensor], Any] | None = None,
-              on_remove: Callable[[Any], int | None] | None = None) -> int:
+              on_remove: Callable[[Any], int | None] | None = None,
+              keep: Any = None) -> int:
         """Evict unlocked leaves in policy order until ``num_tokens`` are freed.
 
         A parent that becomes an evictable leaf joins in. The loop runs in the tree core, one
@@ -767,6 +768,10 @@ class RadixCache:
                 before the parent can follow in the same call: an owner whose ranks say what
                 a leaf leaves to its parent keeps them exact. If it raises, or returns
                 anything else, the victim stays as it was and the error propagates.
+            keep: With a host tier: nodes (a set, or anything ``in`` works on) this call must
+                leave where they are: a device leaf in it is passed over, a host leaf in it is
+                not removed to make room, and a victim whose host-only subtree holds one is
+                passed over instead of leaving with it (the engine's in-flight transfers).
 
         With a host tier, a victim leaves the device only: one that has a host copy (or gets
         one from ``backup``) stays in the tree, host only, and its device slots go to
@@ -798,7 +803,7 @@ class RadixCache:
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile.
         """
-        if (type(num_tokens) is int and backup is None and free_host is None
+        if (type(num_tokens) is int and backup is None and free_host is None and keep is None
                 and self._events is None
                 and not self.host_tier and (free_callback is None or callable(free_callback))
                 and (on_remove is None or callable(on_remove))):
@@ -815,9 +820,10 @@ class RadixCache:
         if on_remove is not None:
             removed = on_remove if removed is None else _both(removed, on_remove)
         if not self.host_tier:
-            if backup is not None or free_host is not None:
-                raise ValueError(f"evict({'backup' if backup is not None else 'free_host'}"
-                                 "=...) needs a cache with a host tier "
+            if backup is not None or free_host is not None or keep is not None:
+                what = ("backup" if backup is not None
+                        else "free_host" if free_host is not None else "keep")
+                raise ValueError(f"evict({what}=...) needs a cache with a host tier "
                                  "(RadixCache(host_tier=True))")
             return self._core.evict(num_tokens, free_callback, bool(batch), removed)
         if backup is not None and not callable(backup):
@@ -826,7 +832,7 @@ class RadixCache:
             raise TypeError(f"free_host must be callable, got {type(free_host).__name__}")
         return self._core.evict(num_tokens, free_callback, bool(batch), removed, backup,
                                 None if events is None else events.stored_host, free_host,
-                                None if events is None else events.removed_host)
+                                None if events is None else events.removed_host, keep)
 
     def _need_host_tier(self, what: str) -> None:
         if not self.host_tier:
@@ -835,7 +841,7 @@ class RadixCache:
 
     def evict_host(self, num_tokens: int,
                    free_callback: Callable[[torch.Tensor], Any] | None = None, *,
-                   batch: bool = False) -> int:
+                   batch: bool = False, keep: Any = None) -> int:
         """Free host memory: remove host-only leaves in policy order.
 
         Only nodes held on the host alone and without children are victims: a node on the
@@ -848,6 +854,7 @@ class RadixCache:
                 per node (the callback may call the cache) or, with ``batch``, once at the
                 end with all of them concatenated, as in ``evict``.
             batch: One call of ``free_callback`` for the whole eviction, as in ``evict``.
+            keep: Host leaves (a set, or anything ``in`` works on) passed over: they stay.
 
         Returns:
             The number of host tokens freed.
@@ -865,7 +872,59 @@ class RadixCache:
         self._need_host_tier("evict_host")
         events = self._events
         return self._core.evict_host(num_tokens, free_callback, bool(batch),
-                                     None if events is None else events.removed_host)
+                                     None if events is None else events.removed_host, keep)
+
+    def next_victim(self, *, host: bool = False, keep: Any = None) -> Any:
+        """The node ``evict`` would take first; nothing changes (to decide per victim).
+
+        Args:
+            host: The node ``evict_host`` would take first instead.
+            keep: Nodes to pass over, as ``evict``'s ``keep``.
+
+        Returns:
+            A ``RadixTreeNode``, or None when there is none.
+
+        Raises:
+            ValueError: the cache has no host tier.
+        """
+        self._need_host_tier("next_victim")
+        return self._core.next_victim(bool(host), keep)
+
+    def back_up(self, node: Any, host_indices: Any) -> None:
+        """Give ``node`` the host copy the engine just made: the engine's write-through,
+        when it decides itself which node and when. The node stays on the device too.
+
+        Args:
+            node: A node on the device without a host copy (not the root).
+            host_indices: As ``evict``'s ``backup`` returns them, one per slot.
+
+        Raises:
+            TypeError, ValueError: not a node of this cache, evicted, only on the host or
+                backed up already; bad ``host_indices`` (as ``evict``); no host tier.
+                Nothing changes then.
+        """
+        self._need_host_tier("back_up")
+        events = self._events
+        self._core.back_up(node, host_indices, None if events is None else events.stored_host)
+
+    def drop_host_copy(self, node: Any) -> torch.Tensor:
+        """Take back the host copy of ``node``, which stays on the device.
+
+        Args:
+            node: A node on the device with a host copy.
+
+        Returns:
+            Its host indices (a new 1-D CPU int64 array of the cache's kind): the engine
+            frees them.
+
+        Raises:
+            TypeError, ValueError: not a node of this cache, evicted, only on the host (see
+                ``evict_host``) or without a host copy; no host tier. Nothing changes then.
+        """
+        self._need_host_tier("drop_host_copy")
+        events = self._events
+        return self._core.drop_host_copy(node,
+                                         None if events is None else events.removed_host)
 
     def write_through(self, backup: Callable[[torch.Tensor], Any]) -> int:
         """Copy to the host the nodes the write policy made due (call once per step).

@@ -1188,3 +1188,148 @@ def test_free_host_with_numpy_arrays(make_cache):
     assert sorted(a.tolist() for a in freed_host) == [[100, 101], [102, 103]]
     assert cache.node_count() == 0 and cache.host_size() == 0
     check_invariants(cache)
+
+
+# -- the engine's own steps: next_victim, back_up, drop_host_copy, keep ---------------------
+def test_back_up_and_drop_host_copy(make_cache):
+    """An engine that decides which node gets a host copy and when (SGLang's HiCache under
+    the radixcache backend): back_up gives one, evict then demotes without asking,
+    drop_host_copy takes it back from a node still on the device."""
+    cache = two_branches(make_cache, enable_events=True)
+    cache.take_events()
+    node = node_at(cache, [1, 2, 3, 4])
+    cache.back_up(node, torch.tensor([100, 101]))
+    assert node.tier == "device+host" and node.host_value.tolist() == [100, 101]
+    assert cache.host_size() == 2 and cache.stats().backed_up_tokens == 2
+    stored = cache.take_events()
+    assert [(type(e), e.medium) for e in stored] == [(BlockStored, "CPU")]
+    assert cache.drop_host_copy(node).tolist() == [100, 101]
+    assert node.tier == "device" and cache.host_size() == 0
+    removed = cache.take_events()
+    assert [(type(e), e.medium) for e in removed] == [(BlockRemoved, "CPU")]
+    assert removed[0].block_hashes == stored[0].block_hashes
+    cache.back_up(node, torch.tensor([7, 8]))
+    freed = []
+    # [1,2,3,4] is the least recently used leaf; with a host copy it is demoted unasked.
+    assert cache.evict(2, freed.append, backup=lambda _: pytest.fail("asked")) == 2
+    assert [t.tolist() for t in freed] == [[12, 13]] and node.tier == "host"
+    assert cache.match_prefix([1, 2, 3, 4]).host_length == 2
+    check_invariants(cache)
+
+
+def test_back_up_and_drop_host_copy_bad_input_change_nothing(make_cache):
+    cache = two_branches(make_cache)
+    other = two_branches(make_cache)
+    node = node_at(cache, [1, 2, 3, 4])
+    cache.back_up(node, torch.tensor([100, 101]))
+    cache.evict(2)  # host only now
+    host_only = node
+    device = node_at(cache, [1, 2, 5, 6])
+    before = snapshot(cache)
+    cases = [
+        (lambda: cache.back_up(host_only, torch.tensor([1, 2])), ValueError, "only on the host"),
+        (lambda: cache.back_up(device, torch.tensor([1])), ValueError, "host indices"),
+        (lambda: cache.back_up(device, [1, 2]), TypeError, "torch.Tensor"),
+        (lambda: cache.back_up(cache.root_node, torch.tensor([], dtype=torch.int64)),
+         ValueError, "root"),
+        (lambda: cache.back_up(node_at(other, [1, 2]), torch.tensor([1, 2])), ValueError,
+         "another cache"),
+        (lambda: cache.back_up("node", torch.tensor([1, 2])), TypeError, "RadixTreeNode"),
+        (lambda: cache.drop_host_copy(device), ValueError, "no host copy"),
+        (lambda: cache.drop_host_copy(host_only), ValueError, "only on the host"),
+        (lambda: cache.drop_host_copy(cache.root_node), ValueError, "root"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+        assert snapshot(cache) == before
+    cache.back_up(device, torch.tensor([5, 6]))
+    with pytest.raises(ValueError, match="already has a host copy"):
+        cache.back_up(device, torch.tensor([7, 8]))
+    plain = make_cache(page_size=2)
+    plain.insert([1, 2], [3, 4])
+    leaf = plain.match_prefix([1, 2]).last_node
+    for call in (lambda: plain.back_up(leaf, torch.tensor([1, 2])),
+                 lambda: plain.drop_host_copy(leaf), lambda: plain.next_victim(),
+                 lambda: plain.evict(2, keep={leaf})):
+        with pytest.raises(ValueError, match="host tier"):
+            call()
+    check_invariants(cache)
+
+
+def test_next_victim_and_keep(make_cache):
+    cache = two_branches(make_cache)
+    first = cache.next_victim()
+    assert node_tokens(first) == [1, 2, 3, 4] and cache.next_victim() is first
+    second = cache.next_victim(keep={first})
+    assert node_tokens(second) == [1, 2, 5, 6]
+    freed = []
+    # A kept victim is passed over and stays where it is.
+    assert cache.evict(2, freed.append, keep={first}) == 2
+    assert [t.tolist() for t in freed] == [[20, 21]] and first.tier == "device"
+    assert cache.next_victim() is first  # back on the heap
+    pool = HostPool()
+    cache.evict(100, backup=pool.backup)  # all host only now
+    leaf = cache.next_victim(host=True)  # [5,6] left the tree: [1,2] -> [3,4] remain
+    assert node_tokens(leaf) == [1, 2, 3, 4]
+    assert cache.next_victim(host=True, keep={leaf}) is None  # [1,2] is above it
+    got = []
+    assert cache.evict_host(100, got.append, keep={leaf}) == 0
+    assert leaf.tier == "host" and cache.host_size() == 4 and got == []
+    assert cache.next_victim(host=True) is leaf
+    assert cache.evict_host(100, got.append) == 4
+    assert [t.tolist() for t in got] == [[100, 101], [102, 103]]  # [3,4] got 100, [1,2] 102
+    check_invariants(cache)
+
+
+def test_keep_holds_a_host_leaf_and_its_subtree(make_cache):
+    """With ``free_host``, a victim whose host-only subtree holds a kept node stays, and a
+    kept host leaf is not removed to make room."""
+    cache = make_cache(page_size=2, host_tier=True)
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    cache.match_prefix([1, 2])  # split: [1,2] -> [3,4]
+    pool = HostPool(capacity=2)
+    cache.evict(2, backup=pool.backup)  # [3,4] host only, the host full
+    child = node_at(cache, [1, 2, 3, 4])
+    parent = node_at(cache, [1, 2])
+    assert cache.evict(2, backup=pool.backup, free_host=pool.free, keep={child}) == 0
+    assert parent.tier == "device" and child.tier == "host"
+    freed = []
+    assert cache.evict(2, freed.append, backup=pool.backup, free_host=pool.free) == 2
+    assert parent.tier == "host" and child.evicted
+    check_invariants(cache)
+
+
+class _Keep:
+    """A ``keep`` whose ``in`` raises, or calls the cache (refused: re-entered)."""
+
+    def __init__(self, cache=None) -> None:
+        self.cache = cache
+
+    def __contains__(self, node) -> bool:
+        if self.cache is not None:
+            self.cache.match_prefix([1, 2])
+        raise KeyError("keep")
+
+
+@pytest.mark.parametrize("reenter", [False, True])
+def test_a_keep_that_raises_leaves_every_victim_in_place(make_cache, reenter):
+    cache = two_branches(make_cache)
+    pool = HostPool()
+    before = snapshot(cache)
+    error = RuntimeError if reenter else KeyError
+    keep = _Keep(cache if reenter else None)
+    for call in (lambda: cache.evict(100, backup=pool.backup, keep=keep),
+                 lambda: cache.next_victim(keep=keep)):
+        with pytest.raises(error):
+            call()
+        assert snapshot(cache) == before
+    assert cache.evict(100, backup=pool.backup) == 6  # every victim still found
+    before = snapshot(cache)
+    for call in (lambda: cache.evict_host(100, keep=keep),
+                 lambda: cache.next_victim(host=True, keep=keep)):
+        with pytest.raises(error):
+            call()
+        assert snapshot(cache) == before
+    assert cache.evict_host(100) == 6
+    check_invariants(cache)

@@ -1,11 +1,13 @@
 """The host tier gives the same results on both tree cores: random operations in lockstep.
 
 The two cores are driven directly (``Core``) with the same seeded sequence of inserts,
-matches, evictions with ``backup``, ``evict_host``, ``write_through``, ``load_back`` (of fresh and
-stale matches) and locks; after every operation the results, the callbacks' arguments and
-order, the whole tree (keys, tiers, device and host values, locks, hits, stamps) and every
-size and counter must be equal. Node ids come from one counter per core module, so they agree
-too (the test aligns the pure core's counter), and with them the eviction order's ties.
+matches, evictions with ``backup`` (and nodes to ``keep``), ``evict_host``, ``write_through``,
+``load_back`` (of fresh and stale matches), locks, ``next_victim``, ``back_up`` and
+``drop_host_copy`` (of good and bad nodes and answers); after every operation the results,
+the callbacks' arguments and order, the whole tree (keys, tiers, device and host values,
+locks, hits, stamps) and every size and counter must be equal. Node ids come from one
+counter per core module, so they agree too (the test aligns the pure core's counter), and
+with them the eviction order's ties.
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ class Driver:
             return lambda node: log.append((name, node_view(node)))
 
         kind, tokens = op["kind"], op["tokens"]
+        keep = None
+        if op["keep"]:  # some leaves of either tier the call must leave in place
+            nodes = [node for node, depth in core.tree.iter_nodes()
+                     if depth and not any(c.on_device for c in node.children)]
+            keep = {node for i, node in enumerate(nodes) if (i + op["keep"]) % 3 == 0}
         try:
             if kind == "insert":
                 kv = None
@@ -129,10 +136,24 @@ class Driver:
                 out = core.evict(op["num"], free, op["batch"], hook("remove"),
                                  backup if op["backup"] else None, hook("on_backup"),
                                  free_host if op["free_host"] else None,
-                                 hook("remove_host"))
+                                 hook("remove_host"), keep)
             elif kind == "evict_host":
                 out = core.evict_host(op["num"], free if op["free"] else None, op["batch"],
-                                      hook("remove"))
+                                      hook("remove"), keep)
+            elif kind == "next_victim":
+                out = node_view(core.next_victim(op["host_node"], keep))
+            elif kind in ("back_up", "drop_host_copy"):
+                if not self.matches:
+                    return ("no match",)
+                m = self.matches[op["pick"] % len(self.matches)]
+                node = m.last_host_node if op["host_node"] else m.last_node
+                if kind == "drop_host_copy":
+                    out = core.drop_host_copy(node, hook("remove_host")).tolist()
+                else:
+                    n = node.num_tokens + op["wrong"]
+                    host = torch.arange(self.next_host, self.next_host + max(n, 0))
+                    self.next_host += max(n, 0)
+                    out = core.back_up(node, host, hook("on_backup"))
             elif kind == "write_through":
                 out = core.write_through(backup, hook("on_backup"))
             elif kind == "load_back":
@@ -165,7 +186,8 @@ class Driver:
 
 KINDS = ["insert"] * 4 + ["match"] * 3 + ["evict"] * 2 + ["evict_host", "write_through",
                                                           "load_back", "lock", "unlock",
-                                                          "exists"]
+                                                          "exists", "next_victim", "back_up",
+                                                          "drop_host_copy"]
 
 
 def random_op(rng: random.Random, page_size: int) -> dict:
@@ -190,6 +212,7 @@ def random_op(rng: random.Random, page_size: int) -> dict:
         "requeue": rng.choice([None, None, "push", "and free host"]),
         "free_host": rng.random() < 0.5,
         "host_node": rng.random() < 0.3,
+        "keep": 0 if rng.random() < 0.6 else rng.randint(1, 3),
     }
 
 

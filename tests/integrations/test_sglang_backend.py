@@ -151,22 +151,26 @@ def _counting(allocator_class: type) -> type:
 def build_side(backend: str | None, page_size: int, policy: str, lora_names=None,
                events: bool = True, counting_allocator: bool = False, is_eagle: bool = False,
                sessions: bool = False, server_args: dict | None = None,
-               pool_tokens: int | None = None, window: int = 0, state: bool = False):
+               pool_tokens: int | None = None, window: int = 0, state: bool = False,
+               layers: int = 1, override=None, worker=None, tp_group=None):
     """One side's cache (SGLang's default with ``backend`` None), allocator and request rows,
-    built through SGLang's registry; ``is_eagle`` and ``sessions`` set the cache parameters
-    of EAGLE speculative decoding and ``--enable-session-radix-cache``, ``server_args`` the
-    published server arguments the factory sees; the pool holds ``POOL_TOKENS[page_size]``
-    tokens unless ``pool_tokens`` says otherwise. ``window`` > 0: a hybrid sliding-window
-    model of that window (SGLang's ``SWAKVPool`` and ``SWATokenToKVPoolAllocator``, a window
-    pool half the size of the full-attention one); ``state``: a Mamba hybrid (SGLang's
-    ``HybridReqToTokenPool`` with its ``MambaPool``, a ``HybridLinearKVPool``)."""
+    built through SGLang's registry over SGLang's own real pools; ``is_eagle`` and
+    ``sessions`` set the cache parameters of EAGLE speculative decoding and
+    ``--enable-session-radix-cache``, ``server_args`` the published server arguments the
+    factory sees (``override``: an install to build under instead); the pool holds
+    ``POOL_TOKENS[page_size]`` tokens unless ``pool_tokens`` says otherwise, in ``layers``
+    layers; ``worker``: the TP worker (HiCache on when given), ``tp_group`` its group.
+    ``window`` > 0: a hybrid sliding-window model of that window (SGLang's ``SWAKVPool`` and
+    ``SWATokenToKVPoolAllocator``, a window pool half the size of the full-attention one);
+    ``state``: a Mamba hybrid (SGLang's ``HybridReqToTokenPool`` with its ``MambaPool``, a
+    ``HybridLinearKVPool``)."""
     if window:
         return _build_swa_side(backend, page_size, policy, lora_names, events, window)
     if state:
         return _build_mamba_side(backend, page_size, policy, lora_names, events)
     pool = POOL_TOKENS[page_size] if pool_tokens is None else pool_tokens
     kv_pool = MHATokenToKVPool(size=pool, page_size=page_size,
-                               dtype=torch.float16, head_num=1, head_dim=2, layer_num=1,
+                               dtype=torch.float16, head_num=1, head_dim=2, layer_num=layers,
                                device="cpu", enable_memory_saver=False)
     if page_size == 1:
         kind = TokenToKVPoolAllocator
@@ -184,18 +188,23 @@ def build_side(backend: str | None, page_size: int, policy: str, lora_names=None
                              token_to_kv_pool_allocator=allocator, page_size=page_size,
                              eviction_policy=policy, enable_kv_cache_events=events,
                              is_eagle=is_eagle, enable_session_radix_cache=sessions,
-                             tree_core_backend=None if backend else "python")
-    return (_create_cache(backend, params, lora_names, server_args=server_args),
-            allocator, rows)
+                             tree_core_backend=None if backend else "python",
+                             tp_cache_group=tp_group)
+    if override is None:
+        override = _server_args(backend, **(server_args or {}))
+    cache = _create_cache(backend, params, lora_names, override=override,
+                          enable_hierarchical_cache=worker is not None, tp_worker=worker,
+                          tp_group=tp_group)
+    return cache, allocator, rows
 
 
-def _create_cache(backend: str | None, params, lora_names, server_args: dict | None = None,
-                  **flags):
-    """SGLang's registry builds the cache: its default one, or ``backend``'s (``server_args``
-    published while it does)."""
+def _create_cache(backend: str | None, params, lora_names, override=None, **flags):
+    """SGLang's registry builds the cache: its default one, or ``backend``'s (``override``
+    installed while it does: by default, only ``--radix-cache-backend``)."""
     if lora_names is not None:
         params.kv_event_lora_names = lora_names
-    override = _server_args(backend, **(server_args or {}))
+    if override is None:
+        override = _server_args(backend)
     args = override.install()
     try:
         ctx = registry.TreeCacheBuildContext(**{
@@ -358,6 +367,13 @@ class Side:
     def admit(self, rid: str, prompt: list, output: list, priority, extra_key, salt,
               chunk: int) -> tuple:
         """Match, lock, take a row, allocate the first chunk (or the whole prompt)."""
+        req = self.matched(rid, prompt, output, priority, extra_key, salt)
+        req.lock = self.cache.lock(req.last_node)
+        return (req.prefix_len, req.swa_branching_seqlen) + self._extend(req, chunk)
+
+    def matched(self, rid: str, prompt: list, output: list, priority, extra_key,
+                salt) -> Req:
+        """The request ``rid`` (made on its first admission), matched against the cache."""
         req = self.reqs.get(rid)
         if req is None:
             req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=len(output)),
@@ -365,8 +381,7 @@ class Side:
             req.planned_output = output
             self.reqs[rid] = req
         req.init_next_round_input(self.cache)
-        req.lock = self.cache.lock(req.last_node)
-        return (req.prefix_len, req.swa_branching_seqlen) + self._extend(req, chunk)
+        return req
 
     def _extend(self, req: Req, chunk: int) -> tuple:
         page_size = self.allocator.page_size
@@ -604,17 +619,23 @@ class Replay:
         assert isinstance(ours[0], RadixcacheBackend) and ours[0].radix_cache.core_name == core
         if split_rule:
             apply_split_rule(sgl[0])
-        self.sgl, self.ours = self.SIDE(*sgl), self.SIDE(*ours)
+        self.start(self.SIDE(*sgl), self.SIDE(*ours), seed, page_size,
+                   _server_args(None, **server))
+
+    def start(self, sgl: Side, ours: Side, seed: int, page_size: int, override) -> None:
+        """Both sides, the workload, and ``override``: the install both sides were built
+        without, which the scheduler's own code reads (installed until ``close``)."""
+        self.sgl, self.ours = sgl, ours
         self.rng = random.Random(seed)
         self.page_size = page_size
         self.work = self.WORKLOAD(self.rng, page_size)
         self.waiting: list[dict] = []
         self.steps = 0
         self.counts: dict = {}
-        # The install both sides were built without: the scheduler's own code reads it.
-        self.override = _server_args(None, **server)
+        self.override = override
         self.override.install()
-        self.compare("start")
+        if sgl is not ours:
+            self.compare("start")
 
     def close(self) -> None:
         self.override.restore()
@@ -760,9 +781,14 @@ def test_split_rule_correction_matters(monkeypatch):
     can fail, and the stated difference is the only one it forgives."""
     replay = Replay("python", 16, "mru", seed=zlib.crc32(b"16-mru"), monkeypatch=monkeypatch,
                     split_rule=False)
+    diverges(replay, STEPS)
+
+
+def diverges(replay, steps: int) -> None:
+    """``replay`` fails its comparison within ``steps`` steps."""
     try:
         with pytest.raises(AssertionError, match="differ|!="):
-            for _ in range(STEPS):
+            for _ in range(steps):
                 replay.step()
     finally:
         replay.close()

@@ -111,8 +111,6 @@ REFUSALS = {
     "hybrid-swa-and-mamba": (dict(is_hybrid_swa=True, is_hybrid_ssm=True), None,
                              "both sliding-window and Mamba"),
     "mamba-in-another-pool": (dict(is_hybrid_ssm=True), None, "ReqToTokenPool"),
-    "hierarchical-cache": (dict(enable_hierarchical_cache=True),
-                           dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
     "lmcache": ({}, dict(enable_lmcache=True), "--enable-lmcache"),
     "flexkv": ({}, dict(enable_flexkv=True), "--enable-flexkv"),
     "external-linker": ({}, dict(enable_unified_cache_external_linker=True),

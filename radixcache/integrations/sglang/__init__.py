@@ -24,24 +24,33 @@ as SGLang's unified cache with its SWA component does; for a Mamba / linear-atte
 ``RadixcacheMambaBackend``, which keeps one recurrent state slot per node and decides as the
 unified cache with its Mamba component does.
 
+With ``--enable-hierarchical-cache`` the factory builds a ``HiCacheBackend``: the same cache
+over radixcache's host tier, with SGLang's own host pools and cache controller doing the
+copies, and SGLang's write policies (``write_through``, ``write_through_selective``,
+``write_back``), host eviction, load back and KV events per medium (see
+``docs/sglang-backend.md``).
+
 ``create_backend`` refuses, before the server starts serving, what this cache does not
 implement: models with both sliding-window and Mamba layers, sliding-window models whose
 window lives elsewhere than a stock ``SWATokenToKVPoolAllocator``, Mamba models whose states
 live elsewhere than a ``HybridReqToTokenPool`` (the unified memory pool, int8 checkpoints,
-a cap on states per path), hybrid models with EAGLE's bigram keys or the session radix cache,
-hierarchical cache, LMCache, FlexKV, external cache linkers, host-pool retraction, MLX, sharded
-KV pages, streaming sessions, a disabled radix cache, eviction policies other than ``lru``,
-``lfu``, ``fifo``, ``filo``, ``mru``, ``slru`` and ``priority``, and eviction policy options
-(see ``docs/sglang-backend.md``).
+a cap on states per path), hybrid models with EAGLE's bigram keys or the session radix cache;
+with the hierarchical cache: hybrid models, EAGLE's bigram keys, the session radix cache,
+HiCache's buffer-only mode, storage tier, draft-KV sidecars, pipeline or context parallelism,
+PD disaggregation and pools with side pools; LMCache, FlexKV, external cache linkers,
+host-pool retraction, MLX, sharded KV pages, streaming sessions, a disabled radix cache,
+eviction policies other than ``lru``, ``lfu``, ``fifo``, ``filo``, ``mru``, ``slru`` and
+``priority``, and eviction policy options (see ``docs/sglang-backend.md``).
 
 This package imports SGLang; ``import radixcache`` never does. ``plugin`` holds the entry point,
 the factory and the start-up refusals; ``backend`` the cache; ``eagle`` the bigram keys' view
-of the tree; ``sessions`` the session references, kept as eviction ranks; ``hybrid`` what the
-caches of hybrid models share; ``swa`` the cache of a hybrid sliding-window model; ``mamba`` the
-cache of a Mamba hybrid.
+of the tree; ``sessions`` the session references, kept as eviction ranks; ``hicache`` its host
+tier; ``hybrid`` what the caches of hybrid models share; ``swa`` the cache of a hybrid
+sliding-window model; ``mamba`` the cache of a Mamba hybrid.
 """
 
 from .backend import RadixcacheBackend
+from .hicache import HiCacheBackend
 from .mamba import RadixcacheMambaBackend
 from .swa import RadixcacheSWABackend
 from .plugin import (
@@ -52,6 +61,6 @@ from .plugin import (
     register,
 )
 
-__all__ = ["BACKEND_NAME", "SUPPORTED_EVICTION_POLICIES", "RadixcacheBackend",
-           "RadixcacheMambaBackend", "RadixcacheSWABackend", "UnsupportedConfiguration",
-           "create_backend", "register"]
+__all__ = ["BACKEND_NAME", "SUPPORTED_EVICTION_POLICIES", "HiCacheBackend",
+           "RadixcacheBackend", "RadixcacheMambaBackend", "RadixcacheSWABackend",
+           "UnsupportedConfiguration", "create_backend", "register"]

@@ -184,8 +184,7 @@ class RadixcacheBackend(BasePrefixCache):
         # SGLang orders by priority under the priority policy only; radixcache under every
         # policy. Priorities given to the others are dropped, so both orders agree.
         self._use_priority = self.eviction_policy == "priority"
-        self._cache = RadixCache(self.page_size, self.eviction_policy,
-                                 core=core if core is not None else self.core)
+        self._cache = self._new_tree(core if core is not None else self.core)
         # --enable-session-radix-cache: SGLang's registry reads this attribute of every cache.
         self.enable_session_radix_cache = bool(params.enable_session_radix_cache)
         self._sessions = SessionRefs(self._cache, self.enable_session_radix_cache)
@@ -210,6 +209,14 @@ class RadixcacheBackend(BasePrefixCache):
         # (the allocator, its _allocator_kind): read again when the allocator is replaced
         self._known_allocator: tuple = (None, _OTHER_ALLOCATOR)
         self.reset()
+
+    #: Whether an insert without events may go straight to the tree (a subclass that follows
+    #: every insert sets it False: ``_insert`` then sees them all).
+    _plain_inserts = True
+
+    def _new_tree(self, core: Optional[str]) -> RadixCache:
+        """The radixcache tree under this cache (a subclass adds a host tier)."""
+        return RadixCache(self.page_size, self.eviction_policy, core=core)
 
     # -- identity and configuration ------------------------------------------------------------
     @property
@@ -277,14 +284,22 @@ class RadixcacheBackend(BasePrefixCache):
             match = self._cache.match_prefix(
                 tokens, key.extra_key if salt is None else (key.extra_key, salt))
         del tokens
+        return self._match_result(match)
+
+    def _match_result(self, match: Any) -> MatchResult:
+        """SGLang's ``MatchResult`` of a radixcache match (its indices memoized)."""
         if not match.length:
             return self._empty_match
         node = match.last_node
+        self._memoize(node, match.indices)
+        return MatchResult(match.length, node, node, node)
+
+    def _memoize(self, node: Any, indices: Any) -> None:
+        """``node``'s path indices, kept for ``prefix_device_indices``."""
         memo = self._path_memo
         if len(memo) >= _PATH_MEMO_SIZE:
             memo.clear()
-        memo[node] = match.indices
-        return MatchResult(match.length, node, node, node)
+        memo[node] = indices
 
     def _tree_key(self, key: RadixKey, length: int) -> tuple:
         """(the tree's tokens, namespace) of ``key``'s first ``length`` tree tokens (bigrams
@@ -322,10 +337,11 @@ class RadixcacheBackend(BasePrefixCache):
         values = []
         root = self.root_node
         while node is not root:
-            if node is None or node.evicted:
+            value = None if node is None or node.evicted else node.value
+            if value is None:
                 raise ValueError("path_device_indices: the node is not in this cache "
-                                 "(evicted, or from another cache)")
-            values.append(node.value)
+                                 "(evicted, only on the host, or from another cache)")
+            values.append(value)
             node = node.parent
         if not values:
             return self._empty_indices
@@ -372,6 +388,11 @@ class RadixcacheBackend(BasePrefixCache):
             self._record_stored(result, tokens, value, names, session_id, before)
         return result
 
+    def _split_at(self, tokens: np.ndarray, namespace: Any, priority: int) -> Any:
+        """Insert ``tokens``, cached already: splits the node they end inside, stamps the
+        path and raises priorities, counts no hit."""
+        return self._cache.insert(tokens, None, namespace, priority, hits_from=len(tokens))
+
     def _free_duplicates(self, value: Any, start: int, end: int) -> None:
         """Free ``value[start:end]`` (``value``: a tensor, or a numpy array of int64)."""
         if start < end:
@@ -416,7 +437,7 @@ class RadixcacheBackend(BasePrefixCache):
         priority = req.priority or 0
         use_priority = self._use_priority
         # A node counts one hit per request: those this request inserted before counted then.
-        if self.kv_events.enabled:
+        if self.kv_events.enabled or not self._plain_inserts:
             result = self._insert(tokens, values, namespace, priority, (extra_key, salt),
                                   kv.cache_inserted_len, req.session_id, before)
         else:
@@ -430,9 +451,8 @@ class RadixcacheBackend(BasePrefixCache):
             # Split the leaf at the prompt boundary so eviction can drop the answer before
             # the prompt, the prompt one priority up (SGLang does the same). The prompt is
             # cached now: this insert only splits, stamps and raises priorities (no hits).
-            self._cache.insert(tokens[:prompt_len], None, namespace,
-                               min(priority + 1, _INT64_MAX) if use_priority else 0,
-                               hits_from=prompt_len)
+            self._split_at(tokens[:prompt_len], namespace,
+                           min(priority + 1, _INT64_MAX) if use_priority else 0)
         del tokens
         new_last_node = result.last_node
         free_error = None
@@ -477,23 +497,25 @@ class RadixcacheBackend(BasePrefixCache):
         start_time = time.perf_counter() if collector is not None else 0.0
         self._path_memo.clear()
         freed = 0
-        sessions = self._sessions
         try:
-            if sessions.tagging:
-                # Session tags move up as their leaves go (each victim's on_remove).
-                freed = self._cache.evict(
-                    num_tokens, self._free_victim if self.kv_events.enabled else self._free,
-                    batch=not self.kv_events.enabled, on_remove=sessions.on_remove)
-            elif self.kv_events.enabled:
-                freed = self._cache.evict(num_tokens, self._free_victim)
-            else:
-                # One free for all victims: the same slots, in the same order, as one free
-                # per victim would give the allocator.
-                freed = self._cache.evict(num_tokens, self._free, batch=True)
+            freed = self._evict_victims(num_tokens)
         finally:
             if collector is not None:
                 self.update_eviction_metrics(freed, start_time)
         return freed
+
+    def _evict_victims(self, num_tokens: int) -> int:
+        """The eviction itself (``_evict`` without its bookkeeping): the tokens freed."""
+        if self._sessions.tagging:
+            # Session tags move up as their leaves go (each victim's on_remove).
+            return self._cache.evict(
+                num_tokens, self._free_victim if self.kv_events.enabled else self._free,
+                batch=not self.kv_events.enabled, on_remove=self._sessions.on_remove)
+        if self.kv_events.enabled:
+            return self._cache.evict(num_tokens, self._free_victim)
+        # One free for all victims: the same slots, in the same order, as one free per
+        # victim would give the allocator.
+        return self._cache.evict(num_tokens, self._free, batch=True)
 
     def evict_for_alloc(self, params: EvictParams, *,
                         allocation_reclaim_satisfied: Any = None) -> EvictResult:

@@ -88,8 +88,6 @@ def _refusal(ctx: Any) -> Optional[str]:
             return reason
     if hasattr(params.req_to_token_pool, "req_to_c128_sidecar"):
         return f"this model keeps C128 sidecar pages next to its KV; {_DROP_FLAG}"
-    if ctx.enable_hierarchical_cache or _setting("memory", "enable_hierarchical_cache"):
-        return f"--enable-hierarchical-cache needs SGLang's unified radix tree; {_DROP_FLAG}"
     if _setting("memory", "enable_lmcache"):
         return f"--enable-lmcache needs SGLang's unified radix tree; {_DROP_FLAG}"
     if _setting("memory", "enable_flexkv"):
@@ -183,6 +181,68 @@ def _mamba_refusal(params: Any) -> Optional[str]:
     return None
 
 
+def _group_size(group: Any) -> int:
+    """The world size of a process group SGLang hands the cache (1: none, or no torch
+    distributed set up)."""
+    import torch
+
+    if group is None or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group=group)
+
+
+def _hierarchical(ctx: Any) -> bool:
+    return bool(ctx.enable_hierarchical_cache or _setting("memory", "enable_hierarchical_cache"))
+
+
+def _hicache_refusal(ctx: Any) -> Optional[str]:
+    """Why ``--enable-hierarchical-cache`` cannot run on radixcache here (None: it can)."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
+        _PlainKvStrategy,
+        _select_strategy,
+    )
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    params = ctx.params
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
+        return ("HiCache of a hybrid model's sliding-window or Mamba state needs SGLang's "
+                f"unified radix tree (radixcache's host tier keeps full-attention KV); "
+                f"{_DROP_FLAG}")
+    if params.is_eagle:
+        return ("HiCache with EAGLE-family speculative decoding (bigram keys): radixcache's "
+                f"host tier keys plain tokens; {_DROP_FLAG}, or serve without speculative "
+                "decoding")
+    if params.enable_session_radix_cache:
+        return ("HiCache with --enable-session-radix-cache: radixcache keeps session "
+                "references as eviction ranks, which its host tier does not order by; "
+                f"{_DROP_FLAG}, or drop --enable-session-radix-cache")
+    if _setting("memory", "hicache_host_memory_mode") == "buffer_only":
+        return ("--hicache-host-memory-mode buffer_only stages host memory through SGLang's "
+                f"unified radix tree; use the default cache mode, or {_DROP_FLAG}")
+    if _setting("memory", "hicache_storage_backend") is not None:
+        return ("--hicache-storage-backend is not served by radixcache's host tier yet; drop "
+                f"it, or {_DROP_FLAG}")
+    if params.mtp_draft_device_pools:
+        return ("HiCache of speculative draft KV pools (packed MTP/EAGLE draft layers) needs "
+                f"SGLang's unified radix tree; {_DROP_FLAG}")
+    disagg = _setting("disagg", "disaggregation_mode")
+    if disagg not in (None, "null"):
+        return (f"HiCache under --disaggregation-mode {disagg} runs SGLang-only paths "
+                f"(decode offload, prefill write-through deferral); {_DROP_FLAG}")
+    if (params.pp_size or 1) > 1 or _group_size(params.attn_cp_cache_group) > 1:
+        return ("HiCache with pipeline or attention-context parallelism syncs its "
+                f"acknowledgements through SGLang's unified radix tree; {_DROP_FLAG}")
+    kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+    try:
+        strategy = _select_strategy(kvcache, {ComponentType.FULL})
+    except AssertionError:
+        strategy = None
+    if type(strategy) is not _PlainKvStrategy:
+        return (f"HiCache of a {type(kvcache).__name__} (its side pools) needs SGLang's "
+                f"unified radix tree; {_DROP_FLAG}")
+    return None
+
+
 def create_backend(ctx: Any) -> "RadixcacheBackend":
     """SGLang's radix-cache factory for ``--radix-cache-backend radixcache``.
 
@@ -190,7 +250,8 @@ def create_backend(ctx: Any) -> "RadixcacheBackend":
         ctx: SGLang's ``TreeCacheBuildContext``.
 
     Returns:
-        A ``RadixcacheBackend`` over ``ctx.params`` (a ``RadixcacheSWABackend`` for a hybrid
+        A ``RadixcacheBackend`` over ``ctx.params`` (a ``HiCacheBackend`` with
+        ``--enable-hierarchical-cache``, a ``RadixcacheSWABackend`` for a hybrid
         sliding-window model, a ``RadixcacheMambaBackend`` for a Mamba hybrid).
 
     Raises:
@@ -198,8 +259,14 @@ def create_backend(ctx: Any) -> "RadixcacheBackend":
             radixcache does not implement; the message names it and says what to drop.
     """
     reason = _refusal(ctx)
+    if reason is None and _hierarchical(ctx):
+        reason = _hicache_refusal(ctx)
     if reason is not None:
         raise UnsupportedConfiguration(f"--radix-cache-backend radixcache: {reason}")
+    if _hierarchical(ctx):
+        from .hicache import HiCacheBackend
+
+        return HiCacheBackend(ctx.params, ctx.server_args, ctx.tp_worker)
     if ctx.is_hybrid_swa:
         from .swa import RadixcacheSWABackend
 
