@@ -175,7 +175,7 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         result = core.insert(tokens, values, state, namespace,
                              priority if self._use_priority else 0, inserted_len, 0, dup_from)
         if self.kv_events.enabled and result.prefix_len < len(tokens):
-            self._record_stored(result, tokens, values, names)
+            self._record_stored(result, tokens, values, names, None, None)
         if dup_from < result.prefix_len:
             self._free(torch.from_numpy(values[dup_from:result.prefix_len]))
         return result, core.aux_kept or not len(tokens)

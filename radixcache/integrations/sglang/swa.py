@@ -200,7 +200,7 @@ class RadixcacheSWABackend(RadixcacheHybridBackend):
                     self._rekey_pages(torch.from_numpy(slots),
                                       torch.from_numpy(values[start:end]))
             if result.prefix_len < len(tokens):
-                self._record_stored(result, tokens, values, names)
+                self._record_stored(result, tokens, values, names, None, None)
         full, window = [], []
         start = dup_from
         for taken_start, taken_end, slots, locked in recovered:
