@@ -189,7 +189,7 @@ def picks_per_second(args, model_dir, logs):
             self.address = f"127.0.0.1:{9100 + i}"
             events, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
             self.publisher = ZmqEventPublisher(events, replay)
-            self.spec = f"{self.address}={events},{replay}"
+            self.publisher_spec = f"e{i}={events},replay={replay},address={self.address}"
 
     endpoints = [Endpoint(i) for i in range(4)]
     picker = start_picker(endpoints, model_dir, logs, page_size=PAGE,

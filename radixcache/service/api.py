@@ -43,6 +43,7 @@ class MooncakeRegister(Struct):
     lora_name: OptText = None
     tenant_id: OptText = None
     additionalsalt: OptText = None
+    address: OptText = None  # this service's: the instance's serving ip:port
 
 
 class MooncakeUnregister(Struct):
@@ -91,6 +92,7 @@ class DynamoRegister(Struct):
     additionalsalt: OptText = None
     type: Optional[Name] = None  # this service's: the publisher type (vLLM by default)
     lora_name: OptText = None
+    address: OptText = None  # this service's: the instance's serving ip:port
 
 
 class DynamoUnregister(Struct):
