@@ -23,8 +23,8 @@ class Pick:
         cached_tokens: The prompt tokens each listed endpoint is predicted to hold, in the
             same order.
         prompt_tokens: The prompt's length in tokens.
-        load_tokens: The load the request adds to the endpoint serving it, in tokens (the
-            prompt tokens the first endpoint lacks, and the output it may generate).
+        load_tokens: The load the request adds to the endpoint serving it, in tokens (its
+            prompt and the output it may generate).
         least_load: The lowest load among the eligible endpoints before this request, in
             tokens (a sheddable request is shed when even that one is saturated).
         holder: The endpoint its load is counted on now (the first until ``served`` says
@@ -64,8 +64,8 @@ class Picker(Protocol):
              output_tokens: int = 0, max_endpoints: int = 1) -> Pick:
         """Choose the endpoints for a request and count its load on the first.
 
-        The load is the work the request brings the first endpoint, in tokens: the prompt
-        tokens it does not hold (its prefill) and ``output_tokens`` (its decode).
+        The load is what the request brings the first endpoint, in tokens: its prompt and
+        ``output_tokens`` (the tokens its KV cache will span).
 
         Args:
             model: The model the request names (the base model's name for an adapter).

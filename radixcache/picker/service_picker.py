@@ -12,9 +12,9 @@ load table as its HTTP API.
   eligible again as soon as it is heard from.
 - **Ranking** is the service's (``IndexService.place``): the configured policy, the index's
   overlaps, the blocks of earlier placements not yet confirmed by events, the load table.
-- **Load**: a pick counts its work (the prompt tokens the first endpoint is not credited
-  with, and the request's ``max_tokens``) on the first endpoint, in the same table as
-  ``/select`` and ``/load``; ``served`` moves it, ``finished`` releases it.
+- **Load**: a pick counts the request (its prompt and ``max_tokens``: the tokens its KV
+  cache will span) on the first endpoint, in the same table as ``/select`` and ``/load``;
+  ``served`` moves it, ``finished`` releases it.
 - **Models**: a request names a registered model, or a LoRA adapter given to the picker
   (then the adapter's base model's instances serve it, its blocks in the adapter's
   namespace). A model no instance is registered for is a 404. A request the picker does not

@@ -617,9 +617,10 @@ class IndexService:
         under ``policy`` and, with ``request_id``, place it on the first.
 
         Ranking counts, besides what the index holds, the prompts of earlier placements
-        whose events have not arrived yet (``pending``). Placing counts the request's work
-        on the chosen instance until ``end_request`` (its load: the prompt tokens it is not
-        credited with, and ``output_tokens``) and credits it with the prompt's blocks.
+        whose events have not arrived yet (``pending``). Placing counts the request on the
+        chosen instance until ``end_request`` (its load: the tokens its KV cache will span,
+        the prompt and ``output_tokens``, as the fleet simulation counts a request) and
+        credits the instance with the prompt's blocks.
 
         Args:
             q: The query (tokens, not hashes).
@@ -669,7 +670,7 @@ class IndexService:
             cached = [min(prompt, credited[i].gpu) for i in ranked]
             added = 0
             if request_id is not None:
-                added = prompt - cached[0] + output_tokens
+                added = prompt + output_tokens
                 try:
                     self.loads.start(request_id, chosen, added)
                 except ValueError as exc:

