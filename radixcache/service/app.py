@@ -244,13 +244,13 @@ class App:
 
     def query(self, body: bytes) -> tuple:
         if api.is_dynamo(body):
-            req = api.decode(body, api.DynamoQuery)
+            req = api.decode_tokens(body, api.DynamoQuery)
             found = self.service.query(Query(req.model_name, tokens=self._tokens(req.token_ids),
                                              block_size=req.block_size,
                                              tenant=req.routing_group, lora=req.lora_name or None,
                                              salt=req.cache_salt or None), everyone=False)
             return 200, _encode(api.dynamo_answer(found)), []
-        req = api.decode(body, api.MooncakeQuery)
+        req = api.decode_tokens(body, api.MooncakeQuery)
         self._no_lora_id(req)
         tenant = req.tenant_id or DEFAULT_TENANT
         found = self.service.query(Query(req.model, tokens=self._tokens(req.token_ids),
@@ -298,7 +298,7 @@ class App:
         return 200, _encode(api.mooncake_answer(tenant, found)), []
 
     def select(self, body: bytes) -> tuple:
-        req = api.decode(body, api.SelectRequest)
+        req = api.decode_tokens(body, api.SelectRequest)
         model = req.model if req.model is not None else req.model_name
         if not model:
             raise _Refused(400, "model (or model_name) is required", "model")

@@ -190,19 +190,19 @@ class Ingest:
                         self._changed = True
 
     def _drain(self, sub: Subscription) -> None:
-        receive = sub.subscriber.receive
-        batches = []
+        receive_many = sub.subscriber.receive_many
+        batches: list = []
         while len(batches) < DRAIN:
             try:
-                batch = receive(0)
+                got = receive_many(DRAIN - len(batches))
             except ValueError:  # a payload the decoder rejects: counted, the stream goes on
                 sub.malformed += 1
                 continue
             except RuntimeError:  # closed
                 return
-            if batch is None:
+            if not got:
                 break
-            batches.append(batch)
+            batches += got
         if not batches:
             return
         sub.last_batch = self._last_batch = time.monotonic()

@@ -686,7 +686,7 @@ class IndexService:
         """``hits`` with each instance's device hit raised to what pending placements
         credit its ranks with, and the prompt's block keys per group looked at."""
         keys_of: dict = {}
-        if self.pending is None or not q.tokens:
+        if self.pending is None or not len(q.tokens):
             return hits, keys_of
         pending = self.pending
         pending.expire()
