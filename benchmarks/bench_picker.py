@@ -13,9 +13,11 @@ RadixCache, ZeroMQ events), needing ``radixcache[epp,epp-test]``. Three figures:
    the whole prompt is tokenized).
 2. **Picks per second**: 32 concurrent ext_proc streams (a gRPC client in its own process)
    straight to one picker process, follow-up requests of 2,000 tokens.
-3. **Follow-ups to the holder**: 8 clients run conversations with a shared system prompt
-   through Envoy; the share of follow-up turns served by the worker that served the turn
-   before (no worker stops: every one stays eligible).
+3. **Follow-ups to the holder**: 8 clients (no think time) run 32 conversations through
+   Envoy, with a system prompt they all share and with one of their own; the share of
+   follow-up turns served by the worker that served the turn before (no worker stops: every
+   one stays eligible), with the picker crediting placements ahead of their events and
+   without (``--pending-ttl 0``), interleaved.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import random
 import sys
 import tempfile
@@ -67,7 +70,7 @@ def chat_bodies(rng, count, kind, target_tokens=2000):
     return bodies
 
 
-def start_pool(model_dir, logs, processes, log_name):
+def start_pool(model_dir, logs, processes, log_name, extra=()):
     """Four workers and a picker over them (appended to ``processes`` as they start)."""
     from harness import start_picker, start_worker, wait_workers
 
@@ -76,7 +79,7 @@ def start_pool(model_dir, logs, processes, log_name):
     processes += [w.process for w in workers]
     wait_workers(workers)
     picker = start_picker(workers, model_dir, logs, page_size=PAGE,
-                          extra=("--model", "test-model"), log_name=log_name)
+                          extra=("--model", "test-model", *extra), log_name=log_name)
     processes.append(picker.process)
     return workers, picker
 
@@ -189,7 +192,7 @@ def picks_per_second(args, model_dir, logs):
             self.address = f"127.0.0.1:{9100 + i}"
             events, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
             self.publisher = ZmqEventPublisher(events, replay)
-            self.spec = f"{self.address}={events},{replay}"
+            self.publisher_spec = f"e{i}={events},replay={replay},address={self.address}"
 
     endpoints = [Endpoint(i) for i in range(4)]
     picker = start_picker(endpoints, model_dir, logs, page_size=PAGE,
@@ -212,19 +215,19 @@ def picks_per_second(args, model_dir, logs):
             endpoint.publisher.close(timeout=1.0)
 
 
-def follow_ups(args, model_dir, logs):
+def follow_ups(args, model_dir, logs, extra=(), shared_system=True):
     from harness import Client, EnvoyConfig, start_envoy
     from workload import conversations, reply_of, words
 
     processes = []
     try:
-        workers, picker = start_pool(model_dir, logs, processes, "picker-follow")
+        workers, picker = start_pool(model_dir, logs, processes, "picker-follow", extra)
         envoy = start_envoy(EnvoyConfig(workers, picker.port, fail_open_listener=False),
                             logs, "envoy-follow")
         processes.append(envoy.process)
         rng = random.Random(4)
         shared = "You are the assistant of a shop. " + words(rng, 150, 150)
-        convs = conversations(32, rng, shared_system=shared)
+        convs = conversations(32, rng, shared_system=shared if shared_system else None)
         lock = threading.Lock()
         counts = {"follow": 0, "same": 0, "requests": 0}
 
@@ -279,6 +282,9 @@ def main():
     parser.add_argument("--turns", type=int, default=5, help="turns per conversation")
     parser.add_argument("--only", choices=["latency", "rate", "follow-ups"], default=None,
                         help="run one of the three parts")
+    parser.add_argument("--picker-args", default="",
+                        help="more flags for the picker's radixcache serve, e.g. "
+                             "'--load-weight 0.3'")
     args = parser.parse_args()
     from model import make_model_dir
 
@@ -294,12 +300,19 @@ def main():
             print(f"picks per second, one picker process, 32 concurrent streams, 2,000-token "
                   f"follow-ups: {rate:,.0f} (best of {args.rounds} rounds of {args.seconds:g} s)")
         if args.only in (None, "follow-ups"):
-            counts, spread = follow_ups(args, model_dir, logs)
-            share = counts["same"] / counts["follow"]
-            print(f"follow-up turns served by the worker holding their conversation: "
-                  f"{counts['same']}/{counts['follow']} = {share:.1%} (8 clients, 32 "
-                  f"conversations x {args.turns} turns, shared system prompt; requests per "
-                  f"worker {spread})")
+            # With and without crediting placements ahead of their events, interleaved.
+            given = tuple(args.picker_args.split()) if args.picker_args else ()
+            for r in range(args.rounds):
+                for shared in (True, False):
+                    for label, extra in (("pending on", given),
+                                         ("pending off", given + ("--pending-ttl", "0"))):
+                        counts, spread = follow_ups(args, model_dir, logs, extra, shared)
+                        share = counts["same"] / counts["follow"]
+                        print(f"round {r + 1}, {'shared' if shared else 'own'} system prompts, "
+                              f"{label}: follow-ups served by the worker holding their "
+                              f"conversation {counts['same']}/{counts['follow']} = {share:.1%}; "
+                              f"requests per worker {spread}; load average "
+                              f"{os.getloadavg()[0]:.1f}", flush=True)
 
 
 if __name__ == "__main__":

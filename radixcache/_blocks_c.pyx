@@ -357,6 +357,88 @@ def msgpack_ids(data):
     return out
 
 
+cdef inline bint _json_space(unsigned char c) noexcept nogil:
+    return c == 32 or c == 9 or c == 10 or c == 13
+
+
+def json_ids(data):
+    """A JSON array of token ids as int64 little-endian bytes, or None; see ``_blocks_py``."""
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
+    cdef Py_ssize_t size = len(<bytes>data)
+    # At most an id per two bytes ("1,"): parsed into a scratch buffer in one pass.
+    cdef int64_t* q = <int64_t*>PyMem_Malloc((size // 2 + 1) * 8)
+    if q == NULL:
+        raise MemoryError()
+    cdef Py_ssize_t n = 0
+    try:
+        n = _json_ids(p, size, q)
+        if n < 0:
+            return None
+        return PyBytes_FromStringAndSize(<char*>q, n * 8)
+    finally:
+        PyMem_Free(q)
+
+
+cdef Py_ssize_t _json_ids(const unsigned char* p, Py_ssize_t size,
+                          int64_t* q) noexcept:
+    """The ids of ``json_ids``'s array at ``p`` written to ``q``: how many, -1 if not one."""
+    cdef Py_ssize_t pos = 0, n = 0, digits
+    cdef uint64_t v
+    cdef unsigned char c
+    while pos < size and _json_space(p[pos]):
+        pos += 1
+    if pos >= size or p[pos] != 91:  # '['
+        return -1
+    pos += 1
+    while pos < size and _json_space(p[pos]):
+        pos += 1
+    if pos < size and p[pos] == 93:  # ']': empty
+        pos += 1
+    else:
+        while True:
+            if pos >= size:
+                return -1
+            c = p[pos]
+            if c < 48 or c > 57:
+                return -1
+            v = c - 48
+            pos += 1
+            digits = 1
+            while pos < size:
+                c = p[pos]
+                if c < 48 or c > 57:
+                    break
+                if v == 0 or digits == 10:  # a leading zero, or 2**32 and beyond
+                    return -1
+                v = v * 10 + (c - 48)
+                pos += 1
+                digits += 1
+            if v >= (<uint64_t>1 << 32):
+                return -1
+            q[n] = <int64_t>_bswap64(v) if not _LITTLE_ENDIAN else <int64_t>v
+            n += 1
+            if pos < size and p[pos] == 44:  # ',' right after the id: the usual case
+                pos += 1
+            else:
+                while pos < size and _json_space(p[pos]):
+                    pos += 1
+                if pos >= size:
+                    return -1
+                if p[pos] == 93:
+                    pos += 1
+                    break
+                if p[pos] != 44:
+                    return -1
+                pos += 1
+            while pos < size and _json_space(p[pos]):
+                pos += 1
+    while pos < size and _json_space(p[pos]):
+        pos += 1
+    return n if pos == size else -1
+
+
 cdef int _check_owners(bytes owner_data) except -1:
     cdef Py_ssize_t n_owners = len(owner_data) // 8, i
     cdef const int64_t* own = <const int64_t*>PyBytes_AS_STRING(owner_data)

@@ -32,6 +32,14 @@ int64 little-endian bytes when it is exactly an array of ints that fit in int64 
 msgpack's int forms); None for anything else (another value, an int beyond int64, bytes
 missing or left over). ``KvIndexer`` reads a payload's token ids so, undecoded.
 
+``json_ids(data) -> bytes | None`` -- ``data``, the bytes of one JSON value, as int64
+little-endian bytes when it is exactly an array of token ids: integers in ``[0, 2**32)``
+written in decimal without sign, fraction, exponent or leading zero, JSON whitespace
+(space, tab, newline, carriage return) allowed around the brackets, commas and ids; None
+for anything else (another value or form, an id out of range, bytes left over). The index
+service reads a query's token ids so, without making an int object per id; a caller that
+gets None decodes the body otherwise for its answer.
+
 ``BlockIndex()`` -- ``KvIndexer``'s table of held blocks, a map from a 64-bit block key (an
 ``int`` in int64) to the copies holding it (``copy``: an ``int`` in ``[0, 2**31 - 1)`` the
 caller assigns; a copy counts once per holding, so it may hold a key more than once).
@@ -122,6 +130,7 @@ first: ``TypeError`` for another type, ``ValueError`` for ``start``, ``copy``, `
 from __future__ import annotations
 
 import operator
+import re
 import sys
 from array import array
 from typing import Any
@@ -131,7 +140,7 @@ import numpy as np
 from ._validate import INT64_MAX, INT64_MIN, wrap_int64
 
 __all__ = ["BlockIndex", "KeyMap", "WireBatch", "apply_wire", "hash64", "ids_le_bytes",
-           "msgpack_ids", "page_hash_bytes", "page_hash_chain", "read_wire"]
+           "json_ids", "msgpack_ids", "page_hash_bytes", "page_hash_chain", "read_wire"]
 
 
 # -- page hash chain (see the module docstring) ---------------------------------------------
@@ -412,6 +421,28 @@ except ImportError:  # then the loop in msgpack_ids
 # msgpack's int forms past the fixints: first byte -> (width, signed)
 _MSGPACK_INTS = {0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False),
                  0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True)}
+
+
+#: ``json_ids``'s grammar: an array of unsigned decimal integers, JSON whitespace around.
+_JSON_IDS = re.compile(rb"[ \t\n\r]*\[[ \t\n\r]*(?:(?:0|[1-9][0-9]*)[ \t\n\r]*"
+                       rb"(?:,[ \t\n\r]*(?:0|[1-9][0-9]*)[ \t\n\r]*)*)?\][ \t\n\r]*")
+_JSON_ID = re.compile(rb"[0-9]+")
+
+
+def json_ids(data: Any) -> Any:
+    """A JSON array of token ids as int64 little-endian bytes, or None; see the module
+    docstring."""
+    if type(data) is not bytes:
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    if _JSON_IDS.fullmatch(data) is None:
+        return None
+    ids = [int(digits) for digits in _JSON_ID.findall(data)]
+    if any(i >= 1 << 32 for i in ids):
+        return None
+    out = array("q", ids)
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out.tobytes()
 
 
 def msgpack_ids(data: Any) -> Any:

@@ -610,6 +610,7 @@ class ZmqEventSubscriber:
         self.malformed = 0
         self.resets = 0
         self.probes = 0
+        self._deferred: Optional[ValueError] = None  # receive_many's error for the next call
 
     # -- options -------------------------------------------------------------------------
     @property
@@ -741,6 +742,84 @@ class ZmqEventSubscriber:
         if restarted:
             batch = dataclasses.replace(batch, restarted=True)
         return batch
+
+    def receive_many(self, limit: int) -> list:
+        """The batches that have already arrived, up to ``limit``, without waiting: what
+        ``receive(0)`` called until it returns None (or ``limit`` times) returns, in one
+        call. A subscriber that hands payloads over undecoded (``decode=False``) reads the
+        stream's batches that come in order straight off its socket, without the
+        bookkeeping of a call per batch; anything else (a gap, a replay, a restart, a probe
+        due) goes the way ``receive`` takes it.
+
+        Args:
+            limit: The most batches returned, an int >= 1.
+
+        Returns:
+            The batches, in order (empty when none has arrived).
+
+        Raises:
+            ValueError: a malformed payload (``decode=True``) met before any batch: raised
+                as ``receive`` raises it; met after some, it is raised by the next call.
+            RuntimeError: the subscriber is closed.
+        """
+        if self._closed:
+            raise RuntimeError("receive_many() on a closed ZmqEventSubscriber")
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            raise deferred
+        out: list = []
+        if (not self._decode and not self._initial_replay and not self._pending
+                and not self._replay_active and not self._restart_owed
+                and self._expected is not None):
+            probe_at = self._probe_at()
+            if probe_at is None or time.monotonic() < probe_at:
+                self._drain_stream(out, limit)
+        while len(out) < limit:
+            try:
+                batch = self.receive(0)
+            except ValueError as exc:
+                if not out:
+                    raise
+                self._deferred = exc
+                break
+            if batch is None:
+                break
+            out.append(batch)
+        return out
+
+    def _drain_stream(self, out: list, limit: int) -> None:
+        """``receive_many``'s fast path: stream messages read while each is the batch
+        expected next, taken as ``_on_stream`` and ``_accept`` take them; the first that is
+        not is handed to ``_on_stream``, and what follows it to ``receive``."""
+        recv = self._sub.recv_multipart
+        noblock = self._zmq.NOBLOCK
+        again = self._zmq.Again
+        heard = False
+        try:
+            while len(out) < limit:
+                try:
+                    frames = recv(noblock)
+                except again:
+                    break
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.malformed += 1
+                    continue
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq < 0:
+                    self.malformed += 1
+                    continue
+                heard = True
+                if seq != self._expected:
+                    self._on_stream(seq, frames[2])
+                    break
+                if not out:
+                    self._digests.clear()  # the stream is past every replayed batch
+                self._stream_last = seq
+                self._expected = seq + 1
+                out.append(ReceivedBatch(seq, 0.0, [], None, frames[2], False))
+        finally:
+            if heard:
+                self._last_heard = self._last_contact = time.monotonic()
 
     def _probe_at(self) -> Optional[float]:
         """When the next probe is due, None if never (no replay socket, probes off, or no

@@ -199,13 +199,16 @@ class ExtProcService:
                     yield response
                     if response.WhichOneof("response") == "immediate_response":
                         return
+        except Exception:  # a bug: counted; Envoy follows its failure_mode_allow
+            self.metrics.errors.inc()
+            raise
         finally:
             self._finish(exchange)
 
     def _finish(self, exchange: _Exchange) -> None:
         pick, exchange.pick = exchange.pick, None
         if pick is not None:
-            self.metrics.in_flight -= 1
+            self.metrics.in_flight.dec()
             self.picker.finished(pick)
 
     def _request_headers(self, message: Any, exchange: _Exchange) -> list:
@@ -270,16 +273,19 @@ class ExtProcService:
         metrics = self.metrics
         options = self.options
         start = time.perf_counter()
-        pick = self.picker.pick(request.model, request.token_ids, lora=request.lora,
-                                salt=request.salt, candidates=exchange.candidates,
-                                output_tokens=request.max_tokens,
-                                max_endpoints=options.max_endpoints)
+        try:
+            pick = self.picker.pick(request.model, request.token_ids, lora=request.lora,
+                                    salt=request.salt, candidates=exchange.candidates,
+                                    output_tokens=request.max_tokens,
+                                    max_endpoints=options.max_endpoints)
+        except RequestError as exc:  # a model no instance is registered for, ...
+            return [self._refuse(exc)]
         if not pick.endpoints:
             metrics.unavailable.inc()
             return [self._refuse(RequestError(
                 503, "no endpoint of the pool is eligible for this request", "unavailable",
                 "no_endpoint"))]
-        metrics.in_flight += 1
+        metrics.in_flight.inc()
         exchange.pick = pick
         if (options.shed_load is not None and exchange.objective in options.sheddable
                 and pick.least_load >= options.shed_load):
@@ -288,11 +294,8 @@ class ExtProcService:
             return [self._refuse(RequestError(
                 429, "every endpoint is saturated and this request's objective is sheddable",
                 "rate_limit_exceeded", "shed"))]
-        metrics.pick_seconds.observe(time.perf_counter() - start)
-        metrics.picks.inc(pick.endpoints[0])
-        metrics.prompt_tokens.inc(amount=pick.prompt_tokens)
-        metrics.predicted_hit_tokens.inc(amount=pick.cached_tokens[0])
-        metrics.hit_tokens.observe(pick.cached_tokens[0])
+        metrics.picked(pick.endpoints[0], pick.prompt_tokens, pick.cached_tokens[0],
+                       time.perf_counter() - start)
         pb = self._pb
         value = ",".join(pick.endpoints)
         mutation = pb.ext_proc.HeaderMutation(set_headers=[pb.base.HeaderValueOption(
@@ -320,7 +323,7 @@ class ExtProcService:
                 _address_list(_header(message.response_headers.headers, SERVED_KEY))
             if served:
                 endpoint = served[0]
-                self.metrics.served.inc(endpoint)
+                self.metrics.served.labels(endpoint).inc()
                 if endpoint != pick.endpoints[0]:
                     self.metrics.fallbacks.inc()
                 self.picker.served(pick, endpoint)
@@ -348,7 +351,7 @@ class ExtProcService:
 
     def _refuse(self, error: RequestError) -> Any:
         if error.status < 500 and error.status != 429:
-            self.metrics.rejected.inc(error.status)
+            self.metrics.rejected.labels(str(error.status)).inc()
         pb = self._pb
         return pb.ext_proc.ProcessingResponse(immediate_response=pb.ext_proc.ImmediateResponse(
             status=pb.http_status.HttpStatus(code=error.status),

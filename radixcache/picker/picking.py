@@ -3,9 +3,9 @@
 The ext_proc server (``radixcache.picker.extproc``) reads a request, tokenizes it, and asks a
 ``Picker`` for the endpoints, best first; it reports back which endpoint served it and when
 it ended. Everything that knows which blocks each endpoint holds, which endpoints are alive
-and how loaded they are lives behind this interface: ``LocalIndexPicker``
-(``radixcache.picker.local_index``) implements it over a ``Router`` and ``KvIndexer`` fed by
-each endpoint's ZeroMQ KV events in this process.
+and how loaded they are lives behind this interface: ``ServicePicker``
+(``radixcache.picker.service_picker``) implements it over the index service's state, the
+same registrations, subscriptions, indexes and load table its HTTP API serves.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ class Pick:
         cached_tokens: The prompt tokens each listed endpoint is predicted to hold, in the
             same order.
         prompt_tokens: The prompt's length in tokens.
-        load_tokens: The load the request adds to the endpoint serving it, in tokens (the
-            prompt tokens the first endpoint lacks, and the output it may generate).
+        load_tokens: The load the request adds to the endpoint serving it, in tokens (its
+            prompt and the output it may generate).
         least_load: The lowest load among the eligible endpoints before this request, in
             tokens (a sheddable request is shed when even that one is saturated).
         holder: The endpoint its load is counted on now (the first until ``served`` says
             otherwise), None once ``finished`` (or when nothing was picked).
+        handle: What the ``Picker`` knows the request by (its own; None until set).
     """
 
-    __slots__ = ("cached_tokens", "endpoints", "holder", "least_load", "load_tokens",
+    __slots__ = ("cached_tokens", "endpoints", "handle", "holder", "least_load", "load_tokens",
                  "prompt_tokens")
 
     def __init__(self, endpoints: Sequence[str], cached_tokens: Sequence[int],
@@ -42,6 +43,7 @@ class Pick:
         self.load_tokens = load_tokens
         self.least_load = least_load
         self.holder: Optional[str] = self.endpoints[0] if self.endpoints else None
+        self.handle: Any = None
 
     def __repr__(self) -> str:
         return (f"Pick(endpoints={list(self.endpoints)}, cached_tokens="
@@ -62,8 +64,8 @@ class Picker(Protocol):
              output_tokens: int = 0, max_endpoints: int = 1) -> Pick:
         """Choose the endpoints for a request and count its load on the first.
 
-        The load is the work the request brings the first endpoint, in tokens: the prompt
-        tokens it does not hold (its prefill) and ``output_tokens`` (its decode).
+        The load is what the request brings the first endpoint, in tokens: its prompt and
+        ``output_tokens`` (the tokens its KV cache will span).
 
         Args:
             model: The model the request names (the base model's name for an adapter).

@@ -222,7 +222,14 @@ class KvIndexer(EventIngest):
             ValueError: the first block's entry names another namespace than ``extra_key``.
             OverflowError: a token that does not fit in int64.
         """
-        data = tokens_le_bytes(tokens)
+        data = None
+        if type(tokens) is list:
+            try:  # exact int64s, read in one pass by the block module
+                data = _ids_le_bytes(tokens)
+            except (TypeError, OverflowError):
+                pass  # checked and read as any sequence below
+        if data is None:
+            data = tokens_le_bytes(tokens)
         namespace, entries, ns_entry = query_namespace(extra_key, block_extra_keys)
         return self._chain_keys(_root_key(namespace), data, entries, ns_entry)
 

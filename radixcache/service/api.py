@@ -43,6 +43,7 @@ class MooncakeRegister(Struct):
     lora_name: OptText = None
     tenant_id: OptText = None
     additionalsalt: OptText = None
+    address: OptText = None  # this service's: the instance's serving ip:port
 
 
 class MooncakeUnregister(Struct):
@@ -91,6 +92,7 @@ class DynamoRegister(Struct):
     additionalsalt: OptText = None
     type: Optional[Name] = None  # this service's: the publisher type (vLLM by default)
     lora_name: OptText = None
+    address: OptText = None  # this service's: the instance's serving ip:port
 
 
 class DynamoUnregister(Struct):
@@ -143,6 +145,7 @@ class LoadReport(Struct):
 
 
 _DECODERS: dict = {}
+_TOKEN_DECODERS: dict = {}
 _FIELD = re.compile(r"`\$\.([A-Za-z_]+)|field `([A-Za-z_]+)`")
 
 
@@ -178,6 +181,38 @@ def decode(body: bytes, kind: type) -> Any:
 
 
 _DYNAMO.update((DynamoRegister, DynamoUnregister, DynamoQuery, DynamoQueryByHash))
+
+
+def decode_tokens(body: bytes, kind: type) -> Any:
+    """``decode(body, kind)`` for a struct with ``token_ids``, whose ids come as an int64
+    numpy array read by the block module (``json_ids``: no int object made per id) rather
+    than a list. A body that cannot be read so (an error, or ids written unusually) is
+    decoded by ``decode``: the same answer, or the same error."""
+    decoder = _TOKEN_DECODERS.get(kind)
+    if decoder is None:
+        fields = []
+        for f in msgspec.structs.fields(kind):
+            kind_of = msgspec.Raw if f.name == "token_ids" else f.type
+            if f.required:
+                fields.append((f.name, kind_of))
+            else:
+                fields.append((f.name, kind_of, msgspec.field(
+                    default=f.default, default_factory=f.default_factory)))
+        raw_kind = msgspec.defstruct(kind.__name__ + "Raw", fields)
+        decoder = _TOKEN_DECODERS[kind] = msgspec.json.Decoder(raw_kind)
+    try:
+        req = decoder.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return decode(body, kind)  # its error
+    from .. import _core
+
+    ids = _core.blocks.json_ids(bytes(req.token_ids))
+    if ids is None:
+        return decode(body, kind)
+    import numpy as np
+
+    req.token_ids = np.frombuffer(ids, dtype="<i8")
+    return req
 
 
 def check_u64(values: list, field: str, signed: bool = True) -> list:

@@ -49,9 +49,11 @@ class App:
     Args:
         service: The state (started on the lifespan's startup, closed on its shutdown).
         metrics: A ``metrics.Metrics``, or None (then ``/metrics`` answers 404).
+        api: Serve the index's API; False: only ``/health``, ``/ready``, ``/metrics`` and
+            ``/workers`` (the rest answers 404).
     """
 
-    def __init__(self, service: IndexService, metrics: Any = None) -> None:
+    def __init__(self, service: IndexService, metrics: Any = None, api: bool = True) -> None:
         self.service = service
         self.config: ServiceConfig = service.config
         self.metrics = metrics
@@ -70,6 +72,8 @@ class App:
             ("GET", "/metrics"): (self.metrics_text, False, False, None),
             ("GET", "/workers"): (self.workers, False, False, None),
         }
+        if not api:
+            self.routes = {k: v for k, v in self.routes.items() if k[0] == "GET"}
         self._paths = {path for _, path in self.routes}
 
     # -- ASGI -------------------------------------------------------------------------------
@@ -188,14 +192,14 @@ class App:
             # hashes): a Dynamo client gets the answers it gets from Dynamo.
             reg = self._registration(req.instance_id, req.endpoint, req.replay_endpoint, kind,
                                      req.model_name, req.block_size, req.routing_group,
-                                     req.dp_rank or 0, req.lora_name, None)
+                                     req.dp_rank or 0, req.lora_name, None, req.address)
             service.register(reg, exclusive=True)
             return 201, _encode({"status": "ok"}), []
         req = api.decode(body, api.MooncakeRegister)
         reg = self._registration(req.instance_id, req.endpoint, req.replay_endpoint, req.type,
                                  req.modelname, req.block_size,
                                  req.tenant_id or DEFAULT_TENANT, req.dp_rank, req.lora_name,
-                                 req.additionalsalt)
+                                 req.additionalsalt, req.address)
         service.register(reg)
         return 200, _encode({"status": "registered successfully",
                              "instance_id": req.instance_id}), []
@@ -203,14 +207,21 @@ class App:
     @staticmethod
     def _registration(instance: Any, endpoint: str, replay: Optional[str], kind: str,
                       model: str, block_size: int, tenant: str, dp_rank: int,
-                      lora: Optional[str], salt: Optional[str]) -> Registration:
-        from .identity import PUBLISHER_TYPES
+                      lora: Optional[str], salt: Optional[str],
+                      address: Optional[str]) -> Registration:
+        from .identity import PUBLISHER_TYPES, check_address
 
         if kind not in PUBLISHER_TYPES:
             raise _Refused(400, f"type must be one of {', '.join(PUBLISHER_TYPES)}, got "
                            f"{kind!r}", "type")
+        if address:
+            try:
+                check_address(address)
+            except ValueError as exc:
+                raise _Refused(400, str(exc), "address") from None
         return Registration(instance, endpoint, replay or None, kind, model, block_size,
-                            tenant or DEFAULT_TENANT, dp_rank, lora or None, salt or None)
+                            tenant or DEFAULT_TENANT, dp_rank, lora or None, salt or None,
+                            address or None)
 
     def unregister(self, body: bytes) -> tuple:
         service = self.service
@@ -233,13 +244,13 @@ class App:
 
     def query(self, body: bytes) -> tuple:
         if api.is_dynamo(body):
-            req = api.decode(body, api.DynamoQuery)
+            req = api.decode_tokens(body, api.DynamoQuery)
             found = self.service.query(Query(req.model_name, tokens=self._tokens(req.token_ids),
                                              block_size=req.block_size,
                                              tenant=req.routing_group, lora=req.lora_name or None,
                                              salt=req.cache_salt or None), everyone=False)
             return 200, _encode(api.dynamo_answer(found)), []
-        req = api.decode(body, api.MooncakeQuery)
+        req = api.decode_tokens(body, api.MooncakeQuery)
         self._no_lora_id(req)
         tenant = req.tenant_id or DEFAULT_TENANT
         found = self.service.query(Query(req.model, tokens=self._tokens(req.token_ids),
@@ -287,7 +298,7 @@ class App:
         return 200, _encode(api.mooncake_answer(tenant, found)), []
 
     def select(self, body: bytes) -> tuple:
-        req = api.decode(body, api.SelectRequest)
+        req = api.decode_tokens(body, api.SelectRequest)
         model = req.model if req.model is not None else req.model_name
         if not model:
             raise _Refused(400, "model (or model_name) is required", "model")
@@ -336,8 +347,9 @@ class App:
         return 200, _encode(self.service.workers()), []
 
 
-def make_app(config: ServiceConfig, metrics: bool = True) -> App:
-    """An ``App`` with its ``IndexService`` (and ``Metrics``, needing prometheus-client)."""
+def make_app(config: ServiceConfig, metrics: bool = True, api: bool = True) -> App:
+    """An ``App`` with its ``IndexService`` (and ``Metrics``, needing prometheus-client);
+    ``api``: see ``App``."""
     collector = None
     if metrics:
         from .metrics import Metrics
@@ -346,4 +358,4 @@ def make_app(config: ServiceConfig, metrics: bool = True) -> App:
     service = IndexService(config, collector)
     if collector is not None:
         collector.service = service
-    return App(service, collector)
+    return App(service, collector, api)

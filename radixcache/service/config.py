@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .._options import DEFAULT_HOST_WEIGHT, DEFAULT_LOAD_WEIGHT
-from .identity import DEFAULT_TENANT, PUBLISHER_TYPES, Registration
+from .identity import DEFAULT_TENANT, PUBLISHER_TYPES, Registration, check_address
 from .stdhash import DEFAULT_SEED
 
 #: The environment variable ``--token`` falls back on.
@@ -41,13 +41,17 @@ class ServiceConfig:
         max_body: The largest request body, in bytes.
         max_tokens: The most token ids (or hashes) one request may carry.
         instance_timeout: Seconds of silence after which a publisher's instance leaves the
-            answers (None: never).
+            answers and can no longer be picked (None: never); its subscription probes an
+            idle publisher's replay socket often enough that a live one is never silent
+            that long.
         policy: ``/select``'s default policy.
         load_weight, prefill_weight, host_weight: ``cache-aware``'s weights (as ``Router``'s).
         hash_seed: The seed of the standard XXH3-64 block hashes.
         hash_index: Keep the engines' blocks by their standard sequence hashes too, so that
             ``/query_by_hash`` finds them (costs memory and ingest; see ``hashindex``).
         lease_s: With ``index``: seconds a publisher's lease lasts.
+        pending_ttl: Seconds a placement's prompt blocks count for its instance in ranking
+            before its events show them (0: not at all; see ``pending``).
     """
 
     host: str = "127.0.0.1"
@@ -70,6 +74,15 @@ class ServiceConfig:
     hash_seed: int = DEFAULT_SEED
     hash_index: bool = False
     lease_s: float = 30.0
+    pending_ttl: float = 5.0
+
+    @property
+    def probe_interval(self) -> float:
+        """Seconds of quiet after which a subscription probes its publisher: a third of
+        ``instance_timeout`` (at most a second), so a live publisher answers in time."""
+        if self.instance_timeout is None:
+            return 1.0
+        return min(1.0, self.instance_timeout / 3)
 
     def endpoint_allowed(self, endpoint: str) -> bool:
         """Whether ``/register`` may make the service connect to ``endpoint``: it matches
@@ -99,7 +112,8 @@ def parse_publisher(text: str, model: str, block_size: int,
                     kind: str = "vLLM") -> Registration:
     """A ``--publisher`` value: ``instance_id=tcp://host:port`` then optional
     ``,key=value`` items: ``replay`` (the replay endpoint), ``type`` (vLLM, SGLang,
-    Mooncake), ``model``, ``block_size``, ``tenant``, ``dp_rank``, ``lora``, ``salt``.
+    Mooncake), ``model``, ``block_size``, ``tenant``, ``dp_rank``, ``lora``, ``salt``,
+    ``address`` (the instance's serving ``ip:port``, for the Endpoint Picker).
 
     Raises:
         ValueError: naming what is wrong.
@@ -109,7 +123,8 @@ def parse_publisher(text: str, model: str, block_size: int,
     if not sep or not instance or not endpoint:
         raise ValueError(f"--publisher {text!r}: expected instance_id=tcp://host:port[,...]")
     fields: dict = {"replay": None, "type": kind, "model": model, "block_size": block_size,
-                    "tenant": DEFAULT_TENANT, "dp_rank": 0, "lora": None, "salt": None}
+                    "tenant": DEFAULT_TENANT, "dp_rank": 0, "lora": None, "salt": None,
+                    "address": None}
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
         if not sep or key not in fields:
@@ -138,7 +153,8 @@ def read_publishers_file(path: str, model: str, block_size: int) -> list:
                  "model": v.get("modelname", model), "block_size": v.get("block_size",
                                                                          block_size),
                  "tenant": v.get("tenant_id") or DEFAULT_TENANT, "dp_rank": v.get("dp_rank", 0),
-                 "lora": v.get("lora_name") or None, "salt": v.get("additionalsalt") or None}
+                 "lora": v.get("lora_name") or None, "salt": v.get("additionalsalt") or None,
+                 "address": v.get("address")}
                 for k, v in data["kvevent_instance"].items() if isinstance(v, dict)]
     if not isinstance(data, list):
         raise ValueError(f"--publishers-file {path}: a JSON list of publishers expected")
@@ -147,7 +163,8 @@ def read_publishers_file(path: str, model: str, block_size: int) -> list:
         if not isinstance(entry, dict):
             raise ValueError(f"--publishers-file {path}: entry {i} is not an object")
         fields = {"replay": None, "type": "vLLM", "model": model, "block_size": block_size,
-                  "tenant": DEFAULT_TENANT, "dp_rank": 0, "lora": None, "salt": None}
+                  "tenant": DEFAULT_TENANT, "dp_rank": 0, "lora": None, "salt": None,
+                  "address": None}
         fields.update({k: v for k, v in entry.items() if k in fields})
         out.append(registration_from(entry.get("instance_id"), entry.get("endpoint"), fields,
                                      f"--publishers-file {path}: entry {i}"))
@@ -175,6 +192,9 @@ def registration_from(instance: Any, endpoint: Any, fields: dict, where: str) ->
     for name in ("replay", "lora", "salt"):
         if fields[name] is not None and not isinstance(fields[name], str):
             raise ValueError(f"{where}: {name} must be a string")
+    address = fields.get("address") or None
+    if address is not None:
+        address = check_address(address, f"{where}: address")
     return Registration(instance, endpoint, fields["replay"] or None, fields["type"],
                         fields["model"], block_size, fields["tenant"], dp_rank,
-                        fields["lora"] or None, fields["salt"] or None)
+                        fields["lora"] or None, fields["salt"] or None, address)

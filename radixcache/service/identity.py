@@ -41,6 +41,9 @@ class Registration:
         dp_rank: The data-parallel rank this publisher serves.
         lora: The LoRA adapter of blocks that name none (None: the base model).
         salt: The salt of blocks that name none (Mooncake's ``additionalsalt``).
+        address: The instance's serving address as a gateway reaches it (``ip:port``, or
+            ``[ip]:port``), or None: what the Endpoint Picker names (``serve --epp``); an
+            instance registered without one is answered for but never picked.
     """
 
     instance_id: InstanceId
@@ -53,6 +56,7 @@ class Registration:
     dp_rank: int = 0
     lora: Optional[str] = None
     salt: Optional[str] = None
+    address: Optional[str] = None
 
     @property
     def key(self) -> tuple:
@@ -85,7 +89,8 @@ class Registration:
         return {"instance_id": self.instance_id, "endpoint": self.endpoint,
                 "replay_endpoint": self.replay_endpoint, "kind": self.kind,
                 "model": self.model, "block_size": self.block_size, "tenant": self.tenant,
-                "dp_rank": self.dp_rank, "lora": self.lora, "salt": self.salt}
+                "dp_rank": self.dp_rank, "lora": self.lora, "salt": self.salt,
+                "address": self.address}
 
 
 def family(kind: str) -> str:
@@ -127,6 +132,24 @@ def query_key(kind_family: str, lora: Optional[str], salt: Optional[str],
     from ..router.keys import namespace_for
 
     return namespace_for(lora, salt), None
+
+
+def check_address(address: Any, what: str = "address") -> str:
+    """``address`` if it is ``host:port`` (``[ip]:port`` for IPv6), as Envoy's endpoint
+    picking reads it.
+
+    Raises:
+        ValueError: naming ``what``.
+    """
+    if not isinstance(address, str):
+        raise ValueError(f"{what} must be a string ip:port, got {type(address).__name__}")
+    host, sep, port = address.rpartition(":")
+    if (not sep or not host or not port.isdigit() or not 0 < int(port) < 65536
+            or len(address) > 300 or any(c in address for c in " ,;/\t\n\r")):
+        raise ValueError(f"{what} must be ip:port, got {address!r}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"{what}: an IPv6 address must be [ip]:port, got {address!r}")
+    return address
 
 
 def instance_text(instance_id: Any) -> str:

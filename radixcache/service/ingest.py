@@ -53,23 +53,38 @@ class Subscription:
             buffer), or None.
         decode: Whether batches come decoded (a shared store applies event objects) or as
             payloads.
+        probe_interval: Seconds of quiet after which the publisher's replay socket is probed
+            (a live publisher answers even when it has nothing to send).
     """
 
-    def __init__(self, registration: Any, start_seq: Optional[int], decode: bool) -> None:
+    def __init__(self, registration: Any, start_seq: Optional[int], decode: bool,
+                 probe_interval: float = 1.0) -> None:
         from ..events import ZmqEventSubscriber
 
         self.registration = registration
         self.subscriber = ZmqEventSubscriber(registration.endpoint,
                                              registration.replay_endpoint,
-                                             start_seq=start_seq, decode=decode)
+                                             start_seq=start_seq, decode=decode,
+                                             probe_interval=probe_interval)
         self.batches = 0
         self.events = 0
         self.stored = 0
         self.removed = 0
         self.malformed = 0
         self.restarts = 0
-        self.last_heard = time.monotonic()
+        self.last_batch: Optional[float] = None  # when the last batch came
+        self.applied_seq: Optional[int] = None  # the last batch applied
         self.closed = threading.Event()
+
+    @property
+    def heard(self) -> Optional[float]:
+        """When the publisher was last heard from (``time.monotonic()``): its last batch,
+        or its last answer on the replay socket (probes included); None before either."""
+        contact = self.subscriber.last_contact
+        batch = self.last_batch
+        if contact is None or (batch is not None and batch > contact):
+            return batch
+        return contact
 
 
 class Ingest:
@@ -175,22 +190,22 @@ class Ingest:
                         self._changed = True
 
     def _drain(self, sub: Subscription) -> None:
-        receive = sub.subscriber.receive
-        batches = []
+        receive_many = sub.subscriber.receive_many
+        batches: list = []
         while len(batches) < DRAIN:
             try:
-                batch = receive(0)
+                got = receive_many(DRAIN - len(batches))
             except ValueError:  # a payload the decoder rejects: counted, the stream goes on
                 sub.malformed += 1
                 continue
             except RuntimeError:  # closed
                 return
-            if batch is None:
+            if not got:
                 break
-            batches.append(batch)
+            batches += got
         if not batches:
             return
-        sub.last_heard = self._last_batch = time.monotonic()
+        sub.last_batch = self._last_batch = time.monotonic()
         self._untrimmed = True
         sub.batches += len(batches)
         try:

@@ -4,7 +4,8 @@ restarts, sequence gaps, batches missed and replayed (counted by its subscriptio
 applies batches, read at each scrape: nothing is spent per batch), whether it is subscribed
 and live, and its blocks per tier; the index's distinct blocks per scope; the process's
 memory and CPU; request latencies (``/query``, ``/query_by_hash``, ``/select``) and each
-selection's predicted hit as histograms.
+selection's predicted hit as histograms; the placed prompts credited ahead of their events
+(``pending``). The Endpoint Picker's metrics join the same registry.
 """
 
 from __future__ import annotations
@@ -128,3 +129,15 @@ class _Collector:
         yield size
         yield GaugeMetricFamily("radixcache_serve_running_requests", "Requests whose load is "
                                 "counted (started, not ended)", value=service.loads.running())
+        pending = service.pending
+        if pending is not None:
+            yield GaugeMetricFamily("radixcache_serve_pending_prompts", "Placed prompts whose "
+                                    "blocks count for their instance until its events show "
+                                    "them", value=len(pending))
+            for name, value, text in (
+                    ("added", pending.added, "Placed prompts credited to their instance"),
+                    ("confirmed", pending.confirmed, "Credited prompts the instance's events "
+                     "then showed"),
+                    ("expired", pending.expired, "Credited prompts dropped unconfirmed (time "
+                     "to live passed, or the table full)")):
+                yield CounterMetricFamily(f"radixcache_serve_pending_{name}", text, value=value)

@@ -1,11 +1,13 @@
-"""Which instance a request should go to (``/select``), and the load the gateway reports
-(``/load``): each instance's tokens of work started and not yet ended.
+"""Which instance a request should go to (``/select``, the Endpoint Picker's ranking), and
+the load: each instance's tokens of work started and not yet ended, as placements and the
+gateway (``/load``) report it.
 
 ``cache-aware`` scores an instance as ``Router``'s cache-aware policy scores a worker:
 ``prefill_weight * (prompt tokens - cached tokens) + load_weight * load``, the lowest
 winning (ties: lower load, then fewer requests sent there, then the instance id); an
 instance's cached tokens are its device hit plus ``host_weight`` of each further token it
-reaches through its host tier (the query's ``CPU`` figure beyond ``GPU``).
+reaches through its host tier (the query's ``CPU`` figure beyond ``GPU``). ``rank`` orders
+every candidate so (the first is the choice, the others its fallbacks, best first).
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ class Selection:
     cached_tokens: float
     policy: str
     load: int
+    #: every candidate, best first (the first is ``instance_id``)
+    ranked: tuple = ()
+    #: the device tokens each ranked instance is credited with (its hit in the index, or
+    #: what placements not yet confirmed by its events credit it, if more)
+    ranked_tokens: tuple = ()
+    #: the load this request added to ``instance_id`` (0 without a request id)
+    added_load: int = 0
+    #: the lowest load among the candidates before this request
+    least_load: int = 0
 
 
 class Loads:
@@ -68,6 +79,20 @@ class Loads:
                 self.tokens.pop(instance, None)
         return entry
 
+    def move(self, request_id: Any, instance: Any) -> bool:
+        """A running request's tokens move to ``instance`` (it was served elsewhere than
+        where it was placed); False for an unknown request."""
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return False
+        old, tokens = entry
+        if old == instance:
+            return True
+        self.end(request_id)
+        self._requests[request_id] = (instance, tokens)
+        self.tokens[instance] = self.tokens.get(instance, 0) + tokens
+        return True
+
     def forget(self, instance: Any) -> None:
         """An instance left: its requests and load go."""
         for request_id in [r for r, (i, _) in self._requests.items() if i == instance]:
@@ -92,7 +117,17 @@ class Chooser:
 
     def choose(self, policy: str, candidates: dict, prompt_tokens: int, loads: Loads) -> Any:
         """The chosen instance id among ``candidates`` (``{instance id: Hits}``, not
-        empty).
+        empty): the first of ``rank``.
+
+        Raises:
+            ValueError: an unknown policy.
+        """
+        return self.rank(policy, candidates, prompt_tokens, loads)[0]
+
+    def rank(self, policy: str, candidates: dict, prompt_tokens: int, loads: Loads) -> list:
+        """Every instance id of ``candidates`` (``{instance id: Hits}``, not empty), best
+        first: ``cache-aware`` and ``least-loaded`` by their scores, ``round-robin`` in turn
+        from the one whose turn it is, ``random`` in turn after a random first.
 
         Raises:
             ValueError: an unknown policy.
@@ -102,15 +137,17 @@ class Chooser:
         ids = sorted(candidates, key=str)
         load, routed = loads.tokens, loads.routed
         if policy == "round-robin":
-            chosen = ids[self._next % len(ids)]
+            first = self._next % len(ids)
             self._next += 1
-            return chosen
+            return ids[first:] + ids[:first]
         if policy == "random":
-            return ids[self._rng.randrange(len(ids))]
+            first = self._rng.randrange(len(ids))
+            return ids[first:] + ids[:first]
         if policy == "least-loaded":
-            return min(ids, key=lambda i: (load.get(i, 0), routed.get(i, 0), str(i)))
-        return min(ids, key=lambda i: (self.score(candidates[i], prompt_tokens, load.get(i, 0)),
-                                       load.get(i, 0), routed.get(i, 0), str(i)))
+            return sorted(ids, key=lambda i: (load.get(i, 0), routed.get(i, 0), str(i)))
+        return sorted(ids, key=lambda i: (self.score(candidates[i], prompt_tokens,
+                                                     load.get(i, 0)),
+                                          load.get(i, 0), routed.get(i, 0), str(i)))
 
     def cached(self, hits: Any) -> float:
         return hits.gpu + self.host_weight * max(hits.cpu - hits.gpu, 0)

@@ -1,9 +1,11 @@
 """``IndexService``: the state of ``radixcache serve`` and its API without HTTP — the
 registered publishers and their subscriptions, one ``KvIndexer`` per group of publishers
-(see ``identity``), the pools of RFC #1527 publishers, the instances' load, and the calls
-every front end makes: ``register``, ``unregister``, ``query``, ``query_by_hash``,
-``select``, ``start_request``/``end_request``, ``ready``. One lock serialises them with the
-subscriptions' threads, which apply each batch in one call into the block module.
+(see ``identity``), the pools of RFC #1527 publishers, the instances' load and serving
+addresses, the blocks placements credit ahead of their events (``pending``), and the calls
+every front end (the HTTP API, the Endpoint Picker) makes: ``register``, ``unregister``,
+``query``, ``place`` (``select``), ``start_request``/``end_request``, ``ready``. One lock
+serialises them with the subscriptions' thread, which applies each batch in one call into
+the block module.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any, Iterable, Optional
 
 from .config import ServiceConfig
 from .identity import DEFAULT_TENANT, Registration
+from .identity import query_key
 from .ingest import Ingest, Subscription
+from .pending import PendingBlocks, PendingTable
 from .pool import POOL_TIERS, PoolBlocks
 from .query import Hits, group_blocks, hash_blocks
 from .select import Chooser, Loads, Selection
@@ -61,6 +65,7 @@ class Group:
     tiered: set = field(default_factory=set)
     pools: set = field(default_factory=set)  # workers registered as Mooncake publishers
     hashes: Any = None  # a HashIndex with --hash-index
+    pending: PendingTable = field(default_factory=PendingTable)  # placements' blocks
 
     @property
     def block_size(self) -> int:
@@ -152,6 +157,9 @@ class IndexService:
         self._pool_regs: dict = {}  # scope -> {worker: Registration}
         self.loads = Loads()
         self.chooser = Chooser(config.prefill_weight, config.load_weight, config.host_weight)
+        self.pending = PendingBlocks(config.pending_ttl) if config.pending_ttl else None
+        self._addresses: dict = {}  # instance id -> its serving address
+        self._instances: dict = {}  # serving address -> instance id
         self.shared = None
         self._closed = False
         if config.index is not None:
@@ -246,6 +254,15 @@ class IndexService:
                 if other.endpoint == reg.endpoint:
                     raise ServiceError(409, f"endpoint {reg.endpoint!r} is already registered "
                                        f"for {other.key_text}", "endpoint")
+                if reg.address is None or other.address is None:
+                    continue
+                if other.address == reg.address and other.instance_id != reg.instance_id:
+                    raise ServiceError(409, f"address {reg.address!r} is already the address "
+                                       f"of instance {other.instance_id!r}", "address")
+                if other.instance_id == reg.instance_id and other.address != reg.address:
+                    raise ServiceError(409, f"instance {reg.instance_id!r} is registered with "
+                                       f"the address {other.address!r}, not "
+                                       f"{reg.address!r}", "address")
             self._add(reg)
         if share and self.shared is not None:
             try:
@@ -271,7 +288,8 @@ class IndexService:
         try:
             sub = Subscription(reg, 0 if start is None else start,
                                decode=reg.kind != "Mooncake" and (
-                                   self.shared is not None or group.hashes is not None))
+                                   self.shared is not None or group.hashes is not None),
+                               probe_interval=self.config.probe_interval)
         except (ValueError, TypeError, RuntimeError, OSError) as exc:
             self._drop(reg)
             raise ServiceError(400, f"cannot subscribe to {reg.endpoint!r}: {exc}",
@@ -282,6 +300,9 @@ class IndexService:
                                "endpoint") from None
         self._regs[reg.key] = reg
         self._subs[reg.key] = sub
+        if reg.address is not None:
+            self._addresses[reg.instance_id] = reg.address
+            self._instances[reg.address] = reg.instance_id
         self.ingest.add(sub)
 
     def _group(self, reg: Registration) -> Group:
@@ -309,6 +330,8 @@ class IndexService:
         """Forget ``reg``'s blocks, pool entries and group membership (under the lock)."""
         group = self._groups.get(reg.group)
         if group is not None and group.workers.pop(reg.worker, None) is not None:
+            if self.pending is not None:
+                self.pending.forget(group.pending, reg.worker)
             group.tiered.discard(reg.worker)
             group.pools.discard(reg.worker)
             group.indexer.remove_worker(reg.worker)
@@ -341,6 +364,10 @@ class IndexService:
                 self._drop(reg)
                 if not any(r.instance_id == reg.instance_id for r in self._regs.values()):
                     self.loads.forget(reg.instance_id)
+                if reg.address is not None and not any(
+                        r.address == reg.address for r in self._regs.values()):
+                    del self._addresses[reg.instance_id]
+                    del self._instances[reg.address]
                 removed.append(reg)
         for sub in subs:  # outside the lock: the ingest thread may be waiting for it
             self.ingest.remove(sub)
@@ -423,6 +450,12 @@ class IndexService:
                     if batch.restarted:
                         group.hashes.clear(worker)
                     group.hashes.apply(worker, batch.events)
+                sub.applied_seq = batch.seq
+            if self.pending is not None and worker in group.pending.entries \
+                    and self.shared is None:
+                # The worker's own events may now show what placements credited it with.
+                self.pending.confirm(group.pending, worker,
+                                     lambda key: worker in indexer._overlap_keys([key], "GPU"))
             if worker not in group.tiered and reg.kind != "Mooncake" and self.shared is None \
                     and indexer.blocks_held(worker) != indexer.blocks_held(worker, "GPU"):
                 group.tiered.add(worker)
@@ -468,11 +501,17 @@ class IndexService:
 
     # -- queries --------------------------------------------------------------------------
     def _live(self, reg: Registration, now: float) -> bool:
+        """Whether ``reg``'s publisher was heard from within ``--instance-timeout`` (a batch,
+        or an answer to the subscription's probes of its replay socket, which an idle live
+        publisher gives every probe interval): always without a timeout."""
         timeout = self.config.instance_timeout
         if timeout is None:
             return True
         sub = self._subs.get(reg.key)
-        return sub is not None and now - sub.last_heard <= timeout
+        if sub is None:
+            return False
+        heard = sub.heard
+        return heard is not None and now - heard <= timeout
 
     def _scope_of(self, q: Query) -> tuple:
         """The scope of ``q``. A query without a block size takes the one its model is
@@ -559,36 +598,145 @@ class IndexService:
     # -- selection and load ---------------------------------------------------------------
     def select(self, q: Query, policy: Optional[str] = None,
                request_id: Optional[str] = None, output_tokens: int = 0) -> Selection:
-        """Pick the instance for a request (``q.tokens`` its prompt); with ``request_id``,
-        count its prompt and ``output_tokens`` on the chosen instance until
-        ``end_request``.
+        """Pick the instance for a request (``q.tokens`` its prompt): ``place`` among every
+        live instance of its scope.
 
         Raises:
             ServiceError: 404 when no live instance serves the scope, 400 for an unknown
                 policy, 409 for a ``request_id`` already running.
         """
-        policy = policy or self.config.policy
-        with self.lock.first():
-            hits = self.query(q)
-            if not hits:
-                raise ServiceError(404, f"no live instance serves model {q.model!r} for "
-                                   f"tenant {q.tenant!r}", "model")
-            try:
-                chosen = self.chooser.choose(policy, hits, len(q.tokens), self.loads)
-            except ValueError as exc:
-                raise ServiceError(400, str(exc), "policy") from None
-            best = hits[chosen]
-            rank = max(best.dp, key=lambda r: (best.dp[r], -r)) if best.dp else 0
-            if request_id is not None:
-                try:
-                    self.loads.start(request_id, chosen, len(q.tokens) + output_tokens)
-                except ValueError as exc:
-                    raise ServiceError(409, str(exc), "request_id") from None
-            selection = Selection(chosen, rank, best.gpu, self.chooser.cached(best), policy,
-                                  self.loads.tokens.get(chosen, 0))
+        selection = self.place(q, policy, request_id=request_id, output_tokens=output_tokens)
         if self.metrics is not None:
             self.metrics.selection(selection)
         return selection
+
+    def place(self, q: Query, policy: Optional[str] = None, *, request_id: Any = None,
+              output_tokens: int = 0, addresses: Any = None, addressed: bool = False,
+              limit: Optional[int] = None) -> Selection:
+        """Rank the live instances of ``q``'s scope for a request (``q.tokens`` its prompt)
+        under ``policy`` and, with ``request_id``, place it on the first.
+
+        Ranking counts, besides what the index holds, the prompts of earlier placements
+        whose events have not arrived yet (``pending``). Placing counts the request on the
+        chosen instance until ``end_request`` (its load: the tokens its KV cache will span,
+        the prompt and ``output_tokens``, as the fleet simulation counts a request) and
+        credits the instance with the prompt's blocks.
+
+        Args:
+            q: The query (tokens, not hashes).
+            policy: A ``SELECT_POLICIES`` name (None: the configured one).
+            request_id: The request's id while it runs (any hashable), or None: rank only.
+            output_tokens: The tokens it may generate.
+            addresses: Only instances whose serving address is in this collection (None:
+                any).
+            addressed: Only instances registered with a serving address.
+            limit: List at most this many (None: all).
+
+        Returns:
+            A ``Selection`` (``ranked`` empty when no instance is eligible and
+            ``addressed`` or ``addresses`` narrowed them).
+
+        Raises:
+            ServiceError: 404 when the scope has no live instance (unless narrowed), 400
+                for an unknown policy, 409 for a ``request_id`` already running.
+        """
+        policy = policy or self.config.policy
+        prompt = len(q.tokens)
+        with self.lock.first():
+            hits = self.query(q)
+            narrowed = addressed or addresses is not None
+            if narrowed:
+                where = self._addresses
+                hits = {i: h for i, h in hits.items() if i in where
+                        and (addresses is None or where[i] in addresses)}
+            if not hits:
+                if narrowed:
+                    return Selection(None, 0, 0, 0.0, policy, 0)
+                raise ServiceError(404, f"no live instance serves model {q.model!r} for "
+                                   f"tenant {q.tenant!r}", "model")
+            scope = self._scope_of(q) if self.pending is not None else None
+            credited, keys_of = self._credited(scope, q, hits)
+            try:
+                ranked = self.chooser.rank(policy, credited, prompt, self.loads)
+            except ValueError as exc:
+                raise ServiceError(400, str(exc), "policy") from None
+            if limit is not None:
+                ranked = ranked[:limit]
+            chosen = ranked[0]
+            best = credited[chosen]
+            rank = max(best.dp, key=lambda r: (best.dp[r], -r)) if best.dp else 0
+            loads = self.loads.tokens
+            least = min(loads.get(i, 0) for i in hits)
+            cached = [min(prompt, credited[i].gpu) for i in ranked]
+            added = 0
+            if request_id is not None:
+                added = prompt + output_tokens
+                try:
+                    self.loads.start(request_id, chosen, added)
+                except ValueError as exc:
+                    raise ServiceError(409, str(exc), "request_id") from None
+                if self.pending is not None and hits[chosen].dp.get(rank, 0) < \
+                        prompt - prompt % scope[2]:
+                    self._credit(scope, q, (chosen, rank), keys_of)
+            return Selection(chosen, rank, hits[chosen].gpu, self.chooser.cached(best),
+                             policy, loads.get(chosen, 0), tuple(ranked), tuple(cached),
+                             added, least)
+
+    def _credited(self, scope: Any, q: Query, hits: dict) -> tuple:
+        """``hits`` with each instance's device hit raised to what pending placements
+        credit its ranks with, and the prompt's block keys per group looked at."""
+        keys_of: dict = {}
+        if self.pending is None or not len(q.tokens):
+            return hits, keys_of
+        pending = self.pending
+        pending.expire()
+        credited = hits
+        block_size = scope[2]
+        for key in self._scopes.get(scope, ()):
+            group = self._groups[key]
+            if not group.pending:
+                continue
+            keys = keys_of[key] = self._prompt_keys(group, q)
+            for worker, depth in group.pending.depths(keys).items():
+                instance, rank = worker
+                exact = hits.get(instance)
+                if exact is None:
+                    continue
+                held = exact.dp.get(rank, 0) // block_size
+                if held >= depth:  # the events came: the index says as much
+                    pending.confirm_held(group.pending, worker, keys, held)
+                    continue
+                tokens = depth * block_size
+                if credited is hits:
+                    credited = dict(hits)
+                old = credited[instance]
+                if tokens > old.dp.get(rank, 0):
+                    new = Hits(max(old.gpu, tokens), max(old.cpu, tokens),
+                               max(old.disk, tokens), dict(old.dp))
+                    new.dp[rank] = tokens
+                    credited[instance] = new
+        return credited, keys_of
+
+    def _prompt_keys(self, group: Group, q: Query) -> list:
+        """The index keys of ``q``'s full blocks in ``group``, for the request's own LoRA and
+        salt (how its engine will key them)."""
+        n_blocks = len(q.tokens) // group.block_size
+        extra_key, block_extra = query_key(group.family, q.lora, q.salt, n_blocks)
+        return group.indexer.block_keys(q.tokens, extra_key, block_extra)
+
+    def _credit(self, scope: tuple, q: Query, worker: tuple, keys_of: dict) -> None:
+        """Credit ``worker`` with ``q``'s prompt blocks, in the group its registration is
+        in."""
+        reg = self._regs.get((worker[0], scope[0], worker[1]))
+        if reg is None or reg.scope != scope or reg.kind == "Mooncake":
+            return
+        group = self._groups.get(reg.group)
+        if group is None:
+            return
+        keys = keys_of.get(reg.group)
+        if keys is None:
+            keys = self._prompt_keys(group, q)
+        self.pending.add(group.pending, worker, keys)
 
     def start_request(self, request_id: str, instance_id: Any, tokens: int) -> None:
         """A request started on ``instance_id`` (chosen elsewhere): count its tokens.
@@ -609,6 +757,46 @@ class IndexService:
         """A request ended; ``(instance_id, tokens)`` it counted, or None if unknown."""
         with self.lock:
             return self.loads.end(request_id)
+
+    def move_request(self, request_id: Any, instance_id: Any) -> bool:
+        """A running request was served by ``instance_id`` (not where it was placed): its
+        load moves there. False for an unknown request."""
+        with self.lock:
+            return self.loads.move(request_id, instance_id)
+
+    # -- serving addresses (the Endpoint Picker's endpoints) -------------------------------
+    def address(self, instance_id: Any) -> Optional[str]:
+        """The serving address ``instance_id`` is registered with, or None."""
+        return self._addresses.get(instance_id)
+
+    def instance_at(self, address: str) -> Any:
+        """The instance registered with the serving ``address``, or None."""
+        return self._instances.get(address)
+
+    def endpoints(self) -> dict:
+        """Per serving address: ``{"instance_id", "live" (any of its publishers heard from
+        within --instance-timeout), "events_seq" (the last batch applied from its
+        publishers, None before one), "blocks" (held, every tier), "load"}``."""
+        with self.lock:
+            now = time.monotonic()
+            out: dict = {}
+            for key, reg in self._regs.items():
+                if reg.address is None:
+                    continue
+                entry = out.get(reg.address)
+                if entry is None:
+                    entry = out[reg.address] = {
+                        "instance_id": reg.instance_id, "live": False, "events_seq": None,
+                        "blocks": 0, "load": self.loads.tokens.get(reg.instance_id, 0)}
+                entry["live"] = entry["live"] or self._live(reg, now)
+                seq = self._subs[key].applied_seq
+                if seq is not None and (entry["events_seq"] is None
+                                        or seq > entry["events_seq"]):
+                    entry["events_seq"] = seq
+                group = self._groups.get(reg.group)
+                if group is not None:
+                    entry["blocks"] += group.indexer.blocks_held(reg.worker)
+            return out
 
     # -- state ------------------------------------------------------------------------------
     def ready(self) -> tuple:

@@ -36,6 +36,10 @@ def u32_le(tokens: Any) -> bytes:
         OverflowError: a token outside ``[0, 2**32)``.
         TypeError: a token that is not an int.
     """
+    if type(tokens).__name__ == "ndarray" and tokens.dtype.kind in "iu":  # a query's ids
+        if len(tokens) and (tokens.min() < 0 or tokens.max() >= 1 << 32):
+            raise OverflowError("a token id outside [0, 2**32)")
+        return tokens.astype("<u4").tobytes()
     data = array("I", tokens)
     if data.itemsize != 4:  # pragma: no cover - 'I' is 4 bytes on every platform we build
         data = array("L", tokens)

@@ -539,3 +539,77 @@ def test_last_contact_counts_probe_answers_of_an_idle_publisher_and_stops_with_i
         subscriber.close()
         if publisher is not None:
             publisher.close()
+
+
+# -- receiving many at once -------------------------------------------------------------------
+def test_receive_many_delivers_what_receive_does():
+    """Two undecoding subscribers on one lossy link to a real publisher, one calling
+    ``receive``, the other ``receive_many`` with random limits: through dropped batches
+    (filled from replay) and malformed stream messages, they deliver the same batches, in the
+    same order. (A restart is not in order: ``receive_many`` hands it to ``receive``'s path.)"""
+    import random
+
+    rng = random.Random(3)
+    raw_ctx = zmq.Context()
+    noise = raw_ctx.socket(zmq.PUB)  # malformed messages, on the link's own upstream
+    noise.setsockopt(zmq.LINGER, 0)
+    pub = ev.ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    link = LossyLink(pub.endpoint, drop={5, 6, 20, 21, 22})
+    subs = [ev.ZmqEventSubscriber(link.endpoint, pub.replay_endpoint, start_seq=0,
+                                  decode=False, probe_interval=0.2) for _ in range(2)]
+    got: list = [[], []]
+
+    def step() -> None:
+        batch = subs[0].receive(timeout=0.01)
+        if batch is not None:
+            got[0].append(batch)
+        got[1].extend(subs[1].receive_many(rng.randint(1, 8)))
+
+    def pump(until) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not until():
+            assert time.monotonic() < deadline, ([b.seq for b in got[0]][-5:],
+                                                 [b.seq for b in got[1]][-5:])
+            step()
+
+    try:
+        noise_endpoint = bind(noise)
+        for sub in subs:
+            sub._sub.connect(noise_endpoint)  # a second upstream of garbage on the stream
+        # Connected (the link too) before the batches go: the stream then brings them in
+        # order, which receive_many reads straight off the socket.
+        pump(lambda: all(sub.last_contact is not None for sub in subs))
+        i = 0
+        while not all(got):
+            pub.publish(stored(i))
+            i += 1
+            for _ in range(5):
+                step()
+            assert i < 100, "the link never connected"
+        for i in range(i, 40):  # noqa: B020 (goes on from where the loop above stopped)
+            pub.publish(stored(i))
+            if i % 7 == 0:
+                noise.send_multipart([b"", b"\x00" * 3, b"junk"])
+            if i % 3 == 0:
+                step()
+        pub.flush(WAIT_S)
+        pump(lambda: all(g and g[-1].seq >= 39 for g in got))
+        for i in range(40, 50):  # in order, no gap: read straight off the socket
+            pub.publish(stored(i))
+            time.sleep(0.01)
+            step()
+        pub.flush(WAIT_S)
+        pump(lambda: all(g[-1].seq >= 49 for g in got))
+    finally:
+        for sub in subs:
+            sub.close()
+        link.close()
+        pub.close()
+        noise.close()
+        raw_ctx.term()
+    seen = [[(b.seq, b.payload, b.restarted) for b in g] for g in got]
+    assert seen[0] == seen[1]
+    assert [s for s, _, _ in seen[0]] == list(range(50))
+    assert not any(r for _, _, r in seen[0])
+    assert subs[0].missed == subs[1].missed == 0
+    assert subs[0].malformed == subs[1].malformed >= 3

@@ -1,4 +1,5 @@
-"""Processes for the picker's tests and benchmark: workers, the picker, a real Envoy.
+"""Processes for the picker's tests and benchmark: workers, the picker (``radixcache serve
+--epp``), a real Envoy.
 
 Each runs as its own process on 127.0.0.1 with free ports, its output in a log file; every
 start waits (bounded) until it answers, and ``stop()`` terminates it (killed if it lingers).
@@ -119,8 +120,9 @@ class WorkerProcess:
         return f"127.0.0.1:{self.port}"
 
     @property
-    def spec(self) -> str:
-        return f"{self.address}={self.events},{self.replay}"
+    def publisher_spec(self) -> str:
+        """Its ``--publisher`` spec: events, replay and serving address."""
+        return f"{self.name}={self.events},replay={self.replay},address={self.address}"
 
     def stats(self) -> dict:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
@@ -149,16 +151,26 @@ def wait_workers(workers: list) -> None:
         worker.process.wait_until(lambda w=worker: _http_ok(w.port), "HTTP answer")
 
 
+def parse_metrics(text: str) -> dict:
+    """``{(sample name, labels as sorted pairs): value}`` of a Prometheus text exposition, as
+    prometheus-client's own parser reads it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
 @dataclass
 class PickerProcess:
+    """``radixcache serve --epp``: ``port`` the ext_proc port, ``http_port`` the HTTP one
+    (``/metrics``, the index's API)."""
+
     port: int
-    metrics_port: int
+    http_port: int
     process: Process
 
     def metrics(self) -> dict:
-        from radixcache.picker.metrics import parse_metrics
-
-        conn = http.client.HTTPConnection("127.0.0.1", self.metrics_port, timeout=10)
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=10)
         try:
             conn.request("GET", "/metrics")
             return parse_metrics(conn.getresponse().read().decode())
@@ -174,16 +186,18 @@ class PickerProcess:
 
 
 def start_picker(workers: list, tokenizer: Path, logs: Path, *, port: Optional[int] = None,
-                 metrics_port: Optional[int] = None, page_size: int, extra: tuple = (),
+                 http_port: Optional[int] = None, page_size: int, extra: tuple = (),
                  wait: bool = True, log_name: str = "picker") -> PickerProcess:
+    """``radixcache serve --epp`` with each worker as a static publisher (its ``publisher_spec``
+    spec: events, replay, serving address)."""
     port = port or free_port()
-    metrics_port = metrics_port or free_port()
-    argv = [sys.executable, "-m", "radixcache.picker", "--port", str(port), "--metrics-port",
-            str(metrics_port), "--tokenizer", str(tokenizer), "--block-size", str(page_size),
-            "--stale-after", "1.5", "--probe-interval", "0.25", *extra]
+    http_port = http_port or free_port()
+    argv = [sys.executable, "-m", "radixcache", "serve", "--port", str(http_port), "--epp",
+            str(port), "--tokenizer", str(tokenizer), "--block-size", str(page_size),
+            "--instance-timeout", "1.5", *extra]
     for worker in workers:
-        argv += ["--endpoint", worker.spec]
-    picker = PickerProcess(port, metrics_port, Process(argv, logs / f"{log_name}.log", "picker"))
+        argv += ["--publisher", worker.publisher_spec]
+    picker = PickerProcess(port, http_port, Process(argv, logs / f"{log_name}.log", "picker"))
     if wait:
         picker.process.wait_until(picker.ready, "readiness")
     return picker

@@ -40,7 +40,8 @@ def picker_env(model_dir, tmp_path):
             self.cache = RadixCache(page_size=PAGE, enable_events=True, array_type="numpy")
 
         address = property(lambda self: f"127.0.0.1:{self.port}")
-        spec = property(lambda self: f"{self.address}={self.events},{self.replay}")
+        publisher_spec = property(lambda self: f"e{self.port}={self.events},replay={self.replay},"
+                                               f"address={self.address}")
 
         def start(self):
             self.publisher = ZmqEventPublisher(self.events, self.replay)
@@ -55,8 +56,8 @@ def picker_env(model_dir, tmp_path):
     logs.mkdir()
     state = {"picker": None, "channel": None}
 
-    def start(*extra, wait=True):
-        picker = start_picker(endpoints, model_dir, logs, page_size=PAGE,
+    def start(*extra, wait=True, static=3):
+        picker = start_picker(endpoints[:static], model_dir, logs, page_size=PAGE,
                               extra=("--model", MODEL, *extra), wait=wait)
         state["picker"] = picker
         state["channel"] = grpc.insecure_channel(f"127.0.0.1:{picker.port}")
@@ -155,7 +156,8 @@ def test_health_readiness_follows_the_endpoints(picker_env):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     endpoints, start = picker_env
-    picker, channel = start("--stale-after", "30", wait=False)  # no publisher is up yet
+    # No publisher is up yet.
+    picker, channel = start("--instance-timeout", "30", "--no-api", wait=False)
     stub = health_pb2_grpc.HealthStub(channel)
     serving, not_serving = (health_pb2.HealthCheckResponse.SERVING,
                             health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -174,6 +176,11 @@ def test_health_readiness_follows_the_endpoints(picker_env):
     picker.process.wait_until(live, "liveness")
     for service in ("readiness", "envoy.service.ext_proc.v3.ExternalProcessor", ""):
         assert status(service) == not_serving
+    # --no-api: the HTTP port serves the metrics and probes, not the index's API.
+    http = _http(picker)
+    assert http("POST", "/query", {"model": MODEL, "token_ids": [1], "block_size": PAGE}
+                )[0] == 404
+    assert http("GET", "/ready")[0] == 200 and http("GET", "/metrics")[0] == 200
     # A request now: no endpoint is eligible yet.
     answers, _ = exchange(channel, request_messages(chat("hello")))
     assert answers[0].immediate_response.status.code == 503
@@ -254,7 +261,7 @@ def test_sheddable_requests_get_429_when_every_endpoint_is_saturated(picker_env)
         answers, _ = exchange(channel, request_messages(chat("third"), subset=only))
         assert endpoints_of(answers) == only
         answers, _ = exchange(channel, request_messages(chat("fourth"), headers=objective))
-        assert endpoints_of(answers)[0] != endpoints[0].address
+        assert len(endpoints_of(answers)) == 3
     finally:
         call.cancel()
     picker.process.wait_until(lambda: picker.value("in_flight") == 0, "the streams' end")
@@ -265,3 +272,74 @@ def test_sheddable_requests_get_429_when_every_endpoint_is_saturated(picker_env)
     deadline = time.monotonic() + 10
     while threading.active_count() > 1 and time.monotonic() < deadline:
         time.sleep(0.05)  # gRPC's request threads end with their streams
+
+
+def _http(picker):
+    """``call(method, path, body=None) -> (status, JSON or text)`` on the picker's HTTP
+    port."""
+    import http.client
+
+    def call(method, path, body=None):
+        conn = http.client.HTTPConnection("127.0.0.1", picker.http_port, timeout=10)
+        try:
+            conn.request(method, path, None if body is None else json.dumps(body).encode())
+            response = conn.getresponse()
+            data = response.read().decode()
+        finally:
+            conn.close()
+        try:
+            return response.status, json.loads(data)
+        except ValueError:
+            return response.status, data
+
+    return call
+
+
+def test_one_registry_for_the_api_and_the_picker(picker_env):
+    """The picker picks among what ``/register`` added too; its placements count in the one
+    load table ``/select`` reads; a pick credits the endpoint in ranking while ``/query``
+    answers only what the events said; SIGTERM stops the process cleanly with a stream
+    open."""
+    endpoints, start = picker_env
+    for endpoint in endpoints:
+        endpoint.start()
+    picker, channel = start(static=1)
+    http = _http(picker)
+    status, _ = http("POST", "/register", {
+        "endpoint": endpoints[1].events, "replay_endpoint": endpoints[1].replay,
+        "type": "vLLM", "modelname": MODEL, "instance_id": "late", "block_size": PAGE,
+        "dp_rank": 0, "address": endpoints[1].address})
+    assert status == 200
+    picker.process.wait_until(
+        lambda: picker.value("endpoint_eligible", endpoint=endpoints[1].address) == 1,
+        "the registered endpoint to be heard from")
+    body = chat("a conversation about the cache prefix token router " * 6)
+    held, call = exchange(channel, request_messages(body), hold=True)
+    try:
+        first = endpoints_of(held)
+        assert sorted(first) == sorted(e.address for e in endpoints[:2])  # both, not e[2]
+        instance = {endpoints[0].address: "e8000", endpoints[1].address: "late"}
+        # The held request's load is in the table /select reads.
+        other = [i for a, i in instance.items() if a != first[0]][0]
+        select = {"model": MODEL, "token_ids": [1, 2, 3, 4], "block_size": PAGE,
+                  "policy": "least-loaded"}
+        assert http("POST", "/select", select)[1]["instance_id"] == other
+        # A follow-up now goes where the held one went (its prompt credited there), while
+        # /query answers what the events said: nothing.
+        follow = chat("a conversation about the cache prefix token router " * 6 + "more")
+        again, _ = exchange(channel, request_messages(follow))
+        assert endpoints_of(again)[0] == first[0]
+        from radixcache.picker import ChatTokenizer
+
+        tokenizer = ChatTokenizer.from_dir(str(picker.process.argv[picker.process.argv.index(
+            "--tokenizer") + 1]))
+        ids = tokenizer.chat_ids(tokenizer.prepare_messages(follow["messages"]))
+        status, answer = http("POST", "/query", {"model": MODEL, "token_ids": ids,
+                                                 "block_size": PAGE})
+        assert status == 200
+        assert {i: h["GPU"] for i, h in answer["default"].items()} == {"e8000": 0, "late": 0}
+        # SIGTERM with the stream still open: a clean stop.
+        picker.process.proc.terminate()
+        assert picker.process.proc.wait(20) == 0, picker.process.tail()
+    finally:
+        call.cancel()

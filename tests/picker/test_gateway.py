@@ -61,7 +61,7 @@ class Fleet:
 
         self.picker = start_picker(self.workers, self.model_dir, self.logs, page_size=PAGE,
                                    port=self.picker.port,
-                                   metrics_port=self.picker.metrics_port,
+                                   http_port=self.picker.http_port,
                                    extra=self.picker_args + tuple(extra), log_name="picker-2")
         self.processes.append(self.picker.process)
 
@@ -137,7 +137,7 @@ def test_chat_workload_follows_conversations_and_equals_simulate(model_dir, logs
     assert prompt == sum(len(r["prompt"]) for r in records)
     assert cached > prompt // 2  # the follow-ups hit their history
     # The picker predicted what the workers then found cached, request by request.
-    assert metrics[("radixcache_picker_predicted_hit_tokens_total", ())] == cached
+    assert metrics[("radixcache_picker_predicted_hit_tokens_sum", ())] == cached
     # The same trace in the fleet simulation: the same decisions and the same hits.
     trace = tmp_path / "chat.jsonl"
     write_trace(records, trace)
@@ -185,7 +185,7 @@ def test_faults_worker_stopped_bad_requests_picker_stopped_and_restarted(model_d
     from workload import conversations
 
     fleet = _fleet(model_dir, logs, capacity=1 << 15,
-                   picker_args=("--max-body-bytes", "65536"), original_dst=True)
+                   picker_args=("--max-body", "65536"), original_dst=True)
     try:
         rng = random.Random(3)
         convs = conversations(8, rng)
@@ -242,7 +242,7 @@ def test_faults_worker_stopped_bad_requests_picker_stopped_and_restarted(model_d
             headers = _follow_up(client, conv, rng)
             assert headers["x-worker"] == holder, (conv.index, conv.workers)
             followed += 1
-        assert followed == 6 and fleet.picker.value("predicted_hit_tokens_total") > 0
+        assert followed == 6 and fleet.picker.value("predicted_hit_tokens_sum") > 0
         # One endpoint per answer: the ORIGINAL_DST cluster connects where the header says.
         odst = fleet.client(fleet.config.original_dst_port)
         headers = _follow_up(odst, convs[2], rng)

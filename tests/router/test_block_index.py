@@ -1121,3 +1121,47 @@ def test_msgpack_ids_reads_exactly_an_array_of_int64s(blocks, reader, monkeypatc
     assert blocks.msgpack_ids(b"\x91\xcd\x01") is None  # a uint16 cut short
     with pytest.raises(TypeError, match="data must be bytes"):
         blocks.msgpack_ids(bytearray(b"\x90"))
+
+
+def test_json_ids_reads_exactly_an_array_of_token_ids(blocks):
+    """Arrays of ids in [0, 2**32) as json.dumps and other writers spell them (whitespace
+    anywhere JSON allows it) are read; a mutated array is read exactly when the reference
+    grammar (below) accepts it, and then as ``json.loads`` reads it."""
+    import json
+    import re
+
+    rng = random.Random(7)
+    edges = [0, 1, 9, 10, 99, 100, 2**31, 2**32 - 1]
+    for n in (0, 1, 2, 17, 5000):
+        ids = [rng.choice(edges) if rng.random() < 0.3 else rng.randrange(2**32)
+               for _ in range(n)]
+        for text in (json.dumps(ids), json.dumps(ids, indent=1), json.dumps(ids).replace(
+                ",", " ,\t"), " \r\n" + json.dumps(ids, separators=(",", ":")) + "\n"):
+            assert blocks.json_ids(text.encode()) == np.array(ids, dtype="<i8").tobytes()
+    number = r"(?:0|[1-9][0-9]*)"
+    space = r"[ \t\n\r]*"
+    grammar = re.compile(rf"{space}\[{space}(?:{number}{space}(?:,{space}{number}{space})*)?"
+                         rf"\]{space}")
+    alphabet = "0123456789 ,[]-.e+\t\x0b\"x"
+    seeds = ["[1, 2, 3]", "[0]", "[4294967295, 0]", "[]", " [ 12 ,34 ] "]
+    for _ in range(4000):
+        text = list(rng.choice(seeds))
+        for _ in range(rng.randrange(1, 4)):
+            at = rng.randrange(len(text) + 1)
+            if rng.random() < 0.5 and text:
+                del text[min(at, len(text) - 1)]
+            else:
+                text.insert(at, rng.choice(alphabet))
+        text = "".join(text)
+        expected = None
+        if grammar.fullmatch(text):
+            ids = json.loads(text)
+            if all(i < 2**32 for i in ids):
+                expected = np.array(ids, dtype="<i8").tobytes()
+        assert blocks.json_ids(text.encode()) == expected, text
+    for text in (b"[01]", b"[-0]", b"[1.0]", b"[1e3]", b"[4294967296]", b"[99999999999]",
+                 b"[1,]", b"[,1]", b"[1 2]", b"[\x0b1]", b"1", b"", b"[", b"[1", b"[1]x",
+                 b'["1"]', b"[[1]]", b"[true]", b"[null]"):
+        assert blocks.json_ids(text) is None, text
+    with pytest.raises(TypeError, match="data must be bytes"):
+        blocks.json_ids(bytearray(b"[1]"))

@@ -357,3 +357,42 @@ def test_static_publishers_from_flags_and_a_file(service, publisher, tmp_path):
         "default", {}).items()} == {"a": 8, "b": 4}, "both static publishers' blocks")
     refused = svc.post("/register", register_body("a", pub_a.endpoint))  # taken: conflict
     assert refused.status_code == 409
+
+
+@pytest.mark.parametrize("kind", ["MooncakeQuery", "DynamoQuery", "SelectRequest"])
+def test_token_ids_read_fast_decode_as_the_plain_decoder(kind):
+    """``decode_tokens`` (ids read by the block module) gives what ``decode`` gives for every
+    body: the same fields and ids, or the same 4xx naming the same field."""
+    from radixcache.service import api
+
+    struct = getattr(api, kind)
+    rnd = random.Random(5)
+    base = {"model": "m", "model_name": "m", "block_size": 2}
+    id_lists = [[], [0], [1, 2, 3], [2**32 - 1, 7], [2**32], [2**40, 1], [-1], [1.0], [1.5],
+                ["1"], [True], [None], "12", None, [[1]],
+                [rnd.randrange(2**32) for _ in range(300)]]
+    bodies = []
+    for ids in id_lists:
+        fields = dict(base, token_ids=ids)
+        bodies.append(json.dumps(fields).encode())
+        bodies.append(json.dumps(fields, indent=2).encode())
+        bodies.append(json.dumps(fields, separators=(",", ":")).encode())
+    bodies += [b'{"model":"m","model_name":"m","token_ids":[01]}', b'{"token_ids":[1,2]}',
+               b'{"model":"m","model_name":"m","token_ids":[1,2],"block_size":"x"}',
+               b'{"model":"m","model_name":"m","token_ids":[1 ,\n2 ]}', b"[1,2]", b"{",
+               b'{"model":"m","model_name":"m","token_ids":[1,2]} x']
+    for body in bodies:
+        try:
+            plain = api.decode(body, struct)
+        except api.BadRequest as exc:
+            with pytest.raises(api.BadRequest) as fast:
+                api.decode_tokens(body, struct)
+            assert (str(fast.value), fast.value.field, fast.value.status) == (
+                str(exc), exc.field, exc.status), body
+            continue
+        fast = api.decode_tokens(body, struct)
+        for name in struct.__struct_fields__:
+            mine, theirs = getattr(fast, name), getattr(plain, name)
+            if name == "token_ids":
+                mine, theirs = [int(i) for i in mine], [int(i) for i in theirs]
+            assert mine == theirs, (body, name)

@@ -175,21 +175,35 @@ def test_hostile_batches_change_nothing_but_the_counts(service, raw_pub):
 
 
 def test_a_silent_publisher_leaves_the_answers_and_comes_back(service):
+    """An idle publisher stays in the answers (it answers the subscription's probes of its
+    replay socket); one that stops answering leaves them within --instance-timeout, and comes
+    back when it is heard from again (restarted on the same endpoints: its old blocks
+    dropped, its new ones indexed)."""
     svc = service("--instance-timeout", "1")
     pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    endpoints = (pub.endpoint, pub.replay_endpoint)
     try:
         cache = RadixCache(page_size=2, enable_events=True, array_type="numpy")
-        assert svc.post("/register", register_body("q", pub.endpoint, pub.replay_endpoint)
-                        ).status_code == 200
+        assert svc.post("/register", register_body("q", *endpoints)).status_code == 200
         cache.insert([1, 2, 3, 4])
         pub.publish(cache.take_events())
         wait_until(lambda: gpu(svc, [1, 2, 3, 4], "q") == 4, "the first batch")
+        time.sleep(2.5)  # idle, alive: still answered for
+        assert gpu(svc, [1, 2, 3, 4], "q") == 4
+        pub.close()
         wait_until(lambda: svc.post("/query", {"model": "m", "token_ids": [1, 2],
                                                "block_size": 2}).json() == {},
                    "the silent instance to leave", timeout=10)
+        pub = ZmqEventPublisher(*endpoints)  # restarted: it answers the probes again
+        wait_until(lambda: "q" in svc.post("/query", {"model": "m", "token_ids": [1, 2],
+                                                      "block_size": 2}).json().get(
+                                                          "default", {}),
+                   "the instance back", timeout=10)
+        cache = RadixCache(page_size=2, enable_events=True, array_type="numpy")
         cache.insert([5, 6])
         pub.publish(cache.take_events())
-        wait_until(lambda: gpu(svc, [1, 2, 3, 4], "q") == 4, "the instance back")
+        wait_until(lambda: gpu(svc, [5, 6], "q") == 2, "its first batch")
+        assert gpu(svc, [1, 2, 3, 4], "q") == 0  # a restarted publisher: its old blocks gone
     finally:
         pub.close()
 

@@ -28,6 +28,13 @@ def test_publisher_flags_and_files(tmp_path):
                           "tenant=t,dp_rank=2,lora=a,salt=s,block_size=32", "m", 16)
     assert reg == Registration("w1", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "SGLang",
                                "m", 32, "t", 2, "a", "s")
+    assert parse_publisher("w=tcp://127.0.0.1:1,address=10.0.0.5:8000", "m", 16).address == \
+        "10.0.0.5:8000"
+    assert parse_publisher("w=tcp://127.0.0.1:1,address=[fd00::5]:8000", "m", 16).address == \
+        "[fd00::5]:8000"
+    for bad in ("10.0.0.5", "fd00::5:80", "h:99999", "a b:1"):
+        with pytest.raises(ValueError, match="address"):
+            parse_publisher(f"w=tcp://127.0.0.1:1,address={bad}", "m", 16)
     assert reg.key_text == "w1|t|2" and reg.scope == ("t", "m", 32)
     for bad in ("w1", "=tcp://x:1", "w1=tcp://x:1,colour=red", "w1=tcp://x:1,type=TRT",
                 "w1=tcp://x:1,block_size=0", "w1=tcp://x:1,dp_rank=x"):
@@ -43,6 +50,9 @@ def test_publisher_flags_and_files(tmp_path):
     reg, = read_publishers_file(str(path), "m", 16)
     assert reg == Registration("vllm-prefill-node1", "tcp://127.0.0.1:5557",
                                "tcp://127.0.0.1:5558", "vLLM", "qwen2.5", 128)
+    path.write_text(json.dumps([{"instance_id": "x", "endpoint": "tcp://127.0.0.1:1",
+                                 "address": "10.0.0.9:80"}]))
+    assert read_publishers_file(str(path), "m", 16)[0].address == "10.0.0.9:80"
     path.write_text("[{\"instance_id\": 3}]")
     with pytest.raises(ValueError, match="entry 0: endpoint"):
         read_publishers_file(str(path), "m", 16)
@@ -177,12 +187,18 @@ def test_hits_and_the_policies():
 def test_the_command_parses_without_a_web_framework():
     code = """
 import sys
-for name in ("uvicorn", "prometheus_client", "xxhash", "zmq", "redis"):
+for name in ("uvicorn", "prometheus_client", "xxhash", "zmq", "redis", "grpc", "tokenizers",
+             "jinja2"):
     sys.modules[name] = None
 from radixcache.cli import main
 assert main(["serve", "--help"]) == 0
 for argv in (["serve", "--index", "http://x"], ["serve", "--publisher", "x"],
-             ["serve", "--publisher", "w=tcp://10.0.0.1:5557"], ["serve", "--port", "70000"]):
+             ["serve", "--publisher", "w=tcp://10.0.0.1:5557"], ["serve", "--port", "70000"],
+             ["serve", "--publisher", "w=tcp://127.0.0.1:5557,address=10.0.0.1"],
+             ["serve", "--epp", "9002"], ["serve", "--tokenizer", "/models/m"],
+             ["serve", "--epp", "9002", "--tokenizer", "d", "--shed-load", "5"],
+             ["serve", "--epp", "9002", "--tokenizer", "d", "--max-endpoints", "0"],
+             ["serve", "--pending-ttl", "-1"], ["serve", "--host-weight", "2"]):
     assert main(argv) == 2, argv
 print("ok")
 """
@@ -192,3 +208,83 @@ print("ok")
     assert done.returncode == 0, done.stderr
     assert done.stdout.endswith("ok\n")
     assert "--allow-endpoint" in done.stdout and "not allowed" in done.stderr
+    assert "--epp" in done.stdout and "needs the model's tokenizer" in done.stderr
+    assert "address must be ip:port" in done.stderr
+
+
+@independent
+def test_the_ranking_orders_every_candidate():
+    loads = Loads()
+    chooser = Chooser(1.0, 0.1, 0.9)
+    cands = {"a": Hits(100, 100, 100, {0: 100}), "b": Hits(0, 0, 0, {0: 0}),
+             "c": Hits(40, 40, 40, {0: 40})}
+    assert chooser.rank("cache-aware", cands, 200, loads) == ["a", "c", "b"]
+    loads.start("r", "a", 1000)  # weighs 100 tokens: a falls behind c, ties b
+    assert chooser.rank("cache-aware", cands, 200, loads) == ["c", "b", "a"]
+    assert chooser.rank("least-loaded", cands, 200, loads) == ["b", "c", "a"]
+    assert [chooser.rank("round-robin", cands, 1, loads) for _ in range(3)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert sorted(chooser.rank("random", cands, 1, loads)) == ["a", "b", "c"]
+    assert chooser.choose("least-loaded", cands, 1, loads) == "b"
+    # A request served elsewhere than placed: its load moves there.
+    assert loads.move("r", "b") and loads.tokens == {"b": 1000}
+    assert loads.routed == {"a": 1}  # routed where it was placed
+    assert not loads.move("nobody", "a")
+    assert loads.end("r") == ("b", 1000) and loads.tokens == {}
+
+
+@independent
+def test_pending_prompts_against_a_brute_force_model():
+    """Random prompts credited to random workers, confirmed, expired and forgotten: the
+    depths found by bisection equal the longest run of a prompt's keys held by one live
+    entry (computed by brute force), the table is empty once every entry is gone, and full
+    tables drop their oldest entries."""
+    import random
+
+    from radixcache.service.pending import PendingBlocks, PendingTable
+
+    rng = random.Random(5)
+    trunks = [[rng.randrange(1 << 60) for _ in range(12)] for _ in range(3)]
+
+    def prompt() -> list:
+        # A chain key names its whole prefix: branches share the trunk's keys, then differ.
+        trunk = rng.choice(trunks)
+        cut = rng.randrange(0, len(trunk) + 1)
+        return trunk[:cut] + [rng.randrange(1 << 60) for _ in range(rng.randrange(0, 4))]
+
+    pending = PendingBlocks(ttl=10.0, max_entries=40)
+    table = PendingTable()
+    live: list = []  # (worker, keys, expires)
+    now = 0.0
+    for step in range(3000):
+        now += rng.random() * 0.05
+        action = rng.random()
+        if action < 0.5:
+            worker, keys = rng.randrange(4), prompt()
+            if keys:
+                pending.add(table, worker, keys, now)
+                live.append((worker, keys, now + 10.0))
+                live = live[-40:]  # the oldest go when the table is full
+        elif action < 0.6 and live:
+            worker, keys, _ = rng.choice(live)
+            pending.confirm(table, worker, lambda key, last=keys[-1]: key == last)
+            live = [e for e in live if not (e[0] == worker and e[1][-1] == keys[-1])]
+        elif action < 0.65 and live:
+            worker = rng.randrange(4)
+            pending.forget(table, worker)
+            live = [e for e in live if e[0] != worker]
+        pending.expire(now)
+        live = [e for e in live if e[2] > now]
+        query = prompt()
+        expected: dict = {}
+        for worker, keys, _ in live:
+            n = 0
+            while n < min(len(keys), len(query)) and keys[n] == query[n]:
+                n += 1
+            if n:
+                expected[worker] = max(expected.get(worker, 0), n)
+        assert table.depths(query) == expected, step
+        assert len(pending) == len(live)
+    pending.expire(now + 11.0)
+    assert len(pending) == 0 and not table and not table.entries
+    assert pending.confirmed > 100 and pending.expired > 100
