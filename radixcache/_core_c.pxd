@@ -298,7 +298,7 @@ cdef class Core:
     cdef bint host_leaf_leaves(self, object free_host, object on_remove_host,
                                list garbage, object keep) except -1
     cdef bint holds_kept(self, Node top, object keep) except -1
-    cdef Node device_node(self, object node, str what)
+    cdef HostNode device_node(self, object node, str what)
     cdef int drop_host_below(self, Node top, object free_host, object on_remove_host,
                              list garbage) except -1
     cdef object evict_tiered(self, int64_t target, object free_callback, bint batch,

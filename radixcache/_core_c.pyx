@@ -3126,19 +3126,22 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             del garbage[:]
             del passed[:]
 
-    cdef Node device_node(self, object node, str what):
+    cdef HostNode device_node(self, object node, str what):
         """``node`` checked to be a node of this tree on the device, not the root."""
+        if not self.host_tier:
+            raise ValueError(f"{what} needs a core with a host tier")
         self.tree._check_member(node)
         if node is self.tree.root:
             raise ValueError(f"{what}: the root holds no tokens")
-        if (<Node>node).host_only:
-            raise ValueError(f"{what}: node {(<Node>node).id} is only on the host"
+        # (a member of a tree with a host tier: a HostNode)
+        if (<HostNode>node).host_only:
+            raise ValueError(f"{what}: node {(<HostNode>node).id} is only on the host"
                              + (" (evict_host removes it)" if what == "drop_host_copy" else ""))
-        return <Node>node
+        return <HostNode>node
 
     def back_up(self, node, host, on_backup=None):
         """Give a node on the device its host copy (see ``_core_py``)."""
-        cdef Node n
+        cdef HostNode n
         self.guard.enter("back_up")
         try:
             n = self.device_node(node, "back_up")
@@ -3161,7 +3164,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
 
     def drop_host_copy(self, node, on_remove_host=None):
         """Take the host copy of a node on the device (see ``_core_py``)."""
-        cdef Node n
+        cdef HostNode n
         self.guard.enter("drop_host_copy")
         try:
             n = self.device_node(node, "drop_host_copy")

@@ -319,6 +319,8 @@ class HostTier:
 
     def _device_node(self, node: Any, what: str) -> None:
         """Raise unless ``node`` is a node of this tree on the device, not the root."""
+        if not self.host_tier:
+            raise ValueError(f"{what} needs a core with a host tier")
         self.tree._check_member(node)
         if node is self.tree.root:
             raise ValueError(f"{what}: the root holds no tokens")

@@ -122,3 +122,15 @@ def test_a_cache_of_either_kind_keeps_its_invariants(core_name, host_tier):
         assert all(_kind(module, node) == kind for node, _ in cache._core.tree.iter_nodes())
     cache.reset()
     assert _kind(module, cache.root_node) == kind
+
+
+@pytest.mark.parametrize("call", ["back_up", "drop_host_copy"])
+def test_host_tier_steps_on_a_one_tier_core_are_refused(core_name, call):
+    """The engine's per-node host steps on a core without a host tier (whose nodes have no
+    host fields): a ValueError naming the call, the core usable after it."""
+    _module, plain, _tiered = _cores(core_name)
+    node = _nodes(plain)[-1]
+    args = (node, np.arange(node.num_tokens, dtype=np.int64)) if call == "back_up" else (node,)
+    with pytest.raises(ValueError, match=f"{call} needs a core with a host tier"):
+        getattr(plain, call)(*args)
+    assert plain.match([1, 2, 3, 4]).length == 4

@@ -119,8 +119,9 @@ LAYERS, MAY_IMPORT = design_layers()
 def allowed(number: int, group: str, their_number: int, their_group: str) -> bool:
     """Whether the "may import" cell of layer ``number`` allows an import of that module."""
     cell = MAY_IMPORT[number]
-    if their_number == number:
-        return their_group == group or LAYERS_BY_NUMBER[number] in OPEN_LAYERS
+    if their_number == number:  # (or a module of its own layer the cell names)
+        return (their_group == group or LAYERS_BY_NUMBER[number] in OPEN_LAYERS
+                or f"`{their_group}`" in cell)
     if "every layer above" in cell:
         return their_number < number
     if any(LAYER_WORDS[word] == their_number for word in LAYER_WORDS if word in cell):

@@ -110,7 +110,7 @@ def build_hicache_side(backend, page_size: int, policy: str, write_policy: str,
                        tp_group=None):
     """``build_side`` with HiCache on (``LAYERS`` layers, SGLang's host pool of
     ``host_ratio`` times the device pool), checking that the layer-transfer counter was
-    registered with the KV pool and the TP worker."""
+    registered with the KV pool and the TP worker: (cache, allocator, rows, KV pool)."""
     worker = Worker()
     built = build_side(backend, page_size, policy, None, events,
                        pool_tokens=device_tokens or DEVICE_TOKENS[page_size], layers=LAYERS,
@@ -119,7 +119,7 @@ def build_hicache_side(backend, page_size: int, policy: str, write_policy: str,
     cache, kv_pool = built[0], built[1].get_kvcache()
     assert worker.counters == [cache.cache_controller.layer_done_counter]
     assert kv_pool.layer_transfer_counter is cache.cache_controller.layer_done_counter
-    return built
+    return built + (kv_pool,)
 
 
 class HiSide(Side):

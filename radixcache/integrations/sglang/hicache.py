@@ -88,6 +88,14 @@ class _PendingLoad:
         self.nodes = nodes  # the loaded nodes, top-down
 
 
+def group_size(group: Any) -> int:
+    """The world size of a process group SGLang hands the cache (1: none, or no torch
+    distributed set up)."""
+    if group is None or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group=group)
+
+
 class HiCacheBackend(RadixcacheBackend):
     """``RadixcacheBackend`` with SGLang's hierarchical cache (see the module docstring).
 
@@ -195,7 +203,7 @@ class HiCacheBackend(RadixcacheBackend):
                            host_hit_length=match.host_length)
 
     def touch_prefix(self, key: RadixKey) -> None:
-        _check_key(key)
+        _check_key(key, 0)
         if len(key) >= self.page_size:
             match = self._cache.match_prefix(_token_array(key.token_ids, len(key)),
                                              _namespace(key))
@@ -222,9 +230,11 @@ class HiCacheBackend(RadixcacheBackend):
 
     # -- insert ------------------------------------------------------------------------------
     def _insert(self, tokens: np.ndarray, value: Any, namespace: Any, priority: int,
-                names: tuple, hits_from: int) -> Any:
+                names: tuple, hits_from: int, session_id: Optional[str] = None,
+                before: Optional[int] = None) -> Any:
         """The tree insert with SGLang's HiCache around it: the adopted host nodes and the new
-        leaf's events, the new duplicates, and the write-through copies it makes due."""
+        leaf's events, the new duplicates, and the write-through copies it makes due. (No
+        session and plain keys: the factory refuses both with HiCache.)"""
         if not self._use_priority:
             priority = 0
         if self.is_write_back:
@@ -791,10 +801,8 @@ class HiCacheBackend(RadixcacheBackend):
     def _reduce_group(self) -> Any:
         """The group the counts are reduced over, as SGLang's ``_all_reduce_attn_groups``:
         the attention TP group when it spans ranks, else the TP group; None: one rank."""
-        from .plugin import _group_size
-
         for group in (self.attn_tp_group, self.tp_group):
-            if _group_size(group) > 1:
+            if group_size(group) > 1:
                 return group
         return None
 

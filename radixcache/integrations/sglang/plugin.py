@@ -181,16 +181,6 @@ def _mamba_refusal(params: Any) -> Optional[str]:
     return None
 
 
-def _group_size(group: Any) -> int:
-    """The world size of a process group SGLang hands the cache (1: none, or no torch
-    distributed set up)."""
-    import torch
-
-    if group is None or not torch.distributed.is_initialized():
-        return 1
-    return torch.distributed.get_world_size(group=group)
-
-
 def _hierarchical(ctx: Any) -> bool:
     return bool(ctx.enable_hierarchical_cache or _setting("memory", "enable_hierarchical_cache"))
 
@@ -202,6 +192,8 @@ def _hicache_refusal(ctx: Any) -> Optional[str]:
         _select_strategy,
     )
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    from .hicache import group_size
 
     params = ctx.params
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
@@ -229,7 +221,7 @@ def _hicache_refusal(ctx: Any) -> Optional[str]:
     if disagg not in (None, "null"):
         return (f"HiCache under --disaggregation-mode {disagg} runs SGLang-only paths "
                 f"(decode offload, prefill write-through deferral); {_DROP_FLAG}")
-    if (params.pp_size or 1) > 1 or _group_size(params.attn_cp_cache_group) > 1:
+    if (params.pp_size or 1) > 1 or group_size(params.attn_cp_cache_group) > 1:
         return ("HiCache with pipeline or attention-context parallelism syncs its "
                 f"acknowledgements through SGLang's unified radix tree; {_DROP_FLAG}")
     kvcache = params.token_to_kv_pool_allocator.get_kvcache()
