@@ -3,8 +3,8 @@ and with ``--epp PORT`` the Endpoint Picker on the same state (``radixcache.pick
 Parsing imports no web framework, gRPC or tokenizer: they are imported when it runs.
 
 One event loop (uvloop when installed) serves both: uvicorn's HTTP server and gRPC's
-asyncio server share it, so a pick and a query never wait for each other's thread (the
-figures that decided it are in docs/endpoint-picker.md). SIGTERM or SIGINT stops the picker
+asyncio server share it, so a pick and a query never wait for each other's thread.
+SIGTERM or SIGINT stops the picker
 first (its streams get a second to end), then the HTTP server, then the service (the
 subscriptions, the store's connections).
 """
@@ -47,7 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--publisher", action="append", default=[], metavar="SPEC",
                    help="a static publisher: instance_id=tcp://host:port[,replay=tcp://...]"
                         "[,type=vLLM|SGLang|Mooncake][,model=M][,block_size=N][,tenant=T]"
-                        "[,dp_rank=R][,lora=A][,salt=S]; repeat for more")
+                        "[,dp_rank=R][,lora=A][,salt=S][,address=IP:PORT (the serving address "
+                        "the picker routes to)]; repeat for more")
     p.add_argument("--publishers-file", metavar="PATH", default=None,
                    help="static publishers from a JSON file (a list of such entries, or "
                         "Mooncake's conductor_config.json)")
@@ -197,9 +198,10 @@ def config_from(args: argparse.Namespace):
     if args.hash_seed is not None:
         config.hash_seed = args.hash_seed
     for reg in publishers:
-        if not config.endpoint_allowed(reg.endpoint):
-            raise UsageError(f"--publisher endpoint {reg.endpoint!r} is not allowed: add an "
-                             "--allow-endpoint pattern for it")
+        for endpoint in (reg.endpoint, reg.replay_endpoint):
+            if endpoint is not None and not config.endpoint_allowed(endpoint):
+                raise UsageError(f"--publisher endpoint {endpoint!r} is not allowed: add an "
+                                 "--allow-endpoint pattern for it")
     return config
 
 

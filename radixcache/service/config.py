@@ -140,7 +140,7 @@ def read_publishers_file(path: str, model: str, block_size: int) -> list:
     configuration (``{"kvevent_instance": {name: {<a /register body>}}}``).
 
     Raises:
-        ValueError: an unreadable file or a bad entry, named.
+        ValueError: an unreadable file or a bad entry (an unknown key too), named.
     """
     try:
         with open(path, encoding="utf-8") as f:
@@ -165,7 +165,12 @@ def read_publishers_file(path: str, model: str, block_size: int) -> list:
         fields = {"replay": None, "type": "vLLM", "model": model, "block_size": block_size,
                   "tenant": DEFAULT_TENANT, "dp_rank": 0, "lora": None, "salt": None,
                   "address": None}
-        fields.update({k: v for k, v in entry.items() if k in fields})
+        unknown = sorted(set(entry) - set(fields) - {"instance_id", "endpoint"})
+        if unknown:
+            raise ValueError(f"--publishers-file {path}: entry {i}: unknown key(s) "
+                             f"{', '.join(map(repr, unknown))} (known: instance_id, endpoint, "
+                             f"{', '.join(fields)})")
+        fields.update(entry)
         out.append(registration_from(entry.get("instance_id"), entry.get("endpoint"), fields,
                                      f"--publishers-file {path}: entry {i}"))
     return out

@@ -56,6 +56,11 @@ def test_publisher_flags_and_files(tmp_path):
     path.write_text("[{\"instance_id\": 3}]")
     with pytest.raises(ValueError, match="entry 0: endpoint"):
         read_publishers_file(str(path), "m", 16)
+    # /register's name for the replay socket is not this file's: refused, not dropped.
+    path.write_text(json.dumps([{"instance_id": "x", "endpoint": "tcp://127.0.0.1:1",
+                                 "replay_endpoint": "tcp://127.0.0.1:2"}]))
+    with pytest.raises(ValueError, match="entry 0: unknown key.*'replay_endpoint'"):
+        read_publishers_file(str(path), "m", 16)
 
 
 @independent
@@ -194,6 +199,7 @@ from radixcache.cli import main
 assert main(["serve", "--help"]) == 0
 for argv in (["serve", "--index", "http://x"], ["serve", "--publisher", "x"],
              ["serve", "--publisher", "w=tcp://10.0.0.1:5557"], ["serve", "--port", "70000"],
+             ["serve", "--publisher", "w=tcp://127.0.0.1:5557,replay=tcp://10.0.0.1:5558"],
              ["serve", "--publisher", "w=tcp://127.0.0.1:5557,address=10.0.0.1"],
              ["serve", "--epp", "9002"], ["serve", "--tokenizer", "/models/m"],
              ["serve", "--epp", "9002", "--tokenizer", "d", "--shed-load", "5"],
@@ -208,6 +214,7 @@ print("ok")
     assert done.returncode == 0, done.stderr
     assert done.stdout.endswith("ok\n")
     assert "--allow-endpoint" in done.stdout and "not allowed" in done.stderr
+    assert "'tcp://10.0.0.1:5558' is not allowed" in done.stderr  # the replay socket too
     assert "--epp" in done.stdout and "needs the model's tokenizer" in done.stderr
     assert "address must be ip:port" in done.stderr
 
