@@ -195,7 +195,7 @@ def test_subset_hint_modes_served_endpoint_and_the_cached_worker_first(picker_en
     endpoints, start = picker_env
     for endpoint in endpoints:
         endpoint.start()
-    picker, channel = start()
+    picker, channel = start("--instance-timeout", "60")  # every endpoint eligible throughout
     from radixcache.picker import ChatTokenizer
 
     tokenizer = ChatTokenizer.from_dir(str(picker.process.argv[picker.process.argv.index(
@@ -247,7 +247,10 @@ def test_sheddable_requests_get_429_when_every_endpoint_is_saturated(picker_env)
     endpoints, start = picker_env
     for endpoint in endpoints:
         endpoint.start()
-    picker, channel = start("--shed-load", "1", "--sheddable", "batch")
+    # (Liveness is not what this tests: a long --instance-timeout keeps every idle endpoint
+    # eligible however slowly a loaded machine answers the probes.)
+    picker, channel = start("--shed-load", "1", "--sheddable", "batch",
+                            "--instance-timeout", "60")
     only = [endpoints[0].address]
     objective = {"x-gateway-inference-objective": "batch"}
     # A request held open on the only allowed endpoint: it carries load.
