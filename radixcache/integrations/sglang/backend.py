@@ -172,22 +172,28 @@ class RadixcacheBackend(BasePrefixCache):
     sliding_window_size: Optional[int] = None
 
     def __init__(self, params: Any, *, core: Optional[str] = None) -> None:
-        self.req_to_token_pool = params.req_to_token_pool
-        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
-        self.page_size = params.page_size
-        self.disable = False
+        self._init_common(params)
         # EAGLE's bigram keys (the model has no Mamba component: the factory refuses those).
         self.is_eagle = bool(params.is_eagle)
         # 1 with bigram keys: the tree's tokens start one raw token in (see .eagle).
         self._bigram = 1 if self.is_eagle else 0
-        self.eviction_policy = params.eviction_policy.lower()
-        # SGLang orders by priority under the priority policy only; radixcache under every
-        # policy. Priorities given to the others are dropped, so both orders agree.
-        self._use_priority = self.eviction_policy == "priority"
         self._cache = self._new_tree(core if core is not None else self.core)
         # --enable-session-radix-cache: SGLang's registry reads this attribute of every cache.
         self.enable_session_radix_cache = bool(params.enable_session_radix_cache)
         self._sessions = SessionRefs(self._cache, self.enable_session_radix_cache)
+        self.reset()
+
+    def _init_common(self, params: Any) -> None:
+        """What every radixcache cache of SGLang's keeps beside its tree: the pools, the page
+        size, the policy, the event recorder, metrics, the device and the bookkeeping below."""
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = params.page_size
+        self.disable = False
+        self.eviction_policy = params.eviction_policy.lower()
+        # SGLang orders by priority under the priority policy only; radixcache under every
+        # policy. Priorities given to the others are dropped, so both orders agree.
+        self._use_priority = self.eviction_policy == "priority"
         self.kv_events = KVCacheEventRecorder(
             enabled=params.enable_kv_cache_events, page_size=self.page_size,
             dynamo_format=params.dynamo_kv_event_format,
@@ -208,7 +214,6 @@ class RadixcacheBackend(BasePrefixCache):
         self._path_memo: dict = {}
         # (the allocator, its _allocator_kind): read again when the allocator is replaced
         self._known_allocator: tuple = (None, _OTHER_ALLOCATOR)
-        self.reset()
 
     #: Whether an insert without events may go straight to the tree (a subclass that follows
     #: every insert sets it False: ``_insert`` then sees them all).

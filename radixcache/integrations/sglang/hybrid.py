@@ -15,7 +15,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchResult
-from sglang.srt.mem_cache.events import KVCacheEventRecorder
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -45,10 +44,7 @@ class RadixcacheHybridBackend(RadixcacheBackend):
     """
 
     def __init__(self, params: Any, *, core: Optional[str] = None, **component: Any) -> None:
-        self.req_to_token_pool = params.req_to_token_pool
-        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
-        self.page_size = params.page_size
-        self.disable = False
+        self._init_common(params)
         # Plain keys, no session references: the factory refuses EAGLE and the session radix
         # cache for hybrid models (SGLang turns EAGLE off itself for a Mamba model). Session
         # generations are still handed out, as SGLang's cache does without the flag.
@@ -56,25 +52,9 @@ class RadixcacheHybridBackend(RadixcacheBackend):
         self._bigram = 0
         self.enable_session_radix_cache = False
         self._sessions = SessionRefs(None, False)
-        self.eviction_policy = params.eviction_policy.lower()
-        self._use_priority = self.eviction_policy == "priority"
         hybrid = get_hybrid(core if core is not None else self.core)
         self._core = hybrid.HybridCore(self.page_size, self.eviction_policy,
                                        numpy_arrays=True, **component)
-        self.kv_events = KVCacheEventRecorder(
-            enabled=params.enable_kv_cache_events, page_size=self.page_size,
-            dynamo_format=params.dynamo_kv_event_format,
-            lora_names=params.kv_event_lora_names)
-        if params.enable_metrics:
-            self.init_metrics_collector()
-        allocator = self.token_to_kv_pool_allocator
-        device = getattr(allocator, "device", "cpu")
-        self.device = torch.device(device if isinstance(device, (str, torch.device)) else "cpu")
-        self._empty_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
-        self._page_hashes: dict[int, tuple] = {}
-        self._pending_frees: list = []
-        self._path_memo: dict = {}
-        self._known_allocator: tuple = (None, 0)
         self._known_table: tuple = (None, None)
         self.reset()
 
@@ -173,6 +153,29 @@ class RadixcacheHybridBackend(RadixcacheBackend):
         if allocation_reclaim_satisfied is not None:
             raise NotImplementedError("the radixcache backend does not support joint reclaim")
         return self.evict(params)
+
+    def _evict_records(self, num_tokens: int, aux_num: int) -> tuple:
+        """The core's eviction of ``num_tokens`` full-attention tokens, then ``aux_num`` of
+        the component's (window tokens, states), with the leaves' BlockRemoved recorded:
+        (tokens freed, component freed, the whole leaves' full-attention slots, and
+        (full-attention slots, component slots) of each node whose component went), in
+        eviction order. Freeing them in the pools is the caller's."""
+        if self._pending_frees:
+            self._retry_pending_frees()
+        if num_tokens <= 0 and aux_num <= 0:
+            return 0, 0, [], []
+        self._path_memo.clear()
+        freed, aux_freed, records = self._core.evict(max(num_tokens, 0), max(aux_num, 0))
+        events = self.kv_events.enabled
+        full, lost = [], []
+        for values, aux, whole in records:
+            if whole:
+                if events:
+                    self._record_removed(torch.from_numpy(values))
+                full.append(values)
+            if aux is not None:
+                lost.append((values, aux))
+        return freed, aux_freed, full, lost
 
     def _check_evict_params(self, params: EvictParams, names: tuple) -> None:
         for name in ("num_tokens",) + names:

@@ -286,25 +286,12 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         return EvictResult(num_tokens_evicted=freed, mamba_num_evicted=states)
 
     def _evict(self, num_tokens: int, mamba_num: int = 0) -> tuple:
-        if self._pending_frees:
-            self._retry_pending_frees()
-        if num_tokens <= 0 and mamba_num <= 0:
-            return 0, 0
-        self._path_memo.clear()
-        freed, states, records = self._core.evict(max(num_tokens, 0), max(mamba_num, 0))
-        events = self.kv_events.enabled
-        full, slots = [], []
-        for values, aux, whole in records:
-            if whole:
-                if events:
-                    self._record_removed(torch.from_numpy(values))
-                full.append(values)
-            if aux is not None:
-                slots.append(aux)
+        freed, states, full, lost = self._evict_records(num_tokens, mamba_num)
         if full:  # (one free per pool: SGLang's per-node frees, in the same order)
             self._free(torch.from_numpy(np.concatenate(full)))
-        if slots:
-            self._mamba._free_mamba_value(torch.from_numpy(np.concatenate(slots)))
+        if lost:
+            self._mamba._free_mamba_value(
+                torch.from_numpy(np.concatenate([aux for _values, aux in lost])))
         return freed, states
 
     # -- locks -----------------------------------------------------------------------------

@@ -339,20 +339,9 @@ class RadixcacheSWABackend(RadixcacheHybridBackend):
         return EvictResult(num_tokens_evicted=freed, swa_num_tokens_evicted=aux_freed)
 
     def _evict(self, num_tokens: int, swa_tokens: int = 0) -> tuple:
-        if num_tokens <= 0 and swa_tokens <= 0:
-            return 0, 0
-        self._path_memo.clear()
-        freed, aux_freed, records = self._core.evict(max(num_tokens, 0), max(swa_tokens, 0))
-        events = self.kv_events.enabled
-        full, window = [], []
-        for values, aux, whole in records:
-            if whole:
-                if events:
-                    self._record_removed(torch.from_numpy(values))
-                full.append(values)
-            if aux is not None:
-                window.append(values)
-        self._release(full, window)
+        freed, aux_freed, full, lost = self._evict_records(num_tokens, swa_tokens)
+        # (a window slot is found through the full-attention slot it is paired with)
+        self._release(full, [values for values, _aux in lost])
         return freed, aux_freed
 
     # -- locks -----------------------------------------------------------------------------
