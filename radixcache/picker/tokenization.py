@@ -67,6 +67,8 @@ _MEDIA_PARTS = {"image_url": "image", "input_image": "image", "image": "image",
                 "video_url": "video", "video": "video", "audio_url": "audio",
                 "input_audio": "audio", "audio": "audio"}
 _TEXT_PARTS = ("text", "input_text")
+#: What ``getattr`` finds on a plain dict (its type's attributes: a dict has no others).
+_DICT_ATTRIBUTES = frozenset(dir(dict))
 
 
 class TemplateError(ValueError):
@@ -113,9 +115,23 @@ def _compile(template: str) -> Any:
     def strftime_now(format: str) -> str:
         return datetime.now().strftime(format)
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
-        extensions=[Generation, jinja2.ext.loopcontrols])
+    class Environment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        """transformers' sandbox, with ``message.role`` on a plain dict looked up at once."""
+
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            # The sandbox tries the attribute first and falls back to the item on
+            # AttributeError: a raised exception per ``message.content``, most of a chat's
+            # render time. A plain dict has no attribute outside dir(dict), so its item is
+            # what the sandbox would return, without the exception.
+            if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+                try:
+                    return obj[attribute]
+                except KeyError:
+                    return self.undefined(obj=obj, name=attribute)
+            return super().getattr(obj, attribute)
+
+    env = Environment(trim_blocks=True, lstrip_blocks=True,
+                      extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

@@ -233,3 +233,39 @@ def test_pieces_cache_is_exact_bounded_and_refuses_stripping_tokens(model_dir):
     stripping = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     stripping.add_special_tokens([AddedToken("<|strip|>", lstrip=True)])
     assert SegmentCache.for_tokenizer(stripping) is None
+
+
+def test_templates_see_dicts_as_the_stock_sandbox_shows_them(model_dir):
+    """A message's keys, its dict methods, a missing key and an unsafe attribute render as in
+    Jinja2's own immutable sandbox (transformers' environment), and mutating still fails."""
+    require(("tokenizers", "jinja2"))
+    import jinja2.ext
+    import jinja2.sandbox
+    from tokenizers import Tokenizer
+
+    from radixcache.picker.tokenization import ChatTokenizer, TemplateError
+
+    template = (
+        "{% for m in messages %}[{{ m.role }}|{{ m.content }}|{{ m['role'] }}"
+        "|{{ m.get('name', 'anon') }}|{{ m.items() | list | length }}"
+        "|{{ m.keys() | sort | join(',') }}|{{ m.missing is defined }}"
+        "|{{ m.missing | default('dflt') }}|{{ m.values is defined }}"
+        "|{{ m.__class__ is defined }}|{{ m.tool_calls[0].function.name if m.tool_calls }}"
+        "|{{ m.items is string }}]{% endfor %}{{ bos_token }}")
+    messages = [{"role": "user", "content": "hi", "name": "ann"},
+                {"role": "assistant", "content": "", "items": "shadowed by the method",
+                 "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]
+    stock = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    expected = stock.from_string(template).render(messages=messages, bos_token="<s>",
+                                                  tools=None, documents=None,
+                                                  add_generation_prompt=True)
+    encoder = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer = ChatTokenizer(encoder, chat_template=template,
+                              special_tokens={"bos_token": "<s>"})
+    assert tokenizer.render(messages) == expected
+    assert "[user|hi|user|ann|3|content,name,role|False|dflt|True|False||False]" in expected
+    # The sandbox's refusals hold: a dict stays immutable.
+    mutating = ChatTokenizer(encoder, chat_template="{{ messages[0].update({}) }}")
+    with pytest.raises(TemplateError, match="the chat template"):
+        mutating.render(messages)
