@@ -447,7 +447,8 @@ class SegmentCache:
         add_special_tokens=False)``), from the cached pieces."""
         parts = self._split.split(text)  # text, added token, text, ..., text
         pieces = self._pieces
-        missing = [part for part in parts[0::2] if part and part not in pieces]
+        texts = [part for part in parts[0::2] if part]
+        missing = list(dict.fromkeys(part for part in texts if part not in pieces))
         if missing:
             self.misses += len(missing)
             encoded = self.tokenizer.encode_batch(missing, add_special_tokens=False)
@@ -457,13 +458,14 @@ class SegmentCache:
                 self._tokens += len(ids)
         ids: list = []
         added = self._ids
+        touch = pieces.move_to_end
         for i, part in enumerate(parts):
             if i % 2:
                 ids.append(added[part])
             elif part:
-                ids.extend(pieces[part])
-                pieces.move_to_end(part)
-        self.hits += sum(1 for part in parts[0::2] if part) - len(missing)
+                ids += pieces[part].tolist()  # in C, where extend() iterates in Python
+                touch(part)
+        self.hits += len(texts) - len(missing)
         while self._tokens > self.max_tokens and len(pieces) > 1:
             _, dropped = pieces.popitem(last=False)
             self._tokens -= len(dropped)
