@@ -451,7 +451,11 @@ class SegmentCache:
         missing = list(dict.fromkeys(part for part in texts if part not in pieces))
         if missing:
             self.misses += len(missing)
-            encoded = self.tokenizer.encode_batch(missing, add_special_tokens=False)
+            # One piece (a follow-up's new message) is encoded here: a batch of one would
+            # hand it to the tokenizer's thread pool and back.
+            encoded = ([self.tokenizer.encode(missing[0], add_special_tokens=False)]
+                       if len(missing) == 1
+                       else self.tokenizer.encode_batch(missing, add_special_tokens=False))
             for part, encoding in zip(missing, encoded):
                 ids = array("i", encoding.ids)
                 pieces[part] = ids
