@@ -7,10 +7,16 @@ RadixCache, ZeroMQ events), needing ``radixcache[epp,epp-test]``. Three figures:
 1. **Latency added**: one client sends 2,000-token chat requests through Envoy with the
    picker (the documentation's configuration) and through Envoy alone (round robin over the
    same workers, no ext_proc), in alternating rounds; the report gives each side's p50 and
-   p99 (best round) and the difference. Two prompt kinds: ``follow-up`` (conversations whose
-   history grows to 2,000 tokens, as chat traffic does: the picker encodes only the new
-   message, its cache holds the rest) and ``cold`` (a new 2,000-token conversation each time:
-   the whole prompt is tokenized).
+   p99 (best round) and the difference. Beside them, interleaved, the **floor**: the same
+   Envoy configuration with a trivial ext_proc server (``extproc_floor.py``: the picker's
+   gRPC stack, every message answered at once), what the ext_proc exchange alone costs; and
+   each ext_proc server's CPU time per request (from ``/proc``). ``--compare-src DIR`` adds a
+   picker run from another checkout (before and after a change, in one run);
+   ``--skip-response-headers`` adds the picker and the floor with Envoy's
+   ``response_header_mode: SKIP`` (what reading the served endpoint back costs). Two prompt
+   kinds: ``follow-up`` (conversations whose history grows to 2,000 tokens, as chat traffic
+   does: the picker encodes only the new message, its cache holds the rest) and ``cold`` (a
+   new 2,000-token conversation each time: the whole prompt is tokenized).
 2. **Picks per second**: 32 concurrent ext_proc streams (a gRPC client in its own process)
    straight to one picker process, follow-up requests of 2,000 tokens.
 3. **Follow-ups to the holder**: 8 clients (no think time) run 32 conversations through
@@ -84,47 +90,110 @@ def start_pool(model_dir, logs, processes, log_name, extra=()):
     return workers, picker
 
 
+def start_floor(logs, sync=False):
+    """The trivial ext_proc server (``extproc_floor.py``), once it accepts connections."""
+    import socket
+
+    from harness import Process, free_port
+
+    port = free_port()
+    argv = [sys.executable, str(ROOT / "benchmarks" / "extproc_floor.py"), str(port)]
+    process = Process(argv + (["--sync"] if sync else []), logs / f"floor-{port}.log", "floor")
+
+    def accepts() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+
+    process.wait_until(accepts, "its port")
+    return process, port
+
+
+def cpu_seconds(pid):
+    """A process's user and system CPU time so far (None where /proc is not there)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def latency_sides(args, model_dir, logs, processes):
+    """``{name: (Envoy, ext_proc server's Process or None)}``, interleaved in this order."""
+    from harness import EnvoyConfig, _ext_proc, start_envoy, start_picker
+
+    workers, picker = start_pool(model_dir, logs, processes, "picker")
+    floor, floor_port = start_floor(logs)
+    processes.append(floor)
+    servers = [("picker", picker.port, picker.process), ("floor", floor_port, floor)]
+    if args.compare_src:
+        other = start_picker(workers, model_dir, logs, page_size=PAGE,
+                             extra=("--model", "test-model"), log_name="picker-compared",
+                             source=Path(args.compare_src).resolve())
+        processes.append(other.process)
+        servers.insert(1, ("picker@compared", other.port, other.process))
+    sides = {}
+    for name, port, server in servers:
+        modes = ("SEND", "SKIP") if args.skip_response_headers else ("SEND",)
+        for mode in modes:
+            config = EnvoyConfig(workers, port, fail_open_listener=False)
+            _ext_proc(config.config["static_resources"]["listeners"][0])[
+                "processing_mode"]["response_header_mode"] = mode
+            label = name if mode == "SEND" else f"{name}, no response headers"
+            envoy = start_envoy(config, logs, "envoy-" + label.replace(" ", "-").replace(",", ""))
+            processes.append(envoy.process)
+            sides[label] = (envoy, server)
+    alone = start_envoy(EnvoyConfig(workers, picker.port, fail_open_listener=False,
+                                    picker=False), logs, "envoy-alone")
+    processes.append(alone.process)
+    sides["round-robin"] = (alone, None)
+    return sides, picker
+
+
 def latency_rounds(args, model_dir, logs):
-    from harness import Client, EnvoyConfig, start_envoy
+    from harness import Client
 
     processes = []
     try:
-        workers, picker = start_pool(model_dir, logs, processes, "picker")
-        with_picker = start_envoy(EnvoyConfig(workers, picker.port, fail_open_listener=False),
-                                  logs, "envoy-picker")
-        processes.append(with_picker.process)
-        alone = start_envoy(EnvoyConfig(workers, picker.port, fail_open_listener=False,
-                                        picker=False), logs, "envoy-alone")
-        processes.append(alone.process)
+        sides, picker = latency_sides(args, model_dir, logs, processes)
         rng = random.Random(1)
         report = {}
         tokens = None
         for kind in ("follow-up", "cold"):
             bodies = chat_bodies(rng, args.requests, kind)
             if kind == "follow-up":
-                # The histories were seen before (the turns that built them): the picker's
+                # The histories were seen before (the turns that built them): each picker's
                 # cache holds their pieces, as it would in a running conversation.
-                warm = Client(with_picker.config.port)
-                for body in bodies:
-                    warm.post("/v1/chat/completions", dict(body, messages=body["messages"][:-1]))
-            best = {}
+                for name, (envoy, _server) in sides.items():
+                    if name.startswith("picker"):
+                        warm = Client(envoy.config.port)
+                        for body in bodies:
+                            warm.post("/v1/chat/completions",
+                                      dict(body, messages=body["messages"][:-1]))
+                        warm.close()
+            best, cpu = {}, {}
             for _ in range(args.rounds):
-                for name, envoy in (("picker", with_picker), ("round-robin", alone)):
-                    if kind == "cold":  # new prompts every round: none was seen before
+                for name, (envoy, server) in sides.items():
+                    if kind == "cold":  # new prompts every round and side: none seen before
                         bodies = chat_bodies(rng, args.requests, kind)
                     client = Client(envoy.config.port)
+                    before = server and cpu_seconds(server.proc.pid)
                     times = []
                     for body in bodies:
                         start = time.perf_counter()
                         status, _, _ = client.post("/v1/chat/completions", body)
                         times.append(time.perf_counter() - start)
-                        assert status == 200, status
+                        assert status == 200, (name, status)
                     client.close()
+                    after = server and cpu_seconds(server.proc.pid)
+                    if before is not None and after is not None:
+                        cpu[name] = cpu.get(name, 0.0) + (after - before) / len(bodies)
                     p50, p99 = percentile(times, 0.5), percentile(times, 0.99)
                     old = best.get(name)
                     best[name] = (min(p50, old[0]) if old else p50, min(p99, old[1]) if old
                                   else p99)
-            report[kind] = best
+            report[kind] = {name: (p50, p99, cpu.get(name, 0.0) / args.rounds)
+                            for name, (p50, p99) in best.items()}
             if tokens is None:
                 from radixcache.picker import ChatTokenizer
 
@@ -262,12 +331,17 @@ def follow_ups(args, model_dir, logs, extra=(), shared_system=True):
 def latency_report(args, model_dir, logs):
     report, tokens, seconds = latency_rounds(args, model_dir, logs)
     print(f"latency, one client, chat prompts of {min(tokens)}-{max(tokens)} tokens "
-          f"(best of {args.rounds} interleaved rounds of {args.requests} requests):")
-    for kind, best in report.items():
-        (p50, p99), (b50, b99) = best["picker"], best["round-robin"]
-        print(f"  {kind:9}  Envoy+picker p50 {p50 * 1e3:6.2f} ms  p99 {p99 * 1e3:6.2f} ms"
-              f" | Envoy round-robin p50 {b50 * 1e3:6.2f} ms  p99 {b99 * 1e3:6.2f} ms"
-              f" | added p50 {(p50 - b50) * 1e3:+.2f} ms  p99 {(p99 - b99) * 1e3:+.2f} ms")
+          f"(best of {args.rounds} interleaved rounds of {args.requests} requests); added: "
+          f"over Envoy round robin; CPU: the ext_proc server's, per request:")
+    for kind, sides in report.items():
+        b50, b99, _ = sides["round-robin"]
+        print(f"  {kind}:")
+        for name, (p50, p99, cpu) in sides.items():
+            line = f"    {name:34} p50 {p50 * 1e3:6.2f} ms  p99 {p99 * 1e3:6.2f} ms"
+            if name != "round-robin":
+                line += (f" | added p50 {(p50 - b50) * 1e3:+.2f} ms  p99 {(p99 - b99) * 1e3:+.2f}"
+                         f" ms | CPU {cpu * 1e6:5.0f} us")
+            print(line)
     for name in ("tokenize", "pick"):
         total = seconds.get(f"radixcache_picker_{name}_seconds_sum", 0.0)
         count = seconds.get(f"radixcache_picker_{name}_seconds_count", 1.0) or 1.0
@@ -282,6 +356,12 @@ def main():
     parser.add_argument("--turns", type=int, default=5, help="turns per conversation")
     parser.add_argument("--only", choices=["latency", "rate", "follow-ups"], default=None,
                         help="run one of the three parts")
+    parser.add_argument("--compare-src", default=None, metavar="DIR",
+                        help="latency: also a picker run from another checkout's source "
+                             "(its radixcache package, compiled), interleaved with this one")
+    parser.add_argument("--skip-response-headers", action="store_true",
+                        help="latency: also the picker and the floor with Envoy's "
+                             "response_header_mode SKIP (no served endpoint reported)")
     parser.add_argument("--picker-args", default="",
                         help="more flags for the picker's radixcache serve, e.g. "
                              "'--load-weight 0.3'")

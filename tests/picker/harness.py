@@ -41,9 +41,10 @@ def envoy_binary() -> Optional[str]:
     return found or shutil.which("envoy")
 
 
-def _env() -> dict:
+def _env(source: Optional[Path] = None) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source or REPO),
+                                                      env.get("PYTHONPATH")]))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -51,11 +52,12 @@ def _env() -> dict:
 class Process:
     """A child process with its output in ``log``."""
 
-    def __init__(self, argv: list, log: Path, name: str) -> None:
+    def __init__(self, argv: list, log: Path, name: str, source: Optional[Path] = None) -> None:
         self.argv, self.log, self.name = argv, log, name
         self._out = open(log, "ab")
         self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT,
-                                     env=_env(), cwd=REPO, start_new_session=True)
+                                     env=_env(source), cwd=source or REPO,
+                                     start_new_session=True)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -187,9 +189,11 @@ class PickerProcess:
 
 def start_picker(workers: list, tokenizer: Path, logs: Path, *, port: Optional[int] = None,
                  http_port: Optional[int] = None, page_size: int, extra: tuple = (),
-                 wait: bool = True, log_name: str = "picker") -> PickerProcess:
+                 wait: bool = True, log_name: str = "picker",
+                 source: Optional[Path] = None) -> PickerProcess:
     """``radixcache serve --epp`` with each worker as a static publisher (its ``publisher_spec``
-    spec: events, replay, serving address)."""
+    spec: events, replay, serving address); ``source``: another checkout's radixcache (a
+    benchmark's comparison), else this one."""
     port = port or free_port()
     http_port = http_port or free_port()
     argv = [sys.executable, "-m", "radixcache", "serve", "--port", str(http_port), "--epp",
@@ -197,7 +201,8 @@ def start_picker(workers: list, tokenizer: Path, logs: Path, *, port: Optional[i
             "--instance-timeout", "1.5", *extra]
     for worker in workers:
         argv += ["--publisher", worker.publisher_spec]
-    picker = PickerProcess(port, http_port, Process(argv, logs / f"{log_name}.log", "picker"))
+    picker = PickerProcess(port, http_port, Process(argv, logs / f"{log_name}.log", "picker",
+                                                    source))
     if wait:
         picker.process.wait_until(picker.ready, "readiness")
     return picker
