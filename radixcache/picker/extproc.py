@@ -170,7 +170,21 @@ class ExtProcService:
         self.reader = reader
         self.options = options
         self.metrics = metrics or PickerMetrics()
-        self._pb = _protos()
+        self._pb = pb = _protos()
+        # The answers that change nothing, built once (gRPC only reads them).
+        self._continue = {
+            "request_headers": pb.ext_proc.ProcessingResponse(
+                request_headers=pb.ext_proc.HeadersResponse()),
+            "response_headers": pb.ext_proc.ProcessingResponse(
+                response_headers=pb.ext_proc.HeadersResponse()),
+            "request_trailers": pb.ext_proc.ProcessingResponse(
+                request_trailers=pb.ext_proc.TrailersResponse()),
+            "response_trailers": pb.ext_proc.ProcessingResponse(
+                response_trailers=pb.ext_proc.TrailersResponse()),
+            "request_body": pb.ext_proc.ProcessingResponse(
+                request_body=pb.ext_proc.BodyResponse()),
+            "response_body": pb.ext_proc.ProcessingResponse(
+                response_body=pb.ext_proc.BodyResponse())}
 
     # -- the stream ----------------------------------------------------------------------
     async def Process(self, request_iterator: AsyncIterator[Any],
@@ -191,8 +205,7 @@ class ExtProcService:
                     responses = [self._body_answer(message.response_body,
                                                    exchange.response_duplex, response=True)]
                 elif kind == "response_trailers":
-                    responses = [self._pb.ext_proc.ProcessingResponse(
-                        response_trailers=self._pb.ext_proc.TrailersResponse())]
+                    responses = [self._continue["response_trailers"]]
                 else:
                     continue
                 for response in responses:
@@ -229,8 +242,7 @@ class ExtProcService:
         if exchange.duplex:
             return []  # answered once the body is whole
         exchange.replied = True
-        return [self._pb.ext_proc.ProcessingResponse(
-            request_headers=self._pb.ext_proc.HeadersResponse())]
+        return [self._continue["request_headers"]]
 
     def _request_body(self, body: Any, exchange: _Exchange) -> list:
         if exchange.pick is not None:  # picked at the headers: the body only passes
@@ -250,8 +262,7 @@ class ExtProcService:
             responses = self._read_and_answer(exchange, end_of_stream=False)
             if responses and responses[0].WhichOneof("response") == "immediate_response":
                 return responses
-        responses.append(self._pb.ext_proc.ProcessingResponse(
-            request_trailers=self._pb.ext_proc.TrailersResponse()))
+        responses.append(self._continue["request_trailers"])
         return responses
 
     def _read_and_answer(self, exchange: _Exchange, end_of_stream: bool) -> list:
@@ -301,8 +312,8 @@ class ExtProcService:
         mutation = pb.ext_proc.HeaderMutation(set_headers=[pb.base.HeaderValueOption(
             header=pb.base.HeaderValue(key=ENDPOINT_HEADER, raw_value=value.encode("ascii")),
             append_action=pb.base.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)])
-        metadata = pb.struct.Struct()
-        metadata.update({LB_NAMESPACE: {ENDPOINT_HEADER: value}})
+        metadata = pb.struct.Struct()  # {LB_NAMESPACE: {ENDPOINT_HEADER: value}}
+        metadata.fields[LB_NAMESPACE].struct_value.fields[ENDPOINT_HEADER].string_value = value
         common = pb.ext_proc.CommonResponse(header_mutation=mutation)
         if exchange.replied:  # BUFFERED: the headers wait for this body answer
             return [pb.ext_proc.ProcessingResponse(
@@ -327,8 +338,7 @@ class ExtProcService:
                 if endpoint != pick.endpoints[0]:
                     self.metrics.fallbacks.inc()
                 self.picker.served(pick, endpoint)
-        return [self._pb.ext_proc.ProcessingResponse(
-            response_headers=self._pb.ext_proc.HeadersResponse())]
+        return [self._continue["response_headers"]]
 
     # -- messages ------------------------------------------------------------------------
     def _streamed(self, data: bytes, end_of_stream: bool, response: bool = False) -> Any:
@@ -344,10 +354,7 @@ class ExtProcService:
         """A body chunk passed on unchanged: streamed back in FULL_DUPLEX_STREAMED mode."""
         if duplex:
             return self._streamed(body.body, body.end_of_stream, response)
-        pb = self._pb.ext_proc
-        if response:
-            return pb.ProcessingResponse(response_body=pb.BodyResponse())
-        return pb.ProcessingResponse(request_body=pb.BodyResponse())
+        return self._continue["response_body" if response else "request_body"]
 
     def _refuse(self, error: RequestError) -> Any:
         if error.status < 500 and error.status != 429:
