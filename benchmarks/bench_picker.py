@@ -183,7 +183,8 @@ def latency_rounds(args, model_dir, logs):
                         start = time.perf_counter()
                         status, _, _ = client.post("/v1/chat/completions", body)
                         times.append(time.perf_counter() - start)
-                        assert status == 200, (name, status)
+                        assert status == 200, (name, status, server and server.tail(),
+                                               envoy.process.tail())
                     client.close()
                     after = server and cpu_seconds(server.proc.pid)
                     if before is not None and after is not None:
