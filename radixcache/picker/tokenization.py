@@ -252,8 +252,23 @@ class ChatTokenizer:
                 value = _token_text(legacy.get(name))
             if value is not None:
                 special[name] = value
-        return cls(tokenizer, _read_templates(path, config), special, engine=engine,
+        chat = cls(tokenizer, _read_templates(path, config), special, engine=engine,
                    content_format=content_format)
+        chat._compile_templates()
+        return chat
+
+    def _compile_templates(self) -> None:
+        """Compile the templates (and detect their content format) now, not on the first
+        request; a template that does not compile is reported per request, as before."""
+        jinja2 = _jinja()
+        templates = self.chat_template
+        for template in templates.values() if isinstance(templates, dict) else [templates]:
+            if isinstance(template, str):
+                try:
+                    _compile(template)
+                except jinja2.exceptions.TemplateError:
+                    continue
+                _content_format(template)
 
     # -- encoding ------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list:

@@ -269,3 +269,27 @@ def test_templates_see_dicts_as_the_stock_sandbox_shows_them(model_dir):
     mutating = ChatTokenizer(encoder, chat_template="{{ messages[0].update({}) }}")
     with pytest.raises(TemplateError, match="the chat template"):
         mutating.render(messages)
+
+
+def test_templates_compile_at_load_and_a_broken_one_fails_per_request(model_dir, tmp_path):
+    require(("tokenizers", "jinja2"))
+    import shutil
+
+    from radixcache.picker.tokenization import ChatTokenizer, TemplateError, _compile
+
+    _compile.cache_clear()
+    tokenizer = ChatTokenizer.from_dir(str(model_dir))
+    compiled = _compile.cache_info()
+    assert compiled.currsize >= 1  # the model's templates, before any request
+    tokenizer.render([{"role": "user", "content": "hi"}])
+    assert _compile.cache_info().misses == compiled.misses  # the request compiled nothing
+    # A template that does not compile still loads, and each chat request gets its error.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(model_dir / "tokenizer.json", broken / "tokenizer.json")
+    (broken / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% if messages %}unclosed", "bos_token": "<|bos|>"}))
+    bad = ChatTokenizer.from_dir(str(broken))
+    for _ in range(2):
+        with pytest.raises(TemplateError, match="the chat template"):
+            bad.render([{"role": "user", "content": "hi"}])
