@@ -594,6 +594,7 @@ HICACHE_REFUSALS = {
     "buffer-only": (dict(hicache_host_memory_mode="buffer_only",
                          hicache_storage_backend="file"), {}, "buffer_only"),
     "storage": (dict(hicache_storage_backend="mooncake"), {}, "--hicache-storage-backend"),
+    "storage-file": (dict(hicache_storage_backend="file"), {}, "--hicache-storage-backend"),
     "pd-prefill": (dict(disaggregation_mode="prefill"), {}, "--disaggregation-mode prefill"),
     "pipeline": ({}, dict(pp_size=2), "pipeline"),
     "draft-pools": ({}, "draft", "draft"),

@@ -64,7 +64,11 @@ LOAD_BACK_THRESHOLD = 10
 _WRITE_THROUGH_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 _RECLAIM_DIGEST_MASK = (1 << 62) - 1
 _NO_HITS = 2**62  # a hits_from no insert reaches: write_back counts no hits
-_STORAGE_HASH_MEMO = 1 << 16  # nodes whose storage hashes are kept (cleared when full)
+#: Why a storage backend is refused (at start-up and when attached at run time).
+STORAGE_REFUSAL = ("the storage tier (--hicache-storage-backend) is not served by radixcache's "
+                   "host tier yet: prefetching from storage inserts host-only nodes into the "
+                   "tree, which the host tier does not do")
+_STORAGE_HASH_MEMO = 1 << 18  # pages whose storage hashes are kept (cleared when full)
 
 
 class _PendingWrite:
@@ -154,6 +158,7 @@ class HiCacheBackend(RadixcacheBackend):
         self._insert_error: Optional[BaseException] = None  # see _write_through_now
         self._adopted_tokens = 0  # what the last insert put back on the device
         self._storage_hash_memo: dict = {}  # (node id, size) -> its pages' storage hashes
+        self._storage_hash_pages = 0  # the pages the memo holds
 
     def _attach_host_stack(self, params: Any, server_args: Any, tp_worker: Any) -> None:
         """SGLang's host pool group and controller for a plain KV pool, as
@@ -883,8 +888,11 @@ class HiCacheBackend(RadixcacheBackend):
             above = above.parent
         if not pending:
             return memo[(node.id, node.num_tokens)] if node.parent is not None else []
-        if len(memo) + len(pending) > _STORAGE_HASH_MEMO:
+        pages = sum(below.num_tokens for below in pending) // self.page_size
+        if self._storage_hash_pages + pages > _STORAGE_HASH_MEMO:
             memo.clear()
+            self._storage_hash_pages = 0
+        self._storage_hash_pages += pages
         for below in reversed(pending):
             namespace = below.extra_key
             extra_key, salt = namespace if type(namespace) is tuple else (namespace, None)
@@ -913,9 +921,9 @@ class HiCacheBackend(RadixcacheBackend):
     def attach_storage_backend(self, storage_backend: str, *args: Any,
                                **kwargs: Any) -> tuple:
         """Refused (the answer SGLang's admin call returns as its message)."""
-        return (False, f"HiCache storage backend {storage_backend!r}: the storage tier "
-                       "(--hicache-storage-backend) is not served by radixcache's host tier; "
-                       "serve without --radix-cache-backend radixcache to use one")
+        return (False, f"HiCache storage backend {storage_backend!r} not attached: "
+                       f"{STORAGE_REFUSAL}; serve without --radix-cache-backend radixcache to "
+                       "use one")
 
     def detach_storage_backend(self) -> tuple:
         """Nothing is attached: the controller's (idempotent) detach, then success."""
@@ -986,4 +994,4 @@ def _tokens_array(tokens: Any) -> Any:
     return array("q", np.asarray(tokens, dtype=np.int64).tobytes())
 
 
-__all__ = ["HiCacheBackend", "LOAD_BACK_THRESHOLD"]
+__all__ = ["HiCacheBackend", "LOAD_BACK_THRESHOLD", "STORAGE_REFUSAL"]
