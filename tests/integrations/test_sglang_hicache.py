@@ -475,6 +475,18 @@ def test_same_as_sglang_hicache_without_events(backend_core, cpu_hicache, monkey
     CALLS[key] = CALLS.get(key, 0) + replay.calls
 
 
+def test_storage_keys_with_a_memo_that_fills(backend_core, cpu_hicache, monkeypatch):
+    """The storage keys stay SGLang's when the backend's memo of them fills and is cleared
+    over and over (a memo of 64 pages)."""
+    from radixcache.integrations.sglang import hicache
+
+    monkeypatch.setattr(hicache, "_STORAGE_HASH_MEMO", 64)
+    replay = HiReplay(backend_core, 1, "lru", "write_through", 1.0,
+                      zlib.crc32(b"storage-keys-memo"), monkeypatch)
+    run(replay, STEPS // 8)
+    assert replay.counts.get("finished", 0) > 5, replay.counts
+
+
 def test_split_rule_correction_matters_with_hicache(cpu_hicache, monkeypatch):
     """Without the correction SGLang's side is given, the comparison fails: the harness can
     fail with the host tier on, and forgives only the stated difference."""

@@ -22,6 +22,9 @@ decision for decision:
 - host locks (``inc_host_lock_ref``), the layer-transfer counter (registered with the
   device pool and the TP worker), the controller's acknowledgements all-reduced over the
   TP group, KV events per medium (``GPU``, ``CPU_PINNED``).
+- the storage tier is not served (``STORAGE_REFUSAL``): the scheduler's storage calls get
+  SGLang's answers for a cache with no storage backend, and the per-node storage keys
+  (``is_backuped``, ``get_last_hash_value``, ``get_prefix_hash_values``) are SGLang's.
 
 Every choice is a function of the calls the scheduler made and the TP-reduced
 acknowledgement counts, nothing else (no clock, no thread timing, no address): the same
