@@ -51,7 +51,7 @@ from test_sglang_backend import (  # the shared harness (skips the module withou
 from sglang.srt.managers.schedule_policy import PrefillAdder
 from sglang.srt.mem_cache import registry
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, InitLoadBackParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -142,6 +142,7 @@ class HiSide(Side):
         requests the scheduler matches between this request's match and its admission."""
         req = self.matched(rid, prompt, output, priority, extra_key, salt)
         matched = (req.prefix_len, req.host_hit_length)
+        keys = self.storage_keys(req)
         if others:
             self.order([(tokens, None) for tokens in others])
         req.host_loaded_length = 0
@@ -164,7 +165,20 @@ class HiSide(Side):
         start = req.prefix_len
         result = self._extend(req, chunk)
         self._write_kv(req, start, result)
-        return matched + (req.host_loaded_length, start) + result
+        return matched + (req.host_loaded_length, start) + result + keys
+
+    def storage_keys(self, req) -> tuple:
+        """What the scheduler asks before a storage prefetch, of the match's host node and
+        of its device node: root or not, backed up or not, its last storage hash, the
+        storage hashes above it (SGLang's ``_prefetch_kvcache``)."""
+        cache = self.cache
+        if isinstance(self.real, UnifiedRadixCache):
+            # SGLang's tree hashes its nodes only with a storage backend attached; this is
+            # what its attach does (no backend is attached: ours refuses one).
+            self.real.tree_core.backfill_missing_hash_values()
+        return tuple((cache.is_root(node), cache.is_backuped(node),
+                      cache.get_last_hash_value(node), cache.get_prefix_hash_values(node))
+                     for node in (req.last_host_node, req.last_node))
 
     def continue_chunk(self, rid, chunk):
         req = self.reqs[rid]
@@ -461,6 +475,18 @@ def test_same_as_sglang_hicache_without_events(backend_core, cpu_hicache, monkey
     CALLS[key] = CALLS.get(key, 0) + replay.calls
 
 
+def test_storage_keys_with_a_memo_that_fills(backend_core, cpu_hicache, monkeypatch):
+    """The storage keys stay SGLang's when the backend's memo of them fills and is cleared
+    over and over (a memo of 64 pages)."""
+    from radixcache.integrations.sglang import hicache
+
+    monkeypatch.setattr(hicache, "_STORAGE_HASH_MEMO", 64)
+    replay = HiReplay(backend_core, 1, "lru", "write_through", 1.0,
+                      zlib.crc32(b"storage-keys-memo"), monkeypatch)
+    run(replay, STEPS // 8)
+    assert replay.counts.get("finished", 0) > 5, replay.counts
+
+
 def test_split_rule_correction_matters_with_hicache(cpu_hicache, monkeypatch):
     """Without the correction SGLang's side is given, the comparison fails: the harness can
     fail with the host tier on, and forgives only the stated difference."""
@@ -580,6 +606,7 @@ HICACHE_REFUSALS = {
     "buffer-only": (dict(hicache_host_memory_mode="buffer_only",
                          hicache_storage_backend="file"), {}, "buffer_only"),
     "storage": (dict(hicache_storage_backend="mooncake"), {}, "--hicache-storage-backend"),
+    "storage-file": (dict(hicache_storage_backend="file"), {}, "--hicache-storage-backend"),
     "pd-prefill": (dict(disaggregation_mode="prefill"), {}, "--disaggregation-mode prefill"),
     "pipeline": ({}, dict(pp_size=2), "pipeline"),
     "draft-pools": ({}, "draft", "draft"),
@@ -615,6 +642,44 @@ def test_hicache_builds_what_sglang_builds(cpu_hicache, write_policy):
     assert type(host).__name__ == "MHATokenToKVPoolHost" and host.size == 129  # 2 x 64 + 1
     assert cache.token_to_kv_pool_host is host and cache.host_size() == 0
     assert cache.supports_prefix_sharing() and cache.total_size() == (0, 0)
+
+
+@pytest.mark.parametrize("backend", (None, "radixcache"), ids=("sglang", "radixcache"))
+def test_storage_admin_calls(backend_core, cpu_hicache, monkeypatch, backend):
+    """The calls the scheduler's storage admin handlers (``/clear_hicache_storage``,
+    ``/detach_hicache_storage``, ``/attach_hicache_storage``) make on the cache, with their
+    arguments (``Scheduler.*_hicache_storage_wrapped``: the scheduler module itself needs
+    serving packages this test install lacks), on each cache with no storage backend: clear
+    and detach answer as SGLang's cache does, and attach is refused by name, leaving the
+    cache as it was."""
+    monkeypatch.setattr(RadixcacheBackend, "core", backend_core)
+    from radixcache.integrations import sglang as backend_module
+
+    backend_module.register()
+    with hicache_args(backend, "write_through", 1.0):
+        cache = build_hicache_side(backend, 1, "lru", "write_through", 1.0)[0]
+        assert cache.clear_storage_backend() is False  # nothing to clear
+        ok, message = cache.detach_storage_backend()
+        assert ok and "Detached" in message and not cache.enable_storage
+        # Nothing is ever prefetched: every request is ready at once, nothing loaded.
+        handle = CacheRequestHandle("r", 0)
+        root = cache.root_node.id if backend is None else cache.root_node
+        assert cache.prefetch_from_storage(handle, root, [1, 2, 3]) is None
+        assert cache.check_prefetch_progress(handle) is True
+        assert cache.pop_prefetch_loaded_span(handle) == (0, None)
+        assert cache.pop_prefetch_loaded_tokens(handle) == 0
+        if backend is None:
+            return  # SGLang's would attach (and start its storage threads)
+        cc = cache.cache_controller
+        host_free = cc.mem_pool_host.available_size()
+        ok, message = cache.attach_storage_backend(
+            storage_backend="file", storage_backend_extra_config_json=None,
+            served_model_name="m", hicache_storage_prefetch_policy=None,
+            hicache_write_policy=None)
+        assert not ok and "--hicache-storage-backend" in message, message
+        assert not cache.enable_storage and cc.storage_backend is None
+        assert cc.mem_pool_host.available_size() == host_free
+        cache.shutdown()
 
 
 # -- two tensor-parallel ranks ------------------------------------------------------------------

@@ -22,6 +22,9 @@ decision for decision:
 - host locks (``inc_host_lock_ref``), the layer-transfer counter (registered with the
   device pool and the TP worker), the controller's acknowledgements all-reduced over the
   TP group, KV events per medium (``GPU``, ``CPU_PINNED``).
+- the storage tier is not served (``STORAGE_REFUSAL``): the scheduler's storage calls get
+  SGLang's answers for a cache with no storage backend, and the per-node storage keys
+  (``is_backuped``, ``get_last_hash_value``, ``get_prefix_hash_values``) are SGLang's.
 
 Every choice is a function of the calls the scheduler made and the TP-reduced
 acknowledgement counts, nothing else (no clock, no thread timing, no address): the same
@@ -46,7 +49,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.hicache_storage import PoolName
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.mem_cache.utils import get_hash_str
+from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
 
 from ... import cache as _tree
 from .backend import (
@@ -64,6 +67,11 @@ LOAD_BACK_THRESHOLD = 10
 _WRITE_THROUGH_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 _RECLAIM_DIGEST_MASK = (1 << 62) - 1
 _NO_HITS = 2**62  # a hits_from no insert reaches: write_back counts no hits
+#: Why a storage backend is refused (at start-up and when attached at run time).
+STORAGE_REFUSAL = ("the storage tier (--hicache-storage-backend) is not served by radixcache's "
+                   "host tier yet: prefetching from storage inserts host-only nodes into the "
+                   "tree, which the host tier does not do")
+_STORAGE_HASH_MEMO = 1 << 18  # pages whose storage hashes are kept (cleared when full)
 
 
 class _PendingWrite:
@@ -124,6 +132,7 @@ class HiCacheBackend(RadixcacheBackend):
         self.host_pool_group = None
         self.token_to_kv_pool_host = None
         self.enable_storage = False
+        self.hicache_storage_pass_prefix_keys = False
         # The groups SGLang reduces the acknowledgement counts over (attention TP first).
         self.tp_group = params.tp_cache_group
         self.attn_tp_group = params.attn_tp_cache_group
@@ -151,6 +160,8 @@ class HiCacheBackend(RadixcacheBackend):
         self._newest_id = -1  # the largest node id seen (a larger one is a new node)
         self._insert_error: Optional[BaseException] = None  # see _write_through_now
         self._adopted_tokens = 0  # what the last insert put back on the device
+        self._storage_hash_memo: dict = {}  # (node id, size) -> its pages' storage hashes
+        self._storage_hash_pages = 0  # the pages the memo holds
 
     def _attach_host_stack(self, params: Any, server_args: Any, tp_worker: Any) -> None:
         """SGLang's host pool group and controller for a plain KV pool, as
@@ -837,6 +848,104 @@ class HiCacheBackend(RadixcacheBackend):
         cc = self.cache_controller
         return len(cc.ack_load_queue) < cc.layer_done_counter.num_counters
 
+    # -- the storage tier --------------------------------------------------------------------
+    # No storage backend is attached (``--hicache-storage-backend`` is refused at start-up and
+    # ``attach_storage_backend`` refuses at run time): the scheduler's storage calls get the
+    # answers SGLang's cache gives without one, and the per-node queries answer from the tree.
+    def is_root(self, node: Any) -> bool:
+        return node.parent is None
+
+    def is_backuped(self, node: Any) -> bool:
+        """Whether ``node`` holds a host copy (SGLang's ``backuped``)."""
+        return node.host_value is not None
+
+    def get_last_hash_value(self, node: Any) -> Optional[str]:
+        """The storage hash of ``node``'s last page; None for the root."""
+        hashes = self._storage_hashes(node)
+        return hashes[-1] if hashes else None
+
+    def get_prefix_hash_values(self, node: Any) -> list:
+        """The storage hashes of every page above ``node`` (root to parent)."""
+        chain = []
+        above = node.parent
+        while above is not None and above.parent is not None:
+            chain.append(self._storage_hashes(above))
+            above = above.parent
+        return [page for hashes in reversed(chain) for page in hashes]
+
+    def _storage_hashes(self, node: Any) -> list:
+        """SGLang's storage key of each page of ``node`` (``compute_node_hash_values``): a
+        SHA-256 chain over the path's tokens seeded by the namespace. A function of the path
+        alone, so kept by (node id, size) -- a split's lower half is a smaller size -- in a
+        bounded memo rather than in the tree core."""
+        memo = self._storage_hash_memo
+        pending = []  # the path's nodes not in the memo, bottom-up
+        prior = None
+        above = node
+        while above.parent is not None:
+            hashes = memo.get((above.id, above.num_tokens))
+            if hashes is not None:
+                prior = hashes[-1]
+                break
+            pending.append(above)
+            above = above.parent
+        if not pending:
+            return memo[(node.id, node.num_tokens)] if node.parent is not None else []
+        pages = sum(below.num_tokens for below in pending) // self.page_size
+        if self._storage_hash_pages + pages > _STORAGE_HASH_MEMO:
+            memo.clear()
+            self._storage_hash_pages = 0
+        self._storage_hash_pages += pages
+        for below in reversed(pending):
+            namespace = below.extra_key
+            extra_key, salt = namespace if type(namespace) is tuple else (namespace, None)
+            key = RadixKey(_tokens_array(below.key), extra_key, cache_salt=salt)
+            hashes = get_storage_hash_str(key, prior, page_size=self.page_size)
+            memo[(below.id, below.num_tokens)] = hashes
+            prior = hashes[-1]
+        return hashes
+
+    def prefetch_from_storage(self, *args: Any, **kwargs: Any) -> None:
+        """No storage backend attached: nothing is prefetched (as SGLang's without one)."""
+        return None
+
+    def check_prefetch_progress(self, request: Any) -> bool:
+        """No prefetch is ever in flight: every request is ready."""
+        return True
+
+    def pop_prefetch_loaded_tokens(self, request: Any) -> int:
+        """Tokens a prefetch brought in for ``request``: none."""
+        return 0
+
+    def pop_prefetch_loaded_span(self, request: Any) -> tuple:
+        """(tokens a prefetch brought in, where they start): none."""
+        return 0, None
+
+    def attach_storage_backend(self, storage_backend: str, *args: Any,
+                               **kwargs: Any) -> tuple:
+        """Refused (the answer SGLang's admin call returns as its message)."""
+        return (False, f"HiCache storage backend {storage_backend!r} not attached: "
+                       f"{STORAGE_REFUSAL}; serve without --radix-cache-backend radixcache to "
+                       "use one")
+
+    def detach_storage_backend(self) -> tuple:
+        """Nothing is attached: the controller's (idempotent) detach, then success."""
+        try:
+            self.cache_controller.detach_storage_backend()
+        except Exception as exc:
+            return False, f"Failed to detach HiCache storage backend: {exc}"
+        return True, "Detached HiCache storage backend successfully."
+
+    def clear_storage_backend(self) -> bool:
+        """Drop what the storage backend holds: False, none is attached."""
+        try:
+            return bool(self.cache_controller.clear_storage_backend())
+        except Exception:
+            return False
+
+    def shutdown(self) -> None:
+        """Nothing to detach at exit (no storage backend is ever attached)."""
+
     def release_host_resources(self) -> None:
         if self.host_pool_group is not None:
             self.host_pool_group.destroy()
@@ -888,4 +997,4 @@ def _tokens_array(tokens: Any) -> Any:
     return array("q", np.asarray(tokens, dtype=np.int64).tobytes())
 
 
-__all__ = ["HiCacheBackend", "LOAD_BACK_THRESHOLD"]
+__all__ = ["HiCacheBackend", "LOAD_BACK_THRESHOLD", "STORAGE_REFUSAL"]
