@@ -298,5 +298,7 @@ def dynamo_answer(found: dict) -> dict:
         name = str(instance)
         answer = instances[name] = dynamo_hits(hits)
         if hits.gpu:
-            scores[name] = {r: t for r, t in answer["dp"].items() if t}
+            ranks = answer["dp"]
+            # One rank (the usual case) holds the instance's device hit: all of it scores.
+            scores[name] = ranks if len(ranks) == 1 else {r: t for r, t in ranks.items() if t}
     return {"scores": scores, "frequencies": [], "instances": instances}
