@@ -12,7 +12,8 @@ separate virtual environment and pass its python (it binds 0.0.0.0; nothing else
 - fill: ``--instances`` publishers (raw ZeroMQ PUB sockets sending vLLM-shaped batches of 32
   blocks, map encoding, each instance holding a prefix of the query's prompt of random depth
   and chains of its own) until ``--blocks`` blocks are indexed; block events per second from
-  the first batch sent to the last one seen in a query.
+  the first batch sent to the last one seen in a query (each instance's marker block, stored
+  when it connected, removed after its last batch).
 - query: an 8,192-token prompt, block size 16; p50 and p99 of single ``/query`` calls from
   one client over loopback (a persistent connection); then queries per second with 16
   concurrent clients (``wrk`` when installed, else client processes).
@@ -183,6 +184,7 @@ class Workload:
         per = blocks // instances
         self.payloads: list = []  # per instance: encoded batches
         self.markers: list = []  # per instance: a marker prompt (one block)
+        self.marker_removals: list = []  # per instance: the batch that removes it
         self.blocks = 0
         for w in range(instances):
             out = []
@@ -207,8 +209,9 @@ class Workload:
                 n = min(PROMPT_BLOCKS, per - made)
                 chain([rnd.randrange(1, 100_000) for _ in range(n * BLOCK)])
             marker = [10**6 + w] * BLOCK
-            out.append(encode_batch([BlockStored(tuple(block_hashes(marker, BLOCK)), None,
-                                                 tuple(marker), BLOCK)]))
+            marker_hashes = tuple(block_hashes(marker, BLOCK))
+            out.append(encode_batch([BlockStored(marker_hashes, None, tuple(marker), BLOCK)]))
+            self.marker_removals.append(encode_batch([BlockRemoved(marker_hashes)]))
             self.payloads.append(out)
             self.markers.append(marker)
             self.blocks += made + 1
@@ -274,14 +277,15 @@ def register_all(server: Server, pubs: Publishers) -> None:
 
 
 def wait_markers(server: Server, work: Workload, pubs: Publishers, resend: bool,
-                 limit_s: float = 600) -> None:
+                 limit_s: float = 600, gone: bool = False) -> None:
     """Until every instance's marker block is in the answers (re-sending it while the
-    subscriptions connect, when ``resend``)."""
+    subscriptions connect, when ``resend``), or with ``gone`` out of them."""
     deadline = time.monotonic() + limit_s
     pending = set(range(work.instances))
     while pending:
         for w in list(pending):
-            if answer(server, work.markers[w]).get(w) == BLOCK:
+            held = answer(server, work.markers[w]).get(w)
+            if (not held) if gone else held == BLOCK:
                 pending.discard(w)
             elif resend:
                 pubs.send(w, work.payloads[w][-1])
@@ -293,18 +297,21 @@ def wait_markers(server: Server, work: Workload, pubs: Publishers, resend: bool,
 
 
 def fill(server: Server, work: Workload, pubs: Publishers) -> tuple:
-    """Send every instance's batches (interleaved); ``(block events per second, resident
-    bytes once every publisher is registered and connected)``."""
+    """Send every instance's batches (interleaved), then the removal of its marker (stored
+    when it connected): once every marker is gone, everything before it is applied. ``(block
+    events per second, resident bytes once every publisher is registered and connected)``."""
     register_all(server, pubs)
     wait_markers(server, work, pubs, resend=True)  # connected
     connected_rss = rss_bytes(server.proc.pid)
     started = time.perf_counter()
-    longest = max(len(p) for p in work.payloads)
+    longest = max(len(p) for p in work.payloads) - 1  # the marker is stored already
     for i in range(longest):
         for w in range(work.instances):
-            if i < len(work.payloads[w]):
+            if i < len(work.payloads[w]) - 1:
                 pubs.send(w, work.payloads[w][i])
-    wait_markers(server, work, pubs, resend=False)
+    for w in range(work.instances):
+        pubs.send(w, work.marker_removals[w])
+    wait_markers(server, work, pubs, resend=False, gone=True)
     return work.blocks / (time.perf_counter() - started), connected_rss
 
 
