@@ -12,7 +12,8 @@ separate virtual environment and pass its python (it binds 0.0.0.0; nothing else
 - fill: ``--instances`` publishers (raw ZeroMQ PUB sockets sending vLLM-shaped batches of 32
   blocks, map encoding, each instance holding a prefix of the query's prompt of random depth
   and chains of its own) until ``--blocks`` blocks are indexed; block events per second from
-  the first batch sent to the last one seen in a query.
+  the first batch sent to the last one seen in a query (each instance's marker block, stored
+  when it connected, removed after its last batch).
 - query: an 8,192-token prompt, block size 16; p50 and p99 of single ``/query`` calls from
   one client over loopback (a persistent connection); then queries per second with 16
   concurrent clients (``wrk`` when installed, else client processes).
@@ -23,6 +24,10 @@ separate virtual environment and pass its python (it binds 0.0.0.0; nothing else
   registered and connected to when it settles after the fill), against an in-process
   ``KvIndexer`` fed the same payloads (in a process of its own).
 - answers: each instance's device hit for 50 prompts, radixcache against Dynamo.
+- floor: the same client against a server that answers every request with a fixed body
+  and does nothing else (asyncio, on uvloop when installed): p50, p99 and queries per
+  second over loopback, and its p99 while radixcache ingests the same stream (what the
+  machine alone costs a query then).
 
 Rounds alternate the two services (best of the interleaved rounds); ratios are
 radixcache / Dynamo.
@@ -43,6 +48,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -123,6 +129,45 @@ def start_dynamo(python: str, port: int) -> Server:
                              "--threads", "2"], port)
 
 
+#: The floor's server: reads each request (its head and content-length body) and answers a
+#: fixed body; nothing else.
+FLOOR_SERVER = r"""
+import asyncio, sys
+ANSWER = b'{"scores":{},"frequencies":[],"instances":{}}'
+REPLY = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+         + str(len(ANSWER)).encode() + b"\r\n\r\n" + ANSWER)
+class Protocol(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport, self.buffer = transport, b""
+    def data_received(self, data):
+        self.buffer += data
+        while True:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buffer[:end].lower()
+            at = head.find(b"content-length:")
+            length = int(head[at + 15:].split(b"\r\n", 1)[0]) if at >= 0 else 0
+            if len(self.buffer) < end + 4 + length:
+                return
+            self.buffer = self.buffer[end + 4 + length:]
+            self.transport.write(REPLY)
+async def main():
+    server = await asyncio.get_running_loop().create_server(Protocol, "127.0.0.1",
+                                                            int(sys.argv[1]))
+    await server.serve_forever()
+try:
+    import uvloop
+    uvloop.run(main())
+except ImportError:
+    asyncio.run(main())
+"""
+
+
+def start_floor(port: int) -> Server:
+    return Server("floor", [sys.executable, "-c", FLOOR_SERVER, str(port)], port)
+
+
 class Workload:
     """The prompt, each instance's blocks as pre-encoded payloads, and the markers that
     show a fill is complete."""
@@ -139,6 +184,7 @@ class Workload:
         per = blocks // instances
         self.payloads: list = []  # per instance: encoded batches
         self.markers: list = []  # per instance: a marker prompt (one block)
+        self.marker_removals: list = []  # per instance: the batch that removes it
         self.blocks = 0
         for w in range(instances):
             out = []
@@ -163,8 +209,9 @@ class Workload:
                 n = min(PROMPT_BLOCKS, per - made)
                 chain([rnd.randrange(1, 100_000) for _ in range(n * BLOCK)])
             marker = [10**6 + w] * BLOCK
-            out.append(encode_batch([BlockStored(tuple(block_hashes(marker, BLOCK)), None,
-                                                 tuple(marker), BLOCK)]))
+            marker_hashes = tuple(block_hashes(marker, BLOCK))
+            out.append(encode_batch([BlockStored(marker_hashes, None, tuple(marker), BLOCK)]))
+            self.marker_removals.append(encode_batch([BlockRemoved(marker_hashes)]))
             self.payloads.append(out)
             self.markers.append(marker)
             self.blocks += made + 1
@@ -230,14 +277,15 @@ def register_all(server: Server, pubs: Publishers) -> None:
 
 
 def wait_markers(server: Server, work: Workload, pubs: Publishers, resend: bool,
-                 limit_s: float = 600) -> None:
+                 limit_s: float = 600, gone: bool = False) -> None:
     """Until every instance's marker block is in the answers (re-sending it while the
-    subscriptions connect, when ``resend``)."""
+    subscriptions connect, when ``resend``), or with ``gone`` out of them."""
     deadline = time.monotonic() + limit_s
     pending = set(range(work.instances))
     while pending:
         for w in list(pending):
-            if answer(server, work.markers[w]).get(w) == BLOCK:
+            held = answer(server, work.markers[w]).get(w)
+            if (not held) if gone else held == BLOCK:
                 pending.discard(w)
             elif resend:
                 pubs.send(w, work.payloads[w][-1])
@@ -249,18 +297,21 @@ def wait_markers(server: Server, work: Workload, pubs: Publishers, resend: bool,
 
 
 def fill(server: Server, work: Workload, pubs: Publishers) -> tuple:
-    """Send every instance's batches (interleaved); ``(block events per second, resident
-    bytes once every publisher is registered and connected)``."""
+    """Send every instance's batches (interleaved), then the removal of its marker (stored
+    when it connected): once every marker is gone, everything before it is applied. ``(block
+    events per second, resident bytes once every publisher is registered and connected)``."""
     register_all(server, pubs)
     wait_markers(server, work, pubs, resend=True)  # connected
     connected_rss = rss_bytes(server.proc.pid)
     started = time.perf_counter()
-    longest = max(len(p) for p in work.payloads)
+    longest = max(len(p) for p in work.payloads) - 1  # the marker is stored already
     for i in range(longest):
         for w in range(work.instances):
-            if i < len(work.payloads[w]):
+            if i < len(work.payloads[w]) - 1:
                 pubs.send(w, work.payloads[w][i])
-    wait_markers(server, work, pubs, resend=False)
+    for w in range(work.instances):
+        pubs.send(w, work.marker_removals[w])
+    wait_markers(server, work, pubs, resend=False, gone=True)
     return work.blocks / (time.perf_counter() - started), connected_rss
 
 
@@ -357,9 +408,10 @@ def _stream(conn, publishers: int, seconds: float) -> None:
 
 
 def ingest_while_serving(server: Server, body: bytes, seconds: float,
-                         publishers: int = 16) -> tuple:
+                         publishers: int = 16, queried: Optional[Server] = None) -> tuple:
     """``publishers`` new publishers stream stored/removed batches for ``seconds`` while one
-    client queries at 200 queries per second; ``(block events/s applied, query p99 ms)``."""
+    client queries ``queried`` (default ``server``) at 200 queries per second; ``(block
+    events/s applied, query p99 ms)``."""
     import multiprocessing
 
     parent, child = multiprocessing.Pipe()
@@ -387,7 +439,7 @@ def ingest_while_serving(server: Server, body: bytes, seconds: float,
         if now < next_at:
             time.sleep(next_at - now)
         t = time.perf_counter()
-        server.post("/query", body)
+        (queried or server).post("/query", body)
         times.append(time.perf_counter() - t)
         next_at += 1 / 200
     sent = parent.recv()
@@ -443,12 +495,29 @@ def one_round(name: str, start, work: Workload, args: argparse.Namespace) -> dic
         qps = throughput(server, body, args.seconds)
         answers = [answer(server, p) for p in work.prompts]
         ingest, ingest_p99 = ingest_while_serving(server, body, args.seconds)
+        floor = None
+        if name == "radixcache":  # the floor's, beside this service's ingest
+            floor = floor_round(body, args, server)
     finally:
         server.stop()
         pubs.close()
     return {"service": name, "fill_events_s": rate, "p50_ms": p50, "p99_ms": p99,
             "qps16": qps, "ingest_events_s": ingest, "ingest_query_p99_ms": ingest_p99,
-            "rss_per_block": rss / work.blocks, "answers": answers}
+            "rss_per_block": rss / work.blocks, "answers": answers, "floor": floor}
+
+
+def floor_round(body: bytes, args: argparse.Namespace, ingesting: Server) -> dict:
+    """The floor's figures: the fixed-answer server queried alone, then while
+    ``ingesting`` ingests the ingest phase's stream."""
+    floor = start_floor(free_port())
+    try:
+        p50, p99 = latency(floor, body, args.queries)
+        qps = throughput(floor, body, args.seconds)
+        _, ingest_p99 = ingest_while_serving(ingesting, body, args.seconds, queried=floor)
+    finally:
+        floor.stop()
+    return {"service": "floor", "p50_ms": p50, "p99_ms": p99, "qps16": qps,
+            "ingest_query_p99_ms": ingest_p99}
 
 
 def main() -> int:
@@ -483,6 +552,12 @@ def main() -> int:
         for name, start in (services if r % 2 == 0 else services[::-1]):
             result = one_round(name, start, work, args)
             rounds[name].append(result)
+            if result["floor"] is not None:
+                rounds.setdefault("floor", []).append(result["floor"])
+                f = result["floor"]
+                print(f"round {r + 1} floor: query p50 {f['p50_ms']:.3f} ms p99 "
+                      f"{f['p99_ms']:.3f} ms, {f['qps16']:,.0f} q/s (16 clients), query p99 "
+                      f"{f['ingest_query_p99_ms']:.2f} ms while radixcache ingests", flush=True)
             print(f"round {r + 1} {name}: fill {result['fill_events_s']:,.0f} events/s, "
                   f"query p50 {result['p50_ms']:.3f} ms p99 {result['p99_ms']:.3f} ms, "
                   f"{result['qps16']:,.0f} q/s (16 clients), ingest "
@@ -490,19 +565,16 @@ def main() -> int:
                   f"{result['ingest_query_p99_ms']:.2f} ms, "
                   f"{result['rss_per_block']:.1f} B/block", flush=True)
     in_proc = in_process_memory(work) / work.blocks
-    best = {name: {
-        "fill_events_s": max(x["fill_events_s"] for x in rs),
-        "p50_ms": min(x["p50_ms"] for x in rs), "p99_ms": min(x["p99_ms"] for x in rs),
-        "qps16": max(x["qps16"] for x in rs),
-        "ingest_events_s": max(x["ingest_events_s"] for x in rs),
-        "ingest_query_p99_ms": min(x["ingest_query_p99_ms"] for x in rs),
-        "rss_per_block": min(x["rss_per_block"] for x in rs)} for name, rs in rounds.items()}
+    best_of = {"fill_events_s": max, "p50_ms": min, "p99_ms": min, "qps16": max,
+               "ingest_events_s": max, "ingest_query_p99_ms": min, "rss_per_block": min}
+    best = {name: {key: pick(x[key] for x in rs) for key, pick in best_of.items()
+                   if key in rs[0]} for name, rs in rounds.items()}
     print(f"\nbest of {args.rounds} interleaved rounds (in-process KvIndexer: "
-          f"{in_proc:.1f} B/block resident):")
-    keys = list(best["radixcache"])
+          f"{in_proc:.1f} B/block resident; ratio: radixcache / Dynamo):")
     print("| what | " + " | ".join(best) + (" | ratio |" if "dynamo" in best else " |"))
-    for key in keys:
-        row = [f"{best[n][key]:,.3f}" if "ms" in key else f"{best[n][key]:,.0f}" for n in best]
+    for key in best_of:
+        row = ["" if key not in best[n] else f"{best[n][key]:,.3f}" if "ms" in key
+               else f"{best[n][key]:,.0f}" for n in best]
         ratio = (f" | {best['radixcache'][key] / best['dynamo'][key]:.2f} |"
                  if "dynamo" in best and best["dynamo"][key] else " |")
         print(f"| {key} | " + " | ".join(row) + ratio)
@@ -518,7 +590,8 @@ def main() -> int:
                     break
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rounds": {n: [{k: v for k, v in x.items() if k != "answers"}
+            json.dump({"rounds": {n: [{k: v for k, v in x.items()
+                                       if k not in ("answers", "floor")}
                                       for x in rs] for n, rs in rounds.items()},
                        "in_process_bytes_per_block": in_proc}, f, indent=1)
     return 0

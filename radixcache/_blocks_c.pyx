@@ -383,8 +383,10 @@ def json_ids(data):
 
 cdef Py_ssize_t _json_ids(const unsigned char* p, Py_ssize_t size,
                           int64_t* q) noexcept:
-    """The ids of ``json_ids``'s array at ``p`` written to ``q``: how many, -1 if not one."""
-    cdef Py_ssize_t pos = 0, n = 0, digits
+    """The ids of ``json_ids``'s array at ``p`` written to ``q``: how many, -1 if not one.
+    ``p[size]`` must be readable and not a digit (a bytes object's closing NUL): an id's
+    digits are read up to the first non-digit without a bound check."""
+    cdef Py_ssize_t pos = 0, n = 0, first
     cdef uint64_t v
     cdef unsigned char c
     while pos < size and _json_space(p[pos]):
@@ -400,22 +402,20 @@ cdef Py_ssize_t _json_ids(const unsigned char* p, Py_ssize_t size,
         while True:
             if pos >= size:
                 return -1
-            c = p[pos]
-            if c < 48 or c > 57:
+            c = <unsigned char>(p[pos] - 48)  # a non-digit wraps past 9
+            if c > 9:
                 return -1
-            v = c - 48
+            first = pos
+            v = c
             pos += 1
-            digits = 1
-            while pos < size:
-                c = p[pos]
-                if c < 48 or c > 57:
-                    break
-                if v == 0 or digits == 10:  # a leading zero, or 2**32 and beyond
-                    return -1
-                v = v * 10 + (c - 48)
+            c = <unsigned char>(p[pos] - 48)
+            while c <= 9:  # ends at the NUL at p[size] at the latest
+                v = v * 10 + c
                 pos += 1
-                digits += 1
-            if v >= (<uint64_t>1 << 32):
+                c = <unsigned char>(p[pos] - 48)
+            # A leading zero, or 2**32 and beyond (more than 10 digits could wrap v).
+            if pos - first > 10 or (p[first] == 48 and pos - first > 1) or \
+                    v >= (<uint64_t>1 << 32):
                 return -1
             q[n] = <int64_t>_bswap64(v) if not _LITTLE_ENDIAN else <int64_t>v
             n += 1

@@ -183,11 +183,42 @@ def decode(body: bytes, kind: type) -> Any:
 _DYNAMO.update((DynamoRegister, DynamoUnregister, DynamoQuery, DynamoQueryByHash))
 
 
-def decode_tokens(body: bytes, kind: type) -> Any:
+#: Where a body's ``token_ids`` array starts (the key, its colon, the bracket).
+_IDS_KEY = re.compile(rb'"token_ids"\s*:\s*\[')
+
+
+def split_ids(body: bytes) -> Optional[tuple]:
+    """``(head, ids)``: ``body`` with its ``token_ids`` array written ``[]`` (a few hundred
+    bytes to decode and search, not the 50 kB of an 8,192-token prompt) and the array's ids
+    as int64 little-endian bytes (``json_ids``); or None when the body cannot be split so
+    (ids written unusually, the key written twice or with escapes), for ``decode`` to read.
+
+    What is cut out is digits, commas and blanks only, so ``head`` holds every key of the
+    body and is valid JSON exactly when the body is."""
+    found = _IDS_KEY.search(body)
+    if found is None:
+        return None
+    start = found.end() - 1
+    end = body.find(b"]", start)
+    if end < 0:
+        return None
+    from .. import _core
+
+    ids = _core.blocks.json_ids(body[start:end + 1])
+    if ids is None:
+        return None
+    head = body[:start] + b"[]" + body[end + 1:]
+    if head.count(b'"token_ids"') != 1 or b"\\" in head:
+        return None  # another token_ids (nested, or a duplicate key) could be the one read
+    return head, ids
+
+
+def decode_tokens(body: bytes, kind: type, split: Optional[tuple] = None) -> Any:
     """``decode(body, kind)`` for a struct with ``token_ids``, whose ids come as an int64
     numpy array read by the block module (``json_ids``: no int object made per id) rather
-    than a list. A body that cannot be read so (an error, or ids written unusually) is
-    decoded by ``decode``: the same answer, or the same error."""
+    than a list; ``split`` is ``split_ids(body)`` when the caller has it. A body that cannot
+    be read so (an error, or ids written unusually) is decoded by ``decode``: the same
+    answer, or the same error."""
     decoder = _TOKEN_DECODERS.get(kind)
     if decoder is None:
         fields = []
@@ -200,18 +231,19 @@ def decode_tokens(body: bytes, kind: type) -> Any:
                     default=f.default, default_factory=f.default_factory)))
         raw_kind = msgspec.defstruct(kind.__name__ + "Raw", fields)
         decoder = _TOKEN_DECODERS[kind] = msgspec.json.Decoder(raw_kind)
+    if split is None:
+        split = split_ids(body)
+    if split is None:
+        return decode(body, kind)
     try:
-        req = decoder.decode(body)
+        req = decoder.decode(split[0])
     except (msgspec.DecodeError, RecursionError):
         return decode(body, kind)  # its error
-    from .. import _core
-
-    ids = _core.blocks.json_ids(bytes(req.token_ids))
-    if ids is None:
+    if bytes(req.token_ids) != b"[]":  # not the array cut out
         return decode(body, kind)
     import numpy as np
 
-    req.token_ids = np.frombuffer(ids, dtype="<i8")
+    req.token_ids = np.frombuffer(split[1], dtype="<i8")
     return req
 
 
@@ -264,7 +296,9 @@ def dynamo_answer(found: dict) -> dict:
         if not hits.disk:
             continue
         name = str(instance)
-        instances[name] = dynamo_hits(hits)
+        answer = instances[name] = dynamo_hits(hits)
         if hits.gpu:
-            scores[name] = {r: t for r, t in instances[name]["dp"].items() if t}
+            ranks = answer["dp"]
+            # One rank (the usual case) holds the instance's device hit: all of it scores.
+            scores[name] = ranks if len(ranks) == 1 else {r: t for r, t in ranks.items() if t}
     return {"scores": scores, "frequencies": [], "instances": instances}

@@ -243,14 +243,15 @@ class App:
                              "removed_instances": [r.key_text for r in removed]}), []
 
     def query(self, body: bytes) -> tuple:
-        if api.is_dynamo(body):
-            req = api.decode_tokens(body, api.DynamoQuery)
+        split = api.split_ids(body)  # its head is the body less the ids: quicker to search
+        if api.is_dynamo(body if split is None else split[0]):
+            req = api.decode_tokens(body, api.DynamoQuery, split)
             found = self.service.query(Query(req.model_name, tokens=self._tokens(req.token_ids),
                                              block_size=req.block_size,
                                              tenant=req.routing_group, lora=req.lora_name or None,
                                              salt=req.cache_salt or None), everyone=False)
             return 200, _encode(api.dynamo_answer(found)), []
-        req = api.decode_tokens(body, api.MooncakeQuery)
+        req = api.decode_tokens(body, api.MooncakeQuery, split)
         self._no_lora_id(req)
         tenant = req.tenant_id or DEFAULT_TENANT
         found = self.service.query(Query(req.model, tokens=self._tokens(req.token_ids),

@@ -576,9 +576,10 @@ class IndexService:
                     items = workers.items()
                 else:
                     items = [(w, workers[w]) for w in found if w in workers]
+                pools = group.pools
                 for worker, reg in items:
                     blocks = found.get(worker)
-                    if worker in group.pools and not blocks and \
+                    if not blocks and worker in pools and \
                             not group.indexer.blocks_held(worker):
                         continue  # a pool, not an instance
                     if (q.instance is not None and reg.instance_id != q.instance) or (
@@ -587,7 +588,8 @@ class IndexService:
                     if blocks is None:
                         gpu = cpu = disk = 0
                     else:
-                        gpu, cpu, disk = (b * block_size for b in blocks)
+                        gpu, cpu, disk = blocks
+                        gpu, cpu, disk = gpu * block_size, cpu * block_size, disk * block_size
                     hits = out.get(reg.instance_id)
                     if hits is None:
                         out[reg.instance_id] = Hits(gpu, cpu, disk, {reg.dp_rank: gpu})

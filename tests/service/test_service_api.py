@@ -380,8 +380,25 @@ def test_token_ids_read_fast_decode_as_the_plain_decoder(kind):
     bodies += [b'{"model":"m","model_name":"m","token_ids":[01]}', b'{"token_ids":[1,2]}',
                b'{"model":"m","model_name":"m","token_ids":[1,2],"block_size":"x"}',
                b'{"model":"m","model_name":"m","token_ids":[1 ,\n2 ]}', b"[1,2]", b"{",
-               b'{"model":"m","model_name":"m","token_ids":[1,2]} x']
+               b'{"model":"m","model_name":"m","token_ids":[1,2]} x',
+               # Where the ids are cut out of the body (``split_ids``): a key written twice,
+               # nested, escaped, last, spaced, or as a string's text.
+               b'{"model":"m","model_name":"m","token_ids":[3],"token_ids":[]}',
+               b'{"model":"m","model_name":"m","token_ids":[1,2],"token_ids":[3]}',
+               b'{"model":"m","model_name":"m","x":{"token_ids":[5]},"token\\u005fids":[]}',
+               b'{"model":"m","model_name":"m","x":{"token_ids":[5]},"token_ids":[]}',
+               b'{"model":"m","model_name":"m","x":{"token_ids":[5]}}',
+               b'{"model":"m","model_name":"m","x":["token_ids"],"token_ids":[6]}',
+               b'{"model":"m","model_name":"m","block_size":2,"token_ids":[4,5]}',
+               b'{"model":"m","model_name":"m","token_ids" :\n[ 1 , 2 ] }',
+               b'{"model":"m","model_name":"m","token_ids":[1],"x":"\\"token_ids\\":[2]"}',
+               b'{"model":"m","model_name":"m","token_ids":[1,[2]]}',
+               b'{"model":"m","model_name":"m","token_ids":[1,2]',
+               b'{"model":"m","token_ids":[1,2],"x":{"model_name":"m"}}']
     for body in bodies:
+        split = api.split_ids(body)
+        if split is not None:  # what is cut out holds no key: the dialect is the same
+            assert api.is_dynamo(split[0]) == api.is_dynamo(body), body
         try:
             plain = api.decode(body, struct)
         except api.BadRequest as exc:
