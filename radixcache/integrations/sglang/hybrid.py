@@ -116,6 +116,8 @@ class RadixcacheHybridBackend(RadixcacheBackend):
         memoized = self._path_memo.get(node)
         if memoized is not None:
             return memoized
+        if node is self._core.tree.root:  # (a miss: most of a hybrid model's matches)
+            return self._empty_indices
         try:
             return torch.from_numpy(self._core.path_indices(node))
         except (TypeError, ValueError):

@@ -229,9 +229,11 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
                                           req.priority or 0, kv.cache_inserted_len, protected)
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
         new_last_node = result.last_node
-        if protected < aligned:  # the row points at the tree's slots
+        cached = result.prefix_len
+        if protected < cached:  # the row points at the tree's slots (past what was cached
+            # before they are the row's own: the insert took them)
             self._write_row(kv.req_pool_idx, protected,
-                            self._core.path_indices(new_last_node, protected))
+                            self._core.path_indices(new_last_node, protected)[:cached - protected])
         self.unlock(req.lock)
         req.lock = self.lock(new_last_node, skip_lock_components=self._checkpoint_skip)
         kv.cache_protected_len = aligned
@@ -299,10 +301,11 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         if not (keep in (None, 0, 1) and (keep != 1 or size == 2)):
             raise ValueError(f"cannot keep ping-pong entry {keep} of {size}")
         empty = kv.mamba_ping_pong_empty
-        row = mapping[kv.req_pool_idx]
+        row = mapping[kv.req_pool_idx].tolist()
         slots = [index.item()]
-        slots.extend(int(row[position]) for position in range(size)
-                     if position != keep and not empty[position])
+        for position in range(size):
+            if position != keep and not empty[position]:
+                slots.append(row[position])
         kv.mamba_pool_idx = None
         allocator.free(torch.from_numpy(np.array(slots, dtype=np.int64)))
         kv.mamba_ping_pong_track_buffer = None
