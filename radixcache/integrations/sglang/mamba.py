@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 from sglang.srt.mem_cache.base_prefix_cache import (
     DecLockRefParams,
     DecLockRefResult,
@@ -47,6 +48,8 @@ _MAMBA = ComponentType.MAMBA
 #: Where the Mamba pool's allocator is SGLang's own: its ``free`` appends to the free list,
 #: so one free of several slots leaves it as several frees of them in that order would.
 _STOCK_STATE_FREE = MambaSlotAllocator.free
+#: SGLang's own request-side free of a request's state slots (a pool may override it).
+_STOCK_FREE_STATES = HybridReqToTokenPool.free_mamba_cache
 
 
 def _state_array(slot: Any) -> np.ndarray:
@@ -290,16 +293,17 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         allocator = pool.mamba_allocator
         kv = req.kv
         index = kv.mamba_pool_idx
-        if (type(allocator).free is not _STOCK_STATE_FREE or type(index) is not torch.Tensor
-                or not index.is_cpu or index.dtype != torch.int64 or index.numel() != 1):
+        size = pool.mamba_ping_pong_track_buffer_size
+        if (type(pool).free_mamba_cache is not _STOCK_FREE_STATES
+                or not pool.enable_mamba_extra_buffer
+                or type(allocator).free is not _STOCK_STATE_FREE or type(index) is not torch.Tensor
+                or not index.is_cpu or index.dtype != torch.int64 or index.dim() != 0
+                or not (keep in (None, 0, 1) and (keep != 1 or size == 2))):
             return False
         mapping = self._table_array(pool.req_index_to_mamba_ping_pong_track_buffer_mapping,
                                     1)
         if mapping is None:
             return False
-        size = pool.mamba_ping_pong_track_buffer_size
-        if not (keep in (None, 0, 1) and (keep != 1 or size == 2)):
-            raise ValueError(f"cannot keep ping-pong entry {keep} of {size}")
         empty = kv.mamba_ping_pong_empty
         row = mapping[kv.req_pool_idx].tolist()
         slots = [index.item()]
