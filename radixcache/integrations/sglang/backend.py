@@ -214,6 +214,8 @@ class RadixcacheBackend(BasePrefixCache):
         self._path_memo: dict = {}
         # (the allocator, its _allocator_kind): read again when the allocator is replaced
         self._known_allocator: tuple = (None, _OTHER_ALLOCATOR)
+        # (a pool's table, its numpy view) of _table_array, per table kind
+        self._known_tables: list = [(None, None), (None, None)]
 
     #: Whether an insert without events may go straight to the tree (a subclass that follows
     #: every insert sets it False: ``_insert`` then sees them all).
@@ -401,10 +403,7 @@ class RadixcacheBackend(BasePrefixCache):
     def _free_duplicates(self, value: Any, start: int, end: int) -> None:
         """Free ``value[start:end]`` (``value``: a tensor, or a numpy array of int64)."""
         if start < end:
-            duplicates = value[start:end]
-            if type(duplicates) is np.ndarray:
-                duplicates = torch.from_numpy(duplicates)
-            self._free(duplicates)
+            self._free(value[start:end])
 
     # -- checkpoint and release -------------------------------------------------------------
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
@@ -433,7 +432,7 @@ class RadixcacheBackend(BasePrefixCache):
             before = int(fill_ids[0])
             namespace = bigram_namespace(extra_key, salt, before)
         table = self.req_to_token_pool.req_to_token
-        rows = _cpu_array(table)
+        rows = self._table_array(table)
         if rows is not None:
             # A numpy copy: read and handed to the tree core faster than a tensor.
             values = rows[kv.req_pool_idx, :aligned].astype(np.int64)
@@ -555,6 +554,16 @@ class RadixcacheBackend(BasePrefixCache):
             freed += more
         return EvictResult(num_tokens_evicted=freed)
 
+    def _table_array(self, table: Any, kind: int = 0) -> Optional[np.ndarray]:
+        """A pool's table's numpy view (``_cpu_array``; ``kind`` 0: the request table, 1: the
+        Mamba ping-pong mapping), kept while the table is the same tensor; None where it has
+        none (a device tensor)."""
+        known, view = self._known_tables[kind]
+        if table is not known:
+            view = _cpu_array(table)
+            self._known_tables[kind] = (table, view)
+        return view
+
     def _allocator_kind(self, allocator: Any) -> int:
         """``_allocator_kind(allocator)``, kept while the allocator stays the same object."""
         known, kind = self._known_allocator
@@ -571,7 +580,7 @@ class RadixcacheBackend(BasePrefixCache):
         if len(ranges) == 1:  # the release's one range: what free_segments does with it
             start, end = ranges[0]
             if end > start:
-                table = _cpu_array(rows)
+                table = self._table_array(rows)
                 if table is None:
                     allocator.free_segment(rows[kv.req_pool_idx, start:end], start_pos=start)
                     return
@@ -601,21 +610,26 @@ class RadixcacheBackend(BasePrefixCache):
             self._record_removed(indices)
         self._free(indices)
 
-    def _free(self, indices: torch.Tensor) -> None:
+    def _free(self, indices: Any) -> None:
+        """Give ``indices`` (a tensor, or a numpy array of int64 the caller owns) back to the
+        allocator; kept for the next free if it refuses them."""
         allocator = self.token_to_kv_pool_allocator
         try:
             slots = None
             if self._allocator_kind(allocator) == _PAGED_ALLOCATOR and not allocator.debug_mode:
-                slots = _cpu_array(indices)
+                slots = indices if type(indices) is np.ndarray else _cpu_array(indices)
             if slots is not None and len(slots):
                 # What free_segment(indices, start_pos=0) frees, its page ids computed by
                 # numpy (a fraction of torch's time on a few pages).
                 page_size = self.page_size
                 allocator.free_page_ids(torch.from_numpy(slots[::page_size] // page_size))
             else:
+                if type(indices) is np.ndarray:
+                    indices = torch.from_numpy(indices)
                 allocator.free_segment(indices, start_pos=0)
         except Exception:
-            self._pending_frees.append(indices)
+            self._pending_frees.append(torch.from_numpy(indices)
+                                       if type(indices) is np.ndarray else indices)
             raise
 
     def _retry_pending_frees(self) -> None:

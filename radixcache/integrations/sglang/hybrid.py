@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from ..._core import get_hybrid
-from .backend import RadixcacheBackend, _check_key, _cpu_array, _namespace, _token_array
+from .backend import RadixcacheBackend, _check_key, _namespace, _token_array
 from .sessions import SessionRefs
 
 #: How many match paths ``prefix_device_indices`` keeps (cleared when it is full).
@@ -55,7 +55,6 @@ class RadixcacheHybridBackend(RadixcacheBackend):
         hybrid = get_hybrid(core if core is not None else self.core)
         self._core = hybrid.HybridCore(self.page_size, self.eviction_policy,
                                        numpy_arrays=True, **component)
-        self._known_table: tuple = (None, None)
         self.reset()
 
     # -- identity and configuration ------------------------------------------------------------
@@ -117,6 +116,8 @@ class RadixcacheHybridBackend(RadixcacheBackend):
         memoized = self._path_memo.get(node)
         if memoized is not None:
             return memoized
+        if node is self._core.tree.root:  # (a miss: most of a hybrid model's matches)
+            return self._empty_indices
         try:
             return torch.from_numpy(self._core.path_indices(node))
         except (TypeError, ValueError):
@@ -124,15 +125,6 @@ class RadixcacheHybridBackend(RadixcacheBackend):
                              "or from another cache)") from None
 
     # -- request rows ----------------------------------------------------------------------
-    def _table_array(self, table: Any) -> Optional[np.ndarray]:
-        """The request table's numpy view (``_cpu_array``), kept while the table is the same
-        tensor; None where it has none (a device tensor)."""
-        known, view = self._known_table
-        if table is not known:
-            view = _cpu_array(table)
-            self._known_table = (table, view)
-        return view
-
     def _write_row(self, row: int, start: int, values: np.ndarray) -> None:
         """Write ``values`` into request row ``row`` from position ``start``: into the
         table's numpy view where the pool's ``write`` is SGLang's plain one, else through

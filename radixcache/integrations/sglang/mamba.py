@@ -22,6 +22,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from sglang.srt.environ import envs
+from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 from sglang.srt.mem_cache.base_prefix_cache import (
     DecLockRefParams,
     DecLockRefResult,
@@ -43,6 +45,11 @@ from .hybrid import RadixcacheHybridBackend
 
 _FULL = ComponentType.FULL
 _MAMBA = ComponentType.MAMBA
+#: Where the Mamba pool's allocator is SGLang's own: its ``free`` appends to the free list,
+#: so one free of several slots leaves it as several frees of them in that order would.
+_STOCK_STATE_FREE = MambaSlotAllocator.free
+#: SGLang's own request-side free of a request's state slots (a pool may override it).
+_STOCK_FREE_STATES = HybridReqToTokenPool.free_mamba_cache
 
 
 def _state_array(slot: Any) -> np.ndarray:
@@ -177,7 +184,7 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         if self.kv_events.enabled and result.prefix_len < len(tokens):
             self._record_stored(result, tokens, values, names, None, None)
         if dup_from < result.prefix_len:
-            self._free(torch.from_numpy(values[dup_from:result.prefix_len]))
+            self._free(values[dup_from:result.prefix_len])
         return result, core.aux_kept or not len(tokens)
 
     # -- checkpoint and release -------------------------------------------------------------
@@ -225,9 +232,11 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
                                           req.priority or 0, kv.cache_inserted_len, protected)
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
         new_last_node = result.last_node
-        if protected < aligned:  # the row points at the tree's slots
+        cached = result.prefix_len
+        if protected < cached:  # the row points at the tree's slots (past what was cached
+            # before they are the row's own: the insert took them)
             self._write_row(kv.req_pool_idx, protected,
-                            self._core.path_indices(new_last_node, protected))
+                            self._core.path_indices(new_last_node, protected)[:cached - protected])
         self.unlock(req.lock)
         req.lock = self.lock(new_last_node, skip_lock_components=self._checkpoint_skip)
         kv.cache_protected_len = aligned
@@ -258,7 +267,10 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
                     or previous > token_len):
                 return 0, None, None
             cache_len, keep = previous, pool.get_mamba_ping_pong_other_idx(keep)
-        return cache_len, _state_array(kv.mamba_ping_pong_track_buffer[keep]), keep
+        track = kv.mamba_ping_pong_track_buffer
+        # (a CPU tensor's few slots read as a list in a fraction of an indexing's time)
+        slot = track.tolist()[keep] if track.is_cpu else track[keep]
+        return cache_len, _state_array(slot), keep
 
     def _release_states(self, req: Any, keep: Optional[int], inserted: bool) -> None:
         """SGLang's ``MambaComponent.cleanup_after_caching_req`` for a finished request (as
@@ -266,10 +278,49 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         took (ping-pong index ``keep``, with the extra buffer)."""
         pool = self.req_to_token_pool
         if self.enable_mamba_extra_buffer:
-            pool.free_mamba_cache(req, mamba_ping_pong_track_buffer_to_keep=(
-                keep if inserted else None))
+            keep = keep if inserted else None
+            if not self._free_tracked_states(req, keep):
+                pool.free_mamba_cache(req, mamba_ping_pong_track_buffer_to_keep=keep)
         elif not inserted:
             pool.free_mamba_cache(req)
+
+    def _free_tracked_states(self, req: Any, keep: Optional[int]) -> bool:
+        """SGLang's ``free_mamba_cache`` with the extra buffer, where the pools are SGLang's
+        own CPU ones: the request's slot, then its ping-pong slots but ``keep``'s, go back
+        in one free (the order SGLang's frees give them), and the request forgets them.
+        False (nothing done) elsewhere: SGLang's code does it then."""
+        pool = self.req_to_token_pool
+        allocator = pool.mamba_allocator
+        kv = req.kv
+        index = kv.mamba_pool_idx
+        size = pool.mamba_ping_pong_track_buffer_size
+        if (type(pool).free_mamba_cache is not _STOCK_FREE_STATES
+                or not pool.enable_mamba_extra_buffer
+                or type(allocator).free is not _STOCK_STATE_FREE or type(index) is not torch.Tensor
+                or not index.is_cpu or index.dtype != torch.int64 or index.dim() != 0
+                or not (keep in (None, 0, 1) and (keep != 1 or size == 2))):
+            return False
+        mapping = self._table_array(pool.req_index_to_mamba_ping_pong_track_buffer_mapping,
+                                    1)
+        if mapping is None:
+            return False
+        empty = kv.mamba_ping_pong_empty
+        row = mapping[kv.req_pool_idx].tolist()
+        slots = [index.item()]
+        for position in range(size):
+            if position != keep and not empty[position]:
+                slots.append(row[position])
+        kv.mamba_pool_idx = None
+        allocator.free(torch.from_numpy(np.array(slots, dtype=np.int64)))
+        kv.mamba_ping_pong_track_buffer = None
+        kv.mamba_ping_pong_empty = None
+        kv.mamba_next_track_idx = None
+        kv.mamba_last_track_idx = None
+        kv.mamba_last_track_seqlen = None
+        kv.mamba_prev_track_seqlen = None
+        kv.mamba_cow_src_index = None
+        kv.mamba_needs_clear = False
+        return True
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         """A request released without a checkpoint gives back its state slots."""
@@ -288,7 +339,7 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
     def _evict(self, num_tokens: int, mamba_num: int = 0) -> tuple:
         freed, states, full, lost = self._evict_records(num_tokens, mamba_num)
         if full:  # (one free per pool: SGLang's per-node frees, in the same order)
-            self._free(torch.from_numpy(np.concatenate(full)))
+            self._free(np.concatenate(full))
         if lost:
             self._mamba._free_mamba_value(
                 torch.from_numpy(np.concatenate([aux for _values, aux in lost])))
