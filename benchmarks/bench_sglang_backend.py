@@ -14,7 +14,9 @@ Per request, on real ``Req`` objects made before the round: ``Req.init_next_roun
 (match), ``tree_cache.lock``, a request row, ``prefix_device_indices``, the slots for prompt
 and output from the allocator (``alloc_token_slots`` / ``alloc_paged_token_slots_extend``, which
 evict through ``evict_for_alloc`` when the pool is short), then the finished request's
-``release_kv_cache(..., checkpoint=True)`` (checkpoint into the tree, free the rest, unlock).
+``release_kv_cache(..., checkpoint=True)`` (checkpoint into the tree, free the rest, unlock)
+inside one free group of the allocator, as the scheduler's batch-result processing makes it
+(``free_group_begin``/``free_group_end``: the release's frees are queued, then freed together).
 Timed: the scheduler's calls into the cache (``CACHE_CALLS``: match, lock, prefix indices,
 eviction, checkpoint, the row free and unlock of the release) -- "cache calls" --, the same
 less the allocator's work inside them (the frees: the same slots for both caches) -- "w/o
@@ -388,6 +390,7 @@ class Loop:
         """One pass over the workload (under the case's server arguments: ``serving``)."""
         clock = time.perf_counter
         cache, rows, page_size, mamba = self.cache, self.rows, self.page_size, self.mamba
+        allocator = self.allocator
         sessions = self.sessions
         prompt_tokens = cached_tokens = host_tokens = 0
         loop_start = clock()
@@ -438,7 +441,11 @@ class Loop:
             if mamba and req.kv.mamba_ping_pong_track_buffer is not None:
                 self.track(req, total)
             req.finished_reason = FINISH_LENGTH(length=len(output))
+            # The scheduler releases a batch's finished requests inside one free group
+            # (process_batch_result_decode): their frees are queued, then freed together.
+            allocator.free_group_begin()
             release_kv_cache(req, cache, checkpoint=True)
+            allocator.free_group_end()
             if sessions is not None and closes:
                 cache.release_radix_session(session)
             if hicache:

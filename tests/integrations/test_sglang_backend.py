@@ -442,7 +442,9 @@ class Side:
         req = self.reqs[rid]
         if len(req.output_ids) >= len(req.planned_output):
             req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+            self.allocator.free_group_begin()
             release_kv_cache(req, self.cache, checkpoint=True)
+            self.allocator.free_group_end()
             del self.reqs[rid]
             return ("finished",)
         position = req.kv.kv_committed_len

@@ -133,14 +133,13 @@ class RadixcacheSWABackend(RadixcacheHybridBackend):
                                                  and len(key) >= branching))
 
     def _numpy_mapping(self) -> Optional[np.ndarray]:
-        """``_pools_read_in_numpy`` of the allocator, kept while it stays the same object and
-        frees are not grouped."""
+        """``_pools_read_in_numpy`` of the allocator, kept while it stays the same object."""
         allocator = self.token_to_kv_pool_allocator
         known, mapping = self._mapping
         if allocator is not known:
             mapping = _pools_read_in_numpy(allocator)
             self._mapping = (allocator, mapping)
-        return None if mapping is None or allocator.free_group is not None else mapping
+        return mapping
 
     def _window_slots(self, values: np.ndarray) -> np.ndarray:
         """The window slots SGLang's allocator pairs with full-attention ``values``."""
@@ -174,9 +173,12 @@ class RadixcacheSWABackend(RadixcacheHybridBackend):
         if window:
             slots = np.concatenate(window) if len(window) > 1 else window[0]
             if len(slots):
-                pages = mapping[slots[::page_size]] // page_size
+                pages = torch.from_numpy(mapping[slots[::page_size]] // page_size)
                 mapping[slots] = 0
-                allocator.swa_attn_allocator.free_page_ids(torch.from_numpy(pages))
+                if allocator.free_group is None:
+                    allocator.swa_attn_allocator.free_page_ids(pages)
+                else:  # in the scheduler's free group: freed at its end, as free_swa_segment's
+                    allocator.swa_page_ids_group.append(pages)
 
     def _insert_window(self, tokens: np.ndarray, values: np.ndarray, names: tuple,
                        priority: int, inserted_len: int, live_from: int,
