@@ -442,9 +442,13 @@ class Side:
         req = self.reqs[rid]
         if len(req.output_ids) >= len(req.planned_output):
             req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+            # In the allocator's free group, as the scheduler's batch-result processing
+            # releases finished requests (closed even when a fault test's release raises).
             self.allocator.free_group_begin()
-            release_kv_cache(req, self.cache, checkpoint=True)
-            self.allocator.free_group_end()
+            try:
+                release_kv_cache(req, self.cache, checkpoint=True)
+            finally:
+                self.allocator.free_group_end()
             del self.reqs[rid]
             return ("finished",)
         position = req.kv.kv_committed_len
