@@ -213,12 +213,16 @@ def split_ids(body: bytes) -> Optional[tuple]:
     return head, ids
 
 
-def decode_tokens(body: bytes, kind: type, split: Optional[tuple] = None) -> Any:
+#: ``decode_tokens``'s ``split`` when the caller has not split the body.
+_NOT_SPLIT: Any = object()
+
+
+def decode_tokens(body: bytes, kind: type, split: Any = _NOT_SPLIT) -> Any:
     """``decode(body, kind)`` for a struct with ``token_ids``, whose ids come as an int64
     numpy array read by the block module (``json_ids``: no int object made per id) rather
-    than a list; ``split`` is ``split_ids(body)`` when the caller has it. A body that cannot
-    be read so (an error, or ids written unusually) is decoded by ``decode``: the same
-    answer, or the same error."""
+    than a list; ``split`` is ``split_ids(body)`` (None included) when the caller has it.
+    A body that cannot be read so (an error, or ids written unusually) is decoded by
+    ``decode``: the same answer, or the same error."""
     decoder = _TOKEN_DECODERS.get(kind)
     if decoder is None:
         fields = []
@@ -231,7 +235,7 @@ def decode_tokens(body: bytes, kind: type, split: Optional[tuple] = None) -> Any
                     default=f.default, default_factory=f.default_factory)))
         raw_kind = msgspec.defstruct(kind.__name__ + "Raw", fields)
         decoder = _TOKEN_DECODERS[kind] = msgspec.json.Decoder(raw_kind)
-    if split is None:
+    if split is _NOT_SPLIT:
         split = split_ids(body)
     if split is None:
         return decode(body, kind)
