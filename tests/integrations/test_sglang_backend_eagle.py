@@ -28,12 +28,10 @@ import torch
 from test_sglang_backend import (POLICIES, POOL_TOKENS, Replay, Side, Workload,
                                  report_calls)
 
-from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 from sglang.srt.mem_cache import allocation
 from sglang.srt.mem_cache.allocation import alloc_for_spec_decode
 from sglang.srt.mem_cache.allocation_sizing import (get_alloc_reserve_per_decode,
                                                     page_aligned_decode_alloc_lens)
-from sglang.srt.mem_cache.common import release_kv_cache
 
 #: Random scheduler steps per (core, page size, policy) sequence: about 10^5 scheduler-level
 #: calls per core over the fourteen sequences.
@@ -65,10 +63,7 @@ class EagleSide(Side):
         req = self.reqs[rid]
         planned = req.planned_output
         if len(req.output_ids) >= len(planned):
-            req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
-            release_kv_cache(req, self.cache, checkpoint=True)
-            del self.reqs[rid]
-            return ("finished",)
+            return self.finish(req)
         page_size = self.allocator.page_size
         cur, nxt, need = page_aligned_decode_alloc_lens(
             [req], reserve=get_alloc_reserve_per_decode(), page_size=page_size)

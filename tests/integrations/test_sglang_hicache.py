@@ -554,8 +554,11 @@ class SoloReplay(HiReplay):
                         req.lock = None
                     self.ours.reqs.pop(req.rid, None)
             result = ("fault",)
-        key = result[0] if result and isinstance(result[0], str) else what
-        self.counts[key] = self.counts.get(key, 0) + 1
+        kinds = [result[0] if result and isinstance(result[0], str) else what]
+        if kinds[0] == "batch":  # and each request's own result in it
+            kinds += [each[0] for each in result[1:]]
+        for kind in kinds:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
         return result
 
     def compare(self, what: str) -> None:
@@ -569,8 +572,8 @@ class SoloReplay(HiReplay):
 @pytest.mark.parametrize("write_policy", WRITE_POLICIES)
 @pytest.mark.parametrize("page_size", (1, 16), ids=lambda p: f"page{p}")
 def test_faults_lose_no_slot(backend_core, cpu_hicache, monkeypatch, write_policy, page_size):
-    replay = SoloReplay(backend_core, page_size, write_policy, 0.5,
-                        zlib.crc32(f"faults-{write_policy}-{page_size}".encode()), monkeypatch,
+    seed = zlib.crc32(f"faults-{write_policy}-{page_size}-batches".encode())
+    replay = SoloReplay(backend_core, page_size, write_policy, 0.5, seed, monkeypatch,
                         rates={"copy": 0.1, "write": 0.03, "load": 0.3})
     run(replay, STEPS // 2)
     counts = replay.counts

@@ -153,10 +153,10 @@ def test_mamba_same_as_sglang_default_cache(backend_core, monkeypatch, page_size
     for kind in ("chunk", "finished", "aborted", "retracted", "prefilled", "events"):
         assert counts.get(kind, 0) > 5, (kind, counts)
     # The Mamba paths were taken: states evicted alone and with their leaves, locked, copied
-    # at a match, branching points. (Page 1's MRU sequence evicts no state alone;
+    # at a match, branching points. (Page 1's SLRU sequence evicts no state alone;
     # the other thirteen sequences do.)
     kinds = ["states alone", "states with leaves", "state locked", "copied", "branching"]
-    if (page_size, policy) == (1, "mru"):
+    if (page_size, policy) == (1, "slru"):
         kinds.remove("states alone")
     for kind in kinds:
         assert seen.get(kind, 0) > 0, (kind, seen)
