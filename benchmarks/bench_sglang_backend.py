@@ -317,6 +317,12 @@ class Loop:
             self._time_calls(name)
         for name in ALLOCATOR_CALLS:
             self._time_allocator(name)
+            # SWA: the pools' own allocators too, which a cache may call directly (nested
+            # calls from the SWA allocator are counted once)
+            for pool_allocator in (getattr(self.allocator, "full_attn_allocator", None),
+                                   getattr(self.allocator, "swa_attn_allocator", None)):
+                if pool_allocator is not None:
+                    self._time_allocator(name, pool_allocator)
         if self.mamba:
             for name in MAMBA_ALLOCATOR_CALLS:
                 self._time_allocator(name, self.rows.mamba_allocator)
