@@ -40,6 +40,8 @@ def protocol_class(app: Any) -> Optional[type]:
     # Only a route that answers in the loop and changes nothing (no executor, no token).
     routes = {path: route for path, route in routes.items()
               if route[1] is False and not route[2]}
+    from .app import response_headers
+
     max_body = app.config.max_body
     answer, observe = app.answer, app.observe
 
@@ -104,8 +106,6 @@ def protocol_class(app: Any) -> Optional[type]:
                     self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
         def _write(self, status: int, out: bytes, headers: list, keep_alive: bool) -> None:
-            from .app import response_headers
-
             content = [STATUS_LINE[status]]
             for name, value in self.server_state.default_headers:
                 content += (name, b": ", value, b"\r\n")
