@@ -267,27 +267,28 @@ def is_dynamo(body: bytes) -> bool:
     return b'"model_name"' in body
 
 
+def mooncake_hits(hits: Any) -> dict:
+    return {"longest_matched": hits.disk, "GPU": hits.gpu, "DP": _ranks(hits.dp),
+            "CPU": hits.cpu, "DISK": hits.disk}
+
+
+def dynamo_hits(hits: Any) -> dict:
+    return {"longest_matched": hits.disk, "gpu": hits.gpu, "dp": _ranks(hits.dp),
+            "cpu": hits.cpu, "disk": hits.disk}
+
+
 def _ranks(dp: dict) -> dict:
+    if len(dp) == 1:
+        (rank, tokens), = dp.items()
+        return {str(rank): tokens}
     return {str(rank): tokens for rank, tokens in sorted(dp.items())}
 
 
-# The answers are built in one loop each, the per-instance dicts written out in place: on a
-# 64-instance answer the calls of a helper per instance cost as much as the rest.
 def mooncake_answer(tenant: str, found: dict) -> dict:
     """Mooncake's ``/query`` answer: ``{}`` when no instance of the tenant answers."""
     if not found:
         return {}
-    instances = {}
-    for instance, hits in found.items():
-        dp = hits.dp
-        if len(dp) == 1:
-            (rank, tokens), = dp.items()
-            ranks = {str(rank): tokens}
-        else:
-            ranks = _ranks(dp)
-        instances[str(instance)] = {"longest_matched": hits.disk, "GPU": hits.gpu, "DP": ranks,
-                                    "CPU": hits.cpu, "DISK": hits.disk}
-    return {tenant: instances}
+    return {tenant: {str(i): mooncake_hits(h) for i, h in found.items()}}
 
 
 def dynamo_answer(found: dict) -> dict:
@@ -296,19 +297,12 @@ def dynamo_answer(found: dict) -> dict:
     scores = {}
     instances = {}
     for instance, hits in found.items():
-        disk = hits.disk
-        if not disk:
+        if not hits.disk:
             continue
         name = str(instance)
-        dp = hits.dp
-        if len(dp) == 1:
-            (rank, tokens), = dp.items()
-            ranks = {str(rank): tokens}
-        else:
-            ranks = _ranks(dp)
-        instances[name] = {"longest_matched": disk, "gpu": hits.gpu, "dp": ranks,
-                           "cpu": hits.cpu, "disk": disk}
+        answer = instances[name] = dynamo_hits(hits)
         if hits.gpu:
+            ranks = answer["dp"]
             # One rank (the usual case) holds the instance's device hit: all of it scores.
             scores[name] = ranks if len(ranks) == 1 else {r: t for r, t in ranks.items() if t}
     return {"scores": scores, "frequencies": [], "instances": instances}

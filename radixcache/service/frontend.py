@@ -13,7 +13,8 @@ other routes, and any request to a fast endpoint that is not plain:
   (chunked, none, several, too large: the ASGI route counts it and refuses it);
 - ``Expect: 100-continue``, an ``Upgrade``; uvicorn's access log or concurrency limit on;
 - an earlier request of the connection still being answered the ASGI way (a pipelined
-  request is answered in order).
+  request is answered in order), or the client not reading its answers (the socket's write
+  buffer full: the ASGI route waits for it to drain, and stops reading meanwhile).
 
 Keep-alive, its timeout, ``Connection: close``, pipelining and malformed requests are
 uvicorn's own handling: this class only adds the fast answer.
@@ -67,7 +68,8 @@ def protocol_class(app: Any) -> Optional[type]:
             if parser.get_method() != b"POST" or parser.get_http_version() != "1.1" \
                     or self.expect_100_continue or parser.should_upgrade() \
                     or self.limit_concurrency is not None or self.access_log \
-                    or not (self.cycle is None or self.cycle.response_complete):
+                    or not (self.cycle is None or self.cycle.response_complete) \
+                    or self.flow.write_paused:
                 return False
             length = None
             for name, value in self.headers:

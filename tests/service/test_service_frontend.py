@@ -206,3 +206,43 @@ def test_protocol_class_serves_only_plain_fast_routes():
     bare = make_app(ServiceConfig(port=0), metrics=False, api=False)
     cls = protocol_class(bare)
     assert cls is not None and not any(("POST", p) in bare.routes for p in FAST_PATHS)
+
+
+def test_a_client_that_does_not_read_is_answered_in_order(pair):
+    """Thousands of pipelined queries whose answers (every registered instance, 60 of them)
+    are left unread for a while: the socket's write buffer fills, the answers go the ASGI way
+    (which waits for it to drain) and back, and every answer comes, in order, the same as
+    the ASGI application's."""
+    import threading
+
+    import httpx
+
+    for port in pair:
+        for k in range(60):  # instances that publish nothing: each answer lists them all
+            endpoint = f"tcp://127.0.0.1:{20000 + k}"  # no publisher of ours
+            assert httpx.post(f"http://127.0.0.1:{port}/register", json=register_body(
+                f"x{k}", endpoint), timeout=READ_S).status_code == 200
+    count = 1500
+    bodies = [post("/query", dict(QUERY, token_ids=list(range(1, 13 + i % 3))))
+              for i in range(count - 1)] + [post("/query", QUERY, close=True)]
+    outs = []
+    for port in pair:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
+            sock.settimeout(READ_S)
+            sock.connect(("127.0.0.1", port))
+            sender = threading.Thread(target=sock.sendall, args=(b"".join(bodies),),
+                                      daemon=True)
+            sender.start()
+            time.sleep(1.0)  # nothing read meanwhile
+            out = b""
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                data = sock.recv(1 << 20)
+                if not data:
+                    break
+                out += data
+            sender.join(READ_S)
+        assert out.count(b"HTTP/1.1 200 OK") == count
+        outs.append(normalized(out))
+    assert outs[0] == outs[1]
