@@ -36,6 +36,12 @@ def protocol_class(app: Any) -> Optional[type]:
         from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
     except ImportError:
         return None
+    # What this class extends of uvicorn's protocol (stable since uvicorn 0.30): a uvicorn
+    # without it serves every request the ASGI way.
+    if not all(hasattr(HttpToolsProtocol, name) for name in (
+            "on_headers_complete", "on_body", "on_message_complete",
+            "_unset_keepalive_if_required", "timeout_keep_alive_handler")):
+        return None
     routes = {path.encode(): app.routes[("POST", path)] for path in FAST_PATHS
               if ("POST", path) in app.routes}
     # Only a route that answers in the loop and changes nothing (no executor, no token).
