@@ -77,11 +77,12 @@ def rss_bytes(pid: int) -> int:
 class Server:
     """A service under test: radixcache serve, or Dynamo's indexer."""
 
-    def __init__(self, name: str, argv: list, port: int, env: dict | None = None) -> None:
+    def __init__(self, name: str, argv: list, port: int, env: dict | None = None,
+                 cwd: Optional[str] = None) -> None:
         self.name, self.port = name, port
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=env)
+                                     env=env, cwd=cwd)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -119,9 +120,15 @@ class Server:
             self.proc.wait()
 
 
-def start_radixcache(port: int) -> Server:
-    return Server("radixcache", [sys.executable, "-m", "radixcache", "serve", "--port",
-                                 str(port)], port)
+def start_radixcache(port: int, checkout: Optional[str] = None, *flags: str) -> Server:
+    """``radixcache serve`` of this checkout, or of another one (``--baseline``: its built
+    tree, run from its own directory)."""
+    env = None
+    if checkout is not None:
+        env = dict(os.environ, PYTHONPATH=checkout)
+    return Server("radixcache" if checkout is None else "baseline",
+                  [sys.executable, "-m", "radixcache", "serve", "--port", str(port), *flags],
+                  port, env, cwd=checkout)
 
 
 def start_dynamo(python: str, port: int) -> Server:
@@ -529,6 +536,11 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--dynamo-python", default=None,
                         help="a python with ai-dynamo-runtime installed (its own venv)")
+    parser.add_argument("--baseline", metavar="CHECKOUT", default=None,
+                        help="another checkout of radixcache (built) served the same way in "
+                             "the same interleaved rounds: a before/after comparison")
+    parser.add_argument("--flags", default="",
+                        help="extra flags of this checkout's radixcache serve (one string)")
     parser.add_argument("--quick", action="store_true",
                         help="100,000 blocks, 500 queries, 2-second phases, one round")
     parser.add_argument("--json", default=None, help="write every round's figures here")
@@ -544,12 +556,15 @@ def main() -> int:
     print(f"{work.blocks:,} blocks over {work.instances} instances, block {BLOCK}, "
           f"prompt {len(work.prompt):,} tokens; load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
-    services = [("radixcache", start_radixcache)]
+    flags = args.flags.split()
+    services = [("radixcache", lambda port: start_radixcache(port, None, *flags))]
+    if args.baseline:
+        services.append(("baseline", lambda port: start_radixcache(port, args.baseline)))
     if args.dynamo_python:
         services.append(("dynamo", lambda port: start_dynamo(args.dynamo_python, port)))
     rounds: dict = {name: [] for name, _ in services}
     for r in range(args.rounds):
-        for name, start in (services if r % 2 == 0 else services[::-1]):
+        for name, start in (services[r % len(services):] + services[:r % len(services)]):
             result = one_round(name, start, work, args)
             rounds[name].append(result)
             if result["floor"] is not None:
@@ -563,26 +578,29 @@ def main() -> int:
                   f"{result['qps16']:,.0f} q/s (16 clients), ingest "
                   f"{result['ingest_events_s']:,.0f} events/s with query p99 "
                   f"{result['ingest_query_p99_ms']:.2f} ms, "
-                  f"{result['rss_per_block']:.1f} B/block", flush=True)
+                  f"{result['rss_per_block']:.1f} B/block; load average "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
     in_proc = in_process_memory(work) / work.blocks
     best_of = {"fill_events_s": max, "p50_ms": min, "p99_ms": min, "qps16": max,
                "ingest_events_s": max, "ingest_query_p99_ms": min, "rss_per_block": min}
     best = {name: {key: pick(x[key] for x in rs) for key, pick in best_of.items()
                    if key in rs[0]} for name, rs in rounds.items()}
+    others = [n for n in ("dynamo", "baseline") if n in best]
     print(f"\nbest of {args.rounds} interleaved rounds (in-process KvIndexer: "
-          f"{in_proc:.1f} B/block resident; ratio: radixcache / Dynamo):")
-    print("| what | " + " | ".join(best) + (" | ratio |" if "dynamo" in best else " |"))
+          f"{in_proc:.1f} B/block resident; load average {os.getloadavg()[0]:.1f}; ratios: "
+          "radixcache / the other):")
+    print("| what | " + " | ".join(best) + "".join(f" | / {n}" for n in others) + " |")
     for key in best_of:
         row = ["" if key not in best[n] else f"{best[n][key]:,.3f}" if "ms" in key
                else f"{best[n][key]:,.0f}" for n in best]
-        ratio = (f" | {best['radixcache'][key] / best['dynamo'][key]:.2f} |"
-                 if "dynamo" in best and best["dynamo"][key] else " |")
-        print(f"| {key} | " + " | ".join(row) + ratio)
-    if "dynamo" in rounds:
-        ours, theirs = rounds["radixcache"][0]["answers"], rounds["dynamo"][0]["answers"]
+        ratios = [f"{best['radixcache'][key] / best[n][key]:.2f}" if best[n][key] else ""
+                  for n in others]
+        print(f"| {key} | " + " | ".join(row + ratios) + " |")
+    for other in others:
+        ours, theirs = rounds["radixcache"][0]["answers"], rounds[other][0]["answers"]
         same = sum(a == b for a, b in zip(ours, theirs))
         print(f"answers: {same} of {len(ours)} prompts give every instance the same device "
-              "hit in both services")
+              f"hit in radixcache and {other}")
         if same != len(ours):
             for a, b in zip(ours, theirs):
                 if a != b:

@@ -93,6 +93,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default warning)")
+    p.add_argument("--http-frontend", choices=("fast", "asgi"), default="fast",
+                   help="fast (default): /query and /query_by_hash are answered by the HTTP "
+                        "parser's callbacks, the rest by the ASGI application; asgi: every "
+                        "request by the ASGI application (the same answers, slower)")
     p.add_argument("--no-api", action="store_true",
                    help="serve only /health, /ready, /metrics and /workers over HTTP, not the "
                         "index's API (with --epp: a picker whose publishers are static)")
@@ -237,7 +241,10 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from ..service.app import make_app
+        from ..service.frontend import protocol_class
+
         app = make_app(config, api=not args.no_api)
+        http = (protocol_class(app) if args.http_frontend == "fast" else None) or "auto"
         extproc = _picker(args, app) if args.epp is not None else None
     except ImportError as exc:
         extra = "epp" if args.epp is not None else "serve"
@@ -255,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, _stopped)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
                                     log_level=args.log_level, access_log=False, lifespan="on",
-                                    http="auto", timeout_keep_alive=60,
+                                    http=http, timeout_keep_alive=60,
                                     timeout_graceful_shutdown=5), extproc, args.epp)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(server.serve_all())

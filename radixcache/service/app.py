@@ -36,6 +36,14 @@ class _Refused(Exception):
         self.status, self.field, self.headers = status, field, headers or []
 
 
+def response_headers(headers: list, body: bytes) -> list:
+    """The response headers of an answer: ``headers``, the JSON content type unless they
+    name another first, and the body's length (a fixed-length body, not chunks)."""
+    if not headers or headers[0][0] != b"content-type":
+        headers = headers + _JSON
+    return headers + [(b"content-length", b"%d" % len(body))]
+
+
 def _error_body(message: str, field: Optional[str]) -> bytes:
     body = {"error": message}
     if field is not None:
@@ -96,28 +104,49 @@ class App:
                 raise _Refused(404, f"no such endpoint: {scope['path']}")
             handler, changes, threaded, metric = route
             body = await self._body(scope, receive)
-            if changes or (changes is None and b'"request_id"' in body):
-                self._authorize(scope)
             if threaded:
+                self._check_token(changes, body, scope["headers"])
                 status, out, headers = await asyncio.get_running_loop().run_in_executor(
                     None, handler, body)
             else:
-                status, out, headers = handler(body)
-        except _Refused as exc:
-            status, out, headers = exc.status, _error_body(str(exc), exc.field), exc.headers
-        except ServiceError as exc:
-            status, out, headers = exc.status, _error_body(str(exc), exc.field), []
-        except api.BadRequest as exc:
-            status, out, headers = exc.status, _error_body(str(exc), exc.field), []
-        except Exception:  # a bug: logged; the client gets a 500 and the service goes on
-            _log.exception("%s %s failed", scope.get("method"), scope.get("path"))
-            status, out, headers = 500, _error_body("internal error", None), []
+                status, out, headers = self.answer(route, body, scope["headers"],
+                                                   scope["method"], scope["path"])
+        except Exception as exc:
+            status, out, headers = self._failed(exc, scope.get("method"), scope.get("path"))
         await send({"type": "http.response.start", "status": status,
-                    "headers": headers + _JSON if not headers or headers[0][0] != b"content-type"
-                    else headers})
+                    "headers": response_headers(headers, out)})
         await send({"type": "http.response.body", "body": out})
+        self.observe(metric, status, started)
+
+    def answer(self, route: tuple, body: bytes, headers: list, method: str,
+               path: str) -> tuple:
+        """``(status, body, headers)`` of a request to ``route`` (an entry of ``routes``)
+        whose whole ``body`` and request ``headers`` (lower-case names) are read: what
+        either front end sends (see ``frontend``), refusals included."""
+        handler, changes = route[0], route[1]
+        try:
+            self._check_token(changes, body, headers)
+            return handler(body)
+        except Exception as exc:
+            return self._failed(exc, method, path)
+
+    def observe(self, metric: Optional[str], status: int, started: float) -> None:
+        """Count a request to an endpoint with a latency metric, answered at its status."""
         if metric is not None and self.metrics is not None and status < 400:
             self.metrics.observe(metric, time.perf_counter() - started)
+
+    def _check_token(self, changes: Optional[bool], body: bytes, headers: list) -> None:
+        if changes or (changes is None and b'"request_id"' in body):
+            self._authorize(headers)
+
+    @staticmethod
+    def _failed(exc: Exception, method: Optional[str], path: Optional[str]) -> tuple:
+        """The answer to a request that raised ``exc``: its 4xx, or a logged 500."""
+        if isinstance(exc, (_Refused, ServiceError, api.BadRequest)):
+            return exc.status, _error_body(str(exc), exc.field), getattr(exc, "headers", [])
+        # A bug: logged; the client gets a 500 and the service goes on.
+        _log.error("%s %s failed", method, path, exc_info=exc)
+        return 500, _error_body("internal error", None), []
 
     async def _lifespan(self, receive: Callable, send: Callable) -> None:
         while True:
@@ -164,10 +193,10 @@ class App:
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def _authorize(self, scope: dict) -> None:
+    def _authorize(self, headers: list) -> None:
         if self._token is None:
             return
-        for name, value in scope["headers"]:
+        for name, value in headers:
             if name == b"authorization" and hmac.compare_digest(value, self._token):
                 return
         raise _Refused(401, "this change needs the service's bearer token "

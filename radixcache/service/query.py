@@ -115,6 +115,9 @@ def group_blocks(group: Any, tokens: Any, lora: Optional[str], salt: Optional[st
                                identity, seqs, pool_holders)
                 if blocks[2]:
                     found[worker] = blocks
+        if not best:
+            best = found  # the first identity's (usually the only one): nothing to merge
+            continue
         for worker, blocks in found.items():
             old = best.get(worker)
             best[worker] = blocks if old is None else tuple(map(max, old, blocks))

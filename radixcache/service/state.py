@@ -572,11 +572,27 @@ class IndexService:
                 else:
                     found = group_blocks(group, q.tokens, q.lora, q.salt, pool, holders,
                                          seqs_of)
+                pools = group.pools
+                if not everyone and not pools and timeout is None and q.instance is None:
+                    # The usual /query: every worker found answers, as itself.
+                    for worker, blocks in found.items():
+                        reg = workers.get(worker)
+                        if reg is None:
+                            continue
+                        gpu = blocks[0] * block_size
+                        hits = out.get(reg.instance_id)
+                        if hits is None:
+                            out[reg.instance_id] = Hits(gpu, blocks[1] * block_size,
+                                                        blocks[2] * block_size,
+                                                        {reg.dp_rank: gpu})
+                        else:
+                            hits.add_rank(reg.dp_rank, gpu, blocks[1] * block_size,
+                                          blocks[2] * block_size)
+                    continue
                 if everyone:
                     items = workers.items()
                 else:
                     items = [(w, workers[w]) for w in found if w in workers]
-                pools = group.pools
                 for worker, reg in items:
                     blocks = found.get(worker)
                     if not blocks and worker in pools and \

@@ -117,6 +117,30 @@ def test_mooncake_documented_requests_and_answers(service, publisher):
     assert gone.status_code == 404 and gone.json()["field"] == "instance_id"
 
 
+def test_data_parallel_ranks_of_one_instance_answer_together(service, publisher):
+    """Two DP ranks of one instance, each with its own publisher and cache: one entry for the
+    instance, ``DP`` per rank, ``GPU`` the best rank's; the same whether the query names the
+    instance or not, and in either dialect."""
+    svc = service()
+    tokens = list(range(2000, 2008))  # four blocks of 2
+    for rank, held in ((0, tokens), (1, tokens[:4])):
+        pub, cache = publisher(page_size=2)
+        publish(pub, cache, held)
+        body = register_body("dp", pub.endpoint, pub.replay_endpoint, dp_rank=rank)
+        assert svc.post("/register", body).status_code == 200
+    query = {"model": "m", "token_ids": tokens + [9], "block_size": 2}
+    want = {"default": {"dp": {"longest_matched": 8, "GPU": 8, "DP": {"0": 8, "1": 4},
+                               "CPU": 8, "DISK": 8}}}
+    answer = wait_until(lambda: (lambda got: got == want and got)(
+        svc.post("/query", query).json()), "both ranks' blocks")
+    assert answer == want
+    assert svc.post("/query", {**query, "instance_id": "dp"}).json() == want
+    # Dynamo's dialect answers only the instances with a hit: another way through the index.
+    dynamo = svc.post("/query", {"token_ids": tokens + [9], "model_name": "m"}).json()
+    assert dynamo == {"scores": {"dp": {"0": 8, "1": 4}}, "frequencies": [], "instances": {
+        "dp": {"longest_matched": 8, "gpu": 8, "dp": {"0": 8, "1": 4}, "cpu": 8, "disk": 8}}}
+
+
 def test_dynamo_dialect(service, publisher):
     svc = service()
     pub, cache = publisher(page_size=4)
