@@ -129,6 +129,8 @@ class HostTierCalls:
         events = self._events
         if events is not None and extra_key is not None:
             events.check_extra_key(extra_key)  # before the tree changes
+        tokens = self._tokens(tokens)
+        host_indices = self._kv_values(host_indices, 0, "host_indices")
         return self._core.insert_host(node, tokens, host_indices, extra_key, bool(refill),
                                       None if events is None else events.stored_host)
 

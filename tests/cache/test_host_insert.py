@@ -156,8 +156,11 @@ def test_bad_input_changes_nothing(make_cache):
         (lambda: cache.insert_host(root, [5, 6, 7], [1, 2, 3]), ValueError, "whole number"),
         (lambda: cache.insert_host(root, [5, 6], [1]), ValueError, "one per token"),
         (lambda: cache.insert_host(root, [5, 6], [1, 2, 3]), ValueError, "one per token"),
-        (lambda: cache.insert_host(root, "ab", [1, 2]), TypeError, "tokens must be"),
-        (lambda: cache.insert_host(root, [5, 6], [1.0, 2.0]), TypeError, "host indices"),
+        (lambda: cache.insert_host(root, "ab", [1, 2]), TypeError, "token_ids must be"),
+        (lambda: cache.insert_host(root, [5, 6], [1.0, 2.0]), TypeError,
+         "host_indices must hold integers"),
+        (lambda: cache.insert_host(root, [5, 6], torch.tensor([[1, 2]])), ValueError,
+         "host_indices must be 1-D"),
         (lambda: cache.insert_host(root, [5, 6], [1, 2], extra_key=[1]), TypeError,
          "extra_key"),
         (lambda: cache.insert_host(node_at(other, [1, 2, 3, 4]), [5, 6], [1, 2]),
@@ -175,6 +178,33 @@ def test_bad_input_changes_nothing(make_cache):
     plain = make_cache(page_size=2)
     with pytest.raises(ValueError, match="host tier"):
         plain.insert_host(plain.root_node, [1, 2], [1, 2])
+    check_invariants(cache)
+
+
+def test_the_core_declines_what_it_cannot_read(make_cache):
+    """The core reads the common inputs only (cache.py converts the rest): anything else is
+    a TypeError from both cores alike, and nothing changes."""
+    cache = device_cache(make_cache)
+    core = core_of(cache)
+    before = snapshot(cache)
+    for tokens, host, message in (("ab", [1, 2], "tokens must be"),
+                                  ([5, 6], [1.0, 2.0], "host indices must be"),
+                                  ([5, 6], np.array([1, 2], dtype=np.int32),
+                                   "host indices must be")):
+        with pytest.raises(TypeError, match=message):
+            core.insert_host(cache.root_node, tokens, host)
+        assert snapshot(cache) == before
+
+
+def test_host_indices_in_any_layout(make_cache):
+    """A strided or int32 tensor of host slots (an engine's pool hands out such views)."""
+    cache = device_cache(make_cache)
+    _, last, _, _ = cache.insert_host(cache.root_node, [1, 2, 3, 4, 5, 6],
+                                      torch.arange(100, 112)[::2])
+    assert last.host_value.tolist() == [108, 110]
+    _, last, _, _ = cache.insert_host(cache.root_node, [7, 8],
+                                      torch.tensor([1, 2], dtype=torch.int32))
+    assert last.host_value.tolist() == [1, 2]
     check_invariants(cache)
 
 
