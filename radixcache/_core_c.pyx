@@ -3365,7 +3365,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         """Insert host-only pages below ``node`` (see ``_core_py``); returns
         ``(prefix_len, last_node, unused, dropped)``."""
         cdef TokenBuf b
-        cdef Node cur, child, lower, new
+        cdef Node cur, child, lower, new, last_device
         cdef Py_ssize_t count, pos = 0, common, prefix_len = 0
         cdef int64_t ns, now
         cdef bint dropped = False
@@ -3420,6 +3420,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             cur.last_access_time = now
             unused = []  # host slots the tree does not take: the caller frees them
             stored = []  # nodes given host slots, in path order (then on_store)
+            last_device = cur  # the deepest node on the device it stamps (or the anchor)
             while pos < count:
                 child = self.tree.find_match(cur, keys + pos, count - pos, ns, &common)
                 if child is None:
@@ -3432,6 +3433,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                         (<HostNode>child).queued = True
                     lower = None
                 child.last_access_time = now
+                if not (<HostNode>child).host_only:
+                    last_device = child
                 part = PyBytes_FromStringAndSize(<const char*>(hosts + pos),
                                                  common * sizeof(int64_t))
                 if refill and (<HostNode>child).host_owner is None:  # on the device only
@@ -3443,6 +3446,11 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     unused.append(part)
                 pos += common
                 cur = child
+            if self.push_on_access and cur is not root:
+                # The walk stamped them: a policy whose key falls on access needs new entries
+                # for the leaves among them (a device leaf is the deepest on the device).
+                dropped_entries = self.push_if_evictable(last_device)
+                dropped_host = self.push_host_leaf(cur)
             if pos < count:
                 if (refill and cur is not root and (<HostNode>cur).host_owner is None):
                     # Under write-through a host-only node never hangs below a node without
@@ -3472,7 +3480,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                         self.tree.ns_roots[ns] = self.tree.ns_roots.get(ns, 0) + 1
                     self.host_size += count - pos
                     stored.append(new)
-                    dropped_entries = self.push_host_leaf(new)
+                    dropped_new = self.push_host_leaf(new)
                     cur = new
             freed = b"".join(unused)
             result = (prefix_len, cur,

@@ -271,7 +271,9 @@ value), or both. The core owns no pool and copies no data.
   are token inputs (else TypeError); ``extra_key`` is the namespace at the root (below it, the
   node's own; unhashable: TypeError). Nothing changes on any of these errors. The walk from
   ``node`` stamps ``node`` and every node it passes with one clock tick and splits a node
-  where the pages end or differ inside it (a split of a queued node queues its upper half).
+  where the pages end or differ inside it (a split of a queued node queues its upper half);
+  for ``KEY_FALLS_ON_ACCESS`` policies the deepest node on the device it stamped is pushed
+  on ``heap`` if a device leaf, and the node it ends on on ``host_heap`` if a host leaf.
   Each node passed: with ``refill`` and no host copy (on the device only) it takes its slice
   of ``host`` as its host copy (``host_size`` grows); else its slice is unused and its tokens
   count in ``prefix_len``. Then the pages left, if any: with ``refill`` below a node that is

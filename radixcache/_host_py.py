@@ -533,11 +533,14 @@ class HostTier:
             prefix_len = 0
             unused: list = []  # host slots the tree does not take: the caller frees them
             stored: list = []  # nodes given host slots, in path order (then on_store)
+            last_device = node  # the deepest node on the device it stamps (or the anchor)
             while pos < end:
                 child, common = tree._descend(node, buf, pos, end, extra_key)
                 if child is None:
                     break
                 child._last_access_time = now
+                if child._on_device:
+                    last_device = child
                 part = held[pos:pos + common]
                 if refill and child._host is None:  # on the device without a host copy
                     child._host = part
@@ -549,6 +552,12 @@ class HostTier:
                 pos += common
                 node = child
             dropped = False
+            if self._push_on_access and node is not root:
+                # The walk stamped them: a policy whose key falls on access needs new entries
+                # for the leaves among them (a device leaf is the deepest on the device).
+                garbage.append(self._push_if_evictable(last_device))
+                if host_leaf(node):
+                    garbage.append(self.host_heap._push(node))
             if pos < end:
                 if refill and node is not root and node._host is None:
                     # Under write-through a host-only node never hangs below a node without

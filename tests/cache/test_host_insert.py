@@ -224,14 +224,16 @@ def test_an_on_store_error_leaves_a_consistent_tree(make_cache):
     cache.insert([9, 9], [30, 31])  # the guard was released
 
 
+@pytest.mark.parametrize("policy", ["lru", "mru"])  # mru: a key that falls on access
 @pytest.mark.parametrize("page_size", [1, 2])
 @pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
 def test_random_mix_keeps_the_invariants_and_no_slot_is_lost(make_cache, page_size,
-                                                             write_policy):
+                                                             write_policy, policy):
     """Every tier call in random order: each host slot handed in is held by exactly one
     node, handed back as unused or freed by evict_host -- never two of these."""
     rng = random.Random(7 + page_size)
-    cache = make_cache(page_size=page_size, host_tier=True, write_policy=write_policy)
+    cache = make_cache(page_size=page_size, host_tier=True, write_policy=write_policy,
+                       eviction_policy=policy)
     pool = HostPool(capacity=40, start=1000)
     next_host = [5000]
     given: set = set()
