@@ -580,8 +580,7 @@ class Core(HostTier):
         """Insert host-only pages below ``node``; see the module docstring."""
         return self._insert_host(node, _token_bytes(tokens), _token_bytes(host),
                                  (type(tokens).__name__, type(host).__name__), extra_key,
-                                 extra_key is None or _hashable(extra_key), bool(refill),
-                                 on_store)
+                                 _hashable, bool(refill), on_store)
 
     def match(self, tokens: Any, extra_key: Any = None, held: bool = False) -> MatchResult | None:
         self._take(held, "match_prefix")

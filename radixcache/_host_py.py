@@ -493,10 +493,11 @@ class HostTier:
         return nodes
 
     def _insert_host(self, node: Any, buf: Any, held: Any, kinds: tuple, extra_key: Any,
-                     hashable: bool, refill: bool, on_store: Any) -> tuple:
+                     hashable: Any, refill: bool, on_store: Any) -> tuple:
         """``insert_host`` (see the module docstring) of the tokens and host indices as
         int64 bytes (None: not a token input; ``kinds``: their type names), ``hashable``
-        saying whether ``extra_key`` is; ``Core.insert_host`` converts them."""
+        the check of ``extra_key`` (run under the guard); ``Core.insert_host`` converts
+        them."""
         self._take(False, "insert_host")
         garbage: list = []
         try:
@@ -520,7 +521,7 @@ class HostTier:
             root = tree.root
             if node is not root:
                 extra_key = node._extra_key  # below the root, the anchor's namespace
-            elif not hashable:
+            elif extra_key is not None and not hashable(extra_key):
                 raise TypeError(f"insert_host: extra_key {type(extra_key).__name__} is not "
                                 "hashable")
             if not count:

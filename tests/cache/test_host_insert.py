@@ -280,3 +280,35 @@ def test_random_mix_keeps_the_invariants_and_no_slot_is_lost(make_cache, page_si
         back = [s for s in returned if s >= 5000]
         assert len(held) + len(back) == len(set(held) | set(back)), "a slot twice"
         assert set(held) | set(back) == given, "a slot lost"
+
+
+class _ReentrantKey:
+    """An extra_key whose hash calls the cache: a call from inside the call."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def __hash__(self) -> int:
+        self.cache.match_prefix([1, 2])
+        return 1
+
+    def __eq__(self, other) -> bool:
+        return self is other
+
+
+def test_code_that_calls_back_into_the_cache_is_refused(make_cache):
+    cache = device_cache(make_cache)
+    core = core_of(cache)
+    with pytest.raises(RuntimeError):
+        core.insert_host(cache.root_node, [5, 6], [100, 101], _ReentrantKey(cache))
+    assert cache.host_size() == 0 and tiers(cache) == {
+        (1, 2, 3, 4): ("device", [10, 11, 12, 13], None)}
+
+    def reenter(node):
+        cache.insert([7, 8], [1, 2])
+
+    with pytest.raises(RuntimeError):
+        core.insert_host(cache.root_node, [5, 6], [100, 101], None, False, reenter)
+    assert tiers(cache)[(5, 6)] == ("host", None, [100, 101])  # complete before the hook
+    cache.insert([7, 8], [1, 2])  # the guard was released
+    check_invariants(cache)
