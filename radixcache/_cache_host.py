@@ -1,7 +1,8 @@
 """The public ``RadixCache``'s host-tier calls that hand straight to the tree core: host
-eviction, the engine's per-node steps (``next_victim``, ``back_up``, ``drop_host_copy``),
-``write_through`` and ``host_size``. ``HostTierCalls`` is a base class of ``RadixCache``; it
-only checks arguments and passes the cache's event hooks, as ``cache.py`` does."""
+eviction, the engine's per-node steps (``next_victim``, ``back_up``, ``drop_host_copy``,
+``insert_host``), ``write_through`` and ``host_size``. ``HostTierCalls`` is a base class of
+``RadixCache``; it only checks arguments and passes the cache's event hooks, as ``cache.py``
+does."""
 
 from __future__ import annotations
 
@@ -93,6 +94,45 @@ class HostTierCalls:
         self._need_host_tier("back_up")
         events = self._events
         self._core.back_up(node, host_indices, None if events is None else events.stored_host)
+
+    def insert_host(self, node: Any, tokens: Any, host_indices: Any, *, extra_key: Any = None,
+                    refill: bool = False) -> tuple:
+        """Put pages that arrived in host slots (read back from storage) into the tree below
+        ``node``, as SGLang's HiCache does when a prefetch completes.
+
+        The walk from ``node`` follows the cached continuation of ``tokens`` (splitting a
+        node where the pages end or differ inside it); the pages it does not find become one
+        new node held on the host only. With ``refill`` (SGLang's rule for every write policy
+        but ``write_back``), a node passed on the way that is on the device without a host
+        copy takes its pages' host slots as one, and pages left below a node without a host
+        copy are dropped rather than put under it.
+
+        Args:
+            node: Where the pages continue (the root, or a node of this cache).
+            tokens: The pages' tokens (a whole number of pages).
+            host_indices: Their host slots, one per token (a list or a 1-D int64 array).
+            extra_key: The namespace, when ``node`` is the root (below it, the node's own).
+            refill: Give nodes without a host copy theirs; drop what would hang below one.
+
+        Returns:
+            ``(prefix_len, last_node, unused, dropped)``: the tokens already held (their
+            host slots not taken), the node the pages end on, the host indices the tree did
+            not take (a new 1-D CPU int64 array: the engine frees them) and whether the new
+            pages were dropped.
+
+        Raises:
+            TypeError, ValueError: not a node of this cache, evicted; bad tokens or host
+                indices (not a whole number of pages, not one per token); an unhashable
+                ``extra_key``; no host tier. Nothing changes then.
+        """
+        self._need_host_tier("insert_host")
+        events = self._events
+        if events is not None and extra_key is not None:
+            events.check_extra_key(extra_key)  # before the tree changes
+        tokens = self._tokens(tokens)
+        host_indices = self._kv_values(host_indices, 0, "host_indices")
+        return self._core.insert_host(node, tokens, host_indices, extra_key, bool(refill),
+                                      None if events is None else events.stored_host)
 
     def drop_host_copy(self, node: Any) -> torch.Tensor:
         """Take back the host copy of ``node``, which stays on the device.

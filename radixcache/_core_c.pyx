@@ -3360,6 +3360,141 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             release_tokens(&tb)
             self.guard.busy = 0
 
+    def insert_host(self, node, tokens, host, extra_key=None, bint refill=False,
+                    on_store=None):
+        """Insert host-only pages below ``node`` (see ``_core_py``); returns
+        ``(prefix_len, last_node, unused, dropped)``."""
+        cdef TokenBuf b
+        cdef Node cur, child, lower, new, last_device
+        cdef Py_ssize_t count, pos = 0, common, prefix_len = 0
+        cdef int64_t ns, now
+        cdef bint dropped = False
+        cdef const int64_t* keys
+        cdef const int64_t* hosts
+        cdef uint64_t h
+        b.held = False
+        self.guard.enter("insert_host")
+        try:
+            if not self.host_tier:
+                raise ValueError("insert_host needs a core with a host tier")
+            self.tree._check_member(node)
+            # The caller's inputs copied first (nothing runs in between), then the tree.
+            if not self.acquire(tokens, &b, False, False):
+                raise TypeError("insert_host: tokens must be a list of ints or a 1-D int64 "
+                                f"array, got {type(tokens).__name__}")
+            key_owner = PyBytes_FromStringAndSize(<const char*>b.ptr, b.len * sizeof(int64_t))
+            release_tokens(&b)
+            if not self.acquire(host, &b, True, False):
+                raise TypeError("insert_host: host indices must be a list of ints or a 1-D "
+                                f"int64 array, got {type(host).__name__}")
+            host_owner = PyBytes_FromStringAndSize(<const char*>b.ptr, b.len * sizeof(int64_t))
+            release_tokens(&b)
+            count = len(<bytes>key_owner) // sizeof(int64_t)
+            if count % self.page_size:
+                raise ValueError(f"insert_host: {count} tokens are not a whole number of "
+                                 f"pages of {self.page_size}")
+            if len(<bytes>host_owner) != len(<bytes>key_owner):
+                raise ValueError(f"insert_host got {len(<bytes>host_owner) // 8} host "
+                                 f"indices for {count} tokens: one per token expected")
+            cur = <Node>node
+            root = self.tree.root
+            if cur is not root:
+                ns = cur.ns
+                extra_key = cur.extra_key  # below the root, the anchor's namespace
+            elif extra_key is None:
+                ns = 0
+            else:
+                try:
+                    ns = self.tree.find_namespace(extra_key)
+                except TypeError:
+                    raise TypeError(f"insert_host: extra_key {type(extra_key).__name__} is "
+                                    "not hashable") from None
+                if ns < 0 and count:
+                    ns = self.tree.make_namespace(extra_key)
+            if not count:
+                return 0, cur, new_empty_indices(self.numpy_arrays), False
+            keys = <const int64_t*>PyBytes_AS_STRING(key_owner)
+            hosts = <const int64_t*>PyBytes_AS_STRING(host_owner)
+            self.tree.clock += 1
+            now = self.tree.clock
+            cur.last_access_time = now
+            unused = []  # host slots the tree does not take: the caller frees them
+            stored = []  # nodes given host slots, in path order (then on_store)
+            last_device = cur  # the deepest node on the device it stamps (or the anchor)
+            while pos < count:
+                child = self.tree.find_match(cur, keys + pos, count - pos, ns, &common)
+                if child is None:
+                    break
+                if common < child.key_len:
+                    lower = child
+                    child = self.tree.split(child, common)  # allocates: reads are on bytes
+                    if (<HostNode>lower).queued:
+                        self.wt_queue.append(child)
+                        (<HostNode>child).queued = True
+                    lower = None
+                child.last_access_time = now
+                if not (<HostNode>child).host_only:
+                    last_device = child
+                part = PyBytes_FromStringAndSize(<const char*>(hosts + pos),
+                                                 common * sizeof(int64_t))
+                if refill and (<HostNode>child).host_owner is None:  # on the device only
+                    (<HostNode>child).host_owner = part
+                    self.host_size += common
+                    stored.append(child)
+                else:
+                    prefix_len += common
+                    unused.append(part)
+                pos += common
+                cur = child
+            if self.push_on_access and cur is not root:
+                # The walk stamped them: a policy whose key falls on access needs new entries
+                # for the leaves among them (a device leaf is the deepest on the device).
+                dropped_entries = self.push_if_evictable(last_device)
+                dropped_host = self.push_host_leaf(cur)
+            if pos < count:
+                if (refill and cur is not root and (<HostNode>cur).host_owner is None):
+                    # Under write-through a host-only node never hangs below a node without
+                    # a host copy: the pages are dropped (the walk ended on the anchor).
+                    dropped = True
+                    unused = [host_owner]
+                    prefix_len = 0
+                else:
+                    leaf_key = PyBytes_FromStringAndSize(<const char*>(keys + pos),
+                                                         (count - pos) * sizeof(int64_t))
+                    leaf_host = PyBytes_FromStringAndSize(<const char*>(hosts + pos),
+                                                          (count - pos) * sizeof(int64_t))
+                    new = self.tree.new_node(cur, now)  # allocates: nothing is written yet
+                    new.key_owner = leaf_key
+                    new.key_ptr = <const int64_t*>PyBytes_AS_STRING(leaf_key)
+                    new.key_len = count - pos
+                    new.priority = cur.priority
+                    new.ns = ns
+                    new.extra_key = extra_key
+                    (<HostNode>new).host_owner = leaf_host
+                    (<HostNode>new).host_only = True
+                    h = self.tree.page_hash(new.key_ptr, ns)
+                    add_child(cur, new, h)
+                    (<HostNode>cur).n_host_kids += 1
+                    self.tree.node_count += 1
+                    if cur is root and ns:
+                        self.tree.ns_roots[ns] = self.tree.ns_roots.get(ns, 0) + 1
+                    self.host_size += count - pos
+                    stored.append(new)
+                    dropped_new = self.push_host_leaf(new)
+                    cur = new
+            freed = b"".join(unused)
+            result = (prefix_len, cur,
+                      block_tensor(<const int64_t*>PyBytes_AS_STRING(freed),
+                                   len(freed) // sizeof(int64_t), self.numpy_arrays),
+                      dropped)
+            if on_store is not None:
+                for new in stored:
+                    on_store(new)
+            return result
+        finally:
+            release_tokens(&b)
+            self.guard.busy = 0
+
     def set_value(self, Node node, values, bint held=False):
         self.take(held, "insert")
         try:

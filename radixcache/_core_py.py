@@ -263,6 +263,29 @@ value), or both. The core owns no pool and copies no data.
   ``back_up``) is on the device with a host copy (else ValueError); ``on_remove_host(node)``
   runs under the guard (if it raises, nothing changed), then the host value is dropped
   (``host_size`` shrinks) and returned as a new CPU index array. The node stays on the device.
+- ``insert_host(node, tokens, host, extra_key=None, refill=False, on_store=None) ->
+  (prefix_len, last_node, unused, dropped)``: pages that arrived in host slots (fetched from
+  storage) go into the tree below ``node`` (of this tree, not evicted, the root allowed: else
+  TypeError/ValueError as for ``lock``). ``tokens`` (the pages after ``node``'s path; a whole
+  number of pages, else ValueError) and ``host`` (one host index per token, else ValueError)
+  are token inputs (else TypeError); ``extra_key`` is the namespace at the root (below it, the
+  node's own; unhashable: TypeError). Nothing changes on any of these errors. The walk from
+  ``node`` stamps ``node`` and every node it passes with one clock tick and splits a node
+  where the pages end or differ inside it (a split of a queued node queues its upper half);
+  for ``KEY_FALLS_ON_ACCESS`` policies the deepest node on the device it stamped is pushed
+  on ``heap`` if a device leaf, and the node it ends on on ``host_heap`` if a host leaf.
+  Each node passed: with ``refill`` and no host copy (on the device only) it takes its slice
+  of ``host`` as its host copy (``host_size`` grows); else its slice is unused and its tokens
+  count in ``prefix_len``. Then the pages left, if any: with ``refill`` below a node that is
+  not the root and has no host copy (the walk ended on ``node``) they are all dropped
+  (``dropped`` True, ``prefix_len`` 0, all of ``host`` unused); else they become one new
+  host-only node (no device value, ``node``'s priority, the call's tick, not terminal, pushed
+  on ``host_heap``; ``host_size`` grows). ``last_node``: the new node, else the last node the
+  walk reached (``node`` if none). ``unused``: a new CPU index array of the host slots the
+  tree did not take, in token order (the caller frees them; ``prefix_len`` of them unless
+  dropped). Then ``on_store(node)`` runs for each node given host slots, top-down (the tree
+  is complete by then; an error from it propagates). SGLang's ``insert_host`` of a prefetch:
+  ``refill`` is its write-through rule (every policy but ``write_back``).
 - ``lock(node, +1)`` on a host-only node raises ValueError (load it back first), changing
   nothing.
 - ``export_state`` raises TypeError with a host tier (cache.py refuses to pickle or copy
@@ -552,6 +575,13 @@ class Core(HostTier):
         return None
 
     # -- whole calls -----------------------------------------------------------------------
+    def insert_host(self, node: Any, tokens: Any, host: Any, extra_key: Any = None,
+                    refill: bool = False, on_store: Any = None) -> tuple:
+        """Insert host-only pages below ``node``; see the module docstring."""
+        return self._insert_host(node, _token_bytes(tokens), _token_bytes(host),
+                                 (type(tokens).__name__, type(host).__name__), extra_key,
+                                 _hashable, bool(refill), on_store)
+
     def match(self, tokens: Any, extra_key: Any = None, held: bool = False) -> MatchResult | None:
         self._take(held, "match_prefix")
         try:

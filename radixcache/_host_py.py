@@ -1,5 +1,6 @@
 """The pure core's host tier: what ``Core`` of ``_core_py`` does with host copies (the
-tiered ``evict``, ``evict_host``, ``write_through``, ``load_back``), as a base class of it.
+tiered ``evict``, ``evict_host``, ``write_through``, ``load_back``, ``insert_host``), as a
+base class of it.
 
 The interface is specified in ``_core_py``'s docstring; this module only holds the methods, so
 that the core's module keeps its one-tier paths and its specification readable. The methods
@@ -16,7 +17,7 @@ from ._errors import cpu_values_only, stale_match
 from ._handover import answer_not_kept, hand_over_batch, host_indices_bytes
 from ._heap_py import host_leaf
 from ._torch import empty_indices
-from ._tree_py import Node, index_array
+from ._tree_py import TOKEN_BYTES, Node, index_array
 from ._types import MatchResult
 
 __all__ = ["HostTier"]
@@ -490,3 +491,100 @@ class HostTier:
             raise stale_match(f"its host nodes hold {total} tokens, not host_length "
                               f"{host_length}")
         return nodes
+
+    def _insert_host(self, node: Any, buf: Any, held: Any, kinds: tuple, extra_key: Any,
+                     hashable: Any, refill: bool, on_store: Any) -> tuple:
+        """``insert_host`` (see the module docstring) of the tokens and host indices as
+        int64 bytes (None: not a token input; ``kinds``: their type names), ``hashable``
+        the check of ``extra_key`` (run under the guard); ``Core.insert_host`` converts
+        them."""
+        self._take(False, "insert_host")
+        garbage: list = []
+        try:
+            tree = self.tree
+            if not self.host_tier:
+                raise ValueError("insert_host needs a core with a host tier")
+            tree._check_member(node)
+            if buf is None:
+                raise TypeError("insert_host: tokens must be a list of ints or a 1-D int64 "
+                                f"array, got {kinds[0]}")
+            if held is None:
+                raise TypeError("insert_host: host indices must be a list of ints or a 1-D "
+                                f"int64 array, got {kinds[1]}")
+            count = len(buf) // TOKEN_BYTES
+            if count % self.page_size:
+                raise ValueError(f"insert_host: {count} tokens are not a whole number of "
+                                 f"pages of {self.page_size}")
+            if len(held) != len(buf):
+                raise ValueError(f"insert_host got {len(held) // TOKEN_BYTES} host indices "
+                                 f"for {count} tokens: one per token expected")
+            root = tree.root
+            if node is not root:
+                extra_key = node._extra_key  # below the root, the anchor's namespace
+            elif extra_key is not None and not hashable(extra_key):
+                raise TypeError(f"insert_host: extra_key {type(extra_key).__name__} is not "
+                                "hashable")
+            if not count:
+                return 0, node, empty_indices(self._numpy_arrays), False
+            tree.clock += 1
+            now = tree.clock
+            node._last_access_time = now
+            end = len(buf)
+            pos = 0
+            prefix_len = 0
+            unused: list = []  # host slots the tree does not take: the caller frees them
+            stored: list = []  # nodes given host slots, in path order (then on_store)
+            last_device = node  # the deepest node on the device it stamps (or the anchor)
+            while pos < end:
+                child, common = tree._descend(node, buf, pos, end, extra_key)
+                if child is None:
+                    break
+                child._last_access_time = now
+                if child._on_device:
+                    last_device = child
+                part = held[pos:pos + common]
+                if refill and child._host is None:  # on the device without a host copy
+                    child._host = part
+                    self.host_size += common // TOKEN_BYTES
+                    stored.append(child)
+                else:
+                    prefix_len += common // TOKEN_BYTES
+                    unused.append(part)
+                pos += common
+                node = child
+            dropped = False
+            if self._push_on_access and node is not root:
+                # The walk stamped them: a policy whose key falls on access needs new entries
+                # for the leaves among them (a device leaf is the deepest on the device).
+                garbage.append(self._push_if_evictable(last_device))
+                if host_leaf(node):
+                    garbage.append(self.host_heap._push(node))
+            if pos < end:
+                if refill and node is not root and node._host is None:
+                    # Under write-through a host-only node never hangs below a node without
+                    # a host copy: the pages are dropped (nothing was refilled: the walk
+                    # ended on the anchor, which has none).
+                    dropped = True
+                    unused = [held]
+                    prefix_len = 0
+                else:
+                    new = tree._Node(buf[pos:end], node, extra_key, now, node._priority)
+                    new._host = held[pos:end]
+                    new._on_device = False
+                    ckey = tree._child_key(node, extra_key, buf[pos:pos + tree._page_bytes])
+                    node._children[ckey] = new
+                    tree._filed(new, ckey)
+                    tree.node_count += 1
+                    self.host_size += (end - pos) // TOKEN_BYTES
+                    stored.append(new)
+                    garbage.append(self.host_heap._push(new))
+                    node = new
+            if on_store is not None:
+                for below in stored:
+                    on_store(below)
+            freed = (index_array(unused, self._numpy_arrays) if unused
+                     else empty_indices(self._numpy_arrays))
+            return prefix_len, node, freed, dropped
+        finally:
+            self._leave()
+            garbage.clear()

@@ -610,6 +610,53 @@ class HostTierMachine(RuleBasedStateMachine):
         if self.cache.host_size() > 2 * budget:
             self.checked_evict_host(self.cache.host_size() - 2 * budget, batch)
 
+    @rule(data=st.data(), ns=namespaces, below=st.booleans())
+    def insert_host(self, data, ns, below):
+        """Pages read back into fresh host slots, below the root or a cached prefix: the
+        model predicts the walk (SGLang's refill rule under write-through), the pages
+        dropped, the host slots not taken and the new host-only pages."""
+        refill = self.cache.write_policy != "write_back"
+        page = self.page_size
+        model = self.model[ns]
+        anchor_prefix = ()
+        anchor = self.cache.root_node
+        if below and model:
+            anchor_prefix = data.draw(st.sampled_from(sorted(model)), label="anchor")
+            m = self.cache.match_prefix(list(anchor_prefix), extra_key=ns)
+            assert m.length + m.host_length == len(anchor_prefix)
+            anchor = m.last_host_node if m.host_length else m.last_node
+        tail = data.draw(st.lists(st.integers(0, 3), max_size=12), label="pages")
+        tail = tail[:len(tail) - len(tail) % page]
+        hosts = list(range(self.next_host, self.next_host + len(tail)))
+        self.next_host += len(tail)
+        prefix = walked = 0
+        unused, refilled = [], []
+        for end in self.page_ends(len(tail)):
+            entry = model.get(anchor_prefix + tuple(tail[:end]))
+            if entry is None:
+                break
+            if refill and entry[1] is None:
+                refilled.append((entry, tuple(hosts[end - page:end])))
+            else:
+                prefix += page
+                unused.extend(hosts[end - page:end])
+            walked = end
+        dropped = (refill and walked < len(tail) and walked == 0 and anchor_prefix != ()
+                   and model[anchor_prefix][1] is None)
+        result = self.cache.insert_host(anchor, tail, hosts, extra_key=ns, refill=refill)
+        if dropped:
+            assert result[0] == 0 and result[2].tolist() == hosts and result[3]
+            assert result[1] is anchor
+            return
+        assert (result[0], result[2].tolist(), result[3]) == (prefix, unused, False)
+        assert node_tokens(result[1]) == list(anchor_prefix) + tail
+        for entry, page_hosts in refilled:
+            entry[1] = page_hosts
+        for end in self.page_ends(len(tail)):
+            if end > walked:
+                model[anchor_prefix + tuple(tail[:end])] = [None,
+                                                            tuple(hosts[end - page:end])]
+
     @precondition(lambda self: self.cache.write_policy != "write_back")
     @rule(capacity=st.sampled_from([0, 4, 100]))
     def write_through(self, capacity):

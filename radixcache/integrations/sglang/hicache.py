@@ -25,6 +25,8 @@ decision for decision:
 - the storage tier is not served (``STORAGE_REFUSAL``): the scheduler's storage calls get
   SGLang's answers for a cache with no storage backend, and the per-node storage keys
   (``is_backuped``, ``get_last_hash_value``, ``get_prefix_hash_values``) are SGLang's.
+  Pages a prefetch brought into host slots go into the tree as SGLang puts them there
+  (``insert_prefetched``, from ``hicache_storage``): the building block of serving it.
 
 Every choice is a function of the calls the scheduler made and the TP-reduced
 acknowledgement counts, nothing else (no clock, no thread timing, no address): the same
@@ -52,6 +54,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
 
 from ... import cache as _tree
+from .hicache_storage import PrefetchInsert
 from .backend import (
     _NOT_ROOT,
     RadixcacheBackend,
@@ -69,8 +72,9 @@ _RECLAIM_DIGEST_MASK = (1 << 62) - 1
 _NO_HITS = 2**62  # a hits_from no insert reaches: write_back counts no hits
 #: Why a storage backend is refused (at start-up and when attached at run time).
 STORAGE_REFUSAL = ("the storage tier (--hicache-storage-backend) is not served by radixcache's "
-                   "host tier yet: prefetching from storage inserts host-only nodes into the "
-                   "tree, which the host tier does not do")
+                   "host tier yet: its backups to storage, storage hit queries and prefetch "
+                   "stop policies are not implemented (prefetched pages can be put into the "
+                   "tree, the rest of a prefetch cannot)")
 _STORAGE_HASH_MEMO = 1 << 18  # pages whose storage hashes are kept (cleared when full)
 
 
@@ -104,7 +108,7 @@ def group_size(group: Any) -> int:
     return torch.distributed.get_world_size(group=group)
 
 
-class HiCacheBackend(RadixcacheBackend):
+class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
     """``RadixcacheBackend`` with SGLang's hierarchical cache (see the module docstring).
 
     Args:
@@ -334,8 +338,11 @@ class HiCacheBackend(RadixcacheBackend):
             if self.is_write_back:
                 self._duplicates.setdefault(node, None)
 
-    def _record_leaf(self, leaf: Any, tokens: np.ndarray, value: Any, names: tuple) -> None:
-        """A new leaf's BlockStored(GPU), its pages' hashes chained to its parent's."""
+    def _record_leaf(self, leaf: Any, tokens: np.ndarray, value: Any, names: tuple,
+                     host: bool = False) -> None:
+        """A new leaf's BlockStored(GPU), its pages' hashes chained to its parent's
+        (``host``: a new host-only node's BlockStored(CPU_PINNED), ``value`` its host
+        slots)."""
         page_size = self.page_size
         extra_key, salt = names
         parent = leaf.parent
@@ -353,9 +360,11 @@ class HiCacheBackend(RadixcacheBackend):
         hashes = get_hash_str(leaf_key, prior, page_size=page_size)
         slots = value[::page_size]
         slots = slots.tolist() if hasattr(slots, "tolist") else list(slots)
+        table = self._host_page_hashes if host else self._page_hashes
         for slot, page_hash in zip(slots, hashes):
-            self._page_hashes[int(slot)] = (page_hash, extra_key, salt)
-        self.kv_events.record_store(_EventNode(leaf_key, parent_node, hashes))
+            table[int(slot)] = (page_hash, extra_key, salt)
+        self.kv_events.record_store(_EventNode(leaf_key, parent_node, hashes),
+                                    **({"medium": StorageMedium.CPU} if host else {}))
 
     def _page_hash(self, node: Any, page: int) -> tuple:
         """(hash, extra_key, salt) of ``node``'s ``page``-th page (negative: from the end)."""
