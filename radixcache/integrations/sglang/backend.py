@@ -42,6 +42,7 @@ from .eagle import bigram_namespace, event_key
 from .sessions import SessionRefs
 
 _INT64_MAX = 2**63 - 1
+_INT64 = np.dtype(np.int64)
 _PATH_MEMO_SIZE = 4096
 #: The release receipt of every lock: radixcache's locks are plain counts, with nothing to
 #: replay (SGLang's scheduler reads receipts of SWA caches only).
@@ -65,7 +66,10 @@ def _token_array(token_ids: Any, length: int, start: int = 0) -> np.ndarray:
     if type(token_ids) is array and token_ids.typecode == "q":
         if length <= start:
             return np.empty(0, dtype=np.int64)
-        return np.frombuffer(token_ids, dtype=np.int64, count=length - start, offset=8 * start)
+        if length > len(token_ids):
+            raise ValueError(f"{length} token ids wanted, {len(token_ids)} given")
+        # (the whole buffer, then a slice: a fraction of frombuffer's time with count/offset)
+        return np.frombuffer(token_ids, _INT64)[start:length]
     tokens = np.asarray(token_ids, dtype=np.int64)
     if tokens.ndim != 1:
         raise ValueError(f"token ids must be 1-D, got {tokens.ndim}-D")

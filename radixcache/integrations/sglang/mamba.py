@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.runtime_context import mamba_checkpoint_grid
 
-from .backend import _check_key, _token_array
+from .backend import _RECEIPT, _check_key, _token_array
 from .hybrid import RadixcacheHybridBackend
 
 _FULL = ComponentType.FULL
@@ -50,6 +50,11 @@ _MAMBA = ComponentType.MAMBA
 _STOCK_STATE_FREE = MambaSlotAllocator.free
 #: SGLang's own request-side free of a request's state slots (a pool may override it).
 _STOCK_FREE_STATES = HybridReqToTokenPool.free_mamba_cache
+#: The release receipt of a lock that skips its state (a checkpoint's with
+#: SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK): ``unlock`` reads only what was skipped, and nothing of
+#: SGLang's reads a Mamba cache's receipts, so one serves every such lock (as ``_RECEIPT``
+#: serves those that skip nothing).
+_STATE_SKIPPED_RECEIPT = DecLockRefParams(skipped_lock_components=(_MAMBA,))
 
 
 def _state_array(slot: Any) -> np.ndarray:
@@ -339,10 +344,10 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
     def _evict(self, num_tokens: int, mamba_num: int = 0) -> tuple:
         freed, states, full, lost = self._evict_records(num_tokens, mamba_num)
         if full:  # (one free per pool: SGLang's per-node frees, in the same order)
-            self._free(np.concatenate(full))
+            self._free(full[0] if len(full) == 1 else np.concatenate(full))
         if lost:
-            self._mamba._free_mamba_value(
-                torch.from_numpy(np.concatenate([aux for _values, aux in lost])))
+            self._mamba._free_mamba_value(torch.from_numpy(
+                lost[0][1] if len(lost) == 1 else np.concatenate([aux for _, aux in lost])))
         return freed, states
 
     # -- locks -----------------------------------------------------------------------------
@@ -355,19 +360,27 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
 
     def lock(self, node: Any, skip_lock_components: Any = ()) -> TreeLock:
         """Lock ``node``'s path (full attention) and its state (the node alone)."""
-        skipped = tuple(skip_lock_components)
         core = self._core
+        if not skip_lock_components:  # (the scheduler's lock: both)
+            core.lock(node, 1)
+            core.aux_lock(node, 1)
+            return TreeLock(node, _RECEIPT)
+        skipped = tuple(skip_lock_components)
         if _FULL not in skipped:
             core.lock(node, 1)
         if _MAMBA not in skipped:
             core.aux_lock(node, 1)
-        return TreeLock(node, DecLockRefParams(node_id=node.id,
-                                               skipped_lock_components=skipped))
+        return TreeLock(node, _STATE_SKIPPED_RECEIPT if skipped == (_MAMBA,)
+                        else DecLockRefParams(skipped_lock_components=skipped))
 
     def unlock(self, lock: Optional[TreeLock]) -> None:
         if lock is not None:
             skipped = lock.receipt.skipped_lock_components
             core = self._core
+            if not skipped:
+                core.aux_lock(lock.node, -1)
+                core.lock(lock.node, -1)
+                return
             if _MAMBA not in skipped:
                 core.aux_lock(lock.node, -1)
             if _FULL not in skipped:
