@@ -220,6 +220,10 @@ class RadixcacheBackend(BasePrefixCache):
         self._known_allocator: tuple = (None, _OTHER_ALLOCATOR)
         # (a pool's table, its numpy view) of _table_array, per table kind
         self._known_tables: list = [(None, None), (None, None)]
+        # One page id handed to SGLang's paged allocator, which copies it at once (see
+        # _free_one_page), and its numpy view.
+        self._one_page = torch.empty(1, dtype=torch.int64)
+        self._one_page_id = self._one_page.numpy()
 
     #: Whether an insert without events may go straight to the tree (a subclass that follows
     #: every insert sets it False: ``_insert`` then sees them all).
@@ -593,9 +597,12 @@ class RadixcacheBackend(BasePrefixCache):
                 if (self._allocator_kind(allocator) == _PAGED_ALLOCATOR
                         and start % page_size == 0 and not allocator.debug_mode):
                     # What the paged allocator's free_segment frees: the page of every
-                    # page_size-th slot from start.
-                    allocator.free_page_ids(torch.from_numpy(row[start:end:page_size]
-                                                             // page_size))
+                    # page_size-th slot from start (after a checkpoint: the one page of
+                    # the unaligned tail).
+                    if end - start > page_size or not self._free_one_page(
+                            allocator, row[start] // page_size):
+                        allocator.free_page_ids(torch.from_numpy(row[start:end:page_size]
+                                                                 // page_size))
                 else:
                     allocator.free_segment(torch.from_numpy(row[start:end]), start_pos=start)
             return
@@ -608,6 +615,18 @@ class RadixcacheBackend(BasePrefixCache):
         row = rows[kv.req_pool_idx]
         allocator.free_segments([(row[start:end], start) for start, end in segments
                                  if end > start])
+
+    def _free_one_page(self, allocator: Any, page_id: Any) -> bool:
+        """``allocator.free_page_ids`` of one page (SGLang's paged allocator, not in debug
+        mode) through the kept one-element tensor, where the allocator copies its argument
+        before it returns: in a free group (it clones what it queues) or without
+        ``need_sort`` (it joins the ids into a new free list). False (nothing freed) where
+        it may keep the tensor itself."""
+        if allocator.free_group is None and allocator.need_sort:
+            return False
+        self._one_page_id[0] = page_id
+        allocator.free_page_ids(self._one_page)
+        return True
 
     def _free_victim(self, indices: torch.Tensor) -> None:
         if self.kv_events.enabled:

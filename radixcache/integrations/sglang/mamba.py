@@ -107,6 +107,10 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         # where it is plain (no int8 checkpoints, no replayed SSM ring); else its own code.
         self._plain_states = (getattr(pool, "mamba_ckpt_pool", None) is None
                               and getattr(pool.mamba_pool, "replayssm_write_pos", None) is None)
+        # A finished request's state slots as SGLang's own Mamba allocator takes them (it
+        # joins what it is given into a new free list at once): a kept tensor per count of
+        # slots, and its numpy view (see _free_tracked_states).
+        self._state_slots: dict = {}
 
     def supports_mamba(self) -> bool:
         return True
@@ -316,7 +320,12 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
             if position != keep and not empty[position]:
                 slots.append(row[position])
         kv.mamba_pool_idx = None
-        allocator.free(torch.from_numpy(np.array(slots, dtype=np.int64)))
+        kept = self._state_slots.get(len(slots))
+        if kept is None:
+            tensor = torch.empty(len(slots), dtype=torch.int64)
+            kept = self._state_slots[len(slots)] = (tensor, tensor.numpy())
+        kept[1][:] = slots
+        allocator.free(kept[0])
         kv.mamba_ping_pong_track_buffer = None
         kv.mamba_ping_pong_empty = None
         kv.mamba_next_track_idx = None
@@ -337,8 +346,10 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         """Free ``params.num_tokens`` full-attention tokens (whole leaves, in policy order),
         then ``params.mamba_num`` states (least recently used first: a leaf leaves the tree,
         another node keeps its KV without a state)."""
-        self._check_evict_params(params, ("mamba_num",))
-        freed, states = self._evict(params.num_tokens, params.mamba_num)
+        num_tokens, mamba_num = params.num_tokens, params.mamba_num
+        if type(num_tokens) is not int or type(mamba_num) is not int:
+            self._check_evict_params(params, ("mamba_num",))
+        freed, states = self._evict(num_tokens, mamba_num)
         return EvictResult(num_tokens_evicted=freed, mamba_num_evicted=states)
 
     def _evict(self, num_tokens: int, mamba_num: int = 0) -> tuple:
