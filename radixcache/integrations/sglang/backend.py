@@ -42,6 +42,7 @@ from .eagle import bigram_namespace, event_key
 from .sessions import SessionRefs
 
 _INT64_MAX = 2**63 - 1
+_INT64 = np.dtype(np.int64)
 _PATH_MEMO_SIZE = 4096
 #: The release receipt of every lock: radixcache's locks are plain counts, with nothing to
 #: replay (SGLang's scheduler reads receipts of SWA caches only).
@@ -65,7 +66,10 @@ def _token_array(token_ids: Any, length: int, start: int = 0) -> np.ndarray:
     if type(token_ids) is array and token_ids.typecode == "q":
         if length <= start:
             return np.empty(0, dtype=np.int64)
-        return np.frombuffer(token_ids, dtype=np.int64, count=length - start, offset=8 * start)
+        if length > len(token_ids):
+            raise ValueError(f"{length} token ids wanted, {len(token_ids)} given")
+        # (the whole buffer, then a slice: a fraction of frombuffer's time with count/offset)
+        return np.frombuffer(token_ids, _INT64)[start:length]
     tokens = np.asarray(token_ids, dtype=np.int64)
     if tokens.ndim != 1:
         raise ValueError(f"token ids must be 1-D, got {tokens.ndim}-D")
@@ -216,6 +220,10 @@ class RadixcacheBackend(BasePrefixCache):
         self._known_allocator: tuple = (None, _OTHER_ALLOCATOR)
         # (a pool's table, its numpy view) of _table_array, per table kind
         self._known_tables: list = [(None, None), (None, None)]
+        # One page id handed to SGLang's paged allocator, which copies it at once (see
+        # _free_one_page), and its numpy view.
+        self._one_page = torch.empty(1, dtype=torch.int64)
+        self._one_page_id = self._one_page.numpy()
 
     #: Whether an insert without events may go straight to the tree (a subclass that follows
     #: every insert sets it False: ``_insert`` then sees them all).
@@ -589,9 +597,12 @@ class RadixcacheBackend(BasePrefixCache):
                 if (self._allocator_kind(allocator) == _PAGED_ALLOCATOR
                         and start % page_size == 0 and not allocator.debug_mode):
                     # What the paged allocator's free_segment frees: the page of every
-                    # page_size-th slot from start.
-                    allocator.free_page_ids(torch.from_numpy(row[start:end:page_size]
-                                                             // page_size))
+                    # page_size-th slot from start (after a checkpoint: the one page of
+                    # the unaligned tail).
+                    if end - start > page_size or not self._free_one_page(
+                            allocator, row[start] // page_size):
+                        allocator.free_page_ids(torch.from_numpy(row[start:end:page_size]
+                                                                 // page_size))
                 else:
                     allocator.free_segment(torch.from_numpy(row[start:end]), start_pos=start)
             return
@@ -604,6 +615,18 @@ class RadixcacheBackend(BasePrefixCache):
         row = rows[kv.req_pool_idx]
         allocator.free_segments([(row[start:end], start) for start, end in segments
                                  if end > start])
+
+    def _free_one_page(self, allocator: Any, page_id: Any) -> bool:
+        """``allocator.free_page_ids`` of one page (SGLang's paged allocator, not in debug
+        mode) through the kept one-element tensor, where the allocator copies its argument
+        before it returns: in a free group (it clones what it queues) or without
+        ``need_sort`` (it joins the ids into a new free list). False (nothing freed) where
+        it may keep the tensor itself."""
+        if allocator.free_group is None and allocator.need_sort:
+            return False
+        self._one_page_id[0] = page_id
+        allocator.free_page_ids(self._one_page)
+        return True
 
     def _free_victim(self, indices: torch.Tensor) -> None:
         if self.kv_events.enabled:

@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.runtime_context import mamba_checkpoint_grid
 
-from .backend import _check_key, _token_array
+from .backend import _RECEIPT, _check_key, _token_array
 from .hybrid import RadixcacheHybridBackend
 
 _FULL = ComponentType.FULL
@@ -50,6 +50,11 @@ _MAMBA = ComponentType.MAMBA
 _STOCK_STATE_FREE = MambaSlotAllocator.free
 #: SGLang's own request-side free of a request's state slots (a pool may override it).
 _STOCK_FREE_STATES = HybridReqToTokenPool.free_mamba_cache
+#: The release receipt of a lock that skips its state (a checkpoint's with
+#: SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK): ``unlock`` reads only what was skipped, and nothing of
+#: SGLang's reads a Mamba cache's receipts, so one serves every such lock (as ``_RECEIPT``
+#: serves those that skip nothing).
+_STATE_SKIPPED_RECEIPT = DecLockRefParams(skipped_lock_components=(_MAMBA,))
 
 
 def _state_array(slot: Any) -> np.ndarray:
@@ -102,6 +107,10 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         # where it is plain (no int8 checkpoints, no replayed SSM ring); else its own code.
         self._plain_states = (getattr(pool, "mamba_ckpt_pool", None) is None
                               and getattr(pool.mamba_pool, "replayssm_write_pos", None) is None)
+        # A finished request's state slots as SGLang's own Mamba allocator takes them (it
+        # joins what it is given into a new free list at once): a kept tensor per count of
+        # slots, and its numpy view (see _free_tracked_states).
+        self._state_slots: dict = {}
 
     def supports_mamba(self) -> bool:
         return True
@@ -311,7 +320,12 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
             if position != keep and not empty[position]:
                 slots.append(row[position])
         kv.mamba_pool_idx = None
-        allocator.free(torch.from_numpy(np.array(slots, dtype=np.int64)))
+        kept = self._state_slots.get(len(slots))
+        if kept is None:
+            tensor = torch.empty(len(slots), dtype=torch.int64)
+            kept = self._state_slots[len(slots)] = (tensor, tensor.numpy())
+        kept[1][:] = slots
+        allocator.free(kept[0])
         kv.mamba_ping_pong_track_buffer = None
         kv.mamba_ping_pong_empty = None
         kv.mamba_next_track_idx = None
@@ -332,17 +346,19 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         """Free ``params.num_tokens`` full-attention tokens (whole leaves, in policy order),
         then ``params.mamba_num`` states (least recently used first: a leaf leaves the tree,
         another node keeps its KV without a state)."""
-        self._check_evict_params(params, ("mamba_num",))
-        freed, states = self._evict(params.num_tokens, params.mamba_num)
+        num_tokens, mamba_num = params.num_tokens, params.mamba_num
+        if type(num_tokens) is not int or type(mamba_num) is not int:
+            self._check_evict_params(params, ("mamba_num",))
+        freed, states = self._evict(num_tokens, mamba_num)
         return EvictResult(num_tokens_evicted=freed, mamba_num_evicted=states)
 
     def _evict(self, num_tokens: int, mamba_num: int = 0) -> tuple:
         freed, states, full, lost = self._evict_records(num_tokens, mamba_num)
         if full:  # (one free per pool: SGLang's per-node frees, in the same order)
-            self._free(np.concatenate(full))
+            self._free(full[0] if len(full) == 1 else np.concatenate(full))
         if lost:
-            self._mamba._free_mamba_value(
-                torch.from_numpy(np.concatenate([aux for _values, aux in lost])))
+            self._mamba._free_mamba_value(torch.from_numpy(
+                lost[0][1] if len(lost) == 1 else np.concatenate([aux for _, aux in lost])))
         return freed, states
 
     # -- locks -----------------------------------------------------------------------------
@@ -355,19 +371,27 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
 
     def lock(self, node: Any, skip_lock_components: Any = ()) -> TreeLock:
         """Lock ``node``'s path (full attention) and its state (the node alone)."""
-        skipped = tuple(skip_lock_components)
         core = self._core
+        if not skip_lock_components:  # (the scheduler's lock: both)
+            core.lock(node, 1)
+            core.aux_lock(node, 1)
+            return TreeLock(node, _RECEIPT)
+        skipped = tuple(skip_lock_components)
         if _FULL not in skipped:
             core.lock(node, 1)
         if _MAMBA not in skipped:
             core.aux_lock(node, 1)
-        return TreeLock(node, DecLockRefParams(node_id=node.id,
-                                               skipped_lock_components=skipped))
+        return TreeLock(node, _STATE_SKIPPED_RECEIPT if skipped == (_MAMBA,)
+                        else DecLockRefParams(skipped_lock_components=skipped))
 
     def unlock(self, lock: Optional[TreeLock]) -> None:
         if lock is not None:
             skipped = lock.receipt.skipped_lock_components
             core = self._core
+            if not skipped:
+                core.aux_lock(lock.node, -1)
+                core.lock(lock.node, -1)
+                return
             if _MAMBA not in skipped:
                 core.aux_lock(lock.node, -1)
             if _FULL not in skipped:
