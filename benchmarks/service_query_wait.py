@@ -46,12 +46,16 @@ def run_delay() -> int:
         return int(f.read().split()[1])
 
 
-def start_stream(server, seconds: float) -> tuple:
-    """``bench_service``'s ingest phase: 16 publishers registered with ``server``, each seen
-    connected, then streaming for ``seconds``; ``(its process, the pipe to it)``."""
+def fill_and_stream(server, pubs: "bench.Publishers", args: argparse.Namespace) -> tuple:
+    """``server`` filled with ``args.blocks`` blocks over 64 instances (``pubs``), then
+    ``bench_service``'s ingest phase: 16 publishers registered with it, each seen connected,
+    then streaming for ``args.seconds``; ``(the query's body, the publishers' process, the
+    pipe to it)``."""
+    work = bench.Workload(64, args.blocks)
+    bench.fill(server, work, pubs)
     parent, child = multiprocessing.Pipe()
     proc = multiprocessing.get_context("fork").Process(
-        target=bench._stream, args=(child, 16, seconds))
+        target=bench._stream, args=(child, 16, args.seconds))
     proc.start()
     for w, endpoint in enumerate(parent.recv()):
         server.post("/register", json.dumps(
@@ -65,7 +69,7 @@ def start_stream(server, seconds: float) -> tuple:
         waiting = {w for w in waiting
                    if bench.answer(server, marker[w]).get(10_000 + w) != bench.BLOCK}
     parent.send("go")
-    return proc, parent
+    return bench.query_body(work.prompt), proc, parent
 
 
 def traced_server(out: str, argv: list) -> int:
@@ -141,12 +145,9 @@ def over_http(args: argparse.Namespace) -> int:
         out = os.path.join(tmp, "trace.json")
         server = bench.Server("radixcache", [sys.executable, __file__, "--traced-server", out,
                                              "serve", "--port", str(port)], port)
-        work = bench.Workload(64, args.blocks)
         pubs = bench.Publishers(64)
         try:
-            bench.fill(server, work, pubs)
-            body = bench.query_body(work.prompt)
-            proc, pipe = start_stream(server, args.seconds)
+            body, proc, pipe = fill_and_stream(server, pubs, args)
             queries = []
             started = next_at = clock()
             while clock() - started < args.seconds:  # as bench_service's ingest phase
@@ -247,12 +248,9 @@ def main() -> int:
             return status, out
 
     server = InProcess()
-    work = bench.Workload(64, args.blocks)
     pubs = bench.Publishers(64)
     try:
-        bench.fill(server, work, pubs)
-        body = bench.query_body(work.prompt)
-        proc, parent = start_stream(server, args.seconds)
+        body, proc, parent = fill_and_stream(server, pubs, args)
         handler = app.routes[("POST", "/query")][0]
         split = []
         started = time.perf_counter()
