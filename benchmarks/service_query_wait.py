@@ -14,9 +14,10 @@ server, times each request's ``data_received`` callback, the event loop thread's
 core, the ingest's holds of the service's lock and the collector's passes) and queries it
 over HTTP as ``bench_service`` does: each query's time from the client's view is split into
 the time before the server's callback began (and of it, the loop thread runnable but waiting
-for a core), the callback (the handler and the answer written), and the time after it until
-the client had the answer; the slowest queries are listed with the lock holds and
-collections that overlapped them.
+for a core), the callback (the handler, the answer written, the bookkeeping after it: a
+callback slowed after the write makes the next part negative), and the time after it until
+the client had the answer, and the client's own wait for a core is given; the slowest
+queries are listed with the lock holds and collections that overlapped them.
 
 On a 2-core machine the publishers' process, ZeroMQ's I/O threads, the ingest thread and the
 query share two cores: see docs/service.md#performance.
@@ -153,9 +154,9 @@ def over_http(args: argparse.Namespace) -> int:
             while clock() - started < args.seconds:  # as bench_service's ingest phase
                 if clock() < next_at:
                     time.sleep(next_at - clock())
-                t = clock()
+                t, wait = clock(), run_delay()
                 server.post("/query", body)
-                queries.append((t, clock()))
+                queries.append((t, clock(), (run_delay() - wait) / 1e9))
                 next_at += 1 / 200
             sent = pipe.recv() / (clock() - started)
             pipe.send("done")
@@ -170,13 +171,13 @@ def over_http(args: argparse.Namespace) -> int:
     calls = sorted(trace["received"])
     starts = [c[0] for c in calls]
     rows = []
-    for t0, t1 in queries:
+    for t0, t1, client in queries:
         i = bisect.bisect_left(starts, t0)
         if i == len(calls) or calls[i][0] > t1:
             continue  # a query's bytes read in more than one callback: left out
         c = calls[i]
         waited = c[2] - calls[i - 1][3] if i else 0.0  # since the previous call ended
-        rows.append((t1 - t0, c[0] - t0, waited, c[1] - c[0], t1 - c[1], t0, t1))
+        rows.append((t1 - t0, c[0] - t0, waited, c[1] - c[0], t1 - c[1], client, t0, t1))
     rows.sort()
     n = len(rows)
     print(f"{n} queries during ingest ({sent:,.0f} block events/s sent); load average "
@@ -184,11 +185,11 @@ def over_http(args: argparse.Namespace) -> int:
     for name, part in (("all", rows), ("slowest 10%", rows[int(n * 0.9):]),
                        ("slowest 1%", rows[int(n * 0.99):])):
         k = len(part)
-        wall, before, waited, inside, after = (sum(r[i] for r in part) / k * 1e3
-                                               for i in range(5))
+        wall, before, waited, inside, after, client = (sum(r[i] for r in part) / k * 1e3
+                                                       for i in range(6))
         print(f"{name:12s} mean {wall:.2f} ms = before the server's callback {before:.2f} (the "
               f"loop thread waiting for a core {waited:.2f}) + in it {inside:.2f} + after it "
-              f"{after:.2f}")
+              f"{after:.2f}; the client waiting for a core {client:.2f} of it")
     holds = trace["holds"]
     cpu = sorted(h[3] for h in holds)
     wall = sorted(h[1] - h[0] for h in holds)
@@ -204,15 +205,17 @@ def over_http(args: argparse.Namespace) -> int:
         if times:
             print(f"collections of generation {gen}: {len(times)}, longest "
                   f"{max(times) * 1e3:.2f} ms")
-    print("slowest 1%: ms before (waiting for a core) / in / after | overlapping holds: "
+    print("slowest 1%: ms before (the loop thread waiting for a core) / in / after (the client "
+          "waiting for a core) | overlapping holds: "
           "count, longest wall, its CPU, its wait for a core, lent to a request | collections")
     for r in rows[int(n * 0.99):]:
-        over = [h for h in holds if h[1] > r[5] and h[0] < r[6]]
+        over = [h for h in holds if h[1] > r[6] and h[0] < r[7]]
         top = max(over, key=lambda h: h[1] - h[0], default=(0, 0, 0, 0, 0, 0))
-        collections = [g[2] for g in trace["gc"] if g[1] > r[5] and g[0] < r[6]]
+        collections = [g[2] for g in trace["gc"] if g[1] > r[6] and g[0] < r[7]]
         print(f"  {r[0] * 1e3:6.2f}: {r[1] * 1e3:5.2f} ({r[2] * 1e3:5.2f}) / {r[3] * 1e3:5.2f} / "
-              f"{r[4] * 1e3:5.2f} | {len(over)}, {(top[1] - top[0]) * 1e3:.2f}, "
-              f"{top[3] * 1e3:.2f}, {top[4] * 1e3:.2f}, {top[5] * 1e3:.2f} | {collections}")
+              f"{r[4] * 1e3:5.2f} ({r[5] * 1e3:5.2f}) | {len(over)}, "
+              f"{(top[1] - top[0]) * 1e3:.2f}, {top[3] * 1e3:.2f}, {top[4] * 1e3:.2f}, "
+              f"{top[5] * 1e3:.2f} | {collections}")
     return 0
 
 
