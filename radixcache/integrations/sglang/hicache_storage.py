@@ -39,8 +39,9 @@ class PrefetchInsert:
 
     def insert_prefetched(self, anchor: Any, key: RadixKey, host_indices: torch.Tensor) -> int:
         """Put the pages of ``key`` (below ``anchor``), fetched into ``host_indices`` (one
-        per token), into the tree; this call owns those slots: each ends up in the tree,
-        back in the host pool or queued for release.
+        per token), into the tree; once it returns, this call has taken those slots: each
+        ends up in the tree, back in the host pool or queued for release. When it raises
+        (bad input), nothing changed and the slots are still the caller's to free.
 
         Returns:
             The tokens loaded from storage (SGLang's ``prefetch_loaded_tokens``): those the
