@@ -54,7 +54,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
 
 from ... import cache as _tree
-from .hicache_storage import PrefetchInsert
+from .hicache_storage import PrefetchInsert, StorageBackup
 from .backend import (
     _NOT_ROOT,
     RadixcacheBackend,
@@ -108,7 +108,7 @@ def group_size(group: Any) -> int:
     return torch.distributed.get_world_size(group=group)
 
 
-class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
+class HiCacheBackend(PrefetchInsert, StorageBackup, RadixcacheBackend):
     """``RadixcacheBackend`` with SGLang's hierarchical cache (see the module docstring).
 
     Args:
@@ -166,6 +166,7 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
         self._adopted_tokens = 0  # what the last insert put back on the device
         self._storage_hash_memo: dict = {}  # (node id, size) -> its pages' storage hashes
         self._storage_hash_pages = 0  # the pages the memo holds
+        self._backups: dict = {}  # storage write id -> (node, parent) (SGLang's ongoing_backup)
 
     def _attach_host_stack(self, params: Any, server_args: Any, tp_worker: Any) -> None:
         """SGLang's host pool group and controller for a plain KV pool, as
@@ -495,6 +496,8 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
 
     def _held_on_host(self) -> Any:
         """Host-only nodes no host eviction may take now (host locks, locked segments)."""
+        if self._backups:
+            return self._host_locks.keys() | self._segment_locks.keys() | self._backup_held()
         if not self._segment_locks:
             return self._host_locks or None
         if not self._host_locks:
@@ -511,6 +514,7 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
         freed = 0
         swept = []
         duplicates = self._duplicates
+        held = self._backup_held()
         for spare_leaves in (True, False):
             if freed >= num_tokens:
                 break
@@ -525,7 +529,7 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
                     continue
                 if spare_leaves and self._device_leaf(node):
                     continue
-                if node in self._loading or self._host_locks.get(node):
+                if node in self._loading or self._host_locks.get(node) or node in held:
                     continue
                 host = self._cache.drop_host_copy(node)
                 self._record_host_removed(host)
@@ -588,6 +592,8 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
                 if host is not None:  # the victim vanished meanwhile: its copy is unused
                     self._forget_host(host)
                 break
+            if host is not None:  # acknowledged on the host: to storage, as SGLang's ack does
+                self._write_backup_storage(node)
             self._free_victim(taken[0])
             freed += got
         return freed
@@ -654,11 +660,15 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
         while above is not pending.parent and above is not None:
             fragments.append(above)
             above = above.parent
-        for fragment in reversed(fragments):
+        fragments.reverse()
+        for fragment in fragments:
             if not fragment.evicted:
                 self._record_node(fragment, StorageMedium.CPU)
         if pending.locked:
             self._cache.dec_lock_ref(node)
+        if self.enable_storage:
+            for fragment in fragments:
+                self._write_backup_storage(fragment)
 
     # -- locks -------------------------------------------------------------------------------
     def inc_host_lock_ref(self, node: Any) -> IncLockRefResult:
@@ -796,13 +806,15 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
         self._start_writing()
         writes = _ready(cc.ack_write_queue)
         loads = _ready(cc.ack_load_queue)
+        backups, releases = self._storage_queue_sizes()
         digest = self.write_back_duplicate_reclaim_digest
         group = self._reduce_group()
         if group is not None:
-            counts = torch.tensor([writes, loads, digest, -digest], dtype=torch.int64)
+            counts = torch.tensor([writes, loads, backups, releases, digest, -digest],
+                                  dtype=torch.int64)
             torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MIN,
                                          group=group)
-            writes, loads, low, high = (int(v) for v in counts.tolist())
+            writes, loads, backups, releases, low, high = (int(v) for v in counts.tolist())
             if low != digest or -high != digest:
                 raise RuntimeError("HiCache: the write_back reclaim victims diverged across "
                                    "TP ranks")
@@ -817,6 +829,8 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
             ack.finish_event.synchronize()
             for ack_id in ack.node_ids:
                 self._finish_load(ack_id)
+        if backups or releases:
+            self._drain_storage(backups, releases)
 
     def _reduce_group(self) -> Any:
         """The group the counts are reduced over, as SGLang's ``_all_reduce_attn_groups``:
@@ -938,11 +952,14 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
                        "use one")
 
     def detach_storage_backend(self) -> tuple:
-        """Nothing is attached: the controller's (idempotent) detach, then success."""
+        """The controller's (idempotent) detach, then success; storage writes still
+        unacknowledged release their host locks."""
         try:
             self.cache_controller.detach_storage_backend()
         except Exception as exc:
             return False, f"Failed to detach HiCache storage backend: {exc}"
+        self._release_backups()
+        self.enable_storage = False
         return True, "Detached HiCache storage backend successfully."
 
     def clear_storage_backend(self) -> bool:
@@ -953,7 +970,9 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
             return False
 
     def shutdown(self) -> None:
-        """Nothing to detach at exit (no storage backend is ever attached)."""
+        """Detach an attached storage backend (its threads stop)."""
+        if self.enable_storage:
+            self.detach_storage_backend()
 
     def release_host_resources(self) -> None:
         if self.host_pool_group is not None:
