@@ -38,7 +38,6 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_parallel
 
-from radixcache.integrations.sglang.hicache import HiCacheBackend
 
 
 #: One rank's place in every parallel group (what attaching a storage backend reads).
@@ -94,8 +93,7 @@ class BackupSide(HiSide):
         real = self.real
         if isinstance(real, UnifiedRadixCache):
             return node.component_data[ComponentType.FULL].host_lock_ref
-        held = sum(node in segment for segment in _segments(real))
-        return real._host_locks.get(node, 0) + held
+        return real._host_locks.get(node, 0) + real._backup_held().get(node, 0)
 
     def storage_state(self) -> tuple:
         """Per node with a host copy: its path, host locks, backed up or not, its storage
@@ -116,18 +114,6 @@ class BackupSide(HiSide):
         acked = [(op.host_indices.tolist(), list(op.hash_value), op.completed_tokens)
                  for op in list(cc.ack_backup_queue.queue)]
         return nodes, acked, sorted(os.listdir(self.storage_dir))
-
-
-def _segments(cache: HiCacheBackend) -> list:
-    """The nodes each storage write in flight holds (its node and fragments above it)."""
-    segments = []
-    for node, parent in cache._backups.values():
-        segment = set()
-        while node is not parent and node is not None:
-            segment.add(node)
-            node = node.parent
-        segments.append(segment)
-    return segments
 
 
 class BackupReplay(HiReplay):

@@ -497,7 +497,8 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, RadixcacheBackend):
     def _held_on_host(self) -> Any:
         """Host-only nodes no host eviction may take now (host locks, locked segments)."""
         if self._backups:
-            return self._host_locks.keys() | self._segment_locks.keys() | self._backup_held()
+            return (self._host_locks.keys() | self._segment_locks.keys()
+                    | self._backup_held().keys())
         if not self._segment_locks:
             return self._host_locks or None
         if not self._host_locks:

@@ -151,12 +151,13 @@ class StorageBackup:
         # ``node.parent``, kept here).
         self._backups[operation_id] = (node, node.parent)
 
-    def _backup_held(self) -> set:
-        """The nodes whose host copies storage writes in flight hold."""
-        held = set()
+    def _backup_held(self) -> dict:
+        """The nodes whose host copies storage writes in flight hold: node -> the writes
+        holding it (SGLang's ``host_lock_ref`` from backups)."""
+        held: dict = {}
         for node, parent in self._backups.values():
             while node is not parent and node is not None:
-                held.add(node)
+                held[node] = held.get(node, 0) + 1
                 node = node.parent
         return held
 
