@@ -162,7 +162,8 @@ class BackupReplay(HiReplay):
 
 
 @pytest.mark.parametrize("page_size", (1, 16), ids=lambda p: f"page{p}")
-@pytest.mark.parametrize("write_policy", ("write_back", "write_through"))
+@pytest.mark.parametrize("write_policy", ("write_back", "write_through",
+                                          "write_through_selective"))
 @pytest.mark.usefixtures("cpu_hicache")
 def test_backups_same_as_sglang(backend_core, monkeypatch, tmp_path, write_policy, page_size):
     seed = zlib.crc32(f"backup-{write_policy}-{page_size}".encode())
