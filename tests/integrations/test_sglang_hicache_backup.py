@@ -8,8 +8,9 @@ attached to both sides, each in its own directory: SGLang's side through its own
 (the storage tier is refused at start-up: only its backups are served). After every step
 both also show the same host locks per node (SGLang's ``host_lock_ref``: the storage writes
 in flight hold their nodes' host copies), the same storage hashes of every node with a host
-copy, the same storage writes acknowledged and waiting (host slots, keys, tokens written) and
-the same files in their storage directories.
+copy, the same storage writes acknowledged and waiting (host slots, keys, the keys of the
+pages above them where the backend asks for those, tokens written) and the same files in
+their storage directories.
 
 One stand-in, the same for both sides: the controller's backup thread runs on its own, so
 before every step start (``check_hicache_events``, which takes as many acknowledgements as
@@ -97,7 +98,8 @@ class BackupSide(HiSide):
 
     def storage_state(self) -> tuple:
         """Per node with a host copy: its path, host locks, backed up or not, its storage
-        hashes; the storage writes acknowledged, in order; the files written."""
+        hashes; the storage writes acknowledged, in order (host slots, keys, the keys above
+        them, tokens written); the files written."""
         self.settle()
         cache = self.cache
         own = isinstance(self.real, UnifiedRadixCache)  # (its calls take node ids)
@@ -111,7 +113,8 @@ class BackupSide(HiSide):
                               tuple(cache.get_prefix_hash_values(ref))))
         nodes.sort()
         cc = self.real.cache_controller
-        acked = [(op.host_indices.tolist(), list(op.hash_value), op.completed_tokens)
+        acked = [(op.host_indices.tolist(), list(op.hash_value), op.prefix_keys,
+                  op.completed_tokens)
                  for op in list(cc.ack_backup_queue.queue)]
         return nodes, acked, sorted(os.listdir(self.storage_dir))
 
@@ -126,7 +129,9 @@ class BackupReplay(HiReplay):
         for name, side in (("sglang", self.sgl), ("radixcache", self.ours)):
             side.__class__ = BackupSide
             side.storage_dir = str(tmp_path / name)
-            config = json.dumps({"file_storage_path": side.storage_dir})
+            # (pages of 16 also pass each write the keys of the pages above it)
+            config = json.dumps({"file_storage_path": side.storage_dir,
+                                 "hicache_storage_pass_prefix_keys": page_size == 16})
             # (the storage config reads this process's place in the TP group: one rank)
             with get_parallel().override(**ONE_RANK):
                 if side is self.sgl:
