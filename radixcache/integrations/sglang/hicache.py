@@ -26,7 +26,9 @@ decision for decision:
   SGLang's answers for a cache with no storage backend, and the per-node storage keys
   (``is_backuped``, ``get_last_hash_value``, ``get_prefix_hash_values``) are SGLang's.
   Pages a prefetch brought into host slots go into the tree as SGLang puts them there
-  (``insert_prefetched``, from ``hicache_storage``): the building block of serving it.
+  (``insert_prefetched``), and host copies are backed up to an attached storage backend as
+  SGLang backs them up (``StorageBackup``, both from ``hicache_storage``): the building
+  blocks of serving it.
 
 Every choice is a function of the calls the scheduler made and the TP-reduced
 acknowledgement counts, nothing else (no clock, no thread timing, no address): the same
@@ -54,7 +56,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
 
 from ... import cache as _tree
-from .hicache_storage import PrefetchInsert
+from .hicache_storage import PrefetchInsert, StorageBackup
 from .backend import (
     _NOT_ROOT,
     RadixcacheBackend,
@@ -72,9 +74,9 @@ _RECLAIM_DIGEST_MASK = (1 << 62) - 1
 _NO_HITS = 2**62  # a hits_from no insert reaches: write_back counts no hits
 #: Why a storage backend is refused (at start-up and when attached at run time).
 STORAGE_REFUSAL = ("the storage tier (--hicache-storage-backend) is not served by radixcache's "
-                   "host tier yet: its backups to storage, storage hit queries and prefetch "
-                   "stop policies are not implemented (prefetched pages can be put into the "
-                   "tree, the rest of a prefetch cannot)")
+                   "host tier yet: its storage hit queries and prefetch stop policies are not "
+                   "implemented (host copies can be backed up to storage and prefetched pages "
+                   "put into the tree, the rest of a prefetch cannot)")
 _STORAGE_HASH_MEMO = 1 << 18  # pages whose storage hashes are kept (cleared when full)
 
 
@@ -108,7 +110,7 @@ def group_size(group: Any) -> int:
     return torch.distributed.get_world_size(group=group)
 
 
-class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
+class HiCacheBackend(PrefetchInsert, StorageBackup, RadixcacheBackend):
     """``RadixcacheBackend`` with SGLang's hierarchical cache (see the module docstring).
 
     Args:
@@ -166,6 +168,7 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
         self._adopted_tokens = 0  # what the last insert put back on the device
         self._storage_hash_memo: dict = {}  # (node id, size) -> its pages' storage hashes
         self._storage_hash_pages = 0  # the pages the memo holds
+        self._backups: dict = {}  # storage write id -> (node, parent) (SGLang's ongoing_backup)
 
     def _attach_host_stack(self, params: Any, server_args: Any, tp_worker: Any) -> None:
         """SGLang's host pool group and controller for a plain KV pool, as
@@ -495,6 +498,9 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
 
     def _held_on_host(self) -> Any:
         """Host-only nodes no host eviction may take now (host locks, locked segments)."""
+        if self._backups:
+            return (self._host_locks.keys() | self._segment_locks.keys()
+                    | self._backup_held().keys())
         if not self._segment_locks:
             return self._host_locks or None
         if not self._host_locks:
@@ -511,6 +517,7 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
         freed = 0
         swept = []
         duplicates = self._duplicates
+        held = self._backup_held()
         for spare_leaves in (True, False):
             if freed >= num_tokens:
                 break
@@ -525,7 +532,7 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
                     continue
                 if spare_leaves and self._device_leaf(node):
                     continue
-                if node in self._loading or self._host_locks.get(node):
+                if node in self._loading or self._host_locks.get(node) or node in held:
                     continue
                 host = self._cache.drop_host_copy(node)
                 self._record_host_removed(host)
@@ -588,6 +595,8 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
                 if host is not None:  # the victim vanished meanwhile: its copy is unused
                     self._forget_host(host)
                 break
+            if host is not None:  # acknowledged on the host: to storage, as SGLang's ack does
+                self._write_backup_storage(node)
             self._free_victim(taken[0])
             freed += got
         return freed
@@ -654,11 +663,15 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
         while above is not pending.parent and above is not None:
             fragments.append(above)
             above = above.parent
-        for fragment in reversed(fragments):
+        fragments.reverse()
+        for fragment in fragments:
             if not fragment.evicted:
                 self._record_node(fragment, StorageMedium.CPU)
         if pending.locked:
             self._cache.dec_lock_ref(node)
+        if self.enable_storage:
+            for fragment in fragments:
+                self._write_backup_storage(fragment)
 
     # -- locks -------------------------------------------------------------------------------
     def inc_host_lock_ref(self, node: Any) -> IncLockRefResult:
@@ -796,13 +809,15 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
         self._start_writing()
         writes = _ready(cc.ack_write_queue)
         loads = _ready(cc.ack_load_queue)
+        backups, releases = self._storage_queue_sizes()
         digest = self.write_back_duplicate_reclaim_digest
         group = self._reduce_group()
         if group is not None:
-            counts = torch.tensor([writes, loads, digest, -digest], dtype=torch.int64)
+            counts = torch.tensor([writes, loads, backups, releases, digest, -digest],
+                                  dtype=torch.int64)
             torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MIN,
                                          group=group)
-            writes, loads, low, high = (int(v) for v in counts.tolist())
+            writes, loads, backups, releases, low, high = (int(v) for v in counts.tolist())
             if low != digest or -high != digest:
                 raise RuntimeError("HiCache: the write_back reclaim victims diverged across "
                                    "TP ranks")
@@ -817,6 +832,8 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
             ack.finish_event.synchronize()
             for ack_id in ack.node_ids:
                 self._finish_load(ack_id)
+        if backups or releases:
+            self._drain_storage(backups, releases)
 
     def _reduce_group(self) -> Any:
         """The group the counts are reduced over, as SGLang's ``_all_reduce_attn_groups``:
@@ -938,11 +955,14 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
                        "use one")
 
     def detach_storage_backend(self) -> tuple:
-        """Nothing is attached: the controller's (idempotent) detach, then success."""
+        """The controller's (idempotent) detach, then success; storage writes still
+        unacknowledged release their host locks."""
         try:
             self.cache_controller.detach_storage_backend()
         except Exception as exc:
             return False, f"Failed to detach HiCache storage backend: {exc}"
+        self._release_backups()
+        self.enable_storage = False
         return True, "Detached HiCache storage backend successfully."
 
     def clear_storage_backend(self) -> bool:
@@ -953,7 +973,9 @@ class HiCacheBackend(PrefetchInsert, RadixcacheBackend):
             return False
 
     def shutdown(self) -> None:
-        """Nothing to detach at exit (no storage backend is ever attached)."""
+        """Detach an attached storage backend (its threads stop)."""
+        if self.enable_storage:
+            self.detach_storage_backend()
 
     def release_host_resources(self) -> None:
         if self.host_pool_group is not None:

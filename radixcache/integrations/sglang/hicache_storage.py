@@ -13,14 +13,27 @@ them there (its ``insert_host``), through the tree core's ``insert_host``.
   gets a ``BlockStored(CPU_PINNED)`` whose block hashes chain to its parent's, as a device
   store would.
 
-This is the building block of serving ``--hicache-storage-backend``; the storage calls
-themselves (hit queries, stop policies, retries, backups to storage) are not served yet, so
-the storage tier stays refused at start-up (``hicache.STORAGE_REFUSAL``).
+Backups to storage (``StorageBackup``), as SGLang's ``write_backup_storage`` and the backup
+drain of its ``check_hicache_events`` make them once a storage backend is attached:
+
+- when a device-to-host copy is acknowledged (each step's acknowledgements, or the blocking
+  wait before a ``write_back`` victim leaves the device), the copied node and the fragments
+  split off it, top-down, are written to storage: their host slots and their pages' storage
+  hashes (SGLang's ``compute_node_hash_values`` chain) go to the controller's
+  ``write_storage``; each node keeps a host lock until its storage write is acknowledged.
+- each step takes as many storage acknowledgements as were queued when it started (the
+  count reduced to the minimum over the TP group), releasing their host locks whatever the
+  write's outcome (a failed or raising write is the controller's to log), and frees the host
+  slots queued for release.
+
+Hit queries, prefetches and their stop policies are not served yet, so the storage tier
+stays refused at start-up (``hicache.STORAGE_REFUSAL``); the backups run only where a storage
+backend is attached with ``_attach_backup_storage``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from sglang.srt.disaggregation.kv_events import StorageMedium
@@ -28,7 +41,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from .backend import _check_key, _namespace, _token_array
 
-__all__ = ["PrefetchInsert"]
+__all__ = ["PrefetchInsert", "StorageBackup"]
 
 
 class PrefetchInsert:
@@ -90,3 +103,79 @@ class PrefetchInsert:
         namespace = node.extra_key
         names = namespace if type(namespace) is tuple else (namespace, None)
         self._record_leaf(node, node.key, node.host_value, names, host=True)
+
+
+class StorageBackup:
+    """``HiCacheBackend``'s backups to storage (a base class of it: it uses the backend's
+    tree, controller and host locks); see the module docstring."""
+
+    __slots__ = ()
+
+    def _attach_backup_storage(self, storage_backend: str,
+                               extra_config_json: Optional[str] = None) -> None:
+        """Attach SGLang's ``storage_backend`` to the controller and back host copies up to
+        it (the controller's storage threads start). Only the backups are served."""
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+            HybridCacheController,
+        )
+        from sglang.srt.runtime_context import get_serving
+
+        if self.enable_storage:
+            raise ValueError("a storage backend is attached already")
+        extra_config, threshold, _, _, pass_prefix_keys = (
+            HybridCacheController.parse_storage_backend_extra_config(extra_config_json))
+        controller = self.cache_controller
+        controller.attach_storage_backend(
+            storage_backend=storage_backend, prefetch_threshold=threshold,
+            model_name=get_serving().served_model_name,
+            storage_backend_extra_config=extra_config,
+            host_pools=controller.mem_pool_host.entries)
+        self.hicache_storage_pass_prefix_keys = bool(pass_prefix_keys)
+        self.enable_storage = True
+
+    def _release_backups(self) -> None:
+        """The host locks of storage writes never acknowledged (the backend detached)."""
+        self._backups = {}
+
+    def _write_backup_storage(self, node: Any) -> None:
+        """SGLang's ``write_backup_storage``: ``node``'s host pages to storage, keyed by
+        their storage hashes; its host copy held until the write is acknowledged."""
+        if not self.enable_storage or node.host_value is None or node.evicted:
+            return
+        hashes = self._storage_hashes(node)
+        prefix_keys = (self.get_prefix_hash_values(node)
+                       if self.hicache_storage_pass_prefix_keys else None)
+        operation_id = self.cache_controller.write_storage(
+            node.host_value, [int(token) for token in node.key], hashes, prefix_keys)
+        # The host lock of SGLang's write: ``node`` and, as SGLang's split extends it, every
+        # fragment split off above it until the acknowledgement (the nodes down from
+        # ``node.parent``, kept here).
+        self._backups[operation_id] = (node, node.parent)
+
+    def _backup_held(self) -> dict:
+        """The nodes whose host copies storage writes in flight hold: node -> the writes
+        holding it (SGLang's ``host_lock_ref`` from backups)."""
+        held: dict = {}
+        for node, parent in self._backups.values():
+            while node is not parent and node is not None:
+                held[node] = held.get(node, 0) + 1
+                node = node.parent
+        return held
+
+    def _storage_queue_sizes(self) -> tuple:
+        """(storage acknowledgements, host releases) queued now: what this step takes."""
+        if not self.enable_storage:
+            return 0, 0
+        cc = self.cache_controller
+        return cc.ack_backup_queue.qsize(), cc.host_mem_release_queue.qsize()
+
+    def _drain_storage(self, backups: int, releases: int) -> None:
+        """Take ``backups`` storage acknowledgements (their host locks go) and free
+        ``releases`` queued host slots (SGLang's ``_drain_backup``/``_drain_release``)."""
+        cc = self.cache_controller
+        for _ in range(backups):
+            operation = cc.ack_backup_queue.get()
+            self._backups.pop(operation.id, None)
+        released = [cc.host_mem_release_queue.get() for _ in range(releases)]
+        if released:
+            cc.mem_pool_host.free(torch.cat(released, dim=0))
