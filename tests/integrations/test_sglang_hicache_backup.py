@@ -123,15 +123,18 @@ class BackupReplay(HiReplay):
     """``HiReplay`` with SGLang's ``file`` storage backend attached to both sides."""
 
     def __init__(self, core, page_size, write_policy, seed, monkeypatch, tmp_path,
-                 fail_keys=None, host_ratio=1.0) -> None:
+                 fail_keys=None, host_ratio=1.0, prefetch_threshold=None) -> None:
         super().__init__(core, page_size, "lru", write_policy, host_ratio, seed, monkeypatch)
         monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
         for name, side in (("sglang", self.sgl), ("radixcache", self.ours)):
             side.__class__ = BackupSide
             side.storage_dir = str(tmp_path / name)
             # (pages of 16 also pass each write the keys of the pages above it)
-            config = json.dumps({"file_storage_path": side.storage_dir,
-                                 "hicache_storage_pass_prefix_keys": page_size == 16})
+            config = {"file_storage_path": side.storage_dir,
+                      "hicache_storage_pass_prefix_keys": page_size == 16}
+            if prefetch_threshold is not None:
+                config["prefetch_threshold"] = prefetch_threshold
+            config = json.dumps(config)
             # (the storage config reads this process's place in the TP group: one rank)
             with get_parallel().override(**ONE_RANK):
                 if side is self.sgl:

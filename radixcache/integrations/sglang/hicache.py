@@ -26,9 +26,9 @@ decision for decision:
   SGLang's answers for a cache with no storage backend, and the per-node storage keys
   (``is_backuped``, ``get_last_hash_value``, ``get_prefix_hash_values``) are SGLang's.
   Pages a prefetch brought into host slots go into the tree as SGLang puts them there
-  (``insert_prefetched``), and host copies are backed up to an attached storage backend as
-  SGLang backs them up (``StorageBackup``, both from ``hicache_storage``): the building
-  blocks of serving it.
+  (``insert_prefetched``), host copies are backed up to an attached storage backend as
+  SGLang backs them up (``StorageBackup``) and storage hit queries answer as SGLang's
+  (``StorageHitQuery``, all from ``hicache_storage``): the building blocks of serving it.
 
 Every choice is a function of the calls the scheduler made and the TP-reduced
 acknowledgement counts, nothing else (no clock, no thread timing, no address): the same
@@ -56,7 +56,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
 
 from ... import cache as _tree
-from .hicache_storage import PrefetchInsert, StorageBackup
+from .hicache_storage import PrefetchInsert, StorageBackup, StorageHitQuery
 from .backend import (
     _NOT_ROOT,
     RadixcacheBackend,
@@ -74,9 +74,10 @@ _RECLAIM_DIGEST_MASK = (1 << 62) - 1
 _NO_HITS = 2**62  # a hits_from no insert reaches: write_back counts no hits
 #: Why a storage backend is refused (at start-up and when attached at run time).
 STORAGE_REFUSAL = ("the storage tier (--hicache-storage-backend) is not served by radixcache's "
-                   "host tier yet: its storage hit queries and prefetch stop policies are not "
-                   "implemented (host copies can be backed up to storage and prefetched pages "
-                   "put into the tree, the rest of a prefetch cannot)")
+                   "host tier yet: prefetches from storage and their stop policies are not "
+                   "implemented (host copies can be backed up to storage, storage hit queries "
+                   "answered and prefetched pages put into the tree, the rest of a prefetch "
+                   "cannot)")
 _STORAGE_HASH_MEMO = 1 << 18  # pages whose storage hashes are kept (cleared when full)
 
 
@@ -110,7 +111,7 @@ def group_size(group: Any) -> int:
     return torch.distributed.get_world_size(group=group)
 
 
-class HiCacheBackend(PrefetchInsert, StorageBackup, RadixcacheBackend):
+class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheBackend):
     """``RadixcacheBackend`` with SGLang's hierarchical cache (see the module docstring).
 
     Args:

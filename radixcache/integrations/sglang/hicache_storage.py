@@ -26,8 +26,15 @@ drain of its ``check_hicache_events`` make them once a storage backend is attach
   write's outcome (a failed or raising write is the controller's to log), and frees the host
   slots queued for release.
 
-Hit queries, prefetches and their stop policies are not served yet, so the storage tier
-stays refused at start-up (``hicache.STORAGE_REFUSAL``); the backups run only where a storage
+The storage hit query (``StorageHitQuery.query_storage_hit_length``, SGLang's probe of how
+many of a request's next tokens storage holds) answers as SGLang's does: 0 without a storage
+backend, while prefetches hold the controller's token budget, or for a page-aligned span
+shorter than the prefetch threshold; otherwise the controller's own hit query (the backend's
+``batch_exists`` batch by batch, keys chained from the anchor's last storage hash), reduced
+to the minimum over the TP group and floored to whole pages.
+
+Prefetches and their stop policies are not served yet, so the storage tier stays refused at
+start-up (``hicache.STORAGE_REFUSAL``); the backups and hit queries run only where a storage
 backend is attached with ``_attach_backup_storage``.
 """
 
@@ -41,7 +48,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from .backend import _check_key, _namespace, _token_array
 
-__all__ = ["PrefetchInsert", "StorageBackup"]
+__all__ = ["PrefetchInsert", "StorageBackup", "StorageHitQuery"]
 
 
 class PrefetchInsert:
@@ -131,6 +138,7 @@ class StorageBackup:
             storage_backend_extra_config=extra_config,
             host_pools=controller.mem_pool_host.entries)
         self.hicache_storage_pass_prefix_keys = bool(pass_prefix_keys)
+        self.prefetch_threshold = threshold
         self.enable_storage = True
 
     def _release_backups(self) -> None:
@@ -179,3 +187,47 @@ class StorageBackup:
         released = [cc.host_mem_release_queue.get() for _ in range(releases)]
         if released:
             cc.mem_pool_host.free(torch.cat(released, dim=0))
+
+
+class StorageHitQuery:
+    """``HiCacheBackend``'s storage hit query (a base class of it: it uses the backend's
+    controller and TP groups); see the module docstring."""
+
+    __slots__ = ()
+
+    #: Spans (page-aligned) shorter than this are not looked up (SGLang's default; attaching
+    #: a storage backend sets its ``prefetch_threshold``).
+    prefetch_threshold = 256
+
+    def query_storage_hit_length(self, last_host_node: Any, new_input_tokens: Any,
+                                 last_hash: Optional[str] = None,
+                                 prefix_keys: Optional[list] = None,
+                                 extra_key: Optional[str] = None,
+                                 cache_salt: Optional[str] = None) -> int:
+        """How many of ``new_input_tokens`` (the tokens past ``last_host_node``'s match)
+        storage holds, in whole pages, as SGLang's ``query_storage_hit_length`` answers.
+        ``last_hash``/``prefix_keys``: the anchor's last storage hash and the keys above it
+        (``get_last_hash_value``/``get_prefix_hash_values``). A backend's ``batch_exists``
+        that raises propagates (as SGLang's); nothing in the cache changes either way."""
+        controller = self.cache_controller
+        if (not self.enable_storage or controller is None
+                or controller.prefetch_rate_limited()):
+            return 0
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+            PrefetchOperation,
+        )
+
+        key = RadixKey(new_input_tokens, extra_key=extra_key,
+                       cache_salt=cache_salt).page_aligned(self.page_size)
+        if len(key) < self.prefetch_threshold:
+            return 0
+        operation = PrefetchOperation(CacheRequestHandle("__storage_hit_query__", 0), key,
+                                      last_hash, prefix_keys)
+        _, hits = controller._storage_hit_query(operation)
+        group = self._reduce_group()
+        if group is not None:
+            count = torch.tensor(hits, dtype=torch.int)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=group)
+            hits = int(count.item())
+        return hits - hits % self.page_size
