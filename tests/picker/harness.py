@@ -14,7 +14,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,17 +22,12 @@ from pathlib import Path
 from typing import Optional
 
 import yaml
+from ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "worker.py"
 ENVOY_YAML = REPO / "docs" / "endpoint-picker" / "envoy.yaml"
 START_S = 60.0  # the longest a process may take to answer (a loaded 2-core machine)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def envoy_binary() -> Optional[str]:

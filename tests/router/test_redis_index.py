@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from radixcache.events import (
     tokens_le_bytes,
 )
 from radixcache.router import KvIndexer, Router
+from ports import free_port
 from own_keys import (
     held_under_a_negative_key_and_its_unsigned_spelling,
     negative_key_block,
@@ -57,19 +57,13 @@ def need_server() -> None:
 HERE = Path(__file__).resolve().parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     """A real redis-server on 127.0.0.1 with AOF on (fsync on every write), in ``directory``."""
 
     def __init__(self, directory: Path) -> None:
         need_server()
         self.directory = directory
-        self.port = _free_port()
+        self.port = free_port()
         self.proc = None
         self.start()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,15 +12,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 #: The longest any wait here may take: it only bounds a hang.
 WAIT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(check: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
