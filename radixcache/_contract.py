@@ -180,7 +180,8 @@ class Core(Protocol):
               backup: Optional[Callable[[IndexArray], Any]] = None,
               on_backup: Optional[NodeHook] = None,
               free_host: Optional[FreeCallback] = None,
-              on_remove_host: Optional[NodeHook] = None, keep: Any = None) -> int: ...
+              on_remove_host: Optional[NodeHook] = None, keep: Any = None,
+              page_ids: bool = False) -> int: ...
 
     def evict_host(self, num_tokens: int, free_callback: Optional[FreeCallback] = None,
                    batch: bool = False, on_remove: Optional[NodeHook] = None,

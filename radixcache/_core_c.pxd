@@ -219,7 +219,10 @@ cdef class FreedBatch:
     # Its arrays are numpy arrays (else torch tensors): the core's mode.
     cdef bint numpy_arrays
 
+    cdef int64_t* reserve(self, Py_ssize_t n) except NULL
     cdef int add_ints(self, const int64_t* data, Py_ssize_t n) except -1
+    cdef int add_page_ids(self, const int64_t* data, Py_ssize_t n,
+                          Py_ssize_t page_size) except -1
     cdef object tail(self, Py_ssize_t n)
     cdef int drop_tail(self, Py_ssize_t n) except -1
     cdef int seal(self) except -1
@@ -228,7 +231,7 @@ cdef class FreedBatch:
     cdef object take(self)
 
 
-cdef int collect_value(FreedBatch batch, Node node) except -1
+cdef int collect_value(FreedBatch batch, Node node, Py_ssize_t page_size=*) except -1
 
 
 cdef class Core:

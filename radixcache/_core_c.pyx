@@ -61,6 +61,7 @@ from ._errors import (bad_rank, lock_host_only, node_not_copyable, rank_needs_on
                       reentered, stale_match)
 from ._handover import hand_over_batch as _hand_over_batch
 from ._handover import answer_not_kept, host_indices_bytes
+from ._handover import page_ids as _page_ids
 from ._options import KEY_FALLS_ON_ACCESS as _KEY_FALLS_ON_ACCESS
 from ._state import check_state, display_order, id_order
 from ._torch import cat_tensors as _cat_tensors
@@ -1601,7 +1602,9 @@ cdef class FreedBatch:
         if self.block != NULL:
             rc_block_release(self.block)
 
-    cdef int add_ints(self, const int64_t* data, Py_ssize_t n) except -1:
+    cdef int64_t* reserve(self, Py_ssize_t n) except NULL:
+        """Room for ``n`` more indices at the block's end, counted as added: the caller
+        writes them before anything else runs."""
         cdef char* grown
         cdef Py_ssize_t cap
         if self.block != NULL and self.joined_len + n > self.joined_cap:
@@ -1616,9 +1619,22 @@ cdef class FreedBatch:
                 (<rc_dl_head*>grown).refs = 1  # the batch's
             self.block = grown
             self.joined_cap = cap
-        memcpy(<int64_t*>(self.block + RC_DL_HEAD) + self.joined_len, data,
-               n * sizeof(int64_t))
         self.joined_len += n
+        return <int64_t*>(self.block + RC_DL_HEAD) + self.joined_len - n
+
+    cdef int add_ints(self, const int64_t* data, Py_ssize_t n) except -1:
+        memcpy(self.reserve(n), data, n * sizeof(int64_t))
+        return 0
+
+    cdef int add_page_ids(self, const int64_t* data, Py_ssize_t n,
+                          Py_ssize_t page_size) except -1:
+        """Add the page id of every ``page_size``-th of ``n`` indices from the first (the
+        index floor-divided by ``page_size``, as numpy's ``//``)."""
+        cdef Py_ssize_t pages = (n + page_size - 1) // page_size
+        cdef int64_t* out = self.reserve(pages)
+        cdef Py_ssize_t i
+        for i in range(pages):
+            out[i] = floor_div64(data[i * page_size], page_size)
         return 0
 
     cdef object tail(self, Py_ssize_t n):
@@ -1701,13 +1717,29 @@ cdef object path_value(Node node):
     return node.value
 
 
-cdef int collect_value(FreedBatch batch, Node node) except -1:
+cdef inline int64_t floor_div64(int64_t value, int64_t divisor) noexcept nogil:
+    """``value // divisor`` rounded toward minus infinity (Python's and numpy's), for a
+    positive ``divisor``."""
+    cdef int64_t quotient = value / divisor
+    if value % divisor and value < 0:
+        quotient -= 1
+    return quotient
+
+
+cdef int collect_value(FreedBatch batch, Node node, Py_ssize_t page_size=0) except -1:
     """Add a device victim's indices to ``batch``: its device tensor (read first; the batch
-    joins its parts into a new tensor), else its CPU values or its key."""
+    joins its parts into a new tensor), else its CPU values or its key. With a
+    ``page_size``: the page ids of its pages instead (``_handover.page_ids``); the node is
+    not read after the torch code that computes a device tensor's."""
+    cdef const int64_t* data
     if node.value_ptr == NULL and node.value_owner is not None:
+        if page_size:
+            return batch.add_tensor(_page_ids(kept_value(node), page_size))
         return batch.add_tensor(kept_value(node))
-    return batch.add_ints(node.value_ptr if node.value_ptr != NULL else node.key_ptr,
-                          node.key_len)
+    data = node.value_ptr if node.value_ptr != NULL else node.key_ptr
+    if page_size:
+        return batch.add_page_ids(data, node.key_len, page_size)
+    return batch.add_ints(data, node.key_len)
 
 
 cdef bytes host_bytes(object host, Py_ssize_t n, bint numpy_arrays):
@@ -2693,19 +2725,27 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         return 0
 
     def evict(self, num_tokens, free_callback=None, bint batch=False, on_remove=None,
-              backup=None, on_backup=None, free_host=None, on_remove_host=None, keep=None):
+              backup=None, on_backup=None, free_host=None, on_remove_host=None, keep=None,
+              bint page_ids=False):
         """The whole evict loop (see ``_core_py``): victims popped, detached and counted
         here; each victim's index tensor made as a match's (one block, one copy), or all of
-        them copied into one block for a ``batch`` callback. The guard is released around
-        each per-node callback; after it the loop reads everything afresh (the heap, the
-        next victim): nothing read before a callback is used after it."""
+        them copied into one block for a ``batch`` callback (with ``page_ids``, their page
+        ids). The guard is released around each per-node callback; after it the loop reads
+        everything afresh (the heap, the next victim): nothing read before a callback is
+        used after it."""
         cdef int64_t target, freed = 0
         cdef Py_ssize_t size
+        cdef Py_ssize_t pages_of = 0
         cdef Node node, parent
         cdef bint per_node = free_callback is not None and not batch
         cdef bint collect = free_callback is not None and batch
         cdef bint holding
         target = token_target(num_tokens)
+        if page_ids:
+            if not batch or self.host_tier:
+                raise ValueError("evict(page_ids=True) needs batch=True and a cache "
+                                 "without a host tier")
+            pages_of = self.page_size
         if self.host_tier:
             return self.evict_tiered(target, free_callback, batch, on_remove, backup,
                                      on_backup, free_host, on_remove_host, keep)
@@ -2733,7 +2773,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                     if per_node:
                         handed[0] = victim_value(node, True)
                     elif collect:
-                        collect_value(freed_batch, node)
+                        collect_value(freed_batch, node, pages_of)
                     if parent_rank is not None and node.parent_ptr != <PyObject*>self.tree.root:
                         # Last: nothing after it raises. The parent is no leaf yet: the push
                         # below (once it may be one) uses its new rank. (The node is ours and

@@ -100,7 +100,10 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
   victims' indices concatenated in eviction order (one new array; not called when nothing
   was freed), also when the loop stops on an exception (which it then re-raises): freed
   indices are never lost. No node, pointer or size read before a callback is trusted after
-  it.
+  it. ``evict(..., page_ids=True)`` (with ``batch`` and without a host tier, else
+  ``ValueError`` before anything runs): the batch holds each victim's page ids instead of
+  its indices (every ``page_size``-th index from its first, floor-divided by ``page_size``:
+  what a paged allocator frees), in the same order (``_handover.page_ids``).
 - ``set_value(node, values, held=False)``: a fresh leaf's device values (kept as given; with
   ``numpy_arrays``, an int64 numpy array of the node's length, copied in).
 - ``export_state() -> dict`` and ``import_state(state)``: copies and pickles of a cache.
@@ -360,6 +363,7 @@ import numpy as np
 from ._blocks_py import _block_index_from  # noqa: F401 -- the loader old pickles name
 from ._errors import bad_rank, cpu_values_only, rank_needs_one_tier, reentered
 from ._handover import hand_over_batch
+from ._handover import page_ids as page_ids_of
 from ._heap_py import EvictionHeap, device_leaf, host_leaf
 from ._host_py import HostTier
 from ._options import KEY_FALLS_ON_ACCESS
@@ -861,9 +865,16 @@ class Core(HostTier):
 
     def evict(self, num_tokens: int, free_callback: Any = None, batch: bool = False,
               on_remove: Any = None, backup: Any = None, on_backup: Any = None,
-              free_host: Any = None, on_remove_host: Any = None, keep: Any = None) -> int:
+              free_host: Any = None, on_remove_host: Any = None, keep: Any = None,
+              page_ids: bool = False) -> int:
         """The whole evict loop; see the module docstring. Takes the guard itself (never
         ``held``): it lets go of it around each per-node callback."""
+        pages_of = page_part = 0
+        if page_ids:
+            if not batch or self.host_tier:
+                raise ValueError("evict(page_ids=True) needs batch=True and a cache "
+                                 "without a host tier")
+            pages_of = self.page_size
         if self.host_tier:
             return self._evict_tiered(num_tokens, free_callback, batch, on_remove, backup,
                                       on_backup, free_host, on_remove_host, keep)
@@ -892,6 +903,10 @@ class Core(HostTier):
                                            parent_rank)
                     if per_node:
                         handed[0] = node.value
+                    elif pages_of and parts is not None:
+                        # Before the detach: torch code (a device value's) may raise.
+                        page_part = page_ids_of(node._key if node._value is None
+                                                else node._value, pages_of)
                     if parent_rank is not None and node._parent is not tree.root:
                         # Last: nothing after it raises. The parent is no leaf yet: the push
                         # below (once it may be one) uses its new rank.
@@ -904,7 +919,8 @@ class Core(HostTier):
                 heap._drop_rank(node)
                 garbage.append(dropped)
                 if parts is not None:  # handed over only once it left the tree
-                    parts.append(node._key if dropped is None else dropped)
+                    parts.append(page_part if pages_of
+                                 else node._key if dropped is None else dropped)
                 self.evictable -= size
                 self.evictions += 1
                 self.evicted_tokens += size

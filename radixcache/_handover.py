@@ -8,7 +8,19 @@ import numpy as np
 
 from ._torch import loaded_torch
 
-__all__ = ["answer_not_kept", "hand_over_batch", "host_indices_bytes"]
+__all__ = ["answer_not_kept", "hand_over_batch", "host_indices_bytes", "page_ids"]
+
+
+def page_ids(values, page_size: int):
+    """The page ids ``evict(batch=True, page_ids=True)`` hands over for a victim's indices
+    (int64 bytes, a numpy array or a tensor, on any device): every ``page_size``-th index
+    from the first, floor-divided by ``page_size``; int64 bytes for bytes, else the same
+    kind of array (a new one)."""
+    if type(values) is bytes:
+        return (np.frombuffer(values, dtype=np.int64)[::page_size] // page_size).tobytes()
+    if isinstance(values, np.ndarray):
+        return values[::page_size] // page_size
+    return values[::page_size].div(page_size, rounding_mode="floor")
 
 
 def _hand_over_parts(free_callback, parts, join, join_error, error) -> None:

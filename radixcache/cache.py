@@ -723,7 +723,7 @@ class RadixCache(HostTierCalls):
               backup: Callable[[torch.Tensor], Any] | None = None,
               free_host: Callable[[torch.Tensor], Any] | None = None,
               on_remove: Callable[[Any], int | None] | None = None,
-              keep: Any = None) -> int:
+              keep: Any = None, page_ids: bool = False) -> int:
         """Evict unlocked leaves in policy order until ``num_tokens`` are freed.
 
         A parent that becomes an evictable leaf joins in. The loop runs in the tree core, one
@@ -769,6 +769,11 @@ class RadixCache(HostTierCalls):
                 before the parent can follow in the same call: an owner whose ranks say what
                 a leaf leaves to its parent keeps them exact. If it raises, or returns
                 anything else, the victim stays as it was and the error propagates.
+            page_ids: With ``batch`` (and without a host tier): ``free_callback`` gets the
+                page id of every freed page instead of the indices -- every
+                ``page_size``-th index from each victim's first, floor-divided by
+                ``page_size`` (``indices[::page_size] // page_size`` of the batch), in the
+                same order: what a paged allocator frees, computed in the core.
             keep: With a host tier: nodes (a set, or anything ``in`` works on) this call must
                 leave where they are: a device leaf in it is passed over, a host leaf in it is
                 not removed to make room, and a victim whose host-only subtree holds one is
@@ -793,11 +798,13 @@ class RadixCache(HostTierCalls):
             nothing evictable was left).
 
         Raises:
-            TypeError: ``num_tokens`` is not an int, ``free_callback``, ``backup``,
+            TypeError: ``num_tokens`` is not an int, ``page_ids`` not a bool,
+                ``free_callback``, ``backup``,
                 ``free_host`` or ``on_remove`` is not callable, ``backup`` returned something
                 else than None or an int64 tensor, or ``on_remove`` something else than None
                 or an int.
             ValueError: ``backup`` or ``free_host`` given to a cache without a host tier,
+                ``page_ids`` without ``batch`` or with a host tier,
                 ``backup`` returned a tensor that is not 1-D, of another length than the
                 victim's, or without data (meta or sparse), or ``on_remove`` a rank out of
                 range.
@@ -809,8 +816,17 @@ class RadixCache(HostTierCalls):
                 and not self.host_tier and (free_callback is None or callable(free_callback))
                 and (on_remove is None or callable(on_remove))):
             # The common call, already valid: straight to the core.
-            return self._core.evict(num_tokens, free_callback, bool(batch), on_remove)
+            if page_ids is True:
+                return self._core.evict(num_tokens, free_callback, bool(batch), on_remove,
+                                        page_ids=True)
+            if page_ids is False:
+                return self._core.evict(num_tokens, free_callback, bool(batch), on_remove)
         num_tokens = check_int(num_tokens, "num_tokens")
+        if type(page_ids) is not bool:
+            raise TypeError(f"page_ids must be a bool, got {type(page_ids).__name__}")
+        if page_ids and (not batch or self.host_tier):
+            raise ValueError("evict(page_ids=True) needs batch=True and a cache without a "
+                             "host tier")
         if free_callback is not None and not callable(free_callback):
             raise TypeError(
                 f"free_callback must be callable, got {type(free_callback).__name__}")
@@ -826,7 +842,8 @@ class RadixCache(HostTierCalls):
                         else "free_host" if free_host is not None else "keep")
                 raise ValueError(f"evict({what}=...) needs a cache with a host tier "
                                  "(RadixCache(host_tier=True))")
-            return self._core.evict(num_tokens, free_callback, bool(batch), removed)
+            return self._core.evict(num_tokens, free_callback, bool(batch), removed,
+                                    page_ids=page_ids)
         if backup is not None and not callable(backup):
             raise TypeError(f"backup must be callable, got {type(backup).__name__}")
         if free_host is not None and not callable(free_host):

@@ -444,6 +444,36 @@ def test_refused_free_is_retried_nothing_leaked(ours):
     _all_slots_accounted(cache, refusing, rows, [])
 
 
+def test_refused_page_free_is_retried_nothing_leaked(core_name, monkeypatch):
+    # Page 16 without events: an eviction hands SGLang's paged allocator the victims' page
+    # ids in one free_page_ids; refused, their slots wait for the next free.
+    monkeypatch.setattr(RadixcacheBackend, "core", core_name)
+    backend_module.register()
+    cache, allocator, _ = build_side("radixcache", 16, "lru", events=False)
+    full = allocator.available_size()
+    first, second = allocator.alloc(32), allocator.alloc(16)
+    cache.insert(InsertParams(key=RadixKey(array("q", range(32))), value=first))
+    cache.insert(InsertParams(key=RadixKey(array("q", [7] * 16)), value=second))
+    handed = []
+    real = allocator.free_page_ids
+
+    def refuse_once(page_ids):
+        handed.append(page_ids.tolist())
+        if len(handed) == 1:
+            raise RuntimeError("allocator refused the free")
+        return real(page_ids)
+
+    monkeypatch.setattr(allocator, "free_page_ids", refuse_once)
+    with pytest.raises(RuntimeError, match="refused"):
+        cache.evict(EvictParams(num_tokens=1000))
+    assert handed == [(torch.cat([first[::16], second[::16]]) // 16).tolist()]
+    assert sorted(torch.cat(cache._pending_frees).tolist()) == \
+        sorted(torch.cat([first, second]).tolist())
+    assert allocator.available_size() == full - 48 and cache.total_size() == (0, 0)
+    cache.evict(EvictParams(num_tokens=1000))  # the retry frees them, once
+    assert not cache._pending_frees and allocator.available_size() == full
+
+
 def test_abort_mid_chunk_returns_every_slot(ours):
     cache, allocator, rows = ours
     prompt = list(range(1, 60))

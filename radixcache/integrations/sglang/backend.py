@@ -518,16 +518,17 @@ class RadixcacheBackend(BasePrefixCache):
 
     def _evict_victims(self, num_tokens: int) -> int:
         """The eviction itself (``_evict`` without its bookkeeping): the tokens freed."""
-        if self._sessions.tagging:
-            # Session tags move up as their leaves go (each victim's on_remove).
-            return self._cache.evict(
-                num_tokens, self._free_victim if self.kv_events.enabled else self._free,
-                batch=not self.kv_events.enabled, on_remove=self._sessions.on_remove)
+        on_remove = self._sessions.on_remove if self._sessions.tagging else None
         if self.kv_events.enabled:
-            return self._cache.evict(num_tokens, self._free_victim)
+            return self._cache.evict(num_tokens, self._free_victim, on_remove=on_remove)
         # One free for all victims: the same slots, in the same order, as one free per
-        # victim would give the allocator.
-        return self._cache.evict(num_tokens, self._free, batch=True)
+        # victim would give the allocator. SGLang's paged allocator frees them as the page
+        # ids of every page_size-th slot (free_segment): the core computes those.
+        allocator = self.token_to_kv_pool_allocator
+        if self._allocator_kind(allocator) == _PAGED_ALLOCATOR and not allocator.debug_mode:
+            return self._cache.evict(num_tokens, self._free_pages, batch=True,
+                                     on_remove=on_remove, page_ids=True)
+        return self._cache.evict(num_tokens, self._free, batch=True, on_remove=on_remove)
 
     def evict_for_alloc(self, params: EvictParams, *,
                         allocation_reclaim_satisfied: Any = None) -> EvictResult:
@@ -653,6 +654,21 @@ class RadixcacheBackend(BasePrefixCache):
         except Exception:
             self._pending_frees.append(torch.from_numpy(indices)
                                        if type(indices) is np.ndarray else indices)
+            raise
+
+    def _free_pages(self, page_ids: Any) -> None:
+        """Give the pages ``page_ids`` (a tensor, or a numpy array of int64 the caller owns)
+        back to SGLang's paged allocator; their slots kept for the next free if it refuses
+        them."""
+        if type(page_ids) is np.ndarray:
+            page_ids = torch.from_numpy(page_ids)
+        try:
+            self.token_to_kv_pool_allocator.free_page_ids(page_ids)
+        except Exception:
+            page_size = self.page_size
+            self._pending_frees.append(
+                (page_ids[:, None] * page_size
+                 + torch.arange(page_size, dtype=page_ids.dtype)).reshape(-1))
             raise
 
     def _retry_pending_frees(self) -> None:
