@@ -573,29 +573,13 @@ class IndexService:
                     found = group_blocks(group, q.tokens, q.lora, q.salt, pool, holders,
                                          seqs_of)
                 pools = group.pools
-                if not everyone and not pools and timeout is None and q.instance is None:
-                    # The usual /query: every worker found answers, as itself.
-                    for worker, blocks in found.items():
-                        reg = workers.get(worker)
-                        if reg is None:
-                            continue
-                        gpu = blocks[0] * block_size
-                        hits = out.get(reg.instance_id)
-                        if hits is None:
-                            out[reg.instance_id] = Hits(gpu, blocks[1] * block_size,
-                                                        blocks[2] * block_size,
-                                                        {reg.dp_rank: gpu})
-                        else:
-                            hits.add_rank(reg.dp_rank, gpu, blocks[1] * block_size,
-                                          blocks[2] * block_size)
-                    continue
-                if everyone:
-                    items = workers.items()
-                else:
-                    items = [(w, workers[w]) for w in found if w in workers]
-                for worker, reg in items:
-                    blocks = found.get(worker)
-                    if not blocks and worker in pools and \
+                # Every live worker (Mooncake's answer), or only those found (Dynamo's).
+                items = (((w, found.get(w), reg) for w, reg in workers.items()) if everyone
+                         else ((w, blocks, workers.get(w)) for w, blocks in found.items()))
+                for worker, blocks, reg in items:
+                    if reg is None:
+                        continue
+                    if pools and not blocks and worker in pools and \
                             not group.indexer.blocks_held(worker):
                         continue  # a pool, not an instance
                     if (q.instance is not None and reg.instance_id != q.instance) or (
