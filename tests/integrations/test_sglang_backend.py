@@ -312,6 +312,16 @@ def apply_split_rule(cache) -> None:
         swa._clip_to_window = clip_keeping_time
 
 
+def count_result(counts: dict, result: tuple, what: str) -> None:
+    """Count a step's result by its kind (``what`` when it names none); a batch's also by
+    each request's own result in it."""
+    kinds = [result[0] if result and isinstance(result[0], str) else what]
+    if kinds[0] == "batch":
+        kinds += [each[0] for each in result[1:]]
+    for kind in kinds:
+        counts[kind] = counts.get(kind, 0) + 1
+
+
 # -- one side: a cache and the scheduler's view of its requests ---------------------------------
 class Side:
     def __init__(self, cache, allocator, rows) -> None:
@@ -675,11 +685,7 @@ class Replay:
         a = getattr(self.sgl, what)(*args)
         b = getattr(self.ours, what)(*args)
         assert a == b, f"step {self.steps} {what}{args[:1]}: SGLang {a} != radixcache {b}"
-        kinds = [a[0] if a and isinstance(a[0], str) else what]
-        if kinds[0] == "batch":  # and each request's own result in it
-            kinds += [result[0] for result in a[1:]]
-        for kind in kinds:
-            self.counts[kind] = self.counts.get(kind, 0) + 1
+        count_result(self.counts, a, what)
         return a
 
     def compare(self, what: str) -> None:

@@ -45,6 +45,7 @@ from test_sglang_backend import (  # the shared harness (skips the module withou
     Side,
     apply_split_rule,
     build_side,
+    count_result,
     diverges,
 )
 
@@ -554,11 +555,7 @@ class SoloReplay(HiReplay):
                         req.lock = None
                     self.ours.reqs.pop(req.rid, None)
             result = ("fault",)
-        kinds = [result[0] if result and isinstance(result[0], str) else what]
-        if kinds[0] == "batch":  # and each request's own result in it
-            kinds += [each[0] for each in result[1:]]
-        for kind in kinds:
-            self.counts[kind] = self.counts.get(kind, 0) + 1
+        count_result(self.counts, result, what)
         return result
 
     def compare(self, what: str) -> None:
