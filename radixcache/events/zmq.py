@@ -663,6 +663,13 @@ class ZmqEventSubscriber:
         return self._expected
 
     @property
+    def replaying(self) -> bool:
+        """True while a replay asked for (the first one from ``start_seq``, or one filling a
+        gap; not a probe) has not ended, or batches it delivered wait to be received."""
+        return (self._initial_replay or (self._replay_active and not self._probing)
+                or bool(self._pending) or bool(self._backlog))
+
+    @property
     def last_contact(self) -> Optional[float]:
         """When the publisher was last heard from (``time.monotonic()``): a batch on the
         stream or any answer on the replay socket, a probe's lone end marker included; None

@@ -7,7 +7,8 @@ load table as its HTTP API.
   An instance registered without one is answered for by ``/query`` but never picked.
 - **Eligibility**: registered for the request's model (in the picker's tenant) with an
   address, allowed by the gateway's subset, and live: with ``--instance-timeout`` its
-  publisher must have been heard from within it (a batch, or an answer to the
+  subscription must have caught up from its first replay and its publisher must have been
+  heard from within it (a batch, or an answer to the
   subscription's probes of its replay socket, which an idle engine still gives); it is
   eligible again as soon as it is heard from.
 - **Ranking** is the service's (``IndexService.place``): the configured policy, the index's
@@ -52,6 +53,7 @@ class ServicePicker:
         self.loras = dict(loras or {})
         self.tenant = tenant
         self._ids = itertools.count()
+        self._synced = False
 
     def pick(self, model: str, token_ids: Sequence[int], *, lora: Optional[str] = None,
              salt: Optional[str] = None, candidates: Optional[Collection[str]] = None,
@@ -104,9 +106,12 @@ class ServicePicker:
             self.service.end_request(pick.handle)
 
     def ready(self) -> bool:
-        """The service ready (its subscriptions running, its store reachable) and an
-        endpoint eligible."""
-        return self.service.ready()[0] and any(
+        """The service ready (its subscriptions running, its store reachable), every
+        subscription of the start caught up from its first replay (a restarted picker
+        routes on the whole index, not on part of it), and an endpoint eligible."""
+        if not self._synced:  # once: a publisher registered later does not flap readiness
+            self._synced = self.service.caught_up()
+        return self._synced and self.service.ready()[0] and any(
             e["live"] for e in self.service.endpoints().values())
 
     def status(self) -> dict:

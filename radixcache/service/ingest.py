@@ -74,6 +74,10 @@ class Subscription:
         self.restarts = 0
         self.last_batch: Optional[float] = None  # when the last batch came
         self.applied_seq: Optional[int] = None  # the last batch applied
+        # Whether the first replay (from start_seq) has ended, answered or abandoned, and
+        # its batches are applied: before, the index holds only part of what the publisher
+        # has, and the instance is not live.
+        self.caught_up = registration.replay_endpoint is None
         self.closed = threading.Event()
 
     @property
@@ -204,6 +208,7 @@ class Ingest:
                 break
             batches += got
         if not batches:
+            self._check_caught_up(sub)
             return
         sub.last_batch = self._last_batch = time.monotonic()
         self._untrimmed = True
@@ -214,3 +219,9 @@ class Ingest:
             sub.malformed += len(batches)
             _log.exception("batches %s..%s of %s not applied", batches[0].seq,
                            batches[-1].seq, sub.registration.key_text)
+        self._check_caught_up(sub)
+
+    @staticmethod
+    def _check_caught_up(sub: Subscription) -> None:
+        if not sub.caught_up and not sub.subscriber.replaying:
+            sub.caught_up = True

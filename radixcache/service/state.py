@@ -503,12 +503,13 @@ class IndexService:
     def _live(self, reg: Registration, now: float) -> bool:
         """Whether ``reg``'s publisher was heard from within ``--instance-timeout`` (a batch,
         or an answer to the subscription's probes of its replay socket, which an idle live
-        publisher gives every probe interval): always without a timeout."""
+        publisher gives every probe interval) once its subscription caught up from its first
+        replay: always without a timeout."""
         timeout = self.config.instance_timeout
         if timeout is None:
             return True
         sub = self._subs.get(reg.key)
-        if sub is None:
+        if sub is None or not sub.caught_up:
             return False
         heard = sub.heard
         return heard is not None and now - heard <= timeout
@@ -775,10 +776,17 @@ class IndexService:
         """The instance registered with the serving ``address``, or None."""
         return self._instances.get(address)
 
+    def caught_up(self) -> bool:
+        """Whether every subscription's first replay has ended (answered, or abandoned when
+        its publisher stayed silent) and what it brought is applied."""
+        with self.lock:
+            return all(sub.caught_up for sub in self._subs.values())
+
     def endpoints(self) -> dict:
         """Per serving address: ``{"instance_id", "live" (any of its publishers heard from
-        within --instance-timeout), "events_seq" (the last batch applied from its
-        publishers, None before one), "blocks" (held, every tier), "load"}``."""
+        within --instance-timeout, once caught up from its first replay), "events_seq" (the
+        last batch applied from its publishers, None before one), "blocks" (held, every
+        tier), "load"}``."""
         with self.lock:
             now = time.monotonic()
             out: dict = {}

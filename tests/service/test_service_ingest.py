@@ -35,7 +35,7 @@ from engine_publishers import (
     load_vllm_kv_events,
     short_workdir,
 )
-from service_helpers import Service, register_body, wait_until
+from service_helpers import WAIT_S, Service, register_body, wait_until
 
 from radixcache import RadixCache
 from radixcache.events import BlockStored, ZmqEventPublisher, encode_batch
@@ -206,6 +206,42 @@ def test_a_silent_publisher_leaves_the_answers_and_comes_back(service):
         assert gpu(svc, [1, 2, 3, 4], "q") == 0  # a restarted publisher: its old blocks gone
     finally:
         pub.close()
+
+
+def test_an_instance_is_live_once_its_first_replay_has_ended(service, raw_pub):
+    """Part way through the subscription's first replay the publisher has answered, but the
+    index holds only part of what it has: the instance is not live (answered for, picked)
+    until the answer ends. The test's own ROUTER plays the publisher's replay socket: no
+    engine's publisher can be held part way through an answer."""
+    svc = service("--instance-timeout", "30")
+    pub = raw_pub()
+    ctx = zmq.Context()
+    replay = ctx.socket(zmq.ROUTER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay_endpoint = f"tcp://127.0.0.1:{replay.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        assert svc.post("/register", register_body("r", pub.endpoint,
+                                                   replay_endpoint)).status_code == 200
+        assert replay.poll(int(WAIT_S * 1000)), "the subscription never asked for a replay"
+        identity, _, start = replay.recv_multipart()
+        assert int.from_bytes(start, "big", signed=True) == 0
+        batches = [encode_batch([BlockStored([10 * i + 1], None, [10 * i, 10 * i + 1], 2)])
+                   for i in range(3)]
+        for seq, payload in enumerate(batches[:2]):  # the answer's first two batches
+            replay.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+        wait_until(lambda: svc.client.get("/workers").json()[0]["replayed"] == 2,
+                   "the first two batches")
+        time.sleep(0.3)  # what the ingest thread does with them meanwhile
+        worker, = svc.client.get("/workers").json()
+        assert worker["blocks"]["GPU"] == 2 and not worker["live"]
+        assert gpu(svc, [0, 1], "r") == 0
+        replay.send_multipart([identity, b"", (2).to_bytes(8, "big"), batches[2]])
+        replay.send_multipart([identity, b"", (-1).to_bytes(8, "big", signed=True), b""])
+        wait_until(lambda: gpu(svc, [20, 21], "r") == 2, "the instance once caught up")
+        assert svc.client.get("/workers").json()[0]["live"]
+    finally:
+        replay.close()
+        ctx.term()
 
 
 def standard_seqs(tokens: list, block_size: int, seed: int = 1337) -> list:
