@@ -161,6 +161,7 @@ class BadRequest(Exception):
 
 #: The structs of Dynamo's dialect: a well-formed body of the wrong shape is a 422 there.
 _DYNAMO: set = set()
+_encode = msgspec.json.Encoder().encode
 
 
 def decode(body: bytes, kind: type) -> Any:
@@ -267,42 +268,17 @@ def is_dynamo(body: bytes) -> bool:
     return b'"model_name"' in body
 
 
-def mooncake_hits(hits: Any) -> dict:
-    return {"longest_matched": hits.disk, "GPU": hits.gpu, "DP": _ranks(hits.dp),
-            "CPU": hits.cpu, "DISK": hits.disk}
+def mooncake_answer(tenant: str, rows: list, block_size: int) -> bytes:
+    """Mooncake's ``/query`` answer (``{}`` when no instance of the tenant answers) of
+    ``IndexService.query_rows``' ``(rows, block_size)``, as JSON."""
+    from .. import _core
+
+    return _core.blocks.query_answer(rows, block_size, _encode(tenant))
 
 
-def dynamo_hits(hits: Any) -> dict:
-    return {"longest_matched": hits.disk, "gpu": hits.gpu, "dp": _ranks(hits.dp),
-            "cpu": hits.cpu, "disk": hits.disk}
+def dynamo_answer(rows: list, block_size: int) -> bytes:
+    """Dynamo's ``/query`` answer of ``IndexService.query_rows``' ``(rows, block_size)``,
+    as JSON: the instances with a hit, ``scores`` their device hits per rank."""
+    from .. import _core
 
-
-def _ranks(dp: dict) -> dict:
-    if len(dp) == 1:
-        (rank, tokens), = dp.items()
-        return {str(rank): tokens}
-    return {str(rank): tokens for rank, tokens in sorted(dp.items())}
-
-
-def mooncake_answer(tenant: str, found: dict) -> dict:
-    """Mooncake's ``/query`` answer: ``{}`` when no instance of the tenant answers."""
-    if not found:
-        return {}
-    return {tenant: {str(i): mooncake_hits(h) for i, h in found.items()}}
-
-
-def dynamo_answer(found: dict) -> dict:
-    """Dynamo's ``/query`` answer: the instances with a hit, ``scores`` their device hits
-    per rank."""
-    scores = {}
-    instances = {}
-    for instance, hits in found.items():
-        if not hits.disk:
-            continue
-        name = str(instance)
-        answer = instances[name] = dynamo_hits(hits)
-        if hits.gpu:
-            ranks = answer["dp"]
-            # One rank (the usual case) holds the instance's device hit: all of it scores.
-            scores[name] = ranks if len(ranks) == 1 else {r: t for r, t in ranks.items() if t}
-    return {"scores": scores, "frequencies": [], "instances": instances}
+    return _core.blocks.query_answer(rows, block_size, None)

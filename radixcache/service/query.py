@@ -52,6 +52,24 @@ class Hits:
         return f"Hits(gpu={self.gpu}, cpu={self.cpu}, disk={self.disk}, dp={self.dp})"
 
 
+#: A worker's ``(gpu, cpu, disk)`` blocks when it holds none of the prompt.
+NO_BLOCKS = (0, 0, 0)
+
+
+def hits_of(rows: list, block_size: int) -> dict:
+    """``{instance_id: Hits}`` of ``IndexService.query_rows``' ``(rows, block_size)``: the
+    figures ``query_answer`` writes, as objects."""
+    out: dict = {}
+    for (instance, _, rank), blocks in rows:
+        gpu, cpu, disk = (b * block_size for b in blocks)
+        hits = out.get(instance)
+        if hits is None:
+            out[instance] = Hits(gpu, cpu, disk, {rank: gpu})
+        else:
+            hits.add_rank(rank, gpu, cpu, disk)
+    return out
+
+
 class _Runs:
     """Runs of the prompt's keys held on a tier from a position, per worker: one lookup per
     (position, tier), shared by the workers that stand there."""
