@@ -580,11 +580,11 @@ def query_answer(rows, block_size, tenant):
         for i in range(n):
             row = <tuple>snapshot[i] if type(snapshot[i]) is tuple else None
             if row is None or len(row) != 2 or type(row[0]) is not tuple \
-                    or len(<tuple>row[0]) != 3 or type(row[1]) is not tuple \
-                    or len(<tuple>row[1]) != 3:
+                    or len(<tuple>row[0]) != 3 or not (type(row[1]) is int or (
+                        type(row[1]) is tuple and len(<tuple>row[1]) == 3)):
                 raise TypeError(f"rows[{i}] must be ((instance, name, rank), (gpu, cpu, "
-                                "disk))")
-            who, figures = <tuple>row[0], <tuple>row[1]
+                                "disk)) or ((instance, name, rank), blocks)")
+            who = <tuple>row[0]
             instance, name = who[0], who[1]
             if type(instance) is not int and type(instance) is not str:
                 raise TypeError(f"rows[{i}]: instance must be an int or a str, got "
@@ -596,9 +596,13 @@ def query_answer(rows, block_size, tenant):
             r.name = PyBytes_AS_STRING(name)
             r.name_len = len(<bytes>name)
             r.rank = _qa_int(who[2], "rank", i, 1 << 31)
-            r.gpu = _qa_int(figures[0], "blocks", i, 1 << 40) * scale
-            r.cpu = _qa_int(figures[1], "blocks", i, 1 << 40) * scale
-            r.disk = _qa_int(figures[2], "blocks", i, 1 << 40) * scale
+            if type(row[1]) is int:  # the same figure on every tier
+                r.gpu = r.cpu = r.disk = _qa_int(row[1], "blocks", i, 1 << 40) * scale
+            else:
+                figures = <tuple>row[1]
+                r.gpu = _qa_int(figures[0], "blocks", i, 1 << 40) * scale
+                r.cpu = _qa_int(figures[1], "blocks", i, 1 << 40) * scale
+                r.disk = _qa_int(figures[2], "blocks", i, 1 << 40) * scale
             r.next = -1
             h = <uint64_t>hash(instance)  # an exact int's or str's: no Python code runs
             slot = <Py_ssize_t>(_bi_mix(<int64_t>h) & <uint64_t>(cap - 1))

@@ -42,9 +42,10 @@ gets None decodes the body otherwise for its answer.
 
 ``query_answer(rows, block_size, tenant) -> bytes`` -- the index service's ``/query``
 answer as JSON bytes, in one call. ``rows`` is a list of ``((instance, name, rank), (gpu,
-cpu, disk))``, one per worker found: ``instance`` exactly an int or a str (the rows of one
-instance make one answer: each figure the largest of its rows', and per rank the largest
-device figure), ``name`` its JSON object key (exactly ``bytes``, written as given: a JSON
+cpu, disk))``, or ``((instance, name, rank), blocks)`` for the same figure on every tier,
+one per worker found: ``instance`` exactly an int or a str (the rows of one instance make
+one answer: each figure the largest of its rows', and per rank the largest device
+figure), ``name`` its JSON object key (exactly ``bytes``, written as given: a JSON
 string), ``rank`` an int in ``[0, 2**31)``, the figures blocks (ints in ``[0, 2**40)``),
 written times ``block_size`` (an int in ``[1, 2**20]``). With ``tenant`` None it is Dynamo's
 ``{"scores": {name: {rank: gpu}}, "frequencies": [], "instances": {name: {"longest_matched":
@@ -490,9 +491,13 @@ def query_answer(rows: Any, block_size: Any, tenant: Any) -> bytes:
     merged: dict = {}  # instance -> [name, gpu, cpu, disk, {rank: gpu}]
     for i, row in enumerate(list(rows)):
         if type(row) is not tuple or len(row) != 2 or type(row[0]) is not tuple \
-                or len(row[0]) != 3 or type(row[1]) is not tuple or len(row[1]) != 3:
-            raise TypeError(f"rows[{i}] must be ((instance, name, rank), (gpu, cpu, disk))")
+                or len(row[0]) != 3 or not (type(row[1]) is int or (
+                    type(row[1]) is tuple and len(row[1]) == 3)):
+            raise TypeError(f"rows[{i}] must be ((instance, name, rank), (gpu, cpu, disk)) "
+                            "or ((instance, name, rank), blocks)")
         (instance, name, rank), figures = row
+        if type(figures) is int:
+            figures = (figures, figures, figures)
         if type(instance) is not int and type(instance) is not str:
             raise TypeError(f"rows[{i}]: instance must be an int or a str, got "
                             f"{type(instance).__name__}")

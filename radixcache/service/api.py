@@ -20,6 +20,8 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 from msgspec import Meta, Struct
 
+from .. import _core
+
 # Token ids are u32, as the document's hashing standard reads them.
 Token = Annotated[int, Meta(ge=0, lt=1 << 32)]
 # msgspec bounds must fit int64: an unsigned 64-bit hash or id is checked by ``check_u64``.
@@ -203,8 +205,6 @@ def split_ids(body: bytes) -> Optional[tuple]:
     end = body.find(b"]", start)
     if end < 0:
         return None
-    from .. import _core
-
     ids = _core.blocks.json_ids(body[start:end + 1])
     if ids is None:
         return None
@@ -271,14 +271,10 @@ def is_dynamo(body: bytes) -> bool:
 def mooncake_answer(tenant: str, rows: list, block_size: int) -> bytes:
     """Mooncake's ``/query`` answer (``{}`` when no instance of the tenant answers) of
     ``IndexService.query_rows``' ``(rows, block_size)``, as JSON."""
-    from .. import _core
-
     return _core.blocks.query_answer(rows, block_size, _encode(tenant))
 
 
 def dynamo_answer(rows: list, block_size: int) -> bytes:
     """Dynamo's ``/query`` answer of ``IndexService.query_rows``' ``(rows, block_size)``,
     as JSON: the instances with a hit, ``scores`` their device hits per rank."""
-    from .. import _core
-
     return _core.blocks.query_answer(rows, block_size, None)

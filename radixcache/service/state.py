@@ -22,7 +22,7 @@ from .identity import query_key
 from .ingest import Ingest, Subscription
 from .pending import PendingBlocks, PendingTable
 from .pool import POOL_TIERS, PoolBlocks
-from .query import NO_BLOCKS, Hits, group_blocks, hash_blocks, hits_of
+from .query import Hits, group_blocks, hash_blocks, hits_of
 from .select import Chooser, Loads, Selection
 
 MEDIA = ("GPU", "CPU", "DISK")
@@ -552,7 +552,8 @@ class IndexService:
 
     def query_rows(self, q: Query, everyone: bool = True) -> tuple:
         """``query``'s answer as the block module's ``query_answer`` takes it: ``(rows,
-        block_size)``, a row ``(reg.answer_id, (gpu, cpu, disk) blocks)`` per worker."""
+        block_size)``, a row ``(reg.answer_id, blocks)`` per worker (its ``(gpu, cpu,
+        disk)`` blocks, or one int for all three)."""
         with self.lock.first():
             scope = self._scope_of(q)
             timeout = self.config.instance_timeout
@@ -583,7 +584,7 @@ class IndexService:
                 if not pools and q.instance is None and timeout is None:
                     # No pool, instance or liveness to check: the rows in one pass.
                     if everyone:
-                        rows += [(reg.answer_id, found.get(w, NO_BLOCKS))
+                        rows += [(reg.answer_id, found.get(w, 0))
                                  for w, reg in workers.items()]
                     else:
                         rows += [(reg.answer_id, blocks) for w, blocks in found.items()
@@ -601,7 +602,7 @@ class IndexService:
                     if (q.instance is not None and reg.instance_id != q.instance) or (
                             timeout is not None and not self._live(reg, now)):
                         continue
-                    rows.append((reg.answer_id, NO_BLOCKS if blocks is None else blocks))
+                    rows.append((reg.answer_id, 0 if blocks is None else blocks))
             return rows, block_size
 
     # -- selection and load ---------------------------------------------------------------

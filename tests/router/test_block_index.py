@@ -1174,6 +1174,8 @@ def _reference_answer(rows: list, block_size: int, tenant) -> bytes:
 
     merged: dict = {}
     for (instance, name, rank), blocks_held in rows:
+        if type(blocks_held) is int:
+            blocks_held = (blocks_held,) * 3
         gpu, cpu, disk = (b * block_size for b in blocks_held)
         entry = merged.setdefault(instance, [name, 0, 0, 0, {}])
         entry[1:4] = max(entry[1], gpu), max(entry[2], cpu), max(entry[3], disk)
@@ -1201,8 +1203,8 @@ def _reference_answer(rows: list, block_size: int, tenant) -> bytes:
 
 def test_query_answer_is_the_answer_msgspec_writes(blocks):
     """Random rows (instances of both id types, names that collide across them, several
-    ranks and rows per rank, escaped names) give the bytes msgspec writes for the same
-    answer, in both dialects."""
+    ranks and rows per rank, escaped names, figures per tier or one for all) give the bytes
+    msgspec writes for the same answer, in both dialects."""
     msgspec = pytest.importorskip("msgspec")
     rng = random.Random(11)
     pool = [0, 1, 7, 10, 2**64 - 1, "0", "1", "a\"b", "é\n", "inst-9", "", "\\u0000"]
@@ -1213,9 +1215,9 @@ def test_query_answer_is_the_answer_msgspec_writes(blocks):
             g = rng.choice((0, 0, 1, 3, 2**40 - 1))
             c = g + rng.choice((0, 1, 5))
             d = c + rng.choice((0, 2))
+            figures = g if rng.random() < 0.3 else (g, min(c, 2**40 - 1), min(d, 2**40 - 1))
             rows.append(((instance, msgspec.json.encode(str(instance)),
-                          rng.choice((0, 0, 1, 3, 2**31 - 1))), (g, min(c, 2**40 - 1),
-                                                                 min(d, 2**40 - 1))))
+                          rng.choice((0, 0, 1, 3, 2**31 - 1))), figures))
         block_size = rng.choice((1, 16, 2**20))
         for tenant in (None, b'"default"', msgspec.json.encode('t"\x01')):
             assert blocks.query_answer(rows, block_size, tenant) == _reference_answer(
@@ -1236,7 +1238,10 @@ def test_query_answer_refuses_bad_rows_naming_them(blocks):
             ([((1, b'"1"', -1), (1, 1, 1))], ValueError, r"rows\[0\]: rank"),
             ([((1, b'"1"', 2**31), (1, 1, 1))], ValueError, r"rows\[0\]: rank"),
             ([good, ((1, b'"1"', 0), (1, 2**40, 1))], ValueError, r"rows\[1\]: blocks"),
-            ([((1, b'"1"', 0), (1, 1, 1.5))], TypeError, r"rows\[0\]: blocks")):
+            ([((1, b'"1"', 0), (1, 1, 1.5))], TypeError, r"rows\[0\]: blocks"),
+            ([((1, b'"1"', 0), 1.0)], TypeError, r"rows\[0\] must be"),
+            ([((1, b'"1"', 0), (1, 1))], TypeError, r"rows\[0\] must be"),
+            ([((1, b'"1"', 0), -1)], ValueError, r"rows\[0\]: blocks")):
         with pytest.raises(error, match=match):
             blocks.query_answer(rows, 16, None)
     with pytest.raises(TypeError, match="rows must be a list"):
