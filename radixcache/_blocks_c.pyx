@@ -485,6 +485,15 @@ cdef inline char* _qa_digits(char* out, int64_t value) noexcept nogil:
     return out
 
 
+cdef inline char* _qa_key(char* out, QARow* row, Py_ssize_t k) noexcept nogil:
+    # The k-th member of an object: the separator, the instance's name, the opening brace.
+    if k:
+        out[0] = 44  # ','
+        out += 1
+    out = _qa_put(out, row.name, row.name_len)
+    return _qa_put(out, b":{", 2)
+
+
 cdef char* _qa_ranks(char* out, int64_t* ranks, int64_t* gpus, Py_ssize_t n,
                      bint hits_only) noexcept nogil:
     # ``"rank":gpu`` pairs, comma-separated (only those with a device hit when asked).
@@ -679,11 +688,7 @@ def query_answer(rows, block_size, tenant):
             n_order = _qa_order(qrows, inst, m, 2, order, table, cap)
             for k in range(n_order):
                 it = &inst[order[k]]
-                if k:
-                    out = _qa_put(out, b",", 1)
-                r = &qrows[it.first]
-                out = _qa_put(out, r.name, r.name_len)
-                out = _qa_put(out, b":{", 2)
+                out = _qa_key(out, &qrows[it.first], k)
                 out = _qa_ranks(out, &ranks[it.ranks], &gpus[it.ranks], it.n_ranks,
                                 it.n_ranks > 1)
                 out = _qa_put(out, b"}", 1)
@@ -697,11 +702,7 @@ def query_answer(rows, block_size, tenant):
         n_order = _qa_order(qrows, inst, m, 1 if tenant is None else 0, order, table, cap)
         for k in range(n_order):
             it = &inst[order[k]]
-            if k:
-                out = _qa_put(out, b",", 1)
-            r = &qrows[it.first]
-            out = _qa_put(out, r.name, r.name_len)
-            out = _qa_put(out, b":{", 2)
+            out = _qa_key(out, &qrows[it.first], k)
             out = _qa_put(out, keys[0], key_len[0])
             out = _qa_digits(out, it.disk)
             out = _qa_put(out, keys[1], key_len[1])
