@@ -10,7 +10,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLong, PyLong_AsUnsignedLongLongMask
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
-from libc.string cimport memcmp, memmove, memset
+from libc.string cimport memcmp, memcpy, memmove, memset
 
 import numpy as np
 
@@ -437,6 +437,293 @@ cdef Py_ssize_t _json_ids(const unsigned char* p, Py_ssize_t size,
     while pos < size and _json_space(p[pos]):
         pos += 1
     return n if pos == size else -1
+
+
+# -- a query's answer (the index service's /query) ------------------------------------------
+cdef struct QARow:
+    PyObject* instance  # held by the call's own snapshot of the rows
+    const char* name
+    Py_ssize_t name_len
+    int64_t rank, gpu, cpu, disk
+    Py_ssize_t next  # the instance's next row, or -1
+
+
+cdef struct QAInstance:
+    Py_ssize_t first, last  # its rows
+    int64_t gpu, cpu, disk
+    Py_ssize_t ranks, n_ranks  # its (rank, gpu) pairs in the call's rank arrays
+
+
+cdef int64_t _qa_int(object value, str what, Py_ssize_t i, int64_t top) except -1:
+    """An exact int in ``[0, top)`` (no Python code runs to read it)."""
+    if type(value) is not int:
+        raise TypeError(f"rows[{i}]: {what} must be an int, got {type(value).__name__}")
+    if not 0 <= value < top:
+        raise ValueError(f"rows[{i}]: {what} must be in [0, {top}), got {value}")
+    return PyLong_AsLongLong(value)
+
+
+cdef inline char* _qa_put(char* out, const char* text, Py_ssize_t n) noexcept nogil:
+    memcpy(out, text, n)
+    return out + n
+
+
+cdef inline char* _qa_digits(char* out, int64_t value) noexcept nogil:
+    # ``value`` >= 0 in decimal.
+    cdef char tmp[24]
+    cdef int k = 0
+    while True:
+        tmp[k] = <char>(48 + value % 10)
+        k += 1
+        value //= 10
+        if value == 0:
+            break
+    while k:
+        k -= 1
+        out[0] = tmp[k]
+        out += 1
+    return out
+
+
+cdef inline char* _qa_key(char* out, QARow* row, Py_ssize_t k) noexcept nogil:
+    # The k-th member of an object: the separator, the instance's name, the opening brace.
+    if k:
+        out[0] = 44  # ','
+        out += 1
+    out = _qa_put(out, row.name, row.name_len)
+    return _qa_put(out, b":{", 2)
+
+
+cdef char* _qa_ranks(char* out, int64_t* ranks, int64_t* gpus, Py_ssize_t n,
+                     bint hits_only) noexcept nogil:
+    # ``"rank":gpu`` pairs, comma-separated (only those with a device hit when asked).
+    cdef Py_ssize_t k
+    cdef bint first = True
+    for k in range(n):
+        if hits_only and not gpus[k]:
+            continue
+        if not first:
+            out[0] = 44  # ','
+            out += 1
+        first = False
+        out[0] = 34  # '"'
+        out = _qa_digits(out + 1, ranks[k])
+        out = _qa_put(out, b'":', 2)
+        out = _qa_digits(out, gpus[k])
+    return out
+
+
+cdef Py_ssize_t _qa_order(QARow* rows, QAInstance* inst, Py_ssize_t m, int section,
+                          Py_ssize_t* order, Py_ssize_t* table, Py_ssize_t cap) noexcept:
+    """The instances a section writes, as a JSON object of their names would hold them:
+    ``order[k]`` is the instance whose figures go at the ``k``-th name (names in the order
+    they first come; a later instance of the same name replaces the earlier's figures).
+    ``section``: 0 every instance, 1 those with ``disk``, 2 those with ``disk`` and ``gpu``."""
+    cdef Py_ssize_t j, k, n = 0, slot
+    cdef uint64_t mask = <uint64_t>cap - 1
+    cdef QARow* a
+    cdef QARow* b
+    memset(table, 0xFF, cap * sizeof(Py_ssize_t))
+    for j in range(m):
+        if (section >= 1 and not inst[j].disk) or (section == 2 and not inst[j].gpu):
+            continue
+        a = &rows[inst[j].first]
+        slot = <Py_ssize_t>(_km_hash_mem(<const unsigned char*>a.name, a.name_len) & mask)
+        while True:
+            k = table[slot]
+            if k < 0:
+                table[slot] = n
+                order[n] = j
+                n += 1
+                break
+            b = &rows[inst[order[k]].first]
+            if b.name_len == a.name_len and memcmp(a.name, b.name, a.name_len) == 0:
+                order[k] = j
+                break
+            slot = (slot + 1) & <Py_ssize_t>mask
+    return n
+
+
+def query_answer(rows, block_size, tenant):
+    """The index service's ``/query`` answer as JSON bytes; see ``_blocks_py``."""
+    if type(rows) is not list:
+        raise TypeError(f"rows must be a list, got {type(rows).__name__}")
+    if type(block_size) is not int:
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    if not 1 <= block_size <= (1 << 20):
+        raise ValueError(f"block_size must be in [1, 2**20], got {block_size}")
+    if tenant is not None and type(tenant) is not bytes:
+        raise TypeError(f"tenant must be bytes or None, got {type(tenant).__name__}")
+    # The call's own snapshot: every object read below is held by it (tuples, exact ints,
+    # strs and bytes, which no Python code can change), and nothing below calls out.
+    cdef tuple snapshot = tuple(rows)
+    cdef Py_ssize_t n = len(snapshot), i, j, k, m = 0, cap = 8, slot, size, n_order
+    cdef int64_t scale = block_size
+    cdef Py_ssize_t names = 0
+    cdef tuple row, who, figures
+    cdef object instance, name
+    cdef QARow* r
+    cdef QARow* q
+    cdef QAInstance* it
+    cdef uint64_t h
+    cdef int same
+    while cap < 2 * n:
+        cap *= 2
+    cdef QARow* qrows = <QARow*>PyMem_Malloc((n + 1) * sizeof(QARow))
+    cdef QAInstance* inst = <QAInstance*>PyMem_Malloc((n + 1) * sizeof(QAInstance))
+    cdef Py_ssize_t* table = <Py_ssize_t*>PyMem_Malloc(cap * sizeof(Py_ssize_t))
+    cdef Py_ssize_t* order = <Py_ssize_t*>PyMem_Malloc((n + 1) * sizeof(Py_ssize_t))
+    cdef int64_t* ranks = <int64_t*>PyMem_Malloc((n + 1) * sizeof(int64_t))
+    cdef int64_t* gpus = <int64_t*>PyMem_Malloc((n + 1) * sizeof(int64_t))
+    cdef char* buf = NULL
+    cdef char* out
+    cdef int64_t t_rank, t_gpu
+    cdef const char* keys[5]
+    cdef Py_ssize_t key_len[5]
+    try:
+        if qrows == NULL or inst == NULL or table == NULL or order == NULL or ranks == NULL \
+                or gpus == NULL:
+            raise MemoryError()
+        # Read every row, merging the rows of an instance.
+        memset(table, 0xFF, cap * sizeof(Py_ssize_t))
+        for i in range(n):
+            row = <tuple>snapshot[i] if type(snapshot[i]) is tuple else None
+            if row is None or len(row) != 2 or type(row[0]) is not tuple \
+                    or len(<tuple>row[0]) != 3 or not (type(row[1]) is int or (
+                        type(row[1]) is tuple and len(<tuple>row[1]) == 3)):
+                raise TypeError(f"rows[{i}] must be ((instance, name, rank), (gpu, cpu, "
+                                "disk)) or ((instance, name, rank), blocks)")
+            who = <tuple>row[0]
+            instance, name = who[0], who[1]
+            if type(instance) is not int and type(instance) is not str:
+                raise TypeError(f"rows[{i}]: instance must be an int or a str, got "
+                                f"{type(instance).__name__}")
+            if type(name) is not bytes:
+                raise TypeError(f"rows[{i}]: name must be bytes, got {type(name).__name__}")
+            r = &qrows[i]
+            r.instance = <PyObject*>instance
+            r.name = PyBytes_AS_STRING(name)
+            r.name_len = len(<bytes>name)
+            r.rank = _qa_int(who[2], "rank", i, 1 << 31)
+            if type(row[1]) is int:  # the same figure on every tier
+                r.gpu = r.cpu = r.disk = _qa_int(row[1], "blocks", i, 1 << 40) * scale
+            else:
+                figures = <tuple>row[1]
+                r.gpu = _qa_int(figures[0], "blocks", i, 1 << 40) * scale
+                r.cpu = _qa_int(figures[1], "blocks", i, 1 << 40) * scale
+                r.disk = _qa_int(figures[2], "blocks", i, 1 << 40) * scale
+            r.next = -1
+            h = <uint64_t>hash(instance)  # an exact int's or str's: no Python code runs
+            slot = <Py_ssize_t>(_bi_mix(<int64_t>h) & <uint64_t>(cap - 1))
+            while True:
+                j = table[slot]
+                if j < 0:
+                    table[slot] = m
+                    it = &inst[m]
+                    it.first = it.last = i
+                    it.gpu, it.cpu, it.disk = r.gpu, r.cpu, r.disk
+                    m += 1
+                    names += r.name_len
+                    break
+                q = &qrows[inst[j].first]
+                same = q.instance == r.instance or (
+                    type(<object>q.instance) is type(instance)
+                    and <object>q.instance == instance)
+                if same:
+                    it = &inst[j]
+                    qrows[it.last].next = i
+                    it.last = i
+                    it.gpu = max(it.gpu, r.gpu)
+                    it.cpu = max(it.cpu, r.cpu)
+                    it.disk = max(it.disk, r.disk)
+                    break
+                slot = (slot + 1) & (cap - 1)
+        # Each instance's ranks, ascending, a rank's largest device figure.
+        k = 0
+        for j in range(m):
+            it = &inst[j]
+            it.ranks = k
+            it.n_ranks = 0
+            i = it.first
+            while i >= 0:
+                t_rank, t_gpu = qrows[i].rank, qrows[i].gpu
+                slot = it.ranks + it.n_ranks
+                while slot > it.ranks and ranks[slot - 1] > t_rank:
+                    slot -= 1
+                if slot > it.ranks and ranks[slot - 1] == t_rank:
+                    gpus[slot - 1] = max(gpus[slot - 1], t_gpu)
+                else:
+                    memmove(&ranks[slot + 1], &ranks[slot],
+                            (it.ranks + it.n_ranks - slot) * sizeof(int64_t))
+                    memmove(&gpus[slot + 1], &gpus[slot],
+                            (it.ranks + it.n_ranks - slot) * sizeof(int64_t))
+                    ranks[slot], gpus[slot] = t_rank, t_gpu
+                    it.n_ranks += 1
+                i = qrows[i].next
+            k += it.n_ranks
+        # What is written is bounded: per instance its name twice and 5 figures of at most
+        # 19 digits with their keys; per rank 2 * (10 + 19 + 4) bytes.
+        size = 64 + (len(<bytes>tenant) if tenant is not None else 0) + 2 * names \
+            + 256 * m + 80 * n
+        buf = <char*>PyMem_Malloc(size)
+        if buf == NULL:
+            raise MemoryError()
+        out = buf
+        keys[0] = b'"longest_matched":'
+        if tenant is None:
+            keys[1] = b',"gpu":'
+            keys[2] = b',"dp":{'
+            keys[3] = b'},"cpu":'
+            keys[4] = b',"disk":'
+        else:
+            keys[1] = b',"GPU":'
+            keys[2] = b',"DP":{'
+            keys[3] = b'},"CPU":'
+            keys[4] = b',"DISK":'
+        key_len[0] = 18
+        key_len[1] = key_len[2] = 7
+        key_len[3] = key_len[4] = 8
+        if tenant is None:
+            out = _qa_put(out, b'{"scores":{', 11)
+            n_order = _qa_order(qrows, inst, m, 2, order, table, cap)
+            for k in range(n_order):
+                it = &inst[order[k]]
+                out = _qa_key(out, &qrows[it.first], k)
+                out = _qa_ranks(out, &ranks[it.ranks], &gpus[it.ranks], it.n_ranks,
+                                it.n_ranks > 1)
+                out = _qa_put(out, b"}", 1)
+            out = _qa_put(out, b'},"frequencies":[],"instances":{', 32)
+        elif m:
+            out = _qa_put(out, b"{", 1)
+            out = _qa_put(out, PyBytes_AS_STRING(tenant), len(<bytes>tenant))
+            out = _qa_put(out, b":{", 2)
+        else:
+            return b"{}"
+        n_order = _qa_order(qrows, inst, m, 1 if tenant is None else 0, order, table, cap)
+        for k in range(n_order):
+            it = &inst[order[k]]
+            out = _qa_key(out, &qrows[it.first], k)
+            out = _qa_put(out, keys[0], key_len[0])
+            out = _qa_digits(out, it.disk)
+            out = _qa_put(out, keys[1], key_len[1])
+            out = _qa_digits(out, it.gpu)
+            out = _qa_put(out, keys[2], key_len[2])
+            out = _qa_ranks(out, &ranks[it.ranks], &gpus[it.ranks], it.n_ranks, False)
+            out = _qa_put(out, keys[3], key_len[3])
+            out = _qa_digits(out, it.cpu)
+            out = _qa_put(out, keys[4], key_len[4])
+            out = _qa_digits(out, it.disk)
+            out = _qa_put(out, b"}", 1)
+        out = _qa_put(out, b"}}", 2)
+        return PyBytes_FromStringAndSize(buf, out - buf)
+    finally:
+        PyMem_Free(qrows)
+        PyMem_Free(inst)
+        PyMem_Free(table)
+        PyMem_Free(order)
+        PyMem_Free(ranks)
+        PyMem_Free(gpus)
+        PyMem_Free(buf)
 
 
 cdef int _check_owners(bytes owner_data) except -1:

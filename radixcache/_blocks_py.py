@@ -40,6 +40,24 @@ for anything else (another value or form, an id out of range, bytes left over). 
 service reads a query's token ids so, without making an int object per id; a caller that
 gets None decodes the body otherwise for its answer.
 
+``query_answer(rows, block_size, tenant) -> bytes`` -- the index service's ``/query``
+answer as JSON bytes, in one call. ``rows`` is a list of ``((instance, name, rank), (gpu,
+cpu, disk))``, or ``((instance, name, rank), blocks)`` for the same figure on every tier,
+one per worker found: ``instance`` exactly an int or a str (the rows of one instance make
+one answer: each figure the largest of its rows', and per rank the largest device
+figure), ``name`` its JSON object key (exactly ``bytes``, written as given: a JSON
+string), ``rank`` an int in ``[0, 2**31)``, the figures blocks (ints in ``[0, 2**40)``),
+written times ``block_size`` (an int in ``[1, 2**20]``). With ``tenant`` None it is Dynamo's
+``{"scores": {name: {rank: gpu}}, "frequencies": [], "instances": {name: {"longest_matched":
+disk, "gpu", "dp": {rank: gpu}, "cpu", "disk"}}}`` of the instances with ``disk`` above 0
+(``scores``: those with ``gpu`` above 0, their ranks with a device hit when they have
+several); with ``tenant`` bytes (its JSON string), Mooncake's ``{tenant: {name:
+{"longest_matched", "GPU", "DP", "CPU", "DISK"}}}`` of every instance, ``{}`` when there is
+none. Ranks ascend; instances come in the order of their first rows, and instances whose names
+are equal take the first one's place with the last one's figures (a JSON object's key once).
+Written compactly, as ``msgspec.json`` writes the same objects. ``TypeError`` for an argument
+or row of another type, ``ValueError`` for a number out of range, each naming the row.
+
 ``BlockIndex()`` -- ``KvIndexer``'s table of held blocks, a map from a 64-bit block key (an
 ``int`` in int64) to the copies holding it (``copy``: an ``int`` in ``[0, 2**31 - 1)`` the
 caller assigns; a copy counts once per holding, so it may hold a key more than once).
@@ -140,7 +158,8 @@ import numpy as np
 from ._validate import INT64_MAX, INT64_MIN, wrap_int64
 
 __all__ = ["BlockIndex", "KeyMap", "WireBatch", "apply_wire", "hash64", "ids_le_bytes",
-           "json_ids", "msgpack_ids", "page_hash_bytes", "page_hash_chain", "read_wire"]
+           "json_ids", "msgpack_ids", "page_hash_bytes", "page_hash_chain", "query_answer",
+           "read_wire"]
 
 
 # -- page hash chain (see the module docstring) ---------------------------------------------
@@ -443,6 +462,76 @@ def json_ids(data: Any) -> Any:
     if sys.byteorder != "little":
         out.byteswap()
     return out.tobytes()
+
+
+
+#: ``query_answer``'s keys of an instance's figures, per dialect.
+_DYNAMO_KEYS = (b'"longest_matched":', b',"gpu":', b',"dp":{', b'},"cpu":', b',"disk":')
+_MOONCAKE_KEYS = (b'"longest_matched":', b',"GPU":', b',"DP":{', b'},"CPU":', b',"DISK":')
+
+
+def _answer_int(value: Any, what: str, top: int) -> int:
+    if type(value) is not int:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if not 0 <= value < top:
+        raise ValueError(f"{what} must be in [0, {top}), got {value}")
+    return value
+
+
+def query_answer(rows: Any, block_size: Any, tenant: Any) -> bytes:
+    """The index service's ``/query`` answer as JSON bytes; see the module docstring."""
+    if type(rows) is not list:
+        raise TypeError(f"rows must be a list, got {type(rows).__name__}")
+    if type(block_size) is not int:
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    if not 1 <= block_size <= 1 << 20:
+        raise ValueError(f"block_size must be in [1, 2**20], got {block_size}")
+    if tenant is not None and type(tenant) is not bytes:
+        raise TypeError(f"tenant must be bytes or None, got {type(tenant).__name__}")
+    merged: dict = {}  # instance -> [name, gpu, cpu, disk, {rank: gpu}]
+    for i, row in enumerate(list(rows)):
+        if type(row) is not tuple or len(row) != 2 or type(row[0]) is not tuple \
+                or len(row[0]) != 3 or not (type(row[1]) is int or (
+                    type(row[1]) is tuple and len(row[1]) == 3)):
+            raise TypeError(f"rows[{i}] must be ((instance, name, rank), (gpu, cpu, disk)) "
+                            "or ((instance, name, rank), blocks)")
+        (instance, name, rank), figures = row
+        if type(figures) is int:
+            figures = (figures, figures, figures)
+        if type(instance) is not int and type(instance) is not str:
+            raise TypeError(f"rows[{i}]: instance must be an int or a str, got "
+                            f"{type(instance).__name__}")
+        if type(name) is not bytes:
+            raise TypeError(f"rows[{i}]: name must be bytes, got {type(name).__name__}")
+        rank = _answer_int(rank, f"rows[{i}]: rank", 1 << 31)
+        gpu, cpu, disk = (_answer_int(v, f"rows[{i}]: blocks", 1 << 40) * block_size
+                          for v in figures)
+        entry = merged.get(instance)
+        if entry is None:
+            merged[instance] = [name, gpu, cpu, disk, {rank: gpu}]
+            continue
+        entry[1], entry[2], entry[3] = max(entry[1], gpu), max(entry[2], cpu), max(entry[3], disk)
+        entry[4][rank] = max(entry[4].get(rank, gpu), gpu)
+    keys = _DYNAMO_KEYS if tenant is None else _MOONCAKE_KEYS
+    scores: dict = {}
+    instances: dict = {}
+    for name, gpu, cpu, disk, dp in merged.values():
+        if tenant is None and not disk:
+            continue
+        ranks = sorted(dp.items())
+        dp_text = b",".join(b'"%d":%d' % r for r in ranks)
+        instances[name] = b"".join((name, b":{", keys[0], b"%d" % disk, keys[1], b"%d" % gpu,
+                                    keys[2], dp_text, keys[3], b"%d" % cpu, keys[4],
+                                    b"%d}" % disk))
+        if tenant is None and gpu:
+            if len(ranks) > 1:
+                dp_text = b",".join(b'"%d":%d' % r for r in ranks if r[1])
+            scores[name] = b"".join((name, b":{", dp_text, b"}"))
+    body = b",".join(instances.values())
+    if tenant is None:
+        return b"".join((b'{"scores":{', b",".join(scores.values()),
+                         b'},"frequencies":[],"instances":{', body, b"}}"))
+    return b"".join((b"{", tenant, b":{", body, b"}}")) if merged else b"{}"
 
 
 def msgpack_ids(data: Any) -> Any:

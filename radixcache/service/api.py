@@ -20,6 +20,8 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 from msgspec import Meta, Struct
 
+from .. import _core
+
 # Token ids are u32, as the document's hashing standard reads them.
 Token = Annotated[int, Meta(ge=0, lt=1 << 32)]
 # msgspec bounds must fit int64: an unsigned 64-bit hash or id is checked by ``check_u64``.
@@ -161,6 +163,7 @@ class BadRequest(Exception):
 
 #: The structs of Dynamo's dialect: a well-formed body of the wrong shape is a 422 there.
 _DYNAMO: set = set()
+_encode = msgspec.json.Encoder().encode
 
 
 def decode(body: bytes, kind: type) -> Any:
@@ -202,8 +205,6 @@ def split_ids(body: bytes) -> Optional[tuple]:
     end = body.find(b"]", start)
     if end < 0:
         return None
-    from .. import _core
-
     ids = _core.blocks.json_ids(body[start:end + 1])
     if ids is None:
         return None
@@ -267,42 +268,13 @@ def is_dynamo(body: bytes) -> bool:
     return b'"model_name"' in body
 
 
-def mooncake_hits(hits: Any) -> dict:
-    return {"longest_matched": hits.disk, "GPU": hits.gpu, "DP": _ranks(hits.dp),
-            "CPU": hits.cpu, "DISK": hits.disk}
+def mooncake_answer(tenant: str, rows: list, block_size: int) -> bytes:
+    """Mooncake's ``/query`` answer (``{}`` when no instance of the tenant answers) of
+    ``IndexService.query_rows``' ``(rows, block_size)``, as JSON."""
+    return _core.blocks.query_answer(rows, block_size, _encode(tenant))
 
 
-def dynamo_hits(hits: Any) -> dict:
-    return {"longest_matched": hits.disk, "gpu": hits.gpu, "dp": _ranks(hits.dp),
-            "cpu": hits.cpu, "disk": hits.disk}
-
-
-def _ranks(dp: dict) -> dict:
-    if len(dp) == 1:
-        (rank, tokens), = dp.items()
-        return {str(rank): tokens}
-    return {str(rank): tokens for rank, tokens in sorted(dp.items())}
-
-
-def mooncake_answer(tenant: str, found: dict) -> dict:
-    """Mooncake's ``/query`` answer: ``{}`` when no instance of the tenant answers."""
-    if not found:
-        return {}
-    return {tenant: {str(i): mooncake_hits(h) for i, h in found.items()}}
-
-
-def dynamo_answer(found: dict) -> dict:
-    """Dynamo's ``/query`` answer: the instances with a hit, ``scores`` their device hits
-    per rank."""
-    scores = {}
-    instances = {}
-    for instance, hits in found.items():
-        if not hits.disk:
-            continue
-        name = str(instance)
-        answer = instances[name] = dynamo_hits(hits)
-        if hits.gpu:
-            ranks = answer["dp"]
-            # One rank (the usual case) holds the instance's device hit: all of it scores.
-            scores[name] = ranks if len(ranks) == 1 else {r: t for r, t in ranks.items() if t}
-    return {"scores": scores, "frequencies": [], "instances": instances}
+def dynamo_answer(rows: list, block_size: int) -> bytes:
+    """Dynamo's ``/query`` answer of ``IndexService.query_rows``' ``(rows, block_size)``,
+    as JSON: the instances with a hit, ``scores`` their device hits per rank."""
+    return _core.blocks.query_answer(rows, block_size, None)

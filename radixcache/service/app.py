@@ -275,20 +275,20 @@ class App:
         split = api.split_ids(body)  # its head is the body less the ids: quicker to search
         if api.is_dynamo(body if split is None else split[0]):
             req = api.decode_tokens(body, api.DynamoQuery, split)
-            found = self.service.query(Query(req.model_name, tokens=self._tokens(req.token_ids),
-                                             block_size=req.block_size,
-                                             tenant=req.routing_group, lora=req.lora_name or None,
-                                             salt=req.cache_salt or None), everyone=False)
-            return 200, _encode(api.dynamo_answer(found)), []
+            found = self.service.query_rows(Query(
+                req.model_name, tokens=self._tokens(req.token_ids), block_size=req.block_size,
+                tenant=req.routing_group, lora=req.lora_name or None,
+                salt=req.cache_salt or None), everyone=False)
+            return 200, api.dynamo_answer(*found), []
         req = api.decode_tokens(body, api.MooncakeQuery, split)
         self._no_lora_id(req)
         tenant = req.tenant_id or DEFAULT_TENANT
-        found = self.service.query(Query(req.model, tokens=self._tokens(req.token_ids),
-                                         block_size=req.block_size, tenant=tenant,
-                                         lora=req.lora_name or None,
-                                         salt=req.cache_salt or None,
-                                         instance=req.instance_id))
-        return 200, _encode(api.mooncake_answer(tenant, found)), []
+        found = self.service.query_rows(Query(req.model, tokens=self._tokens(req.token_ids),
+                                              block_size=req.block_size, tenant=tenant,
+                                              lora=req.lora_name or None,
+                                              salt=req.cache_salt or None,
+                                              instance=req.instance_id))
+        return 200, api.mooncake_answer(tenant, *found), []
 
     @staticmethod
     def _no_lora_id(req: Any) -> None:
@@ -306,11 +306,12 @@ class App:
                                "already include it", "cache_salt")
             local = [unsigned(h) for h in api.check_u64(self._tokens(req.block_hashes),
                                                         "block_hashes")]
-            found = self.service.query(Query(req.model_name,
-                                             seqs=roll(local, self.config.hash_seed),
-                                             block_size=req.block_size, tenant=req.routing_group,
-                                             lora=req.lora_name or None), everyone=False)
-            return 200, _encode(api.dynamo_answer(found)), []
+            found = self.service.query_rows(Query(req.model_name,
+                                                  seqs=roll(local, self.config.hash_seed),
+                                                  block_size=req.block_size,
+                                                  tenant=req.routing_group,
+                                                  lora=req.lora_name or None), everyone=False)
+            return 200, api.dynamo_answer(*found), []
         req = api.decode(body, api.MooncakeQueryByHash)
         self._no_lora_id(req)
         field = "seq_hashes" if req.seq_hashes is not None else "block_hash"
@@ -319,13 +320,13 @@ class App:
             raise _Refused(400, "seq_hashes is required", "seq_hashes")
         api.check_u64(hashes, field)
         tenant = req.tenant_id or DEFAULT_TENANT
-        found = self.service.query(Query(req.model, seqs=[unsigned(h) for h in
-                                                          self._tokens(hashes)],
-                                         block_size=req.block_size, tenant=tenant,
-                                         lora=req.lora_name or None,
-                                         salt=req.cache_salt or None,
-                                         instance=req.instance_id))
-        return 200, _encode(api.mooncake_answer(tenant, found)), []
+        found = self.service.query_rows(Query(req.model, seqs=[unsigned(h) for h in
+                                                               self._tokens(hashes)],
+                                              block_size=req.block_size, tenant=tenant,
+                                              lora=req.lora_name or None,
+                                              salt=req.cache_salt or None,
+                                              instance=req.instance_id))
+        return 200, api.mooncake_answer(tenant, *found), []
 
     def select(self, body: bytes) -> tuple:
         req = api.decode_tokens(body, api.SelectRequest)

@@ -17,6 +17,7 @@ Registrations with the same scope, registered LoRA and salt and publisher family
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Optional, Union
 
 #: The publisher types ``/register`` takes, as Mooncake's document spells them.
@@ -83,6 +84,15 @@ class Registration:
         """The index it shares: scope, registered LoRA and salt, and the publisher family
         (how its events spell a block's LoRA and salt)."""
         return (*self.scope, self.lora, self.salt, family(self.kind))
+
+    @cached_property
+    def answer_id(self) -> tuple:
+        """How a query's answer names it: ``(instance_id, its JSON object key, dp_rank)``
+        (a row of the block module's ``query_answer``)."""
+        import msgspec
+
+        return (self.instance_id, msgspec.json.encode(instance_text(self.instance_id)),
+                self.dp_rank)
 
     def as_record(self) -> dict:
         """The registration as plain JSON-able values (what a shared store keeps)."""

@@ -52,6 +52,26 @@ class Hits:
         return f"Hits(gpu={self.gpu}, cpu={self.cpu}, disk={self.disk}, dp={self.dp})"
 
 
+def tiers(blocks: Any) -> tuple:
+    """A worker's ``(gpu, cpu, disk)`` blocks, from the tuple or the int (the same on every
+    tier) ``group_blocks`` gives."""
+    return (blocks, blocks, blocks) if type(blocks) is int else blocks
+
+
+def hits_of(rows: list, block_size: int) -> dict:
+    """``{instance_id: Hits}`` of ``IndexService.query_rows``' ``(rows, block_size)``: the
+    figures ``query_answer`` writes, as objects."""
+    out: dict = {}
+    for (instance, _, rank), blocks in rows:
+        gpu, cpu, disk = (b * block_size for b in tiers(blocks))
+        hits = out.get(instance)
+        if hits is None:
+            out[instance] = Hits(gpu, cpu, disk, {rank: gpu})
+        else:
+            hits.add_rank(rank, gpu, cpu, disk)
+    return out
+
+
 class _Runs:
     """Runs of the prompt's keys held on a tier from a position, per worker: one lookup per
     (position, tier), shared by the workers that stand there."""
@@ -89,7 +109,9 @@ def _walk(worker: Any, start: int, own: Optional[_Runs], pool: Any, identity: tu
 def group_blocks(group: Any, tokens: Any, lora: Optional[str], salt: Optional[str],
                  pool: Any = None, pool_holders: Any = None, seqs_of: Any = None) -> dict:
     """``{worker: (gpu, cpu, disk) blocks}`` of ``group``'s workers that hold any of the
-    prompt (or that a pool extends), for the blocks of identity ``lora``/``salt``.
+    prompt (or that a pool extends), for the blocks of identity ``lora``/``salt``; a
+    worker's figure is one int when the group has no other tier than the device and no
+    pool extends it (``tiers`` reads either).
 
     ``seqs_of()`` gives the prompt's standard sequence hashes, asked for only when a pool
     of the scope holds blocks of that identity.
@@ -104,7 +126,7 @@ def group_blocks(group: Any, tokens: Any, lora: Optional[str], salt: Optional[st
         seqs = seqs_of() if pool is not None and pool.has(identity) else None
         tiered = group.tiered
         if not tiered and seqs is None:
-            found = {w: (g, g, g) for w, g in device.items()}
+            found = device
         else:
             own = (_Runs(indexer, indexer.block_keys(tokens, extra_key, block_extra))
                    if tiered else None)
@@ -120,7 +142,8 @@ def group_blocks(group: Any, tokens: Any, lora: Optional[str], salt: Optional[st
             continue
         for worker, blocks in found.items():
             old = best.get(worker)
-            best[worker] = blocks if old is None else tuple(map(max, old, blocks))
+            best[worker] = blocks if old is None else tuple(map(max, tiers(old),
+                                                                tiers(blocks)))
     return best
 
 

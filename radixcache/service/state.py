@@ -22,7 +22,7 @@ from .identity import query_key
 from .ingest import Ingest, Subscription
 from .pending import PendingBlocks, PendingTable
 from .pool import POOL_TIERS, PoolBlocks
-from .query import Hits, group_blocks, hash_blocks
+from .query import Hits, group_blocks, hash_blocks, hits_of
 from .select import Chooser, Loads, Selection
 
 MEDIA = ("GPU", "CPU", "DISK")
@@ -548,10 +548,17 @@ class IndexService:
         ``query``'s rules (tokens, or standard sequence hashes with ``q.seqs``): every live
         instance, or with ``everyone=False`` only those with a hit."""
         with self.lock.first():
+            return hits_of(*self.query_rows(q, everyone))
+
+    def query_rows(self, q: Query, everyone: bool = True) -> tuple:
+        """``query``'s answer as the block module's ``query_answer`` takes it: ``(rows,
+        block_size)``, a row ``(reg.answer_id, blocks)`` per worker (its ``(gpu, cpu,
+        disk)`` blocks, or one int for all three)."""
+        with self.lock.first():
             scope = self._scope_of(q)
             timeout = self.config.instance_timeout
             now = time.monotonic()
-            out: dict = {}
+            rows: list = []
             pool = self._pools.get(scope)
             holders = {w for w, r in self._pool_regs.get(scope, {}).items()
                        if self._live(r, now)} if pool is not None else None
@@ -574,6 +581,15 @@ class IndexService:
                     found = group_blocks(group, q.tokens, q.lora, q.salt, pool, holders,
                                          seqs_of)
                 pools = group.pools
+                if not pools and q.instance is None and timeout is None:
+                    # No pool, instance or liveness to check: the rows in one pass.
+                    if everyone:
+                        rows += [(reg.answer_id, found.get(w, 0))
+                                 for w, reg in workers.items()]
+                    else:
+                        rows += [(reg.answer_id, blocks) for w, blocks in found.items()
+                                 if (reg := workers.get(w)) is not None]
+                    continue
                 # Every live worker (Mooncake's answer), or only those found (Dynamo's).
                 items = (((w, found.get(w), reg) for w, reg in workers.items()) if everyone
                          else ((w, blocks, workers.get(w)) for w, blocks in found.items()))
@@ -586,17 +602,8 @@ class IndexService:
                     if (q.instance is not None and reg.instance_id != q.instance) or (
                             timeout is not None and not self._live(reg, now)):
                         continue
-                    if blocks is None:
-                        gpu = cpu = disk = 0
-                    else:
-                        gpu, cpu, disk = blocks
-                        gpu, cpu, disk = gpu * block_size, cpu * block_size, disk * block_size
-                    hits = out.get(reg.instance_id)
-                    if hits is None:
-                        out[reg.instance_id] = Hits(gpu, cpu, disk, {reg.dp_rank: gpu})
-                    else:
-                        hits.add_rank(reg.dp_rank, gpu, cpu, disk)
-            return out
+                    rows.append((reg.answer_id, 0 if blocks is None else blocks))
+            return rows, block_size
 
     # -- selection and load ---------------------------------------------------------------
     def select(self, q: Query, policy: Optional[str] = None,

@@ -1165,3 +1165,88 @@ def test_json_ids_reads_exactly_an_array_of_token_ids(blocks):
         assert blocks.json_ids(text) is None, text
     with pytest.raises(TypeError, match="data must be bytes"):
         blocks.json_ids(bytearray(b"[1]"))
+
+
+def _reference_answer(rows: list, block_size: int, tenant) -> bytes:
+    """``query_answer``'s answer built as plain objects (per instance its largest figures,
+    per rank its largest device figure; objects keyed by name) and written by msgspec."""
+    import msgspec
+
+    merged: dict = {}
+    for (instance, name, rank), blocks_held in rows:
+        if type(blocks_held) is int:
+            blocks_held = (blocks_held,) * 3
+        gpu, cpu, disk = (b * block_size for b in blocks_held)
+        entry = merged.setdefault(instance, [name, 0, 0, 0, {}])
+        entry[1:4] = max(entry[1], gpu), max(entry[2], cpu), max(entry[3], disk)
+        entry[4][str(rank)] = max(entry[4].get(str(rank), 0), gpu)
+    named = [(msgspec.json.decode(name), gpu, cpu, disk,
+              {r: t for r, t in sorted(dp.items(), key=lambda item: int(item[0]))})
+             for name, gpu, cpu, disk, dp in merged.values()]
+    if tenant is not None:
+        if not named:
+            return msgspec.json.encode({})
+        return msgspec.json.encode({msgspec.json.decode(tenant): {
+            name: {"longest_matched": disk, "GPU": gpu, "DP": dp, "CPU": cpu, "DISK": disk}
+            for name, gpu, cpu, disk, dp in named}})
+    scores: dict = {}
+    instances: dict = {}
+    for name, gpu, cpu, disk, dp in named:
+        if not disk:
+            continue
+        instances[name] = {"longest_matched": disk, "gpu": gpu, "dp": dp, "cpu": cpu,
+                           "disk": disk}
+        if gpu:
+            scores[name] = dp if len(dp) == 1 else {r: t for r, t in dp.items() if t}
+    return msgspec.json.encode({"scores": scores, "frequencies": [], "instances": instances})
+
+
+def test_query_answer_is_the_answer_msgspec_writes(blocks):
+    """Random rows (instances of both id types, names that collide across them, several
+    ranks and rows per rank, escaped names, figures per tier or one for all) give the bytes
+    msgspec writes for the same answer, in both dialects."""
+    msgspec = pytest.importorskip("msgspec")
+    rng = random.Random(11)
+    pool = [0, 1, 7, 10, 2**64 - 1, "0", "1", "a\"b", "é\n", "inst-9", "", "\\u0000"]
+    for trial in range(600):
+        rows = []
+        for _ in range(rng.choice((0, 1, 2, 5, 40))):
+            instance = rng.choice(pool)
+            g = rng.choice((0, 0, 1, 3, 2**40 - 1))
+            c = g + rng.choice((0, 1, 5))
+            d = c + rng.choice((0, 2))
+            figures = g if rng.random() < 0.3 else (g, min(c, 2**40 - 1), min(d, 2**40 - 1))
+            rows.append(((instance, msgspec.json.encode(str(instance)),
+                          rng.choice((0, 0, 1, 3, 2**31 - 1))), figures))
+        block_size = rng.choice((1, 16, 2**20))
+        for tenant in (None, b'"default"', msgspec.json.encode('t"\x01')):
+            assert blocks.query_answer(rows, block_size, tenant) == _reference_answer(
+                rows, block_size, tenant), (trial, rows, tenant)
+
+
+def test_query_answer_refuses_bad_rows_naming_them(blocks):
+    good = ((1, b'"1"', 0), (1, 1, 1))
+    assert blocks.query_answer([good], 16, None) == (
+        b'{"scores":{"1":{"0":16}},"frequencies":[],"instances":{"1":{"longest_matched":16,'
+        b'"gpu":16,"dp":{"0":16},"cpu":16,"disk":16}}}')
+    for rows, error, match in (
+            ([good, (good[0],)], TypeError, r"rows\[1\] must be"),
+            ([[good[0], good[1]]], TypeError, r"rows\[0\] must be"),
+            ([((1.0, b'"1"', 0), (1, 1, 1))], TypeError, r"rows\[0\]: instance"),
+            ([((True, b'"1"', 0), (1, 1, 1))], TypeError, r"rows\[0\]: instance"),
+            ([((1, '"1"', 0), (1, 1, 1))], TypeError, r"rows\[0\]: name"),
+            ([((1, b'"1"', -1), (1, 1, 1))], ValueError, r"rows\[0\]: rank"),
+            ([((1, b'"1"', 2**31), (1, 1, 1))], ValueError, r"rows\[0\]: rank"),
+            ([good, ((1, b'"1"', 0), (1, 2**40, 1))], ValueError, r"rows\[1\]: blocks"),
+            ([((1, b'"1"', 0), (1, 1, 1.5))], TypeError, r"rows\[0\]: blocks"),
+            ([((1, b'"1"', 0), 1.0)], TypeError, r"rows\[0\] must be"),
+            ([((1, b'"1"', 0), (1, 1))], TypeError, r"rows\[0\] must be"),
+            ([((1, b'"1"', 0), -1)], ValueError, r"rows\[0\]: blocks")):
+        with pytest.raises(error, match=match):
+            blocks.query_answer(rows, 16, None)
+    with pytest.raises(TypeError, match="rows must be a list"):
+        blocks.query_answer((good,), 16, None)
+    with pytest.raises(ValueError, match="block_size"):
+        blocks.query_answer([good], 0, None)
+    with pytest.raises(TypeError, match="tenant"):
+        blocks.query_answer([good], 16, '"t"')
