@@ -335,8 +335,10 @@ def r3_value_finalizer_during_split(core_name):
         only_reentry_errors()
 
 
-@case
-def r3_finalizers_during_splits(core_name):
+def _r3_finalizers_during(core_name, page_size, actions, call):
+    """Cache calls ``call(cache, rng, step, device)`` with finalizers armed at every
+    allocation (a reference cycle whose ``__del__`` runs one of ``actions`` on the cache):
+    each call succeeds or gets the re-entry error, and the cache stays consistent."""
     class Trap:
         # A reference cycle with a finalizer that changes the cache: collected at some
         # allocation inside a cache call.
@@ -346,21 +348,15 @@ def r3_finalizers_during_splits(core_name):
             if Trap.cache is not None:
                 self.action(Trap.cache)
 
-    actions = [lambda c: c.reset(), lambda c: c.evict(3), lambda c: c.insert([5, 6, 7]),
-               lambda c: c.match_prefix([1, 2, 3])]
     for device in ("meta", "cpu"):
-        cache = RadixCache(core=core_name)
+        cache = RadixCache(page_size=page_size, core=core_name)
         Trap.cache = cache
         gc.set_threshold(1, 1, 1)
         rng = np.random.default_rng(0)
         for step in range(600):
             for _ in range(3):
                 Trap(actions[step % len(actions)])
-            tokens = rng.integers(0, 4, size=int(rng.integers(1, 12))).tolist()
-            kv = torch.arange(len(tokens), device=device)
-            call = (lambda: cache.insert(tokens, kv)) if step % 2 else \
-                   (lambda: cache.match_prefix(tokens))
-            kind, value = outcome(call)
+            kind, value = outcome(lambda: call(cache, rng, step, device))
             assert kind == "ok" or (kind == "RuntimeError" and value), (kind, value)
         gc.set_threshold(700, 10, 10)
         Trap.cache = None
@@ -370,39 +366,32 @@ def r3_finalizers_during_splits(core_name):
 
 
 @case
+def r3_finalizers_during_splits(core_name):
+    def call(cache, rng, step, device):
+        tokens = rng.integers(0, 4, size=int(rng.integers(1, 12))).tolist()
+        kv = torch.arange(len(tokens), device=device)
+        return cache.insert(tokens, kv) if step % 2 else cache.match_prefix(tokens)
+
+    _r3_finalizers_during(core_name, 1, [
+        lambda c: c.reset(), lambda c: c.evict(3), lambda c: c.insert([5, 6, 7]),
+        lambda c: c.match_prefix([1, 2, 3])], call)
+
+
+@case
 def r3_finalizers_during_prefix_splits(core_name):
     # insert's split_at splits a node after the sequence is in: the split allocates, so a
     # collection runs finalizers there, which call the cache (the re-entry error) while the
     # call still has the prefix's path to stamp.
-    class Trap:
-        cache = None
-        def __init__(self, action): self.me, self.action = self, action
-        def __del__(self):
-            if Trap.cache is not None:
-                self.action(Trap.cache)
+    def call(cache, rng, step, device):
+        tokens = rng.integers(0, 3, size=int(rng.integers(2, 16))).tolist()
+        aligned = len(tokens) - len(tokens) % 2
+        split_at = int(rng.integers(0, aligned // 2 + 1)) * 2
+        kv = torch.arange(len(tokens), device=device)
+        return cache.insert(tokens, kv, split_at=split_at, split_priority=step)
 
-    actions = [lambda c: c.reset(), lambda c: c.evict(3), lambda c: c.insert([5, 6, 7, 8]),
-               lambda c: c.match_prefix([1, 2, 0, 0])]
-    for device in ("meta", "cpu"):
-        cache = RadixCache(page_size=2, core=core_name)
-        Trap.cache = cache
-        gc.set_threshold(1, 1, 1)
-        rng = np.random.default_rng(1)
-        for step in range(600):
-            for _ in range(3):
-                Trap(actions[step % len(actions)])
-            tokens = rng.integers(0, 3, size=int(rng.integers(2, 16))).tolist()
-            aligned = len(tokens) - len(tokens) % 2
-            split_at = int(rng.integers(0, aligned // 2 + 1)) * 2
-            kv = torch.arange(len(tokens), device=device)
-            kind, value = outcome(lambda: cache.insert(tokens, kv, split_at=split_at,
-                                                       split_priority=step))
-            assert kind == "ok" or (kind == "RuntimeError" and value), (kind, value)
-        gc.set_threshold(700, 10, 10)
-        Trap.cache = None
-        gc.collect()
-        consistent(cache)
-        only_reentry_errors()
+    _r3_finalizers_during(core_name, 2, [
+        lambda c: c.reset(), lambda c: c.evict(3), lambda c: c.insert([5, 6, 7, 8]),
+        lambda c: c.match_prefix([1, 2, 0, 0])], call)
 
 
 @case
