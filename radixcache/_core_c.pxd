@@ -283,6 +283,8 @@ cdef class Core:
     cdef object match_result(self, object indices, object node, Py_ssize_t length)
     cdef object path_indices(self, Py_ssize_t count, Py_ssize_t length)
     cdef object insert_result(self, Py_ssize_t prefix_len, object node)
+    cdef object insert_prefix_again(self, Node last, Py_ssize_t end, Py_ssize_t split_end,
+                                    int64_t prio, object extra_key)
     cdef object push_if_evictable(self, Node node)
     cdef void prefetch_victims(self) noexcept
     cdef int note_path(self, Py_ssize_t depth, Node node) except -1

@@ -2218,9 +2218,9 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             self.give(held)
 
     def insert(self, tokens, kv=None, extra_key=None, priority=0, bint held=False,
-               hits_from=0):
+               hits_from=0, split_at=None, split_priority=0):
         cdef TokenBuf b, v
-        cdef int64_t prio, ns, now, hits_after
+        cdef int64_t prio, ns, now, hits_after, split_end = -1, split_prio = 0
         cdef Py_ssize_t end, pos = 0, common, prefix_len
         cdef bint whole, split_here, private = extra_key is not None
         cdef Node node, child, leaf = None
@@ -2249,6 +2249,20 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             return None
         if hits_after < 0:
             return None
+        # The prefix to insert again after the sequence (see the contract): read before the
+        # call takes the guard, ints only (no __index__ runs inside the call).
+        if split_at is not None:
+            if type(split_at) is not int or type(split_priority) is not int:
+                return None
+            try:
+                split_end = PyLong_AsLongLong(split_at)
+                split_prio = PyLong_AsLongLong(split_priority)
+            except OverflowError:
+                return None
+            if split_end < 0 or split_end % self.page_size:
+                return None
+            if tiered:
+                raise ValueError("insert: split_at is not taken by a core with a host tier")
         self.take(held, "insert")
         try:
             if kv is not None and type(kv) is _Tensor and not kv.is_cpu:
@@ -2257,6 +2271,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                 return None
             end = b.len - b.len % self.page_size
             whole = end == b.len
+            if split_end > end:
+                return None
             if kv is not None:
                 if not self.acquire(kv, &v, True, private) or v.len < end:
                     return None
@@ -2273,6 +2289,9 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             node = self.tree.root
             if end == 0:
                 if whole:
+                    self.tree.empty_inserted.add(extra_key)
+                if split_end == 0:  # (the empty prefix)
+                    self.inserts += 1
                     self.tree.empty_inserted.add(extra_key)
                 return self.insert_result(0, node)
             self.tree.clock += 1
@@ -2376,12 +2395,50 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                 dropped = self.push_if_evictable(leaf)
             elif self.push_on_access or first_host >= 0:
                 dropped = self.push_if_evictable(node)
+            if split_end >= 0:
+                dropped_too = self.insert_prefix_again(node, end, split_end, split_prio,
+                                                       extra_key)
             return self.insert_result(prefix_len, node)
 
         finally:
             release_tokens(&b)
             release_tokens(&v)
             self.give(held)
+
+    cdef object insert_prefix_again(self, Node last, Py_ssize_t end, Py_ssize_t split_end,
+                                    int64_t prio, object extra_key):
+        """``insert``'s ``split_at``, once the sequence ending at ``last`` (``end`` tokens,
+        no host tier) is in: what inserting its first ``split_end`` tokens (page aligned)
+        again with no values, ``prio`` and ``hits_from=split_end`` does, found from ``last``
+        up instead of read from the tokens again. Returns what a push dropped."""
+        cdef Node node = last, upper
+        cdef Node root = self.tree.root
+        cdef Py_ssize_t node_end = end
+        cdef int64_t now
+        self.inserts += 1
+        if split_end == 0:
+            self.tree.empty_inserted.add(extra_key)
+            return None
+        self.tree.clock += 1
+        now = self.tree.clock
+        # The path node the prefix ends in: the one with start < split_end <= its end.
+        while node_end - node.key_len >= split_end:
+            node_end -= node.key_len
+            node = <Node>node.parent_ptr
+        if node_end > split_end:
+            node = self.tree.split(node, node.key_len - (node_end - split_end))
+        node.is_terminal = True
+        last = node
+        # (the split allocated: the path is read from here on, after it)
+        while node is not root:
+            node.last_access_time = now
+            if prio > node.priority:
+                node.priority = prio
+            node = <Node>node.parent_ptr
+        root.last_access_time = now
+        if self.push_on_access:
+            return self.push_if_evictable(last)
+        return None
 
     cdef void adopt_path(self, Py_ssize_t depth, Py_ssize_t first_host,
                          object adopt_values) noexcept:

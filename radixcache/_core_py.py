@@ -54,7 +54,13 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
   past ``hits_from`` tokens (an int in [0, 2^63); a new leaf starts at 1 if it ends past
   ``hits_from``, else at 0; the default 0 counts every node),
   marks the last node terminal when the sequence was page aligned, updates sizes and
-  counters and pushes the new leaf on the heap.
+  counters and pushes the new leaf on the heap. ``split_at`` (None, or an int: a multiple of
+  the page size, at most the aligned length) then does, in the same call, what a second
+  ``insert(tokens[:split_at], None, extra_key, split_priority, hits_from=split_at)`` would:
+  splits the node the prefix ends inside, stamps the prefix's path with a new clock tick,
+  raises its priorities to ``split_priority`` (an int64), marks its last node terminal and
+  counts one more insert; the result is the sequence's. ``ValueError`` with a host tier
+  (cache.py makes the two calls there).
 - ``exists(tokens, extra_key, held=False) -> bool | None``: read-only exact-sequence test.
 - ``token_array(tokens) -> numpy.ndarray | None``: the common token inputs as a new int64
   array (None otherwise), for cache.py's validation path.
@@ -636,11 +642,19 @@ class Core(HostTier):
         return MatchResult(indices, last, device_length, host_length, last_host)
 
     def insert(self, tokens: Any, kv: Any = None, extra_key: Any = None, priority: Any = 0,
-               held: bool = False, hits_from: Any = 0) -> InsertResult | None:
+               held: bool = False, hits_from: Any = 0, split_at: Any = None,
+               split_priority: Any = 0) -> InsertResult | None:
         if type(priority) is not int or not INT64_MIN <= priority <= INT64_MAX:
             return None
         if type(hits_from) is not int or not 0 <= hits_from <= INT64_MAX:
             return None
+        if split_at is not None:
+            if (type(split_at) is not int or type(split_priority) is not int
+                    or not 0 <= split_at <= INT64_MAX or split_at % self.page_size
+                    or not INT64_MIN <= split_priority <= INT64_MAX):
+                return None
+            if self.host_tier:
+                raise ValueError("insert: split_at is not taken by a core with a host tier")
         self._take(held, "insert")
         try:
             if kv is not None and type(kv) is _Tensor and not kv.is_cpu:
@@ -654,6 +668,9 @@ class Core(HostTier):
                 values = _kv_array(kv, n - n % self.page_size)
                 if values is None:
                     return None
+            if split_at is not None and split_at > (len(buf) // TOKEN_BYTES
+                                                    - len(buf) // TOKEN_BYTES % self.page_size):
+                return None
             tree = self.tree
             prefix_len, last, new_leaf, adopted = tree._insert(buf, extra_key, priority,
                                                             hits_from)
@@ -683,6 +700,12 @@ class Core(HostTier):
                 dropped = self._push_if_evictable(last)  # noqa: F841 -- held until the call returns
             if self.write_through_hits:
                 self._queue_due(last)
+            if split_at is not None:  # the prefix again: no values, no hits, a new tick
+                self.inserts += 1
+                _, prefix_last, _, _ = tree._insert(buf[:split_at * TOKEN_BYTES], extra_key,
+                                                    split_priority, split_at)
+                if self._push_on_access and split_at:
+                    dropped_too = self._push_if_evictable(prefix_last)  # noqa: F841
             return InsertResult(prefix_len, last)
         finally:
             if not held:

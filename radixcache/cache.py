@@ -114,10 +114,10 @@ def _both(record: Callable[[Any], Any], on_remove: Callable[[Any], Any]) -> Call
     return removed
 
 
-def _check_priority(priority: Any) -> int:
-    priority = check_int(priority, "priority")
+def _check_priority(priority: Any, what: str = "priority") -> int:
+    priority = check_int(priority, what)
     if not INT64_MIN <= priority <= INT64_MAX:
-        raise OverflowError(f"priority {priority} does not fit in int64")
+        raise OverflowError(f"{what} {priority} does not fit in int64")
     return priority
 
 
@@ -445,7 +445,8 @@ class RadixCache(HostTierCalls):
         return result
 
     def insert(self, token_ids: Any, kv_indices: Any = None, extra_key: Any = None,
-               priority: int = 0, *, hits_from: int = 0) -> InsertResult:
+               priority: int = 0, *, hits_from: int = 0, split_at: int | None = None,
+               split_priority: int = 0) -> InsertResult:
         """Cache ``token_ids`` with their KV slot indices.
 
         Only whole pages are cached. The part already in the tree is left as it is (its
@@ -469,6 +470,14 @@ class RadixCache(HostTierCalls):
                 each node counts one hit per sequence, as SGLang counts them for its
                 ``lfu`` and ``slru`` policies. A new leaf that ends at or before
                 ``hits_from`` starts with no hit.
+            split_at: None, or a multiple of the page size at most the page-aligned length:
+                then, in the same call, the first ``split_at`` tokens are inserted again
+                as ``insert(token_ids[:split_at], None, extra_key, split_priority,
+                hits_from=split_at)`` would: the node they end inside is split there, their
+                path is stamped once more and its priorities raised to ``split_priority``,
+                no hit counts. An engine caching a finished request splits its prompt from
+                its answer this way (the answer can then be evicted first).
+            split_priority: ``split_at``'s priority, an int64.
 
         With a host tier, a node on the path that is only on the host is adopted: it takes
         the caller's slots for its tokens (a copy of that slice of ``kv_indices``) and is on
@@ -490,18 +499,23 @@ class RadixCache(HostTierCalls):
                 a ``priority`` or ``hits_from`` that is not an int, or (with events on) an
                 ``extra_key`` that events cannot carry.
             ValueError: tokens or indices that are not 1-D, tokens on a device, fewer
-                indices than page-aligned tokens, or a negative ``hits_from``.
-            OverflowError: a token, index, priority or ``hits_from`` that does not fit in
-                int64.
+                indices than page-aligned tokens, a negative ``hits_from``, or a ``split_at``
+                that is negative, not a multiple of the page size or past the page-aligned
+                length.
+            OverflowError: a token, index, priority, ``hits_from`` or ``split_priority``
+                that does not fit in int64.
             RuntimeError: the cache was called from inside one of its own calls or from
                 another thread meanwhile, or another thread wrote ``token_ids`` while the
                 call read them (the rest of the sequence is then not cached).
         """
+        if split_at is not None and self.host_tier:  # (the core splits without a host tier)
+            return self._insert_and_split(token_ids, kv_indices, extra_key, priority,
+                                          hits_from, split_at, split_priority)
         events = self._events
         # extra_key None: a namespace events always carry.
         if events is None or (extra_key is None and not self.host_tier):
             result = self._core.insert(token_ids, kv_indices, extra_key, priority, False,
-                                       hits_from)
+                                       hits_from, split_at, split_priority)
             if result is not None:
                 if events is not None and result.prefix_len < self._aligned(len(token_ids)):
                     events.stored(result.last_node)  # the new leaf, where the tokens end
@@ -526,16 +540,39 @@ class RadixCache(HostTierCalls):
                 priority = _check_priority(priority)
             if type(hits_from) is not int or not 0 <= hits_from <= INT64_MAX:
                 hits_from = _check_hits_from(hits_from)
+            if split_at is not None:
+                split_at, split_priority = self._check_split(split_at, split_priority,
+                                                             len(tokens))
             kv = None
             if kv_indices is not None:
                 kv = self._kv_values(kv_indices, self._aligned(len(tokens)))
             on_device = kv is not None and not isinstance(kv, np.ndarray)
             result = _checked(core.insert(tokens, None if on_device else kv, extra_key,
-                                          priority, True, hits_from))
+                                          priority, True, hits_from, split_at, split_priority))
             self._after_held_insert(kv if on_device else None, len(tokens))
             return result
         finally:
             core.leave()
+
+    def _check_split(self, split_at: Any, split_priority: Any, num_tokens: int) -> tuple:
+        """``insert``'s ``split_at`` and ``split_priority`` as ints, checked against a
+        sequence of ``num_tokens`` tokens."""
+        split_at = check_int(split_at, "split_at", low=0, high=self._aligned(num_tokens))
+        if split_at % self.page_size:
+            raise ValueError(f"split_at must be a multiple of the page size "
+                             f"{self.page_size}, got {split_at}")
+        return split_at, _check_priority(split_priority, "split_priority")
+
+    def _insert_and_split(self, token_ids: Any, kv_indices: Any, extra_key: Any,
+                          priority: Any, hits_from: Any, split_at: Any,
+                          split_priority: Any) -> InsertResult:
+        """``insert`` with ``split_at`` in a cache with a host tier: the two inserts it
+        stands for, ``split_at`` checked before either."""
+        tokens = self._tokens(token_ids)
+        split_at, split_priority = self._check_split(split_at, split_priority, len(tokens))
+        result = self.insert(tokens, kv_indices, extra_key, priority, hits_from=hits_from)
+        self.insert(tokens[:split_at], None, extra_key, split_priority, hits_from=split_at)
+        return result
 
     def _held_insert(self, token_ids: Any, kv_indices: Any, priority: Any,
                      hits_from: Any) -> Any:

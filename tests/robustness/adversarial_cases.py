@@ -120,6 +120,49 @@ def r1_index_reenters_or_fails(core_name):
     same_as_pure(run, core_name)
 
 
+@case
+def r1_split_at_index_reenters_or_fails(core_name):
+    # insert's split_at and split_priority are read (``__index__``) before the tree changes:
+    # a conversion that calls the cache gets the re-entry error, one that raises leaves the
+    # cache as it was, one that clears the tokens comes after they were read.
+    class Reenter(int):  # an int subclass: converted (int()) by cache.py's checks
+        def __new__(cls, cache, action):
+            self = super().__new__(cls, 2)
+            self.cache, self.action = cache, action
+            return self
+        def __int__(self):
+            self.action(self.cache)
+            return 2
+        __index__ = __int__
+
+    class Fails(int):
+        def __int__(self): raise ZeroDivisionError("no index")
+        __index__ = __int__
+
+    def run(core):
+        cache = RadixCache(page_size=2, core=core)
+        cache.insert([1, 2, 3, 4], split_at=2)
+        before = contents(cache)
+        tokens = [1, 2, 3, 4, 5, 6]
+        actions = [lambda c: c.insert([7, 8, 9, 9]), lambda c: c.reset(),
+                   lambda c: c.evict(100), lambda c: tokens.clear()]
+        outcomes = []
+        for action in actions:
+            outcomes.append(outcome(lambda: cache.insert(
+                tokens, split_at=Reenter(cache, action)).prefix_len))
+            outcomes.append(outcome(lambda: cache.insert(
+                tokens, split_at=2, split_priority=Reenter(cache, action)).prefix_len))
+            if len(outcomes) == 6:  # the calls back in: each refused, nothing changed
+                assert outcomes == [("RuntimeError", True)] * 6, outcomes
+                assert contents(cache) == before
+        outcomes.append(outcome(lambda: cache.insert([1, 2, 7, 7], split_at=Fails(2))))
+        assert outcomes[-1] == ("ZeroDivisionError", False), outcomes
+        assert not cache.exists([1, 2, 7, 7])
+        consistent(cache)
+        return outcomes, contents(cache)
+    same_as_pure(run, core_name)
+
+
 # -- 2: namespace lookup -------------------------------------------------------------------
 
 
@@ -292,8 +335,10 @@ def r3_value_finalizer_during_split(core_name):
         only_reentry_errors()
 
 
-@case
-def r3_finalizers_during_splits(core_name):
+def _r3_finalizers_during(core_name, page_size, actions, call):
+    """Cache calls ``call(cache, rng, step, device)`` with finalizers armed at every
+    allocation (a reference cycle whose ``__del__`` runs one of ``actions`` on the cache):
+    each call succeeds or gets the re-entry error, and the cache stays consistent."""
     class Trap:
         # A reference cycle with a finalizer that changes the cache: collected at some
         # allocation inside a cache call.
@@ -303,27 +348,50 @@ def r3_finalizers_during_splits(core_name):
             if Trap.cache is not None:
                 self.action(Trap.cache)
 
-    actions = [lambda c: c.reset(), lambda c: c.evict(3), lambda c: c.insert([5, 6, 7]),
-               lambda c: c.match_prefix([1, 2, 3])]
     for device in ("meta", "cpu"):
-        cache = RadixCache(core=core_name)
+        cache = RadixCache(page_size=page_size, core=core_name)
         Trap.cache = cache
         gc.set_threshold(1, 1, 1)
         rng = np.random.default_rng(0)
         for step in range(600):
             for _ in range(3):
                 Trap(actions[step % len(actions)])
-            tokens = rng.integers(0, 4, size=int(rng.integers(1, 12))).tolist()
-            kv = torch.arange(len(tokens), device=device)
-            call = (lambda: cache.insert(tokens, kv)) if step % 2 else \
-                   (lambda: cache.match_prefix(tokens))
-            kind, value = outcome(call)
+            kind, value = outcome(lambda: call(cache, rng, step, device))
             assert kind == "ok" or (kind == "RuntimeError" and value), (kind, value)
         gc.set_threshold(700, 10, 10)
         Trap.cache = None
         gc.collect()
         consistent(cache)
         only_reentry_errors()
+
+
+@case
+def r3_finalizers_during_splits(core_name):
+    def call(cache, rng, step, device):
+        tokens = rng.integers(0, 4, size=int(rng.integers(1, 12))).tolist()
+        kv = torch.arange(len(tokens), device=device)
+        return cache.insert(tokens, kv) if step % 2 else cache.match_prefix(tokens)
+
+    _r3_finalizers_during(core_name, 1, [
+        lambda c: c.reset(), lambda c: c.evict(3), lambda c: c.insert([5, 6, 7]),
+        lambda c: c.match_prefix([1, 2, 3])], call)
+
+
+@case
+def r3_finalizers_during_prefix_splits(core_name):
+    # insert's split_at splits a node after the sequence is in: the split allocates, so a
+    # collection runs finalizers there, which call the cache (the re-entry error) while the
+    # call still has the prefix's path to stamp.
+    def call(cache, rng, step, device):
+        tokens = rng.integers(0, 3, size=int(rng.integers(2, 16))).tolist()
+        aligned = len(tokens) - len(tokens) % 2
+        split_at = int(rng.integers(0, aligned // 2 + 1)) * 2
+        kv = torch.arange(len(tokens), device=device)
+        return cache.insert(tokens, kv, split_at=split_at, split_priority=step)
+
+    _r3_finalizers_during(core_name, 2, [
+        lambda c: c.reset(), lambda c: c.evict(3), lambda c: c.insert([5, 6, 7, 8]),
+        lambda c: c.match_prefix([1, 2, 0, 0])], call)
 
 
 @case

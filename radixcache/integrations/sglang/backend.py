@@ -448,23 +448,27 @@ class RadixcacheBackend(BasePrefixCache):
             values = table[kv.req_pool_idx, :aligned].to(dtype=torch.int64, copy=True)
         priority = req.priority or 0
         use_priority = self._use_priority
+        # Split the leaf at the prompt boundary so eviction can drop the answer before the
+        # prompt, the prompt one priority up (SGLang does the same): once the sequence is
+        # cached, the prompt is inserted again, which only splits, stamps and raises
+        # priorities (no hits).
+        prompt_len = len(req.origin_input_ids) - shift
+        prompt_len -= prompt_len % self.page_size
+        split = 0 < prompt_len < aligned
+        prompt_priority = min(priority + 1, _INT64_MAX) if use_priority else 0
         # A node counts one hit per request: those this request inserted before counted then.
         if self.kv_events.enabled or not self._plain_inserts:
             result = self._insert(tokens, values, namespace, priority, (extra_key, salt),
                                   kv.cache_inserted_len, req.session_id, before)
-        else:
+            if split:
+                self._split_at(tokens[:prompt_len], namespace, prompt_priority)
+        else:  # both inserts in one call
             result = self._cache.insert(tokens, values, namespace,
                                         priority if use_priority else 0,
-                                        hits_from=kv.cache_inserted_len)
+                                        hits_from=kv.cache_inserted_len,
+                                        split_at=prompt_len if split else None,
+                                        split_priority=prompt_priority)
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
-        prompt_len = len(req.origin_input_ids) - shift
-        prompt_len -= prompt_len % self.page_size
-        if 0 < prompt_len < aligned:
-            # Split the leaf at the prompt boundary so eviction can drop the answer before
-            # the prompt, the prompt one priority up (SGLang does the same). The prompt is
-            # cached now: this insert only splits, stamps and raises priorities (no hits).
-            self._split_at(tokens[:prompt_len], namespace,
-                           min(priority + 1, _INT64_MAX) if use_priority else 0)
         del tokens
         new_last_node = result.last_node
         free_error = None
