@@ -220,9 +220,10 @@ class RadixcacheBackend(BasePrefixCache):
         self._known_allocator: tuple = (None, _OTHER_ALLOCATOR)
         # (a pool's table, its numpy view) of _table_array, per table kind
         self._known_tables: list = [(None, None), (None, None)]
-        # Index tensors handed to SGLang's allocators where they copy them at once (see
-        # _free_slot_pages), one per count, with their numpy views.
-        self._kept_indices: dict = {}
+        # One page id handed to SGLang's paged allocator, which copies it at once (see
+        # _free_one_page), and its numpy view.
+        self._one_page = torch.empty(1, dtype=torch.int64)
+        self._one_page_id = self._one_page.numpy()
 
     #: Whether an insert without events may go straight to the tree (a subclass that follows
     #: every insert sets it False: ``_insert`` then sees them all).
@@ -593,11 +594,16 @@ class RadixcacheBackend(BasePrefixCache):
                     allocator.free_segment(rows[kv.req_pool_idx, start:end], start_pos=start)
                     return
                 row = table[kv.req_pool_idx]
+                page_size = self.page_size
                 if (self._allocator_kind(allocator) == _PAGED_ALLOCATOR
-                        and start % self.page_size == 0 and not allocator.debug_mode):
+                        and start % page_size == 0 and not allocator.debug_mode):
                     # What the paged allocator's free_segment frees: the page of every
-                    # page_size-th slot from start.
-                    self._free_slot_pages(allocator, row[start:end])
+                    # page_size-th slot from start (after a checkpoint: the one page of
+                    # the unaligned tail).
+                    if end - start > page_size or not self._free_one_page(
+                            allocator, row[start] // page_size):
+                        allocator.free_page_ids(torch.from_numpy(row[start:end:page_size]
+                                                                 // page_size))
                 else:
                     allocator.free_segment(torch.from_numpy(row[start:end]), start_pos=start)
             return
@@ -611,30 +617,17 @@ class RadixcacheBackend(BasePrefixCache):
         allocator.free_segments([(row[start:end], start) for start, end in segments
                                  if end > start])
 
-    def _kept_index_tensor(self, count: int) -> tuple:
-        """A kept int64 tensor of ``count`` elements and its numpy view, for an allocator
-        that copies what it is given before it returns (one per count: a few hundred at
-        most, the pages of the longest request)."""
-        kept = self._kept_indices.get(count)
-        if kept is None:
-            tensor = torch.empty(count, dtype=torch.int64)
-            kept = self._kept_indices[count] = (tensor, tensor.numpy())
-        return kept
-
-    def _free_slot_pages(self, allocator: Any, slots: np.ndarray) -> None:
-        """``allocator.free_page_ids`` of the page of every ``page_size``-th of ``slots``
-        (SGLang's paged allocator, not in debug mode). Where the allocator copies its
-        argument before it returns -- in a free group (it clones what it queues) or without
-        ``need_sort`` (it joins the ids into a new free list) -- the ids go through a kept
-        tensor (numpy computes them into its view); else in a new one."""
-        page_size = self.page_size
-        firsts = slots[::page_size]
+    def _free_one_page(self, allocator: Any, page_id: Any) -> bool:
+        """``allocator.free_page_ids`` of one page (SGLang's paged allocator, not in debug
+        mode) through the kept one-element tensor, where the allocator copies its argument
+        before it returns: in a free group (it clones what it queues) or without
+        ``need_sort`` (it joins the ids into a new free list). False (nothing freed) where
+        it may keep the tensor itself."""
         if allocator.free_group is None and allocator.need_sort:
-            allocator.free_page_ids(torch.from_numpy(firsts // page_size))
-            return
-        tensor, view = self._kept_index_tensor(len(firsts))
-        np.floor_divide(firsts, page_size, out=view)
-        allocator.free_page_ids(tensor)
+            return False
+        self._one_page_id[0] = page_id
+        allocator.free_page_ids(self._one_page)
+        return True
 
     def _free_victim(self, indices: torch.Tensor) -> None:
         if self.kv_events.enabled:
@@ -652,7 +645,8 @@ class RadixcacheBackend(BasePrefixCache):
             if slots is not None and len(slots):
                 # What free_segment(indices, start_pos=0) frees, its page ids computed by
                 # numpy (a fraction of torch's time on a few pages).
-                self._free_slot_pages(allocator, slots)
+                page_size = self.page_size
+                allocator.free_page_ids(torch.from_numpy(slots[::page_size] // page_size))
             else:
                 if type(indices) is np.ndarray:
                     indices = torch.from_numpy(indices)

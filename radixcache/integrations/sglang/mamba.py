@@ -73,6 +73,11 @@ def _receipt(skipped: tuple) -> DecLockRefParams:
             else DecLockRefParams(skipped_lock_components=skipped))
 
 
+def _state_array(slot: Any) -> np.ndarray:
+    """A state slot (a 0-d or 1-element tensor) as the core's one-slot array."""
+    return np.array((int(slot),), dtype=np.int64)
+
+
 class _TreeView:
     """What SGLang's ``MambaComponent`` reads of a tree core: a node's state slot."""
 
@@ -120,6 +125,10 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         # where it is plain (no int8 checkpoints, no replayed SSM ring); else its own code.
         self._plain_states = (getattr(pool, "mamba_ckpt_pool", None) is None
                               and getattr(pool.mamba_pool, "replayssm_write_pos", None) is None)
+        # A finished request's state slots as SGLang's own Mamba allocator takes them (it
+        # joins what it is given into a new free list at once): a kept tensor per count of
+        # slots, and its numpy view (see _free_tracked_states).
+        self._state_slots: dict = {}
 
     def supports_mamba(self) -> bool:
         return True
@@ -286,7 +295,7 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         ping-pong slot whose length the key reaches; that slot's ping-pong index)."""
         kv = req.kv
         if not self.enable_mamba_extra_buffer:
-            return token_len, self._state_slot(kv.mamba_pool_idx), None
+            return token_len, _state_array(kv.mamba_pool_idx), None
         pool = self.req_to_token_pool
         keep = pool.get_mamba_ping_pong_keep_idx(req)
         cache_len = kv.mamba_last_track_seqlen or 0
@@ -299,14 +308,7 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         track = kv.mamba_ping_pong_track_buffer
         # (a CPU tensor's few slots read as a list in a fraction of an indexing's time)
         slot = track.tolist()[keep] if track.is_cpu else track[keep]
-        return cache_len, self._state_slot(slot), keep
-
-    def _state_slot(self, slot: Any) -> np.ndarray:
-        """A state slot (an int, a 0-d or 1-element tensor) as the core's one-slot array:
-        a kept one, which the core copies before it returns."""
-        view = self._kept_index_tensor(1)[1]
-        view[0] = int(slot)
-        return view
+        return cache_len, _state_array(slot), keep
 
     def _release_states(self, req: Any, keep: Optional[int], inserted: bool) -> None:
         """SGLang's ``MambaComponent.cleanup_after_caching_req`` for a finished request (as
@@ -347,10 +349,12 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
             if position != keep and not empty[position]:
                 slots.append(row[position])
         kv.mamba_pool_idx = None
-        # (SGLang's own Mamba allocator joins what it is given into a new free list at once)
-        tensor, view = self._kept_index_tensor(len(slots))
-        view[:] = slots
-        allocator.free(tensor)
+        kept = self._state_slots.get(len(slots))
+        if kept is None:
+            tensor = torch.empty(len(slots), dtype=torch.int64)
+            kept = self._state_slots[len(slots)] = (tensor, tensor.numpy())
+        kept[1][:] = slots
+        allocator.free(kept[0])
         kv.mamba_ping_pong_track_buffer = None
         kv.mamba_ping_pong_empty = None
         kv.mamba_next_track_idx = None
