@@ -371,6 +371,14 @@ def _run_random(hybrid, seed: int, kind: str, page_size: int, policy: str) -> li
                                  rng.randrange(0, 30))
             trace.append(("insert", result.prefix_len, path_of(result.last_node), core.aux_kept,
                           [(s, e, v.tolist(), lk) for s, e, v, lk in core.last_recovered]))
+            node = result.last_node
+            if kind == "state" and node is not core.tree.root and rng.random() < 0.4:
+                # the checkpoint's lock: taken on the inserted node, its path read with it
+                depth = len(path_of(node))
+                start = rng.randrange(0, depth + 1)
+                got = core.relock(None, node, 0, 3, start, rng.randrange(start, depth + 1))
+                trace.append(("relock", None if got is None else got.tolist()))
+                locks.append((node, 0))
         elif roll < 0.6:
             m = core.match(tokens, ns)
             trace.append(("match", m.length, m.indices.tolist(), core.last_walk))
