@@ -34,6 +34,9 @@ from ._types import MatchResult as _MatchResult
 CORE_NAME = "c"
 
 cdef int32_t _MAX_LOCK = 2147483647
+#: ``relock``'s lock masks: the full-attention lock (the path) and the state lock (the node).
+cdef int _FULL_LOCK = 1
+cdef int _STATE_LOCK = 2
 
 
 cdef extern from "rc_dlpack.h":
@@ -673,6 +676,121 @@ cdef class HybridCore:
             top = self.window_top(n, <int64_t>mark)
             self.unlock_window(n, top, False)
             return 0
+        finally:
+            if not held:
+                core.guard.busy = 0
+
+    def relock(self, old, new, release=3, acquire=3, start=0, stop=0, bint held=False):
+        """The lock move of ``_hybrid_py``: ``old``'s locks given back, ``new``'s taken, and
+        ``new``'s path slots [start, stop) (a new array; None when empty)."""
+        cdef Core core = self.core
+        cdef Tree tree = self.tree
+        cdef Node root = tree.root
+        cdef Node cur, top = None
+        cdef AuxNode o = None, n = None
+        cdef Py_ssize_t total = 0, first = 0, own, i, begin, end, depth = 0, k, lo, hi
+        cdef int64_t held_top
+        cdef int64_t* out
+        cdef const int64_t* src
+        cdef int give, take
+        if type(release) is not int or type(acquire) is not int:
+            raise TypeError(f"release and acquire must be ints, got {release!r}, {acquire!r}")
+        if not (0 <= release <= 3 and 0 <= acquire <= 3):
+            raise ValueError(f"release and acquire must be lock masks in 0..3, got "
+                             f"{release!r}, {acquire!r}")
+        if type(start) is not int or type(stop) is not int:
+            raise TypeError(f"start and stop must be ints, got {start!r}, {stop!r}")
+        if not 0 <= start <= stop <= INT64_MAX:
+            raise ValueError(f"start and stop must be ints with 0 <= start <= stop, got "
+                             f"{start!r}, {stop!r}")
+        begin = start
+        end = stop
+        give = release
+        take = acquire
+        if not held:
+            core.guard.enter("relock")
+        try:
+            if (give | take) & _STATE_LOCK and not self.state:
+                raise TypeError("relock moves a state lock; a window lock moves with aux_lock")
+            if old is None or old is root:
+                give = 0
+            else:
+                tree._check_member(old)
+                o = <AuxNode>old
+            if new is None or new is root:
+                take = 0
+                cur = root
+            else:
+                tree._check_member(new)
+                n = <AuxNode>new
+                cur = n
+            # Every check before any change (as the four lock calls would raise, in order).
+            if give & _STATE_LOCK and o.aux_lock <= 0:
+                raise ValueError(f"aux_lock: node {o.id} holds no auxiliary lock")
+            if give & _FULL_LOCK:
+                own = o.lock_ref
+                for i in range(o.slot_mask + 1):
+                    if o.slots[i].node != NULL:
+                        own -= (<Node>o.slots[i].node).lock_ref
+                if own <= 0:
+                    raise ValueError(
+                        f"dec_lock_ref on node {o.id}: no lock_ref was taken on it "
+                        f"(lock_ref {o.lock_ref} comes from its descendants)")
+            while cur is not root:
+                total += cur.key_len
+                top = cur
+                cur = <Node>cur.parent_ptr
+            if end > total:
+                raise ValueError(f"relock: stop={end} is past the node's {total} tokens")
+            if take & _FULL_LOCK:
+                held_top = top.lock_ref
+                if give & _FULL_LOCK:
+                    cur = o
+                    while cur.parent_ptr != <PyObject*>root:
+                        cur = <Node>cur.parent_ptr
+                    if cur is top:
+                        held_top -= 1  # the give comes first
+                if held_top >= _MAX_LOCK:
+                    raise OverflowError(f"inc_lock_ref on node {n.id}: node {top.id} already "
+                                        f"has lock_ref {_MAX_LOCK}, the most a node can hold")
+            k = 1 if o is n and give & _STATE_LOCK else 0
+            if take & _STATE_LOCK and n.aux_lock - k >= _MAX_LOCK:
+                raise OverflowError(f"aux_lock: node {n.id} holds the most locks")
+            # The result's memory before any change (allocating may run Python code).
+            capsule = rc_int64_capsule(end - begin, &out) if end > begin else None
+            dropped = None
+            if give & _STATE_LOCK:
+                self.move_lock(o, -1)
+            if give & _FULL_LOCK:
+                own = tree.lock_path(o, -1)
+                if own:
+                    core.evictable += own
+                    core.protected -= own
+                    dropped = core.push_if_evictable(o)
+            if take & _FULL_LOCK:
+                own = tree.lock_path(n, 1)
+                core.evictable -= own
+                core.protected += own
+            if take & _STATE_LOCK:
+                self.move_lock(n, 1)
+            if capsule is None:
+                return None
+            # The path bottom-up into core.path (no allocation), then [begin, end) copied.
+            cur = n
+            while cur is not root:
+                core.note_path(depth, cur)
+                depth += 1
+                cur = <Node>cur.parent_ptr
+            for i in range(depth - 1, -1, -1):
+                cur = <Node>core.path[i]
+                k = cur.key_len
+                if first + k > begin and first < end:
+                    src = cur.value_ptr if cur.value_ptr != NULL else cur.key_ptr
+                    lo = begin if begin > first else first
+                    hi = end if end < first + k else first + k
+                    memcpy(out + (lo - begin), src + (lo - first), (hi - lo) * sizeof(int64_t))
+                first += k
+            return make_index_array(capsule, self.numpy_arrays)
         finally:
             if not held:
                 core.guard.busy = 0

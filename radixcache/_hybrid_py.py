@@ -74,6 +74,17 @@ recent end.
   carrying ``mark`` (to the root for 0). A split moves a node's mark to its upper half.
   State: +1/-1 on ``node`` alone; returns 0. A release that would take a count below 0
   raises ``ValueError`` and changes nothing.
+- ``relock(old, new, release=3, acquire=3, start=0, stop=0, held=False) -> index array |
+  None``: a state component's lock move, whole: ``old``'s locks named by the mask
+  ``release`` go (1: the full-attention lock, as ``lock(old, -1)``; 2: the state lock, as
+  ``aux_lock(old, -1)``), then ``new``'s named by ``acquire`` are taken (as ``lock(new, 1)``
+  and ``aux_lock(new, 1)``), and the full-attention slots of root..``new`` from token
+  ``start`` to ``stop`` come back (as ``path_indices(new, start)[:stop - start]``; None when
+  ``start == stop``). ``old``/``new`` None or the root: nothing to release/take. Every check
+  (the masks, ``0 <= start <= stop <=`` the path's tokens, membership, the counts the four
+  lock calls would check, in their order) is made before anything changes. A window
+  component raises ``TypeError`` for a state lock (mask 2): its lock moves with
+  ``aux_lock``.
 - ``aux_release(node, mark, held=False) -> list``: the early release of a window lock: as
   ``aux_lock(node, -1, mark)``, and a node left unlocked that is an evictable leaf is made a
   tombstone; returns those nodes' records (below).
@@ -110,12 +121,23 @@ from ._errors import reentered
 from ._heap_py import EvictionHeap
 from ._torch import empty_indices
 from ._tree_py import TOKEN_BYTES, Node, Tree, index_array
-from ._types import InsertResult, MatchResult
+from ._types import MAX_LOCK_REF, InsertResult, MatchResult
 from ._validate import INT64_MAX, INT64_MIN
 
 __all__ = ["AuxNode", "HybridCore", "CORE_NAME"]
 
 CORE_NAME = "python"
+
+#: ``relock``'s lock masks: the full-attention lock (the path) and the state lock (the node).
+_FULL_LOCK = 1
+_STATE_LOCK = 2
+
+
+def _top_of(node: Any, root: Any) -> Any:
+    """The root's child on ``node``'s path."""
+    while node._parent is not root:
+        node = node._parent
+    return node
 
 
 class AuxNode(Node):
@@ -632,6 +654,89 @@ class HybridCore(Core):
                 return self._lock_window(node)
             self._unlock_window(node, self._window_segment(node, mark))
             return 0
+        finally:
+            if not held:
+                self._leave()
+
+    def relock(self, old: Any, new: Any, release: int = 3, acquire: int = 3, start: int = 0,
+               stop: int = 0, held: bool = False) -> Any:
+        if type(release) is not int or type(acquire) is not int:
+            raise TypeError(f"release and acquire must be ints, got {release!r}, {acquire!r}")
+        if not (0 <= release <= 3 and 0 <= acquire <= 3):
+            raise ValueError(f"release and acquire must be lock masks in 0..3, got "
+                             f"{release!r}, {acquire!r}")
+        if type(start) is not int or type(stop) is not int:
+            raise TypeError(f"start and stop must be ints, got {start!r}, {stop!r}")
+        if not 0 <= start <= stop <= INT64_MAX:
+            raise ValueError(f"start and stop must be ints with 0 <= start <= stop, got "
+                             f"{start!r}, {stop!r}")
+        self._take(held, "relock")
+        try:
+            tree = self.tree
+            root = tree.root
+            if (release | acquire) & _STATE_LOCK and not tree.state:
+                raise TypeError("relock moves a state lock; a window lock moves with aux_lock")
+            if old is None or old is root:
+                release = 0
+            else:
+                tree._check_member(old)
+            if new is None or new is root:
+                acquire = 0
+            else:
+                tree._check_member(new)
+            # Every check before any change (as the four lock calls would raise, in order).
+            if release & _STATE_LOCK and old._aux_lock <= 0:
+                raise ValueError(f"aux_lock: node {old._id} holds no auxiliary lock")
+            if release & _FULL_LOCK and old._own_locks <= 0:
+                raise ValueError(
+                    f"dec_lock_ref on node {old._id}: no lock_ref was taken on it "
+                    f"(lock_ref {old._lock_ref} comes from its descendants)")
+            total = 0
+            cur = top = root if new is None else new
+            while cur is not root:
+                total += len(cur._key)
+                top = cur
+                cur = cur._parent
+            total //= TOKEN_BYTES
+            if stop > total:
+                raise ValueError(f"relock: stop={stop} is past the node's {total} tokens")
+            if acquire & _FULL_LOCK:
+                held_top = top._lock_ref
+                if release & _FULL_LOCK and _top_of(old, root) is top:
+                    held_top -= 1  # the release comes first
+                if held_top >= MAX_LOCK_REF:
+                    raise OverflowError(f"inc_lock_ref on node {new._id}: node {top._id} "
+                                        f"already has lock_ref {MAX_LOCK_REF}, the most a node "
+                                        f"can hold")
+            if acquire & _STATE_LOCK and new._aux_lock - (
+                    old is new and release & _STATE_LOCK) >= 2**31 - 1:
+                raise OverflowError(f"aux_lock: node {new._id} holds the most locks")
+            dropped = None  # what the heap let go: held until the call returns
+            if release & _STATE_LOCK:
+                self._move_lock(old, -1)
+            if release & _FULL_LOCK:
+                moved = tree._lock(old, -1)
+                if moved:
+                    self.evictable += moved
+                    self.protected -= moved
+                    dropped = self._push_if_evictable(old)  # noqa: F841
+            if acquire & _FULL_LOCK:
+                moved = tree._lock(new, 1)
+                self.evictable -= moved
+                self.protected += moved
+            if acquire & _STATE_LOCK:
+                self._move_lock(new, 1)
+            if start == stop:
+                return None
+            parts = []
+            cur = new  # (not None: stop > 0 is within its path)
+            while cur is not root:
+                value = cur._value
+                parts.append(cur._key if value is None else value)
+                cur = cur._parent
+            parts.reverse()
+            joined = b"".join(parts)[start * TOKEN_BYTES:stop * TOKEN_BYTES]
+            return index_array([joined], self._numpy_arrays)
         finally:
             if not held:
                 self._leave()

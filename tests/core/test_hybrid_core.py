@@ -211,6 +211,129 @@ def test_a_core_has_exactly_one_component(hybrid):
             hybrid.HybridCore(1, "lru", **kwargs)
 
 
+def state_tree(hybrid):
+    """A state core with a branch: [1, 2] (no state), [1, 2, 3, 4] and [1, 2, 5, 6]."""
+    core = hybrid.HybridCore(2, "lru", numpy_arrays=True, state=True)
+    core.insert([1, 2, 3, 4], slots(10, 4), [77])
+    core.insert([1, 2, 5, 6], slots(20, 4), [88])
+    return core
+
+
+def lock_state(core) -> tuple:
+    """What the locks decide: every node, the sizes, the order victims would go in."""
+    return (shape(core), core.evictable, core.protected, core.aux_evictable,
+            core.aux_protected, [n.key.tolist() for n in core.aux_order()])
+
+
+def victims(core) -> list:
+    """Evict everything evictable (the tree is spent): the records, in order."""
+    return [(v.tolist(), None if a is None else a.tolist(), w)
+            for v, a, w in core.evict(100, 100)[2]]
+
+
+@pytest.mark.parametrize("release, acquire", [(3, 3), (1, 1), (3, 1), (1, 3), (0, 3), (3, 0),
+                                              (2, 2)])
+@pytest.mark.parametrize("moves", ["down", "up", "across", "same", "from none", "to none",
+                                   "to root"])
+def test_relock_is_the_lock_calls_and_the_path_in_one(hybrid, release, acquire, moves):
+    # relock does what the separate calls do (state lock released first, then full; full
+    # taken first, then state), and reads the new node's path as path_indices does.
+    one, two = state_tree(hybrid), state_tree(hybrid)
+    pick = {"down": ([1, 2], [1, 2, 3, 4]), "up": ([1, 2, 5, 6], [1, 2]),
+            "across": ([1, 2, 3, 4], [1, 2, 5, 6]), "same": ([1, 2, 3, 4], [1, 2, 3, 4]),
+            "from none": (None, [1, 2, 5, 6]), "to none": ([1, 2, 3, 4], None),
+            "to root": ([1, 2, 3, 4], [])}[moves]
+    nodes = []
+    for core in (one, two):
+        old, new = (None if k is None else core.match(k).last_node if k else core.tree.root
+                    for k in pick)
+        if old is not None:  # the lock to release: the components release names
+            if release & 1:
+                core.lock(old, 1)
+            if release & 2:
+                core.aux_lock(old, 1)
+        nodes.append((old, new))
+    (old, new), (old2, new2) = nodes
+    depth = 0 if new is None else len(path_of(new))
+    start, stop = min(1, depth), depth
+    got = one.relock(old, new, release, acquire, start, stop)
+    if old2 is not None:
+        if release & 2:
+            two.aux_lock(old2, -1)
+        if release & 1:
+            two.lock(old2, -1)
+    if new2 is not None:
+        if acquire & 1:
+            two.lock(new2, 1)
+        if acquire & 2:
+            two.aux_lock(new2, 1)
+    want = None if start == stop else two.path_indices(new2, start)[:stop - start].tolist()
+    assert (None if got is None else got.tolist()) == want
+    assert lock_state(one) == lock_state(two)
+    one.check_aux()
+    assert victims(one) == victims(two)
+
+
+def test_relock_reads_any_part_of_the_path(hybrid):
+    core = state_tree(hybrid)
+    node = core.match([1, 2, 5, 6]).last_node
+    full = core.path_indices(node).tolist()
+    for start in range(5):
+        for stop in range(start, 5):
+            got = core.relock(None, node, 0, 0, start, stop)
+            assert (None if got is None else got.tolist()) == (
+                None if start == stop else full[start:stop]), (start, stop)
+    assert lock_state(core) == lock_state(state_tree(hybrid))
+
+
+@pytest.mark.parametrize("call, exc", [
+    (lambda c, a, b: c.relock(a, b, 4, 3), ValueError),
+    (lambda c, a, b: c.relock(a, b, 3, -1), ValueError),
+    (lambda c, a, b: c.relock(a, b, 3.0, 3), TypeError),
+    (lambda c, a, b: c.relock(a, b, 3, True), TypeError),
+    (lambda c, a, b: c.relock(a, b, 3, 3, 2, 1), ValueError),
+    (lambda c, a, b: c.relock(a, b, 3, 3, -1, 1), ValueError),
+    (lambda c, a, b: c.relock(a, b, 3, 3, 0, 2**64), ValueError),
+    (lambda c, a, b: c.relock(a, b, 3, 3, "0", 1), TypeError),
+    (lambda c, a, b: c.relock(a, b, 3, 3, 0, 5), ValueError),  # past b's 4 tokens
+    (lambda c, a, b: c.relock(a, None, 3, 0, 0, 1), ValueError),  # no path to read
+    (lambda c, a, b: c.relock(b, a, 3, 3), ValueError),  # b holds no lock
+    (lambda c, a, b: c.relock(b, a, 2, 3), ValueError),  # b holds no state lock
+    (lambda c, a, b: c.relock(a.parent, b, 1, 3), ValueError),  # a descendant's lock only
+    (lambda c, a, b: c.relock("node", b, 3, 3), TypeError),
+    (lambda c, a, b: c.relock(a, 7, 3, 3), TypeError),
+])
+def test_relock_bad_input_changes_nothing(hybrid, call, exc):
+    core = state_tree(hybrid)
+    a, b = core.match([1, 2, 3, 4]).last_node, core.match([1, 2, 5, 6]).last_node
+    core.lock(a, 1)
+    core.aux_lock(a, 1)
+    before = lock_state(core)
+    with pytest.raises(exc):
+        call(core, a, b)
+    assert lock_state(core) == before
+    core.check_aux()
+    assert core.relock(a, b, 3, 3, 0, 4).tolist() == [10, 11, 22, 23]  # and it works on
+
+
+def test_relock_refuses_foreign_nodes_and_window_state_locks(hybrid):
+    core, other = state_tree(hybrid), state_tree(hybrid)
+    foreign = other.match([1, 2, 3, 4]).last_node
+    before = lock_state(core)
+    for call in (lambda: core.relock(None, foreign, 0, 3), lambda: core.relock(foreign, None)):
+        with pytest.raises(ValueError, match="another cache"):
+            call()
+    assert lock_state(core) == before
+    window = window_core(hybrid, window=2)
+    window.insert([1, 2, 3], slots(1, 3), slots(10, 3))
+    node = window.match([1, 2, 3]).last_node
+    for masks in ((0, 2), (2, 0), (3, 3)):
+        with pytest.raises(TypeError, match="state lock"):
+            window.relock(None, node, *masks)
+    assert node.lock_ref == 0 and window.relock(None, node, 0, 1, 0, 3).tolist() == [1, 2, 3]
+    assert node.lock_ref == 1
+
+
 # -- the compiled core decides as the pure one ------------------------------------------------
 def _run_random(hybrid, seed: int, kind: str, page_size: int, policy: str) -> list:
     """A random sequence of every hybrid call; what each returned, and the whole state after
@@ -248,6 +371,14 @@ def _run_random(hybrid, seed: int, kind: str, page_size: int, policy: str) -> li
                                  rng.randrange(0, 30))
             trace.append(("insert", result.prefix_len, path_of(result.last_node), core.aux_kept,
                           [(s, e, v.tolist(), lk) for s, e, v, lk in core.last_recovered]))
+            node = result.last_node
+            if kind == "state" and node is not core.tree.root and rng.random() < 0.4:
+                # the checkpoint's lock: taken on the inserted node, its path read with it
+                depth = len(path_of(node))
+                start = rng.randrange(0, depth + 1)
+                got = core.relock(None, node, 0, 3, start, rng.randrange(start, depth + 1))
+                trace.append(("relock", None if got is None else got.tolist()))
+                locks.append((node, 0))
         elif roll < 0.6:
             m = core.match(tokens, ns)
             trace.append(("match", m.length, m.indices.tolist(), core.last_walk))
@@ -258,7 +389,15 @@ def _run_random(hybrid, seed: int, kind: str, page_size: int, policy: str) -> li
                 locks.append((node, core.aux_lock(node, 1)))
         elif roll < 0.82 and locks:
             node, mark = locks.pop(rng.randrange(len(locks)))
-            if kind == "window" and rng.random() < 0.3:
+            if kind == "state" and rng.random() < 0.5:  # the lock moves (or just goes)
+                target = node_at(tokens, ns) if rng.random() < 0.7 else None
+                depth = 0 if target is None else len(path_of(target))
+                start = rng.randrange(0, depth + 1)
+                got = core.relock(node, target, 3, 3, start, rng.randrange(start, depth + 1))
+                trace.append(("relock", None if got is None else got.tolist()))
+                if target is not None and target is not core.tree.root:
+                    locks.append((target, 0))
+            elif kind == "window" and rng.random() < 0.3:
                 trace.append(("release", records(core.aux_release(node, mark))))
                 core.lock(node, -1)
             else:

@@ -182,3 +182,60 @@ def a5_deep_hybrid_chain_is_freed_without_recursion(core_name):
         core.check_aux()
         del core
         gc.collect()
+
+
+@case
+def a6_relock_under_finalizers_and_lying_arguments(core_name):
+    # A lock move allocates (its result, the eviction heap's entries): collections there run
+    # finalizers that call the core -- inside a call they get the re-entry error, and the
+    # move is whole, as on the pure core. Arguments that would run user code (an __index__, an int
+    # subclass) are refused before anything changes.
+    class Key:
+        core = None
+        def __init__(self, i): self.i, self.me = i, self
+        def __repr__(self): return f"Key({self.i})"
+        def __hash__(self): return self.i
+        def __eq__(self, other): return isinstance(other, Key) and other.i == self.i
+        def __del__(self):
+            if Key.core is not None:  # (a move of no lock: the results stay comparable)
+                Key.core.relock(None, Key.core.tree.root, 0, 0)
+
+    class Mask:
+        def __index__(self):
+            Key.core.evict(100, 100)
+            return 3
+
+    class Sneaky(int):
+        pass
+
+    def run(name):
+        core = _make(name, "state")
+        Key.core = core
+        results = []
+        gc.set_threshold(1, 1, 1)
+        held = None
+        for i in range(120):
+            core.insert([i % 7, 1, 2, i], [4, 5, 6, 7], [8 + i], Key(i % 7))
+            core.match([i % 7, 1, 9], Key(i % 7))  # splits: cyclic namespaces go as garbage
+            node = core.match([i % 7, 1, 2, i], Key(i % 7)).last_node
+            path = core.relock(held, node, 3, 3, 1, 4)
+            held = node
+            results.append(path.tolist())
+            if i % 5 == 0:
+                core.evict(2, 1)
+        gc.set_threshold(700, 10, 10)
+        for bad in (lambda: core.relock(held, None, Mask(), 0),
+                    lambda: core.relock(held, None, 3, 0, Sneaky(0), 0),
+                    lambda: core.relock(held, None, Sneaky(3), 0)):
+            before = hybrid_contents(core)
+            results.append(outcome(bad))
+            assert hybrid_contents(core) == before
+        core.relock(held, None, 3, 0)
+        Key.core = None
+        gc.collect()
+        core.check_aux()
+        results.append(hybrid_contents(core))
+        return results
+
+    assert run(core_name) == run("python")
+    only_reentry_errors()

@@ -55,6 +55,22 @@ _STOCK_FREE_STATES = HybridReqToTokenPool.free_mamba_cache
 #: SGLang's reads a Mamba cache's receipts, so one serves every such lock (as ``_RECEIPT``
 #: serves those that skip nothing).
 _STATE_SKIPPED_RECEIPT = DecLockRefParams(skipped_lock_components=(_MAMBA,))
+#: The hybrid core's lock masks (``relock``): the full-attention path, the node's state.
+_FULL_LOCK, _STATE_LOCK = 1, 2
+_BOTH_LOCKS = _FULL_LOCK | _STATE_LOCK
+
+
+def _lock_mask(skipped: Any) -> int:
+    """The hybrid core's lock mask of a lock that skips the components ``skipped``."""
+    return (0 if _FULL in skipped else _FULL_LOCK) | (0 if _MAMBA in skipped else _STATE_LOCK)
+
+
+def _receipt(skipped: tuple) -> DecLockRefParams:
+    """The release receipt of a lock that skips ``skipped``."""
+    if not skipped:
+        return _RECEIPT
+    return (_STATE_SKIPPED_RECEIPT if skipped == (_MAMBA,)
+            else DecLockRefParams(skipped_lock_components=skipped))
 
 
 def _state_array(slot: Any) -> np.ndarray:
@@ -102,7 +118,9 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         pool = self.req_to_token_pool
         # What a checkpoint locks of the node it moves to (read at start-up, as SGLang sizes
         # its Mamba pool by it then).
-        self._checkpoint_skip = (_MAMBA,) if envs.SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK.get() else ()
+        skip = (_MAMBA,) if envs.SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK.get() else ()
+        self._checkpoint_mask = _lock_mask(skip)
+        self._checkpoint_receipt = _receipt(skip)
         # The request side of a finished request done here, as SGLang's component does it,
         # where it is plain (no int8 checkpoints, no replayed SSM ring); else its own code.
         self._plain_states = (getattr(pool, "mamba_ckpt_pool", None) is None
@@ -242,12 +260,23 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
         new_last_node = result.last_node
         cached = result.prefix_len
-        if protected < cached:  # the row points at the tree's slots (past what was cached
-            # before they are the row's own: the insert took them)
-            self._write_row(kv.req_pool_idx, protected,
-                            self._core.path_indices(new_last_node, protected)[:cached - protected])
-        self.unlock(req.lock)
-        req.lock = self.lock(new_last_node, skip_lock_components=self._checkpoint_skip)
+        # The lock moves to the new node and the row's positions [protected, cached) are
+        # read from its path in one core call (past them the row's slots are its own: the
+        # insert took them).
+        old_lock = req.lock
+        if old_lock is None:
+            old_node, release = None, 0
+        else:
+            old_node, receipt = old_lock.node, old_lock.receipt
+            release = (_BOTH_LOCKS if receipt is _RECEIPT
+                       else _lock_mask(receipt.skipped_lock_components))
+        if protected >= cached:
+            protected = cached = 0
+        tree_slots = self._core.relock(old_node, new_last_node, release, self._checkpoint_mask,
+                                       protected, cached)
+        req.lock = TreeLock(new_last_node, self._checkpoint_receipt)
+        if tree_slots is not None:
+            self._write_row(kv.req_pool_idx, protected, tree_slots)
         kv.cache_protected_len = aligned
         req.last_node = new_last_node
         if plain:
@@ -371,31 +400,18 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
 
     def lock(self, node: Any, skip_lock_components: Any = ()) -> TreeLock:
         """Lock ``node``'s path (full attention) and its state (the node alone)."""
-        core = self._core
         if not skip_lock_components:  # (the scheduler's lock: both)
-            core.lock(node, 1)
-            core.aux_lock(node, 1)
+            self._core.relock(None, node, 0, _BOTH_LOCKS)
             return TreeLock(node, _RECEIPT)
         skipped = tuple(skip_lock_components)
-        if _FULL not in skipped:
-            core.lock(node, 1)
-        if _MAMBA not in skipped:
-            core.aux_lock(node, 1)
-        return TreeLock(node, _STATE_SKIPPED_RECEIPT if skipped == (_MAMBA,)
-                        else DecLockRefParams(skipped_lock_components=skipped))
+        self._core.relock(None, node, 0, _lock_mask(skipped))
+        return TreeLock(node, _receipt(skipped))
 
     def unlock(self, lock: Optional[TreeLock]) -> None:
         if lock is not None:
-            skipped = lock.receipt.skipped_lock_components
-            core = self._core
-            if not skipped:
-                core.aux_lock(lock.node, -1)
-                core.lock(lock.node, -1)
-                return
-            if _MAMBA not in skipped:
-                core.aux_lock(lock.node, -1)
-            if _FULL not in skipped:
-                core.lock(lock.node, -1)
+            receipt = lock.receipt
+            self._core.relock(lock.node, None, _BOTH_LOCKS if receipt is _RECEIPT
+                              else _lock_mask(receipt.skipped_lock_components), 0)
 
     def dec_lock_ref(self, node: Any, params: Optional[DecLockRefParams] = None,
                      skip_swa: bool = False) -> DecLockRefResult:
