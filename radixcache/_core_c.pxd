@@ -155,6 +155,7 @@ cdef class Tree:
     cdef Node make_root(self)
     cdef void teardown(self) noexcept
     cdef object store_value(self, Node node, object values)
+    cdef int check_own_lock(self, Node node) except -1
     cdef Py_ssize_t lock_path(self, object node, int delta) except -1
     cdef Node detach_leaf(self, Node node, list dropped)
     cdef bint holds(self, Node node) noexcept

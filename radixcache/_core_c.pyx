@@ -764,10 +764,24 @@ cdef class Tree:
             node.value_ptr = <const int64_t*>PyBytes_AS_STRING(owner)
         return previous
 
+    cdef int check_own_lock(self, Node node) except -1:
+        """ValueError unless ``node`` holds a lock of its own: locks taken on descendants
+        show in its count too, and only its own may be given back."""
+        cdef Py_ssize_t own = node.lock_ref, i
+        for i in range(node.slot_mask + 1):
+            if node.slots[i].node != NULL:
+                own -= (<Node>node.slots[i].node).lock_ref
+        if own <= 0:
+            raise ValueError(
+                f"dec_lock_ref on node {node.id}: no lock_ref was taken on it "
+                f"(lock_ref {node.lock_ref} comes from its descendants)"
+            )
+        return 0
+
     cdef Py_ssize_t lock_path(self, object node, int delta) except -1:
         """Lock (+1) or unlock (-1) node -> root; the tokens that crossed."""
         cdef Node cur, top
-        cdef Py_ssize_t moved = 0, own, i
+        cdef Py_ssize_t moved = 0
         if node is None or node is self.root:
             return 0
         self._check_member(node)
@@ -775,16 +789,7 @@ cdef class Tree:
         if delta > 0 and self.host and (<HostNode>cur).host_only:
             raise lock_host_only(cur.id)
         if delta < 0:
-            # Locks taken on descendants show in this node's count too; only its own may go.
-            own = cur.lock_ref
-            for i in range(cur.slot_mask + 1):
-                if cur.slots[i].node != NULL:
-                    own -= (<Node>cur.slots[i].node).lock_ref
-            if own <= 0:
-                raise ValueError(
-                    f"dec_lock_ref on node {cur.id}: no lock_ref was taken on it "
-                    f"(lock_ref {cur.lock_ref} comes from its descendants)"
-                )
+            self.check_own_lock(cur)
         if delta > 0:
             # Checked before any change: the counts are 32-bit (an ancestor's is the largest).
             top = cur

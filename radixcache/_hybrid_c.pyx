@@ -728,14 +728,7 @@ cdef class HybridCore:
             if give & _STATE_LOCK and o.aux_lock <= 0:
                 raise ValueError(f"aux_lock: node {o.id} holds no auxiliary lock")
             if give & _FULL_LOCK:
-                own = o.lock_ref
-                for i in range(o.slot_mask + 1):
-                    if o.slots[i].node != NULL:
-                        own -= (<Node>o.slots[i].node).lock_ref
-                if own <= 0:
-                    raise ValueError(
-                        f"dec_lock_ref on node {o.id}: no lock_ref was taken on it "
-                        f"(lock_ref {o.lock_ref} comes from its descendants)")
+                tree.check_own_lock(o)
             while cur is not root:
                 total += cur.key_len
                 top = cur
