@@ -56,7 +56,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
 
 from ... import cache as _tree
-from .hicache_storage import PrefetchInsert, StorageBackup, StorageHitQuery
+from .hicache_storage import PrefetchInsert, StorageBackup, StorageHitQuery, StoragePrefetch
 from .backend import (
     _NOT_ROOT,
     RadixcacheBackend,
@@ -111,7 +111,8 @@ def group_size(group: Any) -> int:
     return torch.distributed.get_world_size(group=group)
 
 
-class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheBackend):
+class HiCacheBackend(StoragePrefetch, PrefetchInsert, StorageBackup, StorageHitQuery,
+                     RadixcacheBackend):
     """``RadixcacheBackend`` with SGLang's hierarchical cache (see the module docstring).
 
     Args:
@@ -135,6 +136,7 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
         self.is_write_back = self.write_policy == "write_back"
         self.write_through_threshold = _WRITE_THROUGH_THRESHOLD.get(self.write_policy, 2)
         self.load_back_threshold = LOAD_BACK_THRESHOLD
+        self.prefetch_stop_policy = memory.hicache_storage_prefetch_policy
         self.cache_controller = None
         self.host_pool_group = None
         self.token_to_kv_pool_host = None
@@ -170,6 +172,7 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
         self._storage_hash_memo: dict = {}  # (node id, size) -> its pages' storage hashes
         self._storage_hash_pages = 0  # the pages the memo holds
         self._backups: dict = {}  # storage write id -> (node, parent) (SGLang's ongoing_backup)
+        self._init_prefetch_state()
 
     def _attach_host_stack(self, params: Any, server_args: Any, tp_worker: Any) -> None:
         """SGLang's host pool group and controller for a plain KV pool, as
@@ -810,15 +813,15 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
         self._start_writing()
         writes = _ready(cc.ack_write_queue)
         loads = _ready(cc.ack_load_queue)
-        backups, releases = self._storage_queue_sizes()
+        storage = self._storage_queue_sizes()
         digest = self.write_back_duplicate_reclaim_digest
         group = self._reduce_group()
         if group is not None:
-            counts = torch.tensor([writes, loads, backups, releases, digest, -digest],
+            counts = torch.tensor([writes, loads, *storage, digest, -digest],
                                   dtype=torch.int64)
             torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MIN,
                                          group=group)
-            writes, loads, backups, releases, low, high = (int(v) for v in counts.tolist())
+            writes, loads, *storage, low, high = (int(v) for v in counts.tolist())
             if low != digest or -high != digest:
                 raise RuntimeError("HiCache: the write_back reclaim victims diverged across "
                                    "TP ranks")
@@ -833,8 +836,8 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
             ack.finish_event.synchronize()
             for ack_id in ack.node_ids:
                 self._finish_load(ack_id)
-        if backups or releases:
-            self._drain_storage(backups, releases)
+        if any(storage):
+            self._drain_storage(*storage)
 
     def _reduce_group(self) -> Any:
         """The group the counts are reduced over, as SGLang's ``_all_reduce_attn_groups``:
@@ -932,22 +935,6 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
             prior = hashes[-1]
         return hashes
 
-    def prefetch_from_storage(self, *args: Any, **kwargs: Any) -> None:
-        """No storage backend attached: nothing is prefetched (as SGLang's without one)."""
-        return None
-
-    def check_prefetch_progress(self, request: Any) -> bool:
-        """No prefetch is ever in flight: every request is ready."""
-        return True
-
-    def pop_prefetch_loaded_tokens(self, request: Any) -> int:
-        """Tokens a prefetch brought in for ``request``: none."""
-        return 0
-
-    def pop_prefetch_loaded_span(self, request: Any) -> tuple:
-        """(tokens a prefetch brought in, where they start): none."""
-        return 0, None
-
     def attach_storage_backend(self, storage_backend: str, *args: Any,
                                **kwargs: Any) -> tuple:
         """Refused (the answer SGLang's admin call returns as its message)."""
@@ -956,12 +943,19 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
                        "use one")
 
     def detach_storage_backend(self) -> tuple:
-        """The controller's (idempotent) detach, then success; storage writes still
-        unacknowledged release their host locks."""
+        """The controller's (idempotent) detach, then success: first the queued
+        acknowledgements and releases are taken (not the hit results: a hit found now could
+        not be read); once the storage threads stopped, prefetches still in flight give back
+        their host slots and locks and storage writes still unacknowledged their host
+        locks."""
+        if self.enable_storage:
+            _, acks, backups, releases = self._storage_queue_sizes()
+            self._drain_storage(0, acks, backups, releases)
         try:
             self.cache_controller.detach_storage_backend()
         except Exception as exc:
             return False, f"Failed to detach HiCache storage backend: {exc}"
+        self._release_prefetches()
         self._release_backups()
         self.enable_storage = False
         return True, "Detached HiCache storage backend successfully."
