@@ -502,7 +502,7 @@ class HiCacheBackend(StoragePrefetch, PrefetchInsert, StorageBackup, StorageHitQ
 
     def _held_on_host(self) -> Any:
         """Host-only nodes no host eviction may take now (host locks, locked segments)."""
-        if self._backups:
+        if self._backups or self.ongoing_prefetch:
             return (self._host_locks.keys() | self._segment_locks.keys()
                     | self._backup_held().keys())
         if not self._segment_locks:
@@ -574,7 +574,8 @@ class HiCacheBackend(StoragePrefetch, PrefetchInsert, StorageBackup, StorageHitQ
             host = None
             if write_back and node.tier == "device":
                 host = self._host_copy(node)
-                if host is None and (node.num_children or self._host_locks.get(node)):
+                if host is None and (node.num_children or self._host_locks.get(node)
+                                     or self._anchor_held(node)):
                     passed.add(node)  # SGLang declines the drop: it stays for now
                     continue
                 if host is not None:

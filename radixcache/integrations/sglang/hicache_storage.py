@@ -190,14 +190,24 @@ class StorageBackup:
         self._backups[operation_id] = (node, node.parent)
 
     def _backup_held(self) -> dict:
-        """The nodes whose host copies storage writes in flight hold: node -> the writes
-        holding it (SGLang's ``host_lock_ref`` from backups)."""
+        """The nodes whose host copies storage writes and prefetches in flight hold: node ->
+        the host locks holding it (SGLang's ``host_lock_ref`` from backups and prefetch
+        anchors). Each lock holds its node and, as SGLang's split extends a host lock, every
+        fragment split off above it since (the nodes below the parent it had then)."""
         held: dict = {}
-        for node, parent in self._backups.values():
+        segments = list(self._backups.values())
+        segments.extend(prefetch.lock for prefetch in self.ongoing_prefetch.values()
+                        if prefetch.lock is not None)
+        for node, parent in segments:
             while node is not parent and node is not None:
                 held[node] = held.get(node, 0) + 1
                 node = node.parent
         return held
+
+    def _anchor_held(self, node: Any) -> bool:
+        """Whether a prefetch in flight host-locks ``node`` (its anchor, or a fragment split
+        off above the anchor)."""
+        return bool(self.ongoing_prefetch) and node in self._backup_held()
 
     def _storage_queue_sizes(self) -> tuple:
         """(hit-query results, prefetch acknowledgements, storage-write acknowledgements,
@@ -272,13 +282,16 @@ class StorageHitQuery:
 class _Prefetch:
     """A prefetch from storage in flight (SGLang's ``_OngoingPrefetch``)."""
 
-    __slots__ = ("anchor", "key", "host_indices", "operation")
+    __slots__ = ("anchor", "key", "host_indices", "operation", "lock")
 
-    def __init__(self, anchor: Any, key: RadixKey, operation: Any) -> None:
-        self.anchor = anchor  # the request's last host node, host-locked meanwhile
+    def __init__(self, anchor: Any, key: RadixKey, operation: Any, lock: Any) -> None:
+        self.anchor = anchor  # the request's last host node
         self.key = key  # the page-aligned span asked for
         self.host_indices = None  # the hit's host slots, once allocated
         self.operation = operation
+        # The anchor's host lock: (anchor, its parent then), None where SGLang takes none (an
+        # anchor without a host copy, but under write_back).
+        self.lock = lock
 
 
 class _PrefetchWait:
@@ -364,18 +377,16 @@ class StoragePrefetch:
         if controller.prefetch_rate_limited():
             retries.poll_miss(rid, storage_hit_end)  # paced: retried when budget frees
             return None
-        self.inc_host_lock_ref(last_host_node)
-        try:
-            submission = controller.submit_prefetch(request, key, last_hash, prefix_keys,
-                                                    matched_prefix_tokens, None,
-                                                    assume_stored=assume_stored)
-        except BaseException:
-            self.dec_host_lock_ref(last_host_node)
-            raise
+        submission = controller.submit_prefetch(request, key, last_hash, prefix_keys,
+                                                matched_prefix_tokens, None,
+                                                assume_stored=assume_stored)
         operation = submission.operation
         operation.stats_requested_tokens = len(key)
         operation.storage_start = storage_start
-        self.ongoing_prefetch[request] = _Prefetch(last_host_node, key, operation)
+        lock = None
+        if last_host_node.host_value is not None or self.is_write_back:
+            lock = (last_host_node, last_host_node.parent)
+        self.ongoing_prefetch[request] = _Prefetch(last_host_node, key, operation, lock)
         controller.prefetch_tokens_occupied += len(key)
         return submission.decision
 
@@ -491,7 +502,6 @@ class StoragePrefetch:
             loaded = self.insert_prefetched(prefetch.anchor, prefetch.key[:completed],
                                             prefetch.host_indices[:completed])
             prefix_len = completed - loaded
-        self.dec_host_lock_ref(prefetch.anchor)
         del self.ongoing_prefetch[request]
         self.cache_controller.prefetch_tokens_occupied -= len(prefetch.key)
         self.prefetch_loaded_tokens_by_reqid[request] = loaded
@@ -510,7 +520,6 @@ class StoragePrefetch:
         """Drop an in-flight prefetch: its anchor lock and tokens go, ``host_indices``
         (None: none) are queued for release."""
         prefetch = self.ongoing_prefetch.pop(request)
-        self.dec_host_lock_ref(prefetch.anchor)
         controller = self.cache_controller
         controller.append_host_mem_release(host_indices=host_indices)
         controller.prefetch_tokens_occupied = max(
@@ -523,7 +532,6 @@ class StoragePrefetch:
         pool = controller.mem_pool_host
         for request in list(self.ongoing_prefetch):
             prefetch = self.ongoing_prefetch.pop(request)
-            self.dec_host_lock_ref(prefetch.anchor)
             controller.prefetch_tokens_occupied = max(
                 0, controller.prefetch_tokens_occupied - len(prefetch.key))
             if prefetch.host_indices is not None:
