@@ -26,7 +26,10 @@ Stand-ins, the same for both sides:
   comparison the test waits until they have answered every prefetch submitted (its hit
   query) and finished every read started (its last acknowledgement queued), as it waits for
   the backup thread: a storage backend faster than a scheduler step. Without the wait, how
-  many results a step takes would depend on thread timing.
+  many results a step takes would depend on thread timing. A read's last acknowledgement
+  is held back and queued at a step start chosen by a seeded draw, the same on both sides
+  (a read whose pages are in but whose end is not reported yet, as with a slow backend), so
+  that stop policies and aborts also meet reads in that state.
 - the ``timeout`` policy reads SGLang's ``PollTimer`` clock (``time.perf_counter``); the
   test gives that module a clock that advances a fixed second per step, so that the same
   steps find the same deadlines expired on both sides (a wall clock would make the verdicts
@@ -37,6 +40,7 @@ Stand-ins, the same for both sides:
 
 from __future__ import annotations
 
+import random
 import time
 import types
 import zlib
@@ -52,6 +56,16 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.utils import poll_timer
 
 
+def _unwatched(queue, name: str):
+    """The queue's own ``put``/``get`` (a reset keeps the controller's queues: a new watch
+    replaces the old one rather than stacking on it)."""
+    original = queue.__dict__.get(f"_unwatched_{name}")
+    if original is None:
+        original = getattr(queue, name)
+        setattr(queue, f"_unwatched_{name}", original)
+    return original
+
+
 class _Counted:
     """The controller's storage queues watched: how many operations were submitted, answered,
     started reading and finished reading (their last acknowledgement queued, then taken)."""
@@ -62,7 +76,7 @@ class _Counted:
         self.reading: dict = {}  # operation id -> operation whose last ack is not taken
 
         def counting(queue, bump):
-            put = queue.put
+            put = _unwatched(queue, "put")
 
             def counted(item, *args, **kwargs):
                 if item is not None:
@@ -73,9 +87,18 @@ class _Counted:
         counting(cc.prefetch_queue, lambda op: self._add("submitted"))
         counting(cc.prefetch_hit_queue, lambda op: self._add("answered"))
         counting(cc.prefetch_buffer, self._read)
-        counting(cc.ack_prefetch_queue,
-                 lambda ack: self._add("finished") if ack.completed_req else None)
-        get = cc.ack_prefetch_queue.get
+        self.held: list = []  # last acknowledgements held back (see ``LifecycleSide.tick``)
+        put = _unwatched(cc.ack_prefetch_queue, "put")
+
+        def gated(ack, *args, **kwargs):
+            if ack is not None and ack.completed_req:
+                self.finished += 1
+                self.held.append(ack)
+                return None
+            return put(ack, *args, **kwargs)
+        cc.ack_prefetch_queue.put = gated
+        self.put_ack = put
+        get = _unwatched(cc.ack_prefetch_queue, "get")
 
         def taken(*args, **kwargs):
             ack = get(*args, **kwargs)
@@ -83,6 +106,12 @@ class _Counted:
                 self.reading.pop(ack.operation.id, None)
             return ack
         cc.ack_prefetch_queue.get = taken
+
+    def release_held(self) -> None:
+        """The held last acknowledgements queued, in the order they came."""
+        for ack in self.held:
+            self.put_ack(ack)
+        self.held.clear()
 
     def _add(self, name: str) -> None:
         setattr(self, name, getattr(self, name) + 1)
@@ -127,7 +156,7 @@ def _prefetch_held(side) -> list:
     return held
 
 
-def lifecycle_side(side):
+def lifecycle_side(side, seed: int):
     """Turn a ``BackupSide`` into one that waits for the prefetch threads too and counts the
     host slots prefetches hold as held."""
     base = type(side)
@@ -144,11 +173,20 @@ def lifecycle_side(side):
         def host_slots(self) -> list:
             return super().host_slots() + _prefetch_held(self)
 
+        def tick(self) -> tuple:
+            # A read's last acknowledgement comes a step or more after its progress (the
+            # same draws on both sides): a stop policy or an abort then finds pages read in
+            # but the read not over.
+            self.settle()
+            if self.gate.random() < 0.6:
+                self.counted.release_held()
+            return super().tick()
+
         def reset(self) -> tuple:
             """The cache's reset: the controller stops its storage threads and starts them
             again on new queues (what the reads in flight held went with the host pool)."""
             result = super().reset()
-            self.counted = _Counted(self.real.cache_controller)
+            self.counted = _Counted(self.real.cache_controller)  # (held acks went too)
             return result
 
         def prefetch_state(self) -> tuple:
@@ -163,6 +201,7 @@ def lifecycle_side(side):
 
     side.__class__ = LifecycleSide
     side.counted = counted
+    side.gate = random.Random(seed)
     return side
 
 
@@ -202,7 +241,7 @@ class LifecycleReplay(ProbeReplay):
     def __init__(self, *args, policy: str = "best_effort", clock=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         for side in (self.sgl, self.ours):
-            lifecycle_side(side)
+            lifecycle_side(side, args[3])  # (the replay's seed)
             # (a read's bounce page is pinned host memory, which a CPU has no allocator for)
             side.real.cache_controller.storage_host_pool.pin_memory = False
             side.real.prefetch_stop_policy = policy  # (what --hicache-storage-prefetch-policy sets)
@@ -313,6 +352,9 @@ class LifecycleReplay(ProbeReplay):
                 side.settle()
                 side.real.release_aborted_request(handle)
         self.waiting.clear()
+        for side in (self.sgl, self.ours):
+            side.settle()
+            side.counted.release_held()
         for _ in range(3):
             self.both("tick")
             self.compare("drain")
@@ -414,3 +456,4 @@ def test_failed_reads_lose_no_slot(backend_core, monkeypatch, tmp_path, page_siz
                      "read-faults", fail=_failing_reads)
     _run(replay, STEPS // 8)
     assert replay.counts.get("prefetch issued", 0) > 3, replay.counts
+
