@@ -22,13 +22,14 @@ decision for decision:
 - host locks (``inc_host_lock_ref``), the layer-transfer counter (registered with the
   device pool and the TP worker), the controller's acknowledgements all-reduced over the
   TP group, KV events per medium (``GPU``, ``CPU_PINNED``).
-- the storage tier is not served (``STORAGE_REFUSAL``): the scheduler's storage calls get
-  SGLang's answers for a cache with no storage backend, and the per-node storage keys
-  (``is_backuped``, ``get_last_hash_value``, ``get_prefix_hash_values``) are SGLang's.
-  Pages a prefetch brought into host slots go into the tree as SGLang puts them there
-  (``insert_prefetched``), host copies are backed up to an attached storage backend as
-  SGLang backs them up (``StorageBackup``) and storage hit queries answer as SGLang's
-  (``StorageHitQuery``, all from ``hicache_storage``): the building blocks of serving it.
+- the storage tier with SGLang's ``file`` backend (``--hicache-storage-backend file``,
+  attached at start-up; other backends and attaching one at run time are refused:
+  ``STORAGE_REFUSAL``, ``ATTACH_REFUSAL``): the per-node storage keys (``is_backuped``,
+  ``get_last_hash_value``, ``get_prefix_hash_values``) are SGLang's, and from
+  ``hicache_storage``: backups to storage (``StorageBackup``), storage hit queries
+  (``StorageHitQuery``), prefetches, their per-step drains and stop policies
+  (``StoragePrefetch``) and the insertion of prefetched pages (``PrefetchInsert``). Without
+  a storage backend the scheduler's storage calls get SGLang's answers for a cache with none.
 
 Every choice is a function of the calls the scheduler made and the TP-reduced
 acknowledgement counts, nothing else (no clock, no thread timing, no address): the same
@@ -72,12 +73,17 @@ LOAD_BACK_THRESHOLD = 10
 _WRITE_THROUGH_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 _RECLAIM_DIGEST_MASK = (1 << 62) - 1
 _NO_HITS = 2**62  # a hits_from no insert reaches: write_back counts no hits
-#: Why a storage backend is refused (at start-up and when attached at run time).
-STORAGE_REFUSAL = ("the storage tier (--hicache-storage-backend) is not served by radixcache's "
-                   "host tier yet: prefetches from storage and their stop policies are not "
-                   "implemented (host copies can be backed up to storage, storage hit queries "
-                   "answered and prefetched pages put into the tree, the rest of a prefetch "
-                   "cannot)")
+#: The storage backends radixcache's host tier serves (``--hicache-storage-backend``).
+SERVED_STORAGE_BACKENDS = ("file",)
+#: Why another storage backend is refused at start-up.
+STORAGE_REFUSAL = ("radixcache's host tier serves the storage tier with SGLang's `file` backend "
+                   "only, the one its decisions are checked against SGLang's on; the other "
+                   "backends' page layouts, zero-copy reads and per-pool transfers are not "
+                   "served")
+#: Why attaching a storage backend at run time is refused.
+ATTACH_REFUSAL = ("attaching a storage backend at run time (which may also change the write "
+                  "policy) is not served by radixcache's host tier; start the server with "
+                  "--hicache-storage-backend file instead")
 _STORAGE_HASH_MEMO = 1 << 18  # pages whose storage hashes are kept (cleared when full)
 
 
@@ -148,6 +154,16 @@ class HiCacheBackend(StoragePrefetch, PrefetchInsert, StorageBackup, StorageHitQ
         self._init_state()
         super().__init__(params, core=core)
         self._attach_host_stack(params, server_args, tp_worker)
+        storage_backend = memory.hicache_storage_backend
+        if storage_backend is not None:
+            if storage_backend not in SERVED_STORAGE_BACKENDS:
+                raise ValueError(f"--hicache-storage-backend {storage_backend}: "
+                                 f"{STORAGE_REFUSAL}")
+            from sglang.srt.runtime_context import get_serving
+
+            self._attach_backup_storage(
+                storage_backend, memory.hicache_storage_backend_extra_config,
+                file_storage_path=get_serving().file_storage_path)
 
     def _new_tree(self, core: Optional[str]) -> _tree.RadixCache:
         return _tree.RadixCache(self.page_size, self.eviction_policy, core=core, host_tier=True,
@@ -880,9 +896,8 @@ class HiCacheBackend(StoragePrefetch, PrefetchInsert, StorageBackup, StorageHitQ
         return len(cc.ack_load_queue) < cc.layer_done_counter.num_counters
 
     # -- the storage tier --------------------------------------------------------------------
-    # No storage backend is attached (``--hicache-storage-backend`` is refused at start-up and
-    # ``attach_storage_backend`` refuses at run time): the scheduler's storage calls get the
-    # answers SGLang's cache gives without one, and the per-node queries answer from the tree.
+    # The per-node queries answer from the tree; prefetches, backups and hit queries are in
+    # ``hicache_storage``; attaching a backend at run time is refused.
     def is_root(self, node: Any) -> bool:
         return node.parent is None
 
@@ -940,8 +955,7 @@ class HiCacheBackend(StoragePrefetch, PrefetchInsert, StorageBackup, StorageHitQ
                                **kwargs: Any) -> tuple:
         """Refused (the answer SGLang's admin call returns as its message)."""
         return (False, f"HiCache storage backend {storage_backend!r} not attached: "
-                       f"{STORAGE_REFUSAL}; serve without --radix-cache-backend radixcache to "
-                       "use one")
+                       f"{ATTACH_REFUSAL}, or serve without --radix-cache-backend radixcache")
 
     def detach_storage_backend(self) -> tuple:
         """The controller's (idempotent) detach, then success: first the queued
@@ -1024,4 +1038,5 @@ def _tokens_array(tokens: Any) -> Any:
     return array("q", np.asarray(tokens, dtype=np.int64).tobytes())
 
 
-__all__ = ["HiCacheBackend", "LOAD_BACK_THRESHOLD", "STORAGE_REFUSAL"]
+__all__ = ["ATTACH_REFUSAL", "HiCacheBackend", "LOAD_BACK_THRESHOLD",
+           "SERVED_STORAGE_BACKENDS", "STORAGE_REFUSAL"]

@@ -61,8 +61,8 @@ storage drains and ``check_prefetch_progress`` make them:
   stops an aborted request's prefetch and releases what it holds.
 
 SGLang's storage metrics (hit and unfulfilled-token counters, prefetch-outcome counters) are
-not kept; pipeline parallelism's prefetch tickets and the ``buffer_only`` host memory mode are
-refused at start-up.
+not kept; pipeline parallelism (its prefetch tickets) and the ``buffer_only`` host memory mode
+are refused at start-up, so their branches of SGLang's calls are not needed.
 """
 
 from __future__ import annotations
@@ -146,9 +146,12 @@ class StorageBackup:
     __slots__ = ()
 
     def _attach_backup_storage(self, storage_backend: str,
-                               extra_config_json: Optional[str] = None) -> None:
-        """Attach SGLang's ``storage_backend`` to the controller and back host copies up to
-        it (the controller's storage threads start). Only the backups are served."""
+                               extra_config_json: Optional[str] = None,
+                               file_storage_path: Optional[str] = None) -> None:
+        """Attach SGLang's ``storage_backend`` to the controller (its storage threads start):
+        host copies are backed up to it and requests prefetch from it. ``extra_config_json``:
+        ``--hicache-storage-backend-extra-config``; ``file_storage_path``: the server's
+        ``--file-storage-path`` (the extra config's own ``file_storage_path`` wins)."""
         from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
             HybridCacheController,
         )
@@ -158,6 +161,9 @@ class StorageBackup:
             raise ValueError("a storage backend is attached already")
         extra_config, threshold, timeout_base, timeout_per_ki_token, pass_prefix_keys = (
             HybridCacheController.parse_storage_backend_extra_config(extra_config_json))
+        if file_storage_path:
+            extra_config = dict(extra_config or {})
+            extra_config.setdefault("file_storage_path", file_storage_path)
         controller = self.cache_controller
         controller.attach_storage_backend(
             storage_backend=storage_backend, prefetch_threshold=threshold,
