@@ -48,10 +48,9 @@ from array import array
 
 import pytest
 from test_sglang_hicache import STEPS, cpu_hicache  # noqa: F401 -- a fixture
-from test_sglang_hicache_storage_read import ProbeReplay
+from test_sglang_hicache_storage_read import ProbeReplay, storage_anchor
 
-from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, MatchPrefixParams
-from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.utils import poll_timer
 
@@ -207,23 +206,13 @@ def lifecycle_side(side, seed: int):
 
 def arrive(side, handle, prompt, extra_key, salt) -> tuple:
     """SGLang's ``_prefetch_kvcache`` for a request arriving: (match, answer)."""
-    side.settle()
-    real, cache = side.real, side.cache
-    key = RadixKey(array("q", prompt), extra_key, cache_salt=salt)
-    match = cache.match_prefix(MatchPrefixParams(key=key))
-    anchor = match.last_host_node
-    start = match.device_prefix_len + match.host_hit_length
-    if isinstance(real, UnifiedRadixCache):
-        real.tree_core.backfill_missing_hash_values()  # (what its attach does)
-    if not (cache.is_root(anchor) or cache.is_backuped(anchor)):
+    start, anchor, prefix_keys = storage_anchor(side, prompt, extra_key, salt)
+    if anchor is None:
         return (start, "not backed up")
-    prefix_keys = (cache.get_prefix_hash_values(anchor)
-                   if real.hicache_storage_pass_prefix_keys else None)
     tokens = array("q", prompt)  # (the request's fill ids, as the scheduler holds them)
-    answer = real.prefetch_from_storage(handle, anchor, tokens[start:],
-                                        cache.get_last_hash_value(anchor), prefix_keys,
-                                        matched_prefix_tokens=tokens[:start],
-                                        extra_key=extra_key, cache_salt=salt)
+    answer = side.real.prefetch_from_storage(
+        handle, anchor, tokens[start:], side.cache.get_last_hash_value(anchor), prefix_keys,
+        matched_prefix_tokens=tokens[:start], extra_key=extra_key, cache_salt=salt)
     return (start, answer)
 
 
