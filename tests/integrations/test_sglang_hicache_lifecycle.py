@@ -446,3 +446,30 @@ def test_failed_reads_lose_no_slot(backend_core, monkeypatch, tmp_path, page_siz
     _run(replay, STEPS // 8)
     assert replay.counts.get("prefetch issued", 0) > 3, replay.counts
 
+
+
+@pytest.mark.parametrize("page_size", (1, 16), ids=lambda p: f"page{p}")
+@pytest.mark.usefixtures("cpu_hicache")
+def test_detach_with_prefetches_in_flight(backend_core, monkeypatch, tmp_path, page_size):
+    """``/detach_hicache_storage`` while requests' prefetches are in flight: both sides
+    alike, every prefetch's anchor lock and tokens released, and every host slot free or the
+    tree's once the detach returns."""
+    replay = _replay(backend_core, page_size, "write_through", monkeypatch, tmp_path,
+                     "detach")
+    try:
+        in_flight = 0
+        while replay.steps < STEPS // 10 or not in_flight:
+            replay.step()
+            in_flight = len(replay.ours.real.ongoing_prefetch)
+            assert replay.steps < STEPS, "no prefetch in flight to detach from"
+        for side in (replay.sgl, replay.ours):
+            side.settle()
+            side.counted.release_held()  # (their reads are over: the acks are queued)
+            ok, message = side.real.detach_storage_backend()
+            assert ok, message
+            assert not side.real.ongoing_prefetch and not side.real.enable_storage
+            assert side.real.cache_controller.prefetch_tokens_occupied == 0
+        replay.compare("detach")
+        assert not _prefetch_held(replay.ours), "host slots still held by prefetches"
+    finally:
+        replay.close()

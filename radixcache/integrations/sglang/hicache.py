@@ -958,20 +958,20 @@ class HiCacheBackend(StoragePrefetch, PrefetchInsert, StorageBackup, StorageHitQ
                        f"{ATTACH_REFUSAL}, or serve without --radix-cache-backend radixcache")
 
     def detach_storage_backend(self) -> tuple:
-        """The controller's (idempotent) detach, then success: first the queued
+        """The controller's (idempotent) detach, then success, as SGLang's: first the queued
         acknowledgements and releases are taken (not the hit results: a hit found now could
         not be read); once the storage threads stopped, prefetches still in flight give back
-        their host slots and locks and storage writes still unacknowledged their host
-        locks."""
-        if self.enable_storage:
-            _, acks, backups, releases = self._storage_queue_sizes()
-            self._drain_storage(0, acks, backups, releases)
+        their locks and the host slots read in (an interrupted read's unread slots are the
+        controller's to release with its last acknowledgement), storage writes still
+        unacknowledged their host locks, and what that queued is taken."""
+        self._drain_storage_local()
         try:
             self.cache_controller.detach_storage_backend()
         except Exception as exc:
             return False, f"Failed to detach HiCache storage backend: {exc}"
         self._release_prefetches()
         self._release_backups()
+        self._drain_storage_local()  # what the releases just queued
         self.enable_storage = False
         return True, "Detached HiCache storage backend successfully."
 

@@ -502,12 +502,10 @@ class StoragePrefetch:
         request = operation.handle
         prefetch = self.ongoing_prefetch[request]
         completed = operation.completed_tokens
-        loaded = 0
-        prefix_len = 0
-        if completed:
-            loaded = self.insert_prefetched(prefetch.anchor, prefetch.key[:completed],
-                                            prefetch.host_indices[:completed])
-            prefix_len = completed - loaded
+        # (nothing read still touches the anchor, as SGLang's empty insert_host does)
+        loaded = self.insert_prefetched(prefetch.anchor, prefetch.key[:completed],
+                                        prefetch.host_indices[:completed])
+        prefix_len = completed - loaded
         del self.ongoing_prefetch[request]
         self.cache_controller.prefetch_tokens_occupied -= len(prefetch.key)
         self.prefetch_loaded_tokens_by_reqid[request] = loaded
@@ -532,18 +530,32 @@ class StoragePrefetch:
             0, controller.prefetch_tokens_occupied - len(prefetch.key))
 
     def _release_prefetches(self) -> None:
-        """The storage threads stopped: every prefetch in flight gives back its anchor lock,
-        its tokens and all its host slots (no acknowledgement will come for them)."""
+        """The storage threads stopped: every prefetch in flight stops and gives back its
+        anchor lock, its tokens and the host slots read in, queued for release (the unread
+        ones go with the read's last acknowledgement, as in ``release_aborted_request``)."""
         controller = self.cache_controller
-        pool = controller.mem_pool_host
         for request in list(self.ongoing_prefetch):
-            prefetch = self.ongoing_prefetch.pop(request)
-            controller.prefetch_tokens_occupied = max(
-                0, controller.prefetch_tokens_occupied - len(prefetch.key))
-            if prefetch.host_indices is not None:
-                pool.free(prefetch.host_indices)
+            prefetch = self.ongoing_prefetch[request]
+            if prefetch.host_indices is None:
+                self.revoke_pending_prefetch(request)
+                continue
+            completed, _ = controller.terminate_prefetch(prefetch.operation)
+            self._retire_prefetch(request, prefetch.host_indices[:completed])
+        self.prefetch_loaded_tokens_by_reqid.clear()
+        self.prefetch_loaded_storage_start_by_reqid.clear()
         self._storage_prefetch_wait.clear()
         self.storage_prefetch_retries.clear()
+
+    def _drain_storage_local(self) -> None:
+        """Take every queued prefetch and storage-write acknowledgement, then every queued
+        host release, without reducing the counts over the TP group (detach: SGLang's
+        ``drain_storage_control_queues_local``)."""
+        controller = self.cache_controller
+        if getattr(controller, "ack_prefetch_queue", None) is None:
+            return  # never attached
+        self._drain_storage(0, controller.ack_prefetch_queue.qsize(),
+                            controller.ack_backup_queue.qsize(), 0)
+        self._drain_storage(0, 0, 0, controller.host_mem_release_queue.qsize())
 
     # -- the per-step drains ------------------------------------------------------------------
     def _drain_storage_hits(self, count: int) -> None:
