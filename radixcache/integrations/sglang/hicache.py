@@ -959,11 +959,11 @@ class HiCacheBackend(StoragePrefetch, PrefetchInsert, StorageBackup, StorageHitQ
 
     def detach_storage_backend(self) -> tuple:
         """The controller's (idempotent) detach, then success, as SGLang's: first the queued
-        acknowledgements and releases are taken (not the hit results: a hit found now could
-        not be read); once the storage threads stopped, prefetches still in flight give back
-        their locks and the host slots read in (an interrupted read's unread slots are the
-        controller's to release with its last acknowledgement), storage writes still
-        unacknowledged their host locks, and what that queued is taken."""
+        storage-write acknowledgements and releases are taken; once the storage threads
+        stopped, prefetches still in flight give back their locks and the host slots read in,
+        storage writes still unacknowledged their host locks, and what that queued is taken.
+        One difference: the reads' last acknowledgements are taken too, so that the slots
+        they did not fill go back to the host pool (SGLang's detach leaves them queued)."""
         self._drain_storage_local()
         try:
             self.cache_controller.detach_storage_backend()
@@ -971,7 +971,9 @@ class HiCacheBackend(StoragePrefetch, PrefetchInsert, StorageBackup, StorageHitQ
             return False, f"Failed to detach HiCache storage backend: {exc}"
         self._release_prefetches()
         self._release_backups()
-        self._drain_storage_local()  # what the releases just queued
+        # What the releases just queued, and (unlike SGLang's detach, which leaves them in the
+        # queue for good) the reads' last acknowledgements: the slots they did not fill.
+        self._drain_storage_local(reads=True)
         self.enable_storage = False
         return True, "Detached HiCache storage backend successfully."
 

@@ -546,15 +546,17 @@ class StoragePrefetch:
         self._storage_prefetch_wait.clear()
         self.storage_prefetch_retries.clear()
 
-    def _drain_storage_local(self) -> None:
-        """Take every queued prefetch and storage-write acknowledgement, then every queued
-        host release, without reducing the counts over the TP group (detach: SGLang's
-        ``drain_storage_control_queues_local``)."""
+    def _drain_storage_local(self, reads: bool = False) -> None:
+        """Take every queued storage-write acknowledgement, then every queued host release,
+        without reducing the counts over the TP group (detach: SGLang's
+        ``drain_storage_control_queues_local``); ``reads``: the prefetch acknowledgements
+        first (the storage threads stopped: no prefetch is in flight any more, so they only
+        release the slots the reads did not fill)."""
         controller = self.cache_controller
         if getattr(controller, "ack_prefetch_queue", None) is None:
             return  # never attached
-        self._drain_storage(0, controller.ack_prefetch_queue.qsize(),
-                            controller.ack_backup_queue.qsize(), 0)
+        acks = controller.ack_prefetch_queue.qsize() if reads else 0
+        self._drain_storage(0, acks, controller.ack_backup_queue.qsize(), 0)
         self._drain_storage(0, 0, 0, controller.host_mem_release_queue.qsize())
 
     # -- the per-step drains ------------------------------------------------------------------
