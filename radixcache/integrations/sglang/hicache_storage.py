@@ -553,7 +553,8 @@ class StoragePrefetch:
         first (the storage threads stopped: no prefetch is in flight any more, so they only
         release the slots the reads did not fill)."""
         controller = self.cache_controller
-        if getattr(controller, "ack_prefetch_queue", None) is None:
+        if any(getattr(controller, name, None) is None for name in
+               ("ack_prefetch_queue", "ack_backup_queue", "host_mem_release_queue")):
             return  # never attached
         acks = controller.ack_prefetch_queue.qsize() if reads else 0
         self._drain_storage(0, acks, controller.ack_backup_queue.qsize(), 0)
