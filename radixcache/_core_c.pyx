@@ -3513,8 +3513,6 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                                     "not hashable") from None
                 if ns < 0 and count:
                     ns = self.tree.make_namespace(extra_key)
-            if not count:
-                return 0, cur, new_empty_indices(self.numpy_arrays), False
             keys = <const int64_t*>PyBytes_AS_STRING(key_owner)
             hosts = <const int64_t*>PyBytes_AS_STRING(host_owner)
             self.tree.clock += 1

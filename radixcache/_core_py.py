@@ -279,7 +279,8 @@ value), or both. The core owns no pool and copies no data.
   number of pages, else ValueError) and ``host`` (one host index per token, else ValueError)
   are token inputs (else TypeError); ``extra_key`` is the namespace at the root (below it, the
   node's own; unhashable: TypeError). Nothing changes on any of these errors. The walk from
-  ``node`` stamps ``node`` and every node it passes with one clock tick and splits a node
+  ``node`` stamps ``node`` (no tokens: ``node`` alone, as SGLang's empty ``insert_host``
+  touches its anchor) and every node it passes with one clock tick and splits a node
   where the pages end or differ inside it (a split of a queued node queues its upper half);
   for ``KEY_FALLS_ON_ACCESS`` policies the deepest node on the device it stamped is pushed
   on ``heap`` if a device leaf, and the node it ends on on ``host_heap`` if a host leaf.

@@ -524,8 +524,6 @@ class HostTier:
             elif extra_key is not None and not hashable(extra_key):
                 raise TypeError(f"insert_host: extra_key {type(extra_key).__name__} is not "
                                 "hashable")
-            if not count:
-                return 0, node, empty_indices(self._numpy_arrays), False
             tree.clock += 1
             now = tree.clock
             node._last_access_time = now

@@ -312,3 +312,23 @@ def test_code_that_calls_back_into_the_cache_is_refused(make_cache):
     assert tiers(cache)[(5, 6)] == ("host", None, [100, 101])  # complete before the hook
     cache.insert([7, 8], [1, 2])  # the guard was released
     check_invariants(cache)
+
+
+def test_no_pages_stamp_the_anchor_alone(make_cache):
+    """A prefetch that read nothing still touches its anchor (SGLang's empty ``insert_host``):
+    the anchor becomes the most recently used, nothing else changes."""
+    cache = make_cache(page_size=2, host_tier=True, write_policy="write_back")
+    cache.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    cache.insert([5, 6], [14, 15])
+    anchor = cache.match_prefix([1, 2, 3, 4]).last_node
+    other = cache.match_prefix([5, 6]).last_node
+    assert anchor.last_access_time < other.last_access_time
+    before = tiers(cache)
+    prefix, last, unused, dropped = cache.insert_host(anchor, [], [])
+    assert (prefix, last, unused.tolist(), dropped) == (0, anchor, [], False)
+    assert anchor.last_access_time > other.last_access_time
+    assert tiers(cache) == before and cache.host_size() == 0
+    freed = []
+    assert cache.evict(2, freed.append) == 2  # the other leaf is now the older one
+    assert [t.tolist() for t in freed] == [[14, 15]]
+    check_invariants(cache)

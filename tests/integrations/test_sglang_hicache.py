@@ -606,7 +606,6 @@ HICACHE_REFUSALS = {
     "buffer-only": (dict(hicache_host_memory_mode="buffer_only",
                          hicache_storage_backend="file"), {}, "buffer_only"),
     "storage": (dict(hicache_storage_backend="mooncake"), {}, "--hicache-storage-backend"),
-    "storage-file": (dict(hicache_storage_backend="file"), {}, "--hicache-storage-backend"),
     "pd-prefill": (dict(disaggregation_mode="prefill"), {}, "--disaggregation-mode prefill"),
     "pipeline": ({}, dict(pp_size=2), "pipeline"),
     "draft-pools": ({}, "draft", "draft"),
@@ -642,6 +641,38 @@ def test_hicache_builds_what_sglang_builds(cpu_hicache, write_policy):
     assert type(host).__name__ == "MHATokenToKVPoolHost" and host.size == 129  # 2 x 64 + 1
     assert cache.token_to_kv_pool_host is host and cache.host_size() == 0
     assert cache.supports_prefix_sharing() and cache.total_size() == (0, 0)
+
+
+@pytest.mark.parametrize("policy", ("best_effort", "wait_complete", "timeout"))
+def test_hicache_builds_the_file_storage_tier(cpu_hicache, tmp_path, monkeypatch, policy):
+    """SGLang's cache factory, given ``--hicache-storage-backend file``, builds radixcache's
+    backend with SGLang's ``file`` backend attached (its storage threads running, the
+    directory of ``--file-storage-path``, the threshold and timeouts of
+    ``--hicache-storage-backend-extra-config``, the stop policy of
+    ``--hicache-storage-prefetch-policy``); shutting down detaches it."""
+    from sglang.srt.runtime_context import get_parallel
+    from test_sglang_hicache_backup import ONE_RANK
+
+    monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
+    config = '{"prefetch_threshold": 64, "prefetch_timeout_base": 2.0}'
+    # (the storage config reads this process's place in the TP group: one rank)
+    with get_parallel().override(**ONE_RANK):
+        cache = _build_ours(dict(hicache_storage_backend="file",
+                                 file_storage_path=str(tmp_path),
+                                 hicache_storage_backend_extra_config=config,
+                                 hicache_storage_prefetch_policy=policy))
+    try:
+        assert isinstance(cache, HiCacheBackend) and cache.enable_storage
+        cc = cache.cache_controller
+        assert type(cc.storage_backend).__name__ == "HiCacheFile"
+        assert cc.storage_backend.file_path == str(tmp_path)
+        assert cc.prefetch_thread.is_alive() and cc.backup_thread.is_alive()
+        assert cache.prefetch_threshold == 64 and cache.prefetch_timeout_base == 2.0
+        assert cache.prefetch_stop_policy == policy
+        assert cache.storage_prefetch_retries is not None
+    finally:
+        cache.shutdown()
+    assert not cache.enable_storage and not cc.prefetch_thread.is_alive()
 
 
 @pytest.mark.parametrize("backend", (None, "radixcache"), ids=("sglang", "radixcache"))

@@ -5,7 +5,8 @@ compared after every step: match lengths and storage keys, request rows, device 
 slots, sizes, queued transfers, KV events per medium) with SGLang's ``file`` storage backend
 attached to both sides, each in its own directory: SGLang's side through its own admin call
 (``attach_storage_backend``), radixcache's through ``HiCacheBackend._attach_backup_storage``
-(the storage tier is refused at start-up: only its backups are served). After every step
+(what its start-up with ``--hicache-storage-backend file`` calls: attaching at run time is
+refused). After every step
 both also show the same host locks per node (SGLang's ``host_lock_ref``: the storage writes
 in flight hold their nodes' host copies), the same storage hashes of every node with a host
 copy, the same storage writes acknowledged and waiting (host slots, keys, the keys of the

@@ -9,11 +9,11 @@ On SGLang's side that step is SGLang's own ``_handle_prefetch_result`` (its ``in
 the slot releases, the loaded-token count ``pop_prefetch_loaded_tokens`` answers), given the
 in-flight prefetch its ``prefetch_from_storage`` would have registered: the anchor's host
 lock, the ``_OngoingPrefetch`` entry, the controller's occupied tokens. What precedes it --
-the storage hit query, the storage read into the host slots -- needs a storage backend,
-which the backend does not serve yet; here the slots come straight from each side's host
-pool (in the same state on both sides, so the same slots), and a prefetch that completed
-only part of its pages frees the rest as SGLang's prefetch I/O thread does. On radixcache's
-side the step is ``HiCacheBackend.insert_prefetched`` under the same host lock.
+the storage hit query, the storage read into the host slots -- needs a storage backend
+(``test_sglang_hicache_lifecycle.py`` runs it all); here the slots come straight from each
+side's host pool (in the same state on both sides, so the same slots), and a prefetch that
+completed only part of its pages frees the rest as SGLang's prefetch I/O thread does. On
+radixcache's side the step is ``HiCacheBackend.insert_prefetched`` under the same host lock.
 """
 
 from __future__ import annotations

@@ -33,9 +33,11 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 
-def probe(side, prompt: list, extra_key, salt) -> tuple:
-    """(host and device match, the anchor root or backed up, storage hit length or the
-    error the query raised) of a request for ``prompt``, as the scheduler asks them."""
+def storage_anchor(side, prompt: list, extra_key, salt) -> tuple:
+    """What SGLang's ``_prefetch_kvcache`` reads before asking storage about a request for
+    ``prompt``: (where its device and host match ends, the match's host node or None when it
+    is neither the root nor backed up, the storage keys above that node where the backend
+    asks for them)."""
     side.settle()
     real, cache = side.real, side.cache
     key = RadixKey(array("q", prompt), extra_key, cache_salt=salt)
@@ -45,13 +47,22 @@ def probe(side, prompt: list, extra_key, salt) -> tuple:
     if isinstance(real, UnifiedRadixCache):
         real.tree_core.backfill_missing_hash_values()  # (what its attach does)
     if not (cache.is_root(anchor) or cache.is_backuped(anchor)):
-        return (start, "not backed up")
+        return start, None, None
     prefix_keys = (cache.get_prefix_hash_values(anchor)
                    if real.hicache_storage_pass_prefix_keys else None)
+    return start, anchor, prefix_keys
+
+
+def probe(side, prompt: list, extra_key, salt) -> tuple:
+    """(host and device match, the anchor root or backed up, storage hit length or the
+    error the query raised) of a request for ``prompt``, as the scheduler asks them."""
+    start, anchor, prefix_keys = storage_anchor(side, prompt, extra_key, salt)
+    if anchor is None:
+        return (start, "not backed up")
     try:
-        hits = real.query_storage_hit_length(anchor, prompt[start:],
-                                             cache.get_last_hash_value(anchor), prefix_keys,
-                                             extra_key=extra_key, cache_salt=salt)
+        hits = side.real.query_storage_hit_length(
+            anchor, prompt[start:], side.cache.get_last_hash_value(anchor), prefix_keys,
+            extra_key=extra_key, cache_salt=salt)
     except Exception as exc:  # (compared between the sides)
         hits = f"{type(exc).__name__}: {exc}"
     return (start, hits)

@@ -22,13 +22,14 @@ decision for decision:
 - host locks (``inc_host_lock_ref``), the layer-transfer counter (registered with the
   device pool and the TP worker), the controller's acknowledgements all-reduced over the
   TP group, KV events per medium (``GPU``, ``CPU_PINNED``).
-- the storage tier is not served (``STORAGE_REFUSAL``): the scheduler's storage calls get
-  SGLang's answers for a cache with no storage backend, and the per-node storage keys
-  (``is_backuped``, ``get_last_hash_value``, ``get_prefix_hash_values``) are SGLang's.
-  Pages a prefetch brought into host slots go into the tree as SGLang puts them there
-  (``insert_prefetched``), host copies are backed up to an attached storage backend as
-  SGLang backs them up (``StorageBackup``) and storage hit queries answer as SGLang's
-  (``StorageHitQuery``, all from ``hicache_storage``): the building blocks of serving it.
+- the storage tier with SGLang's ``file`` backend (``--hicache-storage-backend file``,
+  attached at start-up; other backends and attaching one at run time are refused:
+  ``STORAGE_REFUSAL``, ``ATTACH_REFUSAL``): the per-node storage keys (``is_backuped``,
+  ``get_last_hash_value``, ``get_prefix_hash_values``) are SGLang's, and from
+  ``hicache_storage``: backups to storage (``StorageBackup``), storage hit queries
+  (``StorageHitQuery``), prefetches, their per-step drains and stop policies
+  (``StoragePrefetch``) and the insertion of prefetched pages (``PrefetchInsert``). Without
+  a storage backend the scheduler's storage calls get SGLang's answers for a cache with none.
 
 Every choice is a function of the calls the scheduler made and the TP-reduced
 acknowledgement counts, nothing else (no clock, no thread timing, no address): the same
@@ -56,7 +57,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
 
 from ... import cache as _tree
-from .hicache_storage import PrefetchInsert, StorageBackup, StorageHitQuery
+from .hicache_storage import PrefetchInsert, StorageBackup, StorageHitQuery, StoragePrefetch
 from .backend import (
     _NOT_ROOT,
     RadixcacheBackend,
@@ -72,12 +73,17 @@ LOAD_BACK_THRESHOLD = 10
 _WRITE_THROUGH_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 _RECLAIM_DIGEST_MASK = (1 << 62) - 1
 _NO_HITS = 2**62  # a hits_from no insert reaches: write_back counts no hits
-#: Why a storage backend is refused (at start-up and when attached at run time).
-STORAGE_REFUSAL = ("the storage tier (--hicache-storage-backend) is not served by radixcache's "
-                   "host tier yet: prefetches from storage and their stop policies are not "
-                   "implemented (host copies can be backed up to storage, storage hit queries "
-                   "answered and prefetched pages put into the tree, the rest of a prefetch "
-                   "cannot)")
+#: The storage backends radixcache's host tier serves (``--hicache-storage-backend``).
+SERVED_STORAGE_BACKENDS = ("file",)
+#: Why another storage backend is refused at start-up.
+STORAGE_REFUSAL = ("radixcache's host tier serves the storage tier with SGLang's `file` backend "
+                   "only, the one its decisions are checked against SGLang's on; the other "
+                   "backends' page layouts, zero-copy reads and per-pool transfers are not "
+                   "served")
+#: Why attaching a storage backend at run time is refused.
+ATTACH_REFUSAL = ("attaching a storage backend at run time (which may also change the write "
+                  "policy) is not served by radixcache's host tier; start the server with "
+                  "--hicache-storage-backend file instead")
 _STORAGE_HASH_MEMO = 1 << 18  # pages whose storage hashes are kept (cleared when full)
 
 
@@ -111,7 +117,8 @@ def group_size(group: Any) -> int:
     return torch.distributed.get_world_size(group=group)
 
 
-class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheBackend):
+class HiCacheBackend(StoragePrefetch, PrefetchInsert, StorageBackup, StorageHitQuery,
+                     RadixcacheBackend):
     """``RadixcacheBackend`` with SGLang's hierarchical cache (see the module docstring).
 
     Args:
@@ -135,6 +142,7 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
         self.is_write_back = self.write_policy == "write_back"
         self.write_through_threshold = _WRITE_THROUGH_THRESHOLD.get(self.write_policy, 2)
         self.load_back_threshold = LOAD_BACK_THRESHOLD
+        self.prefetch_stop_policy = memory.hicache_storage_prefetch_policy
         self.cache_controller = None
         self.host_pool_group = None
         self.token_to_kv_pool_host = None
@@ -146,6 +154,16 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
         self._init_state()
         super().__init__(params, core=core)
         self._attach_host_stack(params, server_args, tp_worker)
+        storage_backend = memory.hicache_storage_backend
+        if storage_backend is not None:
+            if storage_backend not in SERVED_STORAGE_BACKENDS:
+                raise ValueError(f"--hicache-storage-backend {storage_backend}: "
+                                 f"{STORAGE_REFUSAL}")
+            from sglang.srt.runtime_context import get_serving
+
+            self._attach_backup_storage(
+                storage_backend, memory.hicache_storage_backend_extra_config,
+                file_storage_path=get_serving().file_storage_path)
 
     def _new_tree(self, core: Optional[str]) -> _tree.RadixCache:
         return _tree.RadixCache(self.page_size, self.eviction_policy, core=core, host_tier=True,
@@ -170,6 +188,7 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
         self._storage_hash_memo: dict = {}  # (node id, size) -> its pages' storage hashes
         self._storage_hash_pages = 0  # the pages the memo holds
         self._backups: dict = {}  # storage write id -> (node, parent) (SGLang's ongoing_backup)
+        self._init_prefetch_state()
 
     def _attach_host_stack(self, params: Any, server_args: Any, tp_worker: Any) -> None:
         """SGLang's host pool group and controller for a plain KV pool, as
@@ -499,7 +518,7 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
 
     def _held_on_host(self) -> Any:
         """Host-only nodes no host eviction may take now (host locks, locked segments)."""
-        if self._backups:
+        if self._backups or self.ongoing_prefetch:
             return (self._host_locks.keys() | self._segment_locks.keys()
                     | self._backup_held().keys())
         if not self._segment_locks:
@@ -571,7 +590,8 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
             host = None
             if write_back and node.tier == "device":
                 host = self._host_copy(node)
-                if host is None and (node.num_children or self._host_locks.get(node)):
+                if host is None and (node.num_children or self._host_locks.get(node)
+                                     or self._anchor_held(node)):
                     passed.add(node)  # SGLang declines the drop: it stays for now
                     continue
                 if host is not None:
@@ -810,15 +830,15 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
         self._start_writing()
         writes = _ready(cc.ack_write_queue)
         loads = _ready(cc.ack_load_queue)
-        backups, releases = self._storage_queue_sizes()
+        storage = self._storage_queue_sizes()
         digest = self.write_back_duplicate_reclaim_digest
         group = self._reduce_group()
         if group is not None:
-            counts = torch.tensor([writes, loads, backups, releases, digest, -digest],
+            counts = torch.tensor([writes, loads, *storage, digest, -digest],
                                   dtype=torch.int64)
             torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MIN,
                                          group=group)
-            writes, loads, backups, releases, low, high = (int(v) for v in counts.tolist())
+            writes, loads, *storage, low, high = (int(v) for v in counts.tolist())
             if low != digest or -high != digest:
                 raise RuntimeError("HiCache: the write_back reclaim victims diverged across "
                                    "TP ranks")
@@ -833,8 +853,8 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
             ack.finish_event.synchronize()
             for ack_id in ack.node_ids:
                 self._finish_load(ack_id)
-        if backups or releases:
-            self._drain_storage(backups, releases)
+        if any(storage):
+            self._drain_storage(*storage)
 
     def _reduce_group(self) -> Any:
         """The group the counts are reduced over, as SGLang's ``_all_reduce_attn_groups``:
@@ -876,9 +896,8 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
         return len(cc.ack_load_queue) < cc.layer_done_counter.num_counters
 
     # -- the storage tier --------------------------------------------------------------------
-    # No storage backend is attached (``--hicache-storage-backend`` is refused at start-up and
-    # ``attach_storage_backend`` refuses at run time): the scheduler's storage calls get the
-    # answers SGLang's cache gives without one, and the per-node queries answer from the tree.
+    # The per-node queries answer from the tree; prefetches, backups and hit queries are in
+    # ``hicache_storage``; attaching a backend at run time is refused.
     def is_root(self, node: Any) -> bool:
         return node.parent is None
 
@@ -932,37 +951,29 @@ class HiCacheBackend(PrefetchInsert, StorageBackup, StorageHitQuery, RadixcacheB
             prior = hashes[-1]
         return hashes
 
-    def prefetch_from_storage(self, *args: Any, **kwargs: Any) -> None:
-        """No storage backend attached: nothing is prefetched (as SGLang's without one)."""
-        return None
-
-    def check_prefetch_progress(self, request: Any) -> bool:
-        """No prefetch is ever in flight: every request is ready."""
-        return True
-
-    def pop_prefetch_loaded_tokens(self, request: Any) -> int:
-        """Tokens a prefetch brought in for ``request``: none."""
-        return 0
-
-    def pop_prefetch_loaded_span(self, request: Any) -> tuple:
-        """(tokens a prefetch brought in, where they start): none."""
-        return 0, None
-
     def attach_storage_backend(self, storage_backend: str, *args: Any,
                                **kwargs: Any) -> tuple:
         """Refused (the answer SGLang's admin call returns as its message)."""
         return (False, f"HiCache storage backend {storage_backend!r} not attached: "
-                       f"{STORAGE_REFUSAL}; serve without --radix-cache-backend radixcache to "
-                       "use one")
+                       f"{ATTACH_REFUSAL}, or serve without --radix-cache-backend radixcache")
 
     def detach_storage_backend(self) -> tuple:
-        """The controller's (idempotent) detach, then success; storage writes still
-        unacknowledged release their host locks."""
+        """The controller's (idempotent) detach, then success, as SGLang's: first the queued
+        storage-write acknowledgements and releases are taken; once the storage threads
+        stopped, prefetches still in flight give back their locks and the host slots read in,
+        storage writes still unacknowledged their host locks, and what that queued is taken.
+        One difference: the reads' last acknowledgements are taken too, so that the slots
+        they did not fill go back to the host pool (SGLang's detach leaves them queued)."""
+        self._drain_storage_local()
         try:
             self.cache_controller.detach_storage_backend()
         except Exception as exc:
             return False, f"Failed to detach HiCache storage backend: {exc}"
+        self._release_prefetches()
         self._release_backups()
+        # What the releases just queued, and (unlike SGLang's detach, which leaves them in the
+        # queue for good) the reads' last acknowledgements: the slots they did not fill.
+        self._drain_storage_local(reads=True)
         self.enable_storage = False
         return True, "Detached HiCache storage backend successfully."
 
@@ -1029,4 +1040,5 @@ def _tokens_array(tokens: Any) -> Any:
     return array("q", np.asarray(tokens, dtype=np.int64).tobytes())
 
 
-__all__ = ["HiCacheBackend", "LOAD_BACK_THRESHOLD", "STORAGE_REFUSAL"]
+__all__ = ["ATTACH_REFUSAL", "HiCacheBackend", "LOAD_BACK_THRESHOLD",
+           "SERVED_STORAGE_BACKENDS", "STORAGE_REFUSAL"]

@@ -193,7 +193,7 @@ def _hicache_refusal(ctx: Any) -> Optional[str]:
     )
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
-    from .hicache import STORAGE_REFUSAL, group_size
+    from .hicache import SERVED_STORAGE_BACKENDS, STORAGE_REFUSAL, group_size
 
     params = ctx.params
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
@@ -211,8 +211,10 @@ def _hicache_refusal(ctx: Any) -> Optional[str]:
     if _setting("memory", "hicache_host_memory_mode") == "buffer_only":
         return ("--hicache-host-memory-mode buffer_only stages host memory through SGLang's "
                 f"unified radix tree; use the default cache mode, or {_DROP_FLAG}")
-    if _setting("memory", "hicache_storage_backend") is not None:
-        return f"{STORAGE_REFUSAL}; drop --hicache-storage-backend, or {_DROP_FLAG}"
+    storage = _setting("memory", "hicache_storage_backend")
+    if storage is not None and storage not in SERVED_STORAGE_BACKENDS:
+        return (f"--hicache-storage-backend {storage}: {STORAGE_REFUSAL}; use "
+                f"--hicache-storage-backend file, drop the flag, or {_DROP_FLAG}")
     if params.mtp_draft_device_pools:
         return ("HiCache of speculative draft KV pools (packed MTP/EAGLE draft layers) needs "
                 f"SGLang's unified radix tree; {_DROP_FLAG}")
