@@ -749,8 +749,15 @@ cdef class HybridCore:
             k = 1 if o is n and give & _STATE_LOCK else 0
             if take & _STATE_LOCK and n.aux_lock - k >= _MAX_LOCK:
                 raise OverflowError(f"aux_lock: node {n.id} holds the most locks")
-            # The result's memory before any change (allocating may run Python code).
+            # The result's memory and the path before any change (allocating may run Python
+            # code or fail; the guard keeps every node on the path in the tree until the copy).
             capsule = rc_int64_capsule(end - begin, &out) if end > begin else None
+            if capsule is not None:
+                cur = n
+                while cur is not root:
+                    core.note_path(depth, cur)
+                    depth += 1
+                    cur = <Node>cur.parent_ptr
             dropped = None
             if give & _STATE_LOCK:
                 self.move_lock(o, -1)
@@ -768,12 +775,7 @@ cdef class HybridCore:
                 self.move_lock(n, 1)
             if capsule is None:
                 return None
-            # The path bottom-up into core.path (no allocation), then [begin, end) copied.
-            cur = n
-            while cur is not root:
-                core.note_path(depth, cur)
-                depth += 1
-                cur = <Node>cur.parent_ptr
+            # [begin, end) copied from the path noted above, top-down.
             for i in range(depth - 1, -1, -1):
                 cur = <Node>core.path[i]
                 k = cur.key_len

@@ -508,10 +508,13 @@ class RadixCache(HostTierCalls):
                 another thread meanwhile, or another thread wrote ``token_ids`` while the
                 call read them (the rest of the sequence is then not cached).
         """
-        if split_at is not None and self.host_tier:  # (the core splits without a host tier)
+        events = self._events
+        if split_at is not None and (self.host_tier or events is not None):
+            # The two inserts: the core's split would come before the adopted nodes and the
+            # new leaf get their events (a prompt's pages would be announced under a parent
+            # hash never sent).
             return self._insert_and_split(token_ids, kv_indices, extra_key, priority,
                                           hits_from, split_at, split_priority)
-        events = self._events
         # extra_key None: a namespace events always carry.
         if events is None or (extra_key is None and not self.host_tier):
             result = self._core.insert(token_ids, kv_indices, extra_key, priority, False,
@@ -547,9 +550,15 @@ class RadixCache(HostTierCalls):
             if kv_indices is not None:
                 kv = self._kv_values(kv_indices, self._aligned(len(tokens)))
             on_device = kv is not None and not isinstance(kv, np.ndarray)
+            # Values on a device are stored after the core's insert: the split comes after
+            # them, or the prompt's upper node would keep no value (its tokens as slots).
             result = _checked(core.insert(tokens, None if on_device else kv, extra_key,
-                                          priority, True, hits_from, split_at, split_priority))
+                                          priority, True, hits_from,
+                                          None if on_device else split_at, split_priority))
             self._after_held_insert(kv if on_device else None, len(tokens))
+            if on_device and split_at is not None:
+                _checked(core.insert(tokens[:split_at], None, extra_key, split_priority, True,
+                                     split_at))
             return result
         finally:
             core.leave()

@@ -135,6 +135,37 @@ def test_split_at_with_a_host_tier_is_the_two_inserts(make_cache):
     assert snapshot(one) == snapshot(two)
 
 
+def test_split_at_with_device_indices_is_the_two_inserts(make_cache):
+    """Indices on a device (meta: no data, but its own tensors) are stored after the core's
+    insert: the prompt's upper node must hold the caller's indices, never its tokens."""
+    torch = pytest.importorskip("torch")
+    one, two = make_cache(1), make_cache(1)
+    tokens = [1, 2, 3, 4, 5, 6]
+    kv = torch.arange(100, 106, device="meta")
+    one.insert(tokens, kv, split_at=3, split_priority=1)
+    two_inserts(two, tokens, kv, 0, 0, 3, 1)
+    for cache in (one, two):
+        prompt = cache.match_prefix([1, 2, 3]).last_node
+        assert prompt.key.tolist() == [1, 2, 3]
+        assert prompt.value.device.type == "meta"  # the caller's, not the key
+        assert prompt.parent.parent is None and prompt.num_children == 1
+    check_invariants(one)
+
+
+def test_split_at_with_events_announces_what_the_two_inserts_announce(make_cache):
+    """With events on, every page is announced once, under the parent hash sent before."""
+    for extra_key in (None, "ns"):
+        one = make_cache(1, enable_events=True, array_type="numpy")
+        two = make_cache(1, enable_events=True, array_type="numpy")
+        for tokens, split_at in (([1, 2, 3, 4, 5, 6], 3), ([1, 2, 3, 4, 7, 8], 5)):
+            kv = list(range(20, 20 + len(tokens)))
+            one.insert(tokens, kv, extra_key, split_at=split_at, split_priority=1)
+            two.insert(tokens, kv, extra_key)
+            two.insert(tokens[:split_at], None, extra_key, 1, hits_from=split_at)
+        assert one.take_events() == two.take_events()
+        assert snapshot(one) == snapshot(two)
+
+
 def test_the_core_declines_what_cache_py_checks(make_cache):
     """The core's fast path takes plain ints only (no ``__index__`` runs inside it) and
     declines the rest (None) for cache.py to check; a host-tier core refuses ``split_at``."""
