@@ -334,7 +334,7 @@ class StoragePrefetch:
         self._storage_prefetch_wait: dict = {}  # request handle -> _PrefetchWait
         self.storage_prefetch_retries = StoragePrefetchRetries()
 
-    # -- issue -------------------------------------------------------------------------------
+    # -- starting a prefetch -------------------------------------------------------------------
     def prefetch_from_storage(self, request: Any, last_host_node: Any, new_input_tokens: Any,
                               last_hash: Optional[str] = None,
                               prefix_keys: Optional[list] = None,
