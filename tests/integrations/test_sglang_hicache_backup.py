@@ -4,7 +4,7 @@ differential of ``test_sglang_hicache.py`` (SGLang's default cache against
 compared after every step: match lengths and storage keys, request rows, device and host free
 slots, sizes, queued transfers, KV events per medium) with SGLang's ``file`` storage backend
 attached to both sides, each in its own directory: SGLang's side through its own admin call
-(``attach_storage_backend``), radixcache's through ``HiCacheBackend._attach_backup_storage``
+(``attach_storage_backend``), radixcache's through ``HiCacheBackend._attach_storage``
 (what its start-up with ``--hicache-storage-backend file`` calls: attaching at run time is
 refused). After every step
 both also show the same host locks per node (SGLang's ``host_lock_ref``: the storage writes
@@ -143,7 +143,7 @@ class BackupReplay(HiReplay):
                         "file", storage_backend_extra_config_json=config)
                     assert ok, message
                 else:
-                    side.real._attach_backup_storage("file", config)
+                    side.real._attach_storage("file", config)
             assert side.real.enable_storage
             if fail_keys is not None:
                 backend = side.real.cache_controller.storage_backend

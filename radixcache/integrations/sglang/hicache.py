@@ -161,7 +161,7 @@ class HiCacheBackend(StoragePrefetch, PrefetchInsert, StorageBackup, StorageHitQ
                                  f"{STORAGE_REFUSAL}")
             from sglang.srt.runtime_context import get_serving
 
-            self._attach_backup_storage(
+            self._attach_storage(
                 storage_backend, memory.hicache_storage_backend_extra_config,
                 file_storage_path=get_serving().file_storage_path)
 

@@ -145,7 +145,7 @@ class StorageBackup:
 
     __slots__ = ()
 
-    def _attach_backup_storage(self, storage_backend: str,
+    def _attach_storage(self, storage_backend: str,
                                extra_config_json: Optional[str] = None,
                                file_storage_path: Optional[str] = None) -> None:
         """Attach SGLang's ``storage_backend`` to the controller (its storage threads start):
