@@ -1235,7 +1235,7 @@ cdef Py_ssize_t _walk(BlockIndex index, uint64_t h, list items, const unsigned c
     (walked or not) sets ``bad`` to its position instead."""
     cdef Py_ssize_t pages = length // (per_page * 8), n_items = length // 8
     cdef Py_ssize_t page, first = 0, last = 0, batch = 1, q, j, k, slot
-    cdef Py_ssize_t n_active = -1, depth = 0, n_out = 0, at
+    cdef Py_ssize_t n_active = -1, depth = 0, n_out = 0, at, held
     cdef uint64_t ring[_OV_AHEAD]
     cdef Py_ssize_t slots[_OV_AHEAD]
     cdef int64_t v, key
@@ -1290,40 +1290,47 @@ cdef Py_ssize_t _walk(BlockIndex index, uint64_t h, list items, const unsigned c
         if slot < 0:
             break
         e = &table[slot]
+        # The active owners' marks hold the previous page's stamp: a holder of this page
+        # whose mark does is still active (and marked with this page's), once however many
+        # copies it has here.
         if index.stamp >= 0x3FFFFFF0:
             memset(marks, 0, (index.marks_cap + 1) * sizeof(int32_t))
-            index.stamp = 0
+            index.stamp = 2
+            for j in range(n_active if n_active > 0 else 0):
+                marks[active[j]] = 2
         index.stamp += 2
         stamp = index.stamp
         items_of = index.copies(e)
-        # mark the owners holding this block
-        for k in range(e.n):
-            cid = items_of[k]
-            if cid < n_owners:
-                o = own[cid]
-                if o >= 0:
-                    marks[o] = stamp
-        if n_active < 0:
+        if n_active < 0:  # the first page: its holders
             n_active = 0
             for k in range(e.n):
                 cid = items_of[k]
                 if cid < n_owners:
                     o = own[cid]
-                    if o >= 0 and marks[o] == stamp:
-                        marks[o] = stamp + 1  # listed once
+                    if o >= 0 and marks[o] != stamp:
+                        marks[o] = stamp
                         active[n_active] = <int32_t>o
                         n_active += 1
         else:
-            k = 0
-            for j in range(n_active):
-                if marks[active[j]] == stamp:
-                    active[k] = active[j]
-                    k += 1
-                else:
-                    out[2 * n_out] = active[j]
-                    out[2 * n_out + 1] = <int32_t>depth
-                    n_out += 1
-            n_active = k
+            held = 0
+            for k in range(e.n):
+                cid = items_of[k]
+                if cid < n_owners:
+                    o = own[cid]
+                    if o >= 0 and marks[o] == stamp - 2:
+                        marks[o] = stamp
+                        held += 1
+            if held < n_active:  # some active owner's run ends here
+                k = 0
+                for j in range(n_active):
+                    if marks[active[j]] == stamp:
+                        active[k] = active[j]
+                        k += 1
+                    else:
+                        out[2 * n_out] = active[j]
+                        out[2 * n_out + 1] = <int32_t>depth
+                        n_out += 1
+                n_active = k
         if n_active == 0:
             break
         depth += 1
