@@ -7,7 +7,8 @@ workers, not the tree, and shares only C headers with the tree core (``_include/
 cimport cython
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from cpython.long cimport PyLong_AsLongLong, PyLong_AsUnsignedLongLongMask
+from cpython.long cimport (PyLong_AsLongLong, PyLong_AsLongLongAndOverflow,
+                          PyLong_AsUnsignedLongLongMask)
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libc.string cimport memcmp, memcpy, memmove, memset
@@ -413,11 +414,14 @@ cdef struct QAInstance:
 
 cdef int64_t _qa_int(object value, str what, Py_ssize_t i, int64_t top) except -1:
     """An exact int in ``[0, top)`` (no Python code runs to read it)."""
+    cdef int overflow = 0
+    cdef long long read
     if type(value) is not int:
         raise TypeError(f"rows[{i}]: {what} must be an int, got {type(value).__name__}")
-    if not 0 <= value < top:
+    read = PyLong_AsLongLongAndOverflow(value, &overflow)  # compared in C, not as objects
+    if overflow or not 0 <= read < top:
         raise ValueError(f"rows[{i}]: {what} must be in [0, {top}), got {value}")
-    return PyLong_AsLongLong(value)
+    return read
 
 
 cdef inline char* _qa_put(char* out, const char* text, Py_ssize_t n) noexcept nogil:

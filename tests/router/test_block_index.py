@@ -1265,7 +1265,12 @@ def test_query_answer_refuses_bad_rows_naming_them(blocks):
             ([((1, b'"1"', 0), (1, 1, 1.5))], TypeError, r"rows\[0\]: blocks"),
             ([((1, b'"1"', 0), 1.0)], TypeError, r"rows\[0\] must be"),
             ([((1, b'"1"', 0), (1, 1))], TypeError, r"rows\[0\] must be"),
-            ([((1, b'"1"', 0), -1)], ValueError, r"rows\[0\]: blocks")):
+            ([((1, b'"1"', 0), -1)], ValueError, r"rows\[0\]: blocks"),
+            # beyond int64 either way: refused as out of range, not read modulo 2**64
+            ([((1, b'"1"', 2**64), 1)], ValueError, r"rows\[0\]: rank"),
+            ([((1, b'"1"', -2**70), 1)], ValueError, r"rows\[0\]: rank"),
+            ([((1, b'"1"', 0), 2**64 + 1)], ValueError, r"rows\[0\]: blocks"),
+            ([((1, b'"1"', 0), (1, -2**64, 1))], ValueError, r"rows\[0\]: blocks")):
         with pytest.raises(error, match=match):
             blocks.query_answer(rows, 16, None)
     with pytest.raises(TypeError, match="rows must be a list"):
