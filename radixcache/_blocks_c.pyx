@@ -7,7 +7,8 @@ workers, not the tree, and shares only C headers with the tree core (``_include/
 cimport cython
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from cpython.long cimport PyLong_AsLongLong, PyLong_AsUnsignedLongLongMask
+from cpython.long cimport (PyLong_AsLongLong, PyLong_AsLongLongAndOverflow,
+                          PyLong_AsUnsignedLongLongMask)
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libc.string cimport memcmp, memcpy, memmove, memset
@@ -19,6 +20,9 @@ cdef extern from "rc_platform.h":
     uint64_t rc_fastrange(uint64_t h, uint64_t n) noexcept nogil
     void* rc_huge_alloc(size_t size) nogil
     void rc_huge_free(void* p) nogil
+
+cdef extern from "rc_json.h":
+    Py_ssize_t rc_json_ids(const unsigned char* p, Py_ssize_t size, int64_t* q) noexcept
 
 cdef extern from "rc_ints.h":
     int rc_read_int(PyObject* o, int64_t* out) noexcept
@@ -357,23 +361,22 @@ def msgpack_ids(data):
     return out
 
 
-cdef inline bint _json_space(unsigned char c) noexcept nogil:
-    return c == 32 or c == 9 or c == 10 or c == 13
-
-
-def json_ids(data):
-    """A JSON array of token ids as int64 little-endian bytes, or None; see ``_blocks_py``."""
+def json_ids(data, start=0, stop=None):
+    """A JSON array of token ids (``data[start:stop]``) as int64 little-endian bytes, or
+    None; see ``_blocks_py``."""
     if type(data) is not bytes:
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
-    cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
     cdef Py_ssize_t size = len(<bytes>data)
+    _slice_bounds(start, stop, size)
+    cdef Py_ssize_t lo = start
+    cdef Py_ssize_t hi = size if stop is None else stop
     # At most an id per two bytes ("1,"): parsed into a scratch buffer in one pass.
-    cdef int64_t* q = <int64_t*>PyMem_Malloc((size // 2 + 1) * 8)
+    cdef int64_t* q = <int64_t*>PyMem_Malloc(((hi - lo) // 2 + 1) * 8)
     if q == NULL:
         raise MemoryError()
-    cdef Py_ssize_t n = 0
+    cdef Py_ssize_t n
     try:
-        n = _json_ids(p, size, q)
+        n = rc_json_ids(<const unsigned char*>PyBytes_AS_STRING(data) + lo, hi - lo, q)
         if n < 0:
             return None
         return PyBytes_FromStringAndSize(<char*>q, n * 8)
@@ -381,62 +384,17 @@ def json_ids(data):
         PyMem_Free(q)
 
 
-cdef Py_ssize_t _json_ids(const unsigned char* p, Py_ssize_t size,
-                          int64_t* q) noexcept:
-    """The ids of ``json_ids``'s array at ``p`` written to ``q``: how many, -1 if not one.
-    ``p[size]`` must be readable and not a digit (a bytes object's closing NUL): an id's
-    digits are read up to the first non-digit without a bound check."""
-    cdef Py_ssize_t pos = 0, n = 0, first
-    cdef uint64_t v
-    cdef unsigned char c
-    while pos < size and _json_space(p[pos]):
-        pos += 1
-    if pos >= size or p[pos] != 91:  # '['
-        return -1
-    pos += 1
-    while pos < size and _json_space(p[pos]):
-        pos += 1
-    if pos < size and p[pos] == 93:  # ']': empty
-        pos += 1
-    else:
-        while True:
-            if pos >= size:
-                return -1
-            c = <unsigned char>(p[pos] - 48)  # a non-digit wraps past 9
-            if c > 9:
-                return -1
-            first = pos
-            v = c
-            pos += 1
-            c = <unsigned char>(p[pos] - 48)
-            while c <= 9:  # ends at the NUL at p[size] at the latest
-                v = v * 10 + c
-                pos += 1
-                c = <unsigned char>(p[pos] - 48)
-            # A leading zero, or 2**32 and beyond (more than 10 digits could wrap v).
-            if pos - first > 10 or (p[first] == 48 and pos - first > 1) or \
-                    v >= (<uint64_t>1 << 32):
-                return -1
-            q[n] = <int64_t>_bswap64(v) if not _LITTLE_ENDIAN else <int64_t>v
-            n += 1
-            if pos < size and p[pos] == 44:  # ',' right after the id: the usual case
-                pos += 1
-            else:
-                while pos < size and _json_space(p[pos]):
-                    pos += 1
-                if pos >= size:
-                    return -1
-                if p[pos] == 93:
-                    pos += 1
-                    break
-                if p[pos] != 44:
-                    return -1
-                pos += 1
-            while pos < size and _json_space(p[pos]):
-                pos += 1
-    while pos < size and _json_space(p[pos]):
-        pos += 1
-    return n if pos == size else -1
+cdef int _slice_bounds(object start, object stop, Py_ssize_t size) except -1:
+    """``start`` and ``stop`` (None: ``size``) exactly ints with ``0 <= start <= stop <=
+    size``, as ``_blocks_py``'s."""
+    if type(start) is not int:
+        raise TypeError(f"start must be an int, got {type(start).__name__}")
+    if stop is not None and type(stop) is not int:
+        raise TypeError(f"stop must be an int or None, got {type(stop).__name__}")
+    if not 0 <= start <= (size if stop is None else stop) <= size:
+        raise ValueError(f"start and stop must be within the data (0 <= start <= stop <= "
+                         f"{size}), got {start} and {stop}")
+    return 0
 
 
 # -- a query's answer (the index service's /query) ------------------------------------------
@@ -456,11 +414,14 @@ cdef struct QAInstance:
 
 cdef int64_t _qa_int(object value, str what, Py_ssize_t i, int64_t top) except -1:
     """An exact int in ``[0, top)`` (no Python code runs to read it)."""
+    cdef int overflow = 0
+    cdef long long read
     if type(value) is not int:
         raise TypeError(f"rows[{i}]: {what} must be an int, got {type(value).__name__}")
-    if not 0 <= value < top:
+    read = PyLong_AsLongLongAndOverflow(value, &overflow)  # compared in C, not as objects
+    if overflow or not 0 <= read < top:
         raise ValueError(f"rows[{i}]: {what} must be in [0, {top}), got {value}")
-    return PyLong_AsLongLong(value)
+    return read
 
 
 cdef inline char* _qa_put(char* out, const char* text, Py_ssize_t n) noexcept nogil:
@@ -1278,7 +1239,7 @@ cdef Py_ssize_t _walk(BlockIndex index, uint64_t h, list items, const unsigned c
     (walked or not) sets ``bad`` to its position instead."""
     cdef Py_ssize_t pages = length // (per_page * 8), n_items = length // 8
     cdef Py_ssize_t page, first = 0, last = 0, batch = 1, q, j, k, slot
-    cdef Py_ssize_t n_active = -1, depth = 0, n_out = 0, at
+    cdef Py_ssize_t n_active = -1, depth = 0, n_out = 0, at, held
     cdef uint64_t ring[_OV_AHEAD]
     cdef Py_ssize_t slots[_OV_AHEAD]
     cdef int64_t v, key
@@ -1333,40 +1294,47 @@ cdef Py_ssize_t _walk(BlockIndex index, uint64_t h, list items, const unsigned c
         if slot < 0:
             break
         e = &table[slot]
+        # The active owners' marks hold the previous page's stamp: a holder of this page
+        # whose mark does is still active (and marked with this page's), once however many
+        # copies it has here.
         if index.stamp >= 0x3FFFFFF0:
             memset(marks, 0, (index.marks_cap + 1) * sizeof(int32_t))
-            index.stamp = 0
+            index.stamp = 2
+            for j in range(n_active if n_active > 0 else 0):
+                marks[active[j]] = 2
         index.stamp += 2
         stamp = index.stamp
         items_of = index.copies(e)
-        # mark the owners holding this block
-        for k in range(e.n):
-            cid = items_of[k]
-            if cid < n_owners:
-                o = own[cid]
-                if o >= 0:
-                    marks[o] = stamp
-        if n_active < 0:
+        if n_active < 0:  # the first page: its holders
             n_active = 0
             for k in range(e.n):
                 cid = items_of[k]
                 if cid < n_owners:
                     o = own[cid]
-                    if o >= 0 and marks[o] == stamp:
-                        marks[o] = stamp + 1  # listed once
+                    if o >= 0 and marks[o] != stamp:
+                        marks[o] = stamp
                         active[n_active] = <int32_t>o
                         n_active += 1
         else:
-            k = 0
-            for j in range(n_active):
-                if marks[active[j]] == stamp:
-                    active[k] = active[j]
-                    k += 1
-                else:
-                    out[2 * n_out] = active[j]
-                    out[2 * n_out + 1] = <int32_t>depth
-                    n_out += 1
-            n_active = k
+            held = 0
+            for k in range(e.n):
+                cid = items_of[k]
+                if cid < n_owners:
+                    o = own[cid]
+                    if o >= 0 and marks[o] == stamp - 2:
+                        marks[o] = stamp
+                        held += 1
+            if held < n_active:  # some active owner's run ends here
+                k = 0
+                for j in range(n_active):
+                    if marks[active[j]] == stamp:
+                        active[k] = active[j]
+                        k += 1
+                    else:
+                        out[2 * n_out] = active[j]
+                        out[2 * n_out + 1] = <int32_t>depth
+                        n_out += 1
+                n_active = k
         if n_active == 0:
             break
         depth += 1

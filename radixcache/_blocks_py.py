@@ -32,13 +32,16 @@ int64 little-endian bytes when it is exactly an array of ints that fit in int64 
 msgpack's int forms); None for anything else (another value, an int beyond int64, bytes
 missing or left over). ``KvIndexer`` reads a payload's token ids so, undecoded.
 
-``json_ids(data) -> bytes | None`` -- ``data``, the bytes of one JSON value, as int64
-little-endian bytes when it is exactly an array of token ids: integers in ``[0, 2**32)``
-written in decimal without sign, fraction, exponent or leading zero, JSON whitespace
-(space, tab, newline, carriage return) allowed around the brackets, commas and ids; None
-for anything else (another value or form, an id out of range, bytes left over). The index
-service reads a query's token ids so, without making an int object per id; a caller that
-gets None decodes the body otherwise for its answer.
+``json_ids(data, start=0, stop=None) -> bytes | None`` -- ``data[start:stop]`` (``stop``
+None: the end), the bytes of one JSON value, as int64 little-endian bytes when it is
+exactly an array of token ids: integers in ``[0, 2**32)`` written in decimal without sign,
+fraction, exponent or leading zero, JSON whitespace (space, tab, newline, carriage return)
+allowed around the brackets, commas and ids; None for anything else (another value or
+form, an id out of range, bytes left over). ``start`` and ``stop`` must be exact ints (or
+``stop`` None) with ``0 <= start <= stop <= len(data)`` (TypeError, ValueError): the value
+is read in place, not copied out of a larger body. The index service reads a query's token
+ids so, without making an int object per id; a caller that gets None decodes the body
+otherwise for its answer.
 
 ``query_answer(rows, block_size, tenant) -> bytes`` -- the index service's ``/query``
 answer as JSON bytes, in one call. ``rows`` is a list of ``((instance, name, rank), (gpu,
@@ -448,11 +451,20 @@ _JSON_IDS = re.compile(rb"[ \t\n\r]*\[[ \t\n\r]*(?:(?:0|[1-9][0-9]*)[ \t\n\r]*"
 _JSON_ID = re.compile(rb"[0-9]+")
 
 
-def json_ids(data: Any) -> Any:
-    """A JSON array of token ids as int64 little-endian bytes, or None; see the module
-    docstring."""
+def json_ids(data: Any, start: Any = 0, stop: Any = None) -> Any:
+    """A JSON array of token ids (``data[start:stop]``) as int64 little-endian bytes, or
+    None; see the module docstring."""
     if type(data) is not bytes:
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    if type(start) is not int:
+        raise TypeError(f"start must be an int, got {type(start).__name__}")
+    if stop is not None and type(stop) is not int:
+        raise TypeError(f"stop must be an int or None, got {type(stop).__name__}")
+    size = len(data)
+    if not 0 <= start <= (size if stop is None else stop) <= size:
+        raise ValueError(f"start and stop must be within the data (0 <= start <= stop <= "
+                         f"{size}), got {start} and {stop}")
+    data = data[start:stop]
     if _JSON_IDS.fullmatch(data) is None:
         return None
     ids = [int(digits) for digits in _JSON_ID.findall(data)]

@@ -205,7 +205,7 @@ def split_ids(body: bytes) -> Optional[tuple]:
     end = body.find(b"]", start)
     if end < 0:
         return None
-    ids = _core.blocks.json_ids(body[start:end + 1])
+    ids = _core.blocks.json_ids(body, start, end + 1)  # read in place
     if ids is None:
         return None
     head = body[:start] + b"[]" + body[end + 1:]

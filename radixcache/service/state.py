@@ -581,6 +581,15 @@ class IndexService:
                     found = group_blocks(group, q.tokens, q.lora, q.salt, pool, holders,
                                          seqs_of)
                 pools = group.pools
+                if not pools and q.instance is None and timeout is None:
+                    # Nothing to leave out but workers no longer registered: one pass.
+                    if everyone:
+                        rows += [(reg.answer_id, found.get(w, 0)) for w, reg in workers.items()]
+                    else:
+                        get = workers.get
+                        rows += [(reg.answer_id, blocks) for w, blocks in found.items()
+                                 if (reg := get(w)) is not None]
+                    continue
                 # Every live worker (Mooncake's answer), or only those found (Dynamo's).
                 items = (((w, found.get(w), reg) for w, reg in workers.items()) if everyone
                          else ((w, blocks, workers.get(w)) for w, blocks in found.items()))

@@ -1167,6 +1167,30 @@ def test_json_ids_reads_exactly_an_array_of_token_ids(blocks):
         blocks.json_ids(bytearray(b"[1]"))
 
 
+def test_json_ids_reads_a_slice_in_place_as_its_copy(blocks):
+    """``json_ids(data, start, stop)`` answers what ``json_ids(data[start:stop])`` does, for
+    every slice of bodies holding arrays: nothing outside the slice (a digit right after it,
+    the bytes before it) changes the answer; bounds outside the data or of another type are
+    refused."""
+    for body in (b'{"token_ids": [12, 0, 4294967295], "x": 1}', b"[1]2", b"7[3,45]8", b"[]",
+                 b" [ 1 ,\t2 ] ", b"[12]"):
+        for start in range(len(body) + 1):
+            for stop in range(start, len(body) + 1):
+                assert blocks.json_ids(body, start, stop) == blocks.json_ids(
+                    body[start:stop]), (body, start, stop)
+            assert blocks.json_ids(body, start) == blocks.json_ids(body[start:])
+    assert blocks.json_ids(b"x[5, 6]x", 1, 7) == np.array([5, 6], dtype="<i8").tobytes()
+    for start, stop in ((-1, 2), (0, 4), (3, 2), (4, None)):
+        with pytest.raises(ValueError, match="start and stop must be within the data"):
+            blocks.json_ids(b"[1]", start, stop)
+    with pytest.raises(TypeError, match="start must be an int"):
+        blocks.json_ids(b"[1]", 0.0)
+    with pytest.raises(TypeError, match="stop must be an int or None"):
+        blocks.json_ids(b"[1]", 0, True)
+    with pytest.raises(ValueError, match="start and stop"):
+        blocks.json_ids(b"[1]", 0, 1 << 70)
+
+
 def _reference_answer(rows: list, block_size: int, tenant) -> bytes:
     """``query_answer``'s answer built as plain objects (per instance its largest figures,
     per rank its largest device figure; objects keyed by name) and written by msgspec."""
@@ -1241,7 +1265,12 @@ def test_query_answer_refuses_bad_rows_naming_them(blocks):
             ([((1, b'"1"', 0), (1, 1, 1.5))], TypeError, r"rows\[0\]: blocks"),
             ([((1, b'"1"', 0), 1.0)], TypeError, r"rows\[0\] must be"),
             ([((1, b'"1"', 0), (1, 1))], TypeError, r"rows\[0\] must be"),
-            ([((1, b'"1"', 0), -1)], ValueError, r"rows\[0\]: blocks")):
+            ([((1, b'"1"', 0), -1)], ValueError, r"rows\[0\]: blocks"),
+            # beyond int64 either way: refused as out of range, not read modulo 2**64
+            ([((1, b'"1"', 2**64), 1)], ValueError, r"rows\[0\]: rank"),
+            ([((1, b'"1"', -2**70), 1)], ValueError, r"rows\[0\]: rank"),
+            ([((1, b'"1"', 0), 2**64 + 1)], ValueError, r"rows\[0\]: blocks"),
+            ([((1, b'"1"', 0), (1, -2**64, 1))], ValueError, r"rows\[0\]: blocks")):
         with pytest.raises(error, match=match):
             blocks.query_answer(rows, 16, None)
     with pytest.raises(TypeError, match="rows must be a list"):
