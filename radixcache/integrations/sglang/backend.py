@@ -522,17 +522,15 @@ class RadixcacheBackend(BasePrefixCache):
 
     def _evict_victims(self, num_tokens: int) -> int:
         """The eviction itself (``_evict`` without its bookkeeping): the tokens freed."""
-        on_remove = self._sessions.on_remove if self._sessions.tagging else None
         if self.kv_events.enabled:
-            return self._cache.evict(num_tokens, self._free_victim, on_remove=on_remove)
+            return self._cache.evict(num_tokens, self._free_victim)
         # One free for all victims: the same slots, in the same order, as one free per
         # victim would give the allocator. SGLang's paged allocator frees them as the page
         # ids of every page_size-th slot (free_segment): the core computes those.
         allocator = self.token_to_kv_pool_allocator
         if self._allocator_kind(allocator) == _PAGED_ALLOCATOR and not allocator.debug_mode:
-            return self._cache.evict(num_tokens, self._free_pages, batch=True,
-                                     on_remove=on_remove, page_ids=True)
-        return self._cache.evict(num_tokens, self._free, batch=True, on_remove=on_remove)
+            return self._cache.evict(num_tokens, self._free_pages, batch=True, page_ids=True)
+        return self._cache.evict(num_tokens, self._free, batch=True)
 
     def evict_for_alloc(self, params: EvictParams, *,
                         allocation_reclaim_satisfied: Any = None) -> EvictResult:
