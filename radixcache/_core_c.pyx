@@ -2758,7 +2758,6 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             self.give(held)
 
     def untag_session(self, session, bint held=False):
-        cdef Py_ssize_t count
         self.take(held, "untag_session")
         try:
             if type(session) is not int or not 0 <= session <= INT64_MAX:
@@ -2777,6 +2776,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         return tuple(sorted(self.node_tags.get(node, ())))
 
     def tagged_nodes(self, session):
+        if type(session) is not int:
+            raise bad_session(session)
         return tuple(self.session_nodes.get(session, ()))
 
     cdef object drop_tag(self, Node node, object session):

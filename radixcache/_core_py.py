@@ -83,16 +83,14 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
   included), ``ValueError`` for a rank out of range, the root, an evicted node, a node of
   another tree, or a core with a host tier, changing nothing. ``EvictionHeap.rank_of(node)``
   reads it (0 when none was set).
-- Session tags (sessions keeping the leaves their requests ended on): a session is an ``int``
-  in [0, 2^63) (else ``TypeError``/``ValueError``); a tagged node's rank is its number of
-  sessions (set on each change). ``tag_session(node, session, held=False) -> bool``: tags
-  ``node``, and the nearest ancestor ``session`` tagged loses its tag (the new leaf takes its
-  place); False, changing nothing, for a tagged node or the root; checked as ``set_rank``.
-  ``untag_session(session, held=False) -> int``: drops its tags; the nodes it tagged. A tagged
-  node leaving the tree (evicted, ``remove_leaf``) gives its tags to its parent (not the
-  root: they go), whose rank becomes its tag count (over ``on_remove``'s answer) before it
-  can be pushed: no call-out. ``session_tags(node)`` (sorted), ``tagged_nodes(session)``
-  read them; ``reset`` drops them; a split leaves them on the node object (the lower half).
+- Session tags: a session is an ``int`` in [0, 2^63) (else ``TypeError``/``ValueError``), a
+  tagged node's rank its number of sessions. ``tag_session(node, session, held=False) ->
+  bool``: tags ``node``; the nearest ancestor ``session`` tagged loses its tag; False, changing
+  nothing, for a tagged node or the root; checked as ``set_rank``. ``untag_session(session,
+  held=False) -> int``: drops its tags (returns how many). A tagged node leaving the tree
+  (evicted, ``remove_leaf``) gives its tags to its parent (not the root), whose rank becomes
+  its tag count (over ``on_remove``'s) before it can be pushed. ``session_tags(node)``,
+  ``tagged_nodes(session)`` read them; ``reset`` drops them; a split keeps them on the node.
 - ``pop_victim(held=False) -> Node | None`` and ``remove_leaf(node, held=False) -> int``
   (tokens freed): the evict loop's two steps; ``remove_leaf`` detaches the leaf (ValueError
   for a node of another cache, or not an attached leaf), marks it evicted, drops its value and
@@ -904,6 +902,8 @@ class Core(HostTier):
         return tuple(sorted(self._node_tags.get(node, ())))
 
     def tagged_nodes(self, session: Any) -> tuple:
+        if type(session) is not int:
+            raise bad_session(session)
         return tuple(self._session_nodes.get(session, ()))
 
     def _drop_tag(self, node: Node, session: int) -> Any:

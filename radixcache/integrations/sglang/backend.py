@@ -471,15 +471,8 @@ class RadixcacheBackend(BasePrefixCache):
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
         del tokens
         new_last_node = result.last_node
-        free_error = None
-        try:
-            self._free_duplicates(values, protected, result.prefix_len)
-        except Exception as exc:  # finish the bookkeeping, then raise
-            free_error = exc
-        if protected < result.prefix_len:
-            tree_slots = self.path_device_indices(new_last_node)
-            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, result.prefix_len)),
-                                         tree_slots[protected:result.prefix_len])
+        # The lock moves and the session tag goes on while the insert's path is still in
+        # the processor's cache (the frees and the row write below touch much else).
         cache = self._cache
         old_lock = req.lock
         if old_lock is not None:
@@ -491,6 +484,15 @@ class RadixcacheBackend(BasePrefixCache):
         if (self.enable_session_radix_cache and req.finished()
                 and not isinstance(req.finished_reason, FINISH_ABORT)):
             self._sessions.register(req, new_last_node)
+        free_error = None
+        try:
+            self._free_duplicates(values, protected, result.prefix_len)
+        except Exception as exc:  # finish the bookkeeping, then raise
+            free_error = exc
+        if protected < result.prefix_len:
+            tree_slots = self.path_device_indices(new_last_node)
+            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, result.prefix_len)),
+                                         tree_slots[protected:result.prefix_len])
         if free_error is not None:
             raise free_error
 
