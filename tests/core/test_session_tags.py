@@ -85,6 +85,14 @@ def tagged_nodes(cache, session) -> tuple:
     return core_of(cache).tagged_nodes(session)
 
 
+def parent_and_leaf(make_cache) -> tuple:
+    """A cache holding [1] and [1, 2] as two nodes: (cache, [1], [2] below it)."""
+    cache = make_cache(page_size=1, array_type="numpy")
+    cache.insert([1, 2])
+    parent = cache.insert([1]).last_node
+    return cache, parent, cache.match_prefix([1, 2]).last_node
+
+
 def paths(nodes) -> list:
     return sorted(map(node_tokens, nodes))
 
@@ -208,10 +216,7 @@ def test_an_evicted_leaf_gives_its_tags_to_its_parent_before_it_competes(make_ca
 
 
 def test_a_tag_the_parent_holds_already_goes_and_the_root_takes_none(make_cache):
-    cache = make_cache(page_size=1, array_type="numpy")
-    cache.insert([1, 2])
-    parent = cache.insert([1]).last_node
-    leaf = cache.match_prefix([1, 2]).last_node
+    cache, parent, leaf = parent_and_leaf(make_cache)
     cache.tag_session(parent, 3)
     core_of(cache).tag_session(leaf, 4)
     cache.set_eviction_rank(leaf, 0)  # (a set rank stays until the tags change it)
@@ -227,10 +232,7 @@ def test_a_tag_the_parent_holds_already_goes_and_the_root_takes_none(make_cache)
 
 
 def test_remove_leaf_moves_tags_and_reset_drops_them(make_cache):
-    cache = make_cache(page_size=1, array_type="numpy")
-    cache.insert([1, 2])
-    parent = cache.insert([1]).last_node
-    leaf = cache.match_prefix([1, 2]).last_node
+    cache, parent, leaf = parent_and_leaf(make_cache)
     cache.tag_session(leaf, 5)
     assert core_of(cache).remove_leaf(leaf) == 1
     assert tagged_nodes(cache, 5) == (parent,) and cache.eviction_rank(parent) == 1
@@ -294,10 +296,7 @@ def test_a_host_tier_has_no_tags(core_name):
 
 def test_tags_may_not_change_from_inside_a_call(make_cache):
     """``on_remove`` runs under the guard: tagging from it is refused, nothing changes."""
-    cache = make_cache(page_size=1, array_type="numpy")
-    cache.insert([1, 2])
-    parent = cache.insert([1]).last_node
-    leaf = cache.match_prefix([1, 2]).last_node
+    cache, parent, leaf = parent_and_leaf(make_cache)
     cache.tag_session(leaf, 1)
     before = snapshot(cache, range(3))
 
