@@ -267,6 +267,11 @@ cdef class Core:
     cdef readonly int64_t host_evicted_tokens
     cdef object wt_queue
     cdef object adopted
+    # Session tags (see _core_py): node -> the set of session ints tagging it, and session ->
+    # the set of nodes it tags (non-empty sets only; the sets hold ints and nodes alone, so
+    # nothing in them runs Python code).
+    cdef dict node_tags
+    cdef dict session_nodes
     # Scratch buffers reused across calls (the guard makes them the call's own): converted
     # or copied tokens and kv, the matched path.
     cdef int64_t* tokens_buf
@@ -287,6 +292,8 @@ cdef class Core:
     cdef object insert_prefix_again(self, Node last, Py_ssize_t end, Py_ssize_t split_end,
                                     int64_t prio, object extra_key)
     cdef object push_if_evictable(self, Node node)
+    cdef object drop_tag(self, Node node, object session)
+    cdef object move_tags(self, Node node, Node parent)
     cdef void prefetch_victims(self) noexcept
     cdef int note_path(self, Py_ssize_t depth, Node node) except -1
     cdef Py_ssize_t walk_length(self, const int64_t* buf, Py_ssize_t end, int64_t ns) noexcept

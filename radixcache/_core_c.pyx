@@ -57,7 +57,7 @@ from collections import deque as _deque
 
 import numpy as np
 
-from ._errors import (bad_rank, lock_host_only, node_not_copyable, rank_needs_one_tier,
+from ._errors import (bad_rank, bad_session, lock_host_only, node_not_copyable, rank_needs_one_tier,
                       reentered, stale_match)
 from ._handover import hand_over_batch as _hand_over_batch
 from ._handover import answer_not_kept, host_indices_bytes
@@ -1925,6 +1925,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         self.write_through_hits = write_through_hits if host_tier else 0
         self.wt_queue = _deque()
         self.adopted = None
+        self.node_tags = {}
+        self.session_nodes = {}
         self.push_on_access = policy in _KEY_FALLS_ON_ACCESS
         self.new_leaf = None
         self.tokens_buf = NULL
@@ -1967,6 +1969,7 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         try:
             fresh_queue = _deque()
             fresh_ranks, fresh_subheaps, fresh_levels = {}, {}, []
+            fresh_tags, fresh_sessions = {}, {}
             old_tables = self.tree.clear()
             old_ranks, self.heap.ranks = self.heap.ranks, fresh_ranks
             old_subheaps, self.heap.subheaps = self.heap.subheaps, fresh_subheaps
@@ -1978,12 +1981,14 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             self.protected = 0
             self.host_size = 0
             old_queue, self.wt_queue = self.wt_queue, fresh_queue
+            old_tags, self.node_tags = self.node_tags, fresh_tags
+            old_sessions, self.session_nodes = self.session_nodes, fresh_sessions
             self.new_leaf = None
             self.adopted = None
             self.reset_stats()
         finally:
             self.give(held)
-        old_queue = old_ranks = old_subheaps = None
+        old_queue = old_ranks = old_subheaps = old_tags = old_sessions = None
         self.heap.release()  # detaches first; its finalizers may use the empty cache
         self.host_heap.release()
 
@@ -2715,6 +2720,100 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
         finally:
             self.give(held)
 
+    def tag_session(self, node, session, bint held=False):
+        cdef Tree tree = self.tree
+        cdef Node leaf, ancestor = None
+        self.take(held, "tag_session")
+        try:
+            if self.host_tier:
+                raise rank_needs_one_tier()
+            if type(session) is not int or not 0 <= session <= INT64_MAX:
+                raise bad_session(session)
+            if node is tree.root:
+                return False  # the root is never tagged (nor evicted)
+            tree._check_member(node)
+            leaf = <Node>node
+            tags = self.node_tags.get(leaf)
+            if tags is not None and session in tags:
+                return False
+            tagged = self.session_nodes.get(session)
+            if tagged is not None:  # the nearest ancestor it tags gives its tag to the leaf
+                ancestor = <Node>leaf.parent_ptr
+                while ancestor is not tree.root and ancestor not in tagged:
+                    ancestor = <Node>ancestor.parent_ptr
+                if ancestor is tree.root:
+                    ancestor = None
+            # Every check is done: only the tables and ranks change from here.
+            if tags is None:
+                tags = self.node_tags[leaf] = set()
+            if tagged is None:
+                tagged = self.session_nodes[session] = set()
+            tags.add(session)
+            tagged.add(leaf)
+            dropped = [self.heap.set_rank_of(leaf, len(tags), True)]
+            if ancestor is not None:
+                dropped.append(self.drop_tag(ancestor, session))
+            return True
+        finally:
+            self.give(held)
+
+    def untag_session(self, session, bint held=False):
+        self.take(held, "untag_session")
+        try:
+            if type(session) is not int or not 0 <= session <= INT64_MAX:
+                raise bad_session(session)
+            tagged = self.session_nodes.get(session)
+            if tagged is None:
+                return 0
+            nodes = tuple(tagged)
+            dropped = [self.drop_tag(<Node>node, session) for node in nodes]
+            return len(nodes)
+        finally:
+            self.give(held)
+
+    def session_tags(self, node):
+        self.tree._check_member(node)
+        return tuple(sorted(self.node_tags.get(node, ())))
+
+    def tagged_nodes(self, session):
+        if type(session) is not int:
+            raise bad_session(session)
+        return tuple(self.session_nodes.get(session, ()))
+
+    cdef object drop_tag(self, Node node, object session):
+        """``session`` no longer tags ``node`` (it does now): the tables and the node's rank;
+        returns what the heap let go."""
+        tags = self.node_tags[node]
+        tags.discard(session)
+        tagged = self.session_nodes[session]
+        tagged.discard(node)
+        if not tagged:
+            del self.session_nodes[session]
+        if not tags:
+            del self.node_tags[node]
+        return self.heap.set_rank_of(node, len(tags), True)
+
+    cdef object move_tags(self, Node node, Node parent):
+        """A tagged leaf leaves the tree: each of its sessions tags ``parent`` instead (not
+        the root; a session tagging it already just loses the leaf), whose rank becomes its
+        tag count, without a push (its own removal pushes it). Returns the leaf's old tags."""
+        cdef bint inherit = parent is not self.tree.root
+        tags = self.node_tags.pop(node)
+        parent_tags = self.node_tags.get(parent) if inherit else None
+        for session in tags:
+            tagged = self.session_nodes[session]
+            tagged.discard(node)
+            if inherit and (parent_tags is None or session not in parent_tags):
+                if parent_tags is None:
+                    parent_tags = self.node_tags[parent] = set()
+                parent_tags.add(session)
+                tagged.add(parent)
+            elif not tagged:
+                del self.session_nodes[session]
+        if parent_tags is not None:
+            self.heap.set_rank_of(parent, len(parent_tags), False)
+        return tags
+
     def pop_victim(self, bint held=False):
         stale = []  # dropped entries, released when the call returns
         self.take(held, "evict")
@@ -2754,6 +2853,8 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
             if not node.evicted:
                 self.tree._check_member(node)  # another cache's node (maybe another kind)
             parent = self.tree.detach_leaf(node, dropped)
+            if self.node_tags and node in self.node_tags:
+                dropped.append(self.move_tags(node, parent))
             self.heap.drop_rank(node)
             self.evictable -= size
             self.evictions += 1
@@ -2842,6 +2943,9 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                         # still attached: nothing ran since the checks but plain C.)
                         self.heap.set_rank_of(<Node>node.parent_ptr,
                                               <uint64_t>PyLong_AsLongLong(parent_rank), False)
+                    if self.node_tags and node in self.node_tags:
+                        # Its sessions' tags move up before the parent can be pushed.
+                        garbage.append(self.move_tags(node, <Node>node.parent_ptr))
                 except BaseException:
                     garbage.append(self.heap.push_entry(node))  # still an evictable leaf
                     raise

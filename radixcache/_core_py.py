@@ -83,6 +83,14 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
   included), ``ValueError`` for a rank out of range, the root, an evicted node, a node of
   another tree, or a core with a host tier, changing nothing. ``EvictionHeap.rank_of(node)``
   reads it (0 when none was set).
+- Session tags: a session is an ``int`` in [0, 2^63) (else ``TypeError``/``ValueError``), a
+  tagged node's rank its number of sessions. ``tag_session(node, session, held=False) ->
+  bool``: tags ``node``; the nearest ancestor ``session`` tagged loses its tag; False, changing
+  nothing, for a tagged node or the root; checked as ``set_rank``. ``untag_session(session,
+  held=False) -> int``: drops its tags (returns how many). A tagged node leaving the tree
+  (evicted, ``remove_leaf``) gives its tags to its parent (not the root), whose rank becomes
+  its tag count (over ``on_remove``'s) before it can be pushed. ``session_tags(node)``,
+  ``tagged_nodes(session)`` read them; ``reset`` drops them; a split keeps them on the node.
 - ``pop_victim(held=False) -> Node | None`` and ``remove_leaf(node, held=False) -> int``
   (tokens freed): the evict loop's two steps; ``remove_leaf`` detaches the leaf (ValueError
   for a node of another cache, or not an attached leaf), marks it evicted, drops its value and
@@ -368,7 +376,7 @@ import numpy as np
 
 # A BlockIndex pickled while the block index lived in this module names its loader here.
 from ._blocks_py import _block_index_from  # noqa: F401 -- the loader old pickles name
-from ._errors import bad_rank, cpu_values_only, rank_needs_one_tier, reentered
+from ._errors import bad_rank, bad_session, cpu_values_only, rank_needs_one_tier, reentered
 from ._handover import hand_over_batch
 from ._handover import page_ids as page_ids_of
 from ._heap_py import EvictionHeap, device_leaf, host_leaf
@@ -495,9 +503,9 @@ class Core(HostTier):
     __slots__ = ("tree", "heap", "guard", "page_size", "evictable", "protected", "lookups",
                  "matched_tokens", "queried_tokens", "inserts", "inserted_tokens", "evictions",
                  "evicted_tokens", "new_leaf", "_push_on_access", "_enter", "_leave",
-                 "host_tier", "write_through_hits", "host_heap", "host_size",
+                 "host_tier", "write_through_hits", "host_heap", "host_size", "_node_tags",
                  "host_hit_tokens", "loaded_tokens", "backed_up_tokens", "host_evictions",
-                 "host_evicted_tokens", "adopted", "_numpy_arrays", "_join")
+                 "host_evicted_tokens", "adopted", "_numpy_arrays", "_join", "_session_nodes")
 
     def __init__(self, page_size: int, policy: str, host_tier: bool = False,
                  write_through_hits: int = 0, numpy_arrays: bool = False) -> None:
@@ -524,6 +532,7 @@ class Core(HostTier):
         self.host_size = 0
         self.new_leaf = None
         self.adopted = None
+        self._node_tags, self._session_nodes = {}, {}  # node -> its sessions; session -> nodes
         self.reset_stats()
 
     @property
@@ -559,7 +568,8 @@ class Core(HostTier):
             old_root = self.tree._clear()  # noqa: F841 -- released after the guard
             old_queue = self.tree._queue  # noqa: F841 -- held until the call returns
             self.tree._queue = deque()
-            old_entries = [self.heap._clear_ranks()]
+            old_entries = [self.heap._clear_ranks(), self._node_tags, self._session_nodes]
+            self._node_tags, self._session_nodes = {}, {}
             for heap in (self.heap, self.host_heap):
                 old_entries.append(heap._nodes)
                 heap._heap = []
@@ -845,6 +855,88 @@ class Core(HostTier):
             if not held:
                 self._leave()
 
+    def tag_session(self, node: Any, session: Any, held: bool = False) -> bool:
+        self._take(held, "tag_session")
+        try:
+            if self.host_tier:
+                raise rank_needs_one_tier()
+            if type(session) is not int or not 0 <= session <= INT64_MAX:
+                raise bad_session(session)
+            root = self.tree.root
+            if node is root:
+                return False  # the root is never tagged (nor evicted)
+            self.tree._check_member(node)
+            tags = self._node_tags.get(node)
+            if tags is not None and session in tags:
+                return False
+            tagged = self._session_nodes.get(session, ())
+            ancestor = node._parent if tagged else root  # the nearest it tags gives its tag up
+            while ancestor is not root and ancestor not in tagged:
+                ancestor = ancestor._parent
+            # Every check is done: only the tables and ranks change from here.
+            tags = self._node_tags.setdefault(node, set())
+            tags.add(session)
+            self._session_nodes.setdefault(session, set()).add(node)
+            dropped = [self.heap._set_rank(node, len(tags))]  # released on return
+            if ancestor is not root:
+                dropped.append(self._drop_tag(ancestor, session))
+            return True
+        finally:
+            if not held:
+                self._leave()
+
+    def untag_session(self, session: Any, held: bool = False) -> int:
+        self._take(held, "untag_session")
+        try:
+            if type(session) is not int or not 0 <= session <= INT64_MAX:
+                raise bad_session(session)
+            nodes = tuple(self._session_nodes.get(session, ()))
+            dropped = [self._drop_tag(node, session) for node in nodes]  # noqa: F841
+            return len(nodes)
+        finally:
+            if not held:
+                self._leave()
+
+    def session_tags(self, node: Any) -> tuple:
+        self.tree._check_member(node)
+        return tuple(sorted(self._node_tags.get(node, ())))
+
+    def tagged_nodes(self, session: Any) -> tuple:
+        if type(session) is not int:
+            raise bad_session(session)
+        return tuple(self._session_nodes.get(session, ()))
+
+    def _drop_tag(self, node: Node, session: int) -> Any:
+        """``session`` (tagging ``node``) no longer does; returns what the heap let go."""
+        tags, tagged = self._node_tags[node], self._session_nodes[session]
+        tags.discard(session)
+        tagged.discard(node)
+        if not tagged:
+            del self._session_nodes[session]
+        if not tags:
+            del self._node_tags[node]
+        return self.heap._set_rank(node, len(tags))
+
+    def _move_tags(self, node: Node, parent: Node) -> set:
+        """A tagged leaf leaves the tree: its tags go to ``parent`` (see the spec), whose
+        rank is set without a push (the removal pushes it). Returns the leaf's old tags."""
+        inherit = parent is not self.tree.root
+        tags = self._node_tags.pop(node)
+        parent_tags = self._node_tags.get(parent) if inherit else None
+        for session in tags:
+            tagged = self._session_nodes[session]
+            tagged.discard(node)
+            if inherit and (parent_tags is None or session not in parent_tags):
+                if parent_tags is None:
+                    parent_tags = self._node_tags[parent] = set()
+                parent_tags.add(session)
+                tagged.add(parent)
+            elif not tagged:
+                del self._session_nodes[session]
+        if parent_tags is not None:
+            self.heap._set_rank(parent, len(parent_tags), push=False)
+        return tags
+
     def pop_victim(self, held: bool = False) -> Node | None:
         stale: list = []  # released when the call returns
         self._take(held, "evict")
@@ -861,6 +953,8 @@ class Core(HostTier):
             if not node._evicted:
                 self.tree._check_member(node)  # another cache's node
             parent, value = self.tree._detach_leaf(node)  # value released later
+            if self._node_tags and node in self._node_tags:
+                self._move_tags(node, parent)
             self.heap._drop_rank(node)
             self.evictable -= size
             self.evictions += 1
@@ -935,6 +1029,9 @@ class Core(HostTier):
                         # Last: nothing after it raises. The parent is no leaf yet: the push
                         # below (once it may be one) uses its new rank.
                         heap._set_rank(node._parent, parent_rank, push=False)
+                    if self._node_tags and node in self._node_tags:
+                        # Its sessions' tags move up before the parent can be pushed.
+                        garbage.append(self._move_tags(node, node._parent))
                 except BaseException:
                     garbage.append(heap._push(node))  # still an evictable leaf
                     raise

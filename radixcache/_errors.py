@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["reentered", "stale_match", "lock_host_only", "node_not_copyable",
-           "cpu_values_only", "bad_rank", "rank_needs_one_tier"]
+           "cpu_values_only", "bad_rank", "bad_session", "rank_needs_one_tier"]
 
 
 def reentered(what: str) -> RuntimeError:
@@ -49,6 +49,14 @@ def bad_rank(what: str, rank: Any) -> Exception:
     if type(rank) is not int:
         return TypeError(f"{what} must be an int, got {type(rank).__name__}")
     return ValueError(f"{what} must be in [0, 2**63), got {rank}")
+
+
+def bad_session(session: Any) -> Exception:
+    """The error for a session tag that is not an int in [0, 2^63): TypeError for a non-int
+    (a bool included), ValueError for one out of range."""
+    if type(session) is not int:
+        return TypeError(f"session must be an int, got {type(session).__name__}")
+    return ValueError(f"session must be in [0, 2**63), got {session}")
 
 
 def rank_needs_one_tier() -> ValueError:

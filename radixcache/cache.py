@@ -763,6 +763,35 @@ class RadixCache(HostTierCalls):
         self._core.tree._check_member(node)
         return self._core.heap.rank_of(node)
 
+    def tag_session(self, node: Any, session: int) -> bool:
+        """Tag ``node`` for ``session``, as an engine's session keeps the leaf its last
+        request ended on: the nearest ancestor ``session`` tagged loses its tag. A tagged
+        node's eviction rank is its number of sessions; an evicted tagged leaf gives its tags
+        to its parent (not the root) inside ``evict``. ``untag_session`` drops them.
+
+        Args:
+            node: A ``RadixTreeNode`` of this cache (the root: nothing changes).
+            session: An int in [0, 2**63) that names the session.
+
+        Returns:
+            Whether anything changed (not when ``session`` tags ``node`` already).
+
+        Raises:
+            TypeError, ValueError: as ``set_eviction_rank``, or ``session`` is not such an int.
+        """
+        return self._core.tag_session(node, session)
+
+    def untag_session(self, session: int) -> int:
+        """Drop every tag of ``session`` (see ``tag_session``).
+
+        Args:
+            session: An int in [0, 2**63).
+
+        Returns:
+            How many nodes it tagged.
+        """
+        return self._core.untag_session(session)
+
     def evict(self, num_tokens: int,
               free_callback: Callable[[torch.Tensor], Any] | None = None, *,
               batch: bool = False,

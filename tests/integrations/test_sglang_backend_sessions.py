@@ -21,6 +21,7 @@ from array import array
 
 import pytest
 
+from conftest import core_of
 from test_sglang_backend import (POLICIES, Replay, Side, Workload,
                                  report_calls)
 
@@ -29,7 +30,7 @@ from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.sampling.sampling_params import SamplingParams
 
-from radixcache.integrations.sglang import sessions as sessions_module
+from radixcache.integrations.sglang import backend as backend_module
 
 #: Random scheduler steps per (core, page size, policy) sequence.
 SESSION_STEPS = 1000
@@ -110,6 +111,15 @@ def _our_path(node) -> tuple:
     return namespace, tuple(tokens)
 
 
+def our_tags(backend) -> dict:
+    """Each session's tagged nodes, read from the tree core (sessions that tag none left
+    out)."""
+    core = core_of(backend._cache)
+    nodes = {session_id: core.tagged_nodes(handle)
+             for session_id, handle in backend._sessions._handles.items()}
+    return {session_id: tagged for session_id, tagged in nodes.items() if tagged}
+
+
 class SessionReplay(Replay):
     CONFIG = {"sessions": True}
     SIDE = SessionSide
@@ -127,7 +137,7 @@ class SessionReplay(Replay):
         theirs = {session: sorted(map(_sglang_path, nodes))
                   for session, nodes in full._session_leaves.items() if nodes}
         ours = {session: sorted(map(_our_path, nodes))
-                for session, nodes in self.ours.cache._cache._sessions._tagged.items()}
+                for session, nodes in our_tags(self.ours.cache._cache).items()}
         return theirs, ours
 
     def compare(self, what: str) -> None:
@@ -149,16 +159,19 @@ class SessionReplay(Replay):
 
 @pytest.fixture
 def tagged_evictions(monkeypatch) -> list:
-    """Counts our evictions of tagged leaves (the tags then move up, or go)."""
+    """Counts our evictions of tagged leaves (the tree core moves their tags up, or drops
+    them): the nodes tagged before an eviction that it took."""
     seen = []
-    on_remove = sessions_module.SessionRefs.on_remove
+    evict = backend_module.RadixcacheBackend._evict_victims
 
-    def counting(self, node):
-        if node in self._tags:
-            seen.append(node)
-        return on_remove(self, node)
+    def counting(self, num_tokens):
+        tagged = [node for nodes in our_tags(self).values() for node in nodes]
+        try:
+            return evict(self, num_tokens)
+        finally:
+            seen.extend(node for node in tagged if node.evicted)
 
-    monkeypatch.setattr(sessions_module.SessionRefs, "on_remove", counting)
+    monkeypatch.setattr(backend_module.RadixcacheBackend, "_evict_victims", counting)
     return seen
 
 

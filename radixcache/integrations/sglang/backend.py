@@ -471,15 +471,8 @@ class RadixcacheBackend(BasePrefixCache):
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned)
         del tokens
         new_last_node = result.last_node
-        free_error = None
-        try:
-            self._free_duplicates(values, protected, result.prefix_len)
-        except Exception as exc:  # finish the bookkeeping, then raise
-            free_error = exc
-        if protected < result.prefix_len:
-            tree_slots = self.path_device_indices(new_last_node)
-            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, result.prefix_len)),
-                                         tree_slots[protected:result.prefix_len])
+        # The lock moves and the session tag goes on while the insert's path is still in
+        # the processor's cache (the frees and the row write below touch much else).
         cache = self._cache
         old_lock = req.lock
         if old_lock is not None:
@@ -491,6 +484,15 @@ class RadixcacheBackend(BasePrefixCache):
         if (self.enable_session_radix_cache and req.finished()
                 and not isinstance(req.finished_reason, FINISH_ABORT)):
             self._sessions.register(req, new_last_node)
+        free_error = None
+        try:
+            self._free_duplicates(values, protected, result.prefix_len)
+        except Exception as exc:  # finish the bookkeeping, then raise
+            free_error = exc
+        if protected < result.prefix_len:
+            tree_slots = self.path_device_indices(new_last_node)
+            self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, result.prefix_len)),
+                                         tree_slots[protected:result.prefix_len])
         if free_error is not None:
             raise free_error
 
@@ -522,17 +524,15 @@ class RadixcacheBackend(BasePrefixCache):
 
     def _evict_victims(self, num_tokens: int) -> int:
         """The eviction itself (``_evict`` without its bookkeeping): the tokens freed."""
-        on_remove = self._sessions.on_remove if self._sessions.tagging else None
         if self.kv_events.enabled:
-            return self._cache.evict(num_tokens, self._free_victim, on_remove=on_remove)
+            return self._cache.evict(num_tokens, self._free_victim)
         # One free for all victims: the same slots, in the same order, as one free per
         # victim would give the allocator. SGLang's paged allocator frees them as the page
         # ids of every page_size-th slot (free_segment): the core computes those.
         allocator = self.token_to_kv_pool_allocator
         if self._allocator_kind(allocator) == _PAGED_ALLOCATOR and not allocator.debug_mode:
-            return self._cache.evict(num_tokens, self._free_pages, batch=True,
-                                     on_remove=on_remove, page_ids=True)
-        return self._cache.evict(num_tokens, self._free, batch=True, on_remove=on_remove)
+            return self._cache.evict(num_tokens, self._free_pages, batch=True, page_ids=True)
+        return self._cache.evict(num_tokens, self._free, batch=True)
 
     def evict_for_alloc(self, params: EvictParams, *,
                         allocation_reclaim_satisfied: Any = None) -> EvictResult:
