@@ -167,3 +167,21 @@ def teardown_module(module) -> None:
         print("\ntest_sglang_hybrid: scheduler-level calls compared with SGLang per component "
               "and core: " + ", ".join(f"{kind} on {core}: {calls}"
                                        for (kind, core), calls in sorted(CALLS.items())))
+
+
+def test_mamba_match_result_built_as_sglang_builds_it():
+    """The Mamba cache builds its matches' ``MatchResult`` as the tuple it is: every field
+    equals the keyword call's, SGLang's defaults included."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchResult
+
+    from radixcache.integrations.sglang import mamba
+
+    assert mamba._MATCH_LAYOUT is not None  # SGLang 0.5.23's layout: the fast build is used
+    node = object()
+    for branching in (None, 48):
+        built = mamba._match_result(32, node, branching, 80)
+        assert type(built) is MatchResult
+        assert built._asdict() == MatchResult(
+            device_prefix_len=32, last_device_node=node, last_host_node=node,
+            best_match_node=node, mamba_branching_seqlen=branching,
+            full_kv_hit_length=80)._asdict()

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
-from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, ReqToTokenPool
 from sglang.srt.mem_cache.base_prefix_cache import (
     DecLockRefParams,
     DecLockRefResult,
@@ -43,6 +43,7 @@ from sglang.srt.runtime_context import mamba_checkpoint_grid
 from .backend import _RECEIPT, _check_key, _token_array
 from .hybrid import RadixcacheHybridBackend
 
+_new_tuple = tuple.__new__
 _FULL = ComponentType.FULL
 _MAMBA = ComponentType.MAMBA
 #: Where the Mamba pool's allocator is SGLang's own: its ``free`` appends to the free list,
@@ -50,6 +51,8 @@ _MAMBA = ComponentType.MAMBA
 _STOCK_STATE_FREE = MambaSlotAllocator.free
 #: SGLang's own request-side free of a request's state slots (a pool may override it).
 _STOCK_FREE_STATES = HybridReqToTokenPool.free_mamba_cache
+#: SGLang's plain request-row write (a pool may override it).
+_STOCK_ROW_WRITE = ReqToTokenPool.write
 #: The release receipt of a lock that skips its state (a checkpoint's with
 #: SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK): ``unlock`` reads only what was skipped, and nothing of
 #: SGLang's reads a Mamba cache's receipts, so one serves every such lock (as ``_RECEIPT``
@@ -71,6 +74,39 @@ def _receipt(skipped: tuple) -> DecLockRefParams:
         return _RECEIPT
     return (_STATE_SKIPPED_RECEIPT if skipped == (_MAMBA,)
             else DecLockRefParams(skipped_lock_components=skipped))
+
+
+def _match_layout() -> Optional[tuple]:
+    """What ``_match_result`` needs of SGLang's ``MatchResult`` (a NamedTuple): its default
+    fields between and after the ones a Mamba match sets; None if its fields are not laid
+    out as SGLang 0.5.23's are (the keyword call is made then)."""
+    fields = MatchResult._fields
+    if (fields[:4] != ("device_prefix_len", "last_device_node", "last_host_node",
+                       "best_match_node")
+            or "mamba_branching_seqlen" not in fields or "full_kv_hit_length" not in fields):
+        return None
+    branching = fields.index("mamba_branching_seqlen")
+    walked = fields.index("full_kv_hit_length")
+    if not 4 <= branching < walked:
+        return None
+    defaults = MatchResult(0, None, None, None)
+    return defaults[4:branching], defaults[branching + 1:walked], defaults[walked + 1:]
+
+
+_MATCH_LAYOUT = _match_layout()
+
+
+def _match_result(length: int, node: Any, branching: Optional[int], walked: int) -> Any:
+    """``MatchResult(device_prefix_len=length, last_device_node=node, last_host_node=node,
+    best_match_node=node, mamba_branching_seqlen=branching, full_kv_hit_length=walked)``,
+    built as the tuple it is (a third of the keyword call's time)."""
+    if _MATCH_LAYOUT is None:
+        return MatchResult(device_prefix_len=length, last_device_node=node,
+                           last_host_node=node, best_match_node=node,
+                           mamba_branching_seqlen=branching, full_kv_hit_length=walked)
+    middle, between, tail = _MATCH_LAYOUT
+    return _new_tuple(MatchResult, (length, node, node, node, *middle, branching, *between,
+                                    walked, *tail))
 
 
 def _state_array(slot: Any) -> np.ndarray:
@@ -129,6 +165,7 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         # joins what it is given into a new free list at once): a kept tensor per count of
         # slots, and its numpy view (see _free_tracked_states).
         self._state_slots: dict = {}
+        self._stock_state_allocator: Any = None
 
     def supports_mamba(self) -> bool:
         return True
@@ -146,10 +183,8 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
             match, walked = found
             aligned = walked // self._grid * self._grid
             node = match.last_node
-            result = MatchResult(device_prefix_len=match.length, last_device_node=node,
-                                 last_host_node=node, best_match_node=node,
-                                 mamba_branching_seqlen=aligned if aligned > match.length
-                                 else None, full_kv_hit_length=walked)
+            length = match.length
+            result = _match_result(length, node, aligned if aligned > length else None, walked)
         return self._copy_on_write(params, result)
 
     def _copy_on_write(self, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
@@ -202,7 +237,8 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         node had a state already, so the one given was not taken)."""
         extra_key, salt = names
         namespace = extra_key if salt is None else (extra_key, salt)
-        if type(state) is not np.ndarray or state.dtype != np.int64 or state.ndim != 1:
+        if type(state) is not tuple and (type(state) is not np.ndarray
+                                         or state.dtype != np.int64 or state.ndim != 1):
             state = (state.cpu().numpy() if type(state) is torch.Tensor
                      else np.asarray(state)).reshape(-1).astype(np.int64)
         core = self._core
@@ -276,11 +312,19 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
                                        protected, cached)
         req.lock = TreeLock(new_last_node, self._checkpoint_receipt)
         if tree_slots is not None:
-            self._write_row(kv.req_pool_idx, protected, tree_slots)
+            if rows is not None and type(self.req_to_token_pool).write is _STOCK_ROW_WRITE:
+                rows[kv.req_pool_idx, protected:cached] = tree_slots
+            else:
+                self._write_row(kv.req_pool_idx, protected, tree_slots)
         kv.cache_protected_len = aligned
         req.last_node = new_last_node
         if plain:
-            self._release_states(req, keep, inserted=not kept)
+            if not self.enable_mamba_extra_buffer:
+                if kept:
+                    self.req_to_token_pool.free_mamba_cache(req)
+            elif not self._free_tracked_states(req, None if kept else keep):
+                self.req_to_token_pool.free_mamba_cache(
+                    req, mamba_ping_pong_track_buffer_to_keep=None if kept else keep)
             return
         self._mamba.cleanup_after_caching_req(
             req, is_finished=is_finished,
@@ -291,8 +335,9 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
     def _finished_state(self, req: Any, token_len: int) -> tuple:
         """SGLang's ``MambaComponent.prepare_for_caching_req`` for a finished request (no
         int8 checkpoints, no replayed ring): (the length the state it gives is at, 0 for
-        none; that state's slot: its own slot, or with the extra buffer the tracked
-        ping-pong slot whose length the key reaches; that slot's ping-pong index)."""
+        none; that state's slot, as the core takes it: its own slot, or with the extra
+        buffer the tracked ping-pong slot whose length the key reaches; that slot's
+        ping-pong index)."""
         kv = req.kv
         if not self.enable_mamba_extra_buffer:
             return token_len, _state_array(kv.mamba_pool_idx), None
@@ -306,9 +351,9 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
                 return 0, None, None
             cache_len, keep = previous, pool.get_mamba_ping_pong_other_idx(keep)
         track = kv.mamba_ping_pong_track_buffer
-        # (a CPU tensor's few slots read as a list in a fraction of an indexing's time)
-        slot = track.tolist()[keep] if track.is_cpu else track[keep]
-        return cache_len, _state_array(slot), keep
+        if track.is_cpu:  # (a CPU tensor's few slots read as a list in a fraction of the time)
+            return cache_len, (track.tolist()[keep],), keep
+        return cache_len, _state_array(track[keep]), keep
 
     def _release_states(self, req: Any, keep: Optional[int], inserted: bool) -> None:
         """SGLang's ``MambaComponent.cleanup_after_caching_req`` for a finished request (as
@@ -331,12 +376,12 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         allocator = pool.mamba_allocator
         kv = req.kv
         index = kv.mamba_pool_idx
+        if (allocator is not self._stock_state_allocator and not self._check_state_pools()
+                or type(index) is not torch.Tensor or not index.is_cpu
+                or index.dtype != torch.int64 or index.dim() != 0):
+            return False
         size = pool.mamba_ping_pong_track_buffer_size
-        if (type(pool).free_mamba_cache is not _STOCK_FREE_STATES
-                or not pool.enable_mamba_extra_buffer
-                or type(allocator).free is not _STOCK_STATE_FREE or type(index) is not torch.Tensor
-                or not index.is_cpu or index.dtype != torch.int64 or index.dim() != 0
-                or not (keep in (None, 0, 1) and (keep != 1 or size == 2))):
+        if not (keep is None or keep == 0 or (keep == 1 and size == 2)):
             return False
         mapping = self._table_array(pool.req_index_to_mamba_ping_pong_track_buffer_mapping,
                                     1)
@@ -364,6 +409,18 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         kv.mamba_cow_src_index = None
         kv.mamba_needs_clear = False
         return True
+
+    def _check_state_pools(self) -> bool:
+        """Whether the request pool and its Mamba allocator are SGLang's own (their frees
+        as ``_free_tracked_states`` and ``_evict`` make them), the allocator remembered
+        while it stays the same object."""
+        pool = self.req_to_token_pool
+        allocator = pool.mamba_allocator
+        stock = (type(pool).free_mamba_cache is _STOCK_FREE_STATES
+                 and pool.enable_mamba_extra_buffer
+                 and type(allocator).free is _STOCK_STATE_FREE)
+        self._stock_state_allocator = allocator if stock else None
+        return stock
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         """A request released without a checkpoint gives back its state slots."""
