@@ -88,14 +88,21 @@ recent end.
 - ``aux_release(node, mark, held=False) -> list``: the early release of a window lock: as
   ``aux_lock(node, -1, mark)``, and a node left unlocked that is an evictable leaf is made a
   tombstone; returns those nodes' records (below).
-- ``evict(num_tokens, aux_tokens=0, held=False) -> (freed, aux_freed, records)``: frees
-  full-attention tokens first, as ``Core.evict`` does (evictable leaves in policy order; a
-  victim's auxiliary slots go with it), until ``num_tokens`` are freed; then, while fewer
-  than ``aux_tokens`` auxiliary slots are freed, walks the auxiliary LRU from its least
-  recent end, skipping locked nodes: an evictable leaf leaves the tree as above, any other
-  node becomes a tombstone. ``records`` lists what was freed, in order, as ``(values, aux,
-  whole)``: the node's full slots, its auxiliary slots (None for a tombstone leaf) and
-  whether it left the tree (False: a tombstone; its full slots are kept).
+- ``evict(num_tokens, aux_tokens=0, held=False, page_ids=False) -> (freed, aux_freed,
+  records)``: frees full-attention tokens first, as ``Core.evict`` does (evictable leaves in
+  policy order; a victim's auxiliary slots go with it), until ``num_tokens`` are freed;
+  then, while fewer than ``aux_tokens`` auxiliary slots are freed, walks the auxiliary LRU
+  from its least recent end, skipping locked nodes: an evictable leaf leaves the tree as
+  above, any other node becomes a tombstone. ``records`` lists what was freed, in order,
+  as ``(values, aux, whole)``: the node's full slots, its auxiliary slots (None for a
+  tombstone leaf) and whether it left the tree (False: a tombstone; its full slots are
+  kept).
+  ``evict(..., page_ids=True)`` decides the same and returns ``(freed, aux_freed, pages,
+  aux)`` instead: ``pages`` the page ids of the full slots of the nodes that left the tree
+  (every ``page_size``-th slot of a node from its first, floor-divided by ``page_size``:
+  what a paged allocator frees, ``_handover.page_ids``), ``aux`` the auxiliary slots of
+  every record, each a new index array (empty when none) in eviction order. ``TypeError``
+  for a ``page_ids`` that is not a bool, before anything changes.
 - ``path_indices(node, start=0) -> index array``: the full-attention slots of the path
   root..``node`` from its ``start``-th token on (a new array; ``ValueError`` for a node not
   in this tree).
@@ -118,6 +125,7 @@ import numpy as np
 
 from ._core_py import Core, _hashable, _kv_array, _token_bytes
 from ._errors import reentered
+from ._handover import page_ids as page_ids_of
 from ._heap_py import EvictionHeap
 from ._torch import empty_indices
 from ._tree_py import TOKEN_BYTES, Node, Tree, index_array
@@ -827,39 +835,54 @@ class HybridCore(Core):
                 and not node._evicted and node is not self.tree.root)
 
     # -- eviction --------------------------------------------------------------------------------
-    def _leave_tree(self, node: AuxNode, records: list, garbage: list) -> tuple:
-        """An evictable leaf leaves the tree; its record goes to ``records``, what the tree
-        let go to ``garbage`` (released after the guard). Returns (full tokens, auxiliary
-        slots) freed."""
+    def _leave_tree(self, node: AuxNode, records: list, garbage: list,
+                    gathered: tuple | None = None) -> tuple:
+        """An evictable leaf leaves the tree; its record goes to ``records`` (with
+        ``gathered``, (page ids, auxiliary slots): its page ids and auxiliary slots, as int64
+        bytes, go to those lists instead), what the tree let go to ``garbage`` (released
+        after the guard). Returns (full tokens, auxiliary slots) freed."""
         tree = self.tree
         had = node._aux
         aux_size = tree._aux_size(node) if had is not None else 0
         size = node.num_tokens
-        values = self._values_of(node)
+        if gathered is None:
+            values = self._values_of(node)
+        else:
+            value = node._value
+            values = page_ids_of(node._key if value is None else value, self.page_size)
         parent, dropped = tree._detach_leaf(node)  # takes the auxiliary slots too
         garbage.append(dropped)
-        records.append((values, self._aux_of(had), True))
+        if gathered is None:
+            records.append((values, self._aux_of(had), True))
+        else:
+            gathered[0].append(values)
+            if had is not None:
+                gathered[1].append(had)
         self.evictable -= size
         self.evictions += 1
         self.evicted_tokens += size
         garbage.append(self._push_if_evictable(parent))
         return size, aux_size
 
-    def evict(self, num_tokens: Any = 0, aux_tokens: Any = 0, held: bool = False) -> tuple:
+    def evict(self, num_tokens: Any = 0, aux_tokens: Any = 0, held: bool = False,
+              page_ids: Any = False) -> tuple:
         for value, what in ((num_tokens, "num_tokens"), (aux_tokens, "aux_tokens")):
             if type(value) is not int:
                 raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+        if type(page_ids) is not bool:
+            raise TypeError(f"page_ids must be a bool, got {type(page_ids).__name__}")
         self._take(held, "evict")
         garbage: list = []
         try:
             tree = self.tree
             records: list = []
+            gathered = ([], []) if page_ids else None
             freed = aux_freed = 0
             while freed < num_tokens:
                 node = self.heap._pop(garbage)
                 if node is None:
                     break
-                size, aux_size = self._leave_tree(node, records, garbage)
+                size, aux_size = self._leave_tree(node, records, garbage, gathered)
                 freed += size
                 aux_freed += aux_size
             cursor = None
@@ -872,13 +895,19 @@ class HybridCore(Core):
                 victim = cursor
                 cursor = tree._prev_unlocked(victim)
                 if self._is_leaf(victim):
-                    size, aux_size = self._leave_tree(victim, records, garbage)
+                    size, aux_size = self._leave_tree(victim, records, garbage, gathered)
                     freed += size
                     aux_freed += aux_size
+                elif gathered is not None:
+                    aux_freed += tree._aux_size(victim)
+                    gathered[1].append(tree._take_aux(victim))
                 else:
                     aux_freed += tree._aux_size(victim)
                     records.append((self._values_of(victim),
                                     self._aux_of(tree._take_aux(victim)), False))
+            if gathered is not None:
+                return (freed, aux_freed, index_array(gathered[0], self._numpy_arrays),
+                        index_array(gathered[1], self._numpy_arrays))
             return freed, aux_freed, records
         finally:
             if not held:

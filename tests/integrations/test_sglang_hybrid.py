@@ -162,6 +162,35 @@ def test_mamba_same_as_sglang_default_cache(backend_core, monkeypatch, page_size
         assert seen.get(kind, 0) > 0, (kind, seen)
 
 
+@pytest.mark.parametrize("policy", ("lru", "lfu"))
+def test_mamba_same_as_sglang_default_cache_without_events(backend_core, monkeypatch,
+                                                           policy):
+    """Events off, page 16: the core hands over an eviction's page ids and states in one
+    array each (another code path), freed as SGLang's per-node frees free them."""
+    seen: dict = {}
+    _counting_mamba_paths(monkeypatch, seen)
+    free_pages = RadixcacheMambaBackend._free_pages
+
+    def counted_free_pages(self, page_ids):
+        seen["page ids freed"] = seen.get("page ids freed", 0) + 1
+        return free_pages(self, page_ids)
+
+    monkeypatch.setattr(RadixcacheMambaBackend, "_free_pages", counted_free_pages)
+    replay = Replay(backend_core, 16, policy,
+                    seed=zlib.crc32(f"mamba-quiet-{policy}".encode()),
+                    monkeypatch=monkeypatch, state=True, events=False)
+    try:
+        for _ in range(MAMBA_STEPS // 2):
+            replay.step()
+    finally:
+        replay.close()
+    CALLS["mamba", backend_core] = CALLS.get(("mamba", backend_core), 0) + replay.calls
+    counts = replay.counts
+    assert counts.get("finished", 0) > 5 and not counts.get("events"), counts
+    for kind in ("states alone", "states with leaves", "page ids freed"):
+        assert seen.get(kind, 0) > 0, (kind, seen)
+
+
 def teardown_module(module) -> None:
     if CALLS:
         print("\ntest_sglang_hybrid: scheduler-level calls compared with SGLang per component "

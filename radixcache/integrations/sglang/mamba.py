@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.runtime_context import mamba_checkpoint_grid
 
-from .backend import _RECEIPT, _check_key, _token_array
+from .backend import _PAGED_ALLOCATOR, _RECEIPT, _check_key, _token_array
 from .hybrid import RadixcacheHybridBackend
 
 _new_tuple = tuple.__new__
@@ -439,13 +439,41 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         return EvictResult(num_tokens_evicted=freed, mamba_num_evicted=states)
 
     def _evict(self, num_tokens: int, mamba_num: int = 0) -> tuple:
+        allocator = self.token_to_kv_pool_allocator
+        if (not self.kv_events.enabled and not allocator.debug_mode
+                and self._allocator_kind(allocator) == _PAGED_ALLOCATOR):
+            # The core hands over the whole leaves' page ids and the states freed, each in
+            # one array in eviction order: one free per pool, the same as SGLang's per-node
+            # frees (its paged allocator frees a node's pages; its Mamba allocator is first
+            # in, first out).
+            if not self._evicting(num_tokens, mamba_num):
+                return 0, 0
+            freed, states, pages, lost = self._core.evict(max(num_tokens, 0),
+                                                          max(mamba_num, 0), False, True)
+            try:
+                if len(pages):
+                    self._free_pages(pages)
+            finally:
+                if len(lost):
+                    self._free_states(lost)
+            return freed, states
         freed, states, full, lost = self._evict_records(num_tokens, mamba_num)
-        if full:  # (one free per pool: SGLang's per-node frees, in the same order)
-            self._free(full[0] if len(full) == 1 else np.concatenate(full))
-        if lost:
-            self._mamba._free_mamba_value(torch.from_numpy(
-                lost[0][1] if len(lost) == 1 else np.concatenate([aux for _, aux in lost])))
+        try:
+            if full:  # (one free per pool: SGLang's per-node frees, in the same order)
+                self._free(full[0] if len(full) == 1 else np.concatenate(full))
+        finally:
+            if lost:
+                self._free_states(lost[0][1] if len(lost) == 1
+                                  else np.concatenate([aux for _, aux in lost]))
         return freed, states
+
+    def _free_states(self, slots: np.ndarray) -> None:
+        """Give the state slots ``slots`` back (SGLang's ``MambaComponent._free_mamba_value``:
+        to the Mamba allocator, where there is no int8 checkpoint pool)."""
+        if self._plain_states:
+            self.req_to_token_pool.mamba_allocator.free(torch.from_numpy(slots))
+        else:
+            self._mamba._free_mamba_value(torch.from_numpy(slots))
 
     # -- locks -----------------------------------------------------------------------------
     def inc_lock_ref(self, node: Any, skip_lock_components: Any = ()) -> IncLockRefResult:
