@@ -263,6 +263,7 @@ class HybridCore(Protocol):
     last_walk: int
     last_recovered: list
     aux_kept: bool
+    last_dup_pages: Optional[Any]
     lookups: int
     matched_tokens: int
     queried_tokens: int
@@ -279,7 +280,7 @@ class HybridCore(Protocol):
 
     def insert(self, tokens: Tokens, kv: Any = None, aux: Any = None, extra_key: Any = None,
                priority: Any = 0, hits_from: Any = 0, live_from: Any = 0, dup_from: Any = 0,
-               held: bool = False) -> Any: ...
+               held: bool = False, dup_pages: bool = False) -> Any: ...
 
     def exists(self, tokens: Tokens, extra_key: Any = None,
                held: bool = False) -> Optional[bool]: ...

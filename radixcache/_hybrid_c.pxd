@@ -41,6 +41,7 @@ cdef class HybridCore:
     cdef readonly int64_t last_walk
     cdef readonly list last_recovered
     cdef readonly bint aux_kept
+    cdef readonly object last_dup_pages
     # The auxiliary LRU list's ends (borrowed; NULL when empty) and the last mark given.
     cdef PyObject* newest
     cdef PyObject* oldest
@@ -52,6 +53,7 @@ cdef class HybridCore:
     cdef void count_aux(self, AuxNode node, int sign) noexcept
     cdef void give_aux(self, AuxNode node, object owner, const int64_t* ptr) noexcept
     cdef object take_aux(self, AuxNode node, Gathered* into=*)
+    cdef object page_ids_of(self, const int64_t* slots, Py_ssize_t start, Py_ssize_t stop)
     cdef void refresh(self, AuxNode node) noexcept
     cdef AuxNode split(self, AuxNode child, Py_ssize_t at)
     cdef AuxNode next_unlocked(self, PyObject* start) noexcept

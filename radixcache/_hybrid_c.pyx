@@ -118,6 +118,7 @@ cdef class HybridCore:
         self.newest = NULL
         self.oldest = NULL
         self.last_recovered = []
+        self.last_dup_pages = None
 
     # -- the core's attributes -------------------------------------------------------------------
     @property
@@ -196,6 +197,7 @@ cdef class HybridCore:
             self.last_walk = 0
             self.last_recovered = []
             self.aux_kept = False
+            self.last_dup_pages = None
         finally:
             if not held:
                 self.core.guard.busy = 0
@@ -434,7 +436,7 @@ cdef class HybridCore:
         return <int64_t>value
 
     def insert(self, tokens, kv=None, aux=None, extra_key=None, priority=0, hits_from=0,
-               live_from=0, dup_from=0, bint held=False):
+               live_from=0, dup_from=0, bint held=False, dup_pages=False):
         cdef TokenBuf b, v, a
         cdef int64_t prio, hits_after, live, dup, ns
         cdef Py_ssize_t end, need
@@ -453,8 +455,11 @@ cdef class HybridCore:
         if live % self.page_size:
             raise ValueError(f"live_from must be page aligned, got {live}")
         dup = self.position(dup_from, "dup_from")
+        if type(dup_pages) is not bool:
+            raise TypeError(f"dup_pages must be a bool, got {type(dup_pages).__name__}")
         if not held:
             core.guard.enter("insert")
+        self.last_dup_pages = None
         try:
             # Every input into the call's own memory first (the walk allocates).
             if not core.acquire(tokens, &b, False, True):
@@ -485,14 +490,30 @@ cdef class HybridCore:
                                     f"{type(extra_key).__name__}") from None
                 if ns < 0 and end:
                     ns = self.tree.make_namespace(extra_key)
-            return self.insert_walk(&b, &v, end, aux_block, ns, extra_key, prio, hits_after,
-                                    live, dup, b.len == end)
+            result = self.insert_walk(&b, &v, end, aux_block, ns, extra_key, prio, hits_after,
+                                      live, dup, b.len == end)
+            if dup_pages:  # (v is the call's own copy: the walk cannot have changed it)
+                self.last_dup_pages = self.page_ids_of(v.ptr, dup, result.prefix_len)
+            return result
         finally:
             release_buffer(&b)
             release_buffer(&v)
             release_buffer(&a)
             if not held:
                 core.guard.busy = 0
+
+    cdef object page_ids_of(self, const int64_t* slots, Py_ssize_t start, Py_ssize_t stop):
+        """The page ids of ``slots[start:stop]`` (none when ``start >= stop``): a new index
+        array."""
+        cdef Gathered ids
+        ids.data = NULL
+        ids.len = ids.cap = 0
+        try:
+            if start < stop:
+                gather(&ids, slots + start, stop - start, self.page_size)
+            return block_tensor(ids.data, ids.len, self.numpy_arrays)
+        finally:
+            free(ids.data)
 
     cdef object insert_walk(self, TokenBuf* b, TokenBuf* v, Py_ssize_t end, bytes aux_block,
                             int64_t ns, object extra_key, int64_t prio, int64_t hits_after,

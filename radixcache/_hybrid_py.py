@@ -46,7 +46,7 @@ recent end.
   tick (and the upper half of a split, which is new). ``last_walk`` is set to the tokens
   the walk matched (the accepted prefix or more).
 - ``insert(tokens, kv, aux=None, extra_key=None, priority=0, hits_from=0, live_from=0,
-  dup_from=0, held=False) -> InsertResult``: ``kv`` (required) are the caller's
+  dup_from=0, held=False, dup_pages=False) -> InsertResult``: ``kv`` (required) are the caller's
   full-attention slots for the page-aligned tokens, ``aux`` its auxiliary slots (window:
   one per token, aligned with ``kv``; state: one slot, the state at the end of the
   sequence). Walks, splits, stamps, priorities and hit counts as ``Core.insert`` (a node
@@ -66,6 +66,11 @@ recent end.
   caller's, to be freed in the full-attention pool only; locked: kept, and the caller's
   ``kv[start:end]`` are to be freed so). ``InsertResult.prefix_len`` counts the
   tokens the walk found cached (recovered ones included).
+  With ``dup_pages`` (a bool, else ``TypeError`` before anything changes),
+  ``last_dup_pages`` is set to the page ids of the caller's ``kv[dup_from:prefix_len]``
+  (every ``page_size``-th slot from ``dup_from``, floor-divided by ``page_size``: the
+  duplicates a paged allocator frees; a new index array, empty when ``dup_from >=
+  prefix_len``); it is None after any other insert.
 - ``lock(node, delta, held=False) -> int``: the full-attention lock, as ``Core.lock``.
 - ``aux_lock(node, delta, mark=0, held=False) -> int``: the auxiliary lock. Window: +1
   counts every node from ``node`` up until ``window`` tokens are covered (tombstones
@@ -320,7 +325,7 @@ class AuxTree(Tree):
 class HybridCore(Core):
     """One hybrid cache: ``Core`` with an auxiliary component (see the module docstring)."""
 
-    __slots__ = ("last_walk", "last_recovered", "aux_kept", "_component")
+    __slots__ = ("last_walk", "last_recovered", "aux_kept", "last_dup_pages", "_component")
 
     def __init__(self, page_size: int, policy: str, numpy_arrays: bool = False,
                  window: int = 0, state: bool = False) -> None:
@@ -337,6 +342,7 @@ class HybridCore(Core):
         self.last_walk = 0
         self.last_recovered: list = []
         self.aux_kept = False
+        self.last_dup_pages = None
 
     def _make_tree(self, page_size: int, numpy_arrays: bool, host_tier: bool) -> Tree:
         window, state = self._component
@@ -372,6 +378,7 @@ class HybridCore(Core):
         self.last_walk = 0
         self.last_recovered = []
         self.aux_kept = False
+        self.last_dup_pages = None
 
     def export_state(self) -> dict:
         raise TypeError("a hybrid cache cannot be exported or copied")
@@ -484,7 +491,7 @@ class HybridCore(Core):
 
     def insert(self, tokens: Any, kv: Any = None, aux: Any = None, extra_key: Any = None,
                priority: Any = 0, hits_from: Any = 0, live_from: Any = 0, dup_from: Any = 0,
-               held: bool = False) -> InsertResult:
+               held: bool = False, dup_pages: Any = False) -> InsertResult:
         if type(priority) is not int or not INT64_MIN <= priority <= INT64_MAX:
             raise TypeError(f"priority must be an int in int64, got {priority!r}")
         hits_from = self._position(hits_from, "hits_from")
@@ -492,7 +499,10 @@ class HybridCore(Core):
         if live_from % self.page_size:
             raise ValueError(f"live_from must be page aligned, got {live_from}")
         dup_from = self._position(dup_from, "dup_from")
+        if type(dup_pages) is not bool:
+            raise TypeError(f"dup_pages must be a bool, got {type(dup_pages).__name__}")
         self._take(held, "insert")
+        self.last_dup_pages = None
         try:
             buf = _token_bytes(tokens)
             if buf is None:
@@ -511,8 +521,13 @@ class HybridCore(Core):
                 aux_bytes = self._slots(aux, "aux (the window slots)", end)[:end].tobytes()
             if extra_key is not None and not _hashable(extra_key):
                 raise TypeError(f"extra_key must be hashable, got {type(extra_key).__name__}")
-            return self._insert(buf, end, values, aux_bytes, extra_key, priority, hits_from,
-                                live_from, dup_from)
+            result = self._insert(buf, end, values, aux_bytes, extra_key, priority, hits_from,
+                                  live_from, dup_from)
+            if dup_pages:
+                self.last_dup_pages = index_array(
+                    [page_ids_of(values[dup_from:result.prefix_len].tobytes(), self.page_size)],
+                    self._numpy_arrays)
+            return result
         finally:
             if not held:
                 self._leave()

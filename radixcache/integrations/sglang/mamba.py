@@ -242,12 +242,22 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
             state = (state.cpu().numpy() if type(state) is torch.Tensor
                      else np.asarray(state)).reshape(-1).astype(np.int64)
         core = self._core
+        allocator = self.token_to_kv_pool_allocator
+        # The duplicates' page ids from the core, for SGLang's paged allocator (what its
+        # free_segment frees of them).
+        pages = (dup_from < len(tokens)
+                 and self._allocator_kind(allocator) == _PAGED_ALLOCATOR
+                 and not allocator.debug_mode)
         result = core.insert(tokens, values, state, namespace,
-                             priority if self._use_priority else 0, inserted_len, 0, dup_from)
+                             priority if self._use_priority else 0, inserted_len, 0, dup_from,
+                             False, pages)
         if self.kv_events.enabled and result.prefix_len < len(tokens):
             self._record_stored(result, tokens, values, names, None, None)
         if dup_from < result.prefix_len:
-            self._free(values[dup_from:result.prefix_len])
+            if pages:
+                self._free_pages(core.last_dup_pages)
+            else:
+                self._free(values[dup_from:result.prefix_len])
         return result, core.aux_kept or not len(tokens)
 
     # -- checkpoint and release -------------------------------------------------------------
@@ -440,8 +450,9 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
 
     def _evict(self, num_tokens: int, mamba_num: int = 0) -> tuple:
         allocator = self.token_to_kv_pool_allocator
-        if (not self.kv_events.enabled and not allocator.debug_mode
-                and self._allocator_kind(allocator) == _PAGED_ALLOCATOR):
+        if (not self.kv_events.enabled
+                and self._allocator_kind(allocator) == _PAGED_ALLOCATOR
+                and not allocator.debug_mode):
             # The core hands over the whole leaves' page ids and the states freed, each in
             # one array in eviction order: one free per pool, the same as SGLang's per-node
             # frees (its paged allocator frees a node's pages; its Mamba allocator is first
