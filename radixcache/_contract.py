@@ -271,6 +271,7 @@ class HybridCore(Protocol):
     last_walk: int
     last_recovered: list
     aux_kept: bool
+    last_dup_pages: Optional[Any]
     lookups: int
     matched_tokens: int
     queried_tokens: int
@@ -287,7 +288,7 @@ class HybridCore(Protocol):
 
     def insert(self, tokens: Tokens, kv: Any = None, aux: Any = None, extra_key: Any = None,
                priority: Any = 0, hits_from: Any = 0, live_from: Any = 0, dup_from: Any = 0,
-               held: bool = False) -> Any: ...
+               held: bool = False, dup_pages: bool = False) -> Any: ...
 
     def exists(self, tokens: Tokens, extra_key: Any = None,
                held: bool = False) -> Optional[bool]: ...
@@ -307,7 +308,8 @@ class HybridCore(Protocol):
     def relock(self, old: Any, new: Any, release: int = 3, acquire: int = 3, start: int = 0,
                stop: int = 0, held: bool = False) -> Optional[Any]: ...
 
-    def evict(self, num_tokens: int = 0, aux_tokens: int = 0, held: bool = False) -> tuple: ...
+    def evict(self, num_tokens: int = 0, aux_tokens: int = 0, held: bool = False,
+              page_ids: bool = False) -> tuple: ...
 
     def pop_victim(self, held: bool = False) -> Optional[Node]: ...
 

@@ -2,6 +2,7 @@
 """Declarations of the compiled tree core (implemented in _core_c.pyx)."""
 
 from cpython.buffer cimport Py_buffer
+cimport cython
 from cpython.ref cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
@@ -116,6 +117,16 @@ cdef void release_buffer(TokenBuf* tb) noexcept
 cdef object make_index_array(object capsule, bint numpy_arrays)
 cdef object new_empty_indices(bint numpy_arrays)
 cdef object block_tensor(const int64_t* src, Py_ssize_t n, bint numpy_arrays)
+
+
+@cython.cdivision(True)
+cdef inline int64_t floor_div64(int64_t value, int64_t divisor) noexcept nogil:
+    """``value // divisor`` rounded toward minus infinity (Python's and numpy's), for a
+    positive ``divisor`` (a page id: ``_handover.page_ids``)."""
+    cdef int64_t quotient = value / divisor
+    if value % divisor and value < 0:
+        quotient -= 1
+    return quotient
 
 
 cdef class Tree:

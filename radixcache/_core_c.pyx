@@ -1722,15 +1722,6 @@ cdef object path_value(Node node):
     return node.value
 
 
-cdef inline int64_t floor_div64(int64_t value, int64_t divisor) noexcept nogil:
-    """``value // divisor`` rounded toward minus infinity (Python's and numpy's), for a
-    positive ``divisor``."""
-    cdef int64_t quotient = value / divisor
-    if value % divisor and value < 0:
-        quotient -= 1
-    return quotient
-
-
 cdef int collect_value(FreedBatch batch, Node node, Py_ssize_t page_size=0) except -1:
     """Add a device victim's indices to ``batch``: its device tensor (read first; the batch
     joins its parts into a new tensor), else its CPU values or its key. With a

@@ -21,6 +21,14 @@ cdef class AuxNode(Node):
     cdef PyObject* older
 
 
+cdef struct Gathered:
+    # An eviction's freed slots gathered in the call's own memory (``evict(page_ids=True)``):
+    # copied from a node while it still holds them, before anything allocates.
+    int64_t* data
+    Py_ssize_t len
+    Py_ssize_t cap
+
+
 cdef class HybridCore:
     cdef readonly Core core
     cdef readonly Tree tree
@@ -33,6 +41,7 @@ cdef class HybridCore:
     cdef readonly int64_t last_walk
     cdef readonly list last_recovered
     cdef readonly bint aux_kept
+    cdef readonly object last_dup_pages
     # The auxiliary LRU list's ends (borrowed; NULL when empty) and the last mark given.
     cdef PyObject* newest
     cdef PyObject* oldest
@@ -43,7 +52,8 @@ cdef class HybridCore:
     cdef Py_ssize_t aux_size(self, AuxNode node) noexcept
     cdef void count_aux(self, AuxNode node, int sign) noexcept
     cdef void give_aux(self, AuxNode node, object owner, const int64_t* ptr) noexcept
-    cdef object take_aux(self, AuxNode node)
+    cdef object take_aux(self, AuxNode node, Gathered* into=*)
+    cdef object page_ids_of(self, const int64_t* slots, Py_ssize_t start, Py_ssize_t stop)
     cdef void refresh(self, AuxNode node) noexcept
     cdef AuxNode split(self, AuxNode child, Py_ssize_t at)
     cdef AuxNode next_unlocked(self, PyObject* start) noexcept
@@ -66,4 +76,5 @@ cdef class HybridCore:
     cdef AuxNode window_top(self, AuxNode node, int64_t mark)
     cdef list unlock_window(self, AuxNode node, AuxNode top, bint early)
     cdef bint is_leaf(self, AuxNode node) noexcept
-    cdef tuple leave_tree(self, AuxNode node, list records, list garbage)
+    cdef tuple leave_tree(self, AuxNode node, list records, list garbage,
+                          Gathered* pages=*, Gathered* auxes=*)

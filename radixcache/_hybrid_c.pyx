@@ -22,10 +22,12 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsLongLong
 from cpython.ref cimport PyObject
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint64_t
+from libc.stdlib cimport free, realloc
 from libc.string cimport memcpy
 
 from ._core_c cimport (ChildSlot, Core, Node, TokenBuf, Tree, add_child, block_tensor,
-                       make_index_array, new_empty_indices, release_buffer, table_probe)
+                       floor_div64, make_index_array, new_empty_indices, release_buffer,
+                       table_probe)
 
 from ._errors import reentered
 from ._types import InsertResult as _InsertResult
@@ -65,6 +67,27 @@ cdef class AuxNode(Node):
         return self.aux_lock
 
 
+cdef int gather(Gathered* out, const int64_t* src, Py_ssize_t n, Py_ssize_t step) except -1:
+    """Append every ``step``-th of ``src[:n]`` from the first, floor-divided by ``step``
+    (its page ids; ``step`` 1: the slots as they are)."""
+    cdef Py_ssize_t count = (n + step - 1) // step, cap, i
+    cdef int64_t* grown
+    if out.len + count > out.cap:
+        cap = max(2 * out.cap, out.len + count, 64)
+        grown = <int64_t*>realloc(out.data, cap * sizeof(int64_t))
+        if grown == NULL:
+            raise MemoryError()
+        out.data = grown
+        out.cap = cap
+    if step == 1:
+        memcpy(out.data + out.len, src, n * sizeof(int64_t))
+    else:
+        for i in range(count):
+            out.data[out.len + i] = floor_div64(src[i * step], step)
+    out.len += count
+    return 0
+
+
 cdef inline Py_ssize_t aligned_up(Py_ssize_t n, Py_ssize_t page) noexcept:
     return (n + page - 1) // page * page
 
@@ -95,6 +118,7 @@ cdef class HybridCore:
         self.newest = NULL
         self.oldest = NULL
         self.last_recovered = []
+        self.last_dup_pages = None
 
     # -- the core's attributes -------------------------------------------------------------------
     @property
@@ -173,6 +197,7 @@ cdef class HybridCore:
             self.last_walk = 0
             self.last_recovered = []
             self.aux_kept = False
+            self.last_dup_pages = None
         finally:
             if not held:
                 self.core.guard.busy = 0
@@ -253,10 +278,15 @@ cdef class HybridCore:
         self.link_behind(None, node)
         self.count_aux(node, 1)
 
-    cdef object take_aux(self, AuxNode node):
-        """``node`` becomes a tombstone: its slots (a new index array) leave it and the list.
-        The old owner is released with the array (no finalizer: bytes)."""
-        aux = block_tensor(node.aux_ptr, self.aux_size(node), self.numpy_arrays)
+    cdef object take_aux(self, AuxNode node, Gathered* into=NULL):
+        """``node`` becomes a tombstone: its slots (a new index array; with ``into``, added
+        there instead, None returned) leave it and the list. The old owner is released with
+        the array (no finalizer: bytes)."""
+        if into != NULL:
+            gather(into, node.aux_ptr, self.aux_size(node), 1)
+            aux = None
+        else:
+            aux = block_tensor(node.aux_ptr, self.aux_size(node), self.numpy_arrays)
         self.count_aux(node, -1)
         self.unlink(node)
         node.aux_owner = None
@@ -406,7 +436,7 @@ cdef class HybridCore:
         return <int64_t>value
 
     def insert(self, tokens, kv=None, aux=None, extra_key=None, priority=0, hits_from=0,
-               live_from=0, dup_from=0, bint held=False):
+               live_from=0, dup_from=0, bint held=False, dup_pages=False):
         cdef TokenBuf b, v, a
         cdef int64_t prio, hits_after, live, dup, ns
         cdef Py_ssize_t end, need
@@ -425,8 +455,11 @@ cdef class HybridCore:
         if live % self.page_size:
             raise ValueError(f"live_from must be page aligned, got {live}")
         dup = self.position(dup_from, "dup_from")
+        if type(dup_pages) is not bool:
+            raise TypeError(f"dup_pages must be a bool, got {type(dup_pages).__name__}")
         if not held:
             core.guard.enter("insert")
+        self.last_dup_pages = None
         try:
             # Every input into the call's own memory first (the walk allocates).
             if not core.acquire(tokens, &b, False, True):
@@ -457,14 +490,30 @@ cdef class HybridCore:
                                     f"{type(extra_key).__name__}") from None
                 if ns < 0 and end:
                     ns = self.tree.make_namespace(extra_key)
-            return self.insert_walk(&b, &v, end, aux_block, ns, extra_key, prio, hits_after,
-                                    live, dup, b.len == end)
+            result = self.insert_walk(&b, &v, end, aux_block, ns, extra_key, prio, hits_after,
+                                      live, dup, b.len == end)
+            if dup_pages:  # (v is the call's own copy: the walk cannot have changed it)
+                self.last_dup_pages = self.page_ids_of(v.ptr, dup, result.prefix_len)
+            return result
         finally:
             release_buffer(&b)
             release_buffer(&v)
             release_buffer(&a)
             if not held:
                 core.guard.busy = 0
+
+    cdef object page_ids_of(self, const int64_t* slots, Py_ssize_t start, Py_ssize_t stop):
+        """The page ids of ``slots[start:stop]`` (none when ``start >= stop``): a new index
+        array."""
+        cdef Gathered ids
+        ids.data = NULL
+        ids.len = ids.cap = 0
+        try:
+            if start < stop:
+                gather(&ids, slots + start, stop - start, self.page_size)
+            return block_tensor(ids.data, ids.len, self.numpy_arrays)
+        finally:
+            free(ids.data)
 
     cdef object insert_walk(self, TokenBuf* b, TokenBuf* v, Py_ssize_t end, bytes aux_block,
                             int64_t ns, object extra_key, int64_t prio, int64_t hits_after,
@@ -881,34 +930,48 @@ cdef class HybridCore:
                     or node is self.tree.root)
 
     # -- eviction -------------------------------------------------------------------------------
-    cdef tuple leave_tree(self, AuxNode node, list records, list garbage):
-        """An evictable leaf leaves the tree; its record to ``records``. (full, aux) freed."""
+    cdef tuple leave_tree(self, AuxNode node, list records, list garbage,
+                          Gathered* pages=NULL, Gathered* auxes=NULL):
+        """An evictable leaf leaves the tree; its record to ``records`` (with ``pages``: its
+        page ids to ``pages``, its auxiliary slots to ``auxes``). (full, aux) freed."""
         cdef Core core = self.core
         cdef Py_ssize_t size = node.key_len, aux_size = 0
         cdef Node parent
         aux = None
+        if pages != NULL:  # (first: the node is as it was should the gathering fail)
+            gather(pages, node.value_ptr if node.value_ptr != NULL else node.key_ptr,
+                   node.key_len, self.page_size)
         if node.aux_owner is not None:
             aux_size = self.aux_size(node)
-            aux = self.take_aux(node)  # out of the list before it leaves the tree
-        values = self.values_of(node)
+            aux = self.take_aux(node, auxes)  # out of the list before it leaves the tree
+        if pages == NULL:
+            records.append((self.values_of(node), aux, True))
         parent = self.tree.detach_leaf(node, garbage)
-        records.append((values, aux, True))
         core.evictable -= size
         core.evictions += 1
         core.evicted_tokens += size
         garbage.append(core.push_if_evictable(parent))
         return size, aux_size
 
-    def evict(self, num_tokens=0, aux_tokens=0, bint held=False):
+    def evict(self, num_tokens=0, aux_tokens=0, bint held=False, page_ids=False):
         cdef Core core = self.core
         cdef int64_t want, aux_want, freed = 0, aux_freed = 0
         cdef AuxNode victim, cursor = None
+        cdef Gathered pages, auxes
+        cdef Gathered* into_pages = NULL
+        cdef Gathered* into_auxes = NULL
         if type(num_tokens) is not int:
             raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
         if type(aux_tokens) is not int:
             raise TypeError(f"aux_tokens must be an int, got {type(aux_tokens).__name__}")
+        if type(page_ids) is not bool:
+            raise TypeError(f"page_ids must be a bool, got {type(page_ids).__name__}")
         want = num_tokens if num_tokens < INT64_MAX else INT64_MAX
         aux_want = aux_tokens if aux_tokens < INT64_MAX else INT64_MAX
+        pages.data = auxes.data = NULL
+        pages.len = pages.cap = auxes.len = auxes.cap = 0
+        if page_ids:
+            into_pages, into_auxes = &pages, &auxes
         records = []
         garbage = []  # stale entries and dropped values: released after the guard
         if not held:
@@ -921,7 +984,8 @@ cdef class HybridCore:
                 victim = <AuxNode>found
                 if victim.aux_lock:
                     continue  # pushed again when its window lock goes
-                size, aux_size = self.leave_tree(victim, records, garbage)
+                size, aux_size = self.leave_tree(victim, records, garbage, into_pages,
+                                                 into_auxes)
                 freed += size
                 aux_freed += aux_size
             if aux_freed < aux_want:
@@ -933,14 +997,23 @@ cdef class HybridCore:
                 victim = cursor
                 cursor = self.next_unlocked(victim.newer)
                 if self.is_leaf(victim):
-                    size, aux_size = self.leave_tree(victim, records, garbage)
+                    size, aux_size = self.leave_tree(victim, records, garbage, into_pages,
+                                                     into_auxes)
                     freed += size
                     aux_freed += aux_size
+                elif page_ids:
+                    aux_freed += self.aux_size(victim)
+                    self.take_aux(victim, into_auxes)
                 else:
                     aux_freed += self.aux_size(victim)
                     records.append((self.values_of(victim), self.take_aux(victim), False))
+            if page_ids:
+                return (freed, aux_freed, block_tensor(pages.data, pages.len, self.numpy_arrays),
+                        block_tensor(auxes.data, auxes.len, self.numpy_arrays))
             return freed, aux_freed, records
         finally:
+            free(pages.data)
+            free(auxes.data)
             if not held:
                 core.guard.busy = 0
             del garbage[:]

@@ -46,7 +46,7 @@ recent end.
   tick (and the upper half of a split, which is new). ``last_walk`` is set to the tokens
   the walk matched (the accepted prefix or more).
 - ``insert(tokens, kv, aux=None, extra_key=None, priority=0, hits_from=0, live_from=0,
-  dup_from=0, held=False) -> InsertResult``: ``kv`` (required) are the caller's
+  dup_from=0, held=False, dup_pages=False) -> InsertResult``: ``kv`` (required) are the caller's
   full-attention slots for the page-aligned tokens, ``aux`` its auxiliary slots (window:
   one per token, aligned with ``kv``; state: one slot, the state at the end of the
   sequence). Walks, splits, stamps, priorities and hit counts as ``Core.insert`` (a node
@@ -66,6 +66,11 @@ recent end.
   caller's, to be freed in the full-attention pool only; locked: kept, and the caller's
   ``kv[start:end]`` are to be freed so). ``InsertResult.prefix_len`` counts the
   tokens the walk found cached (recovered ones included).
+  With ``dup_pages`` (a bool, else ``TypeError`` before anything changes),
+  ``last_dup_pages`` is set to the page ids of the caller's ``kv[dup_from:prefix_len]``
+  (every ``page_size``-th slot from ``dup_from``, floor-divided by ``page_size``: the
+  duplicates a paged allocator frees; a new index array, empty when ``dup_from >=
+  prefix_len``); it is None after any other insert.
 - ``lock(node, delta, held=False) -> int``: the full-attention lock, as ``Core.lock``.
 - ``aux_lock(node, delta, mark=0, held=False) -> int``: the auxiliary lock. Window: +1
   counts every node from ``node`` up until ``window`` tokens are covered (tombstones
@@ -88,14 +93,21 @@ recent end.
 - ``aux_release(node, mark, held=False) -> list``: the early release of a window lock: as
   ``aux_lock(node, -1, mark)``, and a node left unlocked that is an evictable leaf is made a
   tombstone; returns those nodes' records (below).
-- ``evict(num_tokens, aux_tokens=0, held=False) -> (freed, aux_freed, records)``: frees
-  full-attention tokens first, as ``Core.evict`` does (evictable leaves in policy order; a
-  victim's auxiliary slots go with it), until ``num_tokens`` are freed; then, while fewer
-  than ``aux_tokens`` auxiliary slots are freed, walks the auxiliary LRU from its least
-  recent end, skipping locked nodes: an evictable leaf leaves the tree as above, any other
-  node becomes a tombstone. ``records`` lists what was freed, in order, as ``(values, aux,
-  whole)``: the node's full slots, its auxiliary slots (None for a tombstone leaf) and
-  whether it left the tree (False: a tombstone; its full slots are kept).
+- ``evict(num_tokens, aux_tokens=0, held=False, page_ids=False) -> (freed, aux_freed,
+  records)``: frees full-attention tokens first, as ``Core.evict`` does (evictable leaves in
+  policy order; a victim's auxiliary slots go with it), until ``num_tokens`` are freed;
+  then, while fewer than ``aux_tokens`` auxiliary slots are freed, walks the auxiliary LRU
+  from its least recent end, skipping locked nodes: an evictable leaf leaves the tree as
+  above, any other node becomes a tombstone. ``records`` lists what was freed, in order,
+  as ``(values, aux, whole)``: the node's full slots, its auxiliary slots (None for a
+  tombstone leaf) and whether it left the tree (False: a tombstone; its full slots are
+  kept).
+  ``evict(..., page_ids=True)`` decides the same and returns ``(freed, aux_freed, pages,
+  aux)`` instead: ``pages`` the page ids of the full slots of the nodes that left the tree
+  (every ``page_size``-th slot of a node from its first, floor-divided by ``page_size``:
+  what a paged allocator frees, ``_handover.page_ids``), ``aux`` the auxiliary slots of
+  every record, each a new index array (empty when none) in eviction order. ``TypeError``
+  for a ``page_ids`` that is not a bool, before anything changes.
 - ``path_indices(node, start=0) -> index array``: the full-attention slots of the path
   root..``node`` from its ``start``-th token on (a new array; ``ValueError`` for a node not
   in this tree).
@@ -118,6 +130,7 @@ import numpy as np
 
 from ._core_py import Core, _hashable, _kv_array, _token_bytes
 from ._errors import reentered
+from ._handover import page_ids as page_ids_of
 from ._heap_py import EvictionHeap
 from ._torch import empty_indices
 from ._tree_py import TOKEN_BYTES, Node, Tree, index_array
@@ -312,7 +325,7 @@ class AuxTree(Tree):
 class HybridCore(Core):
     """One hybrid cache: ``Core`` with an auxiliary component (see the module docstring)."""
 
-    __slots__ = ("last_walk", "last_recovered", "aux_kept", "_component")
+    __slots__ = ("last_walk", "last_recovered", "aux_kept", "last_dup_pages", "_component")
 
     def __init__(self, page_size: int, policy: str, numpy_arrays: bool = False,
                  window: int = 0, state: bool = False) -> None:
@@ -329,6 +342,7 @@ class HybridCore(Core):
         self.last_walk = 0
         self.last_recovered: list = []
         self.aux_kept = False
+        self.last_dup_pages = None
 
     def _make_tree(self, page_size: int, numpy_arrays: bool, host_tier: bool) -> Tree:
         window, state = self._component
@@ -364,6 +378,7 @@ class HybridCore(Core):
         self.last_walk = 0
         self.last_recovered = []
         self.aux_kept = False
+        self.last_dup_pages = None
 
     def export_state(self) -> dict:
         raise TypeError("a hybrid cache cannot be exported or copied")
@@ -476,7 +491,7 @@ class HybridCore(Core):
 
     def insert(self, tokens: Any, kv: Any = None, aux: Any = None, extra_key: Any = None,
                priority: Any = 0, hits_from: Any = 0, live_from: Any = 0, dup_from: Any = 0,
-               held: bool = False) -> InsertResult:
+               held: bool = False, dup_pages: Any = False) -> InsertResult:
         if type(priority) is not int or not INT64_MIN <= priority <= INT64_MAX:
             raise TypeError(f"priority must be an int in int64, got {priority!r}")
         hits_from = self._position(hits_from, "hits_from")
@@ -484,7 +499,10 @@ class HybridCore(Core):
         if live_from % self.page_size:
             raise ValueError(f"live_from must be page aligned, got {live_from}")
         dup_from = self._position(dup_from, "dup_from")
+        if type(dup_pages) is not bool:
+            raise TypeError(f"dup_pages must be a bool, got {type(dup_pages).__name__}")
         self._take(held, "insert")
+        self.last_dup_pages = None
         try:
             buf = _token_bytes(tokens)
             if buf is None:
@@ -503,8 +521,13 @@ class HybridCore(Core):
                 aux_bytes = self._slots(aux, "aux (the window slots)", end)[:end].tobytes()
             if extra_key is not None and not _hashable(extra_key):
                 raise TypeError(f"extra_key must be hashable, got {type(extra_key).__name__}")
-            return self._insert(buf, end, values, aux_bytes, extra_key, priority, hits_from,
-                                live_from, dup_from)
+            result = self._insert(buf, end, values, aux_bytes, extra_key, priority, hits_from,
+                                  live_from, dup_from)
+            if dup_pages:
+                self.last_dup_pages = index_array(
+                    [page_ids_of(values[dup_from:result.prefix_len].tobytes(), self.page_size)],
+                    self._numpy_arrays)
+            return result
         finally:
             if not held:
                 self._leave()
@@ -827,39 +850,54 @@ class HybridCore(Core):
                 and not node._evicted and node is not self.tree.root)
 
     # -- eviction --------------------------------------------------------------------------------
-    def _leave_tree(self, node: AuxNode, records: list, garbage: list) -> tuple:
-        """An evictable leaf leaves the tree; its record goes to ``records``, what the tree
-        let go to ``garbage`` (released after the guard). Returns (full tokens, auxiliary
-        slots) freed."""
+    def _leave_tree(self, node: AuxNode, records: list, garbage: list,
+                    gathered: tuple | None = None) -> tuple:
+        """An evictable leaf leaves the tree; its record goes to ``records`` (with
+        ``gathered``, (page ids, auxiliary slots): its page ids and auxiliary slots, as int64
+        bytes, go to those lists instead), what the tree let go to ``garbage`` (released
+        after the guard). Returns (full tokens, auxiliary slots) freed."""
         tree = self.tree
         had = node._aux
         aux_size = tree._aux_size(node) if had is not None else 0
         size = node.num_tokens
-        values = self._values_of(node)
+        if gathered is None:
+            values = self._values_of(node)
+        else:
+            value = node._value
+            values = page_ids_of(node._key if value is None else value, self.page_size)
         parent, dropped = tree._detach_leaf(node)  # takes the auxiliary slots too
         garbage.append(dropped)
-        records.append((values, self._aux_of(had), True))
+        if gathered is None:
+            records.append((values, self._aux_of(had), True))
+        else:
+            gathered[0].append(values)
+            if had is not None:
+                gathered[1].append(had)
         self.evictable -= size
         self.evictions += 1
         self.evicted_tokens += size
         garbage.append(self._push_if_evictable(parent))
         return size, aux_size
 
-    def evict(self, num_tokens: Any = 0, aux_tokens: Any = 0, held: bool = False) -> tuple:
+    def evict(self, num_tokens: Any = 0, aux_tokens: Any = 0, held: bool = False,
+              page_ids: Any = False) -> tuple:
         for value, what in ((num_tokens, "num_tokens"), (aux_tokens, "aux_tokens")):
             if type(value) is not int:
                 raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+        if type(page_ids) is not bool:
+            raise TypeError(f"page_ids must be a bool, got {type(page_ids).__name__}")
         self._take(held, "evict")
         garbage: list = []
         try:
             tree = self.tree
             records: list = []
+            gathered = ([], []) if page_ids else None
             freed = aux_freed = 0
             while freed < num_tokens:
                 node = self.heap._pop(garbage)
                 if node is None:
                     break
-                size, aux_size = self._leave_tree(node, records, garbage)
+                size, aux_size = self._leave_tree(node, records, garbage, gathered)
                 freed += size
                 aux_freed += aux_size
             cursor = None
@@ -872,13 +910,19 @@ class HybridCore(Core):
                 victim = cursor
                 cursor = tree._prev_unlocked(victim)
                 if self._is_leaf(victim):
-                    size, aux_size = self._leave_tree(victim, records, garbage)
+                    size, aux_size = self._leave_tree(victim, records, garbage, gathered)
                     freed += size
                     aux_freed += aux_size
+                elif gathered is not None:
+                    aux_freed += tree._aux_size(victim)
+                    gathered[1].append(tree._take_aux(victim))
                 else:
                     aux_freed += tree._aux_size(victim)
                     records.append((self._values_of(victim),
                                     self._aux_of(tree._take_aux(victim)), False))
+            if gathered is not None:
+                return (freed, aux_freed, index_array(gathered[0], self._numpy_arrays),
+                        index_array(gathered[1], self._numpy_arrays))
             return freed, aux_freed, records
         finally:
             if not held:

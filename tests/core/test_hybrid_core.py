@@ -335,9 +335,14 @@ def test_relock_refuses_foreign_nodes_and_window_state_locks(hybrid):
 
 
 # -- the compiled core decides as the pure one ------------------------------------------------
-def _run_random(hybrid, seed: int, kind: str, page_size: int, policy: str) -> list:
+def _run_random(hybrid, seed: int, kind: str, page_size: int, policy: str,
+                page_ids: bool = False) -> list:
     """A random sequence of every hybrid call; what each returned, and the whole state after
-    each, in comparable form."""
+    each, in comparable form. An eviction's trace is the page ids of the slots it freed
+    whole and the auxiliary slots it freed, in order, an insert's the page ids of the
+    caller's duplicated slots: computed from the records and the caller's slots, or with
+    ``page_ids`` as the core hands them over (``evict(page_ids=True)``,
+    ``insert(dup_pages=True)``)."""
     rng = random.Random(seed)
     if kind == "window":
         core = hybrid.HybridCore(page_size, policy, numpy_arrays=True, window=3 * page_size)
@@ -366,11 +371,19 @@ def _run_random(hybrid, seed: int, kind: str, page_size: int, policy: str) -> li
         if roll < 0.35:
             kv = fresh(len(tokens))
             aux = fresh(len(tokens)) if kind == "window" else fresh(1)
+            dup_from = rng.randrange(0, 30)
             result = core.insert(tokens, kv, aux, ns, rng.choice((0, 0, 1)),
                                  rng.randrange(0, 20), rng.randrange(0, 15) * page_size,
-                                 rng.randrange(0, 30))
+                                 dup_from, dup_pages=page_ids)
+            if page_ids:
+                duplicates = core.last_dup_pages.tolist()
+            else:
+                assert core.last_dup_pages is None
+                duplicates = (np.array(kv[dup_from:result.prefix_len], dtype=np.int64)
+                              [::page_size] // page_size).tolist()
             trace.append(("insert", result.prefix_len, path_of(result.last_node), core.aux_kept,
-                          [(s, e, v.tolist(), lk) for s, e, v, lk in core.last_recovered]))
+                          [(s, e, v.tolist(), lk) for s, e, v, lk in core.last_recovered],
+                          duplicates))
             node = result.last_node
             if kind == "state" and node is not core.tree.root and rng.random() < 0.4:
                 # the checkpoint's lock: taken on the inserted node, its path read with it
@@ -404,7 +417,16 @@ def _run_random(hybrid, seed: int, kind: str, page_size: int, policy: str) -> li
                 core.aux_lock(node, -1, mark)
                 core.lock(node, -1)
         elif roll < 0.97:
-            trace.append(("evict",) + core.evict(rng.randrange(0, 8), rng.randrange(0, 12))[:2])
+            want = (rng.randrange(0, 8), rng.randrange(0, 12))
+            if page_ids:
+                freed, aux_freed, pages, aux = core.evict(*want, page_ids=True)
+                pages, aux = pages.tolist(), aux.tolist()
+            else:
+                freed, aux_freed, out = core.evict(*want)
+                pages = [p for v, _, whole in out if whole
+                         for p in (v[::page_size] // page_size).tolist()]
+                aux = [s for _, a, _ in out if a is not None for s in a.tolist()]
+            trace.append(("evict", freed, aux_freed, pages, aux))
         else:
             locks.clear()
             core.reset()
@@ -415,6 +437,41 @@ def _run_random(hybrid, seed: int, kind: str, page_size: int, policy: str) -> li
                       sorted((n.key.tolist(), n.last_access_time, n.hit_count, n.priority)
                              for n, d in core.tree.iter_nodes() if d)))
     return trace
+
+
+@pytest.mark.parametrize("kind", ["window", "state"])
+@pytest.mark.parametrize("page_size", [1, 2, 16])
+def test_page_ids_handed_over_are_what_the_records_and_slots_hold(hybrid, kind, page_size):
+    """``evict(page_ids=True)`` decides as the records' eviction does and hands over the
+    same page ids and auxiliary slots, in the same order; ``insert(dup_pages=True)`` the
+    page ids of the caller's duplicated slots."""
+    for seed in range(2):
+        assert (_run_random(hybrid, seed, kind, page_size, "lru", page_ids=True)
+                == _run_random(hybrid, seed, kind, page_size, "lru"))
+
+
+@pytest.mark.parametrize("page_ids", [1, None, "yes", np.bool_(True)])
+def test_page_id_flags_must_be_bools(hybrid, page_ids):
+    core = hybrid.HybridCore(2, "lru", numpy_arrays=True, state=True)
+    core.insert([9, 9, 9, 9], slots(1, 4), [50])
+    before = (shape(core), core.total_size(), core.evictable, core.aux_evictable,
+              core.inserts)
+    with pytest.raises(TypeError, match="page_ids must be a bool"):
+        core.evict(4, 1, page_ids=page_ids)
+    with pytest.raises(TypeError, match="dup_pages must be a bool"):
+        core.insert([9, 9, 9, 9, 8, 8], slots(20, 6), [51], dup_from=0, dup_pages=page_ids)
+    assert (shape(core), core.total_size(), core.evictable, core.aux_evictable,
+            core.inserts) == before
+    assert core.last_dup_pages is None
+    freed, aux_freed, pages, aux = core.evict(0, 0, page_ids=True)  # nothing: empty arrays
+    assert (freed, aux_freed, pages.tolist(), aux.tolist()) == (0, 0, [], [])
+    freed, aux_freed, pages, aux = core.evict(4, 1, page_ids=True)
+    assert (freed, aux_freed, pages.tolist(), aux.tolist()) == (4, 1, [0, 1], [50])
+    core.insert([9, 9, 9, 9], slots(1, 4), [50])
+    result = core.insert([9, 9, 9, 9, 8, 8], slots(20, 6), [51], dup_from=2, dup_pages=True)
+    assert (result.prefix_len, core.last_dup_pages.tolist()) == (4, [11])  # slots 22, 23
+    core.insert([9, 9, 9, 9, 8, 8], slots(20, 6), [51], dup_from=2)
+    assert core.last_dup_pages is None
 
 
 @pytest.mark.parametrize("kind", ["window", "state"])

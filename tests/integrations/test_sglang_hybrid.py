@@ -162,8 +162,62 @@ def test_mamba_same_as_sglang_default_cache(backend_core, monkeypatch, page_size
         assert seen.get(kind, 0) > 0, (kind, seen)
 
 
+@pytest.mark.parametrize("page_size, policy", [(16, "lru"), (16, "lfu"), (1, "lru")],
+                         ids=["page16-lru", "page16-lfu", "page1-lru"])
+def test_mamba_same_as_sglang_default_cache_without_events(backend_core, monkeypatch,
+                                                           page_size, policy):
+    """Events off: at page 16 the core hands over an eviction's page ids and states in one
+    array each, and a checkpoint's duplicated pages (another code path), freed as SGLang's
+    per-node frees free them; page 1 (SGLang's token allocator) frees the records."""
+    seen: dict = {}
+    _counting_mamba_paths(monkeypatch, seen)
+    free_pages = RadixcacheMambaBackend._free_pages
+
+    def counted_free_pages(self, page_ids):
+        seen["page ids freed"] = seen.get("page ids freed", 0) + 1
+        return free_pages(self, page_ids)
+
+    monkeypatch.setattr(RadixcacheMambaBackend, "_free_pages", counted_free_pages)
+    replay = Replay(backend_core, page_size, policy,
+                    seed=zlib.crc32((f"mamba-quiet-{policy}" if page_size == 16
+                                     else f"mamba-quiet-{page_size}-{policy}").encode()),
+                    monkeypatch=monkeypatch, state=True, events=False)
+    try:
+        for _ in range(MAMBA_STEPS // 2):
+            replay.step()
+    finally:
+        replay.close()
+    CALLS["mamba", backend_core] = CALLS.get(("mamba", backend_core), 0) + replay.calls
+    counts = replay.counts
+    assert counts.get("finished", 0) > 5 and not counts.get("events"), counts
+    kinds = ["states alone", "states with leaves", "page ids freed"]
+    if page_size == 1:  # (its sequence evicts no state alone)
+        kinds = ["states with leaves"]
+        assert "page ids freed" not in seen, seen
+    for kind in kinds:
+        assert seen.get(kind, 0) > 0, (kind, seen)
+
+
 def teardown_module(module) -> None:
     if CALLS:
         print("\ntest_sglang_hybrid: scheduler-level calls compared with SGLang per component "
               "and core: " + ", ".join(f"{kind} on {core}: {calls}"
                                        for (kind, core), calls in sorted(CALLS.items())))
+
+
+def test_mamba_match_result_built_as_sglang_builds_it():
+    """The Mamba cache builds its matches' ``MatchResult`` as the tuple it is: every field
+    equals the keyword call's, SGLang's defaults included."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchResult
+
+    from radixcache.integrations.sglang import mamba
+
+    assert mamba._MATCH_LAYOUT is not None  # SGLang 0.5.23's layout: the fast build is used
+    node = object()
+    for branching in (None, 48):
+        built = mamba._match_result(32, node, branching, 80)
+        assert type(built) is MatchResult
+        assert built._asdict() == MatchResult(
+            device_prefix_len=32, last_device_node=node, last_host_node=node,
+            best_match_node=node, mamba_branching_seqlen=branching,
+            full_kv_hit_length=80)._asdict()

@@ -42,6 +42,22 @@ def _aux(kind, n, start):
     return list(range(start, start + n)) if kind == "window" else [start]
 
 
+def _cyclic_key(on_delete):
+    """A namespace class whose objects are cyclic garbage once dropped (so a collection at
+    some later allocation finalizes them), equal by ``i``; the finalizer calls
+    ``on_delete(Key.core)`` while ``Key.core`` is set."""
+    class Key:
+        core = None
+        def __init__(self, i): self.i, self.me = i, self
+        def __repr__(self): return f"Key({self.i})"
+        def __hash__(self): return self.i
+        def __eq__(self, other): return isinstance(other, Key) and other.i == self.i
+        def __del__(self):
+            if Key.core is not None:
+                on_delete(Key.core)
+    return Key
+
+
 @case
 def a1_extra_key_reenters_the_hybrid_core(core_name):
     # Hashing and comparing a namespace runs user code; calling the core from there raises
@@ -190,15 +206,8 @@ def a6_relock_under_finalizers_and_lying_arguments(core_name):
     # finalizers that call the core -- inside a call they get the re-entry error, and the
     # move is whole, as on the pure core. Arguments that would run user code (an __index__, an int
     # subclass) are refused before anything changes.
-    class Key:
-        core = None
-        def __init__(self, i): self.i, self.me = i, self
-        def __repr__(self): return f"Key({self.i})"
-        def __hash__(self): return self.i
-        def __eq__(self, other): return isinstance(other, Key) and other.i == self.i
-        def __del__(self):
-            if Key.core is not None:  # (a move of no lock: the results stay comparable)
-                Key.core.relock(None, Key.core.tree.root, 0, 0)
+    # (a move of no lock: the results stay comparable)
+    Key = _cyclic_key(lambda core: core.relock(None, core.tree.root, 0, 0))
 
     class Mask:
         def __index__(self):
@@ -235,6 +244,56 @@ def a6_relock_under_finalizers_and_lying_arguments(core_name):
         gc.collect()
         core.check_aux()
         results.append(hybrid_contents(core))
+        return results
+
+    assert run(core_name) == run("python")
+    only_reentry_errors()
+
+
+@case
+def a7_page_ids_handed_over_under_finalizers_and_lying_arguments(core_name):
+    # An eviction that hands over page ids and auxiliary slots gathers them in the call's own
+    # memory while the victims go, an insert the duplicates' page ids from its own copy of
+    # the caller's slots after its walk (a namespace may be cyclic garbage, so its
+    # finalizer runs at a later allocation and calls the core: the re-entry error there).
+    # What they hand over and the tree left behind are the pure core's. A page_ids or
+    # dup_pages argument that would run user code (a __bool__) is refused before anything
+    # changes.
+    # (an eviction of nothing: the results stay comparable)
+    Key = _cyclic_key(lambda core: core.evict(0, 0, page_ids=True))
+
+    class Truthy:
+        def __bool__(self):
+            Key.core.evict(100, 100)
+            return True
+
+    def run(name):
+        results = []
+        for kind in ("window", "state"):
+            core = HYBRIDS[name].HybridCore(2, "lru", numpy_arrays=True,
+                                            **({"window": 4} if kind == "window"
+                                               else {"state": True}))
+            Key.core = core
+            gc.set_threshold(1, 1, 1)
+            for i in range(150):
+                tokens = [i % 11, 1, 2, 3, i % 5, 6]
+                result = core.insert(tokens, list(range(10 * i, 10 * i + 6)),
+                                     list(range(7 * i, 7 * i + 6)) if kind == "window" else [i],
+                                     Key(i % 11), dup_from=i % 4, dup_pages=True)
+                results.append((result.prefix_len, core.last_dup_pages.tolist()))
+                core.match([i % 11, 1, 9, 9], Key(i % 11))  # splits
+                if i % 3 == 0:
+                    freed, aux_freed, pages, aux = core.evict(5, 2, page_ids=True)
+                    results.append((freed, aux_freed, pages.tolist(), aux.tolist()))
+            gc.set_threshold(700, 10, 10)
+            before = hybrid_contents(core)
+            results.append(outcome(lambda: core.evict(100, 100, page_ids=Truthy())))
+            results.append(outcome(lambda: core.insert([1, 2], [3, 4], [5, 6], dup_pages=Truthy())))
+            assert hybrid_contents(core) == before
+            Key.core = None
+            gc.collect()
+            core.check_aux()
+            results.append(hybrid_contents(core))
         return results
 
     assert run(core_name) == run("python")

@@ -146,17 +146,24 @@ class RadixcacheHybridBackend(RadixcacheBackend):
             raise NotImplementedError("the radixcache backend does not support joint reclaim")
         return self.evict(params)
 
+    def _evicting(self, num_tokens: int, aux_num: int) -> bool:
+        """What comes before an eviction: the frees an allocator refused, retried; whether
+        anything is to be evicted (then the remembered match paths are forgotten)."""
+        if self._pending_frees:
+            self._retry_pending_frees()
+        if num_tokens <= 0 and aux_num <= 0:
+            return False
+        self._path_memo.clear()
+        return True
+
     def _evict_records(self, num_tokens: int, aux_num: int) -> tuple:
         """The core's eviction of ``num_tokens`` full-attention tokens, then ``aux_num`` of
         the component's (window tokens, states), with the leaves' BlockRemoved recorded:
         (tokens freed, component freed, the whole leaves' full-attention slots, and
         (full-attention slots, component slots) of each node whose component went), in
         eviction order. Freeing them in the pools is the caller's."""
-        if self._pending_frees:
-            self._retry_pending_frees()
-        if num_tokens <= 0 and aux_num <= 0:
+        if not self._evicting(num_tokens, aux_num):
             return 0, 0, [], []
-        self._path_memo.clear()
         freed, aux_freed, records = self._core.evict(max(num_tokens, 0), max(aux_num, 0))
         events = self.kv_events.enabled
         full, lost = [], []

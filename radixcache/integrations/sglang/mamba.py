@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
-from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, ReqToTokenPool
 from sglang.srt.mem_cache.base_prefix_cache import (
     DecLockRefParams,
     DecLockRefResult,
@@ -40,9 +40,10 @@ from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.runtime_context import mamba_checkpoint_grid
 
-from .backend import _RECEIPT, _check_key, _token_array
+from .backend import _PAGED_ALLOCATOR, _RECEIPT, _check_key, _token_array
 from .hybrid import RadixcacheHybridBackend
 
+_new_tuple = tuple.__new__
 _FULL = ComponentType.FULL
 _MAMBA = ComponentType.MAMBA
 #: Where the Mamba pool's allocator is SGLang's own: its ``free`` appends to the free list,
@@ -50,6 +51,8 @@ _MAMBA = ComponentType.MAMBA
 _STOCK_STATE_FREE = MambaSlotAllocator.free
 #: SGLang's own request-side free of a request's state slots (a pool may override it).
 _STOCK_FREE_STATES = HybridReqToTokenPool.free_mamba_cache
+#: SGLang's plain request-row write (a pool may override it).
+_STOCK_ROW_WRITE = ReqToTokenPool.write
 #: The release receipt of a lock that skips its state (a checkpoint's with
 #: SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK): ``unlock`` reads only what was skipped, and nothing of
 #: SGLang's reads a Mamba cache's receipts, so one serves every such lock (as ``_RECEIPT``
@@ -71,6 +74,39 @@ def _receipt(skipped: tuple) -> DecLockRefParams:
         return _RECEIPT
     return (_STATE_SKIPPED_RECEIPT if skipped == (_MAMBA,)
             else DecLockRefParams(skipped_lock_components=skipped))
+
+
+def _match_layout() -> Optional[tuple]:
+    """What ``_match_result`` needs of SGLang's ``MatchResult`` (a NamedTuple): its default
+    fields between and after the ones a Mamba match sets; None if its fields are not laid
+    out as SGLang 0.5.23's are (the keyword call is made then)."""
+    fields = MatchResult._fields
+    if (fields[:4] != ("device_prefix_len", "last_device_node", "last_host_node",
+                       "best_match_node")
+            or "mamba_branching_seqlen" not in fields or "full_kv_hit_length" not in fields):
+        return None
+    branching = fields.index("mamba_branching_seqlen")
+    walked = fields.index("full_kv_hit_length")
+    if not 4 <= branching < walked:
+        return None
+    defaults = MatchResult(0, None, None, None)
+    return defaults[4:branching], defaults[branching + 1:walked], defaults[walked + 1:]
+
+
+_MATCH_LAYOUT = _match_layout()
+
+
+def _match_result(length: int, node: Any, branching: Optional[int], walked: int) -> Any:
+    """``MatchResult(device_prefix_len=length, last_device_node=node, last_host_node=node,
+    best_match_node=node, mamba_branching_seqlen=branching, full_kv_hit_length=walked)``,
+    built as the tuple it is (a third of the keyword call's time)."""
+    if _MATCH_LAYOUT is None:
+        return MatchResult(device_prefix_len=length, last_device_node=node,
+                           last_host_node=node, best_match_node=node,
+                           mamba_branching_seqlen=branching, full_kv_hit_length=walked)
+    middle, between, tail = _MATCH_LAYOUT
+    return _new_tuple(MatchResult, (length, node, node, node, *middle, branching, *between,
+                                    walked, *tail))
 
 
 def _state_array(slot: Any) -> np.ndarray:
@@ -129,6 +165,7 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         # joins what it is given into a new free list at once): a kept tensor per count of
         # slots, and its numpy view (see _free_tracked_states).
         self._state_slots: dict = {}
+        self._stock_state_allocator: Any = None
 
     def supports_mamba(self) -> bool:
         return True
@@ -146,10 +183,8 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
             match, walked = found
             aligned = walked // self._grid * self._grid
             node = match.last_node
-            result = MatchResult(device_prefix_len=match.length, last_device_node=node,
-                                 last_host_node=node, best_match_node=node,
-                                 mamba_branching_seqlen=aligned if aligned > match.length
-                                 else None, full_kv_hit_length=walked)
+            length = match.length
+            result = _match_result(length, node, aligned if aligned > length else None, walked)
         return self._copy_on_write(params, result)
 
     def _copy_on_write(self, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
@@ -202,16 +237,27 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         node had a state already, so the one given was not taken)."""
         extra_key, salt = names
         namespace = extra_key if salt is None else (extra_key, salt)
-        if type(state) is not np.ndarray or state.dtype != np.int64 or state.ndim != 1:
+        if type(state) is not tuple and (type(state) is not np.ndarray
+                                         or state.dtype != np.int64 or state.ndim != 1):
             state = (state.cpu().numpy() if type(state) is torch.Tensor
                      else np.asarray(state)).reshape(-1).astype(np.int64)
         core = self._core
+        allocator = self.token_to_kv_pool_allocator
+        # The duplicates' page ids from the core, for SGLang's paged allocator (what its
+        # free_segment frees of them).
+        pages = (dup_from < len(tokens)
+                 and self._allocator_kind(allocator) == _PAGED_ALLOCATOR
+                 and not allocator.debug_mode)
         result = core.insert(tokens, values, state, namespace,
-                             priority if self._use_priority else 0, inserted_len, 0, dup_from)
+                             priority if self._use_priority else 0, inserted_len, 0, dup_from,
+                             False, pages)
         if self.kv_events.enabled and result.prefix_len < len(tokens):
             self._record_stored(result, tokens, values, names, None, None)
         if dup_from < result.prefix_len:
-            self._free(values[dup_from:result.prefix_len])
+            if pages:
+                self._free_pages(core.last_dup_pages)
+            else:
+                self._free(values[dup_from:result.prefix_len])
         return result, core.aux_kept or not len(tokens)
 
     # -- checkpoint and release -------------------------------------------------------------
@@ -276,11 +322,19 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
                                        protected, cached)
         req.lock = TreeLock(new_last_node, self._checkpoint_receipt)
         if tree_slots is not None:
-            self._write_row(kv.req_pool_idx, protected, tree_slots)
+            if rows is not None and type(self.req_to_token_pool).write is _STOCK_ROW_WRITE:
+                rows[kv.req_pool_idx, protected:cached] = tree_slots
+            else:
+                self._write_row(kv.req_pool_idx, protected, tree_slots)
         kv.cache_protected_len = aligned
         req.last_node = new_last_node
         if plain:
-            self._release_states(req, keep, inserted=not kept)
+            if not self.enable_mamba_extra_buffer:
+                if kept:
+                    self.req_to_token_pool.free_mamba_cache(req)
+            elif not self._free_tracked_states(req, None if kept else keep):
+                self.req_to_token_pool.free_mamba_cache(
+                    req, mamba_ping_pong_track_buffer_to_keep=None if kept else keep)
             return
         self._mamba.cleanup_after_caching_req(
             req, is_finished=is_finished,
@@ -291,8 +345,9 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
     def _finished_state(self, req: Any, token_len: int) -> tuple:
         """SGLang's ``MambaComponent.prepare_for_caching_req`` for a finished request (no
         int8 checkpoints, no replayed ring): (the length the state it gives is at, 0 for
-        none; that state's slot: its own slot, or with the extra buffer the tracked
-        ping-pong slot whose length the key reaches; that slot's ping-pong index)."""
+        none; that state's slot, as the core takes it: its own slot, or with the extra
+        buffer the tracked ping-pong slot whose length the key reaches; that slot's
+        ping-pong index)."""
         kv = req.kv
         if not self.enable_mamba_extra_buffer:
             return token_len, _state_array(kv.mamba_pool_idx), None
@@ -306,9 +361,9 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
                 return 0, None, None
             cache_len, keep = previous, pool.get_mamba_ping_pong_other_idx(keep)
         track = kv.mamba_ping_pong_track_buffer
-        # (a CPU tensor's few slots read as a list in a fraction of an indexing's time)
-        slot = track.tolist()[keep] if track.is_cpu else track[keep]
-        return cache_len, _state_array(slot), keep
+        if track.is_cpu:  # (a CPU tensor's few slots read as a list in a fraction of the time)
+            return cache_len, (track.tolist()[keep],), keep
+        return cache_len, _state_array(track[keep]), keep
 
     def _release_states(self, req: Any, keep: Optional[int], inserted: bool) -> None:
         """SGLang's ``MambaComponent.cleanup_after_caching_req`` for a finished request (as
@@ -331,12 +386,12 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         allocator = pool.mamba_allocator
         kv = req.kv
         index = kv.mamba_pool_idx
+        if (allocator is not self._stock_state_allocator and not self._check_state_pools()
+                or type(index) is not torch.Tensor or not index.is_cpu
+                or index.dtype != torch.int64 or index.dim() != 0):
+            return False
         size = pool.mamba_ping_pong_track_buffer_size
-        if (type(pool).free_mamba_cache is not _STOCK_FREE_STATES
-                or not pool.enable_mamba_extra_buffer
-                or type(allocator).free is not _STOCK_STATE_FREE or type(index) is not torch.Tensor
-                or not index.is_cpu or index.dtype != torch.int64 or index.dim() != 0
-                or not (keep in (None, 0, 1) and (keep != 1 or size == 2))):
+        if not (keep is None or keep == 0 or (keep == 1 and size == 2)):
             return False
         mapping = self._table_array(pool.req_index_to_mamba_ping_pong_track_buffer_mapping,
                                     1)
@@ -365,6 +420,18 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         kv.mamba_needs_clear = False
         return True
 
+    def _check_state_pools(self) -> bool:
+        """Whether the request pool and its Mamba allocator are SGLang's own (their frees
+        as ``_free_tracked_states`` and ``_evict`` make them), the allocator remembered
+        while it stays the same object."""
+        pool = self.req_to_token_pool
+        allocator = pool.mamba_allocator
+        stock = (type(pool).free_mamba_cache is _STOCK_FREE_STATES
+                 and pool.enable_mamba_extra_buffer
+                 and type(allocator).free is _STOCK_STATE_FREE)
+        self._stock_state_allocator = allocator if stock else None
+        return stock
+
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         """A request released without a checkpoint gives back its state slots."""
         if not checkpointed:
@@ -382,13 +449,42 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         return EvictResult(num_tokens_evicted=freed, mamba_num_evicted=states)
 
     def _evict(self, num_tokens: int, mamba_num: int = 0) -> tuple:
+        allocator = self.token_to_kv_pool_allocator
+        if (not self.kv_events.enabled
+                and self._allocator_kind(allocator) == _PAGED_ALLOCATOR
+                and not allocator.debug_mode):
+            # The core hands over the whole leaves' page ids and the states freed, each in
+            # one array in eviction order: one free per pool, the same as SGLang's per-node
+            # frees (its paged allocator frees a node's pages; its Mamba allocator is first
+            # in, first out).
+            if not self._evicting(num_tokens, mamba_num):
+                return 0, 0
+            freed, states, pages, lost = self._core.evict(max(num_tokens, 0),
+                                                          max(mamba_num, 0), False, True)
+            try:
+                if len(pages):
+                    self._free_pages(pages)
+            finally:
+                if len(lost):
+                    self._free_states(lost)
+            return freed, states
         freed, states, full, lost = self._evict_records(num_tokens, mamba_num)
-        if full:  # (one free per pool: SGLang's per-node frees, in the same order)
-            self._free(full[0] if len(full) == 1 else np.concatenate(full))
-        if lost:
-            self._mamba._free_mamba_value(torch.from_numpy(
-                lost[0][1] if len(lost) == 1 else np.concatenate([aux for _, aux in lost])))
+        try:
+            if full:  # (one free per pool: SGLang's per-node frees, in the same order)
+                self._free(full[0] if len(full) == 1 else np.concatenate(full))
+        finally:
+            if lost:
+                self._free_states(lost[0][1] if len(lost) == 1
+                                  else np.concatenate([aux for _, aux in lost]))
         return freed, states
+
+    def _free_states(self, slots: np.ndarray) -> None:
+        """Give the state slots ``slots`` back (SGLang's ``MambaComponent._free_mamba_value``:
+        to the Mamba allocator, where there is no int8 checkpoint pool)."""
+        if self._plain_states:
+            self.req_to_token_pool.mamba_allocator.free(torch.from_numpy(slots))
+        else:
+            self._mamba._free_mamba_value(torch.from_numpy(slots))
 
     # -- locks -----------------------------------------------------------------------------
     def inc_lock_ref(self, node: Any, skip_lock_components: Any = ()) -> IncLockRefResult:
