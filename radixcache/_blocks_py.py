@@ -467,14 +467,17 @@ def json_ids(data: Any, start: Any = 0, stop: Any = None) -> Any:
     data = data[start:stop]
     if _JSON_IDS.fullmatch(data) is None:
         return None
-    ids = [int(digits) for digits in _JSON_ID.findall(data)]
+    found = _JSON_ID.findall(data)
+    # More than 10 digits is 2**32 or beyond (and int() refuses 4,300 digits and more).
+    if any(len(digits) > 10 for digits in found):
+        return None
+    ids = [int(digits) for digits in found]
     if any(i >= 1 << 32 for i in ids):
         return None
     out = array("q", ids)
     if sys.byteorder != "little":
         out.byteswap()
     return out.tobytes()
-
 
 
 #: ``query_answer``'s keys of an instance's figures, per dialect.

@@ -2627,6 +2627,9 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                                                      is not None))):
                     self.evictable -= node.key_len
                     self.inserted_tokens -= node.key_len
+                    if self.node_tags and node in self.node_tags:  # as an evicted leaf's
+                        dropped.append(self.move_tags(node, <Node>node.parent_ptr))
+                    self.heap.drop_rank(node)
                     top = self.tree.detach_leaf(node, dropped)  # may run user code, last
             for i in range(len(nodes) - 1, -1, -1):
                 if type(nodes[i]) is not HostNode or not self.host_tier:
@@ -2924,6 +2927,10 @@ One cache's tree, eviction heap, sizes and counters, and its whole-call operatio
                                                         or not 0 <= parent_rank <= INT64_MAX):
                             raise bad_rank("on_remove's answer (the parent's rank)",
                                            parent_rank)
+                        # The call out is behind: the node must still be this heap's victim.
+                        if not self.heap.usable(node) or node.parent_ptr == NULL:
+                            raise RuntimeError(f"evict: node {node.id} changed during a "
+                                               "callback")
                     if per_node:
                         handed[0] = victim_value(node, True)
                     elif collect:

@@ -84,40 +84,40 @@ values go through ``set_value`` afterwards). A call with canonical inputs never 
   another tree, or a core with a host tier, changing nothing. ``EvictionHeap.rank_of(node)``
   reads it (0 when none was set).
 - Session tags: a session is an ``int`` in [0, 2^63) (else ``TypeError``/``ValueError``), a
-  tagged node's rank its number of sessions. ``tag_session(node, session, held=False) ->
-  bool``: tags ``node``; the nearest ancestor ``session`` tagged loses its tag; False, changing
-  nothing, for a tagged node or the root; checked as ``set_rank``. ``untag_session(session,
-  held=False) -> int``: drops its tags (returns how many). A tagged node leaving the tree
-  (evicted, ``remove_leaf``) gives its tags to its parent (not the root), whose rank becomes
-  its tag count (over ``on_remove``'s) before it can be pushed. ``session_tags(node)``,
+  tagged node's rank its number of sessions. ``tag_session(node, session, held=False) -> bool``:
+  tags ``node``; the nearest ancestor ``session`` tagged loses its tag; False, changing nothing,
+  for a tagged node or the root; checked as ``set_rank``. ``untag_session(session, held=False)
+  -> int``: drops its tags (returns how many). A tagged node leaving the tree (evicted,
+  ``remove_leaf``, ``revert_insert``) gives its tags to its parent (not the root), whose rank
+  becomes its tag count (over ``on_remove``'s) before it can be pushed. ``session_tags(node)``,
   ``tagged_nodes(session)`` read them; ``reset`` drops them; a split keeps them on the node.
 - ``pop_victim(held=False) -> Node | None`` and ``remove_leaf(node, held=False) -> int``
   (tokens freed): the evict loop's two steps; ``remove_leaf`` detaches the leaf (ValueError
   for a node of another cache, or not an attached leaf), marks it evicted, drops its value and
   rank, counts the eviction and pushes the parent if it became an evictable leaf.
-- ``evict(num_tokens, free_callback=None, batch=False, on_remove=None) -> int``: the whole
-  evict loop in one call (never ``held``: it takes the guard itself). Pops victims and
-  removes them as the two steps above until ``num_tokens`` are freed or none is left; returns
-  the tokens freed. ``on_remove(node)`` (cache.py's events hook) runs under the guard for
-  each victim before it is detached; if it raises, the victim stays (pushed back) and the
-  exception propagates. It may return the rank the victim's parent takes (an int in [0,
-  2^63); None: the parent's rank stays; ignored when the parent is the root), set before
-  the parent can be pushed, so that a parent that becomes an evictable leaf in the same call
-  competes with its new rank (an owner whose ranks say what a leaf's removal leaves to its
-  parent keeps them exact this way); anything else raises ``TypeError`` or ``ValueError``
-  with the victim left as it was. Per node (``batch`` false), each victim's index array (a
-  new one, as a match's) goes to ``free_callback`` once the victim is detached and counted,
-  with the guard released around the call: the callback may call the cache; if it raises,
-  the victims detached so far stay evicted and counted and the exception propagates; the
-  loop re-takes the guard after it (``RuntimeError`` if another call holds it then). With
-  ``batch``, ``free_callback`` is called once, after the loop and outside the guard, with the
-  victims' indices concatenated in eviction order (one new array; not called when nothing
-  was freed), also when the loop stops on an exception (which it then re-raises): freed
-  indices are never lost. No node, pointer or size read before a callback is trusted after
-  it. ``evict(..., page_ids=True)`` (with ``batch`` and without a host tier, else
-  ``ValueError`` before anything runs): the batch holds each victim's page ids instead of
-  its indices (every ``page_size``-th index from its first, floor-divided by ``page_size``:
-  what a paged allocator frees), in the same order (``_handover.page_ids``).
+- ``evict(num_tokens, free_callback=None, batch=False, on_remove=None) -> int``: the whole evict
+  loop in one call (never ``held``: it takes the guard itself). Pops victims and removes them as
+  the two steps above until ``num_tokens`` are freed or none is left; returns the tokens freed.
+  ``on_remove(node)`` (cache.py's events hook) runs under the guard for each victim before it is
+  detached; if it raises, or the victim is no longer an evictable leaf after it
+  (``RuntimeError``), the victim stays (pushed back) and the exception propagates. It may return
+  the rank the victim's parent takes (an int in [0, 2^63); None: the parent's rank stays;
+  ignored when the parent is the root), set before the parent can be pushed, so that a parent
+  that becomes an evictable leaf in the same call competes with its new rank (an owner whose
+  ranks say what a leaf's removal leaves to its parent keeps them exact this way); anything else
+  raises ``TypeError`` or ``ValueError`` with the victim left as it was. Per node (``batch``
+  false), each victim's index array (a new one, as a match's) goes to ``free_callback`` once the
+  victim is detached and counted, with the guard released around the call: the callback may call
+  the cache; if it raises, the victims detached so far stay evicted and counted and the
+  exception propagates; the loop re-takes the guard after it (``RuntimeError`` if another call
+  holds it then). With ``batch``, ``free_callback`` is called once, after the loop and outside
+  the guard, with the victims' indices concatenated in eviction order (one new array; not called
+  when nothing was freed), also when the loop stops on an exception (which it then re-raises):
+  freed indices are never lost. No node, pointer or size read before a callback is trusted after
+  it. ``evict(..., page_ids=True)`` (with ``batch`` and without a host tier, else ``ValueError``
+  before anything runs): the batch holds each victim's page ids instead of its indices (every
+  ``page_size``-th index from its first, floor-divided by ``page_size``: what a paged allocator
+  frees), in the same order (``_handover.page_ids``).
 - ``set_value(node, values, held=False)``: a fresh leaf's device values (kept as given; with
   ``numpy_arrays``, an int64 numpy array of the node's length, copied in).
 - ``export_state() -> dict`` and ``import_state(state)``: copies and pickles of a cache.
@@ -189,54 +189,48 @@ value), or both. The core owns no pool and copies no data.
   device, have no host copy, are not queued and have ``hit_count >= write_through_hits`` are
   appended to the write-through queue, top-down; a split of a queued node appends its new
   upper half.
-- ``evict(num_tokens, free_callback=None, batch=False, on_remove=None, backup=None,
-  on_backup=None, free_host=None, on_remove_host=None, keep=None)``: (a core with a host tier
-  has no ranks: what ``on_remove`` returns is ignored) for each victim (a device leaf) not in
-  ``keep`` (a container of nodes tested with ``in``; a device leaf in it is passed over as a
-  skipped one is, below): (1) with
-  a host copy it is demoted: ``on_remove(node)``, then its device value is dropped (``on_device``
-  False, ``evictable``,
-  ``evictions`` and ``evicted_tokens`` as for a removal); it stays in the tree and goes on
-  ``host_heap`` if childless. (2) Else, with ``backup`` and ``write_through_hits == 0``,
-  ``backup(device_indices)`` runs under the guard (``device_indices``: the array
-  ``free_callback`` gets; with ``batch``, the victim's part of the batch: what backup writes
-  in it during the call shows in the batch, and an array it keeps may share the batch's
+- ``evict(num_tokens, free_callback=None, batch=False, on_remove=None, backup=None, on_backup=None,
+  free_host=None, on_remove_host=None, keep=None)``: (a core with a host tier has no ranks: what
+  ``on_remove`` returns is ignored) for each victim (a device leaf) not in ``keep`` (a container of
+  nodes tested with ``in``; a device leaf in it is passed over as a skipped one is, below): (1)
+  with a host copy it is demoted: ``on_remove(node)``, then its device value is dropped
+  (``on_device`` False, ``evictable``, ``evictions`` and ``evicted_tokens`` as for a removal); it
+  stays in the tree and goes on ``host_heap`` if childless. (2) Else, with ``backup`` and
+  ``write_through_hits == 0``, ``backup(device_indices)`` runs under the guard (``device_indices``:
+  the array ``free_callback`` gets; with ``batch``, the victim's part of the batch: what backup
+  writes in it during the call shows in the batch, and an array it keeps may share the batch's
   memory); it returns None (the host is full) or host indices, checked by
-  ``_handover.host_indices_bytes`` (a 1-D ``torch.int64`` tensor of exactly the node's length,
-  any device; with ``numpy_arrays`` a 1-D int64 numpy array of that length; TypeError or
-  ValueError otherwise); a valid one becomes the host value
-  (``host_size`` and ``backed_up_tokens`` grow), ``on_backup(node)`` runs and the node is
-  demoted as in (1). Any error raised after ``backup`` returned a non-None answer and
-  before the node keeps it (the checks, a torch hook while they read it, the compiled core's
-  check that the node did not change meanwhile) is raised with the attribute
-  ``host_indices`` set to that answer as returned (``_handover.answer_not_kept``: an
-  exception that takes no attribute is replaced by a ``RuntimeError`` carrying it): the
-  answer's host slots were not kept and go back to the engine. An error from ``backup``
-  itself gets no such attribute. (3) Else it is deleted as without a host tier -- unless it has
-  (host-only) children: then, without ``free_host``, it is skipped, left unchanged, and
-  pushed back on ``heap`` when the loop ends. With ``free_host``, its descendants (all host
-  only) leave the tree first, bottom-up, each as a host leaf leaves (below), and the
-  victim is deleted: every victim leaves the device, so the device's eviction order does
-  not depend on the host. A host leaf leaves as in ``evict_host``: ``on_remove_host(node)``,
-  then it is detached and counted (``host_size``, ``host_evictions``,
-  ``host_evicted_tokens``), then ``free_host`` gets its host indices (a new CPU index
-  array), under the guard, like ``backup`` (it must not call the cache). With ``free_host``
-  and ``backup``, a ``backup`` that returns None is followed by host leaves leaving, one at
-  a time in ``host_heap``'s policy order (passing over, and leaving on the heap, the host
-  leaves in ``keep``), ``backup`` asked again after each, until it
-  answers or no host leaf is left (SGLang evicts the node's size from the host and retries
-  once; this frees no more than the copy needs); a victim that would leave with a host-only
-  subtree holding a node in ``keep`` is skipped instead. If
-  ``free_host`` or ``on_remove_host`` raises, the nodes that left so far stay gone, the
-  victim stays (pushed back) and the exception propagates. A skipped node is skipped for the rest of
-  the call, even if a callback
-  (a per-node ``free_callback`` that calls the cache) pushes it on ``heap`` again meanwhile:
-  ``backup`` is asked about a victim once per call (with ``free_host``, once more per host
-  leaf that left to make room for it); the next call asks again. If ``backup``, ``on_backup`` or
-  ``on_remove`` raises (or ``backup`` returns a bad value), the victim stays (pushed back; a host
-  copy it got stays) and the exception
-  propagates. The device slots of every victim that left go to ``free_callback`` as without a
-  host tier; a parent that became a device leaf is pushed (it can follow in the same call).
+  ``_handover.host_indices_bytes`` (a 1-D ``torch.int64`` tensor of exactly the node's length, any
+  device; with ``numpy_arrays`` a 1-D int64 numpy array of that length; TypeError or ValueError
+  otherwise); a valid one becomes the host value (``host_size`` and ``backed_up_tokens`` grow),
+  ``on_backup(node)`` runs and the node is demoted as in (1). Any error raised after ``backup``
+  returned a non-None answer and before the node keeps it (the checks, a torch hook while they read
+  it, the compiled core's check that the node did not change meanwhile) is raised with the
+  attribute ``host_indices`` set to that answer as returned (``_handover.answer_not_kept``: an
+  exception that takes no attribute is replaced by a ``RuntimeError`` carrying it): the answer's
+  host slots were not kept and go back to the engine. An error from ``backup`` itself gets no such
+  attribute. (3) Else it is deleted as without a host tier -- unless it has (host-only) children:
+  then, without ``free_host``, it is skipped, left unchanged, and pushed back on ``heap`` when the
+  loop ends. With ``free_host``, its descendants (all host only) leave the tree first, bottom-up,
+  each as a host leaf leaves (below), and the victim is deleted: every victim leaves the device, so
+  the device's eviction order does not depend on the host. A host leaf leaves as in ``evict_host``:
+  ``on_remove_host(node)``, then it is detached and counted (``host_size``, ``host_evictions``,
+  ``host_evicted_tokens``), then ``free_host`` gets its host indices (a new CPU index array), under
+  the guard, like ``backup`` (it must not call the cache). With ``free_host`` and ``backup``, a
+  ``backup`` that returns None is followed by host leaves leaving, one at a time in ``host_heap``'s
+  policy order (passing over, and leaving on the heap, the host leaves in ``keep``), ``backup``
+  asked again after each, until it answers or no host leaf is left (SGLang evicts the node's size
+  from the host and retries once; this frees no more than the copy needs); a victim that would
+  leave with a host-only subtree holding a node in ``keep`` is skipped instead. If ``free_host`` or
+  ``on_remove_host`` raises, the nodes that left so far stay gone, the victim stays (pushed back)
+  and the exception propagates. A skipped node is skipped for the rest of the call, even if a
+  callback (a per-node ``free_callback`` that calls the cache) pushes it on ``heap`` again
+  meanwhile: ``backup`` is asked about a victim once per call (with ``free_host``, once more per
+  host leaf that left to make room for it); the next call asks again. If ``backup``, ``on_backup``
+  or ``on_remove`` raises (or ``backup`` returns a bad value), the victim stays (pushed back; a
+  host copy it got stays) and the exception propagates. The device slots of every victim that left
+  go to ``free_callback`` as without a host tier; a parent that became a device leaf is pushed (it
+  can follow in the same call).
 - ``evict_host(num_tokens, free_callback=None, batch=False, on_remove=None, keep=None) ->
   int``: host tokens freed, host leaves in policy order, passing over (and leaving on
   ``host_heap``) those in ``keep``: ``on_remove(node)`` (if it raises, the victim
@@ -780,6 +774,9 @@ class Core(HostTier):
                     and not leaf._children and leaf._on_device and leaf._host is None
                     and not leaf._lock_ref and tree._holds(leaf)):
                 size = leaf.num_tokens
+                if self._node_tags and leaf in self._node_tags:  # as an evicted leaf's
+                    garbage.append(self._move_tags(leaf, leaf._parent))
+                self.heap._drop_rank(leaf)
                 top, dropped = tree._detach_leaf(leaf)
                 garbage.append(dropped)
                 self.evictable -= size
@@ -1019,6 +1016,9 @@ class Core(HostTier):
                                                         or not 0 <= parent_rank <= INT64_MAX):
                             raise bad_rank("on_remove's answer (the parent's rank)",
                                            parent_rank)
+                        if not heap._may_go(node) or node._parent is None:
+                            raise RuntimeError(f"evict: node {node._id} changed during a "
+                                               "callback")
                     if per_node:
                         handed[0] = node.value
                     elif pages_of and parts is not None:

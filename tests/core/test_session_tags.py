@@ -243,6 +243,47 @@ def test_remove_leaf_moves_tags_and_reset_drops_them(make_cache):
     check_invariants(cache)
 
 
+def test_a_reverted_insert_leaf_gives_its_tags_to_its_parent(make_cache):
+    """``revert_insert`` takes the insert's new leaf out of the tree as an eviction does: a
+    tag it was given moves to its parent and no table keeps the detached leaf."""
+    cache = make_cache(page_size=1, array_type="numpy")
+    parent = cache.insert([1, 2]).last_node
+    core = core_of(cache)
+    core.enter("test")
+    try:
+        core.insert(np.array([1, 2, 3], dtype=np.int64), np.array([10, 11, 12], dtype=np.int64),
+                    held=True)
+        leaf = core.take_new_leaf()
+        assert core.tag_session(leaf, 7, held=True)
+        core.revert_insert(core.take_adopted(), leaf, held=True)
+    finally:
+        core.leave()
+    assert leaf.evicted and tagged_nodes(cache, 7) == (parent,)
+    assert cache.eviction_rank(parent) == 1 and core.heap.rank_of(leaf) == 0
+    assert cache.untag_session(7) == 1 and tagged_nodes(cache, 7) == ()
+    check_invariants(cache)
+
+
+@pytest.mark.parametrize("rank", [None, 0])
+def test_a_victim_taken_out_by_its_on_remove_raises_and_stays_consistent(make_cache, rank):
+    """An ``on_remove`` that removes its victim through the core (``held`` calls bypass the
+    guard) leaves ``evict`` a node it may no longer detach: ``RuntimeError``, and the tree and
+    tags stay consistent (the compiled core read a freed parent pointer here)."""
+    cache, parent, leaf = parent_and_leaf(make_cache)
+    cache.tag_session(leaf, 5)
+    core = core_of(cache)
+
+    def on_remove(victim):
+        core.revert_insert([], victim, held=True)
+        return rank
+
+    with pytest.raises(RuntimeError, match="changed during a callback"):
+        cache.evict(1, on_remove=on_remove)
+    assert leaf.evicted and tagged_nodes(cache, 5) == (parent,)
+    check_invariants(cache)
+    assert cache.evict(10) == 1 and tagged_nodes(cache, 5) == ()
+
+
 def test_tags_stay_with_the_lower_half_of_a_split(make_cache):
     cache = make_cache(page_size=1, array_type="numpy")
     leaf = cache.insert([1, 2, 3, 4]).last_node

@@ -474,27 +474,30 @@ class RadixcacheBackend(BasePrefixCache):
         # The lock moves and the session tag goes on while the insert's path is still in
         # the processor's cache (the frees and the row write below touch much else).
         cache = self._cache
-        old_lock = req.lock
-        if old_lock is not None:
-            cache.dec_lock_ref(old_lock.node)
-        cache.inc_lock_ref(new_last_node)
-        req.lock = TreeLock(new_last_node, _RECEIPT)
-        kv.cache_protected_len = aligned
-        req.last_node = new_last_node
-        if (self.enable_session_radix_cache and req.finished()
-                and not isinstance(req.finished_reason, FINISH_ABORT)):
-            self._sessions.register(req, new_last_node)
-        free_error = None
+        errors = []  # the frees and the row write run whatever fails before them; then raised
+        try:
+            old_lock = req.lock
+            if old_lock is not None:
+                cache.dec_lock_ref(old_lock.node)
+            cache.inc_lock_ref(new_last_node)
+            req.lock = TreeLock(new_last_node, _RECEIPT)
+            kv.cache_protected_len = aligned
+            req.last_node = new_last_node
+            if (self.enable_session_radix_cache and req.finished()
+                    and not isinstance(req.finished_reason, FINISH_ABORT)):
+                self._sessions.register(req, new_last_node)
+        except Exception as exc:
+            errors.append(exc)
         try:
             self._free_duplicates(values, protected, result.prefix_len)
-        except Exception as exc:  # finish the bookkeeping, then raise
-            free_error = exc
+        except Exception as exc:
+            errors.append(exc)
         if protected < result.prefix_len:
             tree_slots = self.path_device_indices(new_last_node)
             self.req_to_token_pool.write((kv.req_pool_idx, slice(protected, result.prefix_len)),
                                          tree_slots[protected:result.prefix_len])
-        if free_error is not None:
-            raise free_error
+        if errors:
+            raise errors[0]
 
     # -- evict -----------------------------------------------------------------------------
     def evict(self, params: EvictParams) -> EvictResult:
