@@ -329,12 +329,7 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         kv.cache_protected_len = aligned
         req.last_node = new_last_node
         if plain:
-            if not self.enable_mamba_extra_buffer:
-                if kept:
-                    self.req_to_token_pool.free_mamba_cache(req)
-            elif not self._free_tracked_states(req, None if kept else keep):
-                self.req_to_token_pool.free_mamba_cache(
-                    req, mamba_ping_pong_track_buffer_to_keep=None if kept else keep)
+            self._release_states(req, keep, inserted=not kept)
             return
         self._mamba.cleanup_after_caching_req(
             req, is_finished=is_finished,
