@@ -575,8 +575,8 @@ class RadixCache(HostTierCalls):
     def _insert_and_split(self, token_ids: Any, kv_indices: Any, extra_key: Any,
                           priority: Any, hits_from: Any, split_at: Any,
                           split_priority: Any) -> InsertResult:
-        """``insert`` with ``split_at`` in a cache with a host tier: the two inserts it
-        stands for, ``split_at`` checked before either."""
+        """``insert`` with ``split_at`` in a cache with a host tier or events: the two
+        inserts it stands for, ``split_at`` checked before either."""
         tokens = self._tokens(token_ids)
         split_at, split_priority = self._check_split(split_at, split_priority, len(tokens))
         result = self.insert(tokens, kv_indices, extra_key, priority, hits_from=hits_from)
