@@ -11,6 +11,7 @@ from cpython.long cimport (PyLong_AsLongLong, PyLong_AsLongLongAndOverflow,
                           PyLong_AsUnsignedLongLongMask)
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
+from libc.errno cimport EAGAIN
 from libc.string cimport memcmp, memcpy, memmove, memset
 
 import numpy as np
@@ -23,6 +24,16 @@ cdef extern from "rc_platform.h":
 
 cdef extern from "rc_json.h":
     Py_ssize_t rc_json_ids(const unsigned char* p, Py_ssize_t size, int64_t* q) noexcept
+
+cdef extern from "rc_zmq.h":
+    ctypedef struct rc_zmq_msg:
+        pass
+    int rc_zmq_bind(void* handle) noexcept
+    int rc_zmq_recv_frame(void* handle, rc_zmq_msg* msg) noexcept
+    void* rc_zmq_data(rc_zmq_msg* msg) noexcept
+    size_t rc_zmq_size(rc_zmq_msg* msg) noexcept
+    int rc_zmq_more(rc_zmq_msg* msg) noexcept
+    void rc_zmq_close(rc_zmq_msg* msg) noexcept
 
 cdef extern from "rc_ints.h":
     int rc_read_int(PyObject* o, int64_t* out) noexcept
@@ -2195,6 +2206,71 @@ def read_wire(data):
     if not batch.read(<bytes>data):
         return None
     return batch
+
+
+# -- a subscriber's stream ---------------------------------------------------------------
+def recv_stream(handle, limit, expected):
+    """A subscriber's stream messages read without waiting, in one call through libzmq; see
+    ``_blocks_py``. None where libzmq's calls cannot be bound (read through pyzmq then)."""
+    if type(handle) is not int or type(limit) is not int or type(expected) is not int:
+        raise TypeError("handle, limit and expected must be ints")
+    if not 0 < handle < 2 ** 64:
+        raise ValueError(f"handle must be a socket's address, got {handle}")
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    if not 0 <= expected < 2 ** 63:
+        raise ValueError(f"expected must be in [0, 2**63), got {expected}")
+    cdef void* sock = <void*><uintptr_t>PyLong_AsUnsignedLongLongMask(handle)
+    if not rc_zmq_bind(sock):
+        return None
+    cdef Py_ssize_t want = limit if limit < 2 ** 62 else 2 ** 62
+    cdef list payloads = []
+    cdef int64_t next_seq = expected, seq = -1
+    cdef Py_ssize_t malformed = 0, frames
+    cdef int err = 0, more
+    cdef rc_zmq_msg msg
+    cdef object data = None
+    cdef bint out_of_order = False, no_memory = False
+    # No Python code runs in this loop (bytes and a list's growth run none), so the socket
+    # stays open and ours throughout: nothing else can reach it without the GIL.
+    while len(payloads) < want:
+        err = rc_zmq_recv_frame(sock, &msg)
+        if err:
+            break
+        more = rc_zmq_more(&msg)
+        rc_zmq_close(&msg)  # the topic
+        frames = 1
+        seq = -1
+        data = None
+        while more:  # a message arrives whole: its other frames are there
+            err = rc_zmq_recv_frame(sock, &msg)
+            if err:
+                break
+            frames += 1
+            more = rc_zmq_more(&msg)
+            if frames == 2 and rc_zmq_size(&msg) == 8:
+                seq = <int64_t>_be(<const unsigned char*>rc_zmq_data(&msg), 8)
+            elif frames == 3:
+                try:
+                    data = PyBytes_FromStringAndSize(<char*>rc_zmq_data(&msg),
+                                                     <Py_ssize_t>rc_zmq_size(&msg))
+                except MemoryError:
+                    no_memory = True  # raised once the message is read whole
+            rc_zmq_close(&msg)
+        if err:
+            break
+        if no_memory:
+            raise MemoryError("no memory for a stream message's payload")
+        if frames != 3 or seq < 0:
+            malformed += 1
+            continue
+        if seq != next_seq:
+            out_of_order = True
+            break
+        payloads.append(data)
+        next_seq += 1
+    return (payloads, malformed, (seq, data) if out_of_order else None,
+            0 if err == EAGAIN else err)
 
 
 cdef bint _km_all_new(KeyMap keymap, const uint64_t* hs, Py_ssize_t m, uint64_t* seen,

@@ -146,6 +146,22 @@ position of the first event not applied (``len(batch)`` when all were), the coun
 copy's own-key holdings after. No Python code runs while it applies (its arguments are checked
 first: ``TypeError`` for another type, ``ValueError`` for ``start``, ``copy``, ``direct`` or
 ``block_size`` out of range, each changing nothing).
+
+``recv_stream(handle, limit, expected) -> tuple | None`` -- an event subscriber's stream
+read without waiting, in one call: the messages that have arrived on the ZeroMQ socket whose
+libzmq address is ``handle`` (pyzmq's ``Socket.underlying``; the caller keeps it open and
+owns it for the call), each ``[topic, seq, payload]`` (``seq``: 8 bytes, a big-endian signed
+int). It reads while each is the batch expected next (``expected``, then one more each), up
+to ``limit`` of them, and stops after the first that is not. Returns ``(payloads, malformed,
+last, error)``: the payloads of the batches ``expected``, ``expected + 1``, ... in order;
+how many messages it read and skipped for their shape (not three frames, a ``seq`` frame not 8
+bytes long, a negative ``seq``); ``(seq, payload)`` of the message that stopped it, or None;
+and libzmq's errno of a failed read (0 when it stopped because nothing more had arrived; a
+message is never read in part). ``handle``, ``limit`` and ``expected`` are exactly ints
+(``TypeError``) with ``handle`` in (0, 2**64), ``limit >= 1`` and ``expected`` in [0, 2**63)
+(``ValueError``), checked before anything is read. The compiled module reads through libzmq's
+own calls, bound to the library that made the socket, and answers None where they cannot be
+bound; this one reads through pyzmq (a socket ``shadow`` of ``handle``).
 """
 
 from __future__ import annotations
@@ -162,7 +178,7 @@ from ._validate import INT64_MAX, INT64_MIN, wrap_int64
 
 __all__ = ["BlockIndex", "KeyMap", "WireBatch", "apply_wire", "hash64", "ids_le_bytes",
            "json_ids", "msgpack_ids", "page_hash_bytes", "page_hash_chain", "query_answer",
-           "read_wire"]
+           "read_wire", "recv_stream"]
 
 
 # -- page hash chain (see the module docstring) ---------------------------------------------
@@ -1126,3 +1142,49 @@ def apply_wire(index: BlockIndex, batch: WireBatch, start: int, keymap: KeyMap, 
         ev += 1
     return (ev, stored, duplicates, removed, unknown_removals, unknown_parent,
             wrong_block_size, malformed, d)
+
+
+# -- a subscriber's stream (see the module docstring) ---------------------------------------
+def recv_stream(handle: Any, limit: Any, expected: Any) -> Any:
+    """A subscriber's stream messages read without waiting, through pyzmq; see the module
+    docstring."""
+    if type(handle) is not int or type(limit) is not int or type(expected) is not int:
+        raise TypeError("handle, limit and expected must be ints")
+    if not 0 < handle < 2 ** 64:
+        raise ValueError(f"handle must be a socket's address, got {handle}")
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    if not 0 <= expected < 2 ** 63:
+        raise ValueError(f"expected must be in [0, 2**63), got {expected}")
+    import zmq
+
+    sock = zmq.Socket.shadow(handle)
+    recv, flags, again = sock.recv, zmq.NOBLOCK, zmq.Again
+    payloads: list = []
+    malformed = error = 0
+    last = None
+    while len(payloads) < limit:
+        try:
+            frame = recv(flags, copy=False)
+            frames, seq, data = 1, -1, None
+            while frame.more:  # a message arrives whole: its other frames are there
+                frame = recv(flags, copy=False)
+                frames += 1
+                if frames == 2 and len(frame) == 8:
+                    seq = int.from_bytes(frame.bytes, "big", signed=True)
+                elif frames == 3:
+                    data = frame.bytes
+        except again:
+            break
+        except zmq.ZMQError as exc:
+            error = exc.errno or -1
+            break
+        if frames != 3 or seq < 0:
+            malformed += 1
+            continue
+        if seq != expected:
+            last = (seq, data)
+            break
+        payloads.append(data)
+        expected += 1
+    return payloads, malformed, last, error

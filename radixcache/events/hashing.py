@@ -260,13 +260,14 @@ def fast64_root(namespace: bytes) -> int:
                           signed=True)
 
 
-def _page_hash_core() -> ModuleType:
-    """The module whose ``page_hash_chain``/``page_hash_bytes`` compute the ``fast64`` chain:
-    the block module (compiled when built), imported here on first use, so importing
+def _page_hash_core(pure: bool = False) -> ModuleType:
+    """The module whose ``page_hash_chain``/``page_hash_bytes`` compute the ``fast64`` chain
+    and whose ``recv_stream`` reads a subscriber's stream: the block module (compiled when
+    built; the pure one with ``pure``), imported here on first use, so importing
     ``radixcache.events`` alone never loads it."""
-    from .._core import blocks
+    from .._core import blocks, get_blocks
 
-    return blocks
+    return get_blocks("python") if pure else blocks
 
 
 def _fast_chain(parent_hash: Optional[int], namespace: bytes, data: bytes,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import math
 import queue
 import threading
@@ -22,6 +23,7 @@ from bisect import bisect_left
 from typing import Any, Iterable, Iterator, Optional
 
 from .._validate import is_real
+from .hashing import _page_hash_core
 from .types import DEFAULT_ENCODING, KVEvent, _check_encoding
 from .wire import (
     ReceivedBatch,
@@ -579,11 +581,13 @@ class ZmqEventSubscriber:
             self._sub.setsockopt(zmq.RCVHWM, hwm)
             self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
             self._sub.connect(endpoint)
+            self._sub_handle = self._sub.underlying  # libzmq's socket, for recv_stream
             if replay_endpoint is not None:
                 self._replay = self._new_replay_socket()
         except Exception:
             self.close()
             raise
+        self._read_stream = None  # the block module's recv_stream, once it is needed
         self._expected = start_seq
         self._initial_replay = start_seq is not None and self._replay is not None
         self._pending: collections.deque = collections.deque()
@@ -796,37 +800,33 @@ class ZmqEventSubscriber:
 
     def _drain_stream(self, out: list, limit: int) -> None:
         """``receive_many``'s fast path: stream messages read while each is the batch
-        expected next, taken as ``_on_stream`` and ``_accept`` take them; the first that is
-        not is handed to ``_on_stream``, and what follows it to ``receive``."""
-        recv = self._sub.recv_multipart
-        noblock = self._zmq.NOBLOCK
-        again = self._zmq.Again
-        heard = False
-        try:
-            while len(out) < limit:
-                try:
-                    frames = recv(noblock)
-                except again:
-                    break
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    self.malformed += 1
-                    continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
-                if seq < 0:
-                    self.malformed += 1
-                    continue
-                heard = True
-                if seq != self._expected:
-                    self._on_stream(seq, frames[2])
-                    break
-                if not out:
-                    self._digests.clear()  # the stream is past every replayed batch
-                self._stream_last = seq
-                self._expected = seq + 1
-                out.append(ReceivedBatch(seq, 0.0, [], None, frames[2], False))
-        finally:
-            if heard:
-                self._last_heard = self._last_contact = time.monotonic()
+        expected next (the block module's ``recv_stream``, one call), taken as
+        ``_on_stream`` and ``_accept`` take them; the first that is not is handed to
+        ``_on_stream``, and what follows it to ``receive``."""
+        read = self._read_stream
+        if read is None:
+            read = self._read_stream = _page_hash_core().recv_stream
+        got = read(self._sub_handle, limit - len(out), self._expected)
+        if got is None:  # libzmq's calls cannot be bound here: through pyzmq
+            read = self._read_stream = _page_hash_core(pure=True).recv_stream
+            got = read(self._sub_handle, limit - len(out), self._expected)
+        payloads, malformed, last, error = got
+        self.malformed += malformed
+        if payloads or last is not None:
+            self._last_heard = self._last_contact = time.monotonic()
+        if payloads:
+            if not out:
+                self._digests.clear()  # the stream is past every replayed batch
+            seq = self._expected
+            for payload in payloads:
+                out.append(ReceivedBatch(seq, 0.0, [], None, payload, False))
+                seq += 1
+            self._stream_last = seq - 1
+            self._expected = seq
+        if last is not None:
+            self._on_stream(*last)
+        if error and error != errno.EINTR:
+            raise self._zmq.ZMQError(error)
 
     def _probe_at(self) -> Optional[float]:
         """When the next probe is due, None if never (no replay socket, probes off, or no
