@@ -1981,12 +1981,23 @@ cdef class WireBatch:
         q = self.tokens + self.n_tokens
         cdef Py_ssize_t at = pos[0]
         cdef unsigned char b
+        cdef uint64_t word
+        cdef unsigned int wide
         for k in range(count):
             # the usual forms inline (token ids below 2**32), the others read as any value
             b = p[at] if at < size else 0xC1
             if b <= 0x7F:
                 q[k] = b
                 at += 1
+            elif <unsigned int>(b - 0xCD) <= 1 and size - at >= 5:
+                # uint16 and uint32 alike, without a branch between them (ids of a
+                # vocabulary past 65,536 mix both at random): 4 bytes read, the uint16's
+                # top 2 of them
+                wide = b - 0xCD
+                word = ((<uint64_t>p[at + 1] << 24) | (<uint64_t>p[at + 2] << 16)
+                        | (<uint64_t>p[at + 3] << 8) | p[at + 4])
+                q[k] = <int64_t>(word >> (16 - 16 * wide))
+                at += 3 + 2 * wide
             elif b == 0xCD and size - at >= 3:
                 q[k] = (<int64_t>p[at + 1] << 8) | p[at + 2]
                 at += 3

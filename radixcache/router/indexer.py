@@ -169,6 +169,28 @@ class KvIndexer(EventIngest):
             return self._store.apply_payload(worker, payload, seq)
         return self._apply_payload(worker, payload, seq)
 
+    def apply_payloads(self, worker: Hashable, payloads: Iterable[bytes]) -> int:
+        """Apply a run of ``worker``'s wire payloads, in order: what ``apply_payload`` on
+        each does, in one call (a subscriber's batches as they came).
+
+        Args:
+            worker: The worker id (any hashable).
+            payloads: The payloads, in the order they were published.
+
+        Returns:
+            How many were applied; the others were malformed (counted in
+            ``stats.malformed_batches``).
+
+        Raises:
+            TypeError: ``worker`` is None or not hashable (before anything is applied).
+        """
+        if type(payloads) is not list:
+            payloads = list(payloads)
+        if self._store is not None:
+            self._check_worker(worker)  # refused as in process, even with no payload
+            return sum(self._store.apply_payload(worker, p) for p in payloads)
+        return self._apply_payloads(worker, payloads)
+
     def apply_keys(self, worker: Hashable, records: Iterable[Any]) -> None:
         """Apply one batch of an in-process worker's block-key records, in order.
 

@@ -33,7 +33,6 @@ from .keys import (
     _event_medium,
     _event_namespace,
     _event_token_bytes,
-    _group,
     _has_entries,
     _is_key_record,
     _msgpack_ids,
@@ -136,6 +135,24 @@ class EventIngest(CopyTable):
                 stats.cleared += 1
         return True
 
+    def _apply_payloads(self, worker: Hashable, payloads: list) -> int:
+        """``KvIndexer.apply_payloads`` in this process: a run of one worker's wire payloads,
+        in order; how many were applied (the others malformed, counted)."""
+        self._check_worker(worker)
+        if not _DECODER[0]:  # as _apply_payload: before anything is applied
+            _transport("decode_batch")
+            _DECODER[0] = True
+        read, apply_batch = self._read_wire, self._apply_batch
+        applied = 0
+        for payload in payloads:
+            batch = read(payload) if type(payload) is bytes else None
+            if batch is None:
+                applied += self._apply_payload(worker, payload)
+            else:
+                apply_batch(worker, batch, payload)
+                applied += 1
+        return applied
+
     def _apply_batch(self, worker: Hashable, batch: Any, payload: bytes) -> None:
         """Apply a batch the block module read (``read_wire``): its events in order, as
         many at a time as the block module applies in one call (``apply_wire``), any other
@@ -144,8 +161,9 @@ class EventIngest(CopyTable):
         stats = self.stats
         stats.batches += 1
         n = len(batch)
-        tier = MEDIUM_GPU if batch.medium is None else _tier(batch.medium)
-        group = _group(batch.group)
+        medium = batch.medium
+        tier = MEDIUM_GPU if medium is None or medium == MEDIUM_GPU else _tier(medium)
+        group = batch.group or None  # _group, inline (a batch's every time)
         start = 0
         events = None
         while True:

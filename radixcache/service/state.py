@@ -26,6 +26,9 @@ from .query import Hits, group_blocks, hash_blocks, hits_of
 from .select import Chooser, Loads, Selection
 
 MEDIA = ("GPU", "CPU", "DISK")
+#: The most of a subscriber's plain batches applied in one call (about 0.1 ms of ingest
+#: between two chances for a waiting request to take the lock).
+RUN = 16
 
 
 class ServiceError(Exception):
@@ -424,10 +427,27 @@ class IndexService:
             stats = indexer.stats
             before = (stats.events, stats.stored_blocks, stats.removed_blocks,
                       stats.malformed_batches + stats.malformed_events)
-            for batch in batches:
+            reg_key = reg.key
+            # Plain payloads (no restart, no store, no hash index) go in runs of up to RUN,
+            # one call each; the lock is lent between two calls.
+            plain = reg.kind != "Mooncake" and self.shared is None and group.hashes is None
+            at, end = 0, len(batches)
+            while at < end:
                 self.lock.lend()
-                if self._subs.get(reg.key) is not sub:
+                if self._subs.get(reg_key) is not sub:
                     break  # unregistered while a request held the lock
+                batch = batches[at]
+                if plain and not batch.restarted:
+                    stop = min(at + RUN, end)
+                    for k in range(at + 1, stop):
+                        if batches[k].restarted:
+                            stop = k
+                            break
+                    indexer.apply_payloads(worker, [b.payload for b in batches[at:stop]])
+                    sub.applied_seq = batches[stop - 1].seq
+                    at = stop
+                    continue
+                at += 1
                 if batch.restarted:
                     sub.restarts += 1
                 if reg.kind == "Mooncake":

@@ -213,6 +213,36 @@ def test_the_one_call_path_matches_the_event_path(indexer_on, seed):
     assert len(fast) == 0 and fast._index.pairs == 0 and fast.workers == []
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_run_of_payloads_applies_as_each_payload_does(indexer_on, seed):
+    """``apply_payloads`` (a subscriber's run of batches in one call) against
+    ``apply_payload`` on each: the same index and counts after every run, malformed payloads
+    (mutants, a bytearray, an empty one) counted in place."""
+    rng = random.Random(100 + seed)
+    block_size = rng.choice((1, 2, 4))
+    runs, each = indexer_on(block_size), indexer_on(block_size)
+    source = Source(rng, block_size, each)
+    for step in range(60):
+        worker = rng.randrange(3)
+        run = []
+        for _ in range(rng.choice((0, 1, 2, 5, 16))):
+            payload = source.payload(source.batch(3)[1])
+            roll = rng.random()
+            if roll < 0.1:
+                payload = rng.choice(_mutants(rng, payload))
+            elif roll < 0.13:
+                payload = rng.choice((bytearray(payload), b"", memoryview(payload)))
+            run.append(payload)
+        applied = sum(each.apply_payload(worker, p) for p in run)
+        assert runs.apply_payloads(worker, iter(run) if step % 2 else run) == applied
+        assert state(runs) == state(each), step
+    with pytest.raises(TypeError, match="worker must be a hashable id"):
+        runs.apply_payloads(None, [])
+    with pytest.raises(TypeError, match="worker must be a hashable id"):
+        runs.apply_payloads([1], [encode([0, []])])
+    assert state(runs) == state(each)
+
+
 def _payloads(rng: random.Random, count: int) -> list:
     indexer = KvIndexer(2)
     source = Source(rng, 2, indexer)
