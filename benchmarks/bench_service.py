@@ -19,7 +19,8 @@ separate virtual environment and pass its python (it binds 0.0.0.0; nothing else
   concurrent clients (``wrk`` when installed, else client processes).
 - ingest while serving: 16 publishers stream batches of stored and removed blocks as fast as
   they can for a few seconds while one client queries at 200 queries per second: block
-  events applied per second and that client's p99.
+  events applied per second and that client's p99; then the same with the publishers held
+  to 10^6 block events a second in all (paced): the p99 at that rate.
 - memory: the service's resident memory per indexed block (from once the publishers are
   registered and connected to when it settles after the fill), against an in-process
   ``KvIndexer`` fed the same payloads (in a process of its own).
@@ -27,7 +28,7 @@ separate virtual environment and pass its python (it binds 0.0.0.0; nothing else
 - floor: the same client against a server that answers every request with a fixed body
   and does nothing else (asyncio, on uvloop when installed): p50, p99 and queries per
   second over loopback, and its p99 while radixcache ingests the same stream (what the
-  machine alone costs a query then).
+  machine alone costs a query then), flat out and paced.
 
 Rounds alternate the two services (best of the interleaved rounds); ratios are
 radixcache / Dynamo.
@@ -58,6 +59,8 @@ BLOCK = 16
 PROMPT_BLOCKS = 512
 BATCH_BLOCKS = 32
 MODEL = "bench"
+#: Block events a second of the paced ingest phase (the target's rate).
+PACED_RATE = 1_000_000
 
 
 def free_port() -> int:
@@ -371,10 +374,11 @@ def throughput(server: Server, body: bytes, seconds: float, clients: int = 16) -
     return sum(done) / seconds
 
 
-def _stream(conn, publishers: int, seconds: float) -> None:
+def _stream(conn, publishers: int, seconds: float, rate: Optional[float] = None) -> None:
     """The ingest phase's publishers, in a process of their own (so that the querying client
     is not slowed by them): each stores a chain of 32 blocks, then removes it, over and
-    over; markers show it is connected, then the stream runs for ``seconds``."""
+    over; markers show it is connected, then the stream runs for ``seconds``, as fast as
+    they can send or, with ``rate``, at that many block events a second in all."""
     pubs = Publishers(publishers)
     rnd = random.Random(7)
     base = 1 << 50
@@ -400,12 +404,17 @@ def _stream(conn, publishers: int, seconds: float) -> None:
     sent = 0
     started = time.perf_counter()
     i = 0
+    per_turn = publishers * 2 * BATCH_BLOCKS
     while time.perf_counter() - started < seconds:
+        if rate is not None:  # paced: turn i starts when the rate allows it
+            wait = started + i * per_turn / rate - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
         for w in range(publishers):
             store, remove = stream[w][i % 64]
             pubs.send(w, store)
             pubs.send(w, remove)
-        sent += publishers * 2 * BATCH_BLOCKS
+        sent += per_turn
         i += 1
     for w in range(publishers):  # the markers leave: seen once everything before is applied
         pubs.send(w, encode_batch([BlockRemoved((base - 1 - w,))]))
@@ -415,15 +424,18 @@ def _stream(conn, publishers: int, seconds: float) -> None:
 
 
 def ingest_while_serving(server: Server, body: bytes, seconds: float,
-                         publishers: int = 16, queried: Optional[Server] = None) -> tuple:
-    """``publishers`` new publishers stream stored/removed batches for ``seconds`` while one
-    client queries ``queried`` (default ``server``) at 200 queries per second; ``(block
-    events/s applied, query p99 ms)``."""
+                         publishers: int = 16, queried: Optional[Server] = None,
+                         rate: Optional[float] = None) -> tuple:
+    """``publishers`` new publishers stream stored/removed batches for ``seconds`` (as fast
+    as they can, or at ``rate`` block events a second) while one client queries ``queried``
+    (default ``server``) at 200 queries per second; ``(block events/s applied, query p99
+    ms)``."""
     import multiprocessing
 
     parent, child = multiprocessing.Pipe()
     proc = multiprocessing.get_context("fork").Process(target=_stream,
-                                                       args=(child, publishers, seconds))
+                                                       args=(child, publishers, seconds,
+                                                             rate))
     proc.start()
     endpoints = parent.recv()
     for w, endpoint in enumerate(endpoints):
@@ -502,6 +514,7 @@ def one_round(name: str, start, work: Workload, args: argparse.Namespace) -> dic
         qps = throughput(server, body, args.seconds)
         answers = [answer(server, p) for p in work.prompts]
         ingest, ingest_p99 = ingest_while_serving(server, body, args.seconds)
+        paced, paced_p99 = ingest_while_serving(server, body, args.seconds, rate=PACED_RATE)
         floor = None
         if name == "radixcache":  # the floor's, beside this service's ingest
             floor = floor_round(body, args, server)
@@ -510,6 +523,7 @@ def one_round(name: str, start, work: Workload, args: argparse.Namespace) -> dic
         pubs.close()
     return {"service": name, "fill_events_s": rate, "p50_ms": p50, "p99_ms": p99,
             "qps16": qps, "ingest_events_s": ingest, "ingest_query_p99_ms": ingest_p99,
+            "paced_events_s": paced, "paced_query_p99_ms": paced_p99,
             "rss_per_block": rss / work.blocks, "answers": answers, "floor": floor}
 
 
@@ -521,10 +535,12 @@ def floor_round(body: bytes, args: argparse.Namespace, ingesting: Server) -> dic
         p50, p99 = latency(floor, body, args.queries)
         qps = throughput(floor, body, args.seconds)
         _, ingest_p99 = ingest_while_serving(ingesting, body, args.seconds, queried=floor)
+        _, paced_p99 = ingest_while_serving(ingesting, body, args.seconds, queried=floor,
+                                            rate=PACED_RATE)
     finally:
         floor.stop()
     return {"service": "floor", "p50_ms": p50, "p99_ms": p99, "qps16": qps,
-            "ingest_query_p99_ms": ingest_p99}
+            "ingest_query_p99_ms": ingest_p99, "paced_query_p99_ms": paced_p99}
 
 
 def main() -> int:
@@ -572,17 +588,21 @@ def main() -> int:
                 f = result["floor"]
                 print(f"round {r + 1} floor: query p50 {f['p50_ms']:.3f} ms p99 "
                       f"{f['p99_ms']:.3f} ms, {f['qps16']:,.0f} q/s (16 clients), query p99 "
-                      f"{f['ingest_query_p99_ms']:.2f} ms while radixcache ingests", flush=True)
+                      f"{f['ingest_query_p99_ms']:.2f} ms while radixcache ingests, "
+                      f"{f['paced_query_p99_ms']:.2f} ms at the paced rate", flush=True)
             print(f"round {r + 1} {name}: fill {result['fill_events_s']:,.0f} events/s, "
                   f"query p50 {result['p50_ms']:.3f} ms p99 {result['p99_ms']:.3f} ms, "
                   f"{result['qps16']:,.0f} q/s (16 clients), ingest "
                   f"{result['ingest_events_s']:,.0f} events/s with query p99 "
-                  f"{result['ingest_query_p99_ms']:.2f} ms, "
+                  f"{result['ingest_query_p99_ms']:.2f} ms, paced "
+                  f"{result['paced_events_s']:,.0f} events/s with query p99 "
+                  f"{result['paced_query_p99_ms']:.2f} ms, "
                   f"{result['rss_per_block']:.1f} B/block; load average "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
     in_proc = in_process_memory(work) / work.blocks
     best_of = {"fill_events_s": max, "p50_ms": min, "p99_ms": min, "qps16": max,
-               "ingest_events_s": max, "ingest_query_p99_ms": min, "rss_per_block": min}
+               "ingest_events_s": max, "ingest_query_p99_ms": min, "paced_events_s": max,
+               "paced_query_p99_ms": min, "rss_per_block": min}
     best = {name: {key: pick(x[key] for x in rs) for key, pick in best_of.items()
                    if key in rs[0]} for name, rs in rounds.items()}
     others = [n for n in ("dynamo", "baseline") if n in best]

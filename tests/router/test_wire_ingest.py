@@ -413,10 +413,12 @@ def test_apply_payload_keeps_the_decoders_answers_for_what_it_does_not_read(inde
     assert indexer.blocks_held(0) == 1
 
 
-def test_a_worker_id_whose_code_reenters_leaves_the_index_whole(indexer_on):
+@pytest.mark.parametrize("runs", [False, True], ids=["apply_payload", "apply_payloads"])
+def test_a_worker_id_whose_code_reenters_leaves_the_index_whole(indexer_on, runs):
     """A worker id's ``__eq__`` applies other workers' batches (copies made and dropped, their
-    ids taken and given back) while ``apply_payload`` looks up and makes its copy: every
-    holding still belongs to the copy that counts it, and the counts add up."""
+    ids taken and given back) while ``apply_payload`` (or ``apply_payloads``, a run of three)
+    looks up and makes its copy: every holding still belongs to the copy that counts it, and
+    the counts add up."""
     indexer = indexer_on(2)
     payloads = [encode([0, [["BlockStored", [i, i + 1], None, [i, 1, 2, 3], 2, None, None]]])
                 for i in range(0, 40, 2)]
@@ -445,7 +447,10 @@ def test_a_worker_id_whose_code_reenters_leaves_the_index_whole(indexer_on):
 
     workers = [Worker(n) for n in range(4)]
     for step, payload in enumerate(payloads * 3):
-        assert indexer.apply_payload(workers[step % 4], payload)
+        if runs:
+            assert indexer.apply_payloads(workers[step % 4], [payload, drop, payload]) == 3
+        else:
+            assert indexer.apply_payload(workers[step % 4], payload)
         armed[0] = False
         everyone = list(indexer.workers)
         assert indexer._index.pairs == indexer._held == sum(indexer.blocks_held(w)
