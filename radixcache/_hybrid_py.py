@@ -322,6 +322,18 @@ class AuxTree(Tree):
         return super()._clear()
 
 
+class _NotHybrid:
+    """A tree core's call that a hybrid core does not have (the compiled one, which wraps a
+    tree core rather than being one, has no such attribute): reading it raises
+    ``AttributeError``, so that both hybrid cores answer alike."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        raise AttributeError(f"'HybridCore' object has no attribute '{self.name}'")
+
+
 class HybridCore(Core):
     """One hybrid cache: ``Core`` with an auxiliary component (see the module docstring)."""
 
@@ -990,3 +1002,12 @@ class HybridCore(Core):
         assert len(in_list) == sum(1 for n, _ in tree.iter_nodes() if n._aux is not None)
         assert (tree.aux_evictable, tree.aux_protected) == (evictable, protected), (
             f"aux sizes {(tree.aux_evictable, tree.aux_protected)} != {(evictable, protected)}")
+
+
+# The host tier's calls, eviction ranks, session tags and the public class's steps for device
+# values and reverted inserts: a tree core's, not a hybrid core's.
+for _name in ("back_up", "drop_host_copy", "evict_host", "insert_host", "load_back",
+              "next_victim", "write_through", "set_rank", "tag_session", "untag_session",
+              "session_tags", "tagged_nodes", "set_value", "revert_insert", "take_adopted"):
+    setattr(HybridCore, _name, _NotHybrid(_name))
+del _name

@@ -155,6 +155,25 @@ def test_every_hybrid_module_has_the_contract(core_name):
     assert core.core_name == core_name
 
 
+def test_both_hybrid_cores_have_the_same_calls():
+    """The pure hybrid core is a tree core underneath, the compiled one wraps one: neither
+    answers a call of the tree core's that the other lacks (the host tier's, ranks, session
+    tags)."""
+    if "c" not in HYBRIDS:
+        pytest.skip("the compiled hybrid core is not built")
+
+    def calls(module) -> set:
+        core = module.HybridCore(1, "lru", window=2)
+        return {name for name in dir(core) if not name.startswith("_")
+                and callable(getattr(core, name, None))}
+
+    assert calls(HYBRIDS["python"]) == calls(HYBRIDS["c"])
+    core = HYBRIDS["python"].HybridCore(1, "lru", state=True)
+    with pytest.raises(AttributeError, match="has no attribute 'tag_session'"):
+        core.tag_session(core.tree.root, 1)
+    assert not hasattr(core, "evict_host") and hasattr(core, "evict")
+
+
 def test_the_hybrids_follow_the_cores():
     """The chooser picks the hybrid modules by the cores' rule: compiled where built."""
     assert set(HYBRIDS) == set(CORES)
