@@ -7,7 +7,7 @@ time runnable but waiting for a core (the kernel's per-thread accounting,
 interpreter's lock, or for the service's lock, which the ingest thread holds while it applies
 a batch)::
 
-    python benchmarks/service_query_wait.py [--seconds 8] [--blocks 20000]
+    python benchmarks/service_query_wait.py [--seconds 8] [--blocks 20000] [--rate 1e6]
 
 ``--http`` serves ``radixcache serve`` in its own process instead (this script, run as the
 server, times each request's ``data_received`` callback, the event loop thread's wait for a
@@ -56,7 +56,7 @@ def fill_and_stream(server, pubs: "bench.Publishers", args: argparse.Namespace) 
     bench.fill(server, work, pubs)
     parent, child = multiprocessing.Pipe()
     proc = multiprocessing.get_context("fork").Process(
-        target=bench._stream, args=(child, 16, args.seconds))
+        target=bench._stream, args=(child, 16, args.seconds, args.rate))
     proc.start()
     for w, endpoint in enumerate(parent.recv()):
         server.post("/register", json.dumps(
@@ -225,6 +225,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--blocks", type=int, default=20_000)
+    parser.add_argument("--rate", type=float, default=None,
+                        help="block events a second the publishers are held to (default: "
+                             "as fast as they can)")
     parser.add_argument("--http", action="store_true",
                         help="radixcache serve in its own process, queried over HTTP")
     args = parser.parse_args()

@@ -781,7 +781,9 @@ class ZmqEventSubscriber:
         out: list = []
         if (not self._decode and not self._initial_replay and not self._pending
                 and not self._replay_active and not self._restart_owed
-                and self._expected is not None):
+                and self._expected is not None and self._expected < 1 << 63):
+            # (a stream at the last int64 sequence number goes receive's way: recv_stream
+            # takes int64 expectations only)
             probe_at = self._probe_at()
             if probe_at is None or time.monotonic() < probe_at:
                 self._drain_stream(out, limit)

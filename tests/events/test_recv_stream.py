@@ -231,3 +231,47 @@ def test_a_subscriber_reads_through_pyzmq_where_libzmq_cannot_be_bound(monkeypat
     finally:
         pub.close()
         ctx.term()
+
+
+def test_a_stream_at_the_last_sequence_number_is_read_without_an_error():
+    """A publisher whose sequence numbers reach 2**63 - 1 (the largest the wire carries):
+    the subscriber reads it, then expects 2**63, which it no longer asks ``recv_stream`` for
+    (it takes int64s only): no error, and later messages are still read."""
+    import radixcache.events as ev
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+    top = (1 << 63) - 1
+    try:
+        with ev.ZmqEventSubscriber(endpoint, decode=False, probe_interval=None) as sub:
+            deadline = time.monotonic() + 10
+            seq = top - 40
+            while sub.receive(timeout=0.05) is None:  # connected: a batch seen
+                assert time.monotonic() < deadline
+                pub.send_multipart([b"", seq_frame(seq), b"x"])
+                seq += 1
+            while sub.receive(timeout=0.05) is not None:
+                pass
+            got: list = []
+            for s in range(seq, top + 1):
+                pub.send_multipart([b"", seq_frame(s), b"p%d" % s])
+            while not got or got[-1].seq < top:
+                assert time.monotonic() < deadline
+                sub._sub.poll(100)
+                got += sub.receive_many(10)
+            assert [b.seq for b in got] == list(range(seq, top + 1))
+            for _ in range(3):
+                assert sub.receive_many(10) == []  # expecting 2**63: no error
+            pub.send_multipart([b"", seq_frame(0), b"again"])  # a restarted publisher
+            again = None
+            while again is None:
+                assert time.monotonic() < deadline
+                sub._sub.poll(100)
+                got = sub.receive_many(10)
+                again = got[0] if got else None
+            assert (again.seq, again.payload, again.restarted) == (0, b"again", True)
+    finally:
+        pub.close()
+        ctx.term()
