@@ -196,11 +196,15 @@ class Ingest:
     def _drain(self, sub: Subscription) -> None:
         receive_many = sub.subscriber.receive_many
         batches: list = []
+        rejected = 0
         while len(batches) < DRAIN:
             try:
                 got = receive_many(DRAIN - len(batches))
             except ValueError:  # a payload the decoder rejects: counted, the stream goes on
                 sub.malformed += 1
+                rejected += 1
+                if rejected >= DRAIN:
+                    break  # the rest on the next turn: the other subscriptions' meanwhile
                 continue
             except RuntimeError:  # closed
                 return
