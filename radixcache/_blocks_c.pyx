@@ -2236,7 +2236,9 @@ def recv_stream(handle, limit, expected):
         return None
     cdef Py_ssize_t want = limit if limit < 2 ** 62 else 2 ** 62
     cdef list payloads = []
-    cdef int64_t next_seq = expected, seq = -1
+    # unsigned: after 2**63 - 1 comes 2**63, which no sequence number equals (no overflow)
+    cdef uint64_t next_seq = expected
+    cdef int64_t seq = -1
     cdef Py_ssize_t malformed = 0, frames
     cdef int err = 0, more
     cdef rc_zmq_msg msg
@@ -2275,7 +2277,7 @@ def recv_stream(handle, limit, expected):
         if frames != 3 or seq < 0:
             malformed += 1
             continue
-        if seq != next_seq:
+        if <uint64_t>seq != next_seq:
             out_of_order = True
             break
         payloads.append(data)

@@ -1177,7 +1177,7 @@ def recv_stream(handle: Any, limit: Any, expected: Any) -> Any:
         except again:
             break
         except zmq.ZMQError as exc:
-            error = exc.errno or -1
+            error = int(exc.errno or -1)  # an int, as the compiled module's
             break
         if frames != 3 or seq < 0:
             malformed += 1

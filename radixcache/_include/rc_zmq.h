@@ -11,6 +11,7 @@
 #ifndef RC_ZMQ_H
 #define RC_ZMQ_H
 
+#include <errno.h>
 #include <stddef.h>
 
 #if defined(__linux__) || defined(__APPLE__) || defined(__FreeBSD__)
@@ -88,13 +89,17 @@ static int rc_zmq_bind(void *handle) {
 }
 
 /* One frame into msg (initialised here), without waiting: 0, or libzmq's errno (EAGAIN:
-   nothing has arrived). On an error msg is closed already. */
+   nothing has arrived; never EINTR). On an error msg is closed already. */
 static int rc_zmq_recv_frame(void *handle, rc_zmq_msg *msg) {
     int err;
     rc_zmq.msg_init(msg);
-    if (rc_zmq.msg_recv(msg, handle, RC_ZMQ_DONTWAIT) >= 0)
-        return 0;
-    err = rc_zmq.errno_();
+    /* EINTR (a signal while libzmq polls its command pipe) is asked again, as pyzmq does: it
+       may come between a message's frames, and a message must not be left read in part */
+    do {
+        if (rc_zmq.msg_recv(msg, handle, RC_ZMQ_DONTWAIT) >= 0)
+            return 0;
+        err = rc_zmq.errno_();
+    } while (err == EINTR);
     rc_zmq.msg_close(msg);
     return err ? err : -1;
 }

@@ -828,7 +828,9 @@ class ZmqEventSubscriber:
         if last is not None:
             self._on_stream(*last)
         if error and error != errno.EINTR:
-            raise self._zmq.ZMQError(error)
+            # the exception pyzmq raises for it (ContextTerminated for ETERM)
+            zmq = self._zmq
+            raise zmq.ContextTerminated() if error == zmq.ETERM else zmq.ZMQError(error)
 
     def _probe_at(self) -> Optional[float]:
         """When the next probe is due, None if never (no replay socket, probes off, or no

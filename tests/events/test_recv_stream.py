@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import random
 import sys
+import threading
 import time
 import types
 
@@ -150,6 +151,68 @@ def test_random_streams_are_read_as_the_model_reads_them(blocks, pair, seed):
         messages = messages[used:]
         expected = got[2][0] + 1 if got[2] is not None else expected + len(got[0])
     assert read(blocks, sub, 10, expected) == ([], 0, None, 0)
+
+
+def test_the_last_sequence_number_is_read_like_any_other(blocks, pair):
+    """2**63 - 1 is expected and read; after it no sequence number is the one expected."""
+    pub, sub = pair
+    top = 2 ** 63 - 1
+    messages = [[b"", seq_frame(top), b"last"], [b"", seq_frame(0), b"again"],
+                [b"", seq_frame(top), b"late"]]
+    send_all(pub, sub, messages)
+    assert read(blocks, sub, 10, top) == ([b"last"], 0, (0, b"again"), 0)
+    assert read(blocks, sub, 10, top) == ([b"late"], 0, None, 0)
+
+
+def test_a_failed_read_returns_libzmq_errno(blocks, pair):
+    """A read that fails for another reason than no message (here the socket's context is
+    being terminated) returns libzmq's errno, an int, after the messages read before it."""
+    pub, sub = pair
+    ctx = sub.context
+    term = threading.Thread(target=ctx.term)  # waits for the sockets to close
+    term.start()
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            got = read(blocks, sub, 10, 0)
+            if got[3]:
+                break
+            assert time.monotonic() < deadline, "the context's termination never reached"
+            time.sleep(0.01)
+        assert got == ([], 0, None, zmq.ETERM) and type(got[3]) is int
+    finally:
+        pub.close()
+        sub.close()
+        term.join(10)
+
+
+def test_a_subscriber_past_the_last_sequence_number_reads_as_receive_does():
+    """Nothing on the stream can be the batch after 2**63 - 1: receive_many hands what
+    arrives to receive's bookkeeping instead of refusing to read."""
+    import radixcache.events as ev
+
+    with ev.ZmqEventSubscriber("tcp://127.0.0.1:9", decode=False, probe_interval=None,
+                               start_seq=2 ** 63) as sub:
+        assert sub.receive_many(5) == []
+
+
+def test_a_subscriber_whose_context_is_terminated_raises_what_pyzmq_raises():
+    import radixcache.events as ev
+
+    sub = ev.ZmqEventSubscriber("tcp://127.0.0.1:9", decode=False, probe_interval=None,
+                                start_seq=0)
+    term = threading.Thread(target=sub._ctx.term)  # waits for the sockets to close
+    term.start()
+    try:
+        with pytest.raises(zmq.ContextTerminated):
+            deadline = time.monotonic() + 10
+            while sub.receive_many(5) == []:
+                assert time.monotonic() < deadline, "the context's termination never reached"
+                time.sleep(0.01)
+    finally:
+        sub._sub.close(linger=0)
+        term.join(10)
+        sub.close()
 
 
 @pytest.mark.parametrize("args, error, match", [
