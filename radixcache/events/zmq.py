@@ -22,7 +22,7 @@ from array import array
 from bisect import bisect_left
 from typing import Any, Iterable, Iterator, Optional
 
-from .._validate import is_real
+from .._validate import check_int, is_real
 from .hashing import _page_hash_core
 from .types import DEFAULT_ENCODING, KVEvent, _check_encoding
 from .wire import (
@@ -770,9 +770,12 @@ class ZmqEventSubscriber:
 
         Raises:
             ValueError: a malformed payload (``decode=True``) met before any batch: raised
-                as ``receive`` raises it; met after some, it is raised by the next call.
+                as ``receive`` raises it; met after some, it is raised by the next call. Or
+                ``limit`` is below 1.
+            TypeError: ``limit`` is not an int.
             RuntimeError: the subscriber is closed.
         """
+        limit = check_int(limit, "limit", 1)
         if self._closed:
             raise RuntimeError("receive_many() on a closed ZmqEventSubscriber")
         deferred, self._deferred = self._deferred, None

@@ -89,13 +89,14 @@ def test_the_expected_run_is_read_and_the_first_other_message_stops_it(blocks, p
                 [b"", seq_frame(6), payload[1]],
                 [b"", seq_frame(7), payload[2], b"a fourth frame"],
                 [b"", b"\x00" * 7, payload[3]],  # a short sequence number
+                [b"", b"\x00" * 8 + b"\x07", payload[3]],  # a long one
                 [b"", seq_frame(-3), payload[4]],  # a negative one
                 [b""],  # one frame
                 [b"", seq_frame(7), payload[5]],
                 [b"", seq_frame(9), payload[6]],  # past the one expected: stops the read
                 [b"", seq_frame(10), payload[7]]]
     send_all(pub, sub, messages)
-    assert read(blocks, sub, 100, 5) == ([payload[0], payload[1], payload[5]], 5,
+    assert read(blocks, sub, 100, 5) == ([payload[0], payload[1], payload[5]], 6,
                                          (9, payload[6]), 0)
     assert read(blocks, sub, 100, 10) == ([payload[7]], 0, None, 0)
     assert read(blocks, sub, 100, 11) == ([], 0, None, 0)  # nothing left
@@ -294,6 +295,96 @@ def test_a_subscriber_reads_through_pyzmq_where_libzmq_cannot_be_bound(monkeypat
     finally:
         pub.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_receive_many_keeps_the_books_receive_keeps(seed):
+    """Two undecoding subscribers (no replay socket) on one PUB socket sending a stream with
+    gaps, repeats, numbers that go back and malformed messages: one calls ``receive(0)``
+    until None, the other ``receive_many`` with random limits. They deliver the same batches
+    and keep the same books (what is expected next, the last stream number, gaps, misses,
+    restarts, malformed messages), and reading in order counts as hearing the publisher."""
+    import radixcache.events as ev
+
+    rnd = random.Random(seed)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+    subs = [ev.ZmqEventSubscriber(endpoint, decode=False, probe_interval=None, start_seq=0)
+            for _ in range(2)]
+    got: list = [[], []]
+
+    def drain() -> None:
+        while (batch := subs[0].receive(0)) is not None:
+            got[0].append(batch)
+        while batches := subs[1].receive_many(rnd.choice([1, 2, 3, 64])):
+            got[1].extend(batches)
+
+    def books(sub) -> tuple:
+        return (sub._expected, sub._stream_last, sub.malformed, sub.missed, sub.gap_count,
+                list(sub.gaps), sub.resets, len(sub._digests))
+
+    try:
+        deadline = time.monotonic() + 10
+        while not all(sub._sub.poll(10) for sub in subs):  # both subscriptions took
+            assert time.monotonic() < deadline, "the subscriptions never took"
+            pub.send_multipart([b"", b"sync"])  # malformed: two frames
+        drain()
+        seq = 0
+        for _ in range(30):
+            for _ in range(rnd.randrange(1, 30)):
+                payload = rnd.randbytes(rnd.choice([0, 5, 40]))
+                r = rnd.random()
+                if r < 0.75:
+                    pub.send_multipart([b"", seq_frame(seq), payload])
+                    seq += 1
+                elif r < 0.85:  # ahead (a gap), behind (a late copy), or back to the start
+                    seq = max(0, seq + rnd.choice([-3, -1, 2, 5, -seq]))
+                    pub.send_multipart([b"", seq_frame(seq), payload])
+                    seq += 1
+                else:
+                    pub.send_multipart(rnd.choice([
+                        [b""], [b"", seq_frame(seq)], [b"", seq_frame(seq), payload, b"x"],
+                        [b"", seq_frame(seq)[:5], payload], [b"", seq_frame(-2), payload]]))
+            time.sleep(rnd.choice([0, 0.01]))
+            drain()
+        # An in order end marker: once both have it, they have read everything sent.
+        pub.send_multipart([b"", seq_frame(seq), b"end"])
+        before = time.monotonic()
+        deadline = before + 10
+        while not all(g and g[-1].payload == b"end" for g in got):
+            assert time.monotonic() < deadline, "the last batch never came"
+            for sub in subs:
+                sub._sub.poll(10)
+            drain()
+        assert subs[1]._last_heard >= before  # read straight off the socket, and heard
+        assert ([(b.seq, b.payload, b.restarted) for b in got[0]]
+                == [(b.seq, b.payload, b.restarted) for b in got[1]])
+        assert books(subs[0]) == books(subs[1])
+        assert subs[0].malformed > 0 and subs[0].gap_count > 0 and subs[0].resets > 0
+    finally:
+        for sub in subs:
+            sub.close()
+        pub.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_receive_many_takes_any_int_limit_and_names_a_bad_one(decode):
+    """A numpy int is an int; a float, a str or a limit below 1 is refused, naming it, on
+    both paths (undecoded, read straight off the socket, and decoded)."""
+    np = pytest.importorskip("numpy")
+    import radixcache.events as ev
+
+    with ev.ZmqEventSubscriber("tcp://127.0.0.1:9", decode=decode, probe_interval=None,
+                               start_seq=0) as sub:
+        assert sub.receive_many(np.int64(5)) == []
+        for limit in (5.0, "5", None):
+            with pytest.raises(TypeError, match="limit must be an int"):
+                sub.receive_many(limit)
+        with pytest.raises(ValueError, match="limit must be >= 1, got 0"):
+            sub.receive_many(0)
 
 
 def test_a_stream_at_the_last_sequence_number_is_read_without_an_error():
