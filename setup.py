@@ -58,6 +58,9 @@ def extensions():
         # After cythonize, which makes new Extension objects without the flag: without a
         # compiler the package still installs and runs on the pure modules.
         ext.optional = True
+        if ext.name == "radixcache._blocks_c" and sys.platform.startswith("linux"):
+            # rc_zmq.h binds libzmq's calls with dlopen/dladdr: in libdl before glibc 2.34
+            ext.libraries.append("dl")
     return built
 
 
