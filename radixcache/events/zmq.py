@@ -833,7 +833,10 @@ class ZmqEventSubscriber:
         if error and error != errno.EINTR:
             # the exception pyzmq raises for it (ContextTerminated for ETERM)
             zmq = self._zmq
-            raise zmq.ContextTerminated() if error == zmq.ETERM else zmq.ZMQError(error)
+            exc = zmq.ContextTerminated() if error == zmq.ETERM else zmq.ZMQError(error)
+            if not out:
+                raise exc
+            self._deferred = exc  # the batches read first: raised by the next call
 
     def _probe_at(self) -> Optional[float]:
         """When the next probe is due, None if never (no replay socket, probes off, or no

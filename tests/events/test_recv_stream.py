@@ -216,6 +216,24 @@ def test_a_subscriber_whose_context_is_terminated_raises_what_pyzmq_raises():
         sub.close()
 
 
+def test_a_failed_read_after_some_batches_hands_them_over_first():
+    """``recv_stream`` read two batches, then failed (here: its answer stood in for, as a
+    terminated context cannot be made to fail between two reads): ``receive_many`` returns
+    the two, and its next call raises what pyzmq raises for the error."""
+    import radixcache.events as ev
+
+    answers = [([b"a", b"b"], 1, None, zmq.ETERM), ([b"c"], 0, None, 0)]
+    with ev.ZmqEventSubscriber("tcp://127.0.0.1:9", decode=False, probe_interval=None,
+                               start_seq=7) as sub:
+        sub._read_stream = lambda handle, limit, expected: answers.pop(0)
+        got = sub.receive_many(5)
+        assert [(b.seq, b.payload) for b in got] == [(7, b"a"), (8, b"b")]
+        assert sub.malformed == 1
+        with pytest.raises(zmq.ContextTerminated):
+            sub.receive_many(5)
+        assert [(b.seq, b.payload) for b in sub.receive_many(5)] == [(9, b"c")]
+
+
 @pytest.mark.parametrize("args, error, match", [
     ((1.0, 5, 0), TypeError, "must be ints"),
     ((True, 5, 0), TypeError, "must be ints"),
