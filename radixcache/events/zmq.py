@@ -788,8 +788,9 @@ class ZmqEventSubscriber:
             # (a stream at the last int64 sequence number goes receive's way: recv_stream
             # takes int64 expectations only)
             probe_at = self._probe_at()
-            if probe_at is None or time.monotonic() < probe_at:
-                self._drain_stream(out, limit)
+            if (probe_at is None or time.monotonic() < probe_at) and \
+                    self._drain_stream(out, limit):
+                return out  # the stream had nothing more: nor has receive(0)
         while len(out) < limit:
             try:
                 batch = self.receive(0)
@@ -803,11 +804,12 @@ class ZmqEventSubscriber:
             out.append(batch)
         return out
 
-    def _drain_stream(self, out: list, limit: int) -> None:
+    def _drain_stream(self, out: list, limit: int) -> bool:
         """``receive_many``'s fast path: stream messages read while each is the batch
         expected next (the block module's ``recv_stream``, one call), taken as
         ``_on_stream`` and ``_accept`` take them; the first that is not is handed to
-        ``_on_stream``, and what follows it to ``receive``."""
+        ``_on_stream``, and what follows it to ``receive``. True when it read all there was
+        (no message handed to ``_on_stream``, no error)."""
         read = self._read_stream
         if read is None:
             read = self._read_stream = _page_hash_core().recv_stream
@@ -830,6 +832,7 @@ class ZmqEventSubscriber:
             self._expected = seq
         if last is not None:
             self._on_stream(*last)
+            return False
         if error and error != errno.EINTR:
             # the exception pyzmq raises for it (ContextTerminated for ETERM)
             zmq = self._zmq
@@ -837,6 +840,8 @@ class ZmqEventSubscriber:
             if not out:
                 raise exc
             self._deferred = exc  # the batches read first: raised by the next call
+            return True
+        return not error
 
     def _probe_at(self) -> Optional[float]:
         """When the next probe is due, None if never (no replay socket, probes off, or no

@@ -62,6 +62,9 @@ class Subscription:
         from ..events import ZmqEventSubscriber
 
         self.registration = registration
+        # what the ingest reads of it with every run (a registration never changes)
+        self.key, self.worker, self.group_key = (registration.key, registration.worker,
+                                                 registration.group)
         self.subscriber = ZmqEventSubscriber(registration.endpoint,
                                              registration.replay_endpoint,
                                              start_seq=start_seq, decode=decode,
@@ -198,8 +201,9 @@ class Ingest:
         batches: list = []
         rejected = 0
         while len(batches) < DRAIN:
+            want = DRAIN - len(batches)
             try:
-                got = receive_many(DRAIN - len(batches))
+                got = receive_many(want)
             except ValueError:  # a payload the decoder rejects: counted, the stream goes on
                 sub.malformed += 1
                 rejected += 1
@@ -208,9 +212,9 @@ class Ingest:
                 continue
             except RuntimeError:  # closed
                 return
-            if not got:
-                break
             batches += got
+            if len(got) < want:
+                break  # all there was: the rest comes with the next poll
         if not batches:
             self._check_caught_up(sub)
             return

@@ -418,16 +418,15 @@ class IndexService:
     def _apply(self, sub: Subscription, batches: list) -> None:
         """Apply a run of ``sub``'s batches (on its thread), under one hold of the lock."""
         reg = sub.registration
-        worker = reg.worker
+        worker, reg_key = sub.worker, sub.key
         with self.lock:
-            if self._subs.get(reg.key) is not sub:
+            if self._subs.get(reg_key) is not sub:
                 return  # unregistered meanwhile
-            group = self._groups[reg.group]
+            group = self._groups[sub.group_key]
             indexer = group.indexer
             stats = indexer.stats
             before = (stats.events, stats.stored_blocks, stats.removed_blocks,
                       stats.malformed_batches + stats.malformed_events)
-            reg_key = reg.key
             # Plain payloads (no restart, no store, no hash index) go in runs of up to RUN,
             # one call each; the lock is lent between two calls.
             plain = reg.kind != "Mooncake" and self.shared is None and group.hashes is None
@@ -477,8 +476,9 @@ class IndexService:
                 self.pending.confirm(group.pending, worker,
                                      lambda key: worker in indexer._overlap_keys([key], "GPU"))
             if worker not in group.tiered and reg.kind != "Mooncake" and self.shared is None \
-                    and indexer.blocks_held(worker) != indexer.blocks_held(worker, "GPU"):
-                group.tiered.add(worker)
+                    and stats.stored_blocks != before[1] and any(
+                        c.medium != "GPU" and c.size for c in indexer._copies_of(worker)):
+                group.tiered.add(worker)  # blocks on another tier: only a store puts them
             sub.events += stats.events - before[0]
             sub.stored += stats.stored_blocks - before[1]
             sub.removed += stats.removed_blocks - before[2]
