@@ -1998,12 +1998,9 @@ cdef class WireBatch:
                         | (<uint64_t>p[at + 3] << 8) | p[at + 4])
                 q[k] = <int64_t>(word >> (16 - 16 * wide))
                 at += 3 + 2 * wide
-            elif b == 0xCD and size - at >= 3:
+            elif b == 0xCD and size - at >= 3:  # a uint16 within 5 bytes of the end
                 q[k] = (<int64_t>p[at + 1] << 8) | p[at + 2]
                 at += 3
-            elif b == 0xCE and size - at >= 5:
-                q[k] = <int64_t>_be(p + at + 1, 4)
-                at += 5
             elif b == 0xCC and size - at >= 2:
                 q[k] = p[at + 1]
                 at += 2
