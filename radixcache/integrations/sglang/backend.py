@@ -533,7 +533,7 @@ class RadixcacheBackend(BasePrefixCache):
         # victim would give the allocator. SGLang's paged allocator frees them as the page
         # ids of every page_size-th slot (free_segment): the core computes those.
         allocator = self.token_to_kv_pool_allocator
-        if self._allocator_kind(allocator) == _PAGED_ALLOCATOR and not allocator.debug_mode:
+        if self._frees_pages(allocator):
             return self._cache.evict(num_tokens, self._free_pages, batch=True, page_ids=True)
         return self._cache.evict(num_tokens, self._free, batch=True)
 
@@ -588,6 +588,12 @@ class RadixcacheBackend(BasePrefixCache):
             self._known_allocator = (allocator, kind)
         return kind
 
+    def _frees_pages(self, allocator: Any) -> bool:
+        """Whether ``allocator`` is SGLang's paged allocator out of debug mode: it frees a
+        segment as the page ids of its every ``page_size``-th slot (``free_page_ids``),
+        which the core or numpy compute for it."""
+        return self._allocator_kind(allocator) == _PAGED_ALLOCATOR and not allocator.debug_mode
+
     def free_kv_row(self, kv: Any, ranges: list) -> None:
         """Give back half-open ranges of ``kv``'s row positions to the allocator (SGLang's
         ``free_kv_row`` for a pool without sliding-window slots)."""
@@ -602,8 +608,7 @@ class RadixcacheBackend(BasePrefixCache):
                     return
                 row = table[kv.req_pool_idx]
                 page_size = self.page_size
-                if (self._allocator_kind(allocator) == _PAGED_ALLOCATOR
-                        and start % page_size == 0 and not allocator.debug_mode):
+                if start % page_size == 0 and self._frees_pages(allocator):
                     # What the paged allocator's free_segment frees: the page of every
                     # page_size-th slot from start (after a checkpoint: the one page of
                     # the unaligned tail).
@@ -647,7 +652,7 @@ class RadixcacheBackend(BasePrefixCache):
         allocator = self.token_to_kv_pool_allocator
         try:
             slots = None
-            if self._allocator_kind(allocator) == _PAGED_ALLOCATOR and not allocator.debug_mode:
+            if self._frees_pages(allocator):
                 slots = indices if type(indices) is np.ndarray else _cpu_array(indices)
             if slots is not None and len(slots):
                 # What free_segment(indices, start_pos=0) frees, its page ids computed by

@@ -145,9 +145,8 @@ class StorageBackup:
 
     __slots__ = ()
 
-    def _attach_storage(self, storage_backend: str,
-                               extra_config_json: Optional[str] = None,
-                               file_storage_path: Optional[str] = None) -> None:
+    def _attach_storage(self, storage_backend: str, extra_config_json: Optional[str] = None,
+                        file_storage_path: Optional[str] = None) -> None:
         """Attach SGLang's ``storage_backend`` to the controller (its storage threads start):
         host copies are backed up to it and requests prefetch from it. ``extra_config_json``:
         ``--hicache-storage-backend-extra-config``; ``file_storage_path``: the server's

@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.runtime_context import mamba_checkpoint_grid
 
-from .backend import _PAGED_ALLOCATOR, _RECEIPT, _check_key, _token_array
+from .backend import _RECEIPT, _check_key, _token_array
 from .hybrid import RadixcacheHybridBackend
 
 _new_tuple = tuple.__new__
@@ -242,12 +242,9 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
             state = (state.cpu().numpy() if type(state) is torch.Tensor
                      else np.asarray(state)).reshape(-1).astype(np.int64)
         core = self._core
-        allocator = self.token_to_kv_pool_allocator
         # The duplicates' page ids from the core, for SGLang's paged allocator (what its
         # free_segment frees of them).
-        pages = (dup_from < len(tokens)
-                 and self._allocator_kind(allocator) == _PAGED_ALLOCATOR
-                 and not allocator.debug_mode)
+        pages = dup_from < len(tokens) and self._frees_pages(self.token_to_kv_pool_allocator)
         result = core.insert(tokens, values, state, namespace,
                              priority if self._use_priority else 0, inserted_len, 0, dup_from,
                              False, pages)
@@ -444,10 +441,7 @@ class RadixcacheMambaBackend(RadixcacheHybridBackend):
         return EvictResult(num_tokens_evicted=freed, mamba_num_evicted=states)
 
     def _evict(self, num_tokens: int, mamba_num: int = 0) -> tuple:
-        allocator = self.token_to_kv_pool_allocator
-        if (not self.kv_events.enabled
-                and self._allocator_kind(allocator) == _PAGED_ALLOCATOR
-                and not allocator.debug_mode):
+        if not self.kv_events.enabled and self._frees_pages(self.token_to_kv_pool_allocator):
             # The core hands over the whole leaves' page ids and the states freed, each in
             # one array in eviction order: one free per pool, the same as SGLang's per-node
             # frees (its paged allocator frees a node's pages; its Mamba allocator is first
