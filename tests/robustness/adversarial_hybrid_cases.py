@@ -42,6 +42,25 @@ def _aux(kind, n, start):
     return list(range(start, start + n)) if kind == "window" else [start]
 
 
+def _refused_unchanged(core, calls) -> list:
+    """Each call's outcome, each leaving the core's contents as they were."""
+    outcomes = []
+    for call in calls:
+        before = hybrid_contents(core)
+        outcomes.append(outcome(call))
+        assert hybrid_contents(core) == before
+    return outcomes
+
+
+def _settled(core, Key) -> list:
+    """The core's contents once its keys' finalizers no longer call it and the garbage is
+    gone, its auxiliary bookkeeping checked."""
+    Key.core = None
+    gc.collect()
+    core.check_aux()
+    return hybrid_contents(core)
+
+
 def _cyclic_key(on_delete):
     """A namespace class whose objects are cyclic garbage once dropped (so a collection at
     some later allocation finalizes them), equal by ``i``; the finalizer calls
@@ -124,9 +143,7 @@ def a2_finalizers_reenter_during_splits_and_evictions(core_name):
             if i % 3 == 0:
                 core.evict(3, 2)
         gc.set_threshold(700, 10, 10)
-        Key.core = None
-        gc.collect()
-        core.check_aux()
+        _settled(core, Key)
         only_reentry_errors()
 
 
@@ -233,17 +250,12 @@ def a6_relock_under_finalizers_and_lying_arguments(core_name):
             if i % 5 == 0:
                 core.evict(2, 1)
         gc.set_threshold(700, 10, 10)
-        for bad in (lambda: core.relock(held, None, Mask(), 0),
-                    lambda: core.relock(held, None, 3, 0, Sneaky(0), 0),
-                    lambda: core.relock(held, None, Sneaky(3), 0)):
-            before = hybrid_contents(core)
-            results.append(outcome(bad))
-            assert hybrid_contents(core) == before
+        results += _refused_unchanged(core, (
+            lambda: core.relock(held, None, Mask(), 0),
+            lambda: core.relock(held, None, 3, 0, Sneaky(0), 0),
+            lambda: core.relock(held, None, Sneaky(3), 0)))
         core.relock(held, None, 3, 0)
-        Key.core = None
-        gc.collect()
-        core.check_aux()
-        results.append(hybrid_contents(core))
+        results.append(_settled(core, Key))
         return results
 
     assert run(core_name) == run("python")
@@ -286,14 +298,10 @@ def a7_page_ids_handed_over_under_finalizers_and_lying_arguments(core_name):
                     freed, aux_freed, pages, aux = core.evict(5, 2, page_ids=True)
                     results.append((freed, aux_freed, pages.tolist(), aux.tolist()))
             gc.set_threshold(700, 10, 10)
-            before = hybrid_contents(core)
-            results.append(outcome(lambda: core.evict(100, 100, page_ids=Truthy())))
-            results.append(outcome(lambda: core.insert([1, 2], [3, 4], [5, 6], dup_pages=Truthy())))
-            assert hybrid_contents(core) == before
-            Key.core = None
-            gc.collect()
-            core.check_aux()
-            results.append(hybrid_contents(core))
+            results += _refused_unchanged(core, (
+                lambda: core.evict(100, 100, page_ids=Truthy()),
+                lambda: core.insert([1, 2], [3, 4], [5, 6], dup_pages=Truthy())))
+            results.append(_settled(core, Key))
         return results
 
     assert run(core_name) == run("python")
